@@ -1,0 +1,47 @@
+"""Named model shapes: tiny presets that train on CPU, and real published shapes.
+
+The real shapes are for counting and planning (build them on the meta device); their
+figures come from the papers and released configs of each model family.
+"""
+
+from __future__ import annotations
+
+from partita.errors import PartitaError, did_you_mean
+from partita.models.config import ModelConfig
+
+MODELS: dict[str, ModelConfig] = {
+    # CPU presets. `tiny` is the default of `partita train`.
+    "tiny": ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                        max_seq_len=128),
+    "tiny-gpt2": ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=128,
+                             flavour="gpt2", tie_embeddings=True),
+    "small": ModelConfig(vocab_size=256, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                         max_seq_len=256),
+    # Published shapes.
+    "gpt2-124m": ModelConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12,
+                             max_seq_len=1024, flavour="gpt2", tie_embeddings=True),
+    "gpt3-175b": ModelConfig(vocab_size=50257, dim=12288, n_layers=96, n_heads=96,
+                             max_seq_len=2048, flavour="gpt2", tie_embeddings=True),
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
+                             n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
+                             rope_theta=500000.0),
+    "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64,
+                              n_kv_heads=8, ffn_dim=28672, max_seq_len=8192,
+                              rope_theta=500000.0),
+    "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
+                               n_kv_heads=8, ffn_dim=53248, max_seq_len=8192,
+                               rope_theta=500000.0),
+    "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                             ffn_dim=11008, max_seq_len=4096),
+}
+
+
+def get_model_config(name: str) -> ModelConfig:
+    """The catalog entry called `name`; the error lists the known names."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise PartitaError(
+            f"unknown model '{name}'.{did_you_mean(name, MODELS)} "
+            f"Known models: {', '.join(MODELS)}; or give model settings in a config file."
+        ) from None

@@ -1,0 +1,142 @@
+"""Shape of a decoder-only transformer: the one description every part of partita reads.
+
+The planner counts parameters and FLOPs from it without building anything; the model
+builds modules from it; checkpoints save it next to the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from partita.errors import PartitaError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
+    ffn_dim: int | None = None  # None: a SwiGLU-friendly multiple of dim (see ffn_hidden)
+    max_seq_len: int = 256
+    # "llama": RMSNorm, rotary positions, SwiGLU, no biases.
+    # "gpt2": LayerNorm, learned positions, GELU, biases.
+    flavour: str = "llama"
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    dropout: float = 0.0
+    init_std: float = 0.02
+    seed: int = 0  # initialisation seed; every parameter derives its own from its name
+
+    def __post_init__(self) -> None:
+        if self.flavour not in ("llama", "gpt2"):
+            raise PartitaError(
+                f"model.flavour='{self.flavour}' is unknown; use 'llama' (RMSNorm, rotary, "
+                "SwiGLU) or 'gpt2' (LayerNorm, learned positions, GELU)."
+            )
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise PartitaError(f"model.{name} must be positive, got {getattr(self, name)}.")
+        if self.dim % self.n_heads:
+            raise PartitaError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
+                f"choose n_heads among the divisors of dim, e.g. {_divisors(self.dim)[-4:]}."
+            )
+        if self.n_heads % self.kv_heads:
+            raise PartitaError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
+                f"{self.kv_heads}; grouped-query attention needs every kv head to serve the "
+                f"same number of query heads (valid n_kv_heads: {_divisors(self.n_heads)})."
+            )
+
+    # Derived shapes -------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """Hidden width of the MLP.
+
+        Llama: 2/3 of 4*dim rounded up to a multiple of 64 (keeps SwiGLU's parameter count
+        close to a 4x GELU MLP); GPT-2: 4*dim.
+        """
+        if self.ffn_dim is not None:
+            return self.ffn_dim
+        if self.flavour == "gpt2":
+            return 4 * self.dim
+        return _round_up(int(8 * self.dim / 3), 64)
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.flavour == "llama"
+
+    @property
+    def has_bias(self) -> bool:
+        return self.flavour == "gpt2"
+
+    # Counting (used by the planner and by MFU) ------------------------------------------
+    def block_param_count(self) -> int:
+        d, kv = self.dim, self.kv_heads * self.head_dim
+        attn = d * d + 2 * d * kv + d * d
+        mlp = (3 if self.gated_mlp else 2) * d * self.ffn_hidden
+        norms = 2 * d * (2 if self.flavour == "gpt2" else 1)
+        bias = (d + 2 * kv + d + self.ffn_hidden + d) if self.has_bias else 0
+        return attn + mlp + norms + bias
+
+    def embedding_param_count(self) -> int:
+        pos = self.max_seq_len * self.dim if self.flavour == "gpt2" else 0
+        return self.vocab_size * self.dim + pos
+
+    def head_param_count(self) -> int:
+        """Final norm plus output projection (zero extra when tied)."""
+        norm = self.dim * (2 if self.flavour == "gpt2" else 1)
+        return norm + (0 if self.tie_embeddings else self.vocab_size * self.dim)
+
+    def num_params(self) -> int:
+        return (
+            self.embedding_param_count()
+            + self.n_layers * self.block_param_count()
+            + self.head_param_count()
+        )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token without recompute: 6N + 12*L*H*Q*T.
+
+        N counts every weight that takes part in a matmul (embeddings are a lookup and
+        are excluded unless tied to the output head); the second term is attention's
+        score and value matmuls (L layers, H heads, Q head dim, T sequence length).
+        """
+        matmul_params = self.n_layers * self.block_param_count() + self.vocab_size * self.dim
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * matmul_params + attention
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            from partita.errors import did_you_mean
+
+            raise PartitaError(
+                f"unknown model setting '{unknown[0]}'.{did_you_mean(unknown[0], known)} "
+                f"Valid settings: {', '.join(sorted(known))}."
+            )
+        return cls(**data)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
