@@ -1,0 +1,1 @@
+"""Subcommands of the `partita` command line, one module each."""
