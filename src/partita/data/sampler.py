@@ -1,0 +1,164 @@
+"""Deterministic, resumable batches of token windows for data-parallel training.
+
+Windows. The token stream is cut into windows of seq_len + 1 tokens with stride
+seq_len: window w covers tokens[w*L : w*L + L + 1], inputs are its first L tokens and
+targets its last L. Consecutive windows share one token (the last target of window w
+is the first input of window w+1), so over all windows every next-token pair of the
+stream is trained exactly once: none skipped, none repeated.
+
+Epochs. Epoch e visits the windows in a permutation seeded by (seed, e). Each step
+takes the next *global batch* of G windows from it. When G does not divide the number
+of windows, the last (num_windows mod G) windows of the permutation are dropped for
+that epoch, and the next epoch reshuffles; with a fresh permutation each epoch a
+different remainder is dropped, so nothing is systematically left out.
+
+Data parallelism. Replica r of D receives rows [r*G/D, (r+1)*G/D) of the global batch.
+The global batch depends only on (seed, epoch, step), never on D, so a run can resume
+with another data-parallel size and still see the same global batches. Ranks of one
+replica (tensor, pipeline, context peers) pass the same dp_rank and get the same tokens.
+
+Resumption. The state is (epoch, step); `state_dict`/`load_state_dict` restore it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from partita.errors import PartitaError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+    """How many windows of seq_len + 1 tokens, stride seq_len, fit in num_tokens."""
+    return max(0, (num_tokens - 1) // seq_len)
+
+
+def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> Batch:
+    """(inputs, targets) int64 tensors of shape (len(windows), seq_len)."""
+    offsets = np.asarray(windows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
+    # Fancy indexing a memmap reads only the pages touched and returns a private copy.
+    block = np.asarray(tokens[offsets], dtype=np.int64)
+    return torch.from_numpy(block[:, :-1].copy()), torch.from_numpy(block[:, 1:].copy())
+
+
+def _check_layout(global_batch: int, dp_rank: int, dp_size: int) -> None:
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise PartitaError(f"dp_rank must be in [0, dp_size) with dp_size >= 1, got dp_rank "
+                           f"{dp_rank} and dp_size {dp_size}.")
+    if global_batch < 1 or global_batch % dp_size:
+        raise PartitaError(f"The global batch of {global_batch} sequences cannot be split "
+                           f"evenly over {dp_size} data-parallel replicas. Choose a global "
+                           f"batch that is a positive multiple of {dp_size}.")
+
+
+class BatchSampler:
+    """Training batches for one data-parallel replica; iterate it or call `next(...)`."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
+        _check_layout(global_batch, dp_rank, dp_size)
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self.global_batch = int(global_batch)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
+        self.seed = int(seed)
+        self.num_windows = num_windows(len(tokens), self.seq_len)
+        self.steps_per_epoch = self.num_windows // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise PartitaError(f"The training data has {len(tokens)} tokens, which make "
+                               f"{self.num_windows} windows of seq_len {self.seq_len}: fewer "
+                               f"than one global batch of {self.global_batch}. Use more data, "
+                               "a shorter seq_len or a smaller global batch.")
+        self.epoch = 0
+        self.step = 0
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    @property
+    def local_batch(self) -> int:
+        return self.global_batch // self.dp_size
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The window order of `epoch` (cached for the current epoch)."""
+        if self._perm is None or self._perm[0] != epoch:
+            # Sort raw 64-bit draws rather than call Generator.permutation: numpy
+            # guarantees the bit stream of PCG64 + SeedSequence across versions, not
+            # the algorithms built on it, and a resumed run must see the same order.
+            bits = np.random.PCG64(np.random.SeedSequence([self.seed, epoch]))
+            keys = bits.random_raw(self.num_windows)
+            self._perm = (epoch, np.argsort(keys, kind="stable"))
+        return self._perm[1]
+
+    def global_windows(self, epoch: int, step: int) -> np.ndarray:
+        """Window indices of the whole global batch at (epoch, step), all replicas."""
+        if not 0 <= step < self.steps_per_epoch or epoch < 0:
+            raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
+        start = step * self.global_batch
+        return self.permutation(epoch)[start: start + self.global_batch]
+
+    def batch(self, epoch: int, step: int) -> Batch:
+        """This replica's (inputs, targets) at (epoch, step), shape (G/D, seq_len)."""
+        rows = self.global_windows(epoch, step)
+        lo = self.dp_rank * self.local_batch
+        return windows_to_batch(self.tokens, rows[lo: lo + self.local_batch], self.seq_len)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        """The batch at the current position, then advance (endless: epochs roll over)."""
+        out = self.batch(self.epoch, self.step)
+        self.step += 1
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict:
+        """Position plus what must match on resume; dp_rank/dp_size are not state."""
+        return {"epoch": self.epoch, "step": self.step, "seed": self.seed,
+                "seq_len": self.seq_len, "global_batch": self.global_batch,
+                "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the saved position; the data-parallel size may differ."""
+        for key in ("seed", "seq_len", "global_batch", "num_windows"):
+            if state[key] != getattr(self, key):
+                raise PartitaError(f"Cannot resume the data sampler: the checkpoint has "
+                                   f"{key}={state[key]} but this run has {key}="
+                                   f"{getattr(self, key)}. Resume with the same data, seed, "
+                                   "seq_len and global batch as the checkpointed run (the "
+                                   "data-parallel size may change), or start a fresh run.")
+        if not 0 <= state["step"] < self.steps_per_epoch or state["epoch"] < 0:
+            raise PartitaError(f"Corrupt sampler state {state}: step must be in [0, "
+                               f"{self.steps_per_epoch}). Start a fresh run or use another "
+                               "checkpoint.")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, max_batches: int | None = None) -> Iterator[Batch]:
+    """Fixed evaluation batches: windows 0, 1, 2, ... in order, G per batch, split by
+    replica like training batches; a remainder smaller than G is not used. Empty when
+    `tokens` is empty (no validation split)."""
+    _check_layout(global_batch, dp_rank, dp_size)
+    total = num_windows(len(tokens), seq_len)
+    if len(tokens) and total < global_batch:
+        raise PartitaError(f"The validation split has {total} windows of seq_len {seq_len}, "
+                           f"fewer than one evaluation batch of {global_batch}. Raise "
+                           "val_fraction, or evaluate with a smaller global batch (a multiple "
+                           f"of {dp_size}).")
+    count = total // global_batch
+    if max_batches is not None:
+        count = min(count, max_batches)
+    local = global_batch // dp_size
+
+    def generate() -> Iterator[Batch]:
+        for b in range(count):
+            start = b * global_batch + dp_rank * local
+            yield windows_to_batch(tokens, np.arange(start, start + local), seq_len)
+
+    return generate()
