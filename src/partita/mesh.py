@@ -19,6 +19,7 @@ import itertools
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
+from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ class Mesh:
         self.world_size = world_size
         self.coord = dims.coord(rank)
         self.ranks: dict[str, list[int]] = {}
+        self.counter = CommCounter()
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         # Purposes with the same members share one group (with cp=1, "data", "grad_reduce"
         # and "zero_shard" are the same ranks); fewer groups start faster.
@@ -192,6 +194,11 @@ class Mesh:
 
     def group(self, purpose: str) -> dist.ProcessGroup | None:
         return self.groups[purpose]
+
+    def comm(self, purpose: str) -> GroupComm:
+        """Counted collectives over this rank's group for `purpose`."""
+        return GroupComm(self.groups[purpose], self.ranks[purpose], self.rank, purpose,
+                         self.counter)
 
     def size(self, purpose: str) -> int:
         return len(self.ranks[purpose])

@@ -1,0 +1,236 @@
+"""Every collective partita issues goes through here, so bytes can be counted in one place.
+
+`GroupComm` binds one process group to its purpose ("tensor", "zero_shard", ...) and to
+the run's `CommCounter`. A group of one member makes every call a no-op, so single-rank
+code paths need no special cases. The autograd-aware operators of tensor and sequence
+parallelism (Megatron's f and g and their sequence-parallel variants) live at the end.
+
+Bytes sent are counted per rank as a ring implementation sends them:
+all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
+unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank sent, keyed by (purpose, operation)."""
+
+    sent: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, purpose: str, op: str, nbytes: float) -> None:
+        self.sent[(purpose, op)] += nbytes
+        self.calls[(purpose, op)] += 1
+
+    def total(self, purpose: str | None = None, op: str | None = None) -> float:
+        return sum(
+            v for (p, o), v in self.sent.items()
+            if (purpose is None or p == purpose) and (op is None or o == op)
+        )
+
+    def reset(self) -> None:
+        self.sent.clear()
+        self.calls.clear()
+
+
+class _Done:
+    """Stands in for a work handle when there was nothing to communicate."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class GroupComm:
+    """Collectives over one process group, counted under one purpose."""
+
+    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int], rank: int,
+                 purpose: str, counter: CommCounter) -> None:
+        self.group = group
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.index = ranks.index(rank)
+        self.purpose = purpose
+        self.counter = counter
+
+    def _count(self, op: str, nbytes: float) -> None:
+        self.counter.record(self.purpose, op, nbytes)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, async_op: bool = False):
+        if self.size == 1:
+            return _Done() if async_op else None
+        self._count("all_reduce", 2 * (self.size - 1) / self.size * _nbytes(tensor))
+        return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+
+    def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor,
+                        async_op: bool = False):
+        """Concatenate every member's equal-sized `shard` into `output`, in rank order."""
+        if self.size == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return _Done() if async_op else None
+        self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
+        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+
+    def reduce_scatter_flat(self, shard: torch.Tensor, full: torch.Tensor,
+                            op=dist.ReduceOp.SUM, async_op: bool = False):
+        """Sum `full` over members; member i keeps the i-th equal slice in `shard`."""
+        if self.size == 1:
+            if shard.data_ptr() != full.data_ptr():
+                shard.copy_(full)
+            return _Done() if async_op else None
+        self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
+        return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
+        if self.size == 1:
+            output.copy_(tensor)
+            return _Done() if async_op else None
+        self._count("all_to_all", (self.size - 1) / self.size * _nbytes(tensor))
+        return dist.all_to_all_single(output, tensor, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> None:
+        if self.size == 1:
+            return
+        if self.index == src_index:
+            self._count("broadcast", _nbytes(tensor))
+        dist.broadcast(tensor, src=self.ranks[src_index], group=self.group)
+
+    def p2p_op(self, send: bool, tensor: torch.Tensor, peer_rank: int) -> dist.P2POp:
+        """A point-to-point op for `dist.batch_isend_irecv`; sends are counted."""
+        if send:
+            self._count("send", _nbytes(tensor))
+        return dist.P2POp(dist.isend if send else dist.irecv, tensor, peer_rank, self.group)
+
+    def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM,
+                           dtype: torch.dtype = torch.float64) -> list[float]:
+        """All-reduce a few Python numbers (loss sums, norms, flags) in one call."""
+        t = torch.tensor(values, dtype=dtype)
+        self.all_reduce(t, op=op)
+        return t.tolist()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# Autograd-aware operators of tensor / sequence parallelism ------------------------------
+# Megatron's names: f = identity forward, all-reduce backward (enter a tp region);
+# g = all-reduce forward, identity backward (leave a tp region).
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        ctx.comm.all_reduce(grad)
+        return grad, None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 1 (sequence) forward; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_dim1(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim1(grad, ctx.comm), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Reduce-scatter along dim 1 (sequence) forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _reduce_scatter_dim1(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim1(grad, ctx.comm), None
+
+
+class _ScatterSequence(torch.autograd.Function):
+    """Keep this rank's slice of dim 1 forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.chunk(comm.size, dim=1)[comm.index].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim1(grad, ctx.comm), None
+
+
+def _gather_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    # Gather along dim 0 (contiguous for the collective), then move the pieces to dim 1.
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
+    comm.all_gather_flat(out, x)
+    return out.transpose(0, 1).contiguous()
+
+
+def _reduce_scatter_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    if comm.size == 1:
+        return x
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((x.shape[0] // comm.size, *x.shape[1:]))
+    comm.reduce_scatter_flat(out, x)
+    return out.transpose(0, 1).contiguous()
+
+
+def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def gather_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherSequence.apply(x, comm)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceScatterSequence.apply(x, comm)
+
+
+def scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _ScatterSequence.apply(x, comm)

@@ -1,0 +1,43 @@
+"""A model's parallel plan: which of its modules play which role.
+
+Parallel code reads a model only through this plan, so the model stays plain
+single-device PyTorch and any model can be parallelised by writing its plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+# Roles a module can play.
+COLWISE = "colwise"  # Linear split along its output features
+ROWWISE = "rowwise"  # Linear split along its input features
+VOCAB_EMBEDDING = "vocab_embedding"  # Embedding split along the vocabulary
+VOCAB_HEAD = "vocab_head"  # output Linear split along the vocabulary (logits stay sharded)
+NORM = "norm"  # replicated; under sequence parallelism its input is sequence-sharded
+ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """Module-name patterns (fnmatch, '*' matches one or more name parts) -> role."""
+
+    roles: dict[str, str] = field(default_factory=dict)
+    blocks: str = "blocks"  # the index-keyed ModuleDict that pipelines split
+    embedding: str | None = "tok_embeddings"  # lives on the first pipeline stage
+    head: tuple[str, ...] = ("norm", "output")  # live on the last pipeline stage
+
+    def role_of(self, module_name: str) -> str | None:
+        for pattern, role in self.roles.items():
+            if fnmatch.fnmatchcase(module_name, pattern):
+                return role
+        return None
+
+    def modules_with_role(self, model: nn.Module, role: str) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in model.named_modules() if n and self.role_of(n) == role]
+
+    def block_names(self, model: nn.Module) -> list[str]:
+        container = model.get_submodule(self.blocks)
+        return [f"{self.blocks}.{key}" for key in container.keys()]

@@ -1,0 +1,207 @@
+"""A single-device decoder-only transformer: Llama-style by default, GPT-2 by config.
+
+Plain PyTorch with no parallel code. Parallel layouts are applied from outside through
+`Transformer.plan()`. A pipeline stage may drop the embedding, some blocks, or the head
+(set to None / removed from the ModuleDict); forward then takes and returns hidden
+states instead of tokens and logits, and block names stay the same ("blocks.7").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partita.models import plan as roles
+from partita.models.config import ModelConfig
+from partita.models.init import InitRule, init_full
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in at least fp32: bf16 sums of squares lose too much precision.
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dtype)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.flavour == "gpt2":
+        return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+    return RMSNorm(cfg.dim, cfg.norm_eps)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
+                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.head_dim = cfg.head_dim
+        self.rotary = cfg.flavour == "llama"
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
+
+    def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the projections' widths, so a tensor-parallel shard that
+        # holds fewer heads works unchanged.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.rotary:
+            cos, sin = rotary_tables(s, self.head_dim, self.rope_theta, x.device, q.dtype,
+                                     position_offset)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gated = cfg.gated_mlp
+        if self.gated:
+            self.w_gate = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=cfg.has_bias)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=cfg.has_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:  # SwiGLU
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(F.gelu(self.w_up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos_embeddings: nn.Module | None = (
+            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.flavour == "gpt2" else None
+        )
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = make_norm(cfg)
+        # Tied embeddings: logits use tok_embeddings.weight, there is no separate head.
+        self.output: nn.Module | None = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+        if not any(p.is_meta for p in self.parameters()):
+            init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """tokens (b, s) -> logits (b, s, vocab); a pipeline stage maps hidden states."""
+        if self.tok_embeddings is not None:
+            tokens = x
+            x = self.tok_embeddings(tokens)
+            if self.pos_embeddings is not None:
+                positions = torch.arange(tokens.shape[1], device=tokens.device)
+                x = x + self.pos_embeddings(positions)[None]
+            x = self.dropout(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.logits(x) if self.has_head else x
+
+    @property
+    def has_head(self) -> bool:
+        return self.norm is not None
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.output is not None:
+            return self.output(h)
+        return F.linear(h, self.tok_embeddings.weight)
+
+    def plan(self) -> roles.ModelPlan:
+        return transformer_plan(self.cfg)
+
+
+def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
+    mlp_col = ["blocks.*.mlp.w_up"] + (["blocks.*.mlp.w_gate"] if cfg.gated_mlp else [])
+    table = {f"blocks.*.attn.{n}": roles.COLWISE for n in ("wq", "wk", "wv")}
+    table.update({name: roles.COLWISE for name in mlp_col})
+    table.update({"blocks.*.attn.wo": roles.ROWWISE, "blocks.*.mlp.w_down": roles.ROWWISE})
+    table["tok_embeddings"] = roles.VOCAB_EMBEDDING
+    if not cfg.tie_embeddings:
+        table["output"] = roles.VOCAB_HEAD
+    table.update({"blocks.*.attn_norm": roles.NORM, "blocks.*.mlp_norm": roles.NORM,
+                  "norm": roles.NORM})
+    return roles.ModelPlan(roles=table)
+
+
+def init_rule(cfg: ModelConfig, name: str) -> InitRule:
+    """How parameter `name` (a global name such as 'blocks.3.attn.wo.weight') is drawn."""
+    if name.endswith(".bias"):
+        return InitRule("zeros")
+    if "norm" in name.rsplit(".", 2)[-2]:
+        return InitRule("ones")
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+        # Residual projections: scaled so the residual stream's variance does not grow
+        # with depth (GPT-2's 1/sqrt(2 * layers)).
+        return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    return InitRule("normal", cfg.init_std)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer) -> None:
+    """Fill every parameter from its global name (see partita.models.init)."""
+    for name, param in model.named_parameters():
+        value = init_full(init_rule(model.cfg, name), model.cfg.seed, name, tuple(param.shape))
+        param.copy_(value)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu",
+                dtype: torch.dtype = torch.float32) -> Transformer:
+    """A fully initialised single-device model (use device='meta' to only count)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    if str(device) == "meta":
+        return model.to(dtype)
+    model.to_empty(device=device)
+    init_weights(model)
+    return model.to(dtype)

@@ -1,0 +1,72 @@
+"""What a local tensor is a shard of.
+
+Every parameter that parallel code splits carries a `ShardInfo`: its global name, its
+global shape, and which slice of which dimension this rank holds. Checkpoints, the
+gradient-norm computation and the planner read this metadata, never the classes of
+tensor-parallel layers or ZeRO buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from partita.models.config import ModelConfig
+from partita.models.init import init_slice
+from partita.models.transformer import init_rule
+
+_ATTR = "partita_shard"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """This rank holds global[name].narrow(dim, start, stop - start); dim None = whole.
+
+    `replicated_over` names the mesh purposes whose members hold identical copies (for
+    example "tensor" for a norm weight under tensor parallelism); a gradient norm counts
+    such a tensor once, not once per copy.
+    """
+
+    name: str
+    global_shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    replicated_over: tuple[str, ...] = ()
+
+    @property
+    def is_split(self) -> bool:
+        return self.dim is not None
+
+    def local_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.global_shape
+        shape = list(self.global_shape)
+        shape[self.dim] = self.stop - self.start
+        return tuple(shape)
+
+
+def set_shard_info(tensor: torch.Tensor, info: ShardInfo) -> None:
+    setattr(tensor, _ATTR, info)
+
+
+def shard_info(tensor: torch.Tensor, name: str | None = None) -> ShardInfo:
+    """The tensor's ShardInfo; an unsplit tensor gets one describing it whole."""
+    info = getattr(tensor, _ATTR, None)
+    if info is not None:
+        return info
+    if name is None:
+        raise ValueError("tensor has no shard metadata; pass its global name")
+    return ShardInfo(name=name, global_shape=tuple(tensor.shape))
+
+
+def init_shard(cfg: ModelConfig, info: ShardInfo,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of this shard, equal to the same slice of a single-device init."""
+    rule = init_rule(cfg, info.name)
+    if info.dim is None:
+        return init_slice(rule, cfg.seed, info.name, info.global_shape, 0, 0,
+                          info.global_shape[0], dtype)
+    return init_slice(rule, cfg.seed, info.name, info.global_shape, info.dim, info.start,
+                      info.stop, dtype)
