@@ -1,0 +1,1 @@
+"""Benchmarks run by `partita bench NAME`; each compares partita with a peer in one run."""

@@ -1,0 +1,43 @@
+"""`partita bench NAME`: side-by-side measurements against the peers.
+
+Each benchmark is a module under partita.bench exposing `add_arguments(parser)` and
+`run(args) -> int`; its last printed line is a one-line verdict such as
+`dp: partita/torch-ddp step-time ratio 0.97`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "dp": "partita.bench.dp",
+    "zero": "partita.bench.zero",
+    "zero-memory": "partita.bench.zero_memory",
+    "zero-comm": "partita.bench.zero_comm",
+    "tp": "partita.bench.tp",
+    "tp-comm": "partita.bench.tp_comm",
+    "pp": "partita.bench.pp",
+    "pp-bubble": "partita.bench.pp_bubble",
+    "plan-accuracy": "partita.bench.plan_accuracy",
+}
+
+
+def _available() -> dict[str, object]:
+    found = {}
+    for name, path in BENCHMARKS.items():
+        try:
+            found[name] = importlib.import_module(path)
+        except ModuleNotFoundError as exc:
+            if exc.name != path:
+                raise
+    return found
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="measure partita side by side with a peer")
+    names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module in _available().items():
+        sub = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        module.add_arguments(sub)
+        sub.set_defaults(func=module.run)
