@@ -88,8 +88,8 @@ def _looks_like_text(path: Path) -> bool:
     if b"\0" in head:
         return False
     try:
-        # An incremental decoder without final=True tolerates a character cut at the end.
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        # Unless the whole file was read, tolerate a character cut at the 8 KiB mark.
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _SNIFF_BYTES)
     except UnicodeDecodeError:
         return False
     return True
