@@ -1,0 +1,68 @@
+"""`partita train [CONFIG] [--section.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from partita.config import Config, config_from_toml, load_config
+from partita.errors import PartitaError
+from partita.launch import LaunchSpec, launch, launched_externally
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model (default: the tiny model on built-in data, 2 CPU processes)",
+        description="Train a model. Settings come from CONFIG (TOML) and --section.key=value "
+                    "overrides, e.g. --train.steps=100 --parallel.zero_stage=2. Under torchrun "
+                    "the world comes from the environment and --nproc is ignored.",
+    )
+    p.add_argument("config", nargs="?", help="TOML config file")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="processes on this node (default: 2 on CPU, one per GPU)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
+    p.add_argument("--rdzv-id", default="", help="job id shared by every node (multi-node)")
+    p.set_defaults(func=run, accepts_overrides=True)
+
+
+def _worker(config_toml: str) -> dict:
+    """Entry point of each launched process."""
+    from partita.trainer import train
+
+    cfg = config_from_toml(config_toml)
+    try:
+        return train(cfg)
+    except PartitaError as exc:
+        print(f"partita: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def default_nproc() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if launched_externally():
+        from partita.trainer import train
+
+        train(cfg)
+        return 0
+    nproc = args.nproc or default_nproc()
+    validate_before_launch(cfg, nproc * args.nnodes)
+    spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                      rdzv_id=args.rdzv_id)
+    launch(spec, _worker, cfg.to_toml())
+    return 0
+
+
+def validate_before_launch(cfg: Config, world_size: int) -> None:
+    """Catch layout mistakes here, once, instead of in every process."""
+    from partita.parallelize import check_layout, dims_from_config
+
+    model_cfg = cfg.model_config()
+    dims = dims_from_config(cfg, world_size)
+    check_layout(cfg, model_cfg, dims)

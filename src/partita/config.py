@@ -1,0 +1,265 @@
+"""Typed run configuration: a TOML file plus `--section.key=value` overrides.
+
+Every setting has a type and a default here. Unknown sections or keys are errors that
+name the closest valid key; values are converted to the field's type with an error
+that names the key. The resolved configuration is written next to the run's outputs,
+so any run can be repeated from its own directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from partita.errors import PartitaError, did_you_mean
+from partita.models.catalog import get_model_config
+from partita.models.config import ModelConfig
+
+
+@dataclass
+class ModelSection:
+    name: str = "tiny"  # catalog entry; the fields below override its shape when set
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    max_seq_len: int | None = None
+    flavour: str | None = None
+    tie_embeddings: bool | None = None
+    dropout: float | None = None
+    seed: int | None = None
+
+
+@dataclass
+class DataSection:
+    source: str = ""  # "" = the built-in corpus (Python's standard library sources)
+    cache_dir: str = ""  # "" = ~/.cache/partita
+    seq_len: int = 128
+    val_fraction: float = 0.01
+    max_bytes: int = 4_000_000  # budget of the built-in corpus
+    seed: int = 0
+
+
+@dataclass
+class TrainSection:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, over all replicas
+    microbatches: int = 1  # gradient accumulation (and pipeline microbatches)
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still logged)
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    out_dir: str = "runs/default"
+    dtype: str = "float32"  # parameter dtype when precision.param_dtype is unset
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)
+    progress: bool = True  # a progress bar when the output is a terminal
+    threads: int = 0  # intra-op threads per rank; 0 = the cores shared among local ranks
+
+
+@dataclass
+class ParallelSection:
+    dp: int = 0  # 0: whatever the world size leaves after tp*pp*cp
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    bucket_mb: float = 25.0
+    prefetch: int = 1
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+
+
+@dataclass
+class PrecisionSection:
+    param_dtype: str = ""  # "" = train.dtype; bfloat16 / float16 train in mixed precision
+    reduce_dtype: str = ""  # "" = param_dtype
+    master_weights: bool = True  # fp32 master copy when param_dtype is 16-bit
+
+
+@dataclass
+class MetricsSection:
+    peak_tflops: float = 0.0  # 0: look the device up (see partita.metrics)
+    tensorboard: bool = True  # write TensorBoard events when tensorboard is installed
+
+
+@dataclass
+class Config:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    precision: PrecisionSection = field(default_factory=PrecisionSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    def model_config(self) -> ModelConfig:
+        base = get_model_config(self.model.name)
+        changes = {
+            f.name: getattr(self.model, f.name)
+            for f in dataclasses.fields(self.model)
+            if f.name != "name" and getattr(self.model, f.name) is not None
+        }
+        cfg = dataclasses.replace(base, **changes)
+        if self.data.seq_len > cfg.max_seq_len:
+            cfg = dataclasses.replace(cfg, max_seq_len=self.data.seq_len)
+        return cfg
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml())
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def _sections() -> dict[str, type]:
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)}
+
+
+def _all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _sections().items() for f in dataclasses.fields(cls)]
+
+
+def _field_type(section: str, key: str) -> type:
+    hints = typing.get_type_hints(_sections()[section])
+    return hints[key]
+
+
+def _convert(dotted: str, raw: object, target: type) -> object:
+    """Convert `raw` (TOML value or override string) to the annotated type."""
+    optional = isinstance(target, types.UnionType) and type(None) in typing.get_args(target)
+    if optional:
+        target = next(t for t in typing.get_args(target) if t is not type(None))
+        if isinstance(raw, str) and raw.lower() in ("none", "null", ""):
+            return None
+    try:
+        if target is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if target is int:
+            if isinstance(raw, float) and not raw.is_integer():
+                raise ValueError(raw)
+            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+        if target is float:
+            return float(raw)
+        return str(raw)
+    except (TypeError, ValueError):
+        raise PartitaError(
+            f"{dotted}={raw!r} is not {_KIND[target][0]}; give {_KIND[target][0]}, for "
+            f"example --{dotted}={_KIND[target][1]}."
+        ) from None
+
+
+_KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
+         float: ("a number", "0.001"), str: ("text", "text")}
+
+
+def _set(cfg: Config, dotted: str, raw: object) -> None:
+    section, _, key = dotted.partition(".")
+    sections = _sections()
+    if section not in sections or not key:
+        raise PartitaError(
+            f"unknown setting '{dotted}'.{did_you_mean(dotted, _all_keys())} Settings are "
+            f"written section.key; the sections are {', '.join(sections)}."
+        )
+    names = [f.name for f in dataclasses.fields(sections[section])]
+    if key not in names:
+        raise PartitaError(
+            f"unknown setting '{dotted}'.{did_you_mean(dotted, _all_keys())} Valid keys of "
+            f"[{section}]: {', '.join(names)}."
+        )
+    setattr(getattr(cfg, section), key, _convert(dotted, raw, _field_type(section, key)))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """['--train.steps=5', '--parallel.tp', '2'] -> [('train.steps', '5'), ...]."""
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise PartitaError(
+                f"cannot read the argument '{arg}': settings are given as "
+                "--section.key=value (for example --train.steps=100)."
+            )
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        else:
+            key, value = arg[2:], "true"
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults, then the TOML file at `path`, then the overrides, each checked."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise PartitaError(f"config file '{path}' does not exist; check the path.")
+        _apply_toml(cfg, p.read_text(), str(path))
+    for key, value in parse_overrides(overrides or []):
+        _set(cfg, key, value)
+    return cfg
+
+
+def config_from_toml(text: str) -> Config:
+    """A Config from TOML text (as written by Config.to_toml)."""
+    cfg = Config()
+    _apply_toml(cfg, text, "the configuration")
+    return cfg
+
+
+def _apply_toml(cfg: Config, text: str, path: str) -> None:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise PartitaError(f"config file '{path}' is not valid TOML: {exc}.") from None
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise PartitaError(
+                f"'{section}' in {path} must be a [section] table; settings live in the "
+                f"sections {', '.join(_sections())}."
+            )
+        for key, value in values.items():
+            _set(cfg, f"{section}.{key}", value)

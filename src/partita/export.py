@@ -1,0 +1,69 @@
+"""Write the trained model as one safetensors file of full, unsharded weights.
+
+The file holds the same tensor names and shapes as a single-device model, whatever the
+layout that trained it, so `partita generate` and other tools read it directly. Writing
+is atomic: a temporary file is renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from partita.sharding import shard_info
+
+
+def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
+    """The full global tensor of a (possibly tensor-parallel) parameter."""
+    info = shard_info(param, name)
+    local = param.detach()
+    if not info.is_split or comm.size == 1:
+        return local.clone()
+    # all_gather_flat concatenates along dim 0: bring the split dimension there first.
+    moved = local.transpose(0, info.dim).contiguous()
+    gathered = moved.new_empty((comm.size * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather_flat(gathered, moved)
+    gathered = gathered.transpose(0, info.dim)
+    # Shards may carry padding (a vocabulary not divisible by tp): cut to the global size.
+    return gathered.narrow(info.dim, 0, info.global_shape[info.dim]).contiguous()
+
+
+def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
+    """Full weights on global rank 0 (None elsewhere); every rank must call this."""
+    mesh, dp = pm.mesh, pm.dp
+    tp_comm = mesh.comm("tensor")
+    state: dict[str, torch.Tensor] = {}
+    with dp.gathered_parameters():
+        for name, param in dp.module.named_parameters():
+            full = gather_full(param, name, tp_comm)
+            state[name] = full.to("cpu", torch.float32 if full.is_floating_point() and
+                                  full.dtype != torch.float64 else full.dtype)
+    if mesh.dims.pp > 1:
+        # Each stage holds different parameters: the first rank of every stage's
+        # (dp, tp) slice sends its part to global rank 0.
+        holder = state if mesh.coord.dp == 0 and mesh.coord.tp == 0 else {}
+        parts = [None] * mesh.world_size if mesh.rank == 0 else None
+        dist.gather_object(holder, parts, dst=0)
+        if mesh.rank == 0:
+            state = {k: v for part in parts for k, v in part.items()}
+    return state if mesh.rank == 0 else None
+
+
+def save_weights(pm, path: str | Path) -> None:
+    """Gather and write the full weights (rank 0 writes; every rank must call)."""
+    state = full_state_dict(pm)
+    if state is None:
+        return
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".partial")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+              metadata={"format": "partita", "model": "transformer"})
+    os.replace(tmp, path)
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))

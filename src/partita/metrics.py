@@ -1,0 +1,136 @@
+"""Per-step metrics: a JSONL file, TensorBoard when installed, a console line, a bar.
+
+MFU = (training FLOPs per token x tokens per second) / (peak FLOP/s x devices), with
+FLOPs per token = 6N + 12*L*H*Q*T (see ModelConfig.flops_per_token). The peak is the
+device's dense bf16 datasheet figure on known GPUs (TF32 for fp32 training would be half:
+we state bf16 so MFU is comparable across runs), or, on a CPU, one thread's measured
+float32 matmul rate, or `metrics.peak_tflops` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
+GPU_PEAK_BF16 = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+}
+
+
+def measure_cpu_peak(size: int = 512, repeats: int = 5) -> float:
+    """FLOP/s of one thread on a float32 matmul: the CPU's practical peak."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
+    if configured_tflops > 0:
+        return configured_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAK_BF16.items():
+            if key in name:
+                return peak
+        return 0.0  # unknown GPU: MFU is reported as 0 until metrics.peak_tflops is set
+    return measure_cpu_peak() * torch.get_num_threads()
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: allocated device memory, else resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class MetricsLogger:
+    """Writes metrics on the logging rank only; other ranks get a silent logger."""
+
+    def __init__(self, out_dir: Path, enabled: bool, total_steps: int, progress: bool,
+                 tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.progress = progress and enabled and sys.stderr.isatty()
+        self._jsonl = None
+        self._tb = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = (out_dir / "metrics.jsonl").open("w")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except ImportError:
+                self._tb = None  # tensorboard not installed: JSONL only
+
+    def log(self, step: int, values: dict, console: bool) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float):
+                    self._tb.add_scalar(key, value, step)
+        if console:
+            self._clear_bar()
+            print(format_line(record), flush=True)
+        if self.progress:
+            self._bar(step)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self._clear_bar()
+            print(text, flush=True)
+
+    def _bar(self, step: int) -> None:
+        width = 30
+        done = int(width * step / max(self.total_steps, 1))
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total_steps}")
+        sys.stderr.flush()
+
+    def _clear_bar(self) -> None:
+        if self.progress:
+            sys.stderr.write("\r" + " " * 50 + "\r")
+
+    def close(self) -> None:
+        self._clear_bar()
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_line(record: dict) -> str:
+    parts = [f"step {record['step']:>5}"]
+    formats = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "lr": "lr {:.2e}",
+               "grad_norm": "gnorm {:.3f}", "tokens_per_s": "tok/s {:,.0f}",
+               "mfu": "mfu {:.1%}", "memory_gb": "mem {:.2f}GB"}
+    for key, fmt in formats.items():
+        if key in record and record[key] is not None:
+            parts.append(fmt.format(record[key]))
+    return " | ".join(parts)

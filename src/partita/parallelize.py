@@ -1,0 +1,164 @@
+"""Turn a single-device model description into this rank's parallel training model.
+
+The order is fixed and documented, because each step reads what the previous one left:
+
+1. build the model on the meta device (no memory, names and shapes only);
+2. pipeline: keep only the blocks, embedding and head of this rank's stages;
+3. tensor parallel: swap planned modules for their parallel versions (meta shards,
+   each parameter tagged with ShardInfo);
+4. materialise: each parameter is drawn from its global name, only the local slice
+   (ZeRO-3 leaves this to the engine, which draws only its flat 1/N slice);
+5. data parallel / ZeRO: the engine that reduces gradients and steps the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partita.config import Config
+from partita.errors import PartitaError
+from partita.mesh import Mesh, ParallelDims
+from partita.models.config import ModelConfig
+from partita.models.transformer import Transformer
+from partita.sharding import init_shard, shard_info
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16,
+          "fp16": torch.float16, "fp64": torch.float64}
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def parse_dtype(name: str, key: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise PartitaError(
+            f"{key}='{name}' is not a dtype partita trains in; use one of "
+            "float32, bfloat16, float16, float64."
+        ) from None
+
+
+def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
+    p = cfg.parallel
+    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero_stage": p.zero_stage}
+    if p.dp == 0:
+        dims = ParallelDims.fill_dp(world_size, **degrees)
+    else:
+        dims = ParallelDims(dp=p.dp, **degrees)
+    dims.check_world_size(world_size)
+    return dims
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss over every position of the (micro)batch."""
+    return F.cross_entropy(logits.flatten(0, 1).float() if logits.dtype in (
+        torch.bfloat16, torch.float16) else logits.flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class ParallelModel:
+    """Everything a training step needs on this rank."""
+
+    model_cfg: ModelConfig
+    mesh: Mesh
+    dp: object  # partita.zero.DataParallel
+    loss_fn: LossFn
+    device: torch.device
+
+    @property
+    def module(self) -> nn.Module:
+        return self.dp.module
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, model_cfg: ModelConfig, device: torch.device,
+                dtype: torch.dtype) -> None:
+    """Give every meta parameter the values of its slice of the single-device init."""
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        info = shard_info(param, name)
+        value = init_shard(model_cfg, info, torch.float64).to(device=device, dtype=dtype)
+        module_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(module_name) if module_name else model
+        new = nn.Parameter(value, requires_grad=param.requires_grad)
+        for key, val in vars(param).items():  # keep ShardInfo and other tags
+            setattr(new, key, val)
+        setattr(owner, attr, new)
+
+
+def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> None:
+    """Reject unsupported combinations before any process waits on another."""
+    if dims.cp > 1 or dims.ep > 1:
+        raise PartitaError(
+            "context parallelism (parallel.cp) and expert parallelism (parallel.ep) are not "
+            "implemented yet; set both to 1."
+        )
+    if cfg.parallel.sequence_parallel and dims.tp == 1:
+        raise PartitaError(
+            "parallel.sequence_parallel=true needs tensor parallelism: sequence parallelism "
+            "shards the activations over the tensor-parallel group. Set parallel.tp > 1 or "
+            "turn sequence_parallel off."
+        )
+    if cfg.train.global_batch % (dims.dp * dims.cp):
+        raise PartitaError(
+            f"train.global_batch={cfg.train.global_batch} is not divisible by the "
+            f"{dims.dp * dims.cp} data-parallel replicas; choose a multiple of "
+            f"{dims.dp * dims.cp}."
+        )
+    local = cfg.train.global_batch // (dims.dp * dims.cp)
+    if local % cfg.train.microbatches:
+        raise PartitaError(
+            f"each replica's batch of {local} sequences cannot be cut into "
+            f"train.microbatches={cfg.train.microbatches} equal microbatches; choose a "
+            f"divisor of {local}."
+        )
+
+
+def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+    from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig
+
+    model_cfg = cfg.model_config()
+    dims = mesh.dims
+    check_layout(cfg, model_cfg, dims)
+    param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
+                              "precision.param_dtype")
+    reduce_dtype = parse_dtype(cfg.precision.reduce_dtype or cfg.precision.param_dtype
+                               or cfg.train.dtype, "precision.reduce_dtype")
+
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    plan = model.plan()
+    if dims.pp > 1:
+        raise PartitaError("pipeline parallelism (parallel.pp > 1) is not available yet.")
+    loss_fn: LossFn = cross_entropy
+    if dims.tp > 1:
+        from partita.tensor_parallel import apply_tensor_parallel
+
+        report = apply_tensor_parallel(model, plan, mesh.comm("tensor"),
+                                       sequence_parallel=cfg.parallel.sequence_parallel)
+        loss_fn = report.loss_fn
+
+    full_precision = torch.float64 if param_dtype == torch.float64 else torch.float32
+    if dims.zero_stage < 3:
+        # Materialise in full precision; the engine keeps that as the master copy and
+        # casts the module to the compute dtype.
+        materialize(model, model_cfg, device, full_precision)
+    dp = DataParallel(
+        model, mesh,
+        zero=ZeroConfig(stage=dims.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
+                        prefetch=cfg.parallel.prefetch),
+        precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                 master_weights=cfg.precision.master_weights),
+        optim=AdamWConfig(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                          eps=cfg.train.eps, weight_decay=cfg.train.weight_decay),
+        init_fn=lambda info: init_shard(model_cfg, info, full_precision).to(device),
+    )
+    return ParallelModel(model_cfg=model_cfg, mesh=mesh, dp=dp, loss_fn=loss_fn,
+                         device=device)

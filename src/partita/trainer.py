@@ -1,0 +1,230 @@
+"""The training loop: one process per rank, the same code on a laptop and a cluster.
+
+Loss semantics: the reported loss is the mean next-token cross-entropy over every token
+of the global batch. Each rank takes the mean over its own tokens, each microbatch's
+loss is divided by the number of microbatches, and gradients are averaged over the
+data-parallel replicas, so gradients equal those of the global-batch mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from partita.config import Config
+from partita.data import load_dataset
+from partita.errors import PartitaError
+from partita.export import save_weights
+from partita.mesh import Mesh
+from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
+
+
+def lr_at(step: int, cfg: Config) -> float:
+    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step."""
+    t = cfg.train
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(t.steps - t.warmup_steps, 1)
+    progress = min((step - t.warmup_steps) / span, 1.0)
+    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    stepped: bool
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise PartitaError("train.device=cuda but no CUDA device is visible; use "
+                               "train.device=cpu or auto.")
+        index = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device(name)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the world torchrun (or our launcher) described in the environment."""
+    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.device = pick_device(cfg.train.device)
+        rank, world = init_distributed(self.device)
+        dims = dims_from_config(cfg, world)
+        self.mesh = Mesh(dims, rank, world)
+        torch.manual_seed(cfg.data.seed + rank)
+        self.out_dir = Path(cfg.train.out_dir)
+        self.is_logger = rank == 0
+        self.data = self._load_data()
+        self.pm: ParallelModel = build_parallel_model(cfg, self.mesh, self.device)
+        dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
+        self.sampler = self.data.train_sampler(cfg.train.global_batch, dp_index, dp_size,
+                                               cfg.data.seed)
+        self.logger = MetricsLogger(self.out_dir, self.is_logger, cfg.train.steps,
+                                    cfg.train.progress, cfg.metrics.tensorboard)
+        self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
+        self.loss_comm = self.mesh.comm("loss_average")
+
+    def _load_data(self):
+        d = self.cfg.data
+        cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
+        source = d.source or None
+
+        def load():
+            return load_dataset(source, cache, d.seq_len, val_fraction=d.val_fraction,
+                                max_bytes=d.max_bytes if source is None else None)
+
+        # One process per node tokenizes; the others then open the finished cache.
+        if self.mesh.world_size > 1 and int(os.environ.get("LOCAL_RANK", 0)) != 0:
+            dist.barrier()
+            return load()
+        data = load()
+        if self.mesh.world_size > 1:
+            dist.barrier()
+        model_vocab = self.cfg.model_config().vocab_size
+        if data.vocab_size > model_vocab:
+            raise PartitaError(
+                f"the data uses {data.vocab_size} token ids but the model's vocabulary has "
+                f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
+                "tokenizer that fits the model."
+            )
+        return data
+
+    # One optimizer step ------------------------------------------------------------------
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepResult:
+        dp, loss_fn = self.pm.dp, self.pm.loss_fn
+        n = self.cfg.train.microbatches
+        total = torch.zeros((), dtype=torch.float64)
+        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
+            x, y = x.to(self.device), y.to(self.device)
+            with dp.grad_sync(i == n - 1):
+                loss = loss_fn(dp.module(x), y) / n
+                dp.backward(loss)
+            total += loss.detach().double().cpu()
+        dp.finish_grad_sync()
+        clip = self.cfg.train.grad_clip or None
+        grad_norm = dp.clip_grad_norm_(clip)
+        (loss_sum,) = self.loss_comm.all_reduce_scalars([total.item()])
+        mean_loss = loss_sum / self.loss_comm.size
+        stepped = False
+        if math.isfinite(mean_loss):
+            stepped = dp.step(lr)
+        dp.zero_grad()
+        return StepResult(mean_loss, grad_norm, stepped)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        c = self.cfg
+        batches = self.data.val_batches(c.train.global_batch, self.mesh.index("loss_average"),
+                                        self.mesh.size("loss_average"), c.train.eval_batches)
+        total, count = 0.0, 0
+        for x, y in batches:
+            total += self.pm.loss_fn(self.pm.dp.module(x.to(self.device)),
+                                     y.to(self.device)).item()
+            count += 1
+        if count == 0:
+            return None
+        (loss_sum,) = self.loss_comm.all_reduce_scalars([total / count])
+        return loss_sum / self.loss_comm.size
+
+    # The loop ----------------------------------------------------------------------------
+    def run(self) -> dict:
+        c = self.cfg
+        if self.is_logger:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            c.save(self.out_dir / "config.toml")
+            self.logger.message(
+                f"partita: {self.pm.model_cfg.num_params() / 1e6:.2f}M parameters, "
+                f"{self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
+                f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
+            )
+        tokens_per_step = c.train.global_batch * c.data.seq_len
+        flops_per_step = self.pm.model_cfg.flops_per_token(c.data.seq_len) * tokens_per_step
+        bad_steps, val_loss, result = 0, None, None
+        start = time.perf_counter()
+        window_start, window_steps = start, 0
+        for step in range(c.train.steps):
+            inputs, targets = next(self.sampler)
+            lr = lr_at(step, c)
+            result = self.train_step(inputs, targets, lr)
+            window_steps += 1
+            if not math.isfinite(result.loss):
+                bad_steps += 1
+                if bad_steps > c.train.max_bad_steps:
+                    self._fail(step, result.loss)
+            last = step == c.train.steps - 1
+            if (step + 1) % c.train.eval_every == 0 or last:
+                val_loss = self.evaluate()
+            if (step + 1) % c.train.log_every == 0 or last or step == 0:
+                elapsed = time.perf_counter() - window_start
+                tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                mfu = (flops_per_step * window_steps / max(elapsed, 1e-9)
+                       / (self.peak * self.mesh.world_size)) if self.peak else 0.0
+                self.logger.log(step + 1, {
+                    "loss": result.loss, "val_loss": val_loss, "lr": lr,
+                    "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
+                    "memory_gb": memory_bytes(self.device) / 1e9,
+                }, console=True)
+                val_loss = None if not last else val_loss
+                window_start, window_steps = time.perf_counter(), 0
+        elapsed = time.perf_counter() - start
+        summary = {
+            "steps": c.train.steps, "train_loss": result.loss if result else float("nan"),
+            "val_loss": val_loss, "tokens_per_s": tokens_per_step * c.train.steps / elapsed,
+        }
+        save_weights(self.pm, self.out_dir / "model.safetensors")
+        if self.is_logger:
+            val = "n/a" if val_loss is None else f"{val_loss:.4f}"
+            self.logger.message(
+                f"done: {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
+                f"val loss {val}, {summary['tokens_per_s']:,.0f} tokens/s"
+            )
+        self.logger.close()
+        return summary
+
+    def _fail(self, step: int, loss: float) -> None:
+        self.logger.log(step + 1, {"status": "failed", "loss": loss}, console=False)
+        self.logger.close()
+        raise PartitaError(
+            f"the loss became {loss} at step {step + 1}; training stopped and no weights "
+            "were written. Common fixes: a lower train.lr, a longer train.warmup_steps, "
+            "gradient clipping (train.grad_clip=1.0), or float32/bfloat16 instead of "
+            "float16. To tolerate a few bad steps set train.max_bad_steps."
+        )
+
+
+def train(cfg: Config) -> dict:
+    """Run training on this process (its rank comes from the environment)."""
+    torch.set_num_threads(cfg.train.threads or _default_threads())
+    trainer = Trainer(cfg)
+    try:
+        return trainer.run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _default_threads() -> int:
+    """Share the machine's cores among the local ranks (at least one thread each)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, (os.cpu_count() or 1) // local)

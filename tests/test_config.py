@@ -1,0 +1,45 @@
+"""Config files, overrides and their errors."""
+
+import pytest
+
+from partita.config import config_from_toml, load_config
+from partita.errors import PartitaError
+
+
+def test_file_then_overrides_and_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nsteps = 50\nlr = 0.01\n[model]\nname = "tiny"\ndim = 64\n')
+    cfg = load_config(path, ["--train.steps=7", "--parallel.tp", "2", "--parallel.sequence_parallel"])
+    assert (cfg.train.steps, cfg.train.lr, cfg.parallel.tp) == (7, 0.01, 2)
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.model_config().dim == 64
+    assert config_from_toml(cfg.to_toml()) == cfg
+
+
+def test_unknown_keys_name_the_closest_valid_key(tmp_path):
+    with pytest.raises(PartitaError, match="Did you mean 'train.steps'"):
+        load_config(None, ["--train.stepz=3"])
+    with pytest.raises(PartitaError, match="Did you mean 'parallel.zero_stage'"):
+        load_config(None, ["--paralel.zero_stage=1"])
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlearning_rate = 1\n")
+    with pytest.raises(PartitaError, match="unknown setting 'train.learning_rate'"):
+        load_config(path)
+
+
+def test_bad_values_and_files():
+    with pytest.raises(PartitaError, match="not an integer"):
+        load_config(None, ["--train.steps=many"])
+    with pytest.raises(PartitaError, match="true or false"):
+        load_config(None, ["--train.progress=maybe"])
+    with pytest.raises(PartitaError, match="does not exist"):
+        load_config("/nonexistent/run.toml")
+    with pytest.raises(PartitaError, match="--section.key=value"):
+        load_config(None, ["steps=3"])
+
+
+def test_invalid_toml(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\nsteps=")
+    with pytest.raises(PartitaError, match="not valid TOML"):
+        load_config(path)

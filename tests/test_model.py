@@ -1,0 +1,108 @@
+"""The single-device model: masking, attention variants, deterministic sliceable init."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from partita.errors import PartitaError
+from partita.models import MODELS, ModelConfig, Transformer, build_model, get_model_config
+from partita.models.init import CHUNK, InitRule, init_flat_slice, init_full
+from partita.sharding import ShardInfo, init_shard
+
+TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+@pytest.mark.parametrize("flavour", ["llama", "gpt2"])
+def test_causal_future_tokens_do_not_change_past_logits(flavour):
+    model = build_model(dataclasses.replace(TINY, flavour=flavour), dtype=torch.float64)
+    x = torch.randint(0, 64, (2, 12))
+    y = x.clone()
+    y[:, 8:] = (y[:, 8:] + 1) % 64
+    a, b = model(x), model(y)
+    assert torch.allclose(a[:, :8], b[:, :8], atol=1e-12)
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_gqa_with_all_kv_heads_equals_multi_head_attention():
+    mha = build_model(dataclasses.replace(TINY, n_kv_heads=None), dtype=torch.float64)
+    gqa = build_model(dataclasses.replace(TINY, n_kv_heads=4), dtype=torch.float64)
+    x = torch.randint(0, 64, (2, 10))
+    assert torch.equal(mha(x), gqa(x))
+
+
+def test_attention_matches_explicit_softmax():
+    model = build_model(TINY, dtype=torch.float64)
+    attn = model.blocks["0"].attn
+    x = torch.randn(1, 6, 32, dtype=torch.float64)
+    q = attn.wq(x).view(1, 6, 4, 8)
+    k = attn.wk(x).view(1, 6, 2, 8)
+    v = attn.wv(x).view(1, 6, 2, 8)
+    from partita.models.transformer import apply_rotary, rotary_tables
+
+    cos, sin = rotary_tables(6, 8, TINY.rope_theta, x.device, x.dtype)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5
+    scores = scores.masked_fill(torch.ones(6, 6).triu(1).bool(), float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(1, 6, 32)
+    assert torch.allclose(attn(x), attn.wo(out), atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gpt2"])
+def test_meta_init_equals_eager_init(name):
+    cfg = get_model_config(name)
+    eager = Transformer(cfg)
+    from_meta = build_model(cfg)
+    for (n, a), (_, b) in zip(eager.state_dict().items(), from_meta.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_init_depends_on_name_and_seed_only():
+    model = build_model(TINY)
+    again = build_model(TINY)
+    other_seed = build_model(dataclasses.replace(TINY, seed=1))
+    w = "blocks.0.attn.wq.weight"
+    assert torch.equal(dict(model.named_parameters())[w], dict(again.named_parameters())[w])
+    assert not torch.equal(dict(model.named_parameters())[w],
+                           dict(other_seed.named_parameters())[w])
+    p = dict(model.named_parameters())
+    assert not torch.equal(p["blocks.0.attn.wq.weight"], p["blocks.1.attn.wq.weight"])
+    assert torch.equal(p["norm.weight"], torch.ones(32))
+
+
+def test_any_flat_slice_equals_the_slice_of_the_full_tensor():
+    rule = InitRule("normal", 0.02)
+    numel = 3 * CHUNK + 123
+    full = init_full(rule, 7, "w", (numel,))
+    for start, stop in [(0, 10), (CHUNK - 5, CHUNK + 5), (2 * CHUNK + 1, numel), (17, 17)]:
+        assert torch.equal(init_flat_slice(rule, 7, "w", start, stop), full[start:stop])
+
+
+def test_tensor_parallel_style_shards_equal_slices_of_the_single_device_init():
+    model = build_model(TINY)
+    for name, param in model.named_parameters():
+        if param.ndim != 2:
+            continue
+        for dim in (0, 1):
+            half = param.shape[dim] // 2
+            info = ShardInfo(name, tuple(param.shape), dim, half, param.shape[dim])
+            assert torch.equal(init_shard(TINY, info), param.narrow(dim, half, half)), name
+
+
+def test_parameter_counts_match_the_published_sizes():
+    assert abs(MODELS["llama3-8b"].num_params() / 8.03e9 - 1) < 0.01
+    assert abs(MODELS["llama3-70b"].num_params() / 70.6e9 - 1) < 0.01
+    assert abs(MODELS["llama3-405b"].num_params() / 405.9e9 - 1) < 0.01
+    assert abs(MODELS["gpt3-175b"].num_params() / 174.6e9 - 1) < 0.01
+    meta = build_model(get_model_config("llama3-8b"), device="meta")
+    assert sum(p.numel() for p in meta.parameters()) == MODELS["llama3-8b"].num_params()
+
+
+def test_bad_shapes_explain_themselves():
+    with pytest.raises(PartitaError, match="not divisible by model.n_heads"):
+        ModelConfig(dim=30, n_heads=4)
+    with pytest.raises(PartitaError, match="n_kv_heads"):
+        ModelConfig(dim=32, n_heads=4, n_kv_heads=3)
+    with pytest.raises(PartitaError, match="Known models"):
+        get_model_config("llama-9000")
