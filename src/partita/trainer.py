@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from partita.config import Config
-from partita.data import load_dataset
+from partita.data import TokenDataset, load_dataset
 from partita.errors import PartitaError
 from partita.export import save_weights
 from partita.mesh import Mesh
@@ -41,6 +41,23 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
+
+
+def open_dataset(cfg: Config) -> TokenDataset:
+    """The run's dataset, tokenized into the cache on first use."""
+    d = cfg.data
+    cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
+    source = d.source or None
+    data = load_dataset(source, cache, d.seq_len, val_fraction=d.val_fraction,
+                        max_bytes=d.max_bytes if source is None else None)
+    model_vocab = cfg.model_config().vocab_size
+    if data.vocab_size > model_vocab:
+        raise PartitaError(
+            f"the data uses {data.vocab_size} token ids but the model's vocabulary has "
+            f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
+            "tokenizer that fits the model."
+        )
+    return data
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,29 +102,14 @@ class Trainer:
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
 
-    def _load_data(self):
-        d = self.cfg.data
-        cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
-        source = d.source or None
-
-        def load():
-            return load_dataset(source, cache, d.seq_len, val_fraction=d.val_fraction,
-                                max_bytes=d.max_bytes if source is None else None)
-
+    def _load_data(self) -> TokenDataset:
         # One process per node tokenizes; the others then open the finished cache.
         if self.mesh.world_size > 1 and int(os.environ.get("LOCAL_RANK", 0)) != 0:
             dist.barrier()
-            return load()
-        data = load()
+            return open_dataset(self.cfg)
+        data = open_dataset(self.cfg)
         if self.mesh.world_size > 1:
             dist.barrier()
-        model_vocab = self.cfg.model_config().vocab_size
-        if data.vocab_size > model_vocab:
-            raise PartitaError(
-                f"the data uses {data.vocab_size} token ids but the model's vocabulary has "
-                f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
-                "tokenizer that fits the model."
-            )
         return data
 
     # One optimizer step ------------------------------------------------------------------

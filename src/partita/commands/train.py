@@ -60,9 +60,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def validate_before_launch(cfg: Config, world_size: int) -> None:
-    """Catch layout mistakes here, once, instead of in every process."""
+    """Catch layout and data mistakes here, once, instead of in every process.
+
+    Preparing the data here also means the token cache is written once per node before
+    any worker starts; the workers then only open it.
+    """
     from partita.parallelize import check_layout, dims_from_config
+    from partita.trainer import open_dataset
 
     model_cfg = cfg.model_config()
     dims = dims_from_config(cfg, world_size)
     check_layout(cfg, model_cfg, dims)
+    open_dataset(cfg)
