@@ -61,6 +61,34 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         torch.bfloat16, torch.float16) else logits.flatten(0, 1), targets.flatten())
 
 
+class MicrobatchRunner:
+    """Forward and backward of one rank's batch without a pipeline: microbatches in turn.
+
+    Only the last microbatch's backward lets the data-parallel engine communicate, so
+    gradient accumulation costs no communication.
+    """
+
+    def __init__(self, dp, loss_fn: LossFn, device: torch.device) -> None:
+        self.dp, self.loss_fn, self.device = dp, loss_fn, device
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+        """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
+        total = 0.0
+        pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
+        for i, (x, y) in enumerate(pairs):
+            with self.dp.grad_sync(i == len(pairs) - 1):
+                loss = self.loss_fn(self.dp.module(x.to(self.device)), y.to(self.device))
+                loss = loss / microbatches
+                self.dp.backward(loss)
+            total += loss.item()
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self.loss_fn(self.dp.module(inputs.to(self.device)),
+                            targets.to(self.device)).item()
+
+
 @dataclass
 class ParallelModel:
     """Everything a training step needs on this rank."""
@@ -70,6 +98,7 @@ class ParallelModel:
     dp: object  # partita.zero.DataParallel
     loss_fn: LossFn
     device: torch.device
+    runner: MicrobatchRunner  # or a pipeline runner with the same two methods
 
     @property
     def module(self) -> nn.Module:
@@ -161,4 +190,4 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
         init_fn=lambda info: init_shard(model_cfg, info, full_precision).to(device),
     )
     return ParallelModel(model_cfg=model_cfg, mesh=mesh, dp=dp, loss_fn=loss_fn,
-                         device=device)
+                         device=device, runner=MicrobatchRunner(dp, loss_fn, device))

@@ -114,40 +114,31 @@ class Trainer:
 
     # One optimizer step ------------------------------------------------------------------
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepResult:
-        dp, loss_fn = self.pm.dp, self.pm.loss_fn
-        n = self.cfg.train.microbatches
-        total = torch.zeros((), dtype=torch.float64)
-        for i, (x, y) in enumerate(zip(inputs.chunk(n), targets.chunk(n))):
-            x, y = x.to(self.device), y.to(self.device)
-            with dp.grad_sync(i == n - 1):
-                loss = loss_fn(dp.module(x), y) / n
-                dp.backward(loss)
-            total += loss.detach().double().cpu()
+        dp = self.pm.dp
+        local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches)
         dp.finish_grad_sync()
-        clip = self.cfg.train.grad_clip or None
-        grad_norm = dp.clip_grad_norm_(clip)
-        (loss_sum,) = self.loss_comm.all_reduce_scalars([total.item()])
-        mean_loss = loss_sum / self.loss_comm.size
-        stepped = False
-        if math.isfinite(mean_loss):
-            stepped = dp.step(lr)
+        grad_norm = dp.clip_grad_norm_(self.cfg.train.grad_clip or None)
+        mean_loss = self._mean_loss(local)
+        # Every rank sees the same mean loss, so all skip or all step together.
+        stepped = dp.step(lr) if math.isfinite(mean_loss) else False
         dp.zero_grad()
         return StepResult(mean_loss, grad_norm, stepped)
 
-    @torch.no_grad()
+    def _mean_loss(self, local: float) -> float:
+        """Average over replicas; with a pipeline only the last stage has a loss."""
+        (total,) = self.loss_comm.all_reduce_scalars([local])
+        if self.mesh.dims.pp > 1:
+            (total,) = self.mesh.comm("pipeline").all_reduce_scalars([total])
+        return total / self.loss_comm.size
+
     def evaluate(self) -> float | None:
         c = self.cfg
         batches = self.data.val_batches(c.train.global_batch, self.mesh.index("loss_average"),
                                         self.mesh.size("loss_average"), c.train.eval_batches)
-        total, count = 0.0, 0
-        for x, y in batches:
-            total += self.pm.loss_fn(self.pm.dp.module(x.to(self.device)),
-                                     y.to(self.device)).item()
-            count += 1
-        if count == 0:
+        losses = [self.pm.runner.evaluate(x, y) for x, y in batches]
+        if not losses:
             return None
-        (loss_sum,) = self.loss_comm.all_reduce_scalars([total / count])
-        return loss_sum / self.loss_comm.size
+        return self._mean_loss(sum(losses) / len(losses))
 
     # The loop ----------------------------------------------------------------------------
     def run(self) -> dict:
