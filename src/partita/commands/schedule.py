@@ -28,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("name", metavar="NAME", help="gpipe, 1f1b, interleaved-1f1b, zb-h1")
     parser.add_argument("--stages", "-p", type=int, required=True, help="pipeline ranks")
     parser.add_argument("--microbatches", "-m", type=int, required=True)
-    parser.add_argument("--virtual", "-v", type=int, default=1, help="stages per rank")
+    parser.add_argument(
+        "--virtual", "-v", type=int, help="stages per rank (default 2 for interleaved, else 1)"
+    )
     parser.add_argument("--png", metavar="FILE", help="also draw the schedule into FILE")
     parser.add_argument(
         "--actions", action="store_true", help="also list every rank's actions (F0.1 SF0.1 ...)"

@@ -71,8 +71,9 @@ def interleaved_order(p: int, m: int, v: int, rank: int) -> Order:
 
     Microbatches go through the chunks in groups of p: forwards of microbatches 0..p-1
     on chunk 0, then the same p on chunk 1, ..., then the next p microbatches. Backward
-    visits chunks in reverse. The warm-up is long enough that the first backward's
-    gradient has come back around the ring of ranks before it is needed.
+    visits chunks in reverse. The warm-up is Megatron's: 2 forwards per rank below the
+    last plus one full round of chunks. With free transfers a shorter one would do, but
+    this slack is what lets transfer time hide behind compute (see the tests).
     """
     if v == 1:  # Megatron's warm-up formula would hold 2x the activations for nothing
         return one_f_one_b_order(p, m, rank)
@@ -175,9 +176,12 @@ def schedule_names() -> list[str]:
     return list(GENERATORS) + list(ALIASES)
 
 
-def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build_schedule(
+    name: str, stages: int, microbatches: int, virtual: int | None = None
+) -> Schedule:
     """The named schedule for `stages` pipeline ranks, `microbatches`, and `virtual`
-    stages per rank (so the model is cut into stages*virtual pieces).
+    stages per rank (so the model is cut into stages*virtual pieces). `virtual`
+    defaults to 2 for interleaved-1f1b (with 1 it is plain 1F1B) and 1 otherwise.
 
     Raises `PartitaError` for an unknown name or impossible sizes, before any process
     could wait on a schedule that does not exist.
@@ -189,6 +193,8 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
             f"unknown pipeline schedule '{name}'.{did_you_mean(name, schedule_names())} "
             f"Known schedules: {', '.join(schedule_names())}."
         )
+    if virtual is None:
+        virtual = 2 if key == "interleaved-1f1b" else 1
     for what, value in (("stages", stages), ("microbatches", microbatches), ("virtual", virtual)):
         if not isinstance(value, int) or value < 1:
             raise PartitaError(f"--{what} must be a whole number of at least 1; got {value!r}.")
