@@ -74,7 +74,7 @@ def summary(timeline: Timeline) -> str:
         f"{sched.name}: {sched.n_ranks} ranks, {sched.n_microbatches} microbatches, "
         f"{sched.n_virtual} stage(s) per rank; step {timeline.makespan:g} units, "
         f"bubble {timeline.bubble_fraction:.1%}\n"
-        f"peak microbatch activations held per rank (stage-sized units / v): {peaks}"
+        f"peak activations held per rank, in (stage, microbatch) sets: {peaks}"
     )
 
 
