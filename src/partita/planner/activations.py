@@ -1,0 +1,144 @@
+"""Activation memory: the bytes one transformer layer saves for backward.
+
+Two forms:
+
+* `korthikanti_layer_bytes` is the closed formula of Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models" (GPT block, 16-bit
+  activations, dropout): s*b*h*(34 + 5*a*s/h) bytes per layer, with tensor and
+  sequence parallelism and selective/full recompute. Kept as the reference the term
+  by term model is tested against.
+* `layer_activation_terms` names every saved tensor, so it also covers GQA, SwiGLU,
+  no-dropout models, flash attention (no s x s scores), context parallelism and MoE,
+  and so a test can compare each term with what autograd really saved.
+
+Symbols: s tokens of a sequence on this GPU (seq_len / cp), b microbatch size, h model
+width, a attention heads, t tensor-parallel degree, f MLP hidden width, e bytes per
+activation element.
+"""
+
+from __future__ import annotations
+
+from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.layout import MIXED, Layout, Precision
+from partita.planner.model_shape import PlanModel
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none", attention_kernel: str = "eager") -> float:
+    """Bytes saved by one GPT layer (Korthikanti et al. 2022, Table 2 and Sec. 4).
+
+    No parallelism: sbh(34 + 5as/h). Tensor parallel: sbh(10 + 24/t + 5as/(ht)).
+    With sequence parallelism the 10 replicated bytes are sharded too: sbh/t(34 + 5as/h).
+    Selective recompute (and flash attention, which never stores the scores) drops the
+    5as/h term; full recompute keeps only each layer's input, 2sbh (/t with sp).
+    """
+    sbh = s * b * h
+    if recompute == "full":
+        return 2 * sbh / (t if sp else 1)
+    scores = 0.0 if recompute == "selective" or attention_kernel == "flash" else 5 * a * s / h
+    if sp:
+        return sbh / t * (34 + scores)
+    return sbh * (10 + 24 / t + scores / t)
+
+
+def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
+                           precision: Precision = MIXED,
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Named bytes one layer saves for backward for one microbatch, on one GPU, no recompute.
+
+    Terms that sequence parallelism shards are divided by t only when it is on; terms
+    inside the tensor-parallel region always are.
+    """
+    c = model.config
+    t, e = layout.tp, precision.activation
+    s, b, h = seq_len / layout.cp, layout.mb, c.dim
+    sp_div = t if layout.sp else 1
+    kv = -(-c.kv_heads // t) * c.head_dim  # kv width per rank (replicated when t > kv heads)
+    dropout = c.dropout > 0
+    terms = {
+        # Norm inputs (fused kernels save the input only; eager ones also the output).
+        "norm_inputs": 2 * assumptions.norm_saved_tensors * e * s * b * h / sp_div,
+        # Input of the fused QKV projection and of the first MLP projection: the normed
+        # activations, sharded along the sequence under sp (re-gathered in backward).
+        "qkv_input": e * s * b * h / sp_div,
+        "mlp_input": e * s * b * h / sp_div,
+        # Q, K and V, inputs of the score and value products (or of the flash kernel).
+        "attention_qkv": e * s * b * (h / t + 2 * kv),
+        "attention_scores": attention_score_bytes(model, layout, seq_len, precision, assumptions),
+        # Attention output: input of the output projection (and saved by flash).
+        "attention_output": e * s * b * h / t,
+        # One byte per element: after attention's out-projection and after the MLP.
+        "dropout_masks": (2 * s * b * h / sp_div) if dropout else 0.0,
+        "mlp_hidden": mlp_hidden_bytes(model, layout, seq_len, precision, assumptions),
+    }
+    if model.is_moe:
+        # Tokens permuted to their experts: top_k copies of each, input of expert fc1.
+        terms["moe_dispatch"] = model.moe.top_k * e * s * b * h
+    return terms
+
+
+def attention_score_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                          precision: Precision = MIXED,
+                          assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """The s x s part. Eager: softmax output (+ dropout mask and output with dropout).
+
+    Flash attention saves one fp32 log-sum-exp per head and query instead. Under
+    context parallelism each GPU's queries (seq/cp) meet every key (seq).
+    """
+    c, e = model.config, precision.activation
+    s_q, b, heads = seq_len / layout.cp, layout.mb, c.n_heads / layout.tp
+    if assumptions.attention_kernel == "flash":
+        return 4.0 * heads * s_q * b
+    per_score = e + ((1 + e) if c.dropout > 0 else 0)
+    return per_score * heads * s_q * seq_len * b
+
+
+def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                     precision: Precision = MIXED,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Hidden-width tensors of the MLP: GELU saves its input and fc2's input (2 of width f);
+    SwiGLU saves gate and up projections and fc2's input (3 with a fused kernel, 4 in
+    eager PyTorch, which also keeps silu(gate)). MoE: top_k tokens through each expert."""
+    c = model.config
+    s, b, e = seq_len / layout.cp, layout.mb, precision.activation
+    tensors = assumptions.swiglu_saved_tensors if c.gated_mlp else 2
+    if model.is_moe:
+        return model.moe.top_k * tensors * e * s * b * model.expert_ffn / layout.tp
+    return tensors * e * s * b * c.ffn_hidden / layout.tp
+
+
+def layer_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                      precision: Precision = MIXED) -> float:
+    """A layer's input: all that full recompute keeps per layer (sharded under sp)."""
+    sp_div = layout.tp if layout.sp else 1
+    return precision.activation * seq_len / layout.cp * layout.mb * model.config.dim / sp_div
+
+
+def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                           precision: Precision = MIXED,
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Bytes one layer keeps between its forward and backward under layout.recompute."""
+    if layout.recompute == "full":
+        return layer_input_bytes(model, layout, seq_len, precision)
+    terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+    if layout.recompute == "selective":
+        terms["attention_scores"] = 0.0  # recomputed from Q and K in backward
+    return sum(terms.values())
+
+
+def inflight_chunks(layout: Layout, stage: int, num_microbatches: int) -> float:
+    """Model chunks' worth of microbatch activations stage `stage` holds at its peak.
+
+    GPipe holds every microbatch. 1F1B (and zero-bubble H1) holds pp - stage. Interleaved
+    1F1B warms up 2(pp - stage - 1) + (v - 1)pp + 1 chunks of 1/v of the stage's layers,
+    which for stage 0 is Korthikanti's pp * (1 + (pp - 1)/(pp v)) stages' worth.
+    Returned in units of chunks (1/vpp of the stage's layers).
+    """
+    pp, v, m = layout.pp, layout.vpp, num_microbatches
+    if pp == 1:
+        return v  # one microbatch through every chunk
+    if layout.schedule == "gpipe":
+        return m * v
+    if layout.schedule == "interleaved":
+        return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
+    return min(m, pp - stage) * v

@@ -1,0 +1,52 @@
+"""The planner as a Python API: describe a request, search it or judge one layout.
+
+    from partita.planner import plan, evaluate_layout
+    result = plan("llama3-70b", gpus=512, gpu_type="H100", seq_len=8192)
+    print(result.best.layout.describe(), result.best.memory["total"] / 1e9)
+"""
+
+from __future__ import annotations
+
+from partita.errors import PartitaError
+from partita.planner.assumptions import Assumptions
+from partita.planner.evaluate import Evaluation, Request, evaluate
+from partita.planner.hardware import Cluster, GPUSpec, get_gpu, load_gpu_profiles
+from partita.planner.layout import Layout, Precision, parse_layout
+from partita.planner.model_shape import PlanModel, resolve_model
+from partita.planner.search import FULL_SPACE, SearchResult, SearchSpace, search
+
+# Default global batch: about 4M tokens per step, the order of GPT-3's 3.2M and the
+# 4M Llama 3 started from, expressed in sequences of the requested length.
+DEFAULT_BATCH_TOKENS = 2**22
+
+
+def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H100",
+                 gpus_per_node: int | None = None, seq_len: int | None = None,
+                 global_batch: int | None = None, precision: str | Precision = "bf16",
+                 assumptions: Assumptions | None = None,
+                 hardware_file: str | None = None) -> Request:
+    """A `Request` from names: model catalog name or TOML path, GPU type or profile."""
+    plan_model = resolve_model(model) if isinstance(model, str) else model
+    extra = load_gpu_profiles(hardware_file) if hardware_file else None
+    gpu = get_gpu(gpu_type, extra) if isinstance(gpu_type, str) else gpu_type
+    seq = seq_len or plan_model.config.max_seq_len
+    if seq < 1 or gpus < 1:
+        raise PartitaError("--seq-len and --gpus must be positive.")
+    batch = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq)
+    prec = Precision.named(precision) if isinstance(precision, str) else precision
+    cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)
+    return Request(plan_model, cluster, seq, batch, prec, assumptions or Assumptions())
+
+
+def plan(model: str | PlanModel, gpus: int, space: SearchSpace = FULL_SPACE,
+         **request_options) -> SearchResult:
+    """Every layout for `model` on `gpus` GPUs, the fitting ones ranked fastest first."""
+    return search(make_request(model, gpus, **request_options), space)
+
+
+def evaluate_layout(model: str | PlanModel, gpus: int, layout: str | Layout,
+                    **request_options) -> Evaluation:
+    """Memory, time and rejection reasons of one layout (`"dp=8 tp=2 pp=2 zero=1"`)."""
+    req = make_request(model, gpus, **request_options)
+    lay = parse_layout(layout, gpus) if isinstance(layout, str) else layout
+    return evaluate(req, lay)

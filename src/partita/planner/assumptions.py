@@ -1,0 +1,111 @@
+"""Every modelling assumption of the planner, named, documented and overridable.
+
+Nothing in the memory or time model is a hidden constant: when a figure is not a
+property of the model shape or the hardware datasheet, it is a field here. The CLI
+overrides them with `--set name=value`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from partita.errors import PartitaError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    # --- compute -------------------------------------------------------------------
+    # Fraction of datasheet peak a large bf16 matmul reaches in a training step
+    # (well-tuned dense runs report 40-55% MFU on H100; kernels alone reach ~70%).
+    compute_efficiency: float = 0.55
+    # Small matmuls run below that rate. Efficiency is scaled by r/(r + half_rows) for
+    # the rows (tokens of one microbatch on one GPU) and c/(c + half_cols) for the
+    # narrowest sharded width; at these sizes a GEMM runs at half its large-size rate.
+    matmul_half_rows: float = 128.0
+    matmul_half_cols: float = 64.0
+    # Attention kernel: "flash" keeps no s x s score matrix (only a log-sum-exp per
+    # row); "eager" saves softmax output (and dropout mask and output when dropout > 0).
+    attention_kernel: str = "flash"
+    # Tensors of width h a norm saves: 1 with a fused kernel (its input), 2 in eager
+    # PyTorch (input and normalised output, for the weight's gradient).
+    norm_saved_tensors: int = 1
+    # Tensors of width f a SwiGLU MLP saves: 3 fused (gate, up, fc2 input), 4 eager.
+    swiglu_saved_tensors: int = 3
+
+    # --- communication ---------------------------------------------------------------
+    # Fraction of link bandwidth a collective reaches (NCCL bus bandwidth over the
+    # per-direction datasheet figure; nccl-tests report ~0.75-0.85 on NVLink and IB).
+    intra_node_efficiency: float = 0.8
+    inter_node_efficiency: float = 0.8
+    # Overlap: the fraction of the compute a mechanism runs beside that can hide its
+    # communication (hidden = min(comm, overlap * compute)).
+    tp_overlap: float = 0.0  # Megatron TP collectives sit on the critical path
+    cp_overlap: float = 0.9  # ring attention sends the next KV block while computing
+    pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
+    ep_overlap: float = 0.0  # dispatch/combine all-to-all waits for the router
+    dp_overlap: float = 0.8  # gradient buckets reduce while backward continues
+    zero3_overlap: float = 0.8  # prefetched all-gathers run beside the previous block
+    # ZeRO-2/3 shard gradients, so with gradient accumulation they reduce-scatter after
+    # every microbatch (a full local copy would defeat the sharding); ZeRO-0/1 reduce
+    # once per step.
+    sharded_grads_reduce_every_microbatch: bool = True
+    # Latency steps of one collective over n ranks: 2*log2(n) (tree/recursive halving).
+    tree_latency: bool = True
+
+    # --- memory ----------------------------------------------------------------------
+    # Allocator fragmentation and caching slack, as a fraction of everything else.
+    fragmentation: float = 0.10
+    # CUDA context, cuBLAS/NCCL workspaces: bytes outside the caching allocator.
+    runtime_reserved_bytes: float = 1.0e9
+    # Gradient bucket bytes in flight during data-parallel reduction (two buckets).
+    grad_bucket_bytes: float = 2 * 50e6
+    # ZeRO-3: blocks gathered ahead of the one computing.
+    zero3_prefetch_depth: int = 1
+    # Logits on the last stage: bf16 logits plus an fp32 copy for the softmax of the
+    # cross-entropy and its gradient, per vocabulary entry per token.
+    logits_bytes_per_element: float = 10.0
+
+    # --- offload ---------------------------------------------------------------------
+    # Adam update rate of the host CPU, parameters per second per GPU's share of cores.
+    cpu_adam_params_per_s: float = 1.0e9
+    offload_overlap: float = 0.0  # the CPU step runs after backward, before next forward
+
+    def __post_init__(self) -> None:
+        if self.attention_kernel not in ("flash", "eager"):
+            raise PartitaError(
+                f"attention_kernel={self.attention_kernel!r}: use 'flash' or 'eager'."
+            )
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith(("_overlap", "_efficiency", "fragmentation")) and not (
+                0.0 <= value <= 1.0
+            ):
+                raise PartitaError(f"{f.name}={value}: a fraction between 0 and 1.")
+
+    def override(self, settings: dict[str, str]) -> Assumptions:
+        """A copy with `name=value` strings (from `--set`) applied."""
+        known = {f.name: f for f in fields(self)}
+        changes: dict[str, object] = {}
+        for name, raw in settings.items():
+            if name not in known:
+                raise PartitaError(
+                    f"unknown assumption '{name}'.{did_you_mean(name, known)} "
+                    f"Assumptions: {', '.join(known)}."
+                )
+            current = getattr(self, name)
+            try:
+                if isinstance(current, bool):
+                    changes[name] = raw.lower() in ("1", "true", "yes", "on")
+                elif isinstance(current, str):
+                    changes[name] = raw
+                else:
+                    changes[name] = type(current)(float(raw))
+            except ValueError:
+                raise PartitaError(f"assumption {name}={raw!r} is not a number.") from None
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument

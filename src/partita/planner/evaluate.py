@@ -1,0 +1,138 @@
+"""One layout, judged: does it divide, is it allowed, does it fit, and how fast is it.
+
+Rejections carry a kind (`divisibility`, `constraint`, `memory`) and a sentence, so the
+report can say why a layout was ruled out and the advice can say what would fix it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from partita.planner.assumptions import Assumptions
+from partita.planner.hardware import Cluster
+from partita.planner.layout import Layout, Precision
+from partita.planner.memory import host_state_bytes, peak_memory, stage_layers
+from partita.planner.model_shape import PlanModel
+from partita.planner.timing import num_microbatches, step_time
+
+DIVISIBILITY, CONSTRAINT, MEMORY = "divisibility", "constraint", "memory"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan for: a model on a cluster at a sequence length and global batch."""
+
+    model: PlanModel
+    cluster: Cluster
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    precision: Precision = Precision()
+    assumptions: Assumptions = Assumptions()
+
+
+@dataclass
+class Evaluation:
+    layout: Layout
+    reasons: list[tuple[str, str]] = field(default_factory=list)
+    memory: dict[str, float] = field(default_factory=dict)  # peak stage, named bytes
+    peak_stage: int = 0
+    host_bytes_per_node: float = 0.0
+    time: dict[str, float] = field(default_factory=dict)
+    capacity: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.describe(),
+            "degrees": self.layout.to_dict(),
+            "fits": self.fits,
+            "rejected_because": [{"kind": k, "reason": r} for k, r in self.reasons],
+            "memory_bytes": self.memory,
+            "peak_stage": self.peak_stage,
+            "capacity_bytes": self.capacity,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "time": self.time,
+        }
+
+
+def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
+    """Divisibility and support constraints: everything but memory."""
+    c, out = req.model.config, []
+    n = req.cluster.num_gpus
+    if layout.world_size != n:
+        out.append((DIVISIBILITY, f"dp*tp*pp*cp = {layout.world_size}, not the {n} GPUs"))
+    if c.n_heads % layout.tp:
+        out.append((DIVISIBILITY, f"tp={layout.tp} does not divide {c.n_heads} heads"))
+    elif c.kv_heads % layout.tp and layout.tp % c.kv_heads:
+        out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
+                                  "divides the other"))
+    if layout.tp > req.cluster.gpus_per_node:
+        out.append((CONSTRAINT, f"tp={layout.tp} spans nodes of {req.cluster.gpus_per_node} "
+                                "GPUs; tensor parallelism is placed within a node"))
+    if layout.pp > c.n_layers:
+        out.append((DIVISIBILITY, f"pp={layout.pp} exceeds the {c.n_layers} layers"))
+    elif layout.vpp > 1 and min(stage_layers(c.n_layers, layout.pp)) < layout.vpp:
+        out.append((DIVISIBILITY, f"vpp={layout.vpp} exceeds the layers of a stage"))
+    if layout.vpp > 1 and (layout.pp == 1 or layout.schedule != "interleaved"):
+        out.append((CONSTRAINT, "virtual stages need pp > 1 and the interleaved schedule"))
+    if layout.schedule == "interleaved" and layout.vpp == 1:
+        out.append((CONSTRAINT, "the interleaved schedule needs vpp > 1"))
+    if layout.zero == 3 and layout.pp > 1:
+        out.append((CONSTRAINT, "ZeRO-3 with pipeline parallelism is not supported by "
+                                "partita's pipeline (use ZeRO-1 or 2 with pp)"))
+    if layout.cp > 1 and req.seq_len % (2 * layout.cp):
+        out.append((DIVISIBILITY, f"seq_len={req.seq_len} is not divisible by 2*cp="
+                                  f"{2 * layout.cp} (ring attention balances 2cp chunks)"))
+    if c.flavour == "gpt2" and req.seq_len > c.max_seq_len:
+        out.append((CONSTRAINT, f"seq_len={req.seq_len} exceeds the {c.max_seq_len} learned "
+                                "positions"))
+    if layout.ep > 1:
+        if not req.model.is_moe:
+            out.append((CONSTRAINT, "ep > 1 needs a mixture-of-experts model"))
+        elif req.model.moe.num_experts % layout.ep:
+            out.append((DIVISIBILITY, f"ep={layout.ep} does not divide "
+                                      f"{req.model.moe.num_experts} experts"))
+        if layout.zero_group % layout.ep:
+            out.append((DIVISIBILITY, f"ep={layout.ep} does not divide dp*cp="
+                                      f"{layout.zero_group}"))
+    if req.global_batch % (layout.dp * layout.mb):
+        out.append((DIVISIBILITY, f"global batch {req.global_batch} is not divisible by "
+                                  f"dp*mb={layout.dp * layout.mb}"))
+    elif layout.schedule == "interleaved" and (
+            num_microbatches(layout, req.global_batch) % layout.pp):
+        out.append((CONSTRAINT, f"interleaved 1F1B needs microbatches "
+                                f"({num_microbatches(layout, req.global_batch)}) to be a "
+                                f"multiple of pp={layout.pp}"))
+    return out
+
+
+def evaluate(req: Request, layout: Layout) -> Evaluation:
+    """Judge `layout`: structural reasons first; then memory and time (always computed when
+    the layout is well formed, so a rejected one still shows how far off it is)."""
+    ev = Evaluation(layout, structural_reasons(req, layout), capacity=req.cluster.gpu.memory_bytes)
+    if any(k == DIVISIBILITY for k, _ in ev.reasons):
+        return ev
+    m = num_microbatches(layout, req.global_batch)
+    ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
+                                           req.assumptions)
+    ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
+        req.model, layout, req.precision, ev.peak_stage)
+    ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,
+                        req.precision, req.assumptions)
+    ev.reasons += memory_reasons(req, ev)
+    return ev
+
+
+def memory_reasons(req: Request, ev: Evaluation) -> list[tuple[str, str]]:
+    gpu, out = req.cluster.gpu, []
+    if ev.memory["total"] > gpu.memory_bytes:
+        out.append((MEMORY, f"needs {ev.memory['total'] / 1e9:.1f} GB per GPU on stage "
+                            f"{ev.peak_stage}, {gpu.name} has {gpu.memory_bytes / 1e9:.0f} GB"))
+    if ev.host_bytes_per_node > gpu.host_memory_per_node:
+        out.append((MEMORY, f"offloaded states need {ev.host_bytes_per_node / 1e9:.0f} GB of "
+                            f"host memory per node, a node has "
+                            f"{gpu.host_memory_per_node / 1e9:.0f} GB"))
+    return out

@@ -1,0 +1,173 @@
+"""Per-GPU memory of a layout, as named terms that tests compare with measured bytes.
+
+Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020) with the
+bytes per parameter of a `Precision` (default 2 + 2 + 4 + 8): stage 0 keeps all four
+states whole, stage 1 shards master weights and optimizer moments over the ZeRO group,
+stage 2 also gradients, stage 3 also parameters. The ZeRO group is dp * cp for dense
+parameters and dp * cp / ep for expert parameters. Tensor parallelism divides what it
+shards (not norms), pipeline stages own their layers, the first stage the embedding
+and the last the head (and, when tied and pp > 1, a copy of the embedding).
+
+A stage's peak adds its activations (layers x microbatches held by the schedule) and
+temporary buffers; `memory_breakdown` returns them all as one dict of named bytes.
+"""
+
+from __future__ import annotations
+
+from partita.planner.activations import (
+    inflight_chunks,
+    layer_activation_bytes,
+    layer_activation_terms,
+    layer_input_bytes,
+)
+from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.layout import MIXED, Layout, Precision
+from partita.planner.model_shape import PlanModel
+
+MODEL_STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Blocks per pipeline stage: an even split, remainder to the stages after the first
+    (the first stage holds the most in-flight microbatches and the embedding)."""
+    base, extra = divmod(n_layers, pp)
+    out = [base] * pp
+    for i in range(extra):
+        out[1 + i % (pp - 1) if pp > 1 else 0] += 1
+    return out
+
+
+def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0) -> dict[str, float]:
+    """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,
+    tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
+    c = model.config
+    layers = stage_layers(c.n_layers, layout.pp)[stage]
+    split = model.block_split(layout.tp)
+    dense = layers * (split["sharded"] + split["replicated"])
+    expert = layers * split["expert"] / layout.ep
+    vocab = c.vocab_size * c.dim / layout.tp  # vocab-parallel embedding / head
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
+    if last:
+        dense += c.head_param_count() - (0 if c.tie_embeddings else c.vocab_size * c.dim)
+        if not c.tie_embeddings or not first:
+            dense += vocab  # output projection (a tied copy when on another stage)
+    return {"dense": dense, "expert": expert}
+
+
+def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                      stage: int = 0) -> dict[str, float]:
+    """Bytes of parameters, gradients, fp32 master weights and optimizer states on one
+    GPU of `stage` (on the GPU: offloaded states are in `host_state_bytes`)."""
+    counts = stage_param_counts(model, layout, stage)
+    groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
+    z = layout.zero
+    out = dict.fromkeys(MODEL_STATE_TERMS, 0.0)
+    for kind, n in counts.items():
+        g = groups[kind]
+        out["parameters"] += precision.param * n / (g if z >= 3 else 1)
+        out["gradients"] += precision.grad * n / (g if z >= 2 else 1)
+        if layout.offload == "none":
+            out["master_weights"] += precision.master * n / (g if z >= 1 else 1)
+            out["optimizer_states"] += precision.optimizer * n / (g if z >= 1 else 1)
+    return out
+
+
+def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                     stage: int = 0) -> float:
+    """CPU memory one GPU's offloaded master weights and optimizer states take."""
+    if layout.offload == "none":
+        return 0.0
+    counts = stage_param_counts(model, layout, stage)
+    groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
+    per = precision.master + precision.optimizer
+    return sum(per * n / (groups[k] if layout.zero >= 1 else 1) for k, n in counts.items())
+
+
+def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
+                     stage: int = 0, precision: Precision = MIXED,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Activations saved for backward on one GPU of `stage` at its peak: per-layer bytes
+    x the stage's layers x the microbatches the schedule holds in flight, plus what the
+    last stage keeps for the loss and, under full recompute, one layer's working set."""
+    layers = stage_layers(model.config.n_layers, layout.pp)[stage]
+    chunks = inflight_chunks(layout, stage, num_microbatches)
+    per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
+    total = per_layer * layers * chunks / layout.vpp
+    if layout.recompute == "full":
+        # Backward re-runs one layer's forward and holds its full activations meanwhile.
+        total += sum(layer_activation_terms(model, layout, seq_len, precision,
+                                            assumptions).values())
+    if stage == layout.pp - 1:
+        total += logits_bytes(model, layout, seq_len, assumptions) * (
+            num_microbatches if layout.schedule == "gpipe" else 1)
+        total += layer_input_bytes(model, layout, seq_len, precision)  # final norm input
+    return total
+
+
+def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                 assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Logits of one microbatch with their fp32 softmax and gradient (vocab-parallel)."""
+    c = model.config
+    return (assumptions.logits_bytes_per_element * seq_len / layout.cp * layout.mb
+            * c.vocab_size / layout.tp)
+
+
+def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                      precision: Precision = MIXED, stage: int = 0,
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Temporary communication buffers: gathered ZeRO-3 blocks (with prefetch) and the
+    block's full gradients before reduce-scatter, gradient buckets, pipeline send/recv."""
+    c = model.config
+    out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
+    if layout.zero >= 3 and layout.zero_group > 1:
+        split = model.block_split(layout.tp)
+        block = split["sharded"] + split["replicated"] + split["expert"] / layout.ep
+        unit = block
+        if stage == 0 or stage == layout.pp - 1:
+            unit = max(block, c.vocab_size * c.dim / layout.tp)
+        out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
+                                 + precision.grad) * unit
+    elif layout.zero_group > 1:
+        out["grad_buckets"] = assumptions.grad_bucket_bytes
+    if layout.pp > 1:
+        out["pipeline_p2p"] = 2 * layer_input_bytes(model, layout, seq_len, precision)
+    return out
+
+
+def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
+                     stage: int = 0, precision: Precision = MIXED,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Every byte on one GPU of `stage`: model states, activations, communication
+    buffers, runtime reserve and the fragmentation allowance, and their `total`."""
+    out = model_state_bytes(model, layout, precision, stage)
+    out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
+                                          precision, assumptions)
+    out["comm_buffers"] = sum(comm_buffer_bytes(model, layout, seq_len, precision, stage,
+                                                assumptions).values())
+    subtotal = sum(out.values())
+    out["runtime_reserved"] = assumptions.runtime_reserved_bytes
+    out["fragmentation"] = assumptions.fragmentation * subtotal
+    out["total"] = subtotal + out["runtime_reserved"] + out["fragmentation"]
+    return out
+
+
+def peak_stages(pp: int) -> list[int]:
+    """Stages that can hold the peak: the first (most microbatches in flight, embedding),
+    the second (most layers), the last (head and logits)."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def peak_memory(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
+                precision: Precision = MIXED,
+                assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[int, dict[str, float]]:
+    """(stage, breakdown) of the pipeline stage with the largest total."""
+    best: tuple[int, dict[str, float]] | None = None
+    for stage in peak_stages(layout.pp):
+        b = memory_breakdown(model, layout, seq_len, num_microbatches, stage, precision,
+                             assumptions)
+        if best is None or b["total"] > best[1]["total"]:
+            best = (stage, b)
+    assert best is not None
+    return best

@@ -1,0 +1,120 @@
+"""The model as the planner sees it: a `ModelConfig` plus an optional mixture of experts.
+
+`ModelConfig` describes dense models. Expert parallelism needs to know how many
+experts replace each MLP, so the planner reads an optional `[moe]` table next to
+`[model]` in a config file (`num_experts`, `top_k`, `expert_ffn_dim`). Per-GPU
+parameter counts split each block into what tensor parallelism shards, what it
+replicates (norms, row-parallel biases) and what lives in experts.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from partita.errors import PartitaError
+from partita.models.catalog import MODELS, get_model_config
+from partita.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_experts: int = 1  # 1: a dense model
+    top_k: int = 1
+    expert_ffn_dim: int | None = None  # None: the model's ffn_hidden
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
+            raise PartitaError(
+                f"moe: num_experts={self.num_experts}, top_k={self.top_k}: need "
+                "1 <= top_k <= num_experts."
+            )
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    name: str
+    config: ModelConfig
+    moe: MoEShape = MoEShape()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe.num_experts > 1
+
+    @property
+    def expert_ffn(self) -> int:
+        return self.moe.expert_ffn_dim or self.config.ffn_hidden
+
+    # Per-block parameter counts, as one tensor-parallel rank holds them -------------
+    def mlp_params(self, ffn: int) -> int:
+        c = self.config
+        return (3 if c.gated_mlp else 2) * c.dim * ffn
+
+    def block_split(self, tp: int) -> dict[str, float]:
+        """Parameters of one block on one tp rank: sharded, replicated, expert (all experts).
+
+        K/V projections with fewer kv heads than tp ranks are replicated so that each
+        rank still holds the kv head its query heads use.
+        """
+        c = self.config
+        d, hd = c.dim, c.head_dim
+        kv_per_rank = -(-c.kv_heads // tp) * hd  # ceil: replicated when tp > kv_heads
+        attn = (2 * d * d) / tp + 2 * d * kv_per_rank
+        col_bias = (d / tp + 2 * kv_per_rank) if c.has_bias else 0.0
+        replicated = 2 * d * (2 if c.flavour == "gpt2" else 1)  # two norms (weight[, bias])
+        replicated += 2 * d if c.has_bias else 0  # row-parallel biases: out-proj, fc2
+        if self.is_moe:
+            router = d * self.moe.num_experts
+            expert = self.moe.num_experts * (self.mlp_params(self.expert_ffn)
+                                             + (self.expert_ffn if c.has_bias else 0)) / tp
+            return {"sharded": attn + col_bias, "replicated": replicated + router,
+                    "expert": expert}
+        mlp = self.mlp_params(c.ffn_hidden) / tp + (c.ffn_hidden / tp if c.has_bias else 0)
+        return {"sharded": attn + col_bias + mlp, "replicated": replicated, "expert": 0.0}
+
+    def total_params(self) -> float:
+        c = self.config
+        b = self.block_split(1)
+        return (c.embedding_param_count() + c.head_param_count()
+                + c.n_layers * (b["sharded"] + b["replicated"] + b["expert"]))
+
+    def active_params(self) -> float:
+        """Parameters one token passes through (top_k of the experts), for FLOPs."""
+        if not self.is_moe:
+            return float(self.config.num_params())
+        c = self.config
+        per_expert = self.mlp_params(self.expert_ffn)
+        return self.total_params() - c.n_layers * (self.moe.num_experts - self.moe.top_k) * per_expert
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, no recompute: 6 * matmul params + 12*L*H*Q*T."""
+        c = self.config
+        dense = c.flops_per_token(seq_len)
+        if not self.is_moe:
+            return dense
+        delta = c.n_layers * (self.moe.top_k * self.mlp_params(self.expert_ffn)
+                              - self.mlp_params(c.ffn_hidden))
+        return dense + 6 * delta
+
+
+def resolve_model(name_or_path: str) -> PlanModel:
+    """A catalog name (`llama3-70b`) or a TOML file with `[model]` (and optional `[moe]`)."""
+    path = Path(name_or_path)
+    if name_or_path.endswith(".toml") or path.is_file():
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise PartitaError(
+                f"model config file '{name_or_path}' does not exist. Known models: "
+                f"{', '.join(MODELS)}."
+            ) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise PartitaError(f"model config '{name_or_path}' is not valid TOML: {exc}.") from None
+        if "model" not in data:
+            raise PartitaError(
+                f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
+            )
+        moe = MoEShape(**data["moe"]) if "moe" in data else MoEShape()
+        return PlanModel(path.stem, ModelConfig.from_dict(data["model"]), moe)
+    return PlanModel(name_or_path, get_model_config(name_or_path))

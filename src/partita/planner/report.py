@@ -1,0 +1,149 @@
+"""Text, JSON and picture forms of planner results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from partita.errors import PartitaError
+from partita.planner.evaluate import Evaluation, Request
+from partita.planner.search import SearchResult
+
+# (column title, memory term) in the order a GPU's memory is usually explained.
+MEMORY_COLUMNS = (
+    ("params", "parameters"), ("grads", "gradients"), ("master", "master_weights"),
+    ("optim", "optimizer_states"), ("activ", "activations"), ("buffers", "comm_buffers"),
+    ("reserve", "runtime_reserved"), ("frag", "fragmentation"), ("total", "total"),
+)
+KIND_TITLES = {"memory": "does not fit", "divisibility": "divisibility",
+               "constraint": "constraint"}
+
+
+def describe_request(req: Request) -> str:
+    c, cl = req.model.config, req.cluster
+    return (f"{req.model.name}: {req.model.total_params() / 1e9:.2f} B parameters "
+            f"({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, {c.kv_heads} kv heads)"
+            f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
+            f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
+            f"{req.global_batch} sequences ({req.global_batch * req.seq_len / 1e6:.2f} M tokens)")
+
+
+def format_table(evals: list[Evaluation]) -> str:
+    """One row per layout: memory terms in GB on its peak stage, then time figures."""
+    layouts = [e.layout.describe() for e in evals]
+    width = max([len("layout")] + [len(s) for s in layouts])
+    head = (f"{'#':>3}  {'layout':<{width}}  "
+            + " ".join(f"{t:>7}" for t, _ in MEMORY_COLUMNS)
+            + f"  {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm s':>7}")
+    lines = [f"{'':>{width + 5}}  per-GPU memory in GB (peak pipeline stage)", head,
+             "-" * len(head)]
+    for i, (e, name) in enumerate(zip(evals, layouts), 1):
+        mem = " ".join(f"{e.memory.get(k, 0.0) / 1e9:>7.2f}" for _, k in MEMORY_COLUMNS)
+        t = e.time
+        lines.append(f"{i:>3}  {name:<{width}}  {mem}  {t['step_s']:>8.3f} "
+                     f"{t['tokens_per_s']:>10.4g} {t['mfu']:>5.1%} "
+                     f"{t['bubble_fraction']:>6.1%} {t['comm_exposed_s']:>7.3f}")
+    return "\n".join(lines)
+
+
+def format_search(result: SearchResult, top: int = 10) -> str:
+    req = result.request
+    out = [describe_request(req), ""]
+    if result.ranked:
+        out.append(f"Best {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
+                   "that fit, fastest first:")
+        out.append(format_table(result.ranked[:top]))
+    else:
+        out.append("No layout fits.")
+    out.append("")
+    out.append("Rejected: " + (", ".join(
+        f"{n} {KIND_TITLES.get(k, k)}" for k, n in result.rejected.most_common()) or "none"))
+    for kind, examples in result.examples.items():
+        for e in examples:
+            out.append(f"  {KIND_TITLES.get(kind, kind)}: {e.layout.describe()}: "
+                       f"{e.reasons[0][1]}")
+    out.append("")
+    out.append(footer(result))
+    return "\n".join(out)
+
+
+def footer(result: SearchResult) -> str:
+    return f"searched {result.searched} layouts in {result.seconds:.2f} s"
+
+
+def format_evaluation(req: Request, ev: Evaluation) -> str:
+    out = [describe_request(req), "", f"Layout: {ev.layout.describe()}"]
+    if ev.memory:
+        out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), GB:")
+        for _, key in MEMORY_COLUMNS:
+            out.append(f"  {key:<18} {ev.memory[key] / 1e9:>9.3f}")
+        out.append(f"  capacity           {ev.capacity / 1e9:>9.3f}")
+        if ev.host_bytes_per_node:
+            out.append(f"  host memory per node for offloaded states: "
+                       f"{ev.host_bytes_per_node / 1e9:.1f} GB")
+    if ev.time:
+        t = ev.time
+        out.append(f"Step {t['step_s']:.3f} s (compute {t['compute_s']:.3f}, bubble "
+                   f"{t['bubble_s']:.3f} = {t['bubble_fraction']:.1%}, exposed communication "
+                   f"{t['comm_exposed_s']:.3f}, offload {t['offload_s']:.3f}); "
+                   f"{t['tokens_per_s']:.4g} tokens/s; MFU {t['mfu']:.1%}")
+        out.append("Bytes sent per GPU per step: " + ", ".join(
+            f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
+                                                     "pp_bytes", "dp_bytes") if t[k]))
+    if ev.fits:
+        out.append("Fits.")
+    else:
+        out.append("Rejected:")
+        out += [f"  {KIND_TITLES.get(k, k)}: {r}" for k, r in ev.reasons]
+    return "\n".join(out)
+
+
+def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | None = None,
+            top: int = 10, advice: list[str] | None = None) -> str:
+    data: dict = {
+        "model": req.model.name, "parameters": req.model.total_params(),
+        "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
+        "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
+        "global_batch": req.global_batch, "assumptions": req.assumptions.to_dict(),
+    }
+    if result is not None:
+        data["ranked"] = [e.to_dict() for e in result.ranked[:top]]
+        data["fitting"] = len(result.ranked)
+        data["rejected"] = dict(result.rejected)
+        data["rejected_examples"] = {k: [e.to_dict() for e in v]
+                                     for k, v in result.examples.items()}
+        data["searched"] = result.searched
+        data["search_seconds"] = result.seconds
+    if ev is not None:
+        data["evaluation"] = ev.to_dict()
+    if advice is not None:
+        data["advice"] = advice
+    return json.dumps(data, indent=2)
+
+
+def draw_memory(evals: list[Evaluation], path: str | Path) -> None:
+    """Stacked bars of each layout's per-GPU memory terms, with the capacity line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PartitaError(
+            "--png needs matplotlib, an optional extra: pip install 'partita[plot]'."
+        ) from None
+    if not evals:
+        raise PartitaError("nothing to draw: no layout was evaluated.")
+    names = [e.layout.describe() for e in evals][::-1]
+    fig, ax = plt.subplots(figsize=(11, 0.5 * len(evals) + 1.8))
+    left = [0.0] * len(evals)
+    for title, key in MEMORY_COLUMNS[:-1]:
+        widths = [e.memory.get(key, 0.0) / 1e9 for e in evals][::-1]
+        ax.barh(names, widths, left=left, label=title)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.axvline(evals[0].capacity / 1e9, color="black", linestyle="--", label="capacity")
+    ax.set_xlabel("GB per GPU (peak pipeline stage)")
+    ax.legend(ncol=5, fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,185 @@
+"""Enumerate every layout of a request, judge each, rank the ones that fit.
+
+The space is dp x tp x pp x cp x ep (product = GPUs) x ZeRO stage x virtual stages x
+schedule x microbatch x recompute x offload. Three prunings keep a 16k-GPU search to
+seconds without losing a valid layout:
+
+* structural: degrees that break divisibility (or a support constraint) are rejected
+  once, with every inner combination counted under the same reason;
+* model states: if parameters, gradients and optimizer states alone overflow a GPU,
+  no microbatch or recompute choice can help, so the inner loops are skipped;
+* monotonicity: activation memory only grows with the microbatch and shrinks with
+  recompute, so once full recompute at microbatch b overflows, larger b are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from partita.planner.evaluate import (
+    CONSTRAINT,
+    DIVISIBILITY,
+    MEMORY,
+    Evaluation,
+    Request,
+    evaluate,
+    structural_reasons,
+)
+from partita.planner.layout import OFFLOAD, Layout
+from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which options the search tries (narrow it to pin a choice)."""
+
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    offload: tuple[str, ...] = OFFLOAD
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")
+    max_microbatch: int = 16
+    max_vpp: int = 8
+    # Context-parallel chunks shorter than this are all latency: not worth searching.
+    min_tokens_per_cp_rank: int = 512
+
+
+FULL_SPACE = SearchSpace()  # immutable, shared as a default argument
+
+
+@dataclass
+class SearchResult:
+    request: Request
+    ranked: list[Evaluation]  # layouts that fit, fastest first
+    rejected: Counter = field(default_factory=Counter)  # kind -> layouts
+    examples: dict[str, list[Evaluation]] = field(default_factory=dict)  # kind -> a few
+    searched: int = 0
+    seconds: float = 0.0
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3) -> SearchResult:
+    """Every layout of `req` judged; the fitting ones ranked by step time."""
+    start = time.perf_counter()
+    result = SearchResult(req, [])
+    n = req.cluster.num_gpus
+
+    def reject(kind: str, ev: Evaluation | None, count: int) -> None:
+        result.rejected[kind] += count
+        result.searched += count
+        if ev is not None:
+            examples = result.examples.setdefault(kind, [])
+            if kind == MEMORY:  # keep the closest misses
+                examples.append(ev)
+                examples.sort(key=lambda e: e.memory.get("total", 0.0) / e.capacity)
+                del examples[keep_examples:]
+            elif len(examples) < keep_examples:
+                examples.append(ev)
+
+    mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= space.max_microbatch]
+    experts = req.model.moe.num_experts
+    for tp in divisors(n):
+        for cp in divisors(n // tp):
+            if cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank:
+                continue
+            for pp in divisors(n // (tp * cp)):
+                dp = n // (tp * cp * pp)
+                for ep in divisors(experts) if req.model.is_moe else [1]:
+                    if (dp * cp) % ep:
+                        continue
+                    inner = _inner_options(req, space, pp, dp, mbs)
+                    size = len(inner) * len(space.recompute)
+                    for zero in space.zero_stages:
+                        if zero > 0 and dp * cp == 1:
+                            continue  # identical to zero=0: nothing to shard over
+                        for offload in space.offload:
+                            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
+                                          offload=offload)
+                            reasons = structural_reasons(req, base)
+                            if reasons:
+                                kind = reasons[0][0]
+                                ev = Evaluation(base, reasons, capacity=req.cluster.gpu.memory_bytes)
+                                reject(kind, ev, size)
+                                continue
+                            if _states_overflow(req, base):
+                                ev = evaluate(req, base.with_(recompute="full"))
+                                reject(MEMORY, ev, size)
+                                continue
+                            _search_inner(req, space, base, inner, result, reject)
+    # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
+    result.ranked.sort(key=lambda e: (round(e.time["step_s"], 9), round(e.memory["total"]),
+                                      e.layout.cp, e.layout.ep, e.layout.pp, e.layout.vpp))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
+                   mbs: list[int]) -> list[tuple[int, str, int]]:
+    """(vpp, schedule, microbatch) triples worth trying for these degrees."""
+    options = []
+    per_replica = req.global_batch // dp if req.global_batch % dp == 0 else 0
+    valid_mbs = [b for b in mbs if per_replica and per_replica % b == 0] or mbs[:1]
+    if pp == 1:
+        scheds = [(1, "1f1b")]
+    else:
+        fewest = min(stage_layers(req.model.config.n_layers, pp))
+        scheds = [(1, s) for s in space.schedules if s in ("1f1b", "zb-h1", "gpipe")]
+        if "interleaved" in space.schedules:
+            scheds += [(v, "interleaved") for v in range(2, min(space.max_vpp, fewest) + 1)
+                       if fewest % v == 0]
+    for vpp, sched in scheds:
+        options += [(vpp, sched, b) for b in valid_mbs]
+    return options
+
+
+def _states_overflow(req: Request, layout: Layout) -> bool:
+    """Model states plus the fixed reserve alone exceed the GPU on some stage."""
+    a = req.assumptions
+    for stage in peak_stages(layout.pp):
+        states = sum(model_state_bytes(req.model, layout, req.precision, stage).values())
+        if states * (1 + a.fragmentation) + a.runtime_reserved_bytes > req.cluster.gpu.memory_bytes:
+            return True
+    return False
+
+
+def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject) -> None:
+    # Recompute from most to least memory-saving: when the most saving overflows, the
+    # others do too; microbatches ascending: when the smallest overflows, larger do too.
+    order = [r for r in ("full", "selective", "none") if r in space.recompute]
+    by_schedule: dict[tuple[int, str], list[int]] = {}
+    for vpp, sched, mb in inner:
+        by_schedule.setdefault((vpp, sched), []).append(mb)
+    for (vpp, sched), mbs in by_schedule.items():
+        for i, mb in enumerate(mbs):
+            layout = base.with_(vpp=vpp, schedule=sched, mb=mb)
+            overflow_all = False
+            for j, rc in enumerate(order):
+                ev = evaluate(req, layout.with_(recompute=rc))
+                if ev.fits:
+                    result.ranked.append(ev)
+                    result.searched += 1
+                    continue
+                kind = ev.reasons[0][0]
+                if kind != MEMORY:
+                    reject(kind, ev, 1)
+                    continue
+                # More memory-hungry recompute choices overflow as well.
+                reject(MEMORY, ev, len(order) - j)
+                overflow_all = j == 0
+                break
+            if overflow_all:
+                reject(MEMORY, None, (len(mbs) - i - 1) * len(order))
+                break
+
+
+__all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "FULL_SPACE", "SearchResult", "SearchSpace",
+           "search"]

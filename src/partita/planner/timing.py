@@ -1,0 +1,182 @@
+"""Step time of a layout: compute, the pipeline bubble, and exposed communication.
+
+Compute is FLOPs over `peak * compute_efficiency`, scaled down for small matmuls.
+Each parallel dimension's communication volume per GPU is computed from the standard
+collective costs (ring all-reduce moves 2(n-1)/n of the buffer per GPU, reduce-scatter
+and all-gather (n-1)/n each, all-to-all (n-1)/n) and timed on the link its group
+uses: NVLink when the group's ranks lie in one node, the GPU's network port otherwise.
+The part of each that overlap can hide is `min(comm, overlap * compute beside it)`.
+
+Per microbatch and stage, tp/cp/ep communication lengthens the stage's time (it sits
+inside the layers), so it also lengthens the bubble; pipeline p2p, data-parallel
+reduction and offload are added once per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from partita.planner.activations import layer_input_bytes
+from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.hardware import Cluster
+from partita.planner.layout import MIXED, Layout, Precision
+from partita.planner.memory import stage_layers, stage_param_counts
+from partita.planner.model_shape import PlanModel
+
+
+def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
+    """Forward FLOPs of one block for `mb` sequences on one device (no parallelism):
+    2 per matmul weight (top_k experts for MoE) per token, plus 4*h*s per token for
+    the score and value products (the MFU convention: no causal discount)."""
+    c = model.config
+    split = model.block_split(1)
+    matmul = split["sharded"]  # attention (+ dense MLP) weights; biases are negligible
+    if model.is_moe:
+        matmul += model.moe.top_k * model.mlp_params(model.expert_ffn)
+    tokens = mb * seq_len
+    return 2 * matmul * tokens + 4 * c.dim * seq_len * tokens
+
+
+def head_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
+    return 2 * model.config.vocab_size * model.config.dim * mb * seq_len
+
+
+def matmul_efficiency(model: PlanModel, layout: Layout, seq_len: int,
+                      assumptions: Assumptions) -> float:
+    rows = layout.mb * seq_len / layout.cp
+    cols = model.config.dim / layout.tp
+    return (assumptions.compute_efficiency * rows / (rows + assumptions.matmul_half_rows)
+            * cols / (cols + assumptions.matmul_half_cols))
+
+
+def num_microbatches(layout: Layout, global_batch: int) -> int:
+    return global_batch // (layout.dp * layout.mb)
+
+
+def _collective_time(volume: float, n: int, messages: float, link: tuple[float, float],
+                     efficiency: float, assumptions: Assumptions) -> float:
+    if n <= 1 or volume <= 0:
+        return 0.0
+    bw, alpha = link
+    steps = 2 * math.log2(n) if assumptions.tree_latency else 2 * (n - 1)
+    return volume / (bw * efficiency) + messages * steps * alpha
+
+
+def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
+              global_batch: int, precision: Precision = MIXED,
+              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension."""
+    a, c, gpu = assumptions, model.config, cluster.gpu
+    m = num_microbatches(layout, global_batch)
+    t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.vpp
+    eff = matmul_efficiency(model, layout, seq_len, a)
+    rate = gpu.peak_flops * eff
+    split = t * cp
+    fwd_layer = layer_forward_flops(model, seq_len, layout.mb) / split
+    attn_fwd = 4 * c.dim * seq_len * layout.mb * seq_len / split
+    passes = {"none": 3.0, "selective": 3.0, "full": 4.0}[layout.recompute]
+    layer_s = (passes * fwd_layer + (attn_fwd if layout.recompute == "selective" else 0)) / rate
+    head_s = 3 * head_forward_flops(model, seq_len, layout.mb) / split / rate
+    intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
+
+    def link_eff(span: int) -> tuple[tuple[float, float], float]:
+        link = cluster.link(span)
+        return link, (intra_eff if span <= cluster.gpus_per_node else inter_eff)
+
+    # Tensor parallel: 2 collectives forward, 2 backward (+2 when recomputing forward),
+    # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
+    act = precision.activation * layout.mb * seq_len / cp * c.dim
+    tp_colls = 4 + (2 if layout.recompute == "full" else 0)
+    tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
+    link, le = link_eff(t)
+    tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
+    # Context parallel ring: cp-1 hops of this rank's K and V forward; backward passes K,
+    # V and their gradients (x2); + a forward again under full recompute.
+    kv = 2 * precision.activation * layout.mb * seq_len / cp * (-(-c.kv_heads // t)) * c.head_dim
+    cp_hops = (3 + (1 if layout.recompute == "full" else 0)) * (cp - 1)
+    cp_vol = cp_hops * kv
+    link, le = link_eff(t * cp)
+    cp_s = cp_vol / (link[0] * le) + cp_hops * link[1] if cp > 1 else 0.0
+    # Expert parallel: dispatch + combine all-to-all forward and backward.
+    ep_colls = 4 + (2 if layout.recompute == "full" else 0)
+    ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act) if ep > 1 else 0.0
+    link, le = link_eff(t * ep)
+    ep_s = _collective_time(ep_vol, ep, ep_colls, link, le, a)
+
+    exposed_layer = (tp_s - min(tp_s, a.tp_overlap * layer_s)
+                     + cp_s - min(cp_s, a.cp_overlap * layer_s)
+                     + ep_s - min(ep_s, a.ep_overlap * layer_s))
+    layers = stage_layers(c.n_layers, pp)
+    stage_s = [n * (layer_s + exposed_layer) for n in layers]
+    stage_s[-1] += head_s
+    mb_s = max(stage_s)  # the slowest stage paces the pipeline
+    bubble_units = {"interleaved": (pp - 1) / v, "zb-h1": (pp - 1) / 3}.get(
+        layout.schedule, pp - 1)
+    compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0)
+                        for i, n in enumerate(layers))
+    bubble_s = bubble_units * mb_s
+    pipeline_s = m * mb_s + bubble_s
+
+    # Pipeline p2p: each microbatch crosses each of this rank's v chunks, forward and back.
+    p2p = layer_input_bytes(model, layout, seq_len, precision)  # sharded over tp under sp
+    pp_vol = 2 * v * m * p2p if pp > 1 else 0.0
+    stride = t * cp * layout.dp
+    link, le = link_eff(2 * stride)
+    pp_s = pp_vol / (link[0] * le) + 2 * v * m * link[1] if pp > 1 else 0.0
+    pp_exposed = pp_s - min(pp_s, a.pp_overlap * compute_s)
+
+    # Data parallel (over the ZeRO group dp*cp) per ZeRO stage.
+    counts = stage_param_counts(model, layout, 0)
+    n = layout.zero_group
+    local = counts["dense"] + counts["expert"]
+    g_bytes, p_bytes = precision.grad * local, precision.param * local
+    frac = (n - 1) / n if n > 1 else 0.0
+    every_mb = a.sharded_grads_reduce_every_microbatch
+    z = layout.zero
+    if z <= 1:
+        dp_vol = frac * (g_bytes + (p_bytes if z == 1 else g_bytes))
+        per_step, per_mb = dp_vol, 0.0
+    elif z == 2:
+        per_mb = frac * g_bytes * (m if every_mb else 1)
+        per_step = frac * p_bytes
+        dp_vol = per_mb + per_step
+    else:
+        per_mb = m * frac * (2 * p_bytes + g_bytes)
+        per_step = 0.0
+        dp_vol = per_mb
+    link, le = link_eff(t * cp * layout.dp)
+    bucket = max(a.grad_bucket_bytes / 2, 1.0)
+    messages = math.ceil(dp_vol / bucket) + (3 * m * sum(layers) // pp if z == 3 else 0)
+    dp_s = _collective_time(dp_vol, n, messages, link, le, a)
+    hide_step = a.dp_overlap * (mb_s if per_step else 0.0)
+    hide_mb = (a.zero3_overlap if z == 3 else a.dp_overlap) * compute_s
+    share_mb = per_mb / dp_vol if dp_vol else 0.0
+    dp_exposed = (dp_s * (1 - share_mb) - min(dp_s * (1 - share_mb), hide_step)
+                  + dp_s * share_mb - min(dp_s * share_mb, hide_mb))
+
+    offload_s = 0.0
+    if layout.offload != "none":
+        shard = local / (n if z >= 1 else 1)
+        moved = (precision.grad + precision.param) * shard
+        offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
+        offload_s *= 1 - a.offload_overlap
+
+    step = pipeline_s + pp_exposed + dp_exposed + offload_s
+    tokens = global_batch * seq_len
+    comm_exposed = (m * max(layers) * exposed_layer) + pp_exposed + dp_exposed
+    return {
+        "step_s": step,
+        "compute_s": compute_s,
+        "bubble_s": bubble_s,
+        "bubble_fraction": bubble_s / pipeline_s if pipeline_s else 0.0,
+        "comm_exposed_s": comm_exposed,
+        "offload_s": offload_s,
+        "tokens_per_s": tokens / step,
+        "mfu": model.flops_per_token(seq_len) * tokens / step / (cluster.num_gpus
+                                                                   * gpu.peak_flops),
+        "tp_bytes": tp_vol * m * max(layers),
+        "cp_bytes": cp_vol * m * max(layers),
+        "ep_bytes": ep_vol * m * max(layers) if model.is_moe else 0.0,
+        "pp_bytes": pp_vol,
+        "dp_bytes": dp_vol,
+    }
