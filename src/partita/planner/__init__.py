@@ -20,6 +20,7 @@ from partita.planner.memory import (
     comm_buffer_bytes,
     memory_breakdown,
     model_state_bytes,
+    zero_state_bytes,
 )
 from partita.planner.model_shape import MoEShape, PlanModel, resolve_model
 from partita.planner.search import SearchResult, SearchSpace, search
@@ -31,5 +32,5 @@ __all__ = [
     "advise_layout", "advise_search", "comm_buffer_bytes", "evaluate", "evaluate_layout",
     "get_gpu", "korthikanti_layer_bytes", "layer_activation_terms", "load_gpu_profiles",
     "make_request", "memory_breakdown", "model_state_bytes", "parse_layout", "plan",
-    "resolve_model", "search", "step_time",
+    "resolve_model", "search", "step_time", "zero_state_bytes",
 ]

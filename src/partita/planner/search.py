@@ -116,7 +116,7 @@ def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3
                                 continue
                             _search_inner(req, space, base, inner, result, reject)
     # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
-    result.ranked.sort(key=lambda e: (round(e.time["step_s"], 9), round(e.memory["total"]),
+    result.ranked.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
                                       e.layout.cp, e.layout.ep, e.layout.pp, e.layout.vpp))
     result.seconds = time.perf_counter() - start
     return result

@@ -1,0 +1,178 @@
+"""Planner memory arithmetic against hand-computed cases (no processes, no GPU)."""
+
+import pytest
+
+from partita.models.catalog import MODELS
+from partita.models.config import ModelConfig
+from partita.planner import (
+    Assumptions,
+    Layout,
+    PlanModel,
+    Precision,
+    korthikanti_layer_bytes,
+    layer_activation_terms,
+    model_state_bytes,
+    resolve_model,
+    zero_state_bytes,
+)
+from partita.planner.activations import inflight_chunks, layer_activation_bytes
+from partita.planner.memory import activation_bytes, stage_layers, stage_param_counts
+
+EAGER = Assumptions(attention_kernel="eager")
+
+
+@pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.88)])
+def test_zero_paper_example(stage, expected_gb):
+    # ZeRO paper, Fig. 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K = 12).
+    total = sum(zero_state_bytes(7.5e9, stage, 64).values())
+    assert total / 1e9 == pytest.approx(expected_gb, rel=0.01)
+
+
+def test_zero_stages_exact_bytes():
+    p, n = 1000.0, 8
+    assert zero_state_bytes(p, 0, n) == {"parameters": 2000, "gradients": 2000,
+                                         "master_weights": 4000, "optimizer_states": 8000}
+    assert sum(zero_state_bytes(p, 1, n).values()) == 4 * p + 12 * p / n
+    assert sum(zero_state_bytes(p, 2, n).values()) == 2 * p + 14 * p / n
+    assert sum(zero_state_bytes(p, 3, n).values()) == 16 * p / n
+    # fp32 training keeps no master copy: 4 + 4 + 8.
+    assert sum(zero_state_bytes(p, 0, 1, Precision.fp32()).values()) == 16 * p
+    assert zero_state_bytes(p, 0, 1, Precision.fp32())["master_weights"] == 0
+    # Offload moves master weights and moments off the GPU.
+    off = zero_state_bytes(p, 1, n, offload="optimizer")
+    assert off["master_weights"] == off["optimizer_states"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_counts_match_model_config(name):
+    model = resolve_model(name)
+    assert model.total_params() == model.config.num_params()
+    states = model_state_bytes(model, Layout())
+    assert sum(states.values()) == 16 * model.config.num_params()
+
+
+def test_tensor_parallel_divides_all_but_norms():
+    model = resolve_model("llama3-8b")
+    c = model.config
+    norms = 2 * c.dim
+    block = c.block_param_count()
+    expected = c.n_layers * ((block - norms) / 2 + norms) + 2 * c.vocab_size * c.dim / 2 + c.dim
+    assert stage_param_counts(model, Layout(tp=2))["dense"] == pytest.approx(expected)
+    # GQA with tp above the kv heads replicates K/V projections.
+    wide = stage_param_counts(model, Layout(tp=16))["dense"]
+    kv = 2 * c.dim * c.head_dim * c.n_layers  # one kv head's K and V on every rank
+    assert wide == pytest.approx(c.n_layers * (4096 * 4096 * 2 / 16 + 3 * 4096 * 14336 / 16
+                                              + norms) + kv + 2 * c.vocab_size * c.dim / 16
+                                 + c.dim)
+
+
+def test_pipeline_stages_own_embedding_and_head():
+    model = resolve_model("tiny")
+    c = model.config
+    first = stage_param_counts(model, Layout(pp=2), 0)["dense"]
+    last = stage_param_counts(model, Layout(pp=2), 1)["dense"]
+    assert first == 2 * c.block_param_count() + c.vocab_size * c.dim
+    assert last == 2 * c.block_param_count() + c.head_param_count()
+    assert first + last == c.num_params()
+    # Tied embeddings: the last stage keeps its own copy of the shared matrix.
+    tied = resolve_model("tiny-gpt2")
+    tc = tied.config
+    total = sum(stage_param_counts(tied, Layout(pp=2), s)["dense"] for s in (0, 1))
+    assert total == tc.num_params() + tc.vocab_size * tc.dim
+
+
+def test_stage_layers_uneven():
+    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
+    assert stage_layers(4, 2) == [2, 2]
+    assert sum(stage_layers(80, 3)) == 80
+
+
+def test_zero_shards_over_data_and_context():
+    model = resolve_model("tiny")
+    p = model.config.num_params()
+    s = model_state_bytes(model, Layout(dp=2, cp=2, zero=1))
+    assert s["master_weights"] == pytest.approx(4 * p / 4)
+    assert s["parameters"] == 2 * p
+
+
+def _gpt(dropout=0.1):
+    # A GPT block as in Korthikanti et al.: LayerNorm, GELU 4h MLP, MHA, dropout.
+    cfg = ModelConfig(vocab_size=51200, dim=12288, n_layers=2, n_heads=96, max_seq_len=2048,
+                      flavour="gpt2", dropout=dropout)
+    return PlanModel("gpt", cfg)
+
+
+def test_korthikanti_hand_case():
+    # GPT-3 shape, s=2048, b=1: sbh(34 + 5as/h) = 2048*12288*(34 + 80) bytes.
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, t=8) == pytest.approx(
+        2048 * 12288 * (10 + 24 / 8 + 80 / 8))
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, t=8, sp=True) == 2048 * 12288 / 8 * 114
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, recompute="selective") == 2048 * 12288 * 34
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, attention_kernel="flash") == 2048 * 12288 * 34
+    assert korthikanti_layer_bytes(2048, 1, 12288, 96, t=8, sp=True, recompute="full") == (
+        2 * 2048 * 12288 / 8)
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (4, True), (8, True)])
+def test_terms_reproduce_korthikanti(tp, sp):
+    model = _gpt()
+    layout = Layout(tp=tp, sp=sp, mb=2)
+    terms = layer_activation_terms(model, layout, 2048, assumptions=EAGER)
+    assert sum(terms.values()) == pytest.approx(
+        korthikanti_layer_bytes(2048, 2, 12288, 96, t=tp, sp=sp))
+    sel = layer_activation_bytes(model, layout.with_(recompute="selective"), 2048,
+                                 assumptions=EAGER)
+    assert sel == pytest.approx(korthikanti_layer_bytes(2048, 2, 12288, 96, t=tp, sp=sp,
+                                                        recompute="selective"))
+
+
+def test_flash_attention_keeps_only_logsumexp():
+    model = _gpt()
+    flash = layer_activation_terms(model, Layout(), 2048)
+    assert flash["attention_scores"] == 4 * 96 * 2048  # one fp32 per head and query
+    assert sum(flash.values()) == pytest.approx(34 * 2048 * 12288 + 4 * 96 * 2048)
+
+
+def test_llama_terms_without_dropout():
+    model = resolve_model("llama3-8b")  # GQA, SwiGLU, no dropout
+    s, h, f, kv = 8192, 4096, 14336, 8 * 128
+    terms = layer_activation_terms(model, Layout(), s)
+    assert terms["dropout_masks"] == 0
+    assert terms["attention_qkv"] == 2 * s * (h + 2 * kv)
+    assert terms["mlp_hidden"] == 3 * 2 * s * f
+    eager = layer_activation_terms(model, Layout(), s, assumptions=Assumptions(
+        attention_kernel="eager", swiglu_saved_tensors=4, norm_saved_tensors=2))
+    assert eager["attention_scores"] == 2 * 32 * s * s
+    assert eager["mlp_hidden"] == 4 * 2 * s * f
+    assert eager["norm_inputs"] == 2 * terms["norm_inputs"]
+
+
+def test_context_parallel_halves_activations():
+    model = resolve_model("llama3-8b")
+    one = sum(layer_activation_terms(model, Layout(), 8192, assumptions=EAGER).values())
+    two = sum(layer_activation_terms(model, Layout(cp=2), 8192, assumptions=EAGER).values())
+    assert two == pytest.approx(one / 2)
+
+
+def test_inflight_microbatches_per_schedule():
+    assert inflight_chunks(Layout(pp=4), 0, 16) == 4
+    assert inflight_chunks(Layout(pp=4), 3, 16) == 1
+    assert inflight_chunks(Layout(pp=4), 0, 2) == 2
+    assert inflight_chunks(Layout(pp=4, schedule="gpipe"), 0, 16) == 16
+    # Interleaved, stage 0: pp*v + pp - 1 chunks = pp * (1 + (pp-1)/(pp v)) stages' worth.
+    lay = Layout(pp=4, vpp=2, schedule="interleaved")
+    assert inflight_chunks(lay, 0, 16) == 11
+    assert inflight_chunks(lay, 0, 16) / 2 == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_activation_bytes_full_recompute_and_precision():
+    model = resolve_model("llama3-8b")
+    lay = Layout(pp=1, recompute="full")
+    per_input = 2 * 8192 * 4096
+    total = activation_bytes(model, lay, 8192, 1)
+    working = sum(layer_activation_terms(model, lay, 8192).values())
+    logits = 10 * 8192 * 128256
+    assert total == pytest.approx(32 * per_input + working + logits + per_input)
+    fp32 = layer_activation_bytes(model, Layout(), 1024, precision=Precision.fp32())
+    assert fp32 == pytest.approx(2 * layer_activation_bytes(model, Layout(), 1024), rel=1e-3)
