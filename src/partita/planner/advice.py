@@ -8,6 +8,7 @@ Each suggestion names the change and the layout that then fits.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 
 from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
@@ -17,26 +18,29 @@ from partita.planner.search import FULL_SPACE, SearchSpace, search
 
 
 def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
-    """Changes to one layout that does not fit in memory, least disruptive first."""
+    """Changes to one layout that does not fit in memory: the fewest knobs changed first
+    (recompute, ZeRO stage, offload, microbatch), the fastest result among equals; then
+    changes to the request."""
     if ev.fits or any(k != MEMORY for k, _ in ev.reasons):
         return []
     lay = ev.layout
-    tries: list[tuple[str, Layout]] = []
-    for rc in ("selective", "full"):
-        if _order(rc) > _order(lay.recompute):
-            tries.append((f"recompute={rc}", lay.with_(recompute=rc)))
-    for z in range(lay.zero + 1, 4 if lay.pp == 1 else 3):
-        tries.append((f"zero={z}", lay.with_(zero=z)))
-    if lay.offload == "none":
-        tries.append(("offload=optimizer", lay.with_(offload="optimizer")))
-    mb = lay.mb // 2
-    while mb >= 1:
-        tries.append((f"mb={mb}", lay.with_(mb=mb)))
-        mb //= 2
-    tries.append(("recompute=full offload=optimizer",
-                  lay.with_(recompute="full", offload="optimizer", mb=1)))
-    out = [f"{change}: {trial.describe()} fits" for change, trial in tries
-           if evaluate(req, trial).fits]
+    recomputes = [r for r in ("none", "selective", "full") if _order(r) >= _order(lay.recompute)]
+    zeros = list(range(lay.zero, 4 if lay.pp == 1 else 3))
+    offloads = [lay.offload] + (["optimizer"] if lay.offload == "none" else [])
+    mbs = [lay.mb >> i for i in range(lay.mb.bit_length()) if lay.mb % (lay.mb >> i) == 0]
+    found: list[tuple[int, float, str]] = []
+    for rc, z, off, mb in itertools.product(recomputes, zeros, offloads, mbs):
+        trial = lay.with_(recompute=rc, zero=z, offload=off, mb=mb)
+        changes = [f"{k}={getattr(trial, k)}" for k in ("recompute", "zero", "offload", "mb")
+                   if getattr(trial, k) != getattr(lay, k)]
+        if not changes:
+            continue
+        result = evaluate(req, trial)
+        if result.fits:
+            found.append((len(changes), result.time["step_s"],
+                          f"{' '.join(changes)}: {trial.describe()} fits"))
+    found.sort()
+    out = [text for _, _, text in found[:limit]]
     if len(out) < limit:
         out += _request_changes(req, lambda r: _fits_scaled(r, lay), limit - len(out))
     return out[:limit]

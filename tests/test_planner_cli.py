@@ -1,0 +1,114 @@
+"""`partita plan` through `partita.cli.main`, hardware profiles and catalogs."""
+
+import json
+
+import pytest
+
+from partita.cli import main
+from partita.errors import PartitaError
+from partita.planner import GPUS, get_gpu, load_gpu_profiles
+from partita.planner.cpu_profile import measure_local_cpu
+
+
+def test_ranked_table(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    for word in ("params", "grads", "master", "optim", "activ", "buffers", "frag",
+                 "tokens/s", "MFU", "bubble", "Rejected:", "does not fit", "constraint"):
+        assert word in out
+    assert "searched " in out.splitlines()[-1] and " layouts in " in out
+
+
+def test_json_output(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--json", "--top", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert len(data["ranked"]) == 2 and data["searched"] > 0
+    first = data["ranked"][0]
+    assert first["fits"] and first["memory_bytes"]["total"] <= 80e9
+    assert set(first["time"]) >= {"step_s", "tokens_per_s", "mfu", "bubble_fraction"}
+
+
+def test_layout_evaluation(capsys):
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64",
+                 "--layout", "tp=8 pp=4 zero=1 mb=1"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=2 tp=8 pp=4" in out and "Fits." in out and "master_weights" in out
+    # A layout that does not fit: exit 1, the reason and the smallest change.
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--layout", "dp=64"]) == 1
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "Smallest change that would fit:" in out
+
+
+def test_layout_json(capsys):
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu-type", "A100-40GB",
+                 "--layout", "dp=2 zero=2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["evaluation"]["fits"] and data["evaluation"]["degrees"]["zero"] == 2
+
+
+def test_nothing_fits_says_what_would(capsys):
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu-type", "A100-40GB",
+                 "--global-batch", "64"]) == 1
+    out = capsys.readouterr().out
+    assert "No layout fits." in out and "--gpus" in out
+
+
+def test_unknown_names_list_known(capsys):
+    assert main(["plan", "--model", "llama-8b", "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "llama3-8b" in err and "gpt3-175b" in err
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpu-type", "H1000"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'H100'" in err and "B200" in err and "A100-40GB" in err
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--set", "compute_eff=0.5"]) == 2
+    assert "compute_efficiency" in capsys.readouterr().err
+
+
+def test_assumption_override_changes_time(capsys):
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8 zero=1", "--json"]
+    main(args)
+    base = json.loads(capsys.readouterr().out)["evaluation"]["time"]["compute_s"]
+    main(args + ["--set", "compute_efficiency=0.275"])
+    slow = json.loads(capsys.readouterr().out)["evaluation"]["time"]["compute_s"]
+    assert slow == pytest.approx(2 * base)
+
+
+def test_model_and_hardware_files(tmp_path, capsys):
+    model = tmp_path / "m.toml"
+    model.write_text("[model]\nvocab_size = 1000\ndim = 512\nn_layers = 8\nn_heads = 8\n"
+                     "max_seq_len = 1024\n")
+    hw = tmp_path / "hw.toml"
+    hw.write_text('[gpu.small]\nbase = "H100"\nmemory_bytes = 16e9\n\n'
+                  "[gpu.mine]\npeak_flops = 100e12\nmemory_bytes = 24e9\n"
+                  "memory_bandwidth = 1e12\nintra_node_bandwidth = 50e9\n"
+                  "inter_node_bandwidth = 10e9\ngpus_per_node = 4\n")
+    profiles = load_gpu_profiles(hw)
+    assert profiles["small"].peak_flops == GPUS["H100"].peak_flops
+    assert profiles["small"].memory_bytes == 16e9
+    assert profiles["mine"].gpus_per_node == 4
+    assert main(["plan", "--model", str(model), "--gpus", "4", "--gpu-type", "mine",
+                 "--hardware", str(hw), "--top", "2"]) == 0
+    assert "on 4 x mine (4 per node" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gpu.x]\npeak_flop = 1\n")
+    with pytest.raises(PartitaError, match="peak_flops"):
+        load_gpu_profiles(bad)
+
+
+def test_catalog_entries_cite_sources():
+    for name, gpu in GPUS.items():
+        assert gpu.source and gpu.peak_flops > 1e14 and gpu.memory_bytes >= 40e9, name
+    assert get_gpu("h100").name == "H100" and get_gpu("H100-SXM").name == "H100"
+
+
+def test_local_cpu_profile():
+    cpu = measure_local_cpu(budget_s=0.05, size=64)
+    assert cpu.peak_flops > 1e8 and cpu.memory_bytes > 1e8 and cpu.gpus_per_node >= 1
+
+
+def test_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "mem.png"
+    assert main(["plan", "--model", "tiny", "--gpus", "4", "--top", "3", "--png",
+                 str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"

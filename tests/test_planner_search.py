@@ -1,0 +1,122 @@
+"""Planner search, rejection reasons and advice."""
+
+import pytest
+
+from partita.errors import PartitaError
+from partita.planner import (
+    advise_layout,
+    advise_search,
+    evaluate,
+    evaluate_layout,
+    make_request,
+    parse_layout,
+    plan,
+)
+from partita.planner.evaluate import CONSTRAINT, DIVISIBILITY, MEMORY
+from partita.planner.search import SearchSpace, search
+
+
+def test_405b_on_16384_gpus():
+    result = plan("llama3-405b", 16384, gpu_type="H100", global_batch=2048)
+    assert result.searched > 100_000
+    assert result.ranked
+    best = result.best.layout
+    assert best.world_size == 16384 and best.tp == 8 and best.pp > 1
+    for ev in result.ranked:
+        assert ev.memory["total"] <= 80e9
+        assert not (ev.layout.zero == 3 and ev.layout.pp > 1)
+        assert ev.layout.tp <= 8
+    steps = [e.time["step_s"] for e in result.ranked]
+    assert all(a <= b * (1 + 1e-5) for a, b in zip(steps, steps[1:]))
+    assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT}
+    # Every enumerated layout is counted once: fitting or rejected.
+    assert result.searched == len(result.ranked) + sum(result.rejected.values())
+
+
+def test_small_model_prefers_plain_data_parallel():
+    result = plan("tiny", 8, gpu_type="H100", seq_len=128, global_batch=64)
+    assert result.best.layout.tp == 1 and result.best.layout.pp == 1
+
+
+def _reasons(layout_text, model="llama3-70b", gpus=64, **kw):
+    req = make_request(model, gpus, **kw)
+    ev = evaluate(req, parse_layout(layout_text, gpus))
+    return ev, [k for k, _ in ev.reasons], " ".join(r for _, r in ev.reasons)
+
+
+def test_rejection_reasons():
+    _, kinds, text = _reasons("tp=16 pp=4", global_batch=512)
+    assert CONSTRAINT in kinds and "within a node" in text
+    _, kinds, text = _reasons("tp=3 dp=1 pp=1", gpus=3)
+    assert kinds == [DIVISIBILITY] and "64 heads" in text
+    _, kinds, text = _reasons("tp=8 pp=2 zero=3")
+    assert CONSTRAINT in kinds and "ZeRO-3" in text
+    _, kinds, text = _reasons("dp=64 zero=0")
+    assert kinds == [MEMORY] and "GB per GPU" in text
+    _, kinds, text = _reasons("tp=8 pp=4 dp=2", global_batch=3)
+    assert DIVISIBILITY in kinds
+    _, kinds, text = _reasons("tp=8 pp=4 vpp=30", global_batch=512)
+    assert DIVISIBILITY in kinds or CONSTRAINT in kinds
+    _, kinds, text = _reasons("tp=8 dp=4 ep=2 pp=2")
+    assert "mixture-of-experts" in text
+
+
+def test_layout_advice_fixes_the_layout():
+    req = make_request("llama3-8b", 8, seq_len=8192, global_batch=64)
+    ev = evaluate(req, parse_layout("dp=8 zero=0 mb=4", 8))
+    assert not ev.fits
+    advice = advise_layout(req, ev)
+    assert advice
+    # Each suggestion names a layout that does fit.
+    for line in advice:
+        layout_text = line.split(": ", 1)[1].rsplit(" fits", 1)[0]
+        if "--" in line:
+            continue
+        assert evaluate(req, parse_layout(layout_text, 8)).fits
+
+
+def test_search_advice_when_nothing_fits():
+    req = make_request("llama3-405b", 8, gpu_type="A100-40GB", seq_len=8192, global_batch=64)
+    assert not search(req).ranked
+    advice = advise_search(req)
+    assert any("--gpus" in a for a in advice)
+    # The suggested GPU count really fits.
+    gpus = int(next(a for a in advice if "--gpus" in a).split("--gpus ")[1].split(":")[0])
+    assert search(make_request("llama3-405b", gpus, gpu_type="A100-40GB", seq_len=8192,
+                               global_batch=64)).ranked
+
+
+def test_restricted_space_advice_relaxes_it():
+    req = make_request("llama3-8b", 1, seq_len=8192, global_batch=64)
+    narrow = SearchSpace(zero_stages=(0,), recompute=("none",), offload=("none",))
+    assert not search(req, narrow).ranked
+    advice = advise_search(req, narrow)
+    assert advice[0].startswith("allow every")
+
+
+def test_shorter_sequence_advice():
+    req = make_request("llama3-8b", 1, gpu_type="A100-40GB", seq_len=131072, global_batch=8)
+    ev = evaluate(req, parse_layout("dp=1 zero=0 recompute=full offload=optimizer", 1))
+    assert not ev.fits
+    assert any("--seq-len" in a or "--gpus" in a for a in advise_layout(req, ev))
+
+
+def test_evaluate_layout_api_and_moe(tmp_path):
+    ev = evaluate_layout("llama3-8b", 16, "tp=8 zero=1", seq_len=4096, global_batch=32)
+    assert ev.fits and ev.layout.dp == 2
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text("[model]\nvocab_size = 32000\ndim = 2048\nn_layers = 16\nn_heads = 16\n"
+                   "max_seq_len = 4096\n[moe]\nnum_experts = 8\ntop_k = 2\n")
+    moe = evaluate_layout(str(cfg), 16, "dp=16 ep=8 zero=1", seq_len=4096, global_batch=64)
+    dense_ep = evaluate_layout(str(cfg), 16, "dp=16 ep=1 zero=1", seq_len=4096, global_batch=64)
+    assert moe.fits and moe.time["ep_bytes"] > 0
+    assert moe.memory["parameters"] < dense_ep.memory["parameters"]
+    result = plan(str(cfg), 16, seq_len=4096, global_batch=64)
+    assert any(e.layout.ep > 1 for e in result.ranked)
+
+
+def test_bad_layout_text():
+    with pytest.raises(PartitaError, match="name=value"):
+        parse_layout("dp:2")
+    with pytest.raises(PartitaError, match="recompute"):
+        parse_layout("recompute=some")
