@@ -55,9 +55,8 @@ class Assumptions:
     # --- memory ----------------------------------------------------------------------
     # Allocator fragmentation and caching slack, as a fraction of everything else.
     fragmentation: float = 0.10
-    # CUDA context, cuBLAS/NCCL workspaces: bytes outside the caching allocator.
-    runtime_reserved_bytes: float = 1.0e9
-    # Gradient bucket bytes in flight during data-parallel reduction (two buckets).
+    # Gradient bucket bytes in flight during data-parallel reduction (two buckets;
+    # never more than the gradients themselves).
     grad_bucket_bytes: float = 2 * 50e6
     # ZeRO-3: blocks gathered ahead of the one computing.
     zero3_prefetch_depth: int = 1

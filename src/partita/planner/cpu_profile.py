@@ -49,6 +49,7 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         host_link_bandwidth=copy_rate,  # "offload" to host memory is a memory copy
         host_memory_per_node=ram,
         gpus_per_node=cores,
+        runtime_reserved_bytes=0.0,  # no device context: counted in process RSS instead
         source=f"measured on this machine: {size}^3 fp32 matmul on 1 thread, "
                f"copy bandwidth, /proc/meminfo",
     )

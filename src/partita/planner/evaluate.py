@@ -117,7 +117,8 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
         return ev
     m = num_microbatches(layout, req.global_batch)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
-                                           req.assumptions)
+                                           req.assumptions,
+                                           req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,

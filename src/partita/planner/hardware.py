@@ -34,6 +34,9 @@ class GPUSpec:
     host_link_bandwidth: float = 25e9  # GPU <-> CPU memory (PCIe), per direction, bytes/s
     host_memory_per_node: float = 1000 * GB  # CPU memory of one node, for offload
     gpus_per_node: int = 8
+    # Device memory outside the framework's allocator: CUDA context, cuBLAS and NCCL
+    # workspaces (about 0.5-1 GB on recent NVIDIA drivers; not a datasheet figure).
+    runtime_reserved_bytes: float = 1.0 * GB
     source: str = ""
 
 

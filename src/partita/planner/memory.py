@@ -142,7 +142,8 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
                                  + precision.grad) * unit
     elif layout.zero_group > 1:
-        out["grad_buckets"] = assumptions.grad_bucket_bytes
+        grads = model_state_bytes(model, layout, precision, stage)["gradients"]
+        out["grad_buckets"] = min(assumptions.grad_bucket_bytes, grads)
     if layout.pp > 1:
         out["pipeline_p2p"] = 2 * layer_input_bytes(model, layout, seq_len, precision)
     return out
@@ -150,16 +151,18 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
 
 def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
                      stage: int = 0, precision: Precision = MIXED,
-                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                     runtime_reserved: float = 0.0) -> dict[str, float]:
     """Every byte on one GPU of `stage`: model states, activations, communication
-    buffers, runtime reserve and the fragmentation allowance, and their `total`."""
+    buffers, the device's runtime reserve (`GPUSpec.runtime_reserved_bytes`) and the
+    fragmentation allowance, and their `total`."""
     out = model_state_bytes(model, layout, precision, stage)
     out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
                                           precision, assumptions)
     out["comm_buffers"] = sum(comm_buffer_bytes(model, layout, seq_len, precision, stage,
                                                 assumptions).values())
     subtotal = sum(out.values())
-    out["runtime_reserved"] = assumptions.runtime_reserved_bytes
+    out["runtime_reserved"] = runtime_reserved
     out["fragmentation"] = assumptions.fragmentation * subtotal
     out["total"] = subtotal + out["runtime_reserved"] + out["fragmentation"]
     return out
@@ -172,13 +175,13 @@ def peak_stages(pp: int) -> list[int]:
 
 
 def peak_memory(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
-                precision: Precision = MIXED,
-                assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[int, dict[str, float]]:
+                precision: Precision = MIXED, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                runtime_reserved: float = 0.0) -> tuple[int, dict[str, float]]:
     """(stage, breakdown) of the pipeline stage with the largest total."""
     best: tuple[int, dict[str, float]] | None = None
     for stage in peak_stages(layout.pp):
         b = memory_breakdown(model, layout, seq_len, num_microbatches, stage, precision,
-                             assumptions)
+                             assumptions, runtime_reserved)
         if best is None or b["total"] > best[1]["total"]:
             best = (stage, b)
     assert best is not None

@@ -13,7 +13,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, did_you_mean
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.config import ModelConfig
 
@@ -115,6 +115,17 @@ def resolve_model(name_or_path: str) -> PlanModel:
             raise PartitaError(
                 f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
             )
-        moe = MoEShape(**data["moe"]) if "moe" in data else MoEShape()
+        moe = _moe_from(data.get("moe", {}), name_or_path)
         return PlanModel(path.stem, ModelConfig.from_dict(data["model"]), moe)
     return PlanModel(name_or_path, get_model_config(name_or_path))
+
+
+def _moe_from(table: dict, source: str) -> MoEShape:
+    known = set(MoEShape.__dataclass_fields__)
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise PartitaError(
+            f"model config '{source}', [moe]: unknown setting '{unknown[0]}'."
+            f"{did_you_mean(unknown[0], known)} Settings: {', '.join(sorted(known))}."
+        )
+    return MoEShape(**table)

@@ -21,7 +21,9 @@ KIND_TITLES = {"memory": "does not fit", "divisibility": "divisibility",
 
 def describe_request(req: Request) -> str:
     c, cl = req.model.config, req.cluster
-    return (f"{req.model.name}: {req.model.total_params() / 1e9:.2f} B parameters "
+    n = req.model.total_params()
+    count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
+    return (f"{req.model.name}: {count} parameters "
             f"({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, {c.kv_heads} kv heads)"
             f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
             f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
@@ -31,14 +33,15 @@ def describe_request(req: Request) -> str:
 def format_table(evals: list[Evaluation]) -> str:
     """One row per layout: memory terms in GB on its peak stage, then time figures."""
     layouts = [e.layout.describe() for e in evals]
+    scale, unit = _unit(max(e.memory.get("total", 0.0) for e in evals))
     width = max([len("layout")] + [len(s) for s in layouts])
     head = (f"{'#':>3}  {'layout':<{width}}  "
             + " ".join(f"{t:>7}" for t, _ in MEMORY_COLUMNS)
             + f"  {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm s':>7}")
-    lines = [f"{'':>{width + 5}}  per-GPU memory in GB (peak pipeline stage)", head,
+    lines = [f"{'':>{width + 5}}  per-GPU memory in {unit} (peak pipeline stage)", head,
              "-" * len(head)]
     for i, (e, name) in enumerate(zip(evals, layouts), 1):
-        mem = " ".join(f"{e.memory.get(k, 0.0) / 1e9:>7.2f}" for _, k in MEMORY_COLUMNS)
+        mem = " ".join(f"{e.memory.get(k, 0.0) / scale:>7.2f}" for _, k in MEMORY_COLUMNS)
         t = e.time
         lines.append(f"{i:>3}  {name:<{width}}  {mem}  {t['step_s']:>8.3f} "
                      f"{t['tokens_per_s']:>10.4g} {t['mfu']:>5.1%} "
@@ -74,10 +77,11 @@ def footer(result: SearchResult) -> str:
 def format_evaluation(req: Request, ev: Evaluation) -> str:
     out = [describe_request(req), "", f"Layout: {ev.layout.describe()}"]
     if ev.memory:
-        out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), GB:")
+        scale, unit = _unit(ev.memory["total"])
+        out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), {unit}:")
         for _, key in MEMORY_COLUMNS:
-            out.append(f"  {key:<18} {ev.memory[key] / 1e9:>9.3f}")
-        out.append(f"  capacity           {ev.capacity / 1e9:>9.3f}")
+            out.append(f"  {key:<18} {ev.memory[key] / scale:>9.3f}")
+        out.append(f"  capacity           {ev.capacity / scale:>9.3f}")
         if ev.host_bytes_per_node:
             out.append(f"  host memory per node for offloaded states: "
                        f"{ev.host_bytes_per_node / 1e9:.1f} GB")
@@ -96,6 +100,11 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
         out.append("Rejected:")
         out += [f"  {KIND_TITLES.get(k, k)}: {r}" for k, r in ev.reasons]
     return "\n".join(out)
+
+
+def _unit(largest: float) -> tuple[float, str]:
+    """GB for real models, MB for the tiny ones our CPU tests train."""
+    return (1e9, "GB") if largest >= 1e9 else (1e6, "MB")
 
 
 def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | None = None,

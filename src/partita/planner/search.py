@@ -146,7 +146,7 @@ def _states_overflow(req: Request, layout: Layout) -> bool:
     a = req.assumptions
     for stage in peak_stages(layout.pp):
         states = sum(model_state_bytes(req.model, layout, req.precision, stage).values())
-        if states * (1 + a.fragmentation) + a.runtime_reserved_bytes > req.cluster.gpu.memory_bytes:
+        if states * (1 + a.fragmentation) + req.cluster.gpu.runtime_reserved_bytes > req.cluster.gpu.memory_bytes:
             return True
     return False
 
