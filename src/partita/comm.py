@@ -141,7 +141,9 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
+        # A copy: autograd may hand the same gradient tensor to other consumers (an add's
+        # backward passes one tensor to both inputs); reducing it in place corrupts them.
+        grad = grad.clone(memory_format=torch.contiguous_format)
         ctx.comm.all_reduce(grad)
         return grad, None
 
