@@ -1,0 +1,274 @@
+"""Apply tensor (and sequence) parallelism to a model from its plan, then verify it.
+
+    report = apply_tensor_parallel(model, model.plan(), mesh.comm("tensor"))
+    loss = report.loss_fn(model(tokens), targets)
+
+Modules are swapped in place; parameter names stay those of the single-device model and
+every parameter gets a ShardInfo (split ones: which slice; the rest: replicated over
+"tensor"). On a meta-device model the new parameters are meta tensors of the local
+shapes, to be materialised with `partita.sharding.init_shard(cfg, shard_info(p))`; on a
+model with values the shards are sliced from them.
+
+Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundaries
+when the parent module has a `head_dim`, i.e. is attention), VOCAB_EMBEDDING
+nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module. Outside the plan: a tied head
+(`model.output is None` with `cfg.tie_embeddings`) is built from the vocab-parallel
+embedding; a learned `model.pos_embeddings` is sequence-sharded under sequence
+parallelism; every nn.Dropout becomes a ParallelDropout (see dropout.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+from partita.comm import GroupComm
+from partita.errors import PartitaError
+from partita.models import plan as roles
+from partita.sharding import ShardInfo, set_shard_info
+from partita.tensor_parallel import partition as part
+from partita.tensor_parallel.dropout import ParallelDropout, RegionRNG
+from partita.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    ReplicatedHeadsLinear,
+    RowParallelLinear,
+    region_pre_hook,
+)
+from partita.tensor_parallel.sequence import SequenceParallelNorm, SequenceShardedPositions
+from partita.tensor_parallel.vocab import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    VocabParallelLoss,
+)
+
+REPLICATED = ("tensor",)
+
+
+@dataclass
+class TensorParallelReport:
+    """What apply_tensor_parallel did; `loss_fn(logits, targets)` is the model's loss."""
+
+    tp: int
+    sequence_parallel: bool
+    parallel: dict[str, str] = field(default_factory=dict)  # module name -> new type
+    replicated: list[str] = field(default_factory=list)  # parameter names
+    notes: list[str] = field(default_factory=list)  # exact adjustments made
+    vocab_size: int = 0
+    padded_vocab_size: int = 0
+    loss_fn: VocabParallelLoss | None = None
+
+
+def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm,
+                          sequence_parallel: bool = False,
+                          dropout_seed: int = 0) -> TensorParallelReport:
+    """Swap the planned modules of `model` for tensor-parallel ones over `comm`.
+
+    Raises PartitaError for a layout the model cannot take (names the valid tp degrees)
+    and for planned modules left without a parallel type. `dropout_seed` seeds the
+    dropout generators; make it differ across data-parallel ranks.
+    """
+    tp = comm.size
+    if sequence_parallel and tp == 1:
+        raise PartitaError(
+            "sequence parallelism shards activations over the tensor-parallel group, but "
+            "its size is 1. Set parallel.tp to 2 or more, or turn sequence parallelism off."
+        )
+    cfg = getattr(model, "cfg", None)
+    report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
+    ctx = _Context(comm, sequence_parallel, cfg, report)
+    planned = [(n, m, plan.role_of(n)) for n, m in model.named_modules() if n]
+    planned = [(n, m, r) for n, m, r in planned if r is not None]
+    region_parents: dict[str, nn.Module] = {}
+    for name, module, role in planned:
+        new = ctx.convert(name, module, role, _parent(model, name))
+        if new is not module:
+            _replace(model, name, new)
+        if role == roles.COLWISE:
+            parent_name = name.rpartition(".")[0]
+            region_parents[parent_name] = model.get_submodule(parent_name)
+    for parent in region_parents.values():
+        parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
+                                         with_kwargs=True)
+    _tie_head(model, ctx)
+    _positions(model, ctx)
+    _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
+    _mark_replicated(model, ctx)
+    verify_tensor_parallel(model, plan, sequence_parallel)
+    return report
+
+
+def verify_tensor_parallel(model: nn.Module, plan: roles.ModelPlan,
+                           sequence_parallel: bool) -> None:
+    """Raise PartitaError naming every planned module that lacks its parallel type."""
+    expected = {
+        roles.COLWISE: (ColumnParallelLinear, ReplicatedHeadsLinear),
+        roles.ROWWISE: (RowParallelLinear,),
+        roles.VOCAB_EMBEDDING: (VocabParallelEmbedding,),
+        roles.VOCAB_HEAD: (VocabParallelHead,),
+        roles.NORM: (SequenceParallelNorm,) if sequence_parallel else (nn.Module,),
+    }
+    wrong = [f"{n} ({r}: {type(m).__name__})" for n, m in model.named_modules()
+             if n and (r := plan.role_of(n)) is not None and not isinstance(m, expected[r])]
+    if wrong:
+        raise PartitaError(
+            "tensor parallelism left these planned modules without a parallel type: "
+            + ", ".join(wrong) + ". Each would silently compute on unsplit or partial data. "
+            "Give them a supported type (nn.Linear for colwise/rowwise/vocab_head, "
+            "nn.Embedding for vocab_embedding) or remove them from the model's plan."
+        )
+
+
+class _Context:
+    def __init__(self, comm: GroupComm, sequence_parallel: bool, cfg, report) -> None:
+        self.comm, self.sp, self.cfg, self.report = comm, sequence_parallel, cfg, report
+        self.tp, self.index = comm.size, comm.index
+        self.vocab: VocabParallelEmbedding | None = None
+
+    def note(self, text: str) -> None:
+        if text not in self.report.notes:
+            self.report.notes.append(text)
+
+    def split(self, module: nn.Module, name: str, attr: str, dim: int, start: int,
+              stop: int, full: int) -> None:
+        """Record that module.attr holds [start, stop) of a global size `full` along dim."""
+        param = getattr(module, attr, None)
+        if param is not None:
+            shape = list(param.shape)
+            shape[dim] = full
+            set_shard_info(param, ShardInfo(f"{name}.{attr}", tuple(shape), dim, start, stop))
+
+    def replicate(self, name: str, param: nn.Parameter) -> None:
+        set_shard_info(param, ShardInfo(name, tuple(param.shape), replicated_over=REPLICATED))
+        self.report.replicated.append(name)
+
+    def convert(self, name: str, module: nn.Module, role: str, parent: nn.Module) -> nn.Module:
+        linear = isinstance(module, nn.Linear)
+        head_dim = getattr(parent, "head_dim", None)
+        if role == roles.COLWISE and linear:
+            if head_dim:
+                return self._attention_column(name, module, head_dim)
+            start, stop = self._padded(module.out_features, f"{name} output features")
+            new = ColumnParallelLinear(module, start, stop, self.comm, self.sp)
+            self.split(new, name, "weight", 0, start, stop, module.out_features)
+            self.split(new, name, "bias", 0, start, stop, module.out_features)
+        elif role == roles.ROWWISE and linear:
+            if head_dim:
+                heads = module.in_features // head_dim
+                first, last = part.head_split(heads, self.tp, self.index, f"{name} heads")
+                start, stop = first * head_dim, last * head_dim
+            else:
+                start, stop = self._padded(module.in_features, f"{name} input features")
+            new = RowParallelLinear(module, start, stop, self.comm, self.sp)
+            self.split(new, name, "weight", 1, start, stop, module.in_features)
+            if new.bias is not None:
+                self.replicate(f"{name}.bias", new.bias)
+        elif role in (roles.VOCAB_EMBEDDING, roles.VOCAB_HEAD):
+            rows = module.num_embeddings if isinstance(module, nn.Embedding) else (
+                module.out_features if linear else None)
+            if rows is None or (role == roles.VOCAB_EMBEDDING) != isinstance(module, nn.Embedding):
+                return module  # unsupported type: reported by verify_tensor_parallel
+            start, stop = self._padded(rows, "vocabulary")
+            padded = part.padded_size(rows, self.tp) // self.tp
+            self.report.vocab_size, self.report.padded_vocab_size = rows, padded * self.tp
+            if role == roles.VOCAB_EMBEDDING:
+                new = self.vocab = VocabParallelEmbedding(module, start, stop, padded,
+                                                          self.comm, self.sp)
+            else:
+                new = VocabParallelHead(module, start, stop, padded, self.comm, self.sp)
+                if module.bias is not None:
+                    raise PartitaError(f"{name}: a vocabulary head with a bias is not supported.")
+            self.split(new, name, "weight", 0, start, stop, rows)
+            self.report.loss_fn = VocabParallelLoss(self.comm, start, rows)
+        elif role == roles.NORM:
+            for pname, param in module.named_parameters(recurse=False):
+                self.replicate(f"{name}.{pname}", param)
+            new = SequenceParallelNorm(module, self.comm) if self.sp else module
+        else:
+            return module
+        self.report.parallel[name] = type(new).__name__
+        return new
+
+    def _padded(self, n: int, what: str) -> tuple[int, int]:
+        part.check_padded_split(n, self.tp, what)
+        if n % self.tp:
+            self.note(f"{what}: {n} padded to {part.padded_size(n, self.tp)} for tp={self.tp} "
+                      "(exact; the padding is not stored)")
+        return part.padded_split(n, self.tp, self.index)
+
+    def _attention_column(self, name: str, module: nn.Linear, head_dim: int) -> nn.Module:
+        heads = module.out_features // head_dim
+        n_heads = self.cfg.n_heads if self.cfg is not None else heads
+        if heads % self.tp == 0 or heads >= n_heads:
+            first, last = part.head_split(heads, self.tp, self.index, f"{name} heads")
+            new = ColumnParallelLinear(module, first * head_dim, last * head_dim,
+                                       self.comm, self.sp)
+            lo, hi, full = first * head_dim, last * head_dim, module.out_features
+            self.split(new, name, "weight", 0, lo, hi, full)
+            self.split(new, name, "bias", 0, lo, hi, full)
+        else:  # grouped-query kv heads that tp does not divide: keep them all
+            q_first, q_last = part.head_split(n_heads, self.tp, self.index)
+            kv = part.kv_rows_for_rank(n_heads, heads, q_first, q_last)
+            new = ReplicatedHeadsLinear(module, kv, head_dim, self.comm, self.sp)
+            for pname, param in new.named_parameters(recurse=False):
+                self.replicate(f"{name}.{pname}", param)
+            self.note(f"kv heads ({heads}) not divisible by tp={self.tp}: kv projections "
+                      "replicated on every tp rank, gradients summed over tp")
+        self.report.parallel[name] = type(new).__name__
+        return new
+
+
+def _tie_head(model: nn.Module, ctx: _Context) -> None:
+    """Tied embeddings: the vocab-parallel embedding shard doubles as the head shard."""
+    tied = ctx.cfg is not None and getattr(ctx.cfg, "tie_embeddings", False)
+    if not tied or getattr(model, "output", "absent") is not None or ctx.vocab is None:
+        return
+    v = ctx.vocab
+    model.output = VocabParallelHead(None, v.start, v.stop, v.padded_rows, ctx.comm, ctx.sp,
+                                     tied=v)
+    ctx.report.parallel["output"] = "VocabParallelHead (tied)"
+
+
+def _positions(model: nn.Module, ctx: _Context) -> None:
+    pos = getattr(model, "pos_embeddings", None)
+    if not isinstance(pos, nn.Embedding):
+        return
+    if ctx.sp:
+        for pname, param in pos.named_parameters(recurse=False):
+            ctx.replicate(f"pos_embeddings.{pname}", param)
+        model.pos_embeddings = SequenceShardedPositions(pos, ctx.comm)
+        ctx.report.parallel["pos_embeddings"] = "SequenceShardedPositions"
+
+
+def _dropouts(model: nn.Module, rng: RegionRNG, region_parents: set[str],
+              ctx: _Context) -> None:
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Dropout):
+            inside = name.rpartition(".")[0] in region_parents
+            kind = "split" if inside or ctx.sp else "replicated"
+            _replace(model, name, ParallelDropout(module.p, rng, kind))
+
+
+def _mark_replicated(model: nn.Module, ctx: _Context) -> None:
+    """Give every unsplit parameter a ShardInfo; refuse unknown ones under SP."""
+    unknown = []
+    for name, param in model.named_parameters():
+        if getattr(param, "partita_shard", None) is None:
+            ctx.replicate(name, param)
+            unknown.append(name)
+    if ctx.sp and unknown:
+        raise PartitaError(
+            "under sequence parallelism these parameters are outside the model's plan: "
+            + ", ".join(unknown) + ". They would see sequence shards and get partial "
+            "gradients. Add them to the plan (for example as 'norm') or turn sequence "
+            "parallelism off."
+        )
+
+
+def _parent(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, new)
