@@ -63,6 +63,7 @@ def test_token_file_round_trip(tmp_path, vocab, dtype):
     assert got_vocab == vocab and data.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(data, ids)
     assert path.stat().st_size == HEADER_BYTES + len(ids) * np.dtype(dtype).itemsize
+    assert path.stat().st_mode & 0o444 == 0o444  # readable by other users of a shared cache
 
 
 def test_token_file_empty_and_out_of_vocab(tmp_path):

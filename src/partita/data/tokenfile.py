@@ -106,6 +106,9 @@ class TokenFileWriter:
                 os.fsync(self._file.fileno())
             self._file.close()
             if exc_type is None:
+                # mkstemp makes the file private (0600); a cache shared by the users of
+                # a cluster must be readable like any file written with open().
+                os.chmod(self._tmp, 0o644)
                 os.replace(self._tmp, self.path)
         finally:
             if os.path.exists(self._tmp):
