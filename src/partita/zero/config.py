@@ -1,0 +1,119 @@
+"""Policies of the data-parallel engine: ZeRO stage, mixed precision, AdamW.
+
+Small frozen dataclasses, validated on construction so a bad value fails before any
+process group is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from partita.errors import PartitaError
+
+# Stage-2 gradient accumulation (see docs/zero.md):
+#   "reduce"  reduce-scatter every microbatch into the owned gradient slice (memory 2P/N
+#             for gradients, communication x microbatches) -- the default, because the
+#             point of stage 2 is to never hold a full-size gradient;
+#   "buffer"  accumulate microbatches in a full-size gradient buffer and reduce-scatter
+#             once at the boundary (communication once, memory +2P during the step).
+ACCUMULATION_MODES = ("reduce", "buffer")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    stage: int = 0
+    bucket_mb: float = 25.0  # stages 0-2: gradient bucket size (one collective per bucket)
+    prefetch: int = 1  # stage 3: blocks gathered ahead of the one computing
+    accumulation: str = "reduce"  # stage 2 only, see ACCUMULATION_MODES
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise PartitaError(
+                f"parallel.zero_stage={self.stage} is invalid: use 0 (plain data parallel), "
+                "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+        if not self.bucket_mb > 0:
+            raise PartitaError(
+                f"parallel.bucket_mb={self.bucket_mb} must be positive: it is the size of one "
+                "gradient bucket in MiB (25 is a good start; smaller overlaps more)."
+            )
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise PartitaError(
+                f"parallel.prefetch={self.prefetch!r} must be an integer >= 0: the number of "
+                "blocks whose parameters stage 3 gathers ahead (1 is usual, 0 turns it off)."
+            )
+        if self.accumulation not in ACCUMULATION_MODES:
+            raise PartitaError(
+                f"zero accumulation='{self.accumulation}' is unknown; use 'reduce' "
+                "(reduce-scatter every microbatch, least memory) or 'buffer' (full-size "
+                "accumulation buffer, one reduce-scatter per step)."
+            )
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+
+_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Parameter/compute dtype, gradient-reduction dtype and master-weight dtype.
+
+    reduce_dtype None = param_dtype; master_dtype None = the wider of param_dtype and
+    float32. When master_dtype equals param_dtype no separate master copy is kept: the
+    optimizer updates the owned parameter slice in place. float16 turns on dynamic loss
+    scaling (initial_scale, halved on overflow, doubled after growth_interval clean steps;
+    max_skips consecutive overflows stop training).
+    """
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
+    master_dtype: torch.dtype | None = None
+    initial_scale: float = 2.0**16
+    growth_interval: int = 1000
+    max_skips: int = 20
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "master_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in _DTYPES:
+                raise PartitaError(
+                    f"precision.{name}={value} is not supported; use float32, bfloat16, "
+                    "float16 (or float64 for parity checks)."
+                )
+        if self.master.itemsize < self.param_dtype.itemsize:
+            raise PartitaError(
+                f"precision.master_dtype={self.master} is narrower than param_dtype="
+                f"{self.param_dtype}; master weights must be at least as precise."
+            )
+
+    @property
+    def reduce(self) -> torch.dtype:
+        return self.reduce_dtype or self.param_dtype
+
+    @property
+    def master(self) -> torch.dtype:
+        return self.master_dtype or torch.promote_types(self.param_dtype, torch.float32)
+
+    @property
+    def has_master(self) -> bool:
+        return self.master != self.param_dtype
+
+    @property
+    def loss_scaling(self) -> bool:
+        return self.param_dtype == torch.float16
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """torch.optim.AdamW semantics. Weight decay applies to parameters with ndim >= 2
+    only (matrices and embeddings; never norms or biases)."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1

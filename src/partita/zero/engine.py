@@ -1,0 +1,336 @@
+"""`DataParallel`: data parallelism with ZeRO stages 0-3 over the mesh's zero_shard group.
+
+    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=2), precision=MixedPrecision(...),
+                      optim=AdamWConfig(lr=3e-4))
+    for i, batch in enumerate(microbatches):
+        with dp.grad_sync(i == len(microbatches) - 1):
+            dp.backward(loss_fn(dp.module(batch)) / len(microbatches))
+    dp.finish_grad_sync()
+    dp.clip_grad_norm_(1.0)
+    dp.step(lr)
+    dp.zero_grad()
+
+Averaging: each rank's loss is the mean over its own tokens; gradients are summed over
+the zero_shard group (dp x cp) and divided by its size, which is the gradient of the
+global-batch mean when every rank holds as many tokens. Gradient-accumulation microbatches
+under `grad_sync(False)` communicate nothing in stages 0 and 1 (and 2 with
+accumulation="buffer"); stage 2 "reduce" and stage 3 reduce-scatter every microbatch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from partita.errors import PartitaError
+from partita.mesh import Mesh
+from partita.zero.adamw import adamw_, decay_ranges
+from partita.zero.config import AdamWConfig, MixedPrecision, ZeroConfig
+from partita.zero.flat import FlatBuffer, InitFn
+from partita.zero.reducer import GradReducer
+from partita.zero.scaler import LossScaler
+from partita.zero.stage3 import ParamGatherer
+from partita.zero.units import BlockSpec, buckets_by_size, partition, require_blocks, resolve_blocks
+
+
+@dataclass
+class _Slot:
+    """Optimizer state of one bucket's owned slice."""
+
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: list[tuple[int, int]]  # weight-decay ranges within the owned slice
+    counted: list[tuple[int, int]]  # ranges the global gradient norm counts on this rank
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class DataParallel:
+    def __init__(self, module: nn.Module, mesh: Mesh, zero: ZeroConfig | None = None,
+                 precision: MixedPrecision | None = None,
+                 optim: AdamWConfig | None = None, blocks: BlockSpec = None,
+                 init_fn: InitFn | None = None, device: torch.device | None = None) -> None:
+        zero, precision = zero or ZeroConfig(), precision or MixedPrecision()
+        optim = optim or AdamWConfig()
+        self.module, self.mesh, self.zero = module, mesh, zero
+        self.precision, self.optim = precision, optim
+        self.comm = mesh.comm("zero_shard")
+        self.mp_comm = mesh.comm("model_parallel")
+        self.stage = zero.stage
+        n, index = self.comm.size, self.comm.index
+        device = device or _device_of(module)
+        dtype = precision.param_dtype
+        init_fn = _flat_init(init_fn)
+        self.gatherer: ParamGatherer | None = None
+        if self.stage == 3:
+            names = resolve_blocks(module, blocks)
+            require_blocks(module, names)
+            root_params, per_block = partition(module, names)
+            block_bufs = [(module.get_submodule(nm), FlatBuffer(ps, n, index, dtype, device))
+                          for nm, ps in zip(names, per_block) if ps]
+            root = FlatBuffer(root_params, n, index, dtype, device) if root_params else None
+            # Reduction order = the order backward completes them: last block first, root
+            # (embeddings are the last gradients of all) at the end.
+            self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
+            for buf in self.buckets:
+                buf.materialize_shard(init_fn)
+            self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch)
+        else:
+            groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize)
+            self.buckets = [FlatBuffer(g, n, index, dtype, device) for g in groups]
+            for buf in self.buckets:
+                buf.materialize_full(init_fn)
+        for buf in self.buckets:
+            if self.stage <= 1:
+                buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=device)
+                buf.bind_grads()
+            else:
+                buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
+                                             device=device)
+        self.slots = [self._make_slot(buf) for buf in self.buckets]
+        self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
+                                   zero.accumulation == "buffer",
+                                   self.gatherer.done if self.gatherer else None)
+        self.scaler = LossScaler(precision)
+        self.step_count = 0
+        self._overflow: bool | None = None  # decided once per step, see _prepare
+
+    # Layout ----------------------------------------------------------------------------
+    def _owned_range(self, buf: FlatBuffer) -> tuple[int, int]:
+        return (0, buf.padded) if self.stage == 0 else (buf.lo, buf.hi)
+
+    def _owned_param(self, buf: FlatBuffer) -> torch.Tensor:
+        return buf.full if self.stage == 0 else buf.owned_param()
+
+    def _owned_grad(self, buf: FlatBuffer) -> torch.Tensor:
+        if self.stage == 0:
+            return buf.full_grad
+        if self.stage == 1:
+            return buf.full_grad[buf.lo:buf.hi]
+        return buf.shard_grad
+
+    def _make_slot(self, buf: FlatBuffer) -> _Slot:
+        lo, hi = self._owned_range(buf)
+        param = self._owned_param(buf)
+        mdtype = self.precision.master
+        master = param.to(mdtype).clone() if self.precision.has_master else None
+        counted = []
+        for pc in buf.pieces(lo, hi):
+            # A copy replicated over another group (a norm under tensor parallelism) is
+            # counted by that group's index 0 only.
+            dup = any(p in self.mesh.ranks and self.mesh.index(p) != 0
+                      for p in pc.entry.info.replicated_over)
+            if not dup:
+                counted.append((pc.buf_start - lo, pc.buf_start - lo + pc.stop - pc.start))
+        return _Slot(master, torch.zeros_like(param, dtype=mdtype),
+                     torch.zeros_like(param, dtype=mdtype), decay_ranges(buf, lo, hi), counted)
+
+    # Backward --------------------------------------------------------------------------
+    @contextmanager
+    def grad_sync(self, enabled: bool = True):
+        """Around one microbatch's backward; enabled=False on all but the last."""
+        self.reducer.begin_round(enabled)
+        yield
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+
+    def finish_grad_sync(self) -> None:
+        """After the last microbatch: launch what is left and wait for every reduction."""
+        self.reducer.finish()
+        if self.gatherer is not None:
+            self.gatherer.free_all()
+
+    @torch.no_grad()
+    def _prepare(self) -> bool:
+        """Finish reductions; for fp16 agree on overflow and unscale. True = overflow."""
+        if self._overflow is not None:
+            return self._overflow
+        self.finish_grad_sync()
+        overflow = False
+        if self.scaler.enabled:
+            bad = float(any(not torch.isfinite(self._owned_grad(b)).all() for b in self.buckets))
+            bad = self.comm.all_reduce_scalars([bad], op=dist.ReduceOp.MAX)[0]
+            overflow = self.mp_comm.all_reduce_scalars([bad], op=dist.ReduceOp.MAX)[0] > 0
+            if not overflow:
+                for b in self.buckets:
+                    self._owned_grad(b).mul_(1.0 / self.scaler.scale)
+        self._overflow = overflow
+        return overflow
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float | None) -> float:
+        """Exact global gradient norm over every shard and parallel group; clips to
+        max_norm (as torch.nn.utils.clip_grad_norm_) unless max_norm is None."""
+        if self._prepare():
+            return math.inf
+        total = torch.zeros((), dtype=torch.float64)
+        for buf, slot in zip(self.buckets, self.slots):
+            g = self._owned_grad(buf)
+            for a, b in slot.counted:
+                total += g[a:b].double().pow(2).sum()
+        sq = total.item()
+        if self.stage > 0:
+            sq = self.comm.all_reduce_scalars([sq])[0]
+        sq = self.mp_comm.all_reduce_scalars([sq])[0]
+        norm = math.sqrt(sq)
+        if max_norm is not None:
+            coef = max_norm / (norm + 1e-6)
+            if coef < 1.0:
+                for buf in self.buckets:
+                    self._owned_grad(buf).mul_(coef)
+        return norm
+
+    # Optimizer -------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> bool:
+        """AdamW on the owned slices, then parameters are ready for the next forward.
+        Returns False (on every rank) when an fp16 overflow skipped the step."""
+        overflow = self._prepare()
+        self._overflow = None
+        if overflow:
+            self.scaler.update(True)
+            self.zero_grad()
+            return False
+        self.step_count += 1
+        lr = self.optim.lr if lr is None else lr
+        works = []
+        for buf, slot in zip(self.buckets, self.slots):
+            param = self._owned_param(buf)
+            target = slot.master if slot.master is not None else param
+            grad = self._owned_grad(buf)
+            grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
+            adamw_(target, grad, slot.exp_avg, slot.exp_avg_sq, self.step_count, lr,
+                   self.optim, slot.decay)
+            if slot.master is not None:
+                param.copy_(slot.master)
+            if self.stage in (1, 2):  # stage 3 gathers lazily before the next forward
+                works.append(self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi],
+                                                       async_op=True))
+        for w in works:
+            w.wait()
+        self.scaler.update(False)
+        return True
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        for buf in self.buckets:
+            if self.stage <= 1:
+                buf.full_grad.zero_()
+                buf.bind_grads()
+            else:
+                buf.shard_grad.zero_()
+                for p in buf.params:
+                    p.grad = None
+        self._overflow = None
+
+    # Full parameters from user code ----------------------------------------------------
+    @contextmanager
+    def gathered_parameters(self, writeback: bool = False):
+        """Full parameters visible in dp.module inside the block (gathered in stage 3).
+        With writeback=True, changes made there (identically on every rank) are kept:
+        each rank copies its owned slice back into its shard and master weights."""
+        with torch.no_grad():
+            if self.gatherer is None:
+                yield
+                if writeback:
+                    self._refresh_master()
+                return
+            with self.gatherer.everything():
+                yield
+                if writeback:
+                    for buf in self.buckets:
+                        buf.shard.copy_(buf.full[buf.lo:buf.hi])
+                    self._refresh_master()
+
+    def _refresh_master(self) -> None:
+        for buf, slot in zip(self.buckets, self.slots):
+            if slot.master is not None:
+                slot.master.copy_(self._owned_param(buf))
+
+    # Reports and state -----------------------------------------------------------------
+    def memory_ledger(self) -> dict[str, int]:
+        """Bytes this rank holds, counted from the actual tensors."""
+        params = sum(_nbytes(b.full) + _nbytes(b.shard) for b in self.buckets)
+        if self.gatherer is not None:  # at rest: shards only; gathered blocks separately
+            params = sum(_nbytes(b.shard) for b in self.buckets)
+        grads = sum(_nbytes(b.shard_grad) + (_nbytes(b.full_grad) if self.stage <= 1 else 0)
+                    for b in self.buckets)
+        out = {
+            "parameters": params,
+            "gradients": grads,
+            "master_weights": sum(_nbytes(s.master) for s in self.slots),
+            "optimizer_states": sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq)
+                                    for s in self.slots),
+            "comm_buffers": self.reducer.live_bytes,
+        }
+        out["model_states"] = sum(out.values())
+        out["comm_buffers_peak"] = self.reducer.peak_bytes
+        if self.gatherer is not None:
+            out["gathered_now"] = self.gatherer.live_bytes
+            out["gathered_peak"] = self.gatherer.peak_bytes
+        return out
+
+    def state_dict(self) -> dict:
+        """Owned optimizer, master and parameter slices, with their layout metadata."""
+        return {
+            "stage": self.stage, "world": self.comm.size, "index": self.comm.index,
+            "step": self.step_count, "scaler": self.scaler.state_dict(),
+            "buckets": [
+                {"layout": buf.metadata(), "param": self._owned_param(buf).clone(),
+                 "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
+                for buf, s in zip(self.buckets, self.slots)
+            ],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        mine = [b.metadata() for b in self.buckets]
+        if (state["stage"], state["world"]) != (self.stage, self.comm.size) or \
+                [b["layout"] for b in state["buckets"]] != mine:
+            raise PartitaError(
+                f"this optimizer state was saved with ZeRO stage {state['stage']} on "
+                f"{state['world']} data-parallel ranks and a different bucket layout; it "
+                f"loads only into the same layout (here stage {self.stage}, "
+                f"{self.comm.size} ranks). Keep stage, bucket size and world size, or "
+                "resume from a full checkpoint, which reshards on load."
+            )
+        for buf, slot, saved in zip(self.buckets, self.slots, state["buckets"]):
+            self._owned_param(buf).copy_(saved["param"])
+            for name in ("master", "exp_avg", "exp_avg_sq"):
+                if getattr(slot, name) is not None:
+                    getattr(slot, name).copy_(saved[name])
+            if self.stage in (1, 2):
+                self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
+        self.step_count = state["step"]
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _flat_init(init_fn) -> InitFn | None:
+    """Accept init_fn(info, start, stop) or the simpler init_fn(info) -> local tensor
+    (the latter materialises one parameter at a time, never the model)."""
+    if init_fn is None or len(inspect.signature(init_fn).parameters) >= 3:
+        return init_fn
+    return lambda info, start, stop: init_fn(info).reshape(-1)[start:stop]

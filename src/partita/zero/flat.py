@@ -1,0 +1,182 @@
+"""The flat-buffer layer every ZeRO stage shares.
+
+A `FlatBuffer` packs the parameters of one group (a bucket, or a block for stage 3)
+back to back into one 1-D buffer, padded so that it splits into `world` equal,
+`ALIGN`-element-aligned slices. Rank i owns slice i: `[lo, hi)`. Parameters become views
+into the full buffer while it exists (stages 0-2 always; stage 3 only while gathered),
+so one `all_gather_flat` / `reduce_scatter_flat` moves a whole group.
+
+Each entry remembers what it is (`FlatEntry`): the parameter's module name, its own
+ShardInfo (what the local tensor is of the global parameter, e.g. a tensor-parallel row
+block), its local shape and where it sits in the buffer. `pieces()` maps any flat range
+back to (parameter, flat range within the parameter); checkpoints and the planner read
+that, never this class's internals.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from partita.sharding import ShardInfo, shard_info
+
+# Elements each rank's slice is aligned to: 64 elements is 128 bytes in bf16, enough
+# for vectorised kernels and NCCL's preferred alignment.
+ALIGN = 64
+
+# init_fn(info, start, stop): elements [start, stop) of the flattened local tensor
+# described by `info`, drawn exactly as a full single-device initialisation would.
+InitFn = Callable[[ShardInfo, int, int], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FlatEntry:
+    name: str  # module-relative parameter name
+    info: ShardInfo  # what the local tensor is of the global parameter
+    shape: tuple[int, ...]  # local tensor shape
+    offset: int  # first element in the flat buffer
+    numel: int
+
+    @property
+    def decays(self) -> bool:
+        """AdamW weight decay applies to matrices and embeddings only."""
+        return len(self.shape) >= 2
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of one parameter inside a flat range: param elements [start, stop) sit at
+    buffer elements [buf_start, buf_start + stop - start)."""
+
+    entry: FlatEntry
+    start: int
+    stop: int
+    buf_start: int
+
+
+class FlatBuffer:
+    """One group's parameters as a padded flat buffer, sharded `world` ways."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, index: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.params = [p for _, p in named_params]
+        self.entries: list[FlatEntry] = []
+        offset = 0
+        for name, p in named_params:
+            self.entries.append(FlatEntry(name, shard_info(p, name), tuple(p.shape), offset,
+                                          p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        self.padded = math.ceil(max(offset, 1) / (world * ALIGN)) * world * ALIGN
+        self.shard_numel = self.padded // world
+        self.world, self.index = world, index
+        self.lo, self.hi = index * self.shard_numel, (index + 1) * self.shard_numel
+        self.dtype, self.device = dtype, device
+        self.full: torch.Tensor | None = None  # every element, parameters are views
+        self.shard: torch.Tensor | None = None  # stage 3 at rest: only [lo, hi)
+        self.full_grad: torch.Tensor | None = None
+        self.shard_grad: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        first, last = self.entries[0].name, self.entries[-1].name
+        return f"FlatBuffer({first}..{last}, {self.numel} -> {self.padded} elements)"
+
+    # Metadata --------------------------------------------------------------------------
+    def pieces(self, lo: int, hi: int) -> list[Piece]:
+        out = []
+        for e in self.entries:
+            a, b = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if a < b:
+                out.append(Piece(e, a - e.offset, b - e.offset, a))
+        return out
+
+    def owned_pieces(self) -> list[Piece]:
+        return self.pieces(self.lo, self.hi)
+
+    def metadata(self) -> dict:
+        """Plain data describing the layout and this rank's slice (for checkpoints)."""
+        return {
+            "padded": self.padded, "world": self.world, "owned": (self.lo, self.hi),
+            "entries": [
+                {"name": e.name, "global_name": e.info.name,
+                 "global_shape": e.info.global_shape, "split_dim": e.info.dim,
+                 "split": (e.info.start, e.info.stop), "shape": e.shape,
+                 "offset": e.offset, "numel": e.numel}
+                for e in self.entries
+            ],
+        }
+
+    # Storage ---------------------------------------------------------------------------
+    def _values(self, p: nn.Parameter, e: FlatEntry, start: int, stop: int,
+                init_fn: InitFn | None) -> torch.Tensor:
+        if p.is_meta or p.numel() != e.numel:
+            if init_fn is None:
+                from partita.errors import PartitaError
+
+                raise PartitaError(
+                    f"parameter '{e.name}' is on the meta device and no init_fn was given; "
+                    "pass DataParallel(..., init_fn=...) (for partita models "
+                    "partita.zero.model_init_fn(cfg)) or build the model on a real device."
+                )
+            return init_fn(e.info, start, stop)
+        return p.detach().reshape(-1)[start:stop]
+
+    @torch.no_grad()
+    def materialize_full(self, init_fn: InitFn | None) -> None:
+        """Allocate every element and make the parameters views into it (stages 0-2)."""
+        full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        for p, e in zip(self.params, self.entries):
+            full[e.offset:e.offset + e.numel].copy_(self._values(p, e, 0, e.numel, init_fn))
+        self.full = full
+        self._unmeta()
+        self.bind()
+
+    @torch.no_grad()
+    def materialize_shard(self, init_fn: InitFn | None) -> None:
+        """Allocate only the owned slice; parameters become empty (stage 3 at rest)."""
+        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        for pc in self.owned_pieces():
+            p = self.params[self.entries.index(pc.entry)]
+            values = self._values(p, pc.entry, pc.start, pc.stop, init_fn)
+            shard[pc.buf_start - self.lo:pc.buf_start - self.lo + pc.stop - pc.start].copy_(values)
+        self.shard = shard
+        self._unmeta()
+        self.release()
+
+    def _unmeta(self) -> None:
+        """Give meta-device parameters a real (empty) body, keeping their identity
+        and attributes, so `.data` can point into our buffers from now on."""
+        for p in self.params:
+            if p.is_meta:
+                body = nn.Parameter(torch.empty(0, dtype=self.dtype, device=self.device),
+                                    requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, body)
+                p.__dict__.update(body.__dict__)  # swap_tensors swapped attributes too
+
+    def bind(self) -> None:
+        """Point every parameter at its view of the full buffer."""
+        for p, e in zip(self.params, self.entries):
+            p.data = self.full[e.offset:e.offset + e.numel].view(e.shape)
+
+    def release(self) -> None:
+        """Drop the full buffer; parameters keep their identity but hold no storage."""
+        self.full = None
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        e = self.entries[i]
+        return self.full_grad[e.offset:e.offset + e.numel].view(e.shape)
+
+    def bind_grads(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = self.grad_view(i)
+
+    def owned_param(self) -> torch.Tensor:
+        """The owned slice of the parameters in param dtype (a view, never a copy)."""
+        return self.shard if self.shard is not None else self.full[self.lo:self.hi]

@@ -1,0 +1,174 @@
+"""Gradient reduction: each bucket's collective starts as soon as its gradients are in.
+
+A hook on every parameter (`register_post_accumulate_grad_hook`) counts arrivals per
+bucket during backward. When a bucket is complete its collective is launched
+asynchronously (gloo and NCCL run it on their own threads/streams) while backward goes
+on with earlier layers. Buckets launch strictly in bucket order, so every rank issues
+the same collectives in the same sequence whatever its timing.
+
+Per stage:
+  0  all-reduce the full gradient buffer (params' .grad are views into it);
+  1  reduce-scatter the full buffer in place; the owned slice holds the result;
+  2  reduce-scatter into the owned gradient slice, then free the full-size buffer
+     ("reduce" accumulation: every microbatch; "buffer": once, at the boundary);
+  3  as 2, and the bucket is a block whose gathered parameters are freed right after.
+Sums are divided by the group size, so the result is the gradient of the mean over all
+ranks' losses (each rank's loss being the mean over its own tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from partita.comm import GroupComm
+from partita.errors import PartitaError
+from partita.zero.flat import FlatBuffer
+
+
+class GradReducer:
+    def __init__(self, buckets: list[FlatBuffer], comm: GroupComm, stage: int,
+                 reduce_dtype: torch.dtype, buffer_accumulation: bool,
+                 on_bucket_done: Callable[[FlatBuffer], None] | None = None) -> None:
+        self.buckets, self.comm, self.stage = buckets, comm, stage
+        self.reduce_dtype = reduce_dtype
+        # View mode: .grad of every parameter is a view into the bucket's full buffer and
+        # autograd accumulates into it in place (stages 0, 1, and 2 with "buffer").
+        self.view_mode = stage <= 1 or (stage == 2 and buffer_accumulation)
+        # Stages 2 ("reduce") and 3 communicate on every microbatch, sync or not.
+        self.always_reduce = not self.view_mode
+        self.on_bucket_done = on_bucket_done
+        self.sync = True
+        self.pending: list[tuple[int, object, torch.Tensor, torch.Tensor]] = []
+        self.live_bytes = 0
+        self.peak_bytes = 0  # communication / staging buffers, high-water mark
+        self._reset()
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._hook(b, i))
+            for b, buf in enumerate(buckets) for i, p in enumerate(buf.params)
+        ]
+
+    def _reset(self) -> None:
+        n = len(self.buckets)
+        self.arrived = [set() for _ in range(n)]
+        self.ready = [False] * n
+        self.launched = [False] * n
+        self.next_launch = 0
+        self.active = False  # some bucket of this round is due for reduction
+
+    def _hook(self, b: int, i: int):
+        return lambda p: self._on_grad(b, i, p)
+
+    # Backward-time ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _on_grad(self, b: int, i: int, p: torch.nn.Parameter) -> None:
+        buf = self.buckets[b]
+        if self.launched[b]:
+            raise PartitaError(
+                f"a gradient for '{buf.entries[i].name}' arrived after its bucket was "
+                "already reduced in this step. Wrap each gradient-accumulation microbatch's "
+                "backward in `with dp.grad_sync(is_last_microbatch):` and call "
+                "dp.finish_grad_sync() before the optimizer step."
+            )
+        grad = p.grad  # read before bind_grads below points .grad at the buffer
+        if buf.full_grad is None:
+            dtype = buf.dtype if self.view_mode else self.reduce_dtype
+            buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=p.device)
+            if self.stage >= 2:  # transient: counted as a communication buffer
+                self._track(buf.full_grad)
+            if self.view_mode:
+                buf.bind_grads()
+        view = buf.grad_view(i)
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            view.add_(grad)
+        p.grad = view if self.view_mode else None
+        self.arrived[b].add(i)
+        if len(self.arrived[b]) == len(buf.params):
+            if self.on_bucket_done is not None:
+                self.on_bucket_done(buf)
+            if self.sync or self.always_reduce:
+                self.active = True
+                self.ready[b] = True
+                self._launch_ready()
+
+    def _track(self, t: torch.Tensor) -> None:
+        self.live_bytes += t.numel() * t.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
+            self._launch(self.next_launch)
+            self.next_launch += 1
+
+    def _launch(self, b: int) -> None:
+        buf = self.buckets[b]
+        if buf.full_grad is None:  # no gradient reached this bucket: reduce zeros
+            buf.full_grad = torch.zeros(buf.padded, dtype=self.reduce_dtype, device=buf.device)
+            self._track(buf.full_grad)
+        src = buf.full_grad
+        send = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
+        if send is not src:
+            self._track(send)
+        if self.stage == 0:
+            out = send
+            work = self.comm.all_reduce(send, async_op=True)
+        else:
+            # Stage 1 reduces in place: the owned slice of the full buffer is the output.
+            in_place = self.stage == 1 and send is src
+            out = send[buf.lo:buf.hi] if in_place else send.new_empty(buf.shard_numel)
+            if not in_place:
+                self._track(out)
+            work = self.comm.reduce_scatter_flat(out, send, async_op=True)
+        if not self.view_mode:
+            buf.full_grad = None  # the pending entry keeps it alive until the wait
+        self.pending.append((b, work, send, out))
+        self.launched[b] = True
+
+    # Boundary --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _complete(self, b: int, work, send: torch.Tensor, out: torch.Tensor) -> None:
+        work.wait()
+        buf = self.buckets[b]
+        out.div_(self.comm.size)
+        if self.stage == 0:
+            if send is not buf.full_grad:
+                buf.full_grad.copy_(send)
+        elif self.stage == 1:
+            if out.data_ptr() != buf.full_grad[buf.lo:].data_ptr():
+                buf.full_grad[buf.lo:buf.hi].copy_(out)
+        else:
+            buf.shard_grad.add_(out)
+            if self.view_mode:  # stage 2 "buffer": the full buffer lives until here
+                buf.full_grad = None
+                for p in buf.params:
+                    p.grad = None
+
+    def flush(self) -> None:
+        """Launch every bucket not yet launched in a round that reduces (unused
+        parameters leave buckets incomplete; every rank has the same ones)."""
+        if self.active:
+            for b in range(self.next_launch, len(self.buckets)):
+                self.ready[b] = True
+            self._launch_ready()
+
+    def wait_all(self) -> None:
+        for entry in self.pending:
+            self._complete(*entry)
+        self.pending.clear()
+        # What stays alive: only stage 2 "buffer" accumulation buffers between microbatches.
+        self.live_bytes = sum(b.full_grad.numel() * b.full_grad.element_size()
+                              for b in self.buckets if self.stage >= 2 and b.full_grad is not None)
+
+    def begin_round(self, sync: bool) -> None:
+        """A new microbatch's backward is about to run."""
+        self.flush()
+        self.wait_all()
+        self._reset()
+        self.sync = sync
+
+    def finish(self) -> None:
+        self.flush()
+        self.wait_all()
+        self._reset()
+        self.sync = True

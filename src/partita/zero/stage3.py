@@ -1,0 +1,172 @@
+"""ZeRO stage 3: parameters sharded at rest, gathered block by block around compute.
+
+Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
+          head: parameters outside any block) and starts prefetching the first blocks;
+          each block's pre-hook waits for its own gather and starts the next `prefetch`
+          blocks'; its post-hook frees it. The root is freed when forward returns.
+Backward: a tiny autograd function on each block's (and the root's) output fires when
+          backward reaches it: it gathers that block again and prefetches the
+          `prefetch` blocks before it. When every parameter of a block has its gradient
+          (the GradReducer calls `done`), the block is freed and its gradients are
+          reduce-scattered.
+Which block is gathered when depends only on the block order and the hooks' sequence,
+never on timing, so every rank issues the same all-gathers in the same order.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+from partita.comm import GroupComm
+from partita.zero.flat import FlatBuffer
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity forward; backward first calls `fire` (gathers the parameters)."""
+
+    @staticmethod
+    def forward(ctx, fire, *xs):
+        ctx.fire = fire
+        return xs if len(xs) > 1 else xs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.fire()
+        return (None, *grads)
+
+
+def _on_backward(out, fire):
+    """`out` with its grad-requiring tensors routed through _PreBackward."""
+    if isinstance(out, torch.Tensor):
+        return _PreBackward.apply(fire, out) if out.requires_grad else out
+    if isinstance(out, (tuple, list)):
+        idx = [i for i, t in enumerate(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return out
+        new = _PreBackward.apply(fire, *(out[i] for i in idx))
+        new = new if isinstance(new, tuple) else (new,)
+        items = list(out)
+        for i, t in zip(idx, new):
+            items[i] = t
+        return type(out)(items)
+    return out
+
+
+class ParamGatherer:
+    def __init__(self, module: nn.Module, root: FlatBuffer | None,
+                 blocks: list[tuple[nn.Module, FlatBuffer]], comm: GroupComm,
+                 prefetch: int) -> None:
+        self.root, self.blocks, self.comm, self.prefetch = root, blocks, comm, prefetch
+        self.pending: dict[int, object] = {}
+        self.gathered: dict[int, FlatBuffer] = {}
+        self.in_backward: set[int] = set()
+        self.live_bytes = 0
+        self.peak_bytes = 0  # high-water mark of gathered parameters during a step
+        self.handles = [module.register_forward_pre_hook(self._root_pre),
+                        module.register_forward_hook(self._root_post)]
+        for k, (m, _) in enumerate(blocks):
+            self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
+            self.handles.append(m.register_forward_hook(self._block_post(k)))
+
+    # Gather / free ---------------------------------------------------------------------
+    def start(self, buf: FlatBuffer) -> None:
+        """Begin gathering `buf` unless it is gathered or on its way."""
+        if id(buf) in self.gathered or id(buf) in self.pending:
+            return
+        full = torch.empty(buf.padded, dtype=buf.dtype, device=buf.device)
+        full[buf.lo:buf.hi].copy_(buf.shard)
+        buf.full = full
+        self.pending[id(buf)] = self.comm.all_gather_flat(full, full[buf.lo:buf.hi],
+                                                          async_op=True)
+        self.live_bytes += full.numel() * full.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def ensure(self, buf: FlatBuffer) -> None:
+        self.start(buf)
+        work = self.pending.pop(id(buf), None)
+        if work is not None:
+            work.wait()
+            buf.bind()
+            self.gathered[id(buf)] = buf
+
+    def free(self, buf: FlatBuffer) -> None:
+        work = self.pending.pop(id(buf), None)
+        if work is not None:  # never drop memory an in-flight gather writes into
+            work.wait()
+        if buf.full is not None:
+            self.live_bytes -= buf.full.numel() * buf.full.element_size()
+            buf.release()
+        self.gathered.pop(id(buf), None)
+        self.in_backward.discard(id(buf))
+
+    def done(self, buf: FlatBuffer) -> None:
+        """Every gradient of `buf` has arrived: its backward is over."""
+        self.free(buf)
+
+    def free_all(self) -> None:
+        for buf in self.all_buffers():
+            self.free(buf)
+
+    def all_buffers(self) -> list[FlatBuffer]:
+        return ([self.root] if self.root is not None else []) + [b for _, b in self.blocks]
+
+    # Hooks -----------------------------------------------------------------------------
+    def _prefetch(self, ks: range) -> None:
+        for k in ks:
+            if 0 <= k < len(self.blocks):
+                self.start(self.blocks[k][1])
+
+    def _root_pre(self, module, args) -> None:
+        if self.root is not None:
+            self.ensure(self.root)
+        self._prefetch(range(self.prefetch))
+
+    def _root_post(self, module, args, out):
+        if self.root is None:
+            return out
+        if id(self.root) not in self.in_backward:
+            self.free(self.root)
+        return _on_backward(out, self._root_backward) if torch.is_grad_enabled() else out
+
+    def _root_backward(self) -> None:
+        self.ensure(self.root)
+        self.in_backward.add(id(self.root))
+        n = len(self.blocks)
+        self._prefetch(range(n - 1, n - 1 - self.prefetch, -1))
+
+    def _block_pre(self, k: int):
+        def hook(module, args) -> None:
+            self.ensure(self.blocks[k][1])
+            self._prefetch(range(k + 1, k + 1 + self.prefetch))
+        return hook
+
+    def _block_post(self, k: int):
+        buf = self.blocks[k][1]
+
+        def fire() -> None:
+            self.ensure(buf)
+            self.in_backward.add(id(buf))
+            self._prefetch(range(k - 1, k - 1 - self.prefetch, -1))
+
+        def hook(module, args, out):
+            # A recompute (activation checkpointing) runs forward inside backward: keep
+            # the parameters that backward is about to use.
+            if id(buf) not in self.in_backward:
+                self.free(buf)
+            return _on_backward(out, fire) if torch.is_grad_enabled() else out
+        return hook
+
+    @contextmanager
+    def everything(self):
+        """Every group gathered (for reading or writing full parameters)."""
+        for buf in self.all_buffers():
+            self.start(buf)
+        for buf in self.all_buffers():
+            self.ensure(buf)
+        try:
+            yield
+        finally:
+            self.free_all()

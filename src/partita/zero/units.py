@@ -1,0 +1,97 @@
+"""Which parameters move together: blocks for stage 3, size-capped buckets for 0-2.
+
+ZeRO works on any nn.Module once told which submodules are its blocks: by a list of
+module names, by class, or by an fnmatch pattern over module names. Models with a
+`plan()` (partita's own) name their blocks themselves.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch.nn as nn
+
+from partita.errors import PartitaError
+
+BlockSpec = None | list[str] | tuple[str, ...] | type | str
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def resolve_blocks(module: nn.Module, blocks: BlockSpec) -> list[str]:
+    """Names of the block submodules, in registration (= forward) order."""
+    names = [n for n, _ in module.named_modules() if n]
+    if blocks is None:
+        plan = getattr(module, "plan", None)
+        return list(plan().block_names(module)) if callable(plan) else []
+    if isinstance(blocks, (list, tuple)):
+        missing = [b for b in blocks if b not in names]
+        if missing:
+            from partita.errors import did_you_mean
+
+            raise PartitaError(
+                f"block '{missing[0]}' is not a submodule of {type(module).__name__}."
+                f"{did_you_mean(missing[0], names)} Give blocks as module names from "
+                "model.named_modules(), a block class, or a pattern such as 'layers.*'."
+            )
+        found = list(blocks)
+    elif isinstance(blocks, type):
+        found = [n for n, m in module.named_modules() if n and isinstance(m, blocks)]
+    elif isinstance(blocks, str):
+        found = [n for n in names if fnmatch.fnmatchcase(n, blocks)]
+    else:
+        raise PartitaError(
+            f"blocks={blocks!r} is not understood; pass a list of module names, a block "
+            "class, or an fnmatch pattern over module names such as 'layers.*'."
+        )
+    # Keep the outermost matches only: a block inside a block is part of it.
+    outer = [n for n in found if not any(n.startswith(o + ".") for o in found if o != n)]
+    return outer
+
+
+def partition(module: nn.Module, block_names: list[str]) -> tuple[NamedParams,
+                                                                  list[NamedParams]]:
+    """(root parameters, parameters of each block) -- trainable ones, each once."""
+    seen: set[int] = set()
+    per_block: list[NamedParams] = [[] for _ in block_names]
+    root: NamedParams = []
+    for name, p in module.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        for i, b in enumerate(block_names):
+            if name.startswith(b + "."):
+                per_block[i].append((name, p))
+                break
+        else:
+            root.append((name, p))
+    return root, per_block
+
+
+def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list[NamedParams]:
+    """Trainable parameters in reverse registration order (the order backward usually
+    produces their gradients), cut greedily into buckets of about `bucket_bytes`."""
+    seen: set[int] = set()
+    params = []
+    for name, p in module.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            params.append((name, p))
+    out: list[NamedParams] = [[]]
+    size = 0
+    for name, p in reversed(params):
+        if out[-1] and size + p.numel() * itemsize > bucket_bytes:
+            out.append([])
+            size = 0
+        out[-1].append((name, p))
+        size += p.numel() * itemsize
+    return [b for b in out if b]
+
+
+def require_blocks(module: nn.Module, block_names: list[str]) -> None:
+    if not block_names:
+        raise PartitaError(
+            f"ZeRO stage 3 found no blocks in {type(module).__name__}: it gathers parameters "
+            "block by block, so it must know the blocks. Pass DataParallel(..., blocks=...) "
+            "as a list of module names, the block class (e.g. blocks=MyDecoderLayer), or a "
+            "pattern such as 'model.layers.*'; or use zero stage 2, which needs no blocks."
+        )
