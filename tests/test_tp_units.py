@@ -1,0 +1,115 @@
+"""Tensor parallelism without processes: split arithmetic, layout validation, errors,
+dropout generators, and what apply_tensor_parallel reports on a tp=1 comm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from partita.errors import PartitaError
+from partita.mesh import Mesh, ParallelDims
+from partita.models.config import ModelConfig
+from partita.models.transformer import build_model
+from partita.sharding import shard_info
+from partita.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from partita.tensor_parallel import partition as part
+from partita.tensor_parallel.dropout import RegionRNG
+
+
+def test_padded_split_covers_every_row_once() -> None:
+    for n in range(1, 40):
+        for tp in range(1, 9):
+            if part.padded_split(n, tp, tp - 1)[0] >= n and tp > 1:
+                with pytest.raises(PartitaError, match="Use a tp degree"):
+                    part.check_padded_split(n, tp, "x")
+                continue
+            pieces = [part.padded_split(n, tp, i) for i in range(tp)]
+            assert pieces[0][0] == 0 and pieces[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            assert all(stop - start == -(-n // tp) for start, stop in pieces[:-1])
+
+
+def test_head_split_error_names_valid_degrees() -> None:
+    assert part.head_split(8, 4, 3) == (6, 8)
+    with pytest.raises(PartitaError, match=r"Valid tp degrees: \[1, 2, 3, 6\]"):
+        part.head_split(6, 4, 0)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,tp,expect", [
+    (8, 2, 4, [[0], [0], [1], [1]]),  # two ranks share each kv head: compute it once
+    (6, 3, 2, [[0, 0, 1], [1, 2, 2]]),  # uneven mapping: one kv head per query head
+    (4, 1, 4, [[0]] * 4),  # multi-query attention
+])
+def test_replicated_kv_rows(n_heads, n_kv, tp, expect) -> None:
+    got = [part.kv_rows_for_rank(n_heads, n_kv, *part.head_split(n_heads, tp, r))
+           for r in range(tp)]
+    assert got == expect
+
+
+def test_check_tensor_parallel_errors_and_notes() -> None:
+    cfg = ModelConfig(vocab_size=67, dim=64, n_heads=8, n_kv_heads=2, ffn_dim=90)
+    notes = check_tensor_parallel(cfg, 4, sequence_parallel=True, seq_len=16, world_size=8)
+    assert any("kv heads" in n for n in notes) and any("padded to 68" in n for n in notes)
+    assert any("ffn hidden width 90 padded to 92" in n for n in notes)
+    with pytest.raises(PartitaError, match="larger than the 2 processes"):
+        check_tensor_parallel(cfg, 4, world_size=2)
+    with pytest.raises(PartitaError, match="parallel.tp=1"):
+        check_tensor_parallel(cfg, 1, sequence_parallel=True)
+    with pytest.raises(PartitaError, match=r"sequence length 15 .*\[1, 3, 5, 15\]"):
+        check_tensor_parallel(cfg, 2, sequence_parallel=True, seq_len=15)
+    with pytest.raises(PartitaError, match=r"n_heads=8 is not divisible by tp=3"):
+        check_tensor_parallel(cfg, 3)
+    with pytest.raises(PartitaError, match="last rank would own no real row"):
+        check_tensor_parallel(ModelConfig(vocab_size=5, dim=64, n_heads=4), 4)
+
+
+def test_region_rng_rule() -> None:
+    """Replicated masks equal across tp ranks; split masks differ (and are reproducible)."""
+    draws = {}
+    for tp_index in (0, 1):
+        rng = RegionRNG(seed=7, tp_index=tp_index)
+        for kind in ("replicated", "split"):
+            gen = rng.generator(kind, torch.device("cpu"))
+            draws[kind, tp_index] = torch.rand(64, generator=gen)
+    assert torch.equal(draws["replicated", 0], draws["replicated", 1])
+    assert not torch.equal(draws["split", 0], draws["split", 1])
+    again = torch.rand(64, generator=RegionRNG(7, 1).generator("split", torch.device("cpu")))
+    assert torch.equal(again, draws["split", 1])
+
+
+def _comm():
+    return Mesh(ParallelDims()).comm("tensor")
+
+
+def test_apply_reports_every_module_and_shard_info() -> None:
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, dropout=0.1)
+    model = build_model(cfg, "meta")
+    report = apply_tensor_parallel(model, model.plan(), _comm())
+    assert report.parallel["blocks.1.attn.wq"] == "ColumnParallelLinear"
+    assert report.parallel["blocks.1.mlp.w_down"] == "RowParallelLinear"
+    assert report.parallel["output"] == "VocabParallelHead"
+    assert "norm.weight" in report.replicated
+    for name, p in model.named_parameters():
+        assert p.is_meta and shard_info(p).name == name
+    assert all(type(m).__name__ != "Dropout" for m in model.modules())
+
+
+def test_unconverted_planned_module_is_reported() -> None:
+    """The classic bug: a planned module silently staying a plain (unsplit) layer."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4)
+    model = build_model(cfg, "meta")
+
+    class Custom(nn.Module):  # a projection type tensor parallelism does not know
+        def forward(self, x):
+            return x
+
+    model.blocks["0"].mlp.w_up = Custom()
+    with pytest.raises(PartitaError, match=r"blocks\.0\.mlp\.w_up \(colwise: Custom\)"):
+        apply_tensor_parallel(model, model.plan(), _comm())
+
+
+def test_sequence_parallel_needs_tp() -> None:
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4), "meta")
+    with pytest.raises(PartitaError, match="Set parallel.tp to 2 or more"):
+        apply_tensor_parallel(model, model.plan(), _comm(), sequence_parallel=True)
