@@ -40,7 +40,7 @@ def _dropout_and_errors(rank: int, world: int) -> dict:
         model = build_model(cfg)
         apply_tensor_parallel(model, model.plan(), comm, sp, dropout_seed=11)
         seen = []
-        model.norm.register_forward_hook(lambda m, args, y, seen=seen: seen.append(args[0]))
+        model.norm.register_forward_hook(lambda m, args, y, seen=seen: seen.append(args[0].detach()))
         model.train()
         model(tokens)
         residual = _gathered(comm, seen[0])
