@@ -86,6 +86,10 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1)
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra} zero={self.zero_stage}"
+
     def sizes(self) -> dict[str, int]:
         return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
 

@@ -6,9 +6,9 @@ The order is fixed and documented, because each step reads what the previous one
 2. pipeline: keep only the blocks, embedding and head of this rank's stages;
 3. tensor parallel: swap planned modules for their parallel versions (meta shards,
    each parameter tagged with ShardInfo);
-4. materialise: each parameter is drawn from its global name, only the local slice
-   (ZeRO-3 leaves this to the engine, which draws only its flat 1/N slice);
-5. data parallel / ZeRO: the engine that reduces gradients and steps the optimizer.
+4. data parallel / ZeRO: the engine that reduces gradients and steps the optimizer; it
+   also materialises each parameter from its global name, drawing only the local slice
+   (for ZeRO-3 only its flat 1/N of that slice).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from partita.errors import PartitaError
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
 from partita.models.transformer import Transformer
-from partita.sharding import init_shard, shard_info
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16,
@@ -105,23 +104,6 @@ class ParallelModel:
         return self.dp.module
 
 
-@torch.no_grad()
-def materialize(model: nn.Module, model_cfg: ModelConfig, device: torch.device,
-                dtype: torch.dtype) -> None:
-    """Give every meta parameter the values of its slice of the single-device init."""
-    for name, param in list(model.named_parameters()):
-        if not param.is_meta:
-            continue
-        info = shard_info(param, name)
-        value = init_shard(model_cfg, info, torch.float64).to(device=device, dtype=dtype)
-        module_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(module_name) if module_name else model
-        new = nn.Parameter(value, requires_grad=param.requires_grad)
-        for key, val in vars(param).items():  # keep ShardInfo and other tags
-            setattr(new, key, val)
-        setattr(owner, attr, new)
-
-
 def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> None:
     """Reject unsupported combinations before any process waits on another."""
     if dims.cp > 1 or dims.ep > 1:
@@ -152,6 +134,7 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
     from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig
+    from partita.zero.init import model_init_fn
 
     model_cfg = cfg.model_config()
     dims = mesh.dims
@@ -170,24 +153,26 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
     if dims.tp > 1:
         from partita.tensor_parallel import apply_tensor_parallel
 
+        # Dropout masks must differ between replicas (they see different tokens).
         report = apply_tensor_parallel(model, plan, mesh.comm("tensor"),
-                                       sequence_parallel=cfg.parallel.sequence_parallel)
+                                       sequence_parallel=cfg.parallel.sequence_parallel,
+                                       dropout_seed=cfg.data.seed + mesh.index("loss_average"))
         loss_fn = report.loss_fn
 
-    full_precision = torch.float64 if param_dtype == torch.float64 else torch.float32
-    if dims.zero_stage < 3:
-        # Materialise in full precision; the engine keeps that as the master copy and
-        # casts the module to the compute dtype.
-        materialize(model, model_cfg, device, full_precision)
+    master = torch.float64 if param_dtype == torch.float64 else torch.float32
+    # The engine materialises every parameter still on the meta device from its global
+    # name: the whole local tensor for stages 0-2, only the owned flat slice for stage 3.
+    # Values are drawn in float32 exactly as build_model draws them, then cast.
     dp = DataParallel(
         model, mesh,
         zero=ZeroConfig(stage=dims.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
                         prefetch=cfg.parallel.prefetch),
-        precision=MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                 master_weights=cfg.precision.master_weights),
+        precision=MixedPrecision(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            master_dtype=master if cfg.precision.master_weights else param_dtype),
         optim=AdamWConfig(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
                           eps=cfg.train.eps, weight_decay=cfg.train.weight_decay),
-        init_fn=lambda info: init_shard(model_cfg, info, full_precision).to(device),
+        init_fn=model_init_fn(model_cfg), device=device,
     )
     return ParallelModel(model_cfg=model_cfg, mesh=mesh, dp=dp, loss_fn=loss_fn,
                          device=device, runner=MicrobatchRunner(dp, loss_fn, device))

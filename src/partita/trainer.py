@@ -148,7 +148,7 @@ class Trainer:
             c.save(self.out_dir / "config.toml")
             self.logger.message(
                 f"partita: {self.pm.model_cfg.num_params() / 1e6:.2f}M parameters, "
-                f"{self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
+                f"layout {self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
                 f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
             )
         tokens_per_step = c.train.global_batch * c.data.seq_len

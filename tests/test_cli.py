@@ -1,0 +1,111 @@
+"""The real command line, end to end: training runs, layouts agree, errors are clean."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from partita.testing import free_port
+
+SMALL = [
+    "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+    "--data.seq_len=32", "--data.max_bytes=300000", "--train.global_batch=8",
+    "--train.steps=6", "--train.log_every=1", "--train.eval_every=3", "--train.eval_batches=1",
+    "--train.warmup_steps=2", "--train.threads=1", "--metrics.tensorboard=false",
+]
+
+
+def partita(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def test_help_lists_every_command():
+    out = partita("--help").stdout
+    for command in ("train", "generate", "bench", "plan", "schedule"):
+        assert command in out
+
+
+def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_path, cache):
+    runs = {}
+    for name, extra in {"single": ["--nproc", "1"],
+                        "dp2": ["--nproc", "2"],
+                        "dp2-accum": ["--nproc", "2", "--train.microbatches=2"]}.items():
+        out = tmp_path / name
+        result = partita("train", *SMALL, *extra, "--train.dtype=float64",
+                         f"--data.cache_dir={cache}", f"--train.out_dir={out}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        last = result.stdout.strip().splitlines()[-1]
+        assert last.startswith("done: 6 steps, train loss"), last
+        runs[name] = losses(out)
+    for name, curve in runs.items():
+        assert curve == pytest.approx(runs["single"], rel=1e-10), name
+    assert runs["single"][-1] < runs["single"][0]
+    text = partita("generate", "--run", str(tmp_path / "dp2"), "--prompt", "def ",
+                   "--tokens", "20")
+    assert text.returncode == 0, text.stderr
+    assert text.stdout.startswith("def ") and len(text.stdout) > 4
+
+
+def test_two_launchers_form_one_two_node_job(tmp_path, cache):
+    port = free_port()
+    common = ["train", *SMALL, "--nproc", "1", "--nnodes", "2",
+              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode",
+              f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "partita.cli", *common],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (_out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    done = [out for out, _ in outputs if "done:" in out]
+    assert len(done) == 1  # global rank 0 lives on one of the two nodes
+    assert "dp=2 tp=1 pp=1" in done[0]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--parallel.tp=3"], "does not divide the world size"),
+    (["--parallel.dp=4"], "needs 4 processes but 2 were started"),
+    (["--model.n_heads=3"], "not divisible by model.n_heads"),
+    (["--train.stepz=3"], "Did you mean 'train.steps'"),
+    (["--data.source=/no/such/place"], "does not exist"),
+])
+def test_bad_input_is_one_paragraph_not_a_traceback(args, message, tmp_path, cache):
+    result = partita("train", *SMALL, "--nproc", "2", f"--data.cache_dir={cache}",
+                     f"--train.out_dir={tmp_path}", *args)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_unreadable_token_file_is_reported(tmp_path, cache):
+    bad = tmp_path / "tokens.bin"
+    bad.write_bytes(b"PTOK" + b"\x00" * 5)
+    result = partita("train", *SMALL, "--nproc", "1", f"--data.source={bad}",
+                     f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'r'}")
+    assert result.returncode != 0
+    assert "partita: error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_nan_loss_stops_naming_the_step_and_writes_no_weights(tmp_path, cache):
+    out = tmp_path / "nan"
+    result = partita("train", *SMALL, "--nproc", "1", "--train.lr=1e30",
+                     "--train.warmup_steps=0", "--train.grad_clip=0",
+                     f"--data.cache_dir={cache}", f"--train.out_dir={out}")
+    assert result.returncode != 0
+    assert "the loss became" in result.stderr and "at step" in result.stderr
+    assert not (out / "model.safetensors").exists()
+    assert "done:" not in result.stdout
