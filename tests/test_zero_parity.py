@@ -107,10 +107,13 @@ def run_case(rank: int, world: int, mesh: Mesh, case: dict) -> dict | None:
     # numpy, not torch: tensors would travel back through shared memory that dies with
     # the worker process.
     return {"losses": (loss_t / world).tolist(), "norms": norms,
-            "params": {n: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy()
-                       for n, v in params.items()},
-            "grads": grads and {n: v.numpy() for n, v in grads.items()},
+            "params": {n: _numpy(v) for n, v in params.items()},
+            "grads": grads and {n: _numpy(v) for n, v in grads.items()},
             "ledger": dp.memory_ledger()}
+
+
+def _numpy(t: torch.Tensor):
+    return (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
 
 
 def worker(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
