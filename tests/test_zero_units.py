@@ -1,0 +1,119 @@
+"""ZeRO pieces that need no second process: layout, block discovery, errors, ledger."""
+
+from __future__ import annotations
+
+import pytest
+import test_zero_parity as zp
+import torch
+import torch.nn as nn
+
+from partita.bench import zero_memory
+from partita.errors import PartitaError
+from partita.mesh import Mesh, ParallelDims
+from partita.testing import run_distributed
+from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
+from partita.zero.units import resolve_blocks
+
+
+def _mesh() -> Mesh:
+    return Mesh(ParallelDims())
+
+
+def test_flat_buffer_pads_to_aligned_equal_slices_and_maps_back() -> None:
+    params = [("a", nn.Parameter(torch.randn(7, 5))), ("b", nn.Parameter(torch.randn(3)))]
+    for index in range(4):
+        buf = FlatBuffer(params, 4, index, torch.float32, torch.device("cpu"))
+        assert buf.padded % (4 * ALIGN) == 0 and buf.shard_numel * 4 == buf.padded
+        pieces = buf.owned_pieces()
+        assert sum(pc.stop - pc.start for pc in pieces) == max(0, min(buf.hi, 38) - buf.lo)
+    meta = buf.metadata()["entries"]
+    assert [(e["name"], e["shape"], e["offset"]) for e in meta] == [("a", (7, 5), 0),
+                                                                   ("b", (3,), 35)]
+
+
+def test_blocks_by_plan_class_pattern_and_names() -> None:
+    toy = zp.Toy()
+    names = ["layers.0", "layers.1", "layers.2"]
+    assert resolve_blocks(toy, zp.ToyLayer) == names
+    assert resolve_blocks(toy, "layers.*") == names
+    assert resolve_blocks(toy, names[:2]) == names[:2]
+    assert resolve_blocks(zp.make_model({}, torch.float32), None) == ["blocks.0", "blocks.1"]
+    with pytest.raises(PartitaError, match="Did you mean 'layers.1'"):
+        resolve_blocks(toy, ["layer.1"])
+
+
+def test_stage3_without_blocks_says_what_to_pass() -> None:
+    with pytest.raises(PartitaError, match="blocks="):
+        DataParallel(zp.Toy(), _mesh(), zero=ZeroConfig(stage=3))
+
+
+def test_meta_model_without_init_fn_is_refused() -> None:
+    model = zp.make_model({}, torch.float32, meta=True)
+    with pytest.raises(PartitaError, match="init_fn"):
+        DataParallel(model, _mesh(), zero=ZeroConfig(stage=3))
+
+
+@pytest.mark.parametrize("bad", [dict(stage=4), dict(bucket_mb=0), dict(prefetch=-1),
+                                 dict(accumulation="later")])
+def test_bad_zero_config(bad: dict) -> None:
+    with pytest.raises(PartitaError):
+        ZeroConfig(**bad)
+
+
+def test_state_dict_round_trip_and_layout_mismatch() -> None:
+    prec = MixedPrecision(param_dtype=torch.float64)
+    dp = DataParallel(zp.make_model({}, torch.float64), _mesh(), zero=ZeroConfig(stage=1),
+                      precision=prec)
+    tokens = zp.batch(0)
+    dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+    dp.step()
+    state = dp.state_dict()
+    other = DataParallel(zp.make_model({}, torch.float64), _mesh(),
+                         zero=ZeroConfig(stage=1), precision=prec)
+    other.load_state_dict(state)
+    for a, b in zip(dp.module.parameters(), other.module.parameters()):
+        assert torch.equal(a, b)
+    small = DataParallel(zp.make_model({}, torch.float64), _mesh(),
+                         zero=ZeroConfig(stage=1, bucket_mb=0.01), precision=prec)
+    with pytest.raises(PartitaError, match="same layout"):
+        small.load_state_dict(state)
+
+
+def test_second_backward_without_grad_sync_is_an_error_not_a_wrong_gradient() -> None:
+    dp = DataParallel(zp.make_model({}, torch.float64), _mesh(),
+                      precision=MixedPrecision(param_dtype=torch.float64))
+    tokens = zp.batch(0)
+    dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+    with pytest.raises(PartitaError, match="grad_sync"):
+        dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+
+
+def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
+    model = zp.make_model({}, torch.float32, meta=True)
+    from partita.zero import model_init_fn
+
+    dp = DataParallel(model, _mesh(), zero=ZeroConfig(stage=3),
+                      precision=MixedPrecision(param_dtype=torch.bfloat16),
+                      init_fn=model_init_fn(zp.CFG))
+    assert all(p.numel() == 0 for p in model.parameters())  # sharded at rest
+    with dp.gathered_parameters(writeback=True):
+        for p in model.parameters():
+            p.fill_(0.5)
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert all(bool((b.shard[: b.numel] == 0.5).all()) for b in dp.buckets if b.numel >= b.hi)
+    assert all(bool((s.master == 0.5).sum() > 0) for s in dp.slots)
+
+
+def test_memory_ledger_matches_zero_formulas_and_stage3_draws_only_its_shard() -> None:
+    rows = run_distributed(zero_memory.measure, 2, args=(zp.CFG, (0, 1, 2, 3), 8))
+    for rank_rows in rows:
+        for r in rank_rows:
+            measured = (r["parameters"] + r["gradients"] + r["master_weights"]
+                        + r["optimizer_states"])
+            f = zero_memory.formula(r["stage"], r["P"], 2)
+            assert abs(measured - f) / f < 0.03, r  # only padding differs
+            if r["stage"] == 3:
+                assert r["at_rest_param_elements"] == 0
+                assert r["drawn"] <= r["P"] // 2 + 64 * 4
+                # root + the computing block + one prefetched block, never more
+                assert 0 < r["gathered_peak"] <= 3 * r["biggest_group"]
