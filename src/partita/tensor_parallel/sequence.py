@@ -31,7 +31,10 @@ class _SumGradOverTP(nn.Module):
             setattr(self, name, param)
 
     def _call_inner(self, *args: torch.Tensor) -> torch.Tensor:
-        params = {n: copy_to_region(p, self.comm) for n, p in self._parameters.items()
+        # clone(): a norm saves its weight for backward. Saved as a view of the parameter
+        # it would keep the parameter's storage alive until backward -- under ZeRO-3 the
+        # whole gathered block buffer. A clone of a weight vector costs h elements.
+        params = {n: copy_to_region(p.clone(), self.comm) for n, p in self._parameters.items()
                   if p is not None}
         return functional_call(self._inner[0], params, args)
 
