@@ -153,7 +153,17 @@ class ParallelDims:
         """Purpose name -> its groups, in a fixed order every rank agrees on."""
         out = {name: self.group_ranks(axes) for name, axes in PURPOSES.items()}
         out["expert"], out["expert_grad_reduce"] = self.expert_group_ranks()
+        out["embedding"] = self.embedding_group_ranks()
         return out
+
+    def embedding_group_ranks(self) -> list[list[int]]:
+        """First and last pipeline stage of each (tp, cp, dp) position: they exchange the
+        tied embedding. Middle stages form groups of one, so every rank has the purpose."""
+        groups = []
+        for stages in self.group_ranks(("pp",)):
+            groups.append(sorted({stages[0], stages[-1]}))
+            groups += [[r] for r in stages[1:-1]]
+        return groups
 
 
 class Mesh:
@@ -175,10 +185,12 @@ class Mesh:
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         # Purposes with the same members share one group (with cp=1, "data", "grad_reduce"
         # and "zero_shard" are the same ranks); fewer groups start faster.
-        made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        made: dict[tuple, dist.ProcessGroup | None] = {}
         for purpose, groups in dims.all_groups().items():
             for members in groups:
-                key = tuple(members)
+                # The embedding exchange gets a communicator of its own even when the
+                # pipeline has the same members (pp=2): p2p matches by order per group.
+                key = (purpose == "embedding", *members)
                 if key not in made:
                     # new_group is collective over the whole world: every rank creates
                     # every group, in the same order, even those it is not part of.

@@ -147,8 +147,12 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
     with torch.device("meta"):
         model = Transformer(model_cfg)
     plan = model.plan()
-    if dims.pp > 1:
-        raise PartitaError("pipeline parallelism (parallel.pp > 1) is not available yet.")
+    pipeline = None
+    if dims.pp > 1:  # pipeline: keep only this rank's stages (see partita.pipeline.build)
+        from partita.pipeline.build import prepare_pipeline
+
+        pipeline = prepare_pipeline(cfg, model_cfg, mesh)
+        pipeline.cut(model, plan)
     loss_fn: LossFn = cross_entropy
     if dims.tp > 1:
         from partita.tensor_parallel import apply_tensor_parallel
@@ -159,6 +163,8 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
                                        dropout_seed=cfg.data.seed + mesh.index("loss_average"))
         loss_fn = report.loss_fn
 
+    if pipeline is not None:  # a tied head's copy of the embedding is not a parameter
+        pipeline.detach_tied(model, plan)
     master = torch.float64 if param_dtype == torch.float64 else torch.float32
     # The engine materialises every parameter still on the meta device from its global
     # name: the whole local tensor for stages 0-2, only the owned flat slice for stage 3.
@@ -174,5 +180,7 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
                           eps=cfg.train.eps, weight_decay=cfg.train.weight_decay),
         init_fn=model_init_fn(model_cfg), device=device,
     )
+    runner = (pipeline.runner(dp, loss_fn, device, mesh, plan) if pipeline is not None
+              else MicrobatchRunner(dp, loss_fn, device))
     return ParallelModel(model_cfg=model_cfg, mesh=mesh, dp=dp, loss_fn=loss_fn,
-                         device=device, runner=MicrobatchRunner(dp, loss_fn, device))
+                         device=device, runner=runner)

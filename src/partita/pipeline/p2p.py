@@ -1,0 +1,113 @@
+"""Point-to-point transfers between pipeline ranks, with timeouts that say who waited.
+
+A maximal run of consecutive SEND/RECV actions is posted as one `batch_isend_irecv`
+(through `GroupComm.p2p_op`, so the bytes are counted). Sends never block: their
+handles and tensors are kept until the peer has them — completed ones are dropped as
+the step goes on, which frees an activation once it has been sent — and all are waited
+for at the end of the step. Receives block, with a timeout: a rank that died or stalls
+makes its peers fail with a message naming the rank, the stage, the action and the
+microbatch instead of hanging.
+
+Matching is by order on each (sender, receiver) pair — NCCL has no tags — so both ends
+must post their transfers in the same order; `check_transfer_order` proves that for a
+schedule before it runs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from partita.comm import GroupComm
+from partita.errors import PartitaError
+from partita.pipeline.actions import Action, Kind, Schedule, ScheduleError
+
+
+class PipelineTimeout(PartitaError):
+    """A pipeline peer did not deliver in time (it died, stalls, or runs another step)."""
+
+
+def describe(action: Action) -> str:
+    """'activation of stage 2, microbatch 5' for RF2.5 / SF2.5."""
+    what = "activation" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "input gradient"
+    return f"{what} of stage {action.stage}, microbatch {action.microbatch}"
+
+
+def check_transfer_order(sched: Schedule) -> None:
+    """Raise ScheduleError unless, for every ordered pair of ranks, the receiver posts
+    its receives in the order the sender posts the sends (order-matched p2p)."""
+    sent: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    received: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    for r, acts in enumerate(sched.ranks):
+        for a in acts:
+            if a.kind.is_send or a.kind.is_recv:
+                key = (a.kind.value[1], a.stage, a.microbatch)
+                peer = sched.rank_of(a.peer_stage)
+                book = sent if a.kind.is_send else received
+                book.setdefault((r, peer) if a.kind.is_send else (peer, r), []).append(key)
+    for pair, keys in sent.items():
+        if received.get(pair) != keys:
+            raise ScheduleError(
+                f"schedule '{sched.name}': rank {pair[1]} receives from rank {pair[0]} in "
+                f"another order than rank {pair[0]} sends; point-to-point transfers match "
+                "by order, so the runtime cannot run it. Reorder that rank's receives."
+            )
+
+
+class Transport:
+    """Posts one rank's transfers and waits for them with a deadline."""
+
+    def __init__(self, comm: GroupComm, peer_rank: Callable[[int], int], timeout_s: float,
+                 stage_rank: int) -> None:
+        self.comm = comm
+        self.peer_rank = peer_rank  # pipeline stage -> global rank holding it
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.me = stage_rank  # this rank's pipeline index, for messages
+        self.pending_sends: list[tuple[Action, object, torch.Tensor]] = []
+
+    def post(self, batch: Sequence[tuple[Action, torch.Tensor]]) -> list[tuple[Action, object]]:
+        """Post sends and receives in order as one batch; returns the receive handles."""
+        ops = []
+        for action, tensor in batch:
+            peer = self.peer_rank(action.peer_stage)
+            ops.append(self.comm.p2p_op(action.kind.is_send, tensor, peer))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        recvs = []
+        for (action, tensor), work in zip(batch, works):
+            if action.kind.is_send:
+                self.pending_sends.append((action, work, tensor))
+            else:
+                recvs.append((action, work))
+        return recvs
+
+    def wait(self, action: Action, work) -> None:
+        """Block until a receive (or send) completes; PipelineTimeout names it."""
+        start = time.perf_counter()
+        try:
+            work.wait(timeout=self.timeout)
+        except RuntimeError as exc:  # gloo / NCCL report a timeout as RuntimeError
+            waited = time.perf_counter() - start
+            peer = self.peer_rank(action.peer_stage)
+            verb = "waited" if action.kind.is_recv else "waited to deliver"
+            raise PipelineTimeout(
+                f"pipeline rank {self.me} (global rank {dist.get_rank()}, stage "
+                f"{action.local_stage}) {verb} {waited:.0f} s for {action} ({describe(action)}) "
+                f"{'from' if action.kind.is_recv else 'to'} rank {peer}, which did not "
+                f"answer: it probably died, stalls, or runs a different schedule or number "
+                f"of microbatches. (timeout {self.timeout_s:g} s; cause: {exc})"
+            ) from exc
+
+    def release_sent(self) -> None:
+        """Drop completed sends, so their tensors can be freed."""
+        self.pending_sends = [s for s in self.pending_sends if not s[1].is_completed()]
+
+    def finish(self) -> None:
+        """Wait for every outstanding send (end of step)."""
+        for action, work, _ in self.pending_sends:
+            self.wait(action, work)
+        self.pending_sends.clear()

@@ -1,0 +1,303 @@
+"""Run a pipeline schedule: this rank's actions, in order, for one training step.
+
+`PipelineRunner` offers the trainer's runner interface: `train(inputs, targets,
+microbatches)` returns this rank's share of the loss (the sum over microbatches of
+loss / microbatches on the last stage, 0.0 elsewhere) and leaves gradients in `.grad`
+ready for the data-parallel engine; `evaluate` is the same without backward.
+
+Losses are averaged explicitly: each microbatch's mean token loss is divided by the
+number of microbatches here, in the code, and multiplied by the data-parallel engine's
+loss scale (1 unless float16); nothing else rescales a gradient.
+
+Every action's start and end are recorded (`timeline`, seconds from the start of the
+step) so a real run can be drawn and its bubble measured (`partita.pipeline.measure`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from partita.mesh import Mesh
+from partita.models.plan import ModelPlan
+from partita.pipeline import stage as st
+from partita.pipeline.actions import Action, Kind, Schedule
+from partita.pipeline.backward import WeightPass, as_edge, backward_input, full_backward
+from partita.pipeline.p2p import Transport, check_transfer_order
+from partita.pipeline.schedules import build_schedule
+from partita.pipeline.simulate import Event, simulate
+from partita.pipeline.tied import TiedHead
+from partita.pipeline.validate import validate
+
+
+@dataclass
+class _Pass:
+    """What (stage, microbatch) keeps between its forward and its backward."""
+
+    x: torch.Tensor | None = None  # stage input (a leaf), or stage 0's embedding output
+    embedded: torch.Tensor | None = None  # stage 0: embedding before the detach
+    root: torch.Tensor | None = None  # the loss (last stage); else None, see `edge`
+    edge: object = None  # GradientEdge of the output: the tensor itself may be freed
+    weights: WeightPass | None = None
+    x_grad: torch.Tensor | None = None  # stage 0 after I: gradient at the detach
+
+
+@dataclass
+class _Step:
+    inputs: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    m: int
+    train: bool
+    passes: dict[tuple[int, int], _Pass] = field(default_factory=dict)
+    outbox: dict[Action, torch.Tensor] = field(default_factory=dict)  # to send / hand over
+    inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+
+
+def forward_only(sched: Schedule) -> Schedule:
+    """The schedule's forwards and their transfers only (evaluation); still ordered."""
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    ranks = tuple(tuple(a for a in acts if a.kind in keep) for acts in sched.ranks)
+    out = Schedule(sched.name + "-forward", sched.n_ranks, sched.n_microbatches,
+                   sched.n_virtual, ranks)
+    simulate(out)  # raises if it could deadlock
+    return out
+
+
+class PipelineRunner:
+    """Executes schedules on this rank's stages of `dp.module`."""
+
+    def __init__(self, dp, loss_fn, device: torch.device, mesh: Mesh, plan: ModelPlan,
+                 layout: st.StageLayout, schedule: str, microbatches: int,
+                 seq_len: int, dim: int, seq_divisor: int = 1,
+                 timeout_s: float = 300.0, virtual: int | None = None) -> None:
+        self.dp, self.loss_fn, self.device, self.plan = dp, loss_fn, device, plan
+        self.layout = layout
+        self.schedule_name, self.virtual = schedule, virtual or layout.n_virtual
+        self.microbatches = microbatches
+        self.rank = mesh.coord.pp
+        comm = mesh.comm("pipeline")
+        self.transport = Transport(comm, lambda s: comm.ranks[s % layout.n_ranks],
+                                   timeout_s, self.rank)
+        self.stages = {s.index: s for s in st.local_stages(layout, self.rank)}
+        self.seq_len, self.dim, self.seq_divisor = seq_len, dim, seq_divisor
+        module = dp.module
+        self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
+        self.tied = self._tied_head(mesh, timeout_s)
+        self._schedules: dict[int, Schedule] = {}
+        self.timeline: list[Event] = []  # last step, seconds from its start
+        self.step_started = 0.0  # time.perf_counter() at the last step's start
+        self.schedule(microbatches)  # validate the configured schedule now
+
+    @property
+    def module(self) -> nn.Module:
+        return self.dp.module
+
+    def _tied_head(self, mesh: Mesh, timeout_s: float) -> TiedHead | None:
+        if not self.layout.tied:
+            return None
+        first, last = 0 in self.stages, self.layout.last_stage in self.stages
+        owner = self.module.get_submodule(self.plan.embedding)
+        if first:
+            return TiedHead(mesh.comm("embedding"), getattr(owner, st.TIED_HEAD_ATTR), True,
+                            timeout_s)
+        if not last:
+            return None
+        meta = getattr(owner, st.TIED_HEAD_ATTR)
+        copy = torch.zeros(meta.shape, dtype=self.dtype, device=self.device,
+                           requires_grad=True)
+        setattr(owner, st.TIED_HEAD_ATTR, copy)
+        return TiedHead(mesh.comm("embedding"), copy, False, timeout_s)
+
+    def schedule(self, microbatches: int) -> Schedule:
+        """The validated schedule for `microbatches` (built once per count)."""
+        if microbatches not in self._schedules:
+            sched = build_schedule(self.schedule_name, self.layout.n_ranks, microbatches,
+                                   self.virtual)
+            validate(sched)
+            check_transfer_order(sched)
+            self._schedules[microbatches] = sched
+        return self._schedules[microbatches]
+
+    # The two entry points ------------------------------------------------------------
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+        sched = self.schedule(microbatches)
+        step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
+                     microbatches, train=True)
+        self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
+        if self.layout.n_virtual > 1:
+            self._sync_round()
+        return float(sum(loss.item() for loss in step.losses))
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
+        sched = forward_only(self.schedule(m))
+        step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
+        self._run(sched.ranks[self.rank], step, {})
+        return float(sum(loss.item() for loss in step.losses))
+
+    # Execution -----------------------------------------------------------------------
+    def _final_backwards(self, sched: Schedule) -> dict[int, Action]:
+        """Per local stage, its last parameter-gradient pass (B or W) of the step."""
+        last: dict[int, Action] = {}
+        for a in sched.ranks[self.rank]:
+            if a.kind in (Kind.B, Kind.W):
+                last[a.stage] = a
+        return last
+
+    def _run(self, actions: tuple[Action, ...], step: _Step,
+             final: dict[int, Action]) -> None:
+        self.timeline = []
+        if self.tied is not None:
+            self.tied.begin(want_grad=step.train)
+        self.step_started = t0 = time.perf_counter()
+        i = 0
+        while i < len(actions):
+            a = actions[i]
+            if a.kind.is_compute:
+                start = time.perf_counter() - t0
+                self._compute(a, step, final)
+                self.timeline.append((a, start, time.perf_counter() - t0))
+                self.transport.release_sent()
+                i += 1
+                continue
+            j = i
+            while j < len(actions) and not actions[j].kind.is_compute:
+                j += 1
+            self._transfer(actions[i:j], step, t0)
+            i = j
+        self.transport.finish()
+        if self.tied is not None:
+            self.tied.finish()
+
+    def _transfer(self, batch: tuple[Action, ...], step: _Step, t0: float) -> None:
+        posted = []
+        for a in batch:
+            if a.kind.is_send:
+                posted.append((a, step.outbox.pop(a)))
+            else:
+                shape = self._boundary_shape(step)
+                posted.append((a, torch.empty(shape, dtype=self.dtype, device=self.device)))
+        start = time.perf_counter() - t0
+        recvs = self.transport.post(posted)
+        for a, _ in posted:
+            if a.kind.is_send:
+                self.timeline.append((a, start, start))
+        buffers = {a: t for a, t in posted if a.kind.is_recv}
+        for a, work in recvs:
+            self.transport.wait(a, work)
+            step.inbox[_key(a)] = buffers[a]
+            self.timeline.append((a, start, time.perf_counter() - t0))
+
+    def _boundary_shape(self, step: _Step) -> tuple[int, int, int]:
+        b = step.inputs[0].shape[0]
+        return (b, self.seq_len // self.seq_divisor, self.dim)
+
+    def _compute(self, a: Action, step: _Step, final: dict[int, Action]) -> None:
+        if a.kind is Kind.F:
+            self._forward(a, step)
+        elif a.kind is Kind.I:
+            self._backward_input(a, step)
+        else:
+            self._backward(a, step, a is final.get(a.stage) or a == final.get(a.stage))
+
+    def _take(self, step: _Step, direction: str, stage: int, mb: int) -> torch.Tensor:
+        """A tensor from the peer (received) or from this rank's own neighbouring stage."""
+        found = step.inbox.pop((direction, stage, mb), None)
+        if found is None:
+            kind = Kind.SEND_F if direction == "F" else Kind.SEND_B
+            found = step.outbox.pop(Action(kind, stage, mb))
+        return found
+
+    def _forward(self, a: Action, step: _Step) -> None:
+        stage, mb = self.stages[a.stage], a.microbatch
+        p = _Pass()
+        with torch.set_grad_enabled(step.train):
+            if stage.first:
+                embedded = st.embed(self.module, step.inputs[mb].to(self.device))
+                # Detached so the embedding's backward can run apart from the blocks'
+                # (zero-bubble W; the tied head's gradient joins it there).
+                p.x = embedded.detach().requires_grad_(step.train)
+                p.embedded = embedded
+            else:
+                p.x = self._take(step, "F", a.stage - 1, mb).detach().requires_grad_(step.train)
+            out = st.run_blocks(self.module, self.plan, stage, p.x)
+            if stage.last:
+                if self.tied is not None:
+                    self.tied.wait_weight()
+                logits = st.head(self.module, out)
+                # Mean over this microbatch's tokens / number of microbatches: the sum
+                # over microbatches is the mean over the rank's batch.
+                loss = self.loss_fn(logits, step.targets[mb].to(self.device)) / step.m
+                step.losses.append(loss.detach())
+                scale = self.dp.loss_scale
+                p.root = loss * scale if scale != 1 else loss
+            else:
+                step.outbox[Action(Kind.SEND_F, a.stage, mb)] = out
+                p.edge = as_edge(out) if step.train else None
+        if step.train:
+            step.passes[(a.stage, mb)] = p
+
+    def _output_grad(self, a: Action, step: _Step, p: _Pass) -> tuple[list, list]:
+        if p.root is not None:
+            return [p.root], [torch.ones_like(p.root)]
+        return [p.edge], [self._take(step, "B", a.stage + 1, a.microbatch)]
+
+    def _backward(self, a: Action, step: _Step, is_final: bool) -> None:
+        """B (whole backward) or W (weight half after I) of (stage, microbatch)."""
+        stage = self.stages[a.stage]
+        p = step.passes[(a.stage, a.microbatch)] if a.kind is Kind.B else \
+            step.passes.pop((a.stage, a.microbatch))
+        with self.dp.grad_sync(is_final and self.layout.n_virtual == 1):
+            if a.kind is Kind.B:
+                roots, grads = self._output_grad(a, step, p)
+                full_backward(roots, grads)
+                x_grad = p.x.grad
+            else:
+                p.weights.run()
+                x_grad = p.x_grad
+            if stage.first:
+                roots, grads = [p.embedded], [x_grad]
+                if is_final and self.tied is not None:
+                    weight, head_grad = self.tied.extra_root()
+                    roots.append(weight)
+                    grads.append(head_grad)
+                full_backward(roots, grads)
+        if a.kind is Kind.B:
+            step.passes.pop((a.stage, a.microbatch))
+            if not stage.first:
+                step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
+        if stage.last and is_final and self.tied is not None:
+            self.tied.send_grad()
+
+    def _backward_input(self, a: Action, step: _Step) -> None:
+        stage = self.stages[a.stage]
+        p = step.passes[(a.stage, a.microbatch)]
+        roots, grads = self._output_grad(a, step, p)
+        params = [t for t in self.module.parameters() if t.requires_grad]
+        if self.tied is not None and not self.tied.owner:
+            params.append(self.tied.weight)
+        (x_grad,), p.weights = backward_input(roots, grads, [p.x], params)
+        p.root = p.edge = None
+        if stage.first:
+            p.x_grad = x_grad
+        else:
+            step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
+
+    def _sync_round(self) -> None:
+        """With several stages per rank no single backward covers all of this rank's
+        parameters, so every backward ran with gradient sync off; this empty round
+        (zero added to every gradient) lets the engine reduce them all at once."""
+        params = [t for t in self.module.parameters() if t.requires_grad]
+        with self.dp.grad_sync(True):
+            zeros = [torch.zeros((), dtype=t.dtype, device=t.device).expand_as(t)
+                     for t in params]
+            torch.autograd.backward(params, zeros, inputs=params)
+
+
+def _key(a: Action) -> tuple[str, int, int]:
+    return ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B", a.stage, a.microbatch)

@@ -1,0 +1,177 @@
+"""Which part of the model each pipeline stage holds, and how a stage runs forward.
+
+The model is cut into p*v stages (p pipeline ranks, v virtual stages per rank; stage s
+lives on rank s % p, see `Schedule`). Stages get contiguous runs of blocks from
+`split_blocks`: even by default, or balanced by parameters or FLOPs with the embedding
+counted on the first stage and the output head on the last.
+
+A rank keeps only its stages' modules: the blocks it owns (the index-keyed ModuleDict
+keeps their global names, `blocks.7`), every other root module with parameters (the
+embeddings) on the first stage, the plan's head modules on the last. The rest are set
+to None on the meta model, so they are never materialised.
+
+Tied embeddings: the last stage needs the embedding matrix for its head. It keeps the
+`tok_embeddings` module, and after tensor parallelism `detach_tied_copy` turns its
+weight into a plain tensor — not a parameter, so the data-parallel engine, the
+optimizer, the gradient norm and checkpoints see only the first stage's copy. The
+runtime copies the first stage's weight into it each step and sends its gradient back
+(see `partita.pipeline.tied`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from partita.errors import PartitaError
+from partita.models.config import ModelConfig
+from partita.models.plan import ModelPlan
+from partita.pipeline.split import split_blocks
+
+BALANCE_MODES = ("even", "params", "flops")
+TIED_HEAD_ATTR = "weight"  # the attribute of plan.embedding the tied head reads
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Blocks of every global stage, for p ranks with v stages each."""
+
+    n_ranks: int
+    n_virtual: int
+    blocks: tuple[range, ...]  # indexed by global stage
+    tied: bool = False
+
+    @property
+    def n_stages(self) -> int:
+        return self.n_ranks * self.n_virtual
+
+    @property
+    def last_stage(self) -> int:
+        return self.n_stages - 1
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        return tuple(range(rank, self.n_stages, self.n_ranks))
+
+    def describe(self) -> str:
+        """'stage 0: blocks 0-1 (+embedding), stage 1: blocks 2-3 (+head)'."""
+        parts = []
+        for s, r in enumerate(self.blocks):
+            extra = (" +embedding" if s == 0 else "") + (" +head" if s == self.last_stage else "")
+            parts.append(f"stage {s}: blocks {r.start}-{r.stop - 1}{extra}")
+        return ", ".join(parts)
+
+
+def block_costs(cfg: ModelConfig, mode: str, seq_len: int) -> tuple[list[float] | None,
+                                                                    float, float]:
+    """(per-block cost, embedding extra, head extra) for a balance mode."""
+    if mode not in BALANCE_MODES:
+        raise PartitaError(
+            f"pipeline balance '{mode}' is unknown; use one of {', '.join(BALANCE_MODES)} "
+            "(even: same number of blocks per stage; params / flops: balance the heaviest "
+            "stage, counting the embedding on the first and the head on the last)."
+        )
+    if mode == "even":
+        return None, 0.0, 0.0
+    if mode == "params":
+        head = cfg.head_param_count() + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+        return [float(cfg.block_param_count())] * cfg.n_layers, cfg.embedding_param_count(), head
+    # FLOPs per token: 6 per matmul weight, plus attention's 12*H*Q*T; a lookup is free.
+    attention = 12 * cfg.n_heads * cfg.head_dim * seq_len
+    block = 6.0 * cfg.block_param_count() + attention
+    return [block] * cfg.n_layers, 0.0, 6.0 * cfg.vocab_size * cfg.dim
+
+
+def plan_stages(cfg: ModelConfig, pp: int, virtual: int, balance: str = "even",
+                seq_len: int | None = None) -> StageLayout:
+    """Cut the model's blocks into pp*virtual stages; raises PartitaError if impossible."""
+    costs, first, last = block_costs(cfg, balance, seq_len or cfg.max_seq_len)
+    n_stages = pp * virtual
+    if cfg.n_layers < n_stages:
+        raise PartitaError(
+            f"the model has {cfg.n_layers} blocks but parallel.pp={pp} x "
+            f"parallel.virtual_stages={virtual} = {n_stages} pipeline stages; every stage "
+            f"needs at least one block. Use at most {cfg.n_layers} stages in all (fewer "
+            "virtual stages or a smaller pp), or a deeper model (model.n_layers)."
+        )
+    ranges = split_blocks(cfg.n_layers, n_stages, costs, first, last)
+    return StageLayout(pp, virtual, tuple(ranges), tied=cfg.tie_embeddings)
+
+
+def keep_stages(model: nn.Module, plan: ModelPlan, layout: StageLayout, rank: int) -> None:
+    """Drop (set to None / delete) every module this pipeline rank does not run."""
+    mine = layout.stages_of(rank)
+    first, last = 0 in mine, layout.last_stage in mine
+    keep = {str(b) for s in mine for b in layout.blocks[s]}
+    container = model.get_submodule(plan.blocks)
+    for key in list(container.keys()):
+        if key not in keep:
+            del container[key]
+    for name, child in list(model.named_children()):
+        if name == plan.blocks or child is None:
+            continue
+        if name in plan.head:
+            wanted = last
+        elif any(True for _ in child.parameters()):
+            # Input-side modules (token and position embeddings) run on the first stage;
+            # a tied head also needs the token embedding on the last.
+            wanted = first or (last and layout.tied and name == plan.embedding)
+        else:
+            continue  # parameterless (dropout): harmless to keep
+        if not wanted:
+            setattr(model, name, None)
+
+
+def detach_tied_copy(model: nn.Module, plan: ModelPlan, layout: StageLayout,
+                     rank: int) -> tuple[int, ...] | None:
+    """On a last stage that is not also first, make the tied embedding weight a plain
+    tensor (not a parameter). Returns its shape, or None when there is nothing to do.
+
+    Call after tensor parallelism (which replaces the embedding module) and before
+    materialisation; the runtime allocates and fills the tensor (`TiedHead`)."""
+    mine = layout.stages_of(rank)
+    if not layout.tied or 0 in mine or layout.last_stage not in mine:
+        return None
+    owner = model.get_submodule(plan.embedding)
+    param = owner._parameters.pop(TIED_HEAD_ATTR)
+    shape = tuple(param.shape)
+    setattr(owner, TIED_HEAD_ATTR, torch.empty(shape, device="meta", dtype=param.dtype))
+    return shape
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """One stage held by this rank: its global index and what it runs."""
+
+    index: int
+    blocks: tuple[str, ...]  # keys in the blocks ModuleDict
+    first: bool
+    last: bool
+
+
+def local_stages(layout: StageLayout, rank: int) -> list[LocalStage]:
+    return [LocalStage(s, tuple(str(b) for b in layout.blocks[s]), s == 0,
+                       s == layout.last_stage) for s in layout.stages_of(rank)]
+
+
+def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The input side of `Transformer.forward`: token (+ position) embedding, dropout."""
+    x = model.tok_embeddings(tokens)
+    if getattr(model, "pos_embeddings", None) is not None:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = x + model.pos_embeddings(positions)[None]
+    return model.dropout(x)
+
+
+def run_blocks(model: nn.Module, plan: ModelPlan, stage: LocalStage,
+               x: torch.Tensor) -> torch.Tensor:
+    container = model.get_submodule(plan.blocks)
+    for key in stage.blocks:
+        x = container[key](x)
+    return x
+
+
+def head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The output side of `Transformer.forward`: final norm and logits (tied or not)."""
+    return model.logits(model.norm(x))
