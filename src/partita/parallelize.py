@@ -111,12 +111,11 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
             "context parallelism (parallel.cp) and expert parallelism (parallel.ep) are not "
             "implemented yet; set both to 1."
         )
-    if cfg.parallel.sequence_parallel and dims.tp == 1:
-        raise PartitaError(
-            "parallel.sequence_parallel=true needs tensor parallelism: sequence parallelism "
-            "shards the activations over the tensor-parallel group. Set parallel.tp > 1 or "
-            "turn sequence_parallel off."
-        )
+    if cfg.parallel.sequence_parallel or dims.tp > 1:
+        from partita.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(model_cfg, dims.tp, cfg.parallel.sequence_parallel,
+                              cfg.data.seq_len, dims.world_size)
     if cfg.train.global_batch % (dims.dp * dims.cp):
         raise PartitaError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by the "
