@@ -113,3 +113,10 @@ def test_sequence_parallel_needs_tp() -> None:
     model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4), "meta")
     with pytest.raises(PartitaError, match="Set parallel.tp to 2 or more"):
         apply_tensor_parallel(model, model.plan(), _comm(), sequence_parallel=True)
+
+
+def test_applying_twice_is_refused() -> None:
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4), "meta")
+    apply_tensor_parallel(model, model.plan(), _comm())
+    with pytest.raises(PartitaError, match="already applied"):
+        apply_tensor_parallel(model, model.plan(), _comm())

@@ -43,6 +43,9 @@ from partita.tensor_parallel.vocab import (
 )
 
 REPLICATED = ("tensor",)
+_PARALLEL_TYPES = (ColumnParallelLinear, RowParallelLinear, ReplicatedHeadsLinear,
+                   VocabParallelEmbedding, VocabParallelHead, SequenceParallelNorm,
+                   SequenceShardedPositions)
 
 
 @dataclass
@@ -73,6 +76,14 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
         raise PartitaError(
             "sequence parallelism shards activations over the tensor-parallel group, but "
             "its size is 1. Set parallel.tp to 2 or more, or turn sequence parallelism off."
+        )
+    done = [n for n, m in model.named_modules() if isinstance(m, _PARALLEL_TYPES)]
+    if done:
+        # A second pass would add a second region entry per block: gradients reduced twice.
+        raise PartitaError(
+            f"tensor parallelism is already applied to this model ({done[0]} is a "
+            f"{type(model.get_submodule(done[0])).__name__}); apply it once, to a model "
+            "built from its single-device definition."
         )
     cfg = getattr(model, "cfg", None)
     report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
