@@ -120,3 +120,46 @@ def test_applying_twice_is_refused() -> None:
     apply_tensor_parallel(model, model.plan(), _comm())
     with pytest.raises(PartitaError, match="already applied"):
         apply_tensor_parallel(model, model.plan(), _comm())
+
+
+def _fake_comm(tp: int, index: int):
+    """A tp-sized comm without processes: applying issues no collective."""
+    from partita.comm import CommCounter, GroupComm
+
+    return GroupComm(None, list(range(tp)), index, "tensor", CommCounter())
+
+
+@pytest.mark.parametrize("tp,model", [
+    (4, dict(n_kv_heads=2, vocab_size=67, ffn_dim=90)),
+    (2, dict(flavour="gpt2", tie_embeddings=True, vocab_size=67)),
+    (8, dict(n_heads=8, n_kv_heads=1, vocab_size=61)),
+])
+def test_shards_tile_every_global_parameter(tp: int, model: dict) -> None:
+    """Over the tp ranks, split shards cover each global parameter exactly once and
+    replicated ones are whole; local shapes match their ShardInfo."""
+    cfg = ModelConfig(**{**dict(dim=64, n_layers=2, n_heads=4), **model})
+    full = dict(build_model(cfg, "meta").named_parameters())
+    covered: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for r in range(tp):
+        m = build_model(cfg, "meta")
+        apply_tensor_parallel(m, m.plan(), _fake_comm(tp, r))
+        assert set(dict(m.named_parameters())) == set(full)
+        for name, p in m.named_parameters():
+            info = shard_info(p)
+            assert info.name == name and info.global_shape == tuple(full[name].shape)
+            assert tuple(p.shape) == info.local_shape()
+            if info.is_split:
+                covered.setdefault((name, info.dim), []).append((info.start, info.stop))
+            else:
+                assert info.replicated_over == ("tensor",)
+    for (name, dim), pieces in covered.items():
+        pieces.sort()
+        assert len(pieces) == tp and pieces[0][0] == 0, name
+        assert pieces[-1][1] == full[name].shape[dim], name
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), name
+
+
+def test_apply_rejects_heads_not_divisible() -> None:
+    model = build_model(ModelConfig(vocab_size=64, dim=48, n_layers=1, n_heads=6), "meta")
+    with pytest.raises(PartitaError, match=r"Valid tp degrees: \[1, 2, 3, 6\]"):
+        apply_tensor_parallel(model, model.plan(), _fake_comm(4, 0))
