@@ -106,7 +106,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = ((sum_exp.log() - target_logit) * counted).sum() / n
         ctx.save_for_backward(probs, here, index, counted, n)
         ctx.out_dtype = logits.dtype
-        return loss.to(logits.dtype)
+        return loss  # in the computation dtype (fp32 for bf16 logits), as loss scaling wants
 
     @staticmethod
     def backward(ctx, grad_loss):
