@@ -163,3 +163,16 @@ def test_apply_rejects_heads_not_divisible() -> None:
     model = build_model(ModelConfig(vocab_size=64, dim=48, n_layers=1, n_heads=6), "meta")
     with pytest.raises(PartitaError, match=r"Valid tp degrees: \[1, 2, 3, 6\]"):
         apply_tensor_parallel(model, model.plan(), _fake_comm(4, 0))
+
+
+def test_cross_entropy_bf16_logits_compute_in_fp32() -> None:
+    from partita.tensor_parallel import vocab_parallel_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 64, generator=gen).bfloat16().requires_grad_()
+    targets = torch.randint(64, (2, 5), generator=gen)
+    loss = vocab_parallel_cross_entropy(logits, targets, _comm(), 0, 64)
+    want = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    assert loss.dtype == torch.float32 and abs(loss.item() - want.item()) < 1e-6
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
