@@ -47,34 +47,65 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     """Named bytes one layer saves for backward for one microbatch, on one GPU, no recompute.
 
     Terms that sequence parallelism shards are divided by t only when it is on; terms
-    inside the tensor-parallel region always are.
+    inside the tensor-parallel region always are. The partita-specific fields of
+    `Assumptions` (see `Assumptions.measured_cpu`) add what partita's eager model keeps.
     """
-    c = model.config
+    c, a = model.config, assumptions
     t, e = layout.tp, precision.activation
     s, b, h = seq_len / layout.cp, layout.mb, c.dim
     sp_div = t if layout.sp else 1
+    # Column-parallel inputs: the sequence shard (Megatron re-gathers it in backward) or
+    # the gathered full sequence (partita keeps what it gathered).
+    in_div = 1 if a.sp_saves_gathered_input else sp_div
     kv = -(-c.kv_heads // t) * c.head_dim  # kv width per rank (replicated when t > kv heads)
+    if a.gqa_expanded_kv:
+        kv = h / t  # K and V repeated to every query head before the kernel
     dropout = c.dropout > 0
     terms = {
         # Norm inputs (fused kernels save the input only; eager ones also the output).
-        "norm_inputs": 2 * assumptions.norm_saved_tensors * e * s * b * h / sp_div,
+        "norm_inputs": 2 * norm_bytes(model, s * b / sp_div, precision, a),
         # Input of the fused QKV projection and of the first MLP projection: the normed
         # activations, sharded along the sequence under sp (re-gathered in backward).
-        "qkv_input": e * s * b * h / sp_div,
-        "mlp_input": e * s * b * h / sp_div,
+        "qkv_input": e * s * b * h / in_div,
+        "mlp_input": e * s * b * h / in_div,
         # Q, K and V, inputs of the score and value products (or of the flash kernel).
         "attention_qkv": e * s * b * (h / t + 2 * kv),
-        "attention_scores": attention_score_bytes(model, layout, seq_len, precision, assumptions),
+        "attention_scores": attention_score_bytes(model, layout, seq_len, precision, a),
         # Attention output: input of the output projection (and saved by flash).
         "attention_output": e * s * b * h / t,
         # One byte per element: after attention's out-projection and after the MLP.
         "dropout_masks": (2 * s * b * h / sp_div) if dropout else 0.0,
-        "mlp_hidden": mlp_hidden_bytes(model, layout, seq_len, precision, assumptions),
+        "mlp_hidden": mlp_hidden_bytes(model, layout, seq_len, precision, a),
     }
+    if a.rotary_tables_saved and c.flavour == "llama":
+        terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
+    if a.norm_kernel == "eager" and layout.sp and t > 1:
+        # Sequence-parallel norms use a clone of their weight (and bias), kept for backward.
+        terms["norm_weight_copies"] = 2 * (2 if c.flavour == "gpt2" else 1) * precision.param * h
+    if a.gqa_expanded_kv and t > 1 and c.kv_heads % t:
+        # kv heads replicated over tp: the rows this rank reads are index-selected from
+        # the K and V weights, and those copies are saved.
+        terms["kv_weight_rows"] = 2 * precision.param * -(-c.kv_heads // t) * c.head_dim * h
     if model.is_moe:
         # Tokens permuted to their experts: top_k copies of each, input of expert fc1.
         terms["moe_dispatch"] = model.moe.top_k * e * s * b * h
     return terms
+
+
+def norm_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,
+               assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """What one norm over `tokens` tokens saves.
+
+    Fused: `norm_saved_tensors` tensors of width h. Eager (partita's model): RMSNorm
+    normalises in fp32, so it keeps an fp32 copy of its input, the normalised output and
+    an fp32 rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd.
+    """
+    h, e = model.config.dim, precision.activation
+    if assumptions.norm_kernel == "fused":
+        return assumptions.norm_saved_tensors * e * tokens * h
+    if model.config.flavour == "gpt2":
+        return tokens * (e * h + 8)
+    return tokens * ((max(e, 4) + e) * h + 4)
 
 
 def attention_score_bytes(model: PlanModel, layout: Layout, seq_len: int,

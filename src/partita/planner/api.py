@@ -35,7 +35,8 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     batch = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq)
     prec = Precision.named(precision) if isinstance(precision, str) else precision
     cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)
-    return Request(plan_model, cluster, seq, batch, prec, assumptions or Assumptions())
+    return Request(plan_model, cluster, seq, batch, prec,
+                   assumptions or Assumptions.for_device(gpu.name))
 
 
 def plan(model: str | PlanModel, gpus: int, space: SearchSpace = FULL_SPACE,

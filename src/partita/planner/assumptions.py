@@ -64,6 +64,36 @@ class Assumptions:
     # cross-entropy and its gradient, per vocabulary entry per token.
     logits_bytes_per_element: float = 10.0
 
+    # --- partita's own implementation (see `measured_cpu`) -------------------------------
+    # The defaults above describe fused GPU kernels and Megatron's accounting. These
+    # fields describe what partita's eager model and engines really hold; their defaults
+    # leave the GPU figures unchanged and `measured_cpu()` turns them on.
+    # Norms: "fused" saves `norm_saved_tensors` tensors of width h; "eager" is partita's
+    # model: RMSNorm saves an fp32 copy of its input, its normalised output and an fp32
+    # rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd.
+    norm_kernel: str = "fused"
+    # partita's attention repeats grouped kv heads to the query heads before the kernel,
+    # which then saves full-width K and V (kernels with native GQA keep the kv heads).
+    gqa_expanded_kv: bool = False
+    # tp above the kv heads: partita keeps every kv head's K and V projections on each
+    # rank (Megatron keeps only the head its query heads read).
+    whole_kv_replicas: bool = False
+    # Eager rotary embedding saves its cos and sin tables (seq x head_dim/2 each, per
+    # layer); a fused rope kernel recomputes them.
+    rotary_tables_saved: bool = False
+    # Under sequence parallelism partita's column-parallel layers keep the all-gathered
+    # (full-sequence) input for backward; Megatron saves the shard and gathers it again.
+    sp_saves_gathered_input: bool = False
+    # Bytes per token of integer ids kept for backward (embedding lookup, loss targets);
+    # negligible at scale, a visible share of a tiny model's activations.
+    token_id_bytes: float = 0.0
+    # ZeRO flat buffers: 0 = the ZeRO paper's unpadded accounting; > 0 = partita's flat
+    # buffers, each padded to a multiple of (ZeRO group x this many elements). Stage 3
+    # has one buffer per block plus one for the rest; stages 0-2 one per gradient bucket
+    # of `zero_bucket_bytes` (the engine's bucket_mb default, 25 MiB).
+    flat_buffer_align: int = 0
+    zero_bucket_bytes: float = 25 * 2**20
+
     # --- offload ---------------------------------------------------------------------
     # Adam update rate of the host CPU, parameters per second per GPU's share of cores.
     cpu_adam_params_per_s: float = 1.0e9
@@ -74,12 +104,35 @@ class Assumptions:
             raise PartitaError(
                 f"attention_kernel={self.attention_kernel!r}: use 'flash' or 'eager'."
             )
+        if self.norm_kernel not in ("fused", "eager"):
+            raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused' or 'eager'.")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith(("_overlap", "_efficiency", "fragmentation")) and not (
                 0.0 <= value <= 1.0
             ):
                 raise PartitaError(f"{f.name}={value}: a fraction between 0 and 1.")
+
+    @classmethod
+    def measured_cpu(cls) -> Assumptions:
+        """What partita itself does, as measured on CPU (eager PyTorch, gloo): the
+        preset for the `cpu` device profile, checked by tests/test_planner_accuracy.py.
+
+        torch's CPU scaled-dot-product attention is a flash-style kernel (it saves Q, K,
+        V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:
+        SwiGLU keeps gate, silu(gate), up and their product; the loss keeps fp32
+        log-probabilities (or the vocab-parallel softmax) per vocabulary entry.
+        """
+        return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
+                   logits_bytes_per_element=4.0, gqa_expanded_kv=True,
+                   rotary_tables_saved=True, sp_saves_gathered_input=True,
+                   whole_kv_replicas=True,
+                   token_id_bytes=16.0, flat_buffer_align=64)
+
+    @classmethod
+    def for_device(cls, name: str) -> Assumptions:
+        """Defaults for a device profile: `measured_cpu()` for `cpu`, else GPU defaults."""
+        return cls.measured_cpu() if name.lower() == "cpu" else cls()
 
     def override(self, settings: dict[str, str]) -> Assumptions:
         """A copy with `name=value` strings (from `--set`) applied."""

@@ -19,6 +19,7 @@ from partita.planner.activations import (
     layer_activation_bytes,
     layer_activation_terms,
     layer_input_bytes,
+    norm_bytes,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.layout import MIXED, Layout, Precision
@@ -37,15 +38,18 @@ def stage_layers(n_layers: int, pp: int) -> list[int]:
     return out
 
 
-def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0) -> dict[str, float]:
+def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
+                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
     """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,
     tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
     c = model.config
     layers = stage_layers(c.n_layers, layout.pp)[stage]
-    split = model.block_split(layout.tp)
+    split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
     dense = layers * (split["sharded"] + split["replicated"])
     expert = layers * split["expert"] / layout.ep
-    vocab = c.vocab_size * c.dim / layout.tp  # vocab-parallel embedding / head
+    # Vocab-parallel embedding / head: the vocabulary is cut as if padded to a multiple
+    # of tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored).
+    vocab = -(-c.vocab_size // layout.tp) * c.dim
     first, last = stage == 0, stage == layout.pp - 1
     if first:
         dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
@@ -73,10 +77,16 @@ def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
 
 
 def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                      stage: int = 0) -> dict[str, float]:
+                      stage: int = 0,
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
     """Bytes of parameters, gradients, fp32 master weights and optimizer states on one
-    GPU of `stage` (on the GPU: offloaded states are in `host_state_bytes`)."""
-    counts = stage_param_counts(model, layout, stage)
+    GPU of `stage` (on the GPU: offloaded states are in `host_state_bytes`).
+
+    With `assumptions.flat_buffer_align` the dense parameters are counted as partita's
+    ZeRO engine lays them out, padding included (see `padded_dense_params`)."""
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    if assumptions.flat_buffer_align:
+        counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     out = dict.fromkeys(MODEL_STATE_TERMS, 0.0)
     for kind, n in counts.items():
@@ -84,6 +94,35 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
                                             layout.offload).items():
             out[term] += value
     return out
+
+
+def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                        stage: int = 0,
+                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Dense parameter elements of `stage` with the padding of partita's flat buffers.
+
+    Every buffer is padded to a multiple of zero_group x align elements, so that it cuts
+    into equal aligned slices, and every state (parameters, gradients, master weights,
+    moments) is a full or sharded copy of the padded buffers. Stage 3 keeps one buffer
+    per block and one for the rest (embeddings, final norm, head): exact. Stages 0-2 cut
+    gradient buckets of `zero_bucket_bytes`: exact for one bucket, else each bucket is
+    taken to waste half a slot on average (where they are cut depends on tensor order).
+    """
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    unit = layout.zero_group * assumptions.flat_buffer_align
+
+    def pad(n: float) -> float:
+        return -(-n // unit) * unit if n > 0 else 0.0
+
+    if layout.zero >= 3:
+        split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
+        block = split["sharded"] + split["replicated"]
+        layers = stage_layers(model.config.n_layers, layout.pp)[stage]
+        return layers * pad(block) + pad(counts["dense"] - layers * block)
+    buckets = max(1, -(-counts["dense"] * precision.param // assumptions.zero_bucket_bytes))
+    if buckets == 1:
+        return pad(counts["dense"])
+    return counts["dense"] + buckets * unit / 2
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
@@ -111,11 +150,30 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
         # Backward re-runs one layer's forward and holds its full activations meanwhile.
         total += sum(layer_activation_terms(model, layout, seq_len, precision,
                                             assumptions).values())
+    ids = assumptions.token_id_bytes / 2 * seq_len / layout.cp * layout.mb
+    if stage == 0:
+        total += ids * chunks / layout.vpp  # token ids of the embedding lookup
     if stage == layout.pp - 1:
         total += logits_bytes(model, layout, seq_len, assumptions) * (
             num_microbatches if layout.schedule == "gpipe" else 1)
-        total += layer_input_bytes(model, layout, seq_len, precision)  # final norm input
+        total += head_input_bytes(model, layout, seq_len, precision, assumptions)
+        total += ids  # the loss's targets
     return total
+
+
+def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                     precision: Precision = MIXED,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """The final norm and the output projection's input. Under the GPU defaults one
+    tensor of width h stands for both (a fused norm); with eager norms the norm's own
+    tensors plus the head's input (gathered along the sequence under sp by partita)."""
+    if assumptions.norm_kernel == "fused":
+        return layer_input_bytes(model, layout, seq_len, precision)
+    tokens = seq_len / layout.cp * layout.mb
+    sp_div = layout.tp if layout.sp else 1
+    in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
+    return (norm_bytes(model, tokens / sp_div, precision, assumptions)
+            + precision.activation * tokens * model.config.dim / in_div)
 
 
 def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -123,7 +181,7 @@ def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
     """Logits of one microbatch with their fp32 softmax and gradient (vocab-parallel)."""
     c = model.config
     return (assumptions.logits_bytes_per_element * seq_len / layout.cp * layout.mb
-            * c.vocab_size / layout.tp)
+            * -(-c.vocab_size // layout.tp))  # vocabulary padded to a multiple of tp
 
 
 def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -134,7 +192,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     c = model.config
     out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
     if layout.zero >= 3 and layout.zero_group > 1:
-        split = model.block_split(layout.tp)
+        split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
         block = split["sharded"] + split["replicated"] + split["expert"] / layout.ep
         unit = block
         if stage == 0 or stage == layout.pp - 1:
@@ -142,7 +200,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
                                  + precision.grad) * unit
     elif layout.zero_group > 1:
-        grads = model_state_bytes(model, layout, precision, stage)["gradients"]
+        grads = model_state_bytes(model, layout, precision, stage, assumptions)["gradients"]
         out["grad_buckets"] = min(assumptions.grad_bucket_bytes, grads)
     if layout.pp > 1:
         out["pipeline_p2p"] = 2 * layer_input_bytes(model, layout, seq_len, precision)
@@ -156,7 +214,7 @@ def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microba
     """Every byte on one GPU of `stage`: model states, activations, communication
     buffers, the device's runtime reserve (`GPUSpec.runtime_reserved_bytes`) and the
     fragmentation allowance, and their `total`."""
-    out = model_state_bytes(model, layout, precision, stage)
+    out = model_state_bytes(model, layout, precision, stage, assumptions)
     out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
                                           precision, assumptions)
     out["comm_buffers"] = sum(comm_buffer_bytes(model, layout, seq_len, precision, stage,

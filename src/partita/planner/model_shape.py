@@ -51,15 +51,18 @@ class PlanModel:
         c = self.config
         return (3 if c.gated_mlp else 2) * c.dim * ffn
 
-    def block_split(self, tp: int) -> dict[str, float]:
+    def block_split(self, tp: int, whole_kv: bool = False) -> dict[str, float]:
         """Parameters of one block on one tp rank: sharded, replicated, expert (all experts).
 
         K/V projections with fewer kv heads than tp ranks are replicated so that each
-        rank still holds the kv head its query heads use.
+        rank still holds the kv head its query heads use (`whole_kv`: every kv head, as
+        partita's tensor parallelism keeps them).
         """
         c = self.config
         d, hd = c.dim, c.head_dim
         kv_per_rank = -(-c.kv_heads // tp) * hd  # ceil: replicated when tp > kv_heads
+        if whole_kv and c.kv_heads % tp:
+            kv_per_rank = c.kv_heads * hd
         attn = (2 * d * d) / tp + 2 * d * kv_per_rank
         col_bias = (d / tp + 2 * kv_per_rank) if c.has_bias else 0.0
         replicated = 2 * d * (2 if c.flavour == "gpt2" else 1)  # two norms (weight[, bias])

@@ -145,7 +145,8 @@ def _states_overflow(req: Request, layout: Layout) -> bool:
     """Model states plus the fixed reserve alone exceed the GPU on some stage."""
     a = req.assumptions
     for stage in peak_stages(layout.pp):
-        states = sum(model_state_bytes(req.model, layout, req.precision, stage).values())
+        states = sum(model_state_bytes(req.model, layout, req.precision, stage,
+                                       req.assumptions).values())
         if states * (1 + a.fragmentation) + req.cluster.gpu.runtime_reserved_bytes > req.cluster.gpu.memory_bytes:
             return True
     return False

@@ -20,7 +20,7 @@ from partita.planner.activations import layer_input_bytes
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.hardware import Cluster
 from partita.planner.layout import MIXED, Layout, Precision
-from partita.planner.memory import stage_layers, stage_param_counts
+from partita.planner.memory import padded_dense_params, stage_layers, stage_param_counts
 from partita.planner.model_shape import PlanModel
 
 
@@ -126,7 +126,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     pp_exposed = pp_s - min(pp_s, a.pp_overlap * compute_s)
 
     # Data parallel (over the ZeRO group dp*cp) per ZeRO stage.
-    counts = stage_param_counts(model, layout, 0)
+    counts = stage_param_counts(model, layout, 0, a)
+    if a.flat_buffer_align:  # collectives move whole padded flat buffers
+        counts["dense"] = padded_dense_params(model, layout, precision, 0, a)
     n = layout.zero_group
     local = counts["dense"] + counts["expert"]
     g_bytes, p_bytes = precision.grad * local, precision.param * local
