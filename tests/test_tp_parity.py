@@ -29,14 +29,15 @@ CASES = {
         dict(id="tp2-sp-llama", model={**LLAMA, "vocab_size": 67}, sp=True),
         dict(id="tp2-sp-gpt2-tied", model={**LLAMA, "flavour": "gpt2", "tie_embeddings": True,
                                           "vocab_size": 67}, sp=True),
+        dict(id="tp2-gpt2-tied", model={**LLAMA, "flavour": "gpt2", "tie_embeddings": True}),
         dict(id="tp2-fp32", model=LLAMA, dtype=torch.float32),
     ],
     4: [
         dict(id="tp4-gqa-replicated-kv-odd", model={**LLAMA, "n_kv_heads": 2, "vocab_size": 67,
                                                    "ffn_dim": 90}, check_padding=True),
-        dict(id="tp4-gpt2-tied", model={**LLAMA, "flavour": "gpt2", "tie_embeddings": True}),
-        dict(id="tp4-sp-mqa", model={**LLAMA, "n_kv_heads": 1, "vocab_size": 67}, sp=True,
-             meta=True),
+        dict(id="tp4-sp-gpt2-tied-mqa-meta", model={**LLAMA, "flavour": "gpt2",
+                                                   "tie_embeddings": True, "n_kv_heads": 1,
+                                                   "vocab_size": 67}, sp=True, meta=True),
     ],
 }
 

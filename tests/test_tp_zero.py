@@ -25,9 +25,10 @@ OPTIM = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LLAMA = dict(vocab_size=67, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
 CASES = [
     dict(id="zero1", stage=1, model=LLAMA),
-    dict(id="zero3-sp-gpt2-tied", stage=3, sp=True,
-         model={**LLAMA, "flavour": "gpt2", "tie_embeddings": True, "n_kv_heads": None}),
-    dict(id="zero3-replicated-kv", stage=3, model={**LLAMA, "n_kv_heads": 1}),
+    # SP norms, replicated kv projections (1 kv head at tp=2) and the tied head: every
+    # kind of tp-replicated gradient the norm must count once.
+    dict(id="zero3-sp-gpt2-tied-mqa", stage=3, sp=True,
+         model={**LLAMA, "flavour": "gpt2", "tie_embeddings": True, "n_kv_heads": 1}),
 ]
 
 
