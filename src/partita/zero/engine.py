@@ -33,6 +33,7 @@ from partita.mesh import Mesh
 from partita.zero.adamw import adamw_, decay_ranges
 from partita.zero.config import AdamWConfig, MixedPrecision, ZeroConfig
 from partita.zero.flat import FlatBuffer, InitFn
+from partita.zero.param_sync import ParamAllGather
 from partita.zero.reducer import GradReducer
 from partita.zero.scaler import LossScaler
 from partita.zero.stage3 import ParamGatherer
@@ -100,6 +101,8 @@ class DataParallel:
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulation == "buffer",
                                    self.gatherer.done if self.gatherer else None)
+        self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
+                           if self.stage in (1, 2) else None)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
@@ -207,8 +210,11 @@ class DataParallel:
             return False
         self.step_count += 1
         lr = self.optim.lr if lr is None else lr
-        works = []
-        for buf, slot in zip(self.buckets, self.slots):
+        self.wait_params()
+        # Forward order (last bucket first), so that the all-gathers of stages 1 and 2
+        # arrive in the order the next forward needs them.
+        for b in reversed(range(len(self.buckets))):
+            buf, slot = self.buckets[b], self.slots[b]
             param = self._owned_param(buf)
             target = slot.master if slot.master is not None else param
             grad = self._owned_grad(buf)
@@ -217,13 +223,16 @@ class DataParallel:
                    self.optim, slot.decay)
             if slot.master is not None:
                 param.copy_(slot.master)
-            if self.stage in (1, 2):  # stage 3 gathers lazily before the next forward
-                works.append(self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi],
-                                                       async_op=True))
-        for w in works:
-            w.wait()
+            if self.param_sync is not None:  # stage 3 gathers lazily before its forward
+                self.param_sync.launch(b)
         self.scaler.update(False)
         return True
+
+    def wait_params(self) -> None:
+        """Stages 1-2: wait for the parameter all-gathers still in flight after step()
+        (forward waits by itself, module by module)."""
+        if self.param_sync is not None:
+            self.param_sync.wait_all()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -244,6 +253,7 @@ class DataParallel:
         With writeback=True, changes made there (identically on every rank) are kept:
         each rank copies its owned slice back into its shard and master weights."""
         with torch.no_grad():
+            self.wait_params()
             if self.gatherer is None:
                 yield
                 if writeback:
@@ -286,6 +296,7 @@ class DataParallel:
 
     def state_dict(self) -> dict:
         """Owned optimizer, master and parameter slices, with their layout metadata."""
+        self.wait_params()
         return {
             "stage": self.stage, "world": self.comm.size, "index": self.comm.index,
             "step": self.step_count, "scaler": self.scaler.state_dict(),
@@ -298,6 +309,7 @@ class DataParallel:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.wait_params()
         mine = [b.metadata() for b in self.buckets]
         if (state["stage"], state["world"]) != (self.stage, self.comm.size) or \
                 [b["layout"] for b in state["buckets"]] != mine:

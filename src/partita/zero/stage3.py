@@ -3,7 +3,9 @@
 Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
           head: parameters outside any block) and starts prefetching the first blocks;
           each block's pre-hook waits for its own gather and starts the next `prefetch`
-          blocks'; its post-hook frees it. The root is freed when forward returns.
+          blocks'; its post-hook frees it. The root stays gathered until its gradients
+          are in when forward records a graph (backward begins with the head), and is
+          freed at once otherwise.
 Backward: a tiny autograd function on each block's (and the root's) output fires when
           backward reaches it: it gathers that block again and prefetches the
           `prefetch` blocks before it. When every parameter of a block has its gradient
@@ -127,9 +129,14 @@ class ParamGatherer:
     def _root_post(self, module, args, out):
         if self.root is None:
             return out
-        if id(self.root) not in self.in_backward:
+        if not torch.is_grad_enabled():
             self.free(self.root)
-        return _on_backward(out, self._root_backward) if torch.is_grad_enabled() else out
+            return out
+        # Backward starts with the head, which is in the root group: keep the root
+        # gathered until its gradients are in (as FSDP2 does for its root) instead of
+        # freeing it and gathering it again at once. Stage 3 so moves 3 Psi - Psi_root.
+        self.in_backward.add(id(self.root))
+        return _on_backward(out, self._root_backward)
 
     def _root_backward(self) -> None:
         self.ensure(self.root)

@@ -13,6 +13,8 @@ import torch.nn as nn
 
 from partita.errors import PartitaError
 
+FIRST_BUCKET_BYTES = 1 << 20
+
 BlockSpec = None | list[str] | tuple[str, ...] | type | str
 NamedParams = list[tuple[str, nn.Parameter]]
 
@@ -69,7 +71,10 @@ def partition(module: nn.Module, block_names: list[str]) -> tuple[NamedParams,
 
 def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list[NamedParams]:
     """Trainable parameters in reverse registration order (the order backward usually
-    produces their gradients), cut greedily into buckets of about `bucket_bytes`."""
+    produces their gradients), cut greedily into buckets of about `bucket_bytes`.
+
+    The first bucket is capped at FIRST_BUCKET_BYTES (as DDP does): its gradients are
+    the first of backward, and a small bucket starts communication early."""
     seen: set[int] = set()
     params = []
     for name, p in module.named_parameters():
@@ -79,7 +84,8 @@ def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list
     out: list[NamedParams] = [[]]
     size = 0
     for name, p in reversed(params):
-        if out[-1] and size + p.numel() * itemsize > bucket_bytes:
+        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(out) == 1 else bucket_bytes
+        if out[-1] and size + p.numel() * itemsize > cap:
             out.append([])
             size = 0
         out[-1].append((name, p))

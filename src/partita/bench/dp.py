@@ -1,0 +1,151 @@
+"""Data parallelism: partita's stage 0 against torch DistributedDataParallel, one run.
+
+Both train the same model from the same weights on the same batches, with the same world
+size (gloo), one thread per rank and AdamW (torch's with foreach=True, its default on
+GPUs; ours updates each flat bucket in one set of ops). After warm-up, rounds alternate
+ours and the peer (A B A B ...); each round times a few steps between barriers. The
+verdict is the median of the per-round ratios. The timing harness here also serves
+`partita bench zero`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from partita.models.catalog import get_model_config
+from partita.testing import run_distributed
+
+LR = 1e-4
+Step = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str = "tiny"
+    batch: int = 4  # sequences per rank
+    seq: int = 128
+    warmup: int = 3
+    rounds: int = 8
+    steps: int = 3  # steps per timed round
+
+
+def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def partita_step(model, mesh, stage: int, blocks=None) -> Step:
+    from partita.zero import AdamWConfig, DataParallel, ZeroConfig
+
+    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage),
+                      optim=AdamWConfig(lr=LR), blocks=blocks)
+
+    def step(tokens: torch.Tensor) -> None:
+        dp.backward(_loss(dp.module(tokens[:, :-1]), tokens))
+        dp.finish_grad_sync()
+        dp.step()
+        dp.zero_grad()
+    step.engine = dp  # keeps it alive with the closure
+    return step
+
+
+def torch_step(model: torch.nn.Module, optimizer) -> Step:
+    def step(tokens: torch.Tensor) -> None:
+        _loss(model(tokens[:, :-1]), tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def ddp_step(model, mesh) -> Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    return torch_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True))
+
+
+def build_step(name: str, model: torch.nn.Module, mesh) -> Step:
+    if name == "partita stage 0":
+        return partita_step(model, mesh, 0)
+    if name == "torch DDP":
+        return ddp_step(model, mesh)
+    raise ValueError(name)
+
+
+def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]],
+               build: Callable[[str, torch.nn.Module, object], Step]) -> list[dict]:
+    """Per pair (ours, peer): per-round seconds per step of each, interleaved."""
+    import torch.distributed as dist
+
+    from partita.mesh import Mesh, ParallelDims
+    from partita.models.transformer import build_model
+
+    cfg = get_model_config(setup.model)
+    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1), generator=gen)
+               for _ in range(4)]
+    out = []
+    for ours, peer in pairs:
+        steps = [build(name, build_model(cfg), mesh) for name in (ours, peer)]
+        for fn in steps:
+            for i in range(setup.warmup):
+                fn(batches[i % 4])
+        times: list[list[float]] = [[], []]
+        for _ in range(setup.rounds):
+            for fn, acc in zip(steps, times):
+                dist.barrier()
+                t0 = time.perf_counter()
+                for i in range(setup.steps):
+                    fn(batches[i % 4])
+                dist.barrier()
+                acc.append((time.perf_counter() - t0) / setup.steps)
+        out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
+                    "ratio": statistics.median(a / b for a, b in zip(*times))})
+        del steps
+        gc.collect()
+    return out
+
+
+def print_table(rows: list[dict], world: int) -> None:
+    for r in rows:
+        print(f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
+              f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
+              f"{r['ratio']:>7.3f}")
+
+
+TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/step':>9} "
+              f"{'ratio':>7}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2, gloo)")
+    parser.add_argument("--model", default=Setup.model)
+    parser.add_argument("--batch", type=int, default=Setup.batch, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=Setup.seq)
+    parser.add_argument("--rounds", type=int, default=Setup.rounds)
+
+
+def setup_from(args: argparse.Namespace) -> Setup:
+    return Setup(model=args.model, batch=args.batch, seq=args.seq, rounds=args.rounds)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = setup_from(args)
+    rows = run_distributed(time_pairs, args.world, timeout=900,
+                           args=(setup, [("partita stage 0", "torch DDP")], build_step))[0]
+    print(f"dp: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, 1 thread "
+          f"per rank, {setup.rounds} interleaved rounds of {setup.steps} steps after "
+          f"{setup.warmup} warm-up steps; median step times")
+    print(TABLE_HEAD)
+    print_table(rows, args.world)
+    print(f"dp: partita/torch-ddp step-time ratio {rows[0]['ratio']:.3f}")
+    return 0

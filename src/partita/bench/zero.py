@@ -1,0 +1,138 @@
+"""ZeRO stages against their peers, same model, world size and batches, in one run.
+
+    stage 0  vs  torch DistributedDataParallel
+    stage 1  vs  torch ZeroRedundancyOptimizer (under DDP), DeepSpeed ZeRO-1
+    stage 2  vs  FSDP2 fully_shard(reshard_after_forward=False), DeepSpeed ZeRO-2
+    stage 3  vs  FSDP2 fully_shard(reshard_after_forward=True), DeepSpeed ZeRO-3
+
+DeepSpeed rows appear where `deepspeed` is installed (an optional extra; on CPU:
+`DS_BUILD_OPS=0 pip install deepspeed`); it runs on its CPU accelerator with torch's
+AdamW. Every pair is timed as in `partita bench dp` (warm-up, then alternating rounds,
+median of per-round ratios). S compares our own stage 3 with our stage 2 (median step
+times): the price of sharding parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+
+import torch
+
+from partita.bench import dp as harness
+from partita.testing import run_distributed
+
+
+def _fsdp2_step(model, mesh, reshard: bool) -> harness.Step:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device_mesh = init_device_mesh("cpu", (mesh.world_size,))
+    for block in model.blocks.values():
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
+    return harness.torch_step(model, torch.optim.AdamW(model.parameters(), lr=harness.LR,
+                                                       foreach=True))
+
+
+def _zero_redundancy_step(model, mesh) -> harness.Step:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                  lr=harness.LR, foreach=True)
+    return harness.torch_step(ddp, opt)
+
+
+def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
+    # DeepSpeed picks its accelerator from this variable (its documented switch); set
+    # only in the benchmark's own worker processes.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import logging
+
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "AdamW",
+                            "params": {"lr": harness.LR, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+
+    def step(tokens: torch.Tensor) -> None:
+        engine.backward(harness._loss(engine(tokens[:, :-1]), tokens))
+        engine.step()
+    return step
+
+
+def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
+    kind, _, arg = name.rpartition(" ")
+    if kind == "partita stage":
+        return harness.partita_step(model, mesh, int(arg))
+    if name == "torch DDP":
+        return harness.ddp_step(model, mesh)
+    if name == "torch ZeroRedundancyOpt":
+        return _zero_redundancy_step(model, mesh)
+    if kind == "FSDP2 reshard":
+        return _fsdp2_step(model, mesh, arg == "True")
+    if kind == "DeepSpeed ZeRO":
+        return _deepspeed_step(model, mesh, int(arg), _BATCH[0])
+    raise ValueError(name)
+
+
+_BATCH = [harness.Setup.batch]  # DeepSpeed's config needs it; set per worker in _worker
+
+
+def _worker(rank: int, world: int, setup: harness.Setup, pairs) -> list[dict]:
+    _BATCH[0] = setup.batch
+    return harness.time_pairs(rank, world, setup, pairs, build_step)
+
+
+def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
+    out = [("partita stage 0", "torch DDP"),
+           ("partita stage 1", "torch ZeroRedundancyOpt"),
+           ("partita stage 2", "FSDP2 reshard False"),
+           ("partita stage 3", "FSDP2 reshard True")]
+    if with_deepspeed:
+        out += [(f"partita stage {s}", f"DeepSpeed ZeRO {s}") for s in (1, 2, 3)]
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    harness.add_arguments(parser)
+    parser.set_defaults(rounds=6)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4],
+                        help="world sizes to run (default 2 4)")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="skip DeepSpeed even where it is installed")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = harness.setup_from(args)
+    setup = harness.Setup(model=setup.model, batch=setup.batch, seq=setup.seq,
+                          rounds=setup.rounds, steps=2)
+    installed = importlib.util.find_spec("deepspeed") is not None
+    with_ds = installed and not args.no_deepspeed
+    print(f"zero: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, 1 thread "
+          f"per rank, {setup.rounds} interleaved rounds of {setup.steps} steps after "
+          f"{setup.warmup} warm-up steps; median step times"
+          + ("" if with_ds else "; DeepSpeed rows skipped ("
+             + ("--no-deepspeed)" if installed else "not installed)")))
+    print(harness.TABLE_HEAD)
+    worst, worst_s = 0.0, 0.0
+    for world in args.worlds:
+        rows = run_distributed(_worker, world, args=(setup, pairs(with_ds)), timeout=1200)[0]
+        harness.print_table(rows, world)
+        worst = max(worst, *(r["ratio"] for r in rows))
+        mine = {r["ours"]: statistics.median(r["t_ours"]) for r in rows
+                if not r["peer"].startswith("DeepSpeed")}
+        s = mine["partita stage 3"] / mine["partita stage 2"]
+        print(f"{world:>5} partita stage3/stage2 step-time ratio {s:.3f}")
+        worst_s = max(worst_s, s)
+    print(f"zero: worst partita/peer step-time ratio {worst:.3f}; "
+          f"stage3/stage2 ratio {worst_s:.3f}")
+    return 0

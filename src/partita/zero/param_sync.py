@@ -1,0 +1,54 @@
+"""Stages 1 and 2: the all-gather of updated parameters overlaps the next forward.
+
+After the optimizer step each bucket's all-gather is launched in forward order (the
+reverse of the gradient-bucket order) and not waited for. A forward pre-hook on every
+module that owns parameters waits for the gathers of its own buckets only, so the first
+layers compute while the last layers' parameters are still arriving. Anything else that
+reads parameters (the next optimizer step, gathered_parameters, state_dict) calls
+`wait_all()` first.
+
+Limitation, stated: a parameter must first be used in the forward of the module that
+owns it (or of a module that runs after it). A model that uses module A's weight inside
+module B before A has run must call `dp.wait_params()` in B.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from partita.comm import GroupComm
+from partita.zero.flat import FlatBuffer
+
+
+class ParamAllGather:
+    def __init__(self, module: nn.Module, buckets: list[FlatBuffer], comm: GroupComm) -> None:
+        self.buckets, self.comm = buckets, comm
+        self.pending: dict[int, object] = {}
+        where = {id(p): b for b, buf in enumerate(buckets) for p in buf.params}
+        self.handles = []
+        for m in module.modules():
+            mine = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
+            if mine:
+                self.handles.append(m.register_forward_pre_hook(self._waiter(mine)))
+
+    def _waiter(self, mine: list[int]):
+        def hook(module, args) -> None:
+            if self.pending:
+                for b in mine:
+                    self.wait(b)
+        return hook
+
+    def launch(self, b: int) -> None:
+        buf = self.buckets[b]
+        self.pending[b] = self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi],
+                                                    async_op=True)
+
+    def wait(self, b: int) -> None:
+        work = self.pending.pop(b, None)
+        if work is not None:
+            work.wait()
+
+    def wait_all(self) -> None:
+        # In launch order, which is the order every rank issued them.
+        for b in list(self.pending):
+            self.wait(b)
