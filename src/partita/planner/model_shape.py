@@ -119,7 +119,11 @@ def resolve_model(name_or_path: str) -> PlanModel:
                 f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
             )
         moe = _moe_from(data.get("moe", {}), name_or_path)
-        return PlanModel(path.stem, ModelConfig.from_dict(data["model"]), moe)
+        # Same [model] table as a training config: an optional catalog `name` whose
+        # shape the other fields override (so a run's config.toml plans as it trained).
+        table = dict(data["model"])
+        base = get_model_config(table.pop("name")) if "name" in table else ModelConfig()
+        return PlanModel(path.stem, ModelConfig.from_dict({**base.to_dict(), **table}), moe)
     return PlanModel(name_or_path, get_model_config(name_or_path))
 
 
