@@ -78,6 +78,12 @@ class Assumptions:
     # tp above the kv heads: partita keeps every kv head's K and V projections on each
     # rank (Megatron keeps only the head its query heads read).
     whole_kv_replicas: bool = False
+    # Count the tensor-parallel collectives outside the layers (embedding, head, loss,
+    # gradients of tp-replicated parameters); the textbook count has 4 per layer only.
+    tp_boundary_comm: bool = False
+    # ZeRO-3 keeps the root group (embeddings, final norm, head) gathered from the end
+    # of forward until its gradients are in: 3 Psi - Psi_root per step, not 3 Psi.
+    zero3_keeps_root: bool = False
     # Eager rotary embedding saves its cos and sin tables (seq x head_dim/2 each, per
     # layer); a fused rope kernel recomputes them.
     rotary_tables_saved: bool = False
@@ -126,7 +132,7 @@ class Assumptions:
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
-                   whole_kv_replicas=True,
+                   whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    token_id_bytes=16.0, flat_buffer_align=64)
 
     @classmethod

@@ -97,8 +97,8 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
 
 
 def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                        stage: int = 0,
-                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+                        stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                        root_only: bool = False) -> float:
     """Dense parameter elements of `stage` with the padding of partita's flat buffers.
 
     Every buffer is padded to a multiple of zero_group x align elements, so that it cuts
@@ -107,18 +107,20 @@ def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision =
     per block and one for the rest (embeddings, final norm, head): exact. Stages 0-2 cut
     gradient buckets of `zero_bucket_bytes`: exact for one bucket, else each bucket is
     taken to waste half a slot on average (where they are cut depends on tensor order).
+    `root_only`: stage 3's root buffer alone.
     """
     counts = stage_param_counts(model, layout, stage, assumptions)
     unit = layout.zero_group * assumptions.flat_buffer_align
 
     def pad(n: float) -> float:
-        return -(-n // unit) * unit if n > 0 else 0.0
+        return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
 
     if layout.zero >= 3:
         split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
         block = split["sharded"] + split["replicated"]
         layers = stage_layers(model.config.n_layers, layout.pp)[stage]
-        return layers * pad(block) + pad(counts["dense"] - layers * block)
+        root = pad(counts["dense"] - layers * block)
+        return root if root_only else layers * pad(block) + root
     buckets = max(1, -(-counts["dense"] * precision.param // assumptions.zero_bucket_bytes))
     if buckets == 1:
         return pad(counts["dense"])

@@ -62,6 +62,42 @@ def _collective_time(volume: float, n: int, messages: float, link: tuple[float, 
     return volume / (bw * efficiency) + messages * steps * alpha
 
 
+def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                      precision: Precision = MIXED,
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS, stage: int = 0) -> float:
+    """Tensor-parallel bytes one rank sends per microbatch outside the layers' four
+    collectives (with `assumptions.tp_boundary_comm`; the textbook count leaves them out).
+
+    First stage: the vocab-parallel embedding's partial sums (all-reduce, or under sp a
+    reduce-scatter forward and all-gather backward: the same bytes). Last stage: the
+    head's input (all-reduce backward, or all-gather + reduce-scatter) and the vocab-
+    parallel cross-entropy's three all-reduces of one fp32 per token. Every stage: the
+    gradients of parameters replicated over tp that see partial inputs, all-reduced in
+    backward: norms (and a learned position table, row-parallel biases) under sp; K and
+    V projections kept whole when tp exceeds the kv heads.
+    """
+    t, c = layout.tp, model.config
+    if t == 1 or not assumptions.tp_boundary_comm:
+        return 0.0
+    ring = 2 * (t - 1) / t
+    tokens = layout.mb * seq_len / layout.cp
+    act = precision.activation * tokens * c.dim
+    first, last = stage == 0, stage == layout.pp - 1
+    layers = stage_layers(c.n_layers, layout.pp)[stage]
+    vol = ring * act * (first + last) + (3 * ring * 4 * tokens if last else 0.0)
+    replicated = 0.0
+    if layout.sp:
+        norm = c.dim * (2 if c.flavour == "gpt2" else 1)
+        replicated += layers * 2 * norm + (norm if last else 0)
+        replicated += layers * 2 * c.dim if c.has_bias else 0  # row-parallel biases
+        if first:
+            replicated += c.embedding_param_count() - c.vocab_size * c.dim  # positions
+    if assumptions.whole_kv_replicas and c.kv_heads % t:
+        kv = c.kv_heads * c.head_dim
+        replicated += layers * 2 * (kv * c.dim + (kv if c.has_bias else 0))
+    return vol + ring * precision.grad * replicated
+
+
 def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
               global_batch: int, precision: Precision = MIXED,
               assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
@@ -103,11 +139,17 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     link, le = link_eff(t * ep)
     ep_s = _collective_time(ep_vol, ep, ep_colls, link, le, a)
 
+    # Outside the layers: embedding, head and loss (first and last stage).
+    tp_edge = [tp_boundary_bytes(model, layout, seq_len, precision, a, st)
+               for st in range(pp)]
+    tp_edge_s = [_collective_time(vol, t, 6, link_eff(t)[0], link_eff(t)[1], a)
+                 for vol in tp_edge]
+
     exposed_layer = (tp_s - min(tp_s, a.tp_overlap * layer_s)
                      + cp_s - min(cp_s, a.cp_overlap * layer_s)
                      + ep_s - min(ep_s, a.ep_overlap * layer_s))
     layers = stage_layers(c.n_layers, pp)
-    stage_s = [n * (layer_s + exposed_layer) for n in layers]
+    stage_s = [n * (layer_s + exposed_layer) + edge for n, edge in zip(layers, tp_edge_s)]
     stage_s[-1] += head_s
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
     bubble_units = {"interleaved": (pp - 1) / v, "zb-h1": (pp - 1) / 3}.get(
@@ -144,6 +186,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         dp_vol = per_mb + per_step
     else:
         per_mb = m * frac * (2 * p_bytes + g_bytes)
+        if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
+            root = padded_dense_params(model, layout, precision, 0, a, root_only=True)
+            per_mb -= m * frac * precision.param * root
         per_step = 0.0
         dp_vol = per_mb
     link, le = link_eff(t * cp * layout.dp)
@@ -176,7 +221,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "tokens_per_s": tokens / step,
         "mfu": model.flops_per_token(seq_len) * tokens / step / (cluster.num_gpus
                                                                    * gpu.peak_flops),
-        "tp_bytes": tp_vol * m * max(layers),
+        "tp_bytes": (tp_vol * max(layers) + max(tp_edge)) * m,
         "cp_bytes": cp_vol * m * max(layers),
         "ep_bytes": ep_vol * m * max(layers) if model.is_moe else 0.0,
         "pp_bytes": pp_vol,

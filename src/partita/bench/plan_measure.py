@@ -1,0 +1,185 @@
+"""One layout, predicted by the planner and measured on partita itself, side by side.
+
+A `Case` is a layout the test suite runs on CPU (data / tensor / sequence parallel, ZeRO
+stage, fp32 or bf16 with fp32 master weights). `measure_cases` runs on every rank of a
+gloo world: it builds the model as a real run does (`build_parallel_model`: meta model,
+tensor parallel, ZeRO engine), then takes one training step and reads
+
+- model states: the ZeRO engine's memory ledger (bytes of the live tensors);
+- activations: distinct non-parameter storages autograd saved during the forward and
+  the loss (`partita.activations.SavedTensorMeter`);
+- communication: bytes this rank sent, from the mesh's counter, by purpose;
+- step time: the median of timed trainer steps (`runner.train`, clip, step).
+
+`predict` asks the planner the same questions from shapes alone, with the assumptions
+that describe partita on CPU (`Assumptions.measured_cpu`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from partita.planner import Assumptions, Layout, PlanModel, Precision
+from partita.planner.hardware import Cluster, GPUSpec
+from partita.planner.memory import activation_bytes, model_state_bytes
+from partita.planner.timing import step_time
+
+STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
+# Mesh purposes whose bytes the planner predicts, and the planner's name for each.
+COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The model and batch every case trains (small: the suite runs on two cores)."""
+
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = 2
+    vocab_size: int = 256
+    seq_len: int = 32
+    flavour: str = "llama"
+    tie_embeddings: bool = False
+
+
+@dataclass(frozen=True)
+class Case:
+    dp: int = 1
+    tp: int = 1
+    zero: int = 0
+    sp: bool = False
+    dtype: str = "float32"  # or "bfloat16": bf16 parameters, fp32 master weights
+    mb: int = 2  # sequences per rank per step (one microbatch)
+    shape: Shape = Shape()
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dp=self.dp, tp=self.tp, zero=self.zero, mb=self.mb, sp=self.sp)
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.fp32() if self.dtype == "float32" else Precision()
+
+    @property
+    def label(self) -> str:
+        parts = [f"dp{self.dp}"] + ([f"tp{self.tp}" + ("sp" if self.sp else "")]
+                                    if self.tp > 1 else [])
+        kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
+        return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
+
+
+def run_config(case: Case):
+    """The run configuration a user would write for this case."""
+    from partita.config import Config
+
+    s, cfg = case.shape, Config()
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "flavour",
+                 "tie_embeddings"):
+        setattr(cfg.model, name, getattr(s, name))
+    cfg.model.max_seq_len = s.seq_len
+    cfg.data.seq_len = s.seq_len
+    cfg.train.global_batch = case.dp * case.mb
+    cfg.train.microbatches = 1
+    cfg.train.dtype = case.dtype
+    cfg.parallel.dp, cfg.parallel.tp = case.dp, case.tp
+    cfg.parallel.zero_stage = case.zero
+    cfg.parallel.sequence_parallel = case.sp
+    return cfg
+
+
+def plan_model(case: Case) -> PlanModel:
+    return PlanModel("plan-accuracy", run_config(case).model_config())
+
+
+def predict(case: Case, gpu: GPUSpec | None = None,
+            assumptions: Assumptions | None = None) -> dict[str, float]:
+    """The planner's figures for one GPU (rank) of `case`; step time needs `gpu`."""
+    a = assumptions or Assumptions.measured_cpu()
+    model, layout, prec = plan_model(case), case.layout, case.precision
+    out = dict(model_state_bytes(model, layout, prec, 0, a))
+    out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    out["activations"] = activation_bytes(model, layout, case.shape.seq_len, 1, 0, prec, a)
+    if gpu is not None:
+        cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
+        t = step_time(model, layout, cluster, case.shape.seq_len, case.dp * case.mb, prec, a)
+        out.update({k: t[k] for k in (*COMM.values(), "step_s")})
+    return out
+
+
+def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0) -> list[dict]:
+    """Run on every rank of a gloo world of `world` ranks; one dict per case."""
+    from partita.mesh import Mesh
+    from partita.parallelize import dims_from_config
+
+    meshes: dict = {}  # process groups are slow to create: one mesh per layout shape
+    out = []
+    for case in cases:
+        dims = dims_from_config(run_config(case), world)
+        if dims not in meshes:
+            meshes[dims] = Mesh(dims, rank, world)
+        out.append(_measure(meshes[dims], case, timed_steps))
+    return out
+
+
+def _measure(mesh, case: Case, timed_steps: int) -> dict:
+    from partita.activations import SavedTensorMeter
+    from partita.parallelize import build_parallel_model
+
+    cfg = run_config(case)
+    pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    dp, seq = pm.dp, case.shape.seq_len
+    gen = torch.Generator().manual_seed(17 + mesh.index("loss_average"))
+    tokens = torch.randint(case.shape.vocab_size, (case.mb, seq + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+
+    mesh.counter.reset()
+    meter = SavedTensorMeter(pm.module)
+    with dp.grad_sync(True):
+        with meter:
+            loss = pm.loss_fn(pm.module(x), y)
+        dp.backward(loss)
+    del loss
+    _finish_step(dp)
+    out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}
+    out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    out["activations"] = meter.bytes
+    out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})
+
+    times = []
+    for _ in range(timed_steps + (1 if timed_steps else 0)):  # + one warm-up step
+        dist.barrier()
+        start = time.perf_counter()
+        pm.runner.train(x, y, 1)
+        _finish_step(dp)
+        times.append(time.perf_counter() - start)
+    if times:
+        out["step_s"] = statistics.median(times[1:])
+    return out
+
+
+def _finish_step(dp) -> None:
+    dp.finish_grad_sync()
+    dp.clip_grad_norm_(1.0)
+    dp.step()
+    dp.zero_grad()
+
+
+def worst_rank(results: list[dict]) -> dict:
+    """Per figure, the largest over ranks: the planner predicts the fullest GPU."""
+    return {k: max(r[k] for r in results) for k in results[0]}
+
+
+def rel_error(predicted: float, measured: float) -> float:
+    if measured == 0:
+        return 0.0 if predicted == 0 else float("inf")
+    return abs(predicted - measured) / measured

@@ -1,0 +1,101 @@
+"""The planner against partita's own measurements, for the layouts the suite runs on CPU.
+
+Each case is built as a real run builds it (meta model, tensor parallel, ZeRO engine)
+and takes one training step. Model states: the planner (with `Assumptions.measured_cpu`,
+the cpu profile's defaults) equals the ZeRO engine's memory ledger within 2%, term by
+term. Activations: its estimate is within 15% of the distinct storages autograd saved
+for backward. Communication: within 2% of the bytes the mesh counted. Cases share one
+spawned world per world size; dp=1 runs in this process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from partita.activations import SavedTensorMeter
+from partita.bench.plan_measure import (
+    COMM,
+    STATE_TERMS,
+    Case,
+    Shape,
+    measure_cases,
+    predict,
+    rel_error,
+    worst_rank,
+)
+from partita.planner import Assumptions
+from partita.testing import run_distributed
+
+BF16 = "bfloat16"
+GPT2_TIED = Shape(flavour="gpt2", n_kv_heads=None, tie_embeddings=True)
+CASES = {
+    1: [Case(), Case(dtype=BF16, shape=GPT2_TIED)],
+    2: [Case(dp=2, zero=0), Case(dp=2, zero=1, dtype=BF16), Case(dp=2, zero=2),
+        Case(dp=2, zero=3, dtype=BF16), Case(tp=2), Case(tp=2, sp=True, dtype=BF16)],
+    # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
+    4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),
+        Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),
+        Case(dp=2, tp=2, zero=3, sp=True, shape=GPT2_TIED)],
+    8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
+}
+STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.15, 0.02
+
+
+def _check(case: Case, measured: dict) -> None:
+    predicted = predict(case)
+    for term in (*STATE_TERMS, "model_states"):
+        err = rel_error(predicted[term], measured[term])
+        assert err <= STATES_TOL, (case.label, term, predicted[term], measured[term])
+    err = rel_error(predicted["activations"], measured["activations"])
+    assert err <= ACTIVATIONS_TOL, (case.label, predicted["activations"],
+                                    measured["activations"])
+    # Stage 3's root-group handling is being reworked in the engine (gathered once or
+    # twice per step); its volume is reported by `partita bench plan-accuracy` instead.
+    if case.zero == 3:
+        return
+    from partita.planner.hardware import GPUS
+
+    # Volumes do not depend on the device; a catalog entry avoids profiling the CPU.
+    timed = predict(case, GPUS["H100"], Assumptions.measured_cpu())
+    for name in COMM.values():
+        err = rel_error(timed[name], measured[name])
+        assert err <= COMM_TOL, (case.label, name, timed[name], measured[name])
+
+
+def test_single_process_layouts() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = measure_cases(0, 1, CASES[1])
+    finally:
+        torch.set_num_threads(threads)
+    for case, measured in zip(CASES[1], results):
+        _check(case, measured)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_planner_matches_measurements(world: int) -> None:
+    per_rank = run_distributed(measure_cases, world, args=(CASES[world],), timeout=170)
+    for i, case in enumerate(CASES[world]):
+        _check(case, worst_rank([r[i] for r in per_rank]))
+
+
+def test_meter_counts_each_storage_once_and_skips_parameters() -> None:
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with SavedTensorMeter(lin) as meter:
+        y = lin(x)  # saves x and a view of the weight (a parameter: not counted)
+        z = y * y  # saves y twice: one storage
+        (y[:, :4] * y[:, 4:]).sum()  # views of y: still the same storage
+    assert z.requires_grad
+    assert meter.bytes == x.nbytes + y.nbytes
+    assert meter.by_dtype() == {"float32": x.nbytes + y.nbytes}
+
+
+def test_cpu_profile_uses_measured_assumptions() -> None:
+    assert Assumptions.for_device("cpu") == Assumptions.measured_cpu()
+    assert Assumptions.for_device("H100") == Assumptions()
+    # The GPU defaults keep the textbook accounting: no padding, fused kernels.
+    assert Assumptions().flat_buffer_align == 0 and Assumptions().norm_kernel == "fused"
