@@ -16,9 +16,9 @@ CASES = {
         # Exactness: with 2 ranks an all-reduce and a reduce-scatter add the same two
         # numbers, so without clipping (whose norm sums in another order) stages 1 and 2
         # must equal stage 0 bit for bit.
-        dict(stage=0, clip=None), dict(stage=1, clip=None), dict(stage=2, clip=None)],
-    4: [dict(stage=0, accum=1), dict(stage=0, accum=2),
+        dict(stage=0, clip=None), dict(stage=1, clip=None), dict(stage=2, clip=None),
         dict(stage=0, dtype="float32", accum=2)],
+    4: [dict(stage=0, accum=1), dict(stage=0, accum=2)],
 }
 
 
@@ -31,7 +31,7 @@ def test_data_parallel_matches_single_process(world: int) -> None:
         zp.assert_parity(got, zp.cached_reference(case), tol, f"{world}:{case}")
     if world == 2:
         base = results[2]
-        for got in results[3:]:
+        for got in results[3:5]:
             assert got["losses"] == base["losses"]
             for name, value in base["params"].items():
                 assert np.array_equal(got["params"][name], value), name
