@@ -122,9 +122,12 @@ class ParamGatherer:
                 self.start(self.blocks[k][1])
 
     def _root_pre(self, module, args) -> None:
+        # Issue the root's gather and the first blocks' before waiting for any of them.
+        if self.root is not None:
+            self.start(self.root)
+        self._prefetch(range(self.prefetch))
         if self.root is not None:
             self.ensure(self.root)
-        self._prefetch(range(self.prefetch))
 
     def _root_post(self, module, args, out):
         if self.root is None:
@@ -136,6 +139,10 @@ class ParamGatherer:
         # gathered until its gradients are in (as FSDP2 does for its root) instead of
         # freeing it and gathering it again at once. Stage 3 so moves 3 Psi - Psi_root.
         self.in_backward.add(id(self.root))
+        # Backward needs the last blocks first: start gathering them now, so that the
+        # gathers overlap the loss and the head's backward.
+        n = len(self.blocks)
+        self._prefetch(range(n - 1, n - 1 - self.prefetch, -1))
         return _on_backward(out, self._root_backward)
 
     def _root_backward(self) -> None:
@@ -146,8 +153,9 @@ class ParamGatherer:
 
     def _block_pre(self, k: int):
         def hook(module, args) -> None:
-            self.ensure(self.blocks[k][1])
+            self.start(self.blocks[k][1])
             self._prefetch(range(k + 1, k + 1 + self.prefetch))
+            self.ensure(self.blocks[k][1])
         return hook
 
     def _block_post(self, k: int):
