@@ -20,9 +20,10 @@ import torch
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.mesh import Mesh
+from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
 from partita.models.plan import ModelPlan
+from partita.pipeline.actions import Schedule
 from partita.pipeline.p2p import check_transfer_order
 from partita.pipeline.runtime import PipelineRunner
 from partita.pipeline.schedules import ALIASES, build_schedule
@@ -67,9 +68,11 @@ class PipelineSetup:
                               self.timeout_s, self.virtual)
 
 
-def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh) -> PipelineSetup:
-    """Check the pipeline settings and decide the stage split (no communication)."""
-    dims, par = mesh.dims, cfg.parallel
+def check_pipeline(cfg, model_cfg: ModelConfig, dims: ParallelDims) -> tuple[Schedule,
+                                                                           StageLayout]:
+    """Validate the pipeline settings; the schedule and the stage split. Pure: no process
+    group, so the launcher can call it before starting any worker."""
+    par = cfg.parallel
     if dims.zero_stage == 3:
         raise PartitaError(ZERO3_REASON)
     name = ALIASES.get(par.schedule.strip().lower(), par.schedule.strip().lower())
@@ -77,18 +80,24 @@ def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh) -> PipelineSetup:
     # plain 1F1B, so 1 there means "the schedule's default" (2).
     virtual = None if name == "interleaved-1f1b" and par.virtual_stages == 1 else \
         par.virtual_stages
-    m = cfg.train.microbatches
-    sched = build_schedule(par.schedule, dims.pp, m, virtual)
+    sched = build_schedule(par.schedule, dims.pp, cfg.train.microbatches, virtual)
     validate(sched)
     check_transfer_order(sched)
     balance = getattr(par, "pp_balance", "even")
     layout = plan_stages(model_cfg, dims.pp, sched.n_virtual, balance, cfg.data.seq_len)
-    seq_divisor = dims.tp if par.sequence_parallel else 1
-    if cfg.data.seq_len % seq_divisor:
+    if par.sequence_parallel and cfg.data.seq_len % dims.tp:
         raise PartitaError(
             f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={dims.tp} "
             "under sequence parallelism: pipeline stages exchange sequence shards."
         )
-    timeout = float(getattr(par, "pp_timeout_s", DEFAULT_TIMEOUT_S))
-    return PipelineSetup(layout, sched.name, sched.n_virtual, m, mesh.coord.pp,
-                         cfg.data.seq_len, model_cfg.dim, seq_divisor, timeout)
+    return sched, layout
+
+
+def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh) -> PipelineSetup:
+    """Check the pipeline settings and decide this rank's part (no communication)."""
+    dims = mesh.dims
+    sched, layout = check_pipeline(cfg, model_cfg, dims)
+    seq_divisor = dims.tp if cfg.parallel.sequence_parallel else 1
+    timeout = float(getattr(cfg.parallel, "pp_timeout_s", DEFAULT_TIMEOUT_S))
+    return PipelineSetup(layout, sched.name, sched.n_virtual, cfg.train.microbatches,
+                         mesh.coord.pp, cfg.data.seq_len, model_cfg.dim, seq_divisor, timeout)

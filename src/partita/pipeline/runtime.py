@@ -88,8 +88,12 @@ class PipelineRunner:
         self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
         self.tied = self._tied_head(mesh, timeout_s)
         self._schedules: dict[int, Schedule] = {}
+        self._eval_schedules: dict[int, Schedule] = {}
         self.timeline: list[Event] = []  # last step, seconds from its start
         self.step_started = 0.0  # time.perf_counter() at the last step's start
+        # Per local stage, the most microbatches whose activations were held at once
+        # during the last training step (counted from the runtime's own state).
+        self.held_peak: dict[int, int] = {}
         self.schedule(microbatches)  # validate the configured schedule now
 
     @property
@@ -100,12 +104,12 @@ class PipelineRunner:
         if not self.layout.tied:
             return None
         first, last = 0 in self.stages, self.layout.last_stage in self.stages
+        if not (first or last):
+            return None
         owner = self.module.get_submodule(self.plan.embedding)
         if first:
             return TiedHead(mesh.comm("embedding"), getattr(owner, st.TIED_HEAD_ATTR), True,
                             timeout_s)
-        if not last:
-            return None
         meta = getattr(owner, st.TIED_HEAD_ATTR)
         copy = torch.zeros(meta.shape, dtype=self.dtype, device=self.device,
                            requires_grad=True)
@@ -135,7 +139,9 @@ class PipelineRunner:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
-        sched = forward_only(self.schedule(m))
+        if m not in self._eval_schedules:
+            self._eval_schedules[m] = forward_only(self.schedule(m))
+        sched = self._eval_schedules[m]
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
         self._run(sched.ranks[self.rank], step, {})
         return float(sum(loss.item() for loss in step.losses))
@@ -149,9 +155,18 @@ class PipelineRunner:
                 last[a.stage] = a
         return last
 
+    def save_timeline(self, path, title: str = ""):
+        """Draw the last training step as measured (collective over the pipeline
+        group; global rank 0 writes the PNG and gets its path)."""
+        from partita.pipeline.measure import save_timeline
+
+        return save_timeline(self, path, title)
+
     def _run(self, actions: tuple[Action, ...], step: _Step,
              final: dict[int, Action]) -> None:
         self.timeline = []
+        if step.train:
+            self.held_peak = {}
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
         self.step_started = t0 = time.perf_counter()
@@ -203,7 +218,7 @@ class PipelineRunner:
         elif a.kind is Kind.I:
             self._backward_input(a, step)
         else:
-            self._backward(a, step, a is final.get(a.stage) or a == final.get(a.stage))
+            self._backward(a, step, a == final.get(a.stage))
 
     def _take(self, step: _Step, direction: str, stage: int, mb: int) -> torch.Tensor:
         """A tensor from the peer (received) or from this rank's own neighbouring stage."""
@@ -219,6 +234,8 @@ class PipelineRunner:
         with torch.set_grad_enabled(step.train):
             if stage.first:
                 embedded = st.embed(self.module, step.inputs[mb].to(self.device))
+                if self.tied is not None:
+                    self.tied.send_weight()
                 # Detached so the embedding's backward can run apart from the blocks'
                 # (zero-bubble W; the tied head's gradient joins it there).
                 p.x = embedded.detach().requires_grad_(step.train)
@@ -241,6 +258,8 @@ class PipelineRunner:
                 p.edge = as_edge(out) if step.train else None
         if step.train:
             step.passes[(a.stage, mb)] = p
+            held = sum(1 for s, _ in step.passes if s == a.stage)
+            self.held_peak[a.stage] = max(self.held_peak.get(a.stage, 0), held)
 
     def _output_grad(self, a: Action, step: _Step, p: _Pass) -> tuple[list, list]:
         if p.root is not None:

@@ -4,8 +4,9 @@ The first stage owns the embedding matrix (a parameter: optimizer state, gradien
 norm, checkpoint). The last stage holds a plain-tensor copy for its output head. The
 two stay identical because, every step:
 
-1. the first stage sends its current weight and the last stage receives it into the
-   copy before its first forward (so the copy is never a step behind the optimizer);
+1. the first stage sends its current weight (right after its first embedding forward,
+   when any overlapped all-gather of the updated weight has completed) and the last
+   stage receives it into the copy before its first head forward;
 2. the last stage sends the head's gradient (summed over microbatches) right after its
    last backward, and the first stage adds it to the embedding gradient inside its own
    last backward (`extra_root`), so the gradient reaches `.grad` in one accumulation and
@@ -40,18 +41,27 @@ class TiedHead:
         self._grad_work = None
         self._grad_buf: torch.Tensor | None = None
         self._sends: list[tuple[object, torch.Tensor]] = []
+        self._weight_sent = False
 
     def begin(self, want_grad: bool) -> None:
-        """Start of a step (or evaluation): post the weight transfer and, when training,
-        the owner's receive of the head gradient."""
+        """Start of a step (or evaluation): the copy posts its receive of the weight;
+        when training, the owner posts its receive of the head gradient."""
+        self._weight_sent = False
         if self.owner:
-            w = self.weight.detach()
-            self._sends.append((self._post(True, w), w))
             if want_grad:
-                self._grad_buf = torch.empty_like(w)
+                self._grad_buf = torch.empty_like(self.weight.detach())
                 self._grad_work = self._post(False, self._grad_buf)
         else:
             self._weight_work = self._post(False, self.weight.detach())
+
+    def send_weight(self) -> None:
+        """The owner, right after its first embedding forward of the step: by then the
+        data-parallel engine has finished any all-gather of the updated weight (its
+        forward pre-hook waits for it), so the copy gets this step's values."""
+        if self.owner and not self._weight_sent:
+            w = self.weight.detach()
+            self._sends.append((self._post(True, w), w))
+            self._weight_sent = True
 
     def wait_weight(self) -> None:
         """The copy, before its first forward."""

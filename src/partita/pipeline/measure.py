@@ -1,0 +1,77 @@
+"""Measured timelines of real pipeline steps: gather, idle fraction, activation peaks, PNG.
+
+The runner records (action, start, end) for every action of its last step, in seconds
+from the step's start. Gathered over the pipeline group they have the shape the
+simulator produces, so the same drawing and the same bubble arithmetic apply. Ranks'
+clocks start at their own step start; right after a barrier (as the benchmark does) or
+after the previous step's loss all-reduce they agree to well under a pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch.distributed as dist
+
+from partita.pipeline.actions import Kind
+from partita.pipeline.render import draw_timeline
+from partita.pipeline.simulate import Event
+
+
+def gather_rows(runner) -> list[list[Event]]:
+    """Every pipeline rank's timeline of the last step, in pipeline-rank order.
+    Collective over the runner's pipeline group: every member must call it."""
+    comm = runner.transport.comm
+    rows: list = [None] * comm.size
+    if comm.size == 1:
+        return [list(runner.timeline)]
+    dist.all_gather_object(rows, list(runner.timeline), group=comm.group)
+    return rows
+
+
+def idle_fraction(rows: Sequence[Sequence[Event]]) -> float:
+    """Share of p x (step time) that ranks spend not computing (waiting, transferring,
+    or done early): the measured counterpart of `Timeline.bubble_fraction`."""
+    makespan = max((end for row in rows for _, _, end in row), default=0.0)
+    if makespan <= 0:
+        return 0.0
+    busy = sum(end - start for row in rows for a, start, end in row if a.kind.is_compute)
+    return 1.0 - busy / (makespan * len(rows))
+
+
+def pass_times(rows: Sequence[Sequence[Event]]) -> dict[str, float]:
+    """Mean duration of each compute kind over all ranks ('F', 'B', 'I', 'W')."""
+    sums: dict[str, list[float]] = {}
+    for row in rows:
+        for a, start, end in row:
+            if a.kind.is_compute:
+                sums.setdefault(a.kind.value, []).append(end - start)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
+
+
+def held_peaks(rows: Sequence[Sequence[Event]]) -> dict[int, int]:
+    """Per stage, the most microbatches between a forward's start and the end of their
+    backward (B, or W when split) in the recorded order."""
+    peaks: dict[int, int] = {}
+    for row in rows:
+        live: dict[int, int] = {}
+        for a, _, _ in sorted(row, key=lambda e: e[1]):
+            if a.kind is Kind.F:
+                live[a.stage] = live.get(a.stage, 0) + 1
+                peaks[a.stage] = max(peaks.get(a.stage, 0), live[a.stage])
+            elif a.kind in (Kind.B, Kind.W):
+                live[a.stage] = live.get(a.stage, 0) - 1
+    return peaks
+
+
+def save_timeline(runner, path: str | Path, title: str = "") -> Path | None:
+    """Gather the last step's timeline and draw it (global rank 0 writes the PNG).
+    Collective over the pipeline group; returns the path on the writing rank."""
+    rows = gather_rows(runner)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    idle = idle_fraction(rows)
+    label = title or f"measured {runner.schedule_name}"
+    return draw_timeline(rows, path, title=f"{label}  idle {idle:.1%}",
+                         n_virtual=runner.layout.n_virtual, time_unit="s")
