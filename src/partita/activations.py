@@ -3,7 +3,8 @@
     meter = SavedTensorMeter(model)
     with meter:
         loss = loss_fn(model(x), y)
-    meter.bytes  # what backward will read, until it runs
+    meter.bytes  # every storage saved inside the context
+    meter.peak_bytes  # the most saved storages alive at once (a pipeline's in-flight peak)
 
 Every tensor autograd packs for backward passes through a `saved_tensors_hooks` pack
 hook. We count each distinct storage once, by its data pointer: one tensor saved by
@@ -13,10 +14,15 @@ activations, and are left out -- including a ZeRO-3 block gathered just for this
 forward, which is why the parameter set is read at each pack rather than once. A
 parameter-derived copy (a weight clone, rows index-selected from a weight) is a new
 storage and is counted: it is memory held for backward like any activation.
+
+A storage stays alive while any tensor saved on it does (weak references tell), so
+`peak_bytes`, sampled whenever something is saved, is the high-water mark of memory
+held for backward even when backwards free earlier microbatches meanwhile.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 
 import torch
@@ -29,6 +35,9 @@ class SavedTensorMeter:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.storages: dict[int, tuple[int, torch.dtype]] = {}
+        self._refs: dict[int, list[weakref.ref]] = defaultdict(list)
+        self.peak_bytes = 0
+        self._saved: dict[str, int] = defaultdict(int)  # every storage ever saved, by dtype
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def _param_storages(self) -> set[int]:
@@ -38,10 +47,26 @@ class SavedTensorMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in self.storages and storage.nbytes() > 0 and \
-                ptr not in self._param_storages():
+        # A new storage, or a new one at the address of a freed one (no tensor saved on
+        # the old one is alive any more; a ZeRO-3 gather may reuse it for parameters).
+        fresh = ptr not in self.storages or not self._alive(ptr)
+        if fresh and (storage.nbytes() == 0 or ptr in self._param_storages()):
+            return t
+        if fresh:
             self.storages[ptr] = (storage.nbytes(), t.dtype)
+            self._refs[ptr].clear()
+            self._saved[str(t.dtype).removeprefix("torch.")] += storage.nbytes()
+        self._refs[ptr].append(weakref.ref(t))
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return t
+
+    def _alive(self, ptr: int) -> bool:
+        return any(r() is not None for r in self._refs[ptr])
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of saved storages some saved tensor still holds."""
+        return sum(n for ptr, (n, _) in self.storages.items() if self._alive(ptr))
 
     def __enter__(self) -> SavedTensorMeter:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -55,10 +80,8 @@ class SavedTensorMeter:
 
     @property
     def bytes(self) -> int:
-        return sum(n for n, _ in self.storages.values())
+        """Every distinct storage saved inside the context, freed since or not."""
+        return sum(self._saved.values())
 
     def by_dtype(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for n, dtype in self.storages.values():
-            out[str(dtype).removeprefix("torch.")] += n
-        return dict(out)
+        return dict(self._saved)

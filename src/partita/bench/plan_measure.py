@@ -55,16 +55,21 @@ class Case:
     zero: int = 0
     sp: bool = False
     dtype: str = "float32"  # or "bfloat16": bf16 parameters, fp32 master weights
-    mb: int = 2  # sequences per rank per step (one microbatch)
+    mb: int = 2  # sequences per microbatch
+    pp: int = 1  # pipeline stages
+    microbatches: int = 1  # per rank and step
+    schedule: str = "1f1b"  # the planner's name: 1f1b, gpipe, zb-h1, interleaved
+    vpp: int = 1  # virtual stages per rank (interleaved)
     shape: Shape = Shape()
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, zero=self.zero, mb=self.mb, sp=self.sp)
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, mb=self.mb,
+                      sp=self.sp, schedule=self.schedule, vpp=self.vpp)
 
     @property
     def precision(self) -> Precision:
@@ -74,6 +79,9 @@ class Case:
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + ([f"tp{self.tp}" + ("sp" if self.sp else "")]
                                     if self.tp > 1 else [])
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
+        parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
         kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
         return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
 
@@ -88,10 +96,12 @@ def run_config(case: Case):
         setattr(cfg.model, name, getattr(s, name))
     cfg.model.max_seq_len = s.seq_len
     cfg.data.seq_len = s.seq_len
-    cfg.train.global_batch = case.dp * case.mb
-    cfg.train.microbatches = 1
+    cfg.train.global_batch = case.dp * case.mb * case.microbatches
+    cfg.train.microbatches = case.microbatches
     cfg.train.dtype = case.dtype
-    cfg.parallel.dp, cfg.parallel.tp = case.dp, case.tp
+    cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = case.dp, case.tp, case.pp
+    cfg.parallel.schedule = {"interleaved": "interleaved-1f1b"}.get(case.schedule, case.schedule)
+    cfg.parallel.virtual_stages = case.vpp
     cfg.parallel.zero_stage = case.zero
     cfg.parallel.sequence_parallel = case.sp
     return cfg
@@ -101,19 +111,48 @@ def plan_model(case: Case) -> PlanModel:
     return PlanModel("plan-accuracy", run_config(case).model_config())
 
 
-def predict(case: Case, gpu: GPUSpec | None = None,
-            assumptions: Assumptions | None = None) -> dict[str, float]:
-    """The planner's figures for one GPU (rank) of `case`; step time needs `gpu`."""
+def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | None = None,
+            stage: int = 0) -> dict[str, float]:
+    """The planner's figures for one GPU (rank) of pipeline stage `stage` of `case`;
+    step time and communication need `gpu`."""
     a = assumptions or Assumptions.measured_cpu()
     model, layout, prec = plan_model(case), case.layout, case.precision
-    out = dict(model_state_bytes(model, layout, prec, 0, a))
+    seq, m = case.shape.seq_len, case.microbatches
+    out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
-    out["activations"] = activation_bytes(model, layout, case.shape.seq_len, 1, 0, prec, a)
+    out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
-        t = step_time(model, layout, cluster, case.shape.seq_len, case.dp * case.mb, prec, a)
+        t = step_time(model, layout, cluster, seq, case.dp * case.mb * m, prec, a)
         out.update({k: t[k] for k in (*COMM.values(), "step_s")})
     return out
+
+
+def measure_link(rank: int, world: int, reps: int = 10,
+                 big_bytes: int = 1 << 22) -> tuple[float, float]:
+    """(seconds per latency step, bytes/s) of gloo all-reduce in this world, now.
+
+    Timed like the planner models a collective: a tiny all-reduce costs 2 log2(n)
+    latency steps; a `big_bytes` one moves 2(n-1)/n of its bytes per rank on top of
+    that. Medians of `reps`, every rank starting together.
+    """
+    import math
+
+    def timed(t: torch.Tensor) -> float:
+        samples = []
+        for _ in range(reps + 1):  # + a warm-up
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples[1:])
+
+    if world == 1:
+        return 0.0, float("inf")
+    small = timed(torch.zeros(2))
+    big = timed(torch.zeros(big_bytes // 4))
+    sent = 2 * (world - 1) / world * big_bytes
+    return small / (2 * math.log2(world)), sent / max(big - small, 1e-9)
 
 
 def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0) -> list[dict]:
@@ -137,22 +176,21 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
 
     cfg = run_config(case)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
-    dp, seq = pm.dp, case.shape.seq_len
+    dp, seq, m = pm.dp, case.shape.seq_len, case.microbatches
     gen = torch.Generator().manual_seed(17 + mesh.index("loss_average"))
-    tokens = torch.randint(case.shape.vocab_size, (case.mb, seq + 1), generator=gen)
+    tokens = torch.randint(case.shape.vocab_size, (case.mb * m, seq + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
 
     mesh.counter.reset()
-    meter = SavedTensorMeter(pm.module)
-    with dp.grad_sync(True):
-        with meter:
-            loss = pm.loss_fn(pm.module(x), y)
-        dp.backward(loss)
-    del loss
+    # The trainer's own microbatch loop (or pipeline schedule); the peak is what is
+    # saved for backward at once (a pipeline stage holds several microbatches).
+    with SavedTensorMeter(pm.module) as meter:
+        pm.runner.train(x, y, m)
     _finish_step(dp)
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
-    out["activations"] = meter.bytes
+    out["activations"] = meter.peak_bytes
+    out["stage"] = mesh.coord.pp
     out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})
 
     times = []
@@ -160,7 +198,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
         if dist.is_initialized():
             dist.barrier()  # every rank starts the step together
         start = time.perf_counter()
-        pm.runner.train(x, y, 1)
+        pm.runner.train(x, y, m)
         _finish_step(dp)
         times.append(time.perf_counter() - start)
     if times:
@@ -178,6 +216,12 @@ def _finish_step(dp) -> None:
 def worst_rank(results: list[dict]) -> dict:
     """Per figure, the largest over ranks: the planner predicts the fullest GPU."""
     return {k: max(r[k] for r in results) for k in results[0]}
+
+
+def worst_by_stage(results: list[dict]) -> dict[int, dict]:
+    """`worst_rank` over the ranks of each pipeline stage."""
+    stages = sorted({r["stage"] for r in results})
+    return {s: worst_rank([r for r in results if r["stage"] == s]) for s in stages}
 
 
 def rel_error(predicted: float, measured: float) -> float:

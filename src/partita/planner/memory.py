@@ -156,10 +156,11 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     if stage == 0:
         total += ids * chunks / layout.vpp  # token ids of the embedding lookup
     if stage == layout.pp - 1:
-        total += logits_bytes(model, layout, seq_len, assumptions) * (
-            num_microbatches if layout.schedule == "gpipe" else 1)
-        total += head_input_bytes(model, layout, seq_len, precision, assumptions)
-        total += ids  # the loss's targets
+        # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
+        held = num_microbatches if layout.schedule == "gpipe" else 1
+        total += held * (logits_bytes(model, layout, seq_len, assumptions)
+                         + head_input_bytes(model, layout, seq_len, precision, assumptions)
+                         + ids)  # ids: the loss's targets
     return total
 
 

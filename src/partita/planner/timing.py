@@ -161,7 +161,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
 
     # Pipeline p2p: each microbatch crosses each of this rank's v chunks, forward and back.
     p2p = layer_input_bytes(model, layout, seq_len, precision)  # sharded over tp under sp
-    pp_vol = 2 * v * m * p2p if pp > 1 else 0.0
+    # Sends of the busiest rank: a middle stage sends activations on and gradients back
+    # (2vm); with pp = 2 stage 0 never sends a gradient of its first chunk ((2v-1)m).
+    pp_vol = (2 * v - (1 if pp == 2 else 0)) * m * p2p if pp > 1 else 0.0
     stride = t * cp * layout.dp
     link, le = link_eff(2 * stride)
     pp_s = pp_vol / (link[0] * le) + 2 * v * m * link[1] if pp > 1 else 0.0
