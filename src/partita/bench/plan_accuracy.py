@@ -2,12 +2,16 @@
 
 For every layout the test suite runs on CPU (dp 1/2/4/8 x ZeRO 0-3 in fp32 and bf16
 with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp2 with
-ZeRO-1/3) one small model takes training steps on gloo ranks. Memory: model states
+ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
+ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2) one small model takes training steps on gloo
+ranks; memory is compared per pipeline stage. Memory: model states
 from the ZeRO engine's ledger, activations from the storages autograd saved for
 backward. Communication: bytes each rank sent, counted by the mesh (tp + dp). Step
 time: the median of timed steps on rank 0, against the planner's step time on the
-`cpu` profile (a 1-thread matmul and copy rate measured at start; a world with more
-ranks than cores gives each rank cores/ranks of one, so the profile is scaled by it).
+`cpu` profile, calibrated here: a 1-thread matmul and copy rate measured at start, the
+gloo all-reduce latency and bandwidth measured in each world before its cases (the
+profile's loopback figures are nominal), and a world with more ranks than cores gives
+each rank cores/ranks of one core, so compute and copy rates are scaled by that share.
 
 Memory and communication should agree to a fraction of a percent. Step time is
 indicative: the planner counts FLOPs and bytes; eager PyTorch, Python and gloo add
@@ -25,11 +29,13 @@ from partita.bench.plan_measure import (
     Case,
     Shape,
     measure_cases,
+    measure_link,
     predict,
     rel_error,
+    worst_by_stage,
     worst_rank,
 )
-from partita.planner import get_gpu
+from partita.planner import Assumptions, get_gpu
 from partita.planner.hardware import GPUSpec
 from partita.testing import run_distributed
 
@@ -44,14 +50,36 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     for tp in (2, 4):
         out[tp] += [Case(tp=tp, sp=sp, shape=shape) for sp in (False, True)]
     out[4] += [Case(dp=2, tp=2, zero=z, sp=True, shape=shape) for z in (1, 3)]
+    # Pipelines (4 microbatches unless said); interleaving and pp=4 need 4 blocks.
+    deep = replace(shape, n_layers=max(shape.n_layers, 4))
+    out[2] += [Case(pp=2, microbatches=4, schedule=s, dtype=d, shape=shape)
+               for s in ("1f1b", "gpipe", "zb-h1") for d in DTYPES]
+    out[2] += [Case(pp=2, microbatches=4, schedule="interleaved", vpp=2, shape=deep)]
+    out[4] += [Case(pp=4, microbatches=4, shape=deep),
+               Case(dp=2, pp=2, zero=1, microbatches=4, shape=shape),
+               Case(dp=2, pp=2, zero=2, microbatches=4, shape=shape),
+               Case(tp=2, sp=True, pp=2, microbatches=4, dtype="bfloat16", shape=shape)]
+    out[8] += [Case(dp=2, tp=2, pp=2, zero=2, sp=True, microbatches=2, shape=shape)]
     return out
 
 
-def device_share(gpu: GPUSpec, world: int) -> GPUSpec:
-    """The profile of one rank when `world` ranks share this machine's cores."""
+def device_share(gpu: GPUSpec, world: int, link: tuple[float, float],
+                 efficiency: float) -> GPUSpec:
+    """The profile of one rank when `world` ranks share this machine's cores, with the
+    gloo link measured in that world (latency per step, effective bandwidth; stored as
+    a nominal figure that the planner's link efficiency brings back to the measurement)."""
     share = min(1.0, (os.cpu_count() or 1) / world)
+    latency, bandwidth = link
+    if world == 1:
+        latency, bandwidth = gpu.intra_node_latency, gpu.intra_node_bandwidth
     return replace(gpu, peak_flops=gpu.peak_flops * share,
-                   memory_bandwidth=gpu.memory_bandwidth * share)
+                   memory_bandwidth=gpu.memory_bandwidth * share,
+                   intra_node_latency=latency, intra_node_bandwidth=bandwidth / efficiency)
+
+
+def _world(rank: int, world: int, cases: list[Case], steps: int) -> dict:
+    link = measure_link(rank, world)
+    return {"link": link, "cases": measure_cases(rank, world, cases, steps)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,34 +103,49 @@ def run(args: argparse.Namespace) -> int:
           f"{gpu.memory_bandwidth / 1e9:.1f} GB/s per rank ({os.cpu_count()} cores)")
     print("bytes per rank (the fullest rank); step time: median of "
           f"{args.steps} steps on rank 0")
-    head = (f"{'layout':<18} {'states pred':>11} {'measured':>10} {'err':>6} "
+    head = (f"{'layout':<30} {'states':>10} {'measured':>10} {'err':>6} "
             f"{'activ pred':>10} {'measured':>10} {'err':>6} {'comm pred':>10} "
             f"{'counted':>10} {'err':>6} {'step pred':>9} {'measured':>9} {'err':>6}")
     print(head)
     print("-" * len(head))
-    worst_mem = worst_comm = worst_time = 0.0
+    worst_mem = worst_mem_no_zb = worst_comm = worst_time = 0.0
     for world in worlds:
         cases = layouts(shape)[world]
-        per_rank = run_distributed(measure_cases, world, args=(cases, args.steps),
-                                   timeout=900)
-        rank_gpu = device_share(gpu, world)
+        runs = run_distributed(_world, world, args=(cases, args.steps), timeout=900)
+        per_rank = [r["cases"] for r in runs]
+        link = runs[0]["link"]
+        rank_gpu = device_share(gpu, world, link, Assumptions.measured_cpu().intra_node_efficiency)
+        if world > 1:
+            print(f"world {world}: gloo all-reduce measured {link[0] * 1e6:.0f} us per "
+                  f"latency step, {link[1] / 1e9:.2f} GB/s")
         for i, case in enumerate(cases):
-            m = worst_rank([r[i] for r in per_rank])
-            m["step_s"] = per_rank[0][i]["step_s"]
-            p = predict(case, rank_gpu)
+            results = [r[i] for r in per_rank]
+            whole, p = worst_rank(results), predict(case, rank_gpu)
             comm_p = sum(p[k] for k in COMM.values())
-            comm_m = sum(m[k] for k in COMM.values())
-            errs = {k: rel_error(p[k], m[k]) for k in ("model_states", "activations", "step_s")}
+            comm_m = sum(whole[k] for k in COMM.values())
             comm_err = rel_error(comm_p, comm_m)
-            worst_mem = max(worst_mem, errs["model_states"], errs["activations"])
+            time_err = rel_error(p["step_s"], results[0]["step_s"])
             worst_comm = max(worst_comm, comm_err)
-            worst_time = max(worst_time, errs["step_s"])
-            print(f"{case.label:<18} {p['model_states']:>11,.0f} {m['model_states']:>10,} "
-                  f"{_pct(errs['model_states'])} {p['activations']:>10,.0f} "
-                  f"{m['activations']:>10,} {_pct(errs['activations'])} {comm_p:>10,.0f} "
-                  f"{comm_m:>10,.0f} {_pct(comm_err)} {p['step_s'] * 1e3:>7.2f}ms "
-                  f"{m['step_s'] * 1e3:>7.2f}ms {_pct(errs['step_s'])}")
-    print(f"worst communication error {worst_comm * 100:.2f}%")
+            worst_time = max(worst_time, time_err)
+            # Memory per pipeline stage; communication and time once per layout.
+            for stage, m in worst_by_stage(results).items():
+                ps = predict(case, stage=stage)
+                errs = [rel_error(ps[k], m[k]) for k in ("model_states", "activations")]
+                worst_mem = max(worst_mem, *errs)
+                if case.schedule != "zb-h1":
+                    worst_mem_no_zb = max(worst_mem_no_zb, *errs)
+                label = case.label + (f" s{stage}" if case.pp > 1 else "")
+                row = (f"{label:<30} {ps['model_states']:>10,.0f} {m['model_states']:>10,} "
+                       f"{_pct(errs[0])} {ps['activations']:>10,.0f} "
+                       f"{m['activations']:>10,} {_pct(errs[1])}")
+                if stage == 0:
+                    row += (f" {comm_p:>10,.0f} {comm_m:>10,.0f} {_pct(comm_err)} "
+                            f"{p['step_s'] * 1e3:>7.2f}ms {results[0]['step_s'] * 1e3:>7.2f}ms "
+                            f"{_pct(time_err)}")
+                print(row)
+    print(f"worst communication error {worst_comm * 100:.2f}%; worst memory error without "
+          f"zb-h1 {worst_mem_no_zb * 100:.2f}% (partita's zb-h1 keeps sent stage outputs, "
+          "and with them each microbatch's graph, until the step ends)")
     print(f"plan-accuracy: worst memory error {worst_mem * 100:.2f}%, "
           f"worst step-time error {worst_time * 100:.0f}%")
     return 0

@@ -146,6 +146,9 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     last stage keeps for the loss and, under full recompute, one layer's working set."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
     chunks = inflight_chunks(layout, stage, num_microbatches)
+    if layout.schedule == "zb-h1" and assumptions.zero_bubble_keeps_graph:
+        # Every microbatch's graph lives from F to its deferred W: up to pp of them.
+        chunks = min(num_microbatches, layout.pp) * layout.vpp
     per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
     total = per_layer * layers * chunks / layout.vpp
     if layout.recompute == "full":
