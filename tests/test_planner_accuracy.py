@@ -60,11 +60,8 @@ def _check_memory(case: Case, measured: dict, stage: int = 0) -> None:
 
 
 def _check_comm(case: Case, measured: dict) -> None:
-    """Bytes the busiest rank sent, per purpose, against the planner's volumes."""
-    # Stage 3's root-group handling is being reworked in the engine (gathered once or
-    # twice per step); its volume is reported by `partita bench plan-accuracy` instead.
-    if case.zero == 3:
-        return
+    """Bytes the busiest rank sent, per purpose, against the planner's volumes (ZeRO-3
+    included: its root group stays gathered from forward to backward)."""
     from partita.planner.hardware import GPUS
 
     # Volumes do not depend on the device; a catalog entry avoids profiling the CPU.
