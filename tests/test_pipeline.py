@@ -1,0 +1,185 @@
+"""Pipeline runtime pieces without a world (stage split, split backward, transfer order,
+bad settings) and one two-rank test that a stalled peer fails with a clear timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from pipeline_cases import make_config, train_case
+
+from partita.errors import PartitaError
+from partita.mesh import ParallelDims
+from partita.models.config import ModelConfig
+from partita.models.transformer import Transformer, build_model
+from partita.pipeline import build_schedule, schedule_names
+from partita.pipeline.actions import Action, Kind
+from partita.pipeline.backward import backward_input, full_backward
+from partita.pipeline.build import check_pipeline
+from partita.pipeline.p2p import check_transfer_order
+from partita.pipeline.runtime import forward_only
+from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
+from partita.testing import run_distributed
+
+CFG = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, max_seq_len=16)
+
+
+def _meta(cfg: ModelConfig) -> Transformer:
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
+def _names(model: nn.Module) -> set[str]:
+    return {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_each_rank_keeps_its_stages_under_global_names(tied):
+    cfg = ModelConfig(**{**CFG.to_dict(), "tie_embeddings": tied})
+    layout = plan_stages(cfg, pp=2, virtual=2)
+    assert [list(r) for r in layout.blocks] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    full = _names(_meta(cfg))
+    kept = []
+    for rank in range(2):
+        model = _meta(cfg)
+        keep_stages(model, model.plan(), layout, rank)
+        detach_tied_copy(model, model.plan(), layout, rank)
+        kept.append(_names(model))
+    blocks = [{n.split(".")[1] for n in names if n.startswith("blocks.")} for names in kept]
+    assert blocks == [{"0", "1", "4", "5"}, {"2", "3", "6", "7"}]
+    assert "tok_embeddings.weight" in kept[0] and "norm.weight" in kept[1]
+    assert kept[0] | kept[1] == full and not kept[0] & kept[1]  # tied copy: no parameter
+    if tied:
+        model = _meta(cfg)
+        keep_stages(model, model.plan(), layout, 1)
+        assert model.tok_embeddings is not None  # the head needs the matrix
+
+
+def test_balanced_split_counts_embedding_and_head():
+    cfg = ModelConfig(vocab_size=8192, dim=64, n_layers=12, n_heads=4, max_seq_len=16)
+    even = plan_stages(cfg, pp=4, virtual=1)
+    assert [len(r) for r in even.blocks] == [3, 3, 3, 3]
+    for mode in ("params", "flops"):
+        sizes = [len(r) for r in plan_stages(cfg, 4, 1, balance=mode).blocks]
+        assert sum(sizes) == 12 and sizes[-1] < 3, (mode, sizes)
+    with pytest.raises(PartitaError, match="balance"):
+        plan_stages(cfg, 4, 1, balance="bogus")
+
+
+class _Shared(nn.Module):
+    """A weight used twice: W must not count it twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + torch.nn.functional.linear(h * h, self.a.weight)
+
+
+@pytest.mark.parametrize("which", ["transformer", "shared-weight"])
+def test_split_backward_equals_full_backward_and_fires_hooks_once(which):
+    torch.manual_seed(0)
+    if which == "transformer":
+        model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                                        max_seq_len=16, flavour="gpt2"), dtype=torch.float64)
+        x = torch.randn(2, 16, 32, dtype=torch.float64)
+
+        def run(inp):
+            for block in model.blocks.values():
+                inp = block(inp)
+            return model.logits(model.norm(inp))
+    else:
+        model = _Shared().double()
+        x = torch.randn(4, 8, dtype=torch.float64)
+        run = model
+    params = list(model.parameters())
+    x1 = x.clone().requires_grad_()
+    out = run(x1)
+    grad = torch.randn_like(out)
+    full_backward([out], [grad])
+    params = [p for p in params if p.grad is not None]  # the blocks and the head
+    want = [p.grad.clone() for p in params]
+    model.zero_grad(set_to_none=True)
+
+    fired = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p))) for p in params]
+    x2 = x.clone().requires_grad_()
+    out = run(x2)
+    (x_grad,), weights = backward_input([out], [grad], [x2], params)
+    assert not fired and all(p.grad is None for p in params)  # I touched no weight
+    torch.testing.assert_close(x_grad, x1.grad, rtol=0, atol=1e-14)
+    weights.run()
+    for p, g in zip(params, want):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)
+    assert sorted(fired) == sorted(id(p) for p in params)  # each accumulated once
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_transfers_match_in_order_and_forward_only_is_valid(name, p, m):
+    sched = build_schedule(name, p, m)
+    check_transfer_order(sched)
+    forward_only(sched)
+
+
+def test_transfer_order_mismatch_is_rejected():
+    sched = build_schedule("1f1b", 2, 4)
+    acts = list(sched.ranks[1])
+    i, j = acts.index(Action(Kind.RECV_F, 0, 1)), acts.index(Action(Kind.RECV_F, 0, 2))
+    acts[i], acts[j] = acts[j], acts[i]
+    with pytest.raises(PartitaError, match="another order"):
+        check_transfer_order(sched.replace_rank(1, acts))
+
+
+@pytest.mark.parametrize("case,message", [
+    (dict(schedule="1f1bb"), "unknown pipeline schedule"),
+    (dict(schedule="interleaved-1f1b", m=1, batch=8), "multiple of 2"),
+    (dict(pp=4, model={"n_layers": 2}), "every stage needs at least one block"),
+    (dict(schedule="interleaved-1f1b", v=3, model={"n_layers": 4}), "at least one block"),
+    (dict(zero=3), "ZeRO stage 3 with pipeline"),
+])
+def test_bad_settings_fail_before_any_process_waits(case, message):
+    case = {"pp": 2, **case}
+    cfg = make_config(case)
+    dims = ParallelDims(dp=1, pp=case["pp"], zero_stage=case.get("zero", 0))
+    with pytest.raises(PartitaError, match=message):
+        check_pipeline(cfg, cfg.model_config(), dims)
+
+
+def test_every_schedule_name_is_accepted():
+    cfg = make_config({"pp": 2, "m": 4})
+    for name in schedule_names():
+        cfg.parallel.schedule = name
+        check_pipeline(cfg, cfg.model_config(), ParallelDims(pp=2))
+
+
+def _stall(rank: int, world: int, case: dict) -> str:
+    if rank == 1:  # builds the model (collective), then stops taking part
+        from partita.mesh import Mesh
+        from partita.parallelize import build_parallel_model
+
+        cfg = make_config(case)
+        build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world), torch.device("cpu"))
+        time.sleep(8)
+        return "stalled"
+    train_case(rank, world, case, steps=1)
+    return "finished"
+
+
+def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
+    case = dict(pp=2, schedule="1f1b", parallel={"pp_timeout_s": 2.0})
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(_stall, 2, (case,), timeout=60)
+    text = str(info.value)
+    assert "rank 0 of 2 failed" in text
+    assert "PipelineTimeout" in text and "stage 0" in text
+    assert "RB1.0 (input gradient of stage 1, microbatch 0) from rank 1" in text
+    assert time.perf_counter() - start < 30
