@@ -32,8 +32,8 @@ class Setup:
     batch: int = 4  # sequences per rank
     seq: int = 128
     warmup: int = 3
-    rounds: int = 8
-    steps: int = 3  # steps per timed round
+    rounds: int = 16
+    steps: int = 2  # steps per timed round
 
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,6 @@ class DataParallel:
         for buf in self.buckets:
             if self.stage <= 1:
                 buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=device)
-                buf.bind_grads()
             else:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)
@@ -236,14 +235,10 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
+        self.reducer.clear()  # stages 0-1: the next gradients overwrite, no memset
         for buf in self.buckets:
-            if self.stage <= 1:
-                buf.full_grad.zero_()
-                buf.bind_grads()
-            else:
+            if buf.shard_grad is not None:
                 buf.shard_grad.zero_()
-                for p in buf.params:
-                    p.grad = None
         self._overflow = None
 
     # Full parameters from user code ----------------------------------------------------

@@ -12,8 +12,11 @@ Per stage:
   2  reduce-scatter into the owned gradient slice, then free the full-size buffer
      ("reduce" accumulation: every microbatch; "buffer": once, at the boundary);
   3  as 2, and the bucket is a block whose gathered parameters are freed right after.
-Sums are divided by the group size, so the result is the gradient of the mean over all
-ranks' losses (each rank's loss being the mean over its own tokens).
+Gradients are divided by the group size as they are copied into the bucket (one fused
+pass), so the reduced sum is the gradient of the mean over all ranks' losses (each
+rank's loss being the mean over its own tokens). Autograd's own .grad tensors are
+released right after the copy; stages 0-1 expose the buckets as .grad after
+finish_grad_sync().
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class GradReducer:
         self.always_reduce = not self.view_mode
         self.on_bucket_done = on_bucket_done
         self.sync = True
+        self.scale = 1.0 / comm.size
+        self.written: list[set[int]] = [set() for _ in buckets]
         self.pending: list[tuple[int, object, torch.Tensor, torch.Tensor]] = []
         self.live_bytes = 0
         self.peak_bytes = 0  # communication / staging buffers, high-water mark
@@ -71,18 +76,17 @@ class GradReducer:
                 "backward in `with dp.grad_sync(is_last_microbatch):` and call "
                 "dp.finish_grad_sync() before the optimizer step."
             )
-        grad = p.grad  # read before bind_grads below points .grad at the buffer
+        grad, p.grad = p.grad, None
         if buf.full_grad is None:
-            dtype = buf.dtype if self.view_mode else self.reduce_dtype
-            buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=p.device)
-            if self.stage >= 2:  # transient: counted as a communication buffer
-                self._track(buf.full_grad)
-            if self.view_mode:
-                buf.bind_grads()
+            self._allocate(buf, b)
         view = buf.grad_view(i)
-        if grad is not None and grad.data_ptr() != view.data_ptr():
-            view.add_(grad)
-        p.grad = view if self.view_mode else None
+        # One fused pass, as DDP does: copy (or add) the gradient into the bucket already
+        # divided by the group size, so nothing is left to do after the collective.
+        if i in self.written[b]:
+            view.add_(grad, alpha=self.scale)
+        else:
+            torch.mul(grad, self.scale, out=view)
+            self.written[b].add(i)
         self.arrived[b].add(i)
         if len(self.arrived[b]) == len(buf.params):
             if self.on_bucket_done is not None:
@@ -91,6 +95,14 @@ class GradReducer:
                 self.active = True
                 self.ready[b] = True
                 self._launch_ready()
+
+    def _allocate(self, buf: FlatBuffer, b: int) -> None:
+        """A transient gradient buffer (stages 2-3); only its padding needs zeros."""
+        dtype = buf.dtype if self.view_mode else self.reduce_dtype
+        buf.full_grad = torch.empty(buf.padded, dtype=dtype, device=buf.device)
+        buf.full_grad[buf.numel:].zero_()
+        self.written[b] = set()
+        self._track(buf.full_grad)
 
     def _track(self, t: torch.Tensor) -> None:
         self.live_bytes += t.numel() * t.element_size()
@@ -101,11 +113,19 @@ class GradReducer:
             self._launch(self.next_launch)
             self.next_launch += 1
 
+    def _zero_unwritten(self, b: int) -> None:
+        """Parameters that got no gradient since the buffer was last cleared hold zeros."""
+        buf = self.buckets[b]
+        if buf.full_grad is None:
+            self._allocate(buf, b)
+        for i in range(len(buf.params)):
+            if i not in self.written[b]:
+                buf.grad_view(i).zero_()
+                self.written[b].add(i)
+
     def _launch(self, b: int) -> None:
         buf = self.buckets[b]
-        if buf.full_grad is None:  # no gradient reached this bucket: reduce zeros
-            buf.full_grad = torch.zeros(buf.padded, dtype=self.reduce_dtype, device=buf.device)
-            self._track(buf.full_grad)
+        self._zero_unwritten(b)
         src = buf.full_grad
         send = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
         if send is not src:
@@ -122,6 +142,7 @@ class GradReducer:
             work = self.comm.reduce_scatter_flat(out, send, async_op=True)
         if not self.view_mode:
             buf.full_grad = None  # the pending entry keeps it alive until the wait
+            self.written[b] = set()
         self.pending.append((b, work, send, out))
         self.launched[b] = True
 
@@ -130,7 +151,6 @@ class GradReducer:
     def _complete(self, b: int, work, send: torch.Tensor, out: torch.Tensor) -> None:
         work.wait()
         buf = self.buckets[b]
-        out.div_(self.comm.size)
         if self.stage == 0:
             if send is not buf.full_grad:
                 buf.full_grad.copy_(send)
@@ -141,8 +161,7 @@ class GradReducer:
             buf.shard_grad.add_(out)
             if self.view_mode:  # stage 2 "buffer": the full buffer lives until here
                 buf.full_grad = None
-                for p in buf.params:
-                    p.grad = None
+                self.written[b] = set()
 
     def flush(self) -> None:
         """Launch every bucket not yet launched in a round that reduces (unused
@@ -172,3 +191,14 @@ class GradReducer:
         self.wait_all()
         self._reset()
         self.sync = True
+        if self.stage <= 1:  # full buffers persist: expose them as .grad, never stale
+            for b, buf in enumerate(self.buckets):
+                self._zero_unwritten(b)
+                buf.bind_grads()
+
+    def clear(self) -> None:
+        """zero_grad: forget what the buffers hold; the next gradient overwrites it."""
+        self.written = [set() for _ in self.buckets]
+        for buf in self.buckets:
+            for p in buf.params:
+                p.grad = None

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 from partita.errors import PartitaError
 
-FIRST_BUCKET_BYTES = 1 << 20
+EDGE_BUCKET_BYTES = 1 << 20
 
 BlockSpec = None | list[str] | tuple[str, ...] | type | str
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -73,23 +73,31 @@ def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list
     """Trainable parameters in reverse registration order (the order backward usually
     produces their gradients), cut greedily into buckets of about `bucket_bytes`.
 
-    The first bucket is capped at FIRST_BUCKET_BYTES (as DDP does): its gradients are
-    the first of backward, and a small bucket starts communication early."""
+    The first and the last bucket are capped at EDGE_BUCKET_BYTES: the first so that
+    communication starts early (as DDP does), the last because its collective can only
+    start when backward ends, so its size is the exposed tail of the step."""
     seen: set[int] = set()
     params = []
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             params.append((name, p))
+    edge = min(bucket_bytes, EDGE_BUCKET_BYTES)
+    last: NamedParams = []
+    size = 0
+    while len(params) > 1 and size + params[0][1].numel() * itemsize <= edge:
+        size += params[0][1].numel() * itemsize
+        last.append(params.pop(0))
     out: list[NamedParams] = [[]]
     size = 0
     for name, p in reversed(params):
-        cap = min(bucket_bytes, FIRST_BUCKET_BYTES) if len(out) == 1 else bucket_bytes
+        cap = edge if len(out) == 1 else bucket_bytes
         if out[-1] and size + p.numel() * itemsize > cap:
             out.append([])
             size = 0
         out[-1].append((name, p))
         size += p.numel() * itemsize
+    out.append(list(reversed(last)))
     return [b for b in out if b]
 
 
