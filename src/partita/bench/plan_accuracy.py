@@ -145,8 +145,8 @@ def run(args: argparse.Namespace) -> int:
                 print(row)
     print(f"load average at end {_load()}")
     print(f"worst communication error {worst_comm * 100:.2f}%; worst memory error without "
-          f"zb-h1 {worst_mem_no_zb * 100:.2f}% (partita's zb-h1 keeps sent stage outputs, "
-          "and with them each microbatch's graph, until the step ends)")
+          f"zb-h1 {worst_mem_no_zb * 100:.2f}% (partita's zb-h1 holds more than each "
+          "microbatch's graph from F to W: its peak grows with the microbatch count)")
     print(f"plan-accuracy: worst memory error {worst_mem * 100:.2f}%, "
           f"worst step-time error {worst_time * 100:.0f}%")
     return 0
