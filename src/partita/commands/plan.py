@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         settings[name.strip()] = value.strip()
     req = make_request(args.model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
-                       Assumptions().override(settings), args.hardware)
+                       Assumptions.for_device(args.gpu_type).override(settings), args.hardware)
     if args.layout is not None:
         ev = evaluate(req, parse_layout(args.layout, args.gpus))
         advice = advise_layout(req, ev)
