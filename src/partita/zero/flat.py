@@ -78,7 +78,8 @@ class FlatBuffer:
         self.dtype, self.device = dtype, device
         self.full: torch.Tensor | None = None  # every element, parameters are views
         self.shard: torch.Tensor | None = None  # stage 3 at rest: only [lo, hi)
-        self.full_grad: torch.Tensor | None = None
+        self._full_grad: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] | None = None
         self.shard_grad: torch.Tensor | None = None
 
     def __repr__(self) -> str:
@@ -169,9 +170,23 @@ class FlatBuffer:
         for p in self.params:
             p.data = empty
 
+    @property
+    def full_grad(self) -> torch.Tensor | None:
+        """Every gradient element (padded); None while the stage keeps only a shard."""
+        return self._full_grad
+
+    @full_grad.setter
+    def full_grad(self, value: torch.Tensor | None) -> None:
+        self._full_grad = value
+        self._grad_views = None
+
     def grad_view(self, i: int) -> torch.Tensor:
-        e = self.entries[i]
-        return self.full_grad[e.offset:e.offset + e.numel].view(e.shape)
+        # Views are made once per buffer: backward hooks ask for one per gradient.
+        if self._grad_views is None:
+            g = self._full_grad
+            self._grad_views = [g[e.offset:e.offset + e.numel].view(e.shape)
+                                for e in self.entries]
+        return self._grad_views[i]
 
     def bind_grads(self) -> None:
         for i, p in enumerate(self.params):
