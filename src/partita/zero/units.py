@@ -14,6 +14,7 @@ import torch.nn as nn
 from partita.errors import PartitaError
 
 EDGE_BUCKET_BYTES = 1 << 20
+LAST_BUCKET_BYTES = 1 << 20
 
 BlockSpec = None | list[str] | tuple[str, ...] | type | str
 NamedParams = list[tuple[str, nn.Parameter]]
@@ -85,7 +86,8 @@ def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list
     edge = min(bucket_bytes, EDGE_BUCKET_BYTES)
     last: NamedParams = []
     size = 0
-    while len(params) > 1 and size + params[0][1].numel() * itemsize <= edge:
+    while len(params) > 1 and size + params[0][1].numel() * itemsize <= \
+            min(bucket_bytes, LAST_BUCKET_BYTES):
         size += params[0][1].numel() * itemsize
         last.append(params.pop(0))
     out: list[NamedParams] = [[]]
