@@ -3,12 +3,14 @@
 The runner records (action, start, end) for every action of its last step, in seconds
 from the step's start. Gathered over the pipeline group they have the shape the
 simulator produces, so the same drawing and the same bubble arithmetic apply. Ranks'
-clocks start at their own step start; right after a barrier (as the benchmark does) or
-after the previous step's loss all-reduce they agree to well under a pass.
+clocks are aligned on the shared monotonic clock when they run on one host; across
+hosts each rank's step start is its zero (right after a barrier, as the benchmark
+does, those agree to well under a pass).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,13 +23,21 @@ from partita.pipeline.simulate import Event
 
 def gather_rows(runner) -> list[list[Event]]:
     """Every pipeline rank's timeline of the last step, in pipeline-rank order.
-    Collective over the runner's pipeline group: every member must call it."""
+    Collective over the runner's pipeline group: every member must call it.
+
+    Ranks on one host share the monotonic clock, so their rows are put on one time axis
+    (0 = the earliest start); across hosts each row keeps its own step start as 0."""
     comm = runner.transport.comm
-    rows: list = [None] * comm.size
+    mine = (socket.gethostname(), runner.step_started, list(runner.timeline))
     if comm.size == 1:
-        return [list(runner.timeline)]
-    dist.all_gather_object(rows, list(runner.timeline), group=comm.group)
-    return rows
+        return [mine[2]]
+    parts: list = [None] * comm.size
+    dist.all_gather_object(parts, mine, group=comm.group)
+    if len({host for host, _, _ in parts}) > 1:
+        return [rows for _, _, rows in parts]
+    origin = min(start for _, start, _ in parts)
+    return [[(a, s + start - origin, e + start - origin) for a, s, e in rows]
+            for _, start, rows in parts]
 
 
 def idle_fraction(rows: Sequence[Sequence[Event]]) -> float:

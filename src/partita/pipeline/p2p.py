@@ -68,6 +68,12 @@ class Transport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.me = stage_rank  # this rank's pipeline index, for messages
+        # Gloo progresses each posted receive on its own, so the runner may post the
+        # receives of the next transfer run before the compute in front of them. NCCL
+        # runs a pair's sends and receives in issue order on one stream: a receive
+        # posted apart from the sends in its batch could wait for a peer that waits
+        # for us, so there every transfer run is posted as one batch, when reached.
+        self.early_receives = comm.group is not None and dist.get_backend(comm.group) == "gloo"
         self.pending_sends: list[tuple[Action, object, torch.Tensor]] = []
 
     def post(self, batch: Sequence[tuple[Action, torch.Tensor]]) -> list[tuple[Action, object]]:

@@ -170,10 +170,13 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
         self.step_started = t0 = time.perf_counter()
+        early: dict[Action, tuple[object, torch.Tensor, float]] = {}
         i = 0
         while i < len(actions):
             a = actions[i]
             if a.kind.is_compute:
+                if self.transport.early_receives:
+                    self._post_early(actions, i + 1, step, early, t0)
                 start = time.perf_counter() - t0
                 self._compute(a, step, final)
                 self.timeline.append((a, start, time.perf_counter() - t0))
@@ -183,30 +186,47 @@ class PipelineRunner:
             j = i
             while j < len(actions) and not actions[j].kind.is_compute:
                 j += 1
-            self._transfer(actions[i:j], step, t0)
+            self._transfer(actions[i:j], step, early, t0)
             i = j
         self.transport.finish()
         if self.tied is not None:
             self.tied.finish()
 
-    def _transfer(self, batch: tuple[Action, ...], step: _Step, t0: float) -> None:
+    def _recv_buffer(self, step: _Step) -> torch.Tensor:
+        return torch.empty(self._boundary_shape(step), dtype=self.dtype, device=self.device)
+
+    def _post_early(self, actions: tuple[Action, ...], j: int, step: _Step,
+                    early: dict, t0: float) -> None:
+        """Post the receives of the transfer run right after this compute before running
+        it, so the data moves while we compute (gloo only, see Transport)."""
+        batch = []
+        while j < len(actions) and not actions[j].kind.is_compute:
+            if actions[j].kind.is_recv and actions[j] not in early:
+                batch.append((actions[j], self._recv_buffer(step)))
+            j += 1
+        start = time.perf_counter() - t0
+        for (a, buf), (_, work) in zip(batch, self.transport.post(batch)):
+            early[a] = (work, buf, start)
+
+    def _transfer(self, batch: tuple[Action, ...], step: _Step, early: dict,
+                  t0: float) -> None:
         posted = []
         for a in batch:
             if a.kind.is_send:
                 posted.append((a, step.outbox.pop(a)))
-            else:
-                shape = self._boundary_shape(step)
-                posted.append((a, torch.empty(shape, dtype=self.dtype, device=self.device)))
+            elif a not in early:
+                posted.append((a, self._recv_buffer(step)))
         start = time.perf_counter() - t0
-        recvs = self.transport.post(posted)
-        for a, _ in posted:
+        works = dict(self.transport.post(posted))
+        buffers = {a: t for a, t in posted if a.kind.is_recv}
+        for a in batch:
             if a.kind.is_send:
                 self.timeline.append((a, start, start))
-        buffers = {a: t for a, t in posted if a.kind.is_recv}
-        for a, work in recvs:
+                continue
+            work, buf, posted_at = early.pop(a) if a in early else (works[a], buffers[a], start)
             self.transport.wait(a, work)
-            step.inbox[_key(a)] = buffers[a]
-            self.timeline.append((a, start, time.perf_counter() - t0))
+            step.inbox[_key(a)] = buf
+            self.timeline.append((a, max(posted_at, start), time.perf_counter() - t0))
 
     def _boundary_shape(self, step: _Step) -> tuple[int, int, int]:
         b = step.inputs[0].shape[0]

@@ -1,0 +1,155 @@
+"""pipeline step time: partita vs torch.distributed.pipelining, same model, same schedules
+
+For pp=2 and pp=4 (gloo, one thread per rank) and each schedule pair — GPipe /
+ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B v=2 / ScheduleInterleaved1F1B —
+both runtimes train the same model (same initial weights, same stage split, same
+microbatches) forward and backward. Rounds alternate partita and torch after a warm-up;
+a step's time is the slowest rank's; the table shows medians and the median of the
+per-round ratios. partita runs through `build_parallel_model` (its data-parallel engine
+included, with nothing to reduce); torch runs plain modules.
+
+Last line: `pp: worst partita/torch step-time ratio R` (target R <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from partita.testing import run_distributed
+
+PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
+         ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B")]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per runtime")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=256)
+
+
+def _config(p: int, schedule: str, v: int, args: argparse.Namespace):
+    from partita.config import Config
+
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.dim = args.vocab, args.dim
+    cfg.model.n_layers, cfg.model.n_heads = 2 * p, max(1, args.dim // 64)
+    cfg.data.seq_len = args.seq
+    cfg.train.microbatches = args.microbatches
+    cfg.train.global_batch = args.microbatches * args.microbatch_size
+    cfg.parallel.pp, cfg.parallel.schedule, cfg.parallel.virtual_stages = p, schedule, v
+    return cfg
+
+
+def _torch_stages(cfg, layout, rank: int, device):
+    """torch.distributed.pipelining stages over a plain copy of the same model."""
+    import torch.nn as nn
+
+    from partita.models.transformer import build_model
+    from partita.pipeline import stage as st
+
+    model = build_model(cfg.model_config(), device)
+    plan = model.plan()
+    st.keep_stages(model, plan, layout, rank)
+
+    class Piece(nn.Module):
+        def __init__(self, local: st.LocalStage) -> None:
+            super().__init__()
+            self.local = local
+            names = [f"{plan.blocks}.{b}" for b in local.blocks]
+            if local.first:
+                names += [n for n in ("tok_embeddings", "pos_embeddings")
+                          if getattr(model, n, None) is not None]
+            if local.last:
+                names += [n for n in plan.head if getattr(model, n, None) is not None]
+            # Only this stage's modules are registered: torch scales their gradients.
+            self.parts = nn.ModuleList(model.get_submodule(n) for n in names)
+
+        def forward(self, x):
+            if self.local.first:
+                x = st.embed(model, x)
+            x = st.run_blocks(model, plan, self.local, x)
+            return st.head(model, x) if self.local.last else x
+
+    return model, [Piece(s) for s in st.local_stages(layout, rank)]
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    return [_pair(rank, world, args, name, v, peer) for name, v, peer in PAIRS]
+
+
+def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
+          peer: str) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as tpp
+    import torch.nn.functional as F
+
+    from partita.mesh import Mesh, ParallelDims
+    from partita.parallelize import build_parallel_model
+
+    device = torch.device("cpu")
+    cfg = _config(world, name, v, args)
+    mesh = Mesh(ParallelDims(pp=world), rank, world)
+    pm = build_parallel_model(cfg, mesh, device)
+    layout = pm.runner.layout
+    model, pieces = _torch_stages(cfg, layout, rank, device)
+    stages = [tpp.PipelineStage(piece, piece.local.index, layout.n_stages, device,
+                                group=mesh.group("pipeline")) for piece in pieces]
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    sched = getattr(tpp, peer)(stages if v > 1 else stages[0], args.microbatches,
+                               loss_fn=loss_fn)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(args.vocab, (cfg.train.global_batch, args.seq + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    first = any(s.local.first for s in pieces)
+    last = any(s.local.last for s in pieces)
+
+    def ours() -> None:
+        pm.runner.train(x, y, args.microbatches)
+
+    def theirs() -> None:
+        kwargs = {"target": y, "losses": []} if last else {}
+        sched.step(*((x,) if first else ()), **kwargs)
+
+    times: dict[str, list[float]] = {"partita": [], "torch": []}
+    for r in range(args.rounds + 1):  # round 0 warms up (torch infers shapes there)
+        for label, fn in (("partita", ours), ("torch", theirs)):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            pm.dp.zero_grad()
+            model.zero_grad(set_to_none=True)
+            if r > 0:
+                times[label].append(took.item())
+    return {"name": name, "v": v, "peer": peer, **times}
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"pipeline step time, partita vs torch.distributed.pipelining: m={args.microbatches}, "
+          f"dim={args.dim}, seq={args.seq}, microbatch {args.microbatch_size}, gloo, "
+          "1 thread per rank, median of alternating rounds")
+    print(f"{'p':>2} {'partita schedule':<20} {'torch schedule':<25} {'partita ms':>10} "
+          f"{'torch ms':>9} {'ratio':>6}")
+    worst = 0.0
+    for p in args.stages:
+        for r in run_distributed(_worker, p, (args,), timeout=1800)[0]:
+            ratio = statistics.median(a / b for a, b in zip(r["partita"], r["torch"]))
+            worst = max(worst, ratio)
+            label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
+            print(f"{p:>2} {label:<20} {r['peer']:<25} "
+                  f"{statistics.median(r['partita']) * 1e3:>10.1f} "
+                  f"{statistics.median(r['torch']) * 1e3:>9.1f} {ratio:>6.2f}")
+    print(f"pp: worst partita/torch step-time ratio {worst:.2f}")
+    return 0

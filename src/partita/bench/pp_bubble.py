@@ -1,0 +1,123 @@
+"""pipeline bubble of every schedule, measured from real timelines, next to theory
+
+Runs partita's pipeline runtime on p gloo processes (one thread each) with a model whose
+stages are equal (same number of blocks, a vocabulary too small for the embedding and
+head to matter), records every action's start and end, and reports per schedule:
+
+- measured idle fraction: 1 - (compute time) / (p x step time), median over steps;
+- theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved; and the
+  unit simulator run with the measured mean F/B/I/W durations ("simulated"), which is
+  also the reference for ZB-H1, whose bubble depends on those ratios;
+- the peak number of microbatches whose activations a stage held, counted by the
+  runtime (1F1B <= p on the first stage, GPipe = m).
+
+Last line: `pp-bubble: worst measured/theory R` (R furthest from 1; target 0.9-1.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from partita.testing import run_distributed
+
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[4])
+    parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5, help="measured steps (after 1 warm-up)")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--blocks-per-rank", type=int, default=2,
+                        help="blocks per pipeline rank (interleaved splits them in v)")
+
+
+def _config(p: int, schedule: str, v: int, args: argparse.Namespace):
+    from partita.config import Config
+
+    cfg = Config()
+    cfg.model.vocab_size, cfg.model.dim = 32, args.dim
+    cfg.model.n_layers, cfg.model.n_heads = p * args.blocks_per_rank, max(1, args.dim // 64)
+    cfg.data.seq_len = args.seq
+    cfg.train.microbatches = args.microbatches
+    cfg.train.global_batch = args.microbatches * args.microbatch_size
+    cfg.parallel.pp, cfg.parallel.schedule, cfg.parallel.virtual_stages = p, schedule, v
+    return cfg
+
+
+def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+
+    from partita.mesh import Mesh, ParallelDims
+    from partita.parallelize import build_parallel_model
+    from partita.pipeline.measure import gather_rows, held_peaks, idle_fraction, pass_times
+
+    out = []
+    for name, v in SCHEDULES:
+        cfg = _config(world, name, v, args)
+        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=world), rank, world),
+                                  torch.device("cpu"))
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(32, (cfg.train.global_batch, args.seq + 1), generator=gen)
+        idles, times, held = [], [], {}
+        for step in range(args.steps + 1):
+            dist.barrier()  # a common time origin for every rank's timeline
+            pm.runner.train(tokens[:, :-1], tokens[:, 1:], args.microbatches)
+            pm.dp.zero_grad()
+            rows = gather_rows(pm.runner)
+            if step == 0:
+                continue  # warm-up
+            idles.append(idle_fraction(rows))
+            times.append(pass_times(rows))
+        peaks = [None] * world
+        dist.all_gather_object(peaks, pm.runner.held_peak)
+        for part in peaks:
+            held.update(part)
+        mean = {k: statistics.mean(t[k] for t in times) for k in times[0]}
+        out.append({"name": name, "v": v, "idle": statistics.median(idles), "costs": mean,
+                    "held": held, "rows_peaks": held_peaks(rows)})
+    return out
+
+
+def _theory(name: str, p: int, m: int, v: int, costs: dict) -> tuple[float | None, float]:
+    from partita.pipeline import Costs, build_schedule, simulate
+
+    formula = {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+               "interleaved-1f1b": (p - 1) / (v * m + p - 1)}.get(name)
+    sched = build_schedule(name, p, m, v)
+    unit = Costs(F=costs.get("F", 1.0), B=costs.get("B", 2.0), I=costs.get("I", 1.0),
+                 W=costs.get("W", 1.0))
+    return formula, simulate(sched, unit).bubble_fraction
+
+
+def run(args: argparse.Namespace) -> int:
+    from partita.pipeline import build_schedule, in_flight_peaks
+
+    worst = 1.0
+    m = args.microbatches
+    print(f"pipeline bubble, measured vs theory: m={m}, dim={args.dim}, seq={args.seq}, "
+          f"{args.blocks_per_rank} blocks per rank, gloo, 1 thread per rank")
+    print(f"{'p':>2} {'schedule':<17} {'formula':>8} {'simulated':>9} {'measured':>8} "
+          f"{'R':>5}  {'peak held, first stage (theory)':<32} pass ms F/B/I/W")
+    for p in args.stages:
+        results = run_distributed(_worker, p, (args,), timeout=1200)[0]
+        for r in results:
+            formula, simulated = _theory(r["name"], p, m, r["v"], r["costs"])
+            ratio = r["idle"] / simulated if simulated else 1.0
+            if abs(ratio - 1) > abs(worst - 1):
+                worst = ratio
+            sched = build_schedule(r["name"], p, m, r["v"])
+            theory_peak = in_flight_peaks(sched)[0]
+            passes = "/".join(f"{r['costs'][k] * 1e3:.1f}" if k in r["costs"] else "-"
+                              for k in "FBIW")
+            shown = f"{formula:.3f}" if formula is not None else "-"
+            label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
+            print(f"{p:>2} {label:<17} "
+                  f"{shown:>8} {simulated:>9.3f} {r['idle']:>8.3f} {ratio:>5.2f}  "
+                  f"{r['held'].get(0, 0):>3} ({theory_peak}){'':<23} {passes}")
+    print(f"pp-bubble: worst measured/theory {worst:.2f}")
+    return 0
