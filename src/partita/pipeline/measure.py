@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from partita.pipeline.actions import Kind
+from partita.pipeline.actions import Kind, Schedule
 from partita.pipeline.render import draw_timeline
 from partita.pipeline.simulate import Event
 
@@ -85,3 +85,35 @@ def save_timeline(runner, path: str | Path, title: str = "") -> Path | None:
     label = title or f"measured {runner.schedule_name}"
     return draw_timeline(rows, path, title=f"{label}  idle {idle:.1%}",
                          n_virtual=runner.layout.n_virtual, time_unit="s")
+
+
+def replay_idle(sched: Schedule, rows: Sequence[Sequence[Event]]) -> float:
+    """The idle fraction this schedule would have if every pass took exactly the time it
+    was measured to take and transfers were free: the theory for *this* run, which the
+    measured idle fraction exceeds only by transfer latency and runtime overhead."""
+    took = [{a: end - start for a, start, end in row if a.kind.is_compute} for row in rows]
+    posted: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * sched.n_ranks
+    index = [0] * sched.n_ranks
+    busy = 0.0
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(sched.ranks):
+            while index[r] < len(acts):
+                a = acts[index[r]]
+                key = ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B", a.stage,
+                       a.microbatch)
+                if a.kind.is_recv:
+                    if key not in posted:
+                        break
+                    clock[r] = max(clock[r], posted[key])
+                elif a.kind.is_send:
+                    posted[key] = clock[r]
+                else:
+                    clock[r] += took[r].get(a, 0.0)
+                    busy += took[r].get(a, 0.0)
+                index[r] += 1
+                progress = True
+    makespan = max(clock)
+    return 1.0 - busy / (makespan * sched.n_ranks) if makespan > 0 else 0.0
