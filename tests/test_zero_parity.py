@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
@@ -40,8 +41,9 @@ class ToyLayer(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.emb = nn.Embedding(CFG.vocab_size, 24)
         self.layers = nn.ModuleList([ToyLayer(24) for _ in range(3)])
         self.head = nn.Linear(24, CFG.vocab_size)
@@ -49,14 +51,17 @@ class Toy(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
         for layer in self.layers:
-            h = layer(h)
+            if self.recompute:  # activation checkpointing: forward runs again in backward
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h)
         return self.head(h)
 
 
 def make_model(case: dict, dtype: torch.dtype, meta: bool = False) -> nn.Module:
-    if case.get("model") == "toy":
+    if case.get("model") in ("toy", "toy-recompute"):
         torch.manual_seed(0)
-        return Toy().to(dtype)
+        return Toy(recompute=case["model"] == "toy-recompute").to(dtype)
     return build_model(CFG, device="meta" if meta else "cpu", dtype=dtype)
 
 
@@ -72,7 +77,7 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def run_case(rank: int, world: int, mesh: Mesh, case: dict) -> dict | None:
     dtype = getattr(torch, case.get("dtype", "float64"))
     stage, accum = case["stage"], case.get("accum", 1)
-    meta = stage == 3 and case.get("model") != "toy"
+    meta = stage == 3 and case.get("model") is None
     model = make_model(case, dtype, meta=meta)
     precision = MixedPrecision(param_dtype=dtype, reduce_dtype=case.get("reduce_dtype"),
                                master_dtype=case.get("master_dtype"))
@@ -178,6 +183,7 @@ CASES = {
     2: [dict(stage=s, accum=a) for s in (1, 2, 3) for a in (1, 2)]
        + [dict(stage=2, accum=2, accumulation="buffer"),
           dict(stage=3, model="toy", blocks=ToyLayer),
+          dict(stage=3, model="toy-recompute", blocks=ToyLayer, accum=2),
           dict(stage=2, model="toy", blocks="layers.*"),
           dict(stage=3, accum=2, prefetch=2, bucket_mb=1.0)],
     4: [dict(stage=s, accum=a) for s in (1, 2, 3) for a in (1, 2)]
