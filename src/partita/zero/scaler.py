@@ -31,9 +31,10 @@ class LossScaler:
                 raise PartitaError(
                     f"float16 gradients overflowed on {self.skips} consecutive steps (loss "
                     f"scale now {self.scale:g}); training cannot make progress. Lower the "
-                    "learning rate, enable gradient clipping (--optim.grad_clip=1.0), or "
-                    "train in bfloat16 (--precision.param_dtype=bfloat16), whose range "
-                    "does not need loss scaling."
+                    "learning rate (--train.lr), clip gradients (--train.grad_clip=1.0), "
+                    "or train in bfloat16 (--precision.param_dtype=bfloat16), whose range "
+                    "does not need loss scaling. If the loss itself is inf or nan, check "
+                    "the data and the initialisation first."
                 )
             return
         self.skips = 0
