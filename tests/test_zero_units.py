@@ -144,3 +144,12 @@ def test_backward_in_pieces_gives_the_same_gradients(stage: int) -> None:
     assert len(whole) > 1
     for a, b in zip(whole, pieces):
         torch.testing.assert_close(a, b, rtol=1e-13, atol=0)
+
+
+def test_frozen_parameter_left_on_meta_is_named() -> None:
+    model = zp.make_model({}, torch.float32, meta=True)
+    model.norm.weight.requires_grad_(False)
+    from partita.zero import model_init_fn
+
+    with pytest.raises(PartitaError, match="'norm.weight' is still on the meta device"):
+        DataParallel(model, _mesh(), zero=ZeroConfig(stage=3), init_fn=model_init_fn(zp.CFG))

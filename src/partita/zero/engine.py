@@ -90,6 +90,7 @@ class DataParallel:
             self.buckets = [FlatBuffer(g, n, index, dtype, device) for g in groups]
             for buf in self.buckets:
                 buf.materialize_full(init_fn)
+        _check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if self.stage <= 1:
                 buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=device)
@@ -324,6 +325,18 @@ class DataParallel:
                 self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
         self.step_count = state["step"]
         self.scaler.load_state_dict(state["scaler"])
+
+
+def _check_nothing_left_on_meta(module: nn.Module) -> None:
+    left = [n for n, p in module.named_parameters() if p.is_meta]
+    left += [n for n, b in module.named_buffers() if b.is_meta]
+    if left:
+        raise PartitaError(
+            f"'{left[0]}' is still on the meta device: DataParallel materialises trainable "
+            "parameters only. Build frozen parameters (requires_grad=False) and buffers on "
+            "a real device before wrapping, e.g. module.get_submodule(...).to_empty("
+            "device=...) followed by their own initialisation."
+        )
 
 
 def _device_of(module: nn.Module) -> torch.device:
