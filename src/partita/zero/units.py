@@ -74,7 +74,7 @@ def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list
     """Trainable parameters in reverse registration order (the order backward usually
     produces their gradients), cut greedily into buckets of about `bucket_bytes`.
 
-    The first and the last bucket are capped at EDGE_BUCKET_BYTES: the first so that
+    The first and the last bucket are capped (EDGE_, LAST_BUCKET_BYTES): the first so that
     communication starts early (as DDP does), the last because its collective can only
     start when backward ends, so its size is the exposed tail of the step."""
     seen: set[int] = set()
