@@ -68,8 +68,9 @@ class Transport:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
         self.me = stage_rank  # this rank's pipeline index, for messages
-        # Gloo progresses each posted receive on its own, so the runner may post the
-        # receives of the next transfer run before the compute in front of them. NCCL
+        # Gloo progresses each posted receive on its own, so the runner may post
+        # receives ahead of the computes in front of them — and should: a gloo send
+        # does not return until the peer has posted the matching receive. NCCL
         # runs a pair's sends and receives in issue order on one stream: a receive
         # posted apart from the sends in its batch could wait for a peer that waits
         # for us, so there every transfer run is posted as one batch, when reached.

@@ -197,11 +197,16 @@ class PipelineRunner:
 
     def _post_early(self, actions: tuple[Action, ...], j: int, step: _Step,
                     early: dict, t0: float) -> None:
-        """Post the receives of the transfer run right after this compute before running
-        it, so the data moves while we compute (gloo only, see Transport)."""
+        """Before a compute, post the receives listed within the next `p` computes, so
+        the data moves while we compute (gloo only, see Transport). Gloo holds a send
+        until its receive is posted, so this also keeps peers' sends from stalling
+        them; the window bounds the extra receive buffers to about p."""
         batch = []
-        while j < len(actions) and not actions[j].kind.is_compute:
-            if actions[j].kind.is_recv and actions[j] not in early:
+        computes = 0
+        while j < len(actions) and computes < self.layout.n_ranks:
+            if actions[j].kind.is_compute:
+                computes += 1
+            elif actions[j].kind.is_recv and actions[j] not in early:
                 batch.append((actions[j], self._recv_buffer(step)))
             j += 1
         start = time.perf_counter() - t0
