@@ -105,10 +105,11 @@ def test_unreadable_token_file_is_reported(tmp_path, cache):
 
 def test_nan_loss_stops_naming_the_step_and_writes_no_weights(tmp_path, cache):
     out = tmp_path / "nan"
-    result = partita("train", *SMALL, "--nproc", "1", "--train.lr=1e30",
+    result = partita("train", *SMALL, "--nproc", "2", "--train.lr=1e30",
                      "--train.warmup_steps=0", "--train.grad_clip=0",
                      f"--data.cache_dir={cache}", f"--train.out_dir={out}")
     assert result.returncode != 0
-    assert "the loss became" in result.stderr and "at step" in result.stderr
+    assert "became nan" in result.stderr and "at step" in result.stderr
     assert not (out / "model.safetensors").exists()
     assert "done:" not in result.stdout
+    assert result.stderr.count("partita: error: the") == 1  # said once, not once per rank

@@ -79,10 +79,16 @@ class ParallelSection:
     ep: int = 1
     zero_stage: int = 0
     bucket_mb: float = 25.0
-    prefetch: int = 1
+    prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the one computing
+    # ZeRO-2 gradient accumulation: "reduce" reduce-scatters every microbatch (least
+    # memory); "buffer" keeps a full-size gradient buffer and reduces once per step.
+    accumulation: str = "reduce"
     sequence_parallel: bool = False
-    schedule: str = "1f1b"
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b, zb-h1
     virtual_stages: int = 1
+    # A pipeline rank that waits longer than this for a peer's tensor stops with a message
+    # naming the stage, action and microbatch, instead of hanging forever.
+    pp_timeout_s: float = 300.0
 
 
 @dataclass

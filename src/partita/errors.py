@@ -25,3 +25,8 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """' Did you mean X?' when a close candidate exists, else ''."""
     best = closest(name, candidates)
     return f" Did you mean '{best}'?" if best else ""
+
+
+class AgreedError(PartitaError):
+    """A PartitaError that every rank raises identically (it follows from values all ranks
+    share, such as the all-reduced loss); only rank 0 needs to print it."""

@@ -8,6 +8,7 @@ process and this module is not used.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable
@@ -50,6 +51,11 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         rdzv_configs={"timeout": 120},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
     )
+    # The agent logs each failed child with a long record; the child has already printed
+    # its own message (a one-paragraph PartitaError or a traceback), which is the one
+    # worth reading, so keep the agent to critical messages.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:

@@ -104,8 +104,28 @@ class ParallelModel:
         return self.dp.module
 
 
+def engine_policies(cfg: Config):
+    """The data-parallel engine's ZeRO, mixed-precision and optimizer policies."""
+    from partita.zero import AdamWConfig, MixedPrecision, ZeroConfig
+
+    param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
+                              "precision.param_dtype")
+    reduce_dtype = parse_dtype(cfg.precision.reduce_dtype or cfg.precision.param_dtype
+                               or cfg.train.dtype, "precision.reduce_dtype")
+    master = torch.float64 if param_dtype == torch.float64 else torch.float32
+    zero = ZeroConfig(stage=cfg.parallel.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
+                      prefetch=cfg.parallel.prefetch, accumulation=cfg.parallel.accumulation)
+    precision = MixedPrecision(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+        master_dtype=master if cfg.precision.master_weights else param_dtype)
+    optim = AdamWConfig(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
+                        eps=cfg.train.eps, weight_decay=cfg.train.weight_decay)
+    return zero, precision, optim
+
+
 def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> None:
     """Reject unsupported combinations before any process waits on another."""
+    engine_policies(cfg)  # constructing the policies validates them
     if dims.cp > 1 or dims.ep > 1:
         raise PartitaError(
             "context parallelism (parallel.cp) and expert parallelism (parallel.ep) are not "
@@ -116,6 +136,10 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
 
         check_tensor_parallel(model_cfg, dims.tp, cfg.parallel.sequence_parallel,
                               cfg.data.seq_len, dims.world_size)
+    if dims.pp > 1:
+        from partita.pipeline.build import check_pipeline
+
+        check_pipeline(cfg, model_cfg, dims)
     if cfg.train.global_batch % (dims.dp * dims.cp):
         raise PartitaError(
             f"train.global_batch={cfg.train.global_batch} is not divisible by the "
@@ -132,17 +156,13 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
-    from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig
+    from partita.zero import DataParallel
     from partita.zero.init import model_init_fn
 
     model_cfg = cfg.model_config()
     dims = mesh.dims
     check_layout(cfg, model_cfg, dims)
-    param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
-                              "precision.param_dtype")
-    reduce_dtype = parse_dtype(cfg.precision.reduce_dtype or cfg.precision.param_dtype
-                               or cfg.train.dtype, "precision.reduce_dtype")
-
+    zero, precision, optim = engine_policies(cfg)
     with torch.device("meta"):
         model = Transformer(model_cfg)
     plan = model.plan()
@@ -164,19 +184,11 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
 
     if pipeline is not None:  # a tied head's copy of the embedding is not a parameter
         pipeline.detach_tied(model, plan)
-    master = torch.float64 if param_dtype == torch.float64 else torch.float32
     # The engine materialises every parameter still on the meta device from its global
     # name: the whole local tensor for stages 0-2, only the owned flat slice for stage 3.
     # Values are drawn in float32 exactly as build_model draws them, then cast.
     dp = DataParallel(
-        model, mesh,
-        zero=ZeroConfig(stage=dims.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
-                        prefetch=cfg.parallel.prefetch),
-        precision=MixedPrecision(
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            master_dtype=master if cfg.precision.master_weights else param_dtype),
-        optim=AdamWConfig(lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2),
-                          eps=cfg.train.eps, weight_decay=cfg.train.weight_decay),
+        model, mesh, zero=zero, precision=precision, optim=optim,
         init_fn=model_init_fn(model_cfg), device=device,
     )
     runner = (pipeline.runner(dp, loss_fn, device, mesh, plan) if pipeline is not None

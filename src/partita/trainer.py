@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from partita.config import Config
-from partita.data import TokenDataset, load_dataset
-from partita.errors import PartitaError
+from partita.data import TokenDataset, load_dataset, num_windows
+from partita.errors import AgreedError, PartitaError
 from partita.export import save_weights
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
@@ -101,6 +101,10 @@ class Trainer:
                                     cfg.train.progress, cfg.metrics.tensorboard)
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
+        # Evaluate with the global batch, or with what a small validation split allows
+        # (a multiple of the replicas); 0 means there is nothing to validate on.
+        windows = num_windows(len(self.data.val), cfg.data.seq_len)
+        self.eval_batch = min(cfg.train.global_batch, windows // dp_size * dp_size)
 
     def _load_data(self) -> TokenDataset:
         # One process per node tokenizes; the others then open the finished cache.
@@ -119,8 +123,11 @@ class Trainer:
         dp.finish_grad_sync()
         grad_norm = dp.clip_grad_norm_(self.cfg.train.grad_clip or None)
         mean_loss = self._mean_loss(local)
-        # Every rank sees the same mean loss, so all skip or all step together.
-        stepped = dp.step(lr) if math.isfinite(mean_loss) else False
+        # Every rank sees the same loss and norm, so all skip or all step together. An
+        # infinite norm under fp16 loss scaling is an overflow the engine itself skips.
+        healthy = math.isfinite(mean_loss) and (
+            math.isfinite(grad_norm) or dp.precision.loss_scaling)
+        stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
         return StepResult(mean_loss, grad_norm, stepped)
 
@@ -133,7 +140,9 @@ class Trainer:
 
     def evaluate(self) -> float | None:
         c = self.cfg
-        batches = self.data.val_batches(c.train.global_batch, self.mesh.index("loss_average"),
+        if self.eval_batch == 0:
+            return None
+        batches = self.data.val_batches(self.eval_batch, self.mesh.index("loss_average"),
                                         self.mesh.size("loss_average"), c.train.eval_batches)
         losses = [self.pm.runner.evaluate(x, y) for x, y in batches]
         if not losses:
@@ -161,13 +170,15 @@ class Trainer:
             lr = lr_at(step, c)
             result = self.train_step(inputs, targets, lr)
             window_steps += 1
-            if not math.isfinite(result.loss):
+            if not self._healthy(result):
                 bad_steps += 1
                 if bad_steps > c.train.max_bad_steps:
-                    self._fail(step, result.loss)
+                    self._fail(step, result)
             last = step == c.train.steps - 1
             if (step + 1) % c.train.eval_every == 0 or last:
                 val_loss = self.evaluate()
+                if val_loss is not None and not math.isfinite(val_loss):
+                    self._fail(step, StepResult(val_loss, result.grad_norm, False), "validation ")
             if (step + 1) % c.train.log_every == 0 or last or step == 0:
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
@@ -195,11 +206,19 @@ class Trainer:
         self.logger.close()
         return summary
 
-    def _fail(self, step: int, loss: float) -> None:
-        self.logger.log(step + 1, {"status": "failed", "loss": loss}, console=False)
+    def _healthy(self, result: StepResult) -> bool:
+        if not math.isfinite(result.loss):
+            return False
+        return math.isfinite(result.grad_norm) or self.pm.dp.precision.loss_scaling
+
+    def _fail(self, step: int, result: StepResult, what: str = "") -> None:
+        self.logger.log(step + 1, {"status": "failed", "loss": result.loss,
+                                   "grad_norm": result.grad_norm}, console=False)
         self.logger.close()
-        raise PartitaError(
-            f"the loss became {loss} at step {step + 1}; training stopped and no weights "
+        value = (f"the {what}loss became {result.loss}" if not math.isfinite(result.loss)
+                 else f"the gradient norm became {result.grad_norm}")
+        raise AgreedError(
+            f"{value} at step {step + 1}; training stopped and no weights "
             "were written. Common fixes: a lower train.lr, a longer train.warmup_steps, "
             "gradient clipping (train.grad_clip=1.0), or float32/bfloat16 instead of "
             "float16. To tolerate a few bad steps set train.max_bad_steps."

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from partita.config import Config, config_from_toml, load_config
-from partita.errors import PartitaError
+from partita.errors import AgreedError, PartitaError
 from partita.launch import LaunchSpec, launch, launched_externally
 
 
@@ -34,7 +35,10 @@ def _worker(config_toml: str) -> dict:
     try:
         return train(cfg)
     except PartitaError as exc:
-        print(f"partita: error: {exc}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", 0))
+        if rank == 0 or not isinstance(exc, AgreedError):
+            where = f" (rank {rank})" if rank else ""
+            print(f"partita: error{where}: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
 
 
