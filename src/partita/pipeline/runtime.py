@@ -198,9 +198,8 @@ class PipelineRunner:
     def _post_early(self, actions: tuple[Action, ...], j: int, step: _Step,
                     early: dict, t0: float) -> None:
         """Before a compute, post the receives listed within the next `p` computes, so
-        the data moves while we compute (gloo only, see Transport). Gloo holds a send
-        until its receive is posted, so this also keeps peers' sends from stalling
-        them; the window bounds the extra receive buffers to about p."""
+        the data moves while we compute (gloo only, see Transport); the window bounds
+        the extra receive buffers to about p."""
         batch = []
         computes = 0
         while j < len(actions) and computes < self.layout.n_ranks:
