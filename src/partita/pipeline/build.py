@@ -30,8 +30,6 @@ from partita.pipeline.schedules import ALIASES, build_schedule
 from partita.pipeline.stage import StageLayout, detach_tied_copy, keep_stages, plan_stages
 from partita.pipeline.validate import validate
 
-DEFAULT_TIMEOUT_S = 300.0
-
 ZERO3_REASON = (
     "ZeRO stage 3 with pipeline parallelism (parallel.pp > 1) is not supported: stage 3 "
     "gathers each block's parameters around its forward and backward and frees them "
@@ -83,7 +81,7 @@ def check_pipeline(cfg, model_cfg: ModelConfig, dims: ParallelDims) -> tuple[Sch
     sched = build_schedule(par.schedule, dims.pp, cfg.train.microbatches, virtual)
     validate(sched)
     check_transfer_order(sched)
-    balance = getattr(par, "pp_balance", "even")
+    balance = getattr(par, "pp_balance", "even")  # proposed key; "even" until it exists
     layout = plan_stages(model_cfg, dims.pp, sched.n_virtual, balance, cfg.data.seq_len)
     if par.sequence_parallel and cfg.data.seq_len % dims.tp:
         raise PartitaError(
@@ -98,6 +96,6 @@ def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh) -> PipelineSetup:
     dims = mesh.dims
     sched, layout = check_pipeline(cfg, model_cfg, dims)
     seq_divisor = dims.tp if cfg.parallel.sequence_parallel else 1
-    timeout = float(getattr(cfg.parallel, "pp_timeout_s", DEFAULT_TIMEOUT_S))
+    timeout = float(cfg.parallel.pp_timeout_s)
     return PipelineSetup(layout, sched.name, sched.n_virtual, cfg.train.microbatches,
                          mesh.coord.pp, cfg.data.seq_len, model_cfg.dim, seq_divisor, timeout)
