@@ -68,6 +68,10 @@ class TrainSection:
     max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)
     progress: bool = True  # a progress bar when the output is a terminal
     threads: int = 0  # intra-op threads per rank; 0 = the cores shared among local ranks
+    # A collective that does not complete within this many seconds fails the run (a dead
+    # or stalled rank) instead of hanging it.
+    collective_timeout_s: float = 600.0
+    timeline_png: str = ""  # pipeline runs: draw the last step's measured timeline here
 
 
 @dataclass
@@ -85,7 +89,8 @@ class ParallelSection:
     accumulation: str = "reduce"
     sequence_parallel: bool = False
     schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b, zb-h1
-    virtual_stages: int = 1
+    virtual_stages: int = 0  # model chunks per pipeline rank; 0 = the schedule's default
+    pp_balance: str = "even"  # how blocks split into stages: even, params or flops
     # A pipeline rank that waits longer than this for a peer's tensor stops with a message
     # naming the stage, action and microbatch, instead of hanging forever.
     pp_timeout_s: float = 300.0

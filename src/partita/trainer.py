@@ -8,6 +8,7 @@ data-parallel replicas, so gradients equal those of the global-batch mean loss.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import time
@@ -73,12 +74,13 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
+def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     """Join the world torchrun (or our launcher) described in the environment."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -86,7 +88,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = pick_device(cfg.train.device)
-        rank, world = init_distributed(self.device)
+        rank, world = init_distributed(self.device, cfg.train.collective_timeout_s)
         dims = dims_from_config(cfg, world)
         self.mesh = Mesh(dims, rank, world)
         torch.manual_seed(cfg.data.seed + rank)
@@ -197,6 +199,9 @@ class Trainer:
             "val_loss": val_loss, "tokens_per_s": tokens_per_step * c.train.steps / elapsed,
         }
         save_weights(self.pm, self.out_dir / "model.safetensors")
+        if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
+            self.pm.runner.save_timeline(c.train.timeline_png,
+                                         f"{c.parallel.schedule}, last step, {self.mesh.dims}")
         if self.is_logger:
             val = "n/a" if val_loss is None else f"{val_loss:.4f}"
             self.logger.message(

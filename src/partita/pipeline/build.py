@@ -74,15 +74,14 @@ def check_pipeline(cfg, model_cfg: ModelConfig, dims: ParallelDims) -> tuple[Sch
     if dims.zero_stage == 3:
         raise PartitaError(ZERO3_REASON)
     name = ALIASES.get(par.schedule.strip().lower(), par.schedule.strip().lower())
-    # parallel.virtual_stages defaults to 1; for the interleaved schedule that would be
-    # plain 1F1B, so 1 there means "the schedule's default" (2).
-    virtual = None if name == "interleaved-1f1b" and par.virtual_stages == 1 else \
-        par.virtual_stages
-    sched = build_schedule(par.schedule, dims.pp, cfg.train.microbatches, virtual)
+    del name  # build_schedule resolves aliases itself
+    # parallel.virtual_stages = 0 means the schedule's own default (2 for interleaved).
+    sched = build_schedule(par.schedule, dims.pp, cfg.train.microbatches,
+                           par.virtual_stages or None)
     validate(sched)
     check_transfer_order(sched)
-    balance = getattr(par, "pp_balance", "even")  # proposed key; "even" until it exists
-    layout = plan_stages(model_cfg, dims.pp, sched.n_virtual, balance, cfg.data.seq_len)
+    layout = plan_stages(model_cfg, dims.pp, sched.n_virtual, par.pp_balance,
+                         cfg.data.seq_len)
     if par.sequence_parallel and cfg.data.seq_len % dims.tp:
         raise PartitaError(
             f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={dims.tp} "
