@@ -136,21 +136,26 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """tokens (b, s) -> logits (b, s, vocab); a pipeline stage maps hidden states."""
         if self.tok_embeddings is not None:
-            tokens = x
-            x = self.tok_embeddings(tokens)
-            if self.pos_embeddings is not None:
-                positions = torch.arange(tokens.shape[1], device=tokens.device)
-                x = x + self.pos_embeddings(positions)[None]
-            x = self.dropout(x)
+            x = self.embed(x)
         for block in self.blocks.values():
             x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        return self.logits(x) if self.has_head else x
+        return self.head(x) if self.has_head else x
 
     @property
     def has_head(self) -> bool:
         return self.norm is not None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The input side: token (+ learned position) embeddings, then dropout."""
+        x = self.tok_embeddings(tokens)
+        if self.pos_embeddings is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = x + self.pos_embeddings(positions)[None]
+        return self.dropout(x)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The output side: final norm, then logits."""
+        return self.logits(self.norm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
