@@ -278,7 +278,9 @@ class PipelineRunner:
                 scale = self.dp.loss_scale
                 p.root = loss * scale if scale != 1 else loss
             else:
-                step.outbox[Action(Kind.SEND_F, a.stage, mb)] = out
+                # Detached: the send keeps the data until the peer has it (gloo: until
+                # the step's end), not the graph; backward reaches it through `edge`.
+                step.outbox[Action(Kind.SEND_F, a.stage, mb)] = out.detach()
                 p.edge = as_edge(out) if step.train else None
         if step.train:
             step.passes[(a.stage, mb)] = p
