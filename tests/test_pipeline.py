@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from pipeline_cases import make_config, train_case
+from pipeline_cases import batch, make_config, train_case
 
+from partita.activations import SavedTensorMeter
 from partita.errors import PartitaError
 from partita.mesh import ParallelDims
 from partita.models.config import ModelConfig
@@ -183,3 +184,70 @@ def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
     assert "PipelineTimeout" in text and "stage 0" in text
     assert "RB1.0 (input gradient of stage 1, microbatch 0) from rank 1" in text
     assert time.perf_counter() - start < 30
+
+
+class _HeldMeter(SavedTensorMeter):
+    """The meter, weak-referencing a detached alias of each saved tensor: alive exactly
+    while autograd (or the runtime) holds what was saved. The stock meter references the
+    tensor object itself; a node that saves its own output (rsqrt, attention, log-softmax)
+    then owns that tensor and the tensor its node, a cycle no collector sees, so a graph
+    retained for a deferred W (zero bubble) would never look freed to it."""
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        return super()._pack(t.detach())
+
+
+def _held_activations(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Per case, one training step under each meter: the peak saved for backward, what
+    is still saved after `train` returns, and the runner's own count of held passes."""
+    from partita.mesh import Mesh
+    from partita.parallelize import build_parallel_model
+
+    torch.set_num_threads(1)
+    out = []
+    for case in cases:
+        cfg = make_config(case)
+        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world),
+                                  torch.device("cpu"))
+        tokens = batch(0, cfg.train.global_batch)
+        x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        row = {"batch_bytes": x.untyped_storage().nbytes(), "stage": rank}
+        for name, kind in (("stock", SavedTensorMeter), ("held", _HeldMeter)):
+            meter = kind(pm.module)
+            with meter:
+                pm.runner.train(x, y, cfg.train.microbatches)
+            pm.dp.finish_grad_sync()
+            pm.dp.zero_grad()
+            row[name] = (meter.peak_bytes, meter.live_bytes)
+        row["held_peak"] = max(pm.runner.held_peak.values())
+        out.append(row)
+    return out
+
+
+def test_pipeline_steps_free_each_microbatch_after_its_backward():
+    """After B (1F1B) or W (zero bubble) of (s, m) nothing of it stays saved: a rank's
+    peak does not grow with the microbatch count (ZB-H1, like 1F1B, holds at most p
+    microbatches per rank) and nothing is left once `train` returns. The token ids are
+    views of the batch (the meter counts their storage, the whole batch, once), so the
+    peak may grow by the batch's own growth and nothing more."""
+    p, ms = 2, (4, 8)
+    cases = [dict(pp=p, schedule=s, m=m, batch=2 * m) for s in ("1f1b", "zb-h1") for m in ms]
+    per_rank = run_distributed(_held_activations, p, (cases,), timeout=120)
+    got = {(c["schedule"], c["m"], r): per_rank[r][i]
+           for i, c in enumerate(cases) for r in range(p)}
+    for (sched, m, rank), row in got.items():
+        assert row["held"][1] == 0, (sched, m, rank, row)  # nothing saved after train
+        assert row["held_peak"] <= (p - rank if sched == "1f1b" else p), (sched, rank, row)
+        if sched == "1f1b":  # no retained graph here: the stock meter must agree
+            assert row["stock"][1] == 0, (sched, m, rank, row)
+    for rank in range(p):
+        for sched in ("1f1b", "zb-h1"):
+            few, many = got[(sched, ms[0], rank)], got[(sched, ms[1], rank)]
+            grown = many["batch_bytes"] - few["batch_bytes"]
+            meters = ("stock", "held") if sched == "1f1b" else ("held",)
+            for meter in meters:
+                assert many[meter][0] <= few[meter][0] + grown, (sched, meter, rank, few, many)
+        # ZB-H1 holds what 1F1B holds on stage 0 (p microbatches) and at most p of the
+        # last stage's single microbatch under 1F1B.
+        zb, ob = got[("zb-h1", ms[1], rank)]["held"][0], got[("1f1b", ms[1], rank)]["held"][0]
+        assert zb <= (ob if rank == 0 else p * ob), (rank, zb, ob)
