@@ -1,5 +1,6 @@
 """Pipeline runtime pieces without a world (stage split, split backward, transfer order,
-bad settings) and one two-rank test that a stalled peer fails with a clear timeout."""
+bad settings) and two-rank tests: a stalled peer fails with a clear timeout; a step frees
+each microbatch's saved activations after its backward (1F1B, zero bubble)."""
 
 from __future__ import annotations
 
