@@ -56,6 +56,11 @@ class SavedTensorMeter:
             self.storages[ptr] = (storage.nbytes(), t.dtype)
             self._refs[ptr].clear()
             self._saved[str(t.dtype).removeprefix("torch.")] += storage.nbytes()
+        # Keep and return a detached view: returning `t` itself would make a node that
+        # saves its own output hold that output, which holds the node through grad_fn --
+        # a cycle the garbage collector cannot see, keeping deferred (zero-bubble) graphs
+        # alive after their weight pass.
+        t = t.detach()
         self._refs[ptr].append(weakref.ref(t))
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return t
