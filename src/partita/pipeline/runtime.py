@@ -89,7 +89,7 @@ class PipelineRunner:
         self.tied = self._tied_head(mesh, timeout_s)
         self._schedules: dict[int, Schedule] = {}
         self._eval_schedules: dict[int, Schedule] = {}
-        self.timeline: list[Event] = []  # last step, seconds from its start
+        self.timeline: list[Event] = []  # last training step, seconds from its start
         self.step_started = 0.0  # time.perf_counter() at the last step's start
         # Per local stage, the most microbatches whose activations were held at once
         # during the last training step (counted from the runtime's own state).
@@ -143,7 +143,9 @@ class PipelineRunner:
             self._eval_schedules[m] = forward_only(self.schedule(m))
         sched = self._eval_schedules[m]
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
+        training_timeline = self.timeline  # `timeline` shows the last *training* step
         self._run(sched.ranks[self.rank], step, {})
+        self.timeline = training_timeline
         return float(sum(loss.item() for loss in step.losses))
 
     # Execution -----------------------------------------------------------------------

@@ -156,12 +156,8 @@ def local_stages(layout: StageLayout, rank: int) -> list[LocalStage]:
 
 
 def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """The input side of `Transformer.forward`: token (+ position) embedding, dropout."""
-    x = model.tok_embeddings(tokens)
-    if getattr(model, "pos_embeddings", None) is not None:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = x + model.pos_embeddings(positions)[None]
-    return model.dropout(x)
+    """The input side of the model (token and position embeddings, dropout)."""
+    return model.embed(tokens)
 
 
 def run_blocks(model: nn.Module, plan: ModelPlan, stage: LocalStage,
@@ -173,5 +169,5 @@ def run_blocks(model: nn.Module, plan: ModelPlan, stage: LocalStage,
 
 
 def head(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The output side of `Transformer.forward`: final norm and logits (tied or not)."""
-    return model.logits(model.norm(x))
+    """The output side of the model: final norm and logits (tied or not)."""
+    return model.head(x)
