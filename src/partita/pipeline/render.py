@@ -104,7 +104,7 @@ def draw_timeline(
     end_time = max((e for row in rows for _, _, e in row), default=1.0) or 1.0
     # Width follows the number of boxes, not the time unit, so seconds and units both fit.
     boxes = max((sum(a.kind.is_compute for a, _, _ in row) for row in rows), default=1)
-    fig = Figure(figsize=(min(max(6.0, 2 + 0.35 * boxes), 30.0), 1.2 + 0.6 * p))
+    fig = Figure(figsize=(min(max(6.0, 2 + 0.35 * boxes), 30.0), 1.6 + 0.6 * p))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     for r, row in enumerate(rows):
@@ -135,10 +135,10 @@ def draw_timeline(
         ax.set_title(title, loc="left")
     handles = [Patch(color=c, label=k.name) for k, c in _COLOURS.items()]
     handles.append(Patch(color=_TRANSFER_COLOUR, label="transfer / waiting to receive"))
-    ax.legend(
+    ax.legend(  # below the time axis, so it never covers the title
         handles=handles,
-        loc="lower right",
-        bbox_to_anchor=(1.0, 1.0),
+        loc="upper left",
+        bbox_to_anchor=(0.0, -0.45),
         fontsize=7,
         ncol=5,
         frameon=False,
