@@ -55,6 +55,7 @@ class _Step:
     outbox: dict[Action, torch.Tensor] = field(default_factory=dict)  # to send / hand over
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
+    held: dict[int, int] = field(default_factory=dict)  # per stage: len of its passes
 
 
 def forward_only(sched: Schedule) -> Schedule:
@@ -89,6 +90,7 @@ class PipelineRunner:
         self.tied = self._tied_head(mesh, timeout_s)
         self._schedules: dict[int, Schedule] = {}
         self._eval_schedules: dict[int, Schedule] = {}
+        self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
         self.timeline: list[Event] = []  # last training step, seconds from its start
         self.step_started = 0.0  # time.perf_counter() at the last step's start
         # Per local stage, the most microbatches whose activations were held at once
@@ -171,22 +173,26 @@ class PipelineRunner:
             self.held_peak = {}
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
+        plan = self._early_plan(actions) if self.transport.early_receives else None
         self.step_started = t0 = time.perf_counter()
         early: dict[Action, tuple[object, torch.Tensor, float]] = {}
+        timeline = self.timeline
+        clock = time.perf_counter
         i = 0
-        while i < len(actions):
+        n = len(actions)
+        while i < n:
             a = actions[i]
             if a.kind.is_compute:
-                if self.transport.early_receives:
-                    self._post_early(actions, i + 1, step, early, t0)
-                start = time.perf_counter() - t0
+                if plan is not None and plan[i]:
+                    self._post_early(plan[i], step, early, t0)
+                start = clock() - t0
                 self._compute(a, step, final)
-                self.timeline.append((a, start, time.perf_counter() - t0))
+                timeline.append((a, start, clock() - t0))
                 self.transport.release_sent()
                 i += 1
                 continue
             j = i
-            while j < len(actions) and not actions[j].kind.is_compute:
+            while j < n and not actions[j].kind.is_compute:
                 j += 1
             self._transfer(actions[i:j], step, early, t0)
             i = j
@@ -197,21 +203,43 @@ class PipelineRunner:
     def _recv_buffer(self, step: _Step) -> torch.Tensor:
         return torch.empty(self._boundary_shape(step), dtype=self.dtype, device=self.device)
 
-    def _post_early(self, actions: tuple[Action, ...], j: int, step: _Step,
-                    early: dict, t0: float) -> None:
-        """Before a compute, post the receives listed within the next `p` computes, so
-        the data moves while we compute (gloo only, see Transport); the window bounds
-        the extra receive buffers to about p."""
-        batch = []
-        computes = 0
-        while j < len(actions) and computes < self.layout.n_ranks:
-            if actions[j].kind.is_compute:
-                computes += 1
-            elif actions[j].kind.is_recv and actions[j] not in early:
-                batch.append((actions[j], self._recv_buffer(step)))
-            j += 1
+    def _early_plan(self, actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
+        """Per action index, the receives to post just before that compute (gloo only,
+        see Transport): those listed up to the p-th compute ahead and not posted yet, so
+        the data moves while we compute; the window bounds the extra receive buffers to
+        about p. Worked out once per action list, not on every compute."""
+        key = id(actions)
+        cached = self._plans.get(key)
+        if cached is not None and cached[0] is actions:
+            return cached[1]
+        posted: set[Action] = set()
+        plan: list[tuple[Action, ...]] = []
+        for i, a in enumerate(actions):
+            if not a.kind.is_compute:
+                if a.kind.is_recv:
+                    posted.add(a)  # posted by _transfer when reached, if not before
+                plan.append(())
+                continue
+            batch, computes, j = [], 0, i + 1
+            while j < len(actions) and computes < self.layout.n_ranks:
+                b = actions[j]
+                if b.kind.is_compute:
+                    computes += 1
+                elif b.kind.is_recv and b not in posted:
+                    batch.append(b)
+                    posted.add(b)
+                j += 1
+            plan.append(tuple(batch))
+        self._plans[key] = (actions, plan)
+        return plan
+
+    def _post_early(self, batch: tuple[Action, ...], step: _Step, early: dict,
+                    t0: float) -> None:
+        """Post receives ahead of the computes in front of them (see `_early_plan`),
+        from the transport's helper thread, behind the sends just handed to it."""
         start = time.perf_counter() - t0
-        for (a, buf), (_, work) in zip(batch, self.transport.post(batch)):
+        posted = [(a, self._recv_buffer(step)) for a in batch]
+        for (a, buf), work in zip(posted, self.transport.post_recvs(posted)):
             early[a] = (work, buf, start)
 
     def _transfer(self, batch: tuple[Action, ...], step: _Step, early: dict,
@@ -286,8 +314,9 @@ class PipelineRunner:
                 p.edge = as_edge(out) if step.train else None
         if step.train:
             step.passes[(a.stage, mb)] = p
-            held = sum(1 for s, _ in step.passes if s == a.stage)
-            self.held_peak[a.stage] = max(self.held_peak.get(a.stage, 0), held)
+            held = step.held[a.stage] = step.held.get(a.stage, 0) + 1
+            if held > self.held_peak.get(a.stage, 0):
+                self.held_peak[a.stage] = held
 
     def _output_grad(self, a: Action, step: _Step, p: _Pass) -> tuple[list, list]:
         if p.root is not None:
@@ -297,8 +326,11 @@ class PipelineRunner:
     def _backward(self, a: Action, step: _Step, is_final: bool) -> None:
         """B (whole backward) or W (weight half after I) of (stage, microbatch)."""
         stage = self.stages[a.stage]
-        p = step.passes[(a.stage, a.microbatch)] if a.kind is Kind.B else \
-            step.passes.pop((a.stage, a.microbatch))
+        if a.kind is Kind.B:
+            p = step.passes[(a.stage, a.microbatch)]
+        else:
+            p = step.passes.pop((a.stage, a.microbatch))
+            step.held[a.stage] -= 1
         with self.dp.grad_sync(is_final and self.layout.n_virtual == 1):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
@@ -316,6 +348,7 @@ class PipelineRunner:
                 full_backward(roots, grads)
         if a.kind is Kind.B:
             step.passes.pop((a.stage, a.microbatch))
+            step.held[a.stage] -= 1
             if not stage.first:
                 step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
         if stage.last and is_final and self.tied is not None:
