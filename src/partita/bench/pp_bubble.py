@@ -15,6 +15,14 @@ head to matter), records every action's start and end, and reports per schedule:
 - the peak number of microbatches whose activations a stage held, counted by the
   runtime (1F1B <= p on the first stage, GPipe = m).
 
+The default model has 8 blocks per rank (dim 256, seq 128, microbatches of 4), so that
+each pass (about 50 ms forward for an interleaved chunk of 4 blocks on this CPU) is
+long next to what a transfer costs on gloo over loopback (about 0.5 ms of latency plus
+0.1-0.3 ms of posting and copying per transfer), as passes are long next to point-to-
+point latency on real hardware. With 2 blocks per rank an interleaved pass is about
+13 ms and those fixed costs add several points of idle time that the pass-time replay
+does not model (`--blocks-per-rank 2` shows it).
+
 Last line: `pp-bubble: worst measured/theory R` (R furthest from 1; target 0.9-1.1).
 """
 
@@ -29,14 +37,16 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[4])
+    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after 1 warm-up)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--blocks-per-rank", type=int, default=2,
-                        help="blocks per pipeline rank (interleaved splits them in v)")
+    parser.add_argument("--blocks-per-rank", type=int, default=8,
+                        help="blocks per pipeline rank (interleaved splits them in v); "
+                        "8 keeps each pass long next to the fixed cost of a gloo "
+                        "transfer, as passes are next to p2p latency on real hardware")
 
 
 def _config(p: int, schedule: str, v: int, args: argparse.Namespace):
@@ -114,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     m = args.microbatches
     print(f"pipeline bubble (idle fraction), measured vs theory: m={m}, dim={args.dim}, "
           f"seq={args.seq}, microbatch {args.microbatch_size}, {args.blocks_per_rank} blocks "
-          "per rank, gloo, 1 thread per rank, median of steps")
+          "per rank (passes long next to gloo's per-transfer cost), gloo, 1 thread per "
+          "rank, median of steps")
     print("formula: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1); simulated: unit simulator "
           "with the mean measured pass times; replayed: the schedule with every pass as "
           "long as measured, free transfers. R = measured / replayed.")
