@@ -2,53 +2,41 @@
 
 MFU = (training FLOPs per token x tokens per second) / (peak FLOP/s x devices), with
 FLOPs per token = 6N + 12*L*H*Q*T (see ModelConfig.flops_per_token). The peak is the
-device's dense bf16 datasheet figure on known GPUs (TF32 for fp32 training would be half:
-we state bf16 so MFU is comparable across runs), or, on a CPU, one thread's measured
-float32 matmul rate, or `metrics.peak_tflops` when set.
+device's dense bf16 datasheet figure from the planner's hardware catalog on known GPUs
+(TF32 for fp32 training would be half: we state bf16 so MFU is comparable across runs),
+or, on a CPU, one thread's measured float32 matmul rate per thread, or
+`metrics.peak_tflops` when set.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) bf16 tensor-core peaks from the vendors' datasheets, FLOP/s.
-GPU_PEAK_BF16 = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10": 125e12,
-}
-
-
-def measure_cpu_peak(size: int = 512, repeats: int = 5) -> float:
-    """FLOP/s of one thread on a float32 matmul: the CPU's practical peak."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
-
 
 def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
+    """FLOP/s that MFU divides by: the setting, the planner's GPU catalog, or on a CPU
+    one thread's measured float32 matmul rate times the threads in use."""
+    from partita.planner.cpu_profile import matmul_rate
+    from partita.planner.hardware import GPUS
+
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                return peak
+        for key, spec in GPUS.items():
+            if key.split("-")[0] in name:  # "A100-80GB" matches "NVIDIA A100-SXM4-80GB"
+                return spec.peak_flops
         return 0.0  # unknown GPU: MFU is reported as 0 until metrics.peak_tflops is set
-    return measure_cpu_peak() * torch.get_num_threads()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return matmul_rate(512, 0.2) * threads
+    finally:
+        torch.set_num_threads(threads)
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -26,8 +26,7 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what every test rank uses; restored below
     try:
-        flops = _best_rate(lambda a, b: torch.mm(a, b), torch.randn(size, size),
-                           torch.randn(size, size), 2.0 * size**3, budget_s)
+        flops = matmul_rate(size, budget_s)
         n = 1 << 22  # 16 MiB of float32: beyond the caches
         src, dst = torch.randn(n), torch.empty(n)
         copy_rate = _best_rate(lambda a, b: b.copy_(a), src, dst, 2.0 * 4 * n, budget_s / 2)
@@ -53,6 +52,14 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         source=f"measured on this machine: {size}^3 fp32 matmul on 1 thread, "
                f"copy bandwidth, /proc/meminfo",
     )
+
+
+def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
+    """Best float32 FLOP/s of `size`^3 matmuls on the current thread setting."""
+    import torch
+
+    return _best_rate(lambda a, b: torch.mm(a, b), torch.randn(size, size),
+                      torch.randn(size, size), 2.0 * size**3, budget_s)
 
 
 def _best_rate(op, a, b, work: float, budget_s: float) -> float:
