@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -54,7 +55,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
-        value = fn(rank, world_size, *args)
+        # Plain pickle copies tensor data into the message; the queue's own pickler
+        # would share storages by file descriptor, which breaks once this process exits.
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, value))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -99,7 +102,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5)
