@@ -199,14 +199,19 @@ class _ScatterSequence(torch.autograd.Function):
         return _gather_dim1(grad, ctx.comm), None
 
 
-def _gather_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+def gather_along(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
+    """Every member's equal-shaped `x` concatenated along `dim`, in rank order."""
     if comm.size == 1:
         return x
-    # Gather along dim 0 (contiguous for the collective), then move the pieces to dim 1.
-    x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((comm.size * x.shape[0], *x.shape[1:]))
-    comm.all_gather_flat(out, x)
-    return out.transpose(0, 1).contiguous()
+    # all_gather_flat concatenates along dim 0 (contiguous): move `dim` there and back.
+    moved = x.transpose(0, dim).contiguous()
+    out = moved.new_empty((comm.size * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather_flat(out, moved)
+    return out.transpose(0, dim).contiguous()
+
+
+def _gather_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return gather_along(x, comm, 1)
 
 
 def _reduce_scatter_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:

@@ -14,22 +14,28 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from partita.comm import gather_along
 from partita.sharding import shard_info
 
 
 def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
-    """The full global tensor of a (possibly tensor-parallel) parameter."""
+    """The full global tensor of a (possibly tensor-parallel) parameter.
+
+    Shards may differ in size (a vocabulary or MLP width not divisible by tp gives the
+    last ranks fewer rows), so each is padded to the widest before the gather and cut
+    back to its own extent afterwards.
+    """
     info = shard_info(param, name)
     local = param.detach()
     if not info.is_split or comm.size == 1:
         return local.clone()
-    # all_gather_flat concatenates along dim 0: bring the split dimension there first.
-    moved = local.transpose(0, info.dim).contiguous()
-    gathered = moved.new_empty((comm.size * moved.shape[0], *moved.shape[1:]))
-    comm.all_gather_flat(gathered, moved)
-    gathered = gathered.transpose(0, info.dim)
-    # Shards may carry padding (a vocabulary not divisible by tp): cut to the global size.
-    return gathered.narrow(info.dim, 0, info.global_shape[info.dim]).contiguous()
+    bounds = gather_along(torch.tensor([[info.start, info.stop]]), comm, 0).tolist()
+    width = max(stop - start for start, stop in bounds)
+    pad = [0, 0] * (local.ndim - 1 - info.dim) + [0, width - local.shape[info.dim]]
+    gathered = gather_along(torch.nn.functional.pad(local, pad), comm, info.dim)
+    pieces = [gathered.narrow(info.dim, r * width, stop - start)
+              for r, (start, stop) in enumerate(bounds)]
+    return torch.cat(pieces, dim=info.dim)
 
 
 def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
