@@ -72,15 +72,16 @@ class MicrobatchRunner:
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
         """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
-        total = 0.0
+        losses = []
         pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
         for i, (x, y) in enumerate(pairs):
             with self.dp.grad_sync(i == len(pairs) - 1):
                 loss = self.loss_fn(self.dp.module(x.to(self.device)), y.to(self.device))
                 loss = loss / microbatches
                 self.dp.backward(loss)
-            total += loss.item()
-        return total
+            losses.append(loss.detach())
+        # One device-to-host read per step, not one per microbatch (each is a sync).
+        return torch.stack(losses).sum().item()
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
