@@ -104,8 +104,8 @@ class GradReducer:
         self.written[b] = set()
         self._track(buf.full_grad)
 
-    def _track(self, t: torch.Tensor) -> None:
-        self.live_bytes += t.numel() * t.element_size()
+    def _track(self, t: torch.Tensor | int) -> None:
+        self.live_bytes += t if isinstance(t, int) else t.numel() * t.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _launch_ready(self) -> None:
@@ -140,6 +140,7 @@ class GradReducer:
             if not in_place:
                 self._track(out)
             work = self.comm.reduce_scatter_flat(out, send, async_op=True)
+            self._track(self.comm.reduce_scatter_scratch_bytes(send))
         if not self.view_mode:
             buf.full_grad = None  # the pending entry keeps it alive until the wait
             self.written[b] = set()
