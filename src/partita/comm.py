@@ -93,9 +93,15 @@ class GroupComm:
         self.index = ranks.index(rank)
         self.purpose = purpose
         self.counter = counter
-        # See the module docstring: gloo reduce-scatters as all-to-all + local sum.
-        self.scatter_by_all_to_all = (self.size > 1 and
-                                      dist.get_backend(group) == dist.Backend.GLOO)
+        self._on_gloo: bool | None = None  # asked of the group when first needed
+
+    @property
+    def scatter_by_all_to_all(self) -> bool:
+        """See the module docstring: gloo reduce-scatters as all-to-all + local sum."""
+        if self._on_gloo is None:
+            self._on_gloo = (self.size > 1 and dist.is_initialized()
+                             and dist.get_backend(self.group) == dist.Backend.GLOO)
+        return self._on_gloo
 
     def _count(self, op: str, nbytes: float) -> None:
         self.counter.record(self.purpose, op, nbytes)

@@ -3,8 +3,9 @@
 Both train the same model from the same weights on the same batches, with the same world
 size (gloo), one thread per rank and AdamW (torch's with foreach=True, its default on
 GPUs; ours updates each flat bucket in one set of ops). After warm-up, rounds alternate
-ours and the peer (A B A B ...); each round times a few steps between barriers. The
-verdict is the median of the per-round ratios. The timing harness here also serves
+ours and the peer, and which of the two goes first alternates too (A B, B A, A B, ...),
+so neither always runs right after the other's barrier; each round times a few steps
+between barriers. The verdict is the median of the per-round ratios. The timing harness here also serves
 `partita bench zero`.
 """
 
@@ -83,11 +84,16 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> Step:
 def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]],
                build: Callable[[str, torch.nn.Module, object], Step]) -> list[dict]:
     """Per pair (ours, peer): per-round seconds per step of each, interleaved."""
+    import warnings
+
     import torch.distributed as dist
 
     from partita.mesh import Mesh, ParallelDims
     from partita.models.transformer import build_model
 
+    # The peers call collectives torch 2.13 deprecated; one warning per call and rank
+    # would bury the table.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = get_model_config(setup.model)
     mesh = Mesh(ParallelDims(dp=world), rank, world)
     gen = torch.Generator().manual_seed(rank)
@@ -100,8 +106,9 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
             for i in range(setup.warmup):
                 fn(batches[i % 4])
         times: list[list[float]] = [[], []]
-        for _ in range(setup.rounds):
-            for fn, acc in zip(steps, times):
+        for r in range(setup.rounds):
+            order = (0, 1) if r % 2 == 0 else (1, 0)
+            for fn, acc in ((steps[k], times[k]) for k in order):
                 dist.barrier()
                 t0 = time.perf_counter()
                 for i in range(setup.steps):

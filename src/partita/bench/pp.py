@@ -3,8 +3,8 @@
 For pp=2 and pp=4 (gloo, one thread per rank) and each schedule pair — GPipe /
 ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B v=2 / ScheduleInterleaved1F1B —
 both runtimes train the same model (same initial weights, same stage split, same
-microbatches) forward and backward. Rounds alternate partita and torch after a warm-up;
-a step's time is the slowest rank's; the table shows medians and the median of the
+microbatches) forward and backward. Rounds alternate partita and torch after a warm-up,
+which of the two goes first alternating too; a step's time is the slowest rank's; the table shows medians and the median of the
 per-round ratios. partita runs through `build_parallel_model` (its data-parallel engine
 included, with nothing to reduce); torch runs plain modules.
 
@@ -25,7 +25,8 @@ PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per runtime")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="timed rounds per runtime (even: each goes first equally often)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatch-size", type=int, default=2)
@@ -122,8 +123,9 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
         sched.step(*((x,) if first else ()), **kwargs)
 
     times: dict[str, list[float]] = {"partita": [], "torch": []}
+    runtimes = [("partita", ours), ("torch", theirs)]
     for r in range(args.rounds + 1):  # round 0 warms up (torch infers shapes there)
-        for label, fn in (("partita", ours), ("torch", theirs)):
+        for label, fn in runtimes if r % 2 == 0 else runtimes[::-1]:
             dist.barrier()
             start = time.perf_counter()
             fn()

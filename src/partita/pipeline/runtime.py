@@ -134,7 +134,7 @@ class PipelineRunner:
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
                      microbatches, train=True)
         self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
-        if self.layout.n_virtual > 1:
+        if self.layout.n_virtual > 1 and self.dp.reduces_gradients:
             self._sync_round()
         return float(sum(loss.item() for loss in step.losses))
 

@@ -145,10 +145,17 @@ class DataParallel:
         yield
 
     @property
+    def reduces_gradients(self) -> bool:
+        """False when there is nothing to reduce (one rank, stages 0-1): gradients then
+        accumulate straight into the buckets and sync rounds are free to skip."""
+        return not self.reducer.bound
+
+    @property
     def loss_scale(self) -> float:
         return self.scaler.scale
 
     def backward(self, loss: torch.Tensor) -> None:
+        self.reducer.note_backward()
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
 
     def finish_grad_sync(self) -> None:

@@ -17,6 +17,12 @@ pass), so the reduced sum is the gradient of the mean over all ranks' losses (ea
 rank's loss being the mean over its own tokens). Autograd's own .grad tensors are
 released right after the copy; stages 0-1 expose the buckets as .grad after
 finish_grad_sync().
+
+A group of one rank (pure tensor or pipeline parallelism, one process) has nothing to
+communicate. In stages 0-1 every .grad is then bound to its bucket view once and autograd
+accumulates into it in place (as DDP's gradient_as_bucket_view does): no Python hook
+runs per parameter and microbatch, and zero_grad() clears the buckets with one memset
+each. finish() re-binds any .grad that user code replaced or dropped.
 """
 
 from __future__ import annotations
@@ -49,12 +55,26 @@ class GradReducer:
         self.live_bytes = 0
         self.peak_bytes = 0  # communication / staging buffers, high-water mark
         self._reset()
-        self.handles = [
+        self.bound = stage <= 1 and comm.size == 1  # see the module docstring
+        if self.bound:
+            for buf in buckets:
+                buf.bind_grads()
+        self.handles = [] if self.bound else [
             p.register_post_accumulate_grad_hook(self._hook(b, i))
             for b, buf in enumerate(buckets) for i, p in enumerate(buf.params)
         ]
 
+    def note_backward(self) -> None:
+        """DataParallel.backward is about to run. Bound mode has no hooks to notice a
+        second backward in a round that already synchronised; say so here, as the hooks
+        do with more than one rank, so that code right on one rank is right on many."""
+        if self.bound:
+            if self.sync and self.backwards_in_round:
+                _late_gradient("a second backward")
+            self.backwards_in_round += 1
+
     def _reset(self) -> None:
+        self.backwards_in_round = 0
         n = len(self.buckets)
         self.arrived = [set() for _ in range(n)]
         self.ready = [False] * n
@@ -70,12 +90,7 @@ class GradReducer:
     def _on_grad(self, b: int, i: int, p: torch.nn.Parameter) -> None:
         buf = self.buckets[b]
         if self.launched[b]:
-            raise PartitaError(
-                f"a gradient for '{buf.entries[i].name}' arrived after its bucket was "
-                "already reduced in this step. Wrap each gradient-accumulation microbatch's "
-                "backward in `with dp.grad_sync(is_last_microbatch):` and call "
-                "dp.finish_grad_sync() before the optimizer step."
-            )
+            _late_gradient(f"a gradient for '{buf.entries[i].name}'")
         grad, p.grad = p.grad, None
         if buf.full_grad is None:
             self._allocate(buf, b)
@@ -188,6 +203,11 @@ class GradReducer:
         self.sync = sync
 
     def finish(self) -> None:
+        if self.bound:
+            self._rebind()
+            self._reset()
+            self.sync = True
+            return
         self.flush()
         self.wait_all()
         self._reset()
@@ -197,9 +217,38 @@ class GradReducer:
                 self._zero_unwritten(b)
                 buf.bind_grads()
 
+    @torch.no_grad()
+    def _rebind(self) -> None:
+        """Bound mode: a .grad that is no longer the bucket's view (user code set it to
+        None or to a new tensor) is folded back into the bucket."""
+        for buf in self.buckets:
+            for i, p in enumerate(buf.params):
+                view = buf.grad_view(i)
+                if p.grad is not view:
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        view.copy_(p.grad)
+                    p.grad = view
+
     def clear(self) -> None:
         """zero_grad: forget what the buffers hold; the next gradient overwrites it."""
+        if self.bound:
+            with torch.no_grad():
+                for buf in self.buckets:
+                    buf.full_grad.zero_()
+                    buf.bind_grads()
+            return
         self.written = [set() for _ in self.buckets]
         for buf in self.buckets:
             for p in buf.params:
                 p.grad = None
+
+
+def _late_gradient(what: str) -> None:
+    raise PartitaError(
+        f"{what} arrived after the gradients were already reduced in this step. Wrap "
+        "each gradient-accumulation microbatch's backward in `with "
+        "dp.grad_sync(is_last_microbatch):` and call dp.finish_grad_sync() before the "
+        "optimizer step."
+    )
