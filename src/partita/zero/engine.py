@@ -148,7 +148,7 @@ class DataParallel:
     def reduces_gradients(self) -> bool:
         """False when there is nothing to reduce (one rank, stages 0-1): gradients then
         accumulate straight into the buckets and sync rounds are free to skip."""
-        return not self.reducer.bound
+        return not self.reducer.hookless
 
     @property
     def loss_scale(self) -> float:
@@ -243,7 +243,7 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        self.reducer.clear()  # stages 0-1: the next gradients overwrite, no memset
+        self.reducer.clear()  # stages 0-1: one memset per bucket
         for buf in self.buckets:
             if buf.shard_grad is not None:
                 buf.shard_grad.zero_()

@@ -12,17 +12,20 @@ Per stage:
   2  reduce-scatter into the owned gradient slice, then free the full-size buffer
      ("reduce" accumulation: every microbatch; "buffer": once, at the boundary);
   3  as 2, and the bucket is a block whose gathered parameters are freed right after.
-Gradients are divided by the group size as they are copied into the bucket (one fused
-pass), so the reduced sum is the gradient of the mean over all ranks' losses (each
-rank's loss being the mean over its own tokens). Autograd's own .grad tensors are
-released right after the copy; stages 0-1 expose the buckets as .grad after
-finish_grad_sync().
 
-A group of one rank (pure tensor or pipeline parallelism, one process) has nothing to
-communicate. In stages 0-1 every .grad is then bound to its bucket view once and autograd
-accumulates into it in place (as DDP's gradient_as_bucket_view does): no Python hook
-runs per parameter and microbatch, and zero_grad() clears the buckets with one memset
-each. finish() re-binds any .grad that user code replaced or dropped.
+Stages 0 and 1 keep their full gradient buffers for the whole run and bind every
+.grad to its view once (DDP's gradient_as_bucket_view): autograd accumulates into the
+bucket in place, the hook only counts arrivals, and the bucket is divided by the group
+size in one op just before its collective; zero_grad() clears the buckets with one
+memset each. A .grad that user code replaced or dropped is folded back into the bucket
+when seen. With a group of one rank (pure tensor or pipeline parallelism, one process)
+nothing is communicated and no hook is registered at all.
+
+Stages 2 and 3 copy each gradient into a transient bucket already divided by the group
+size (one fused pass, as DDP does) and release autograd's own .grad right after, so the
+reduced sum is the gradient of the mean over all ranks' losses (each rank's loss being
+the mean over its own tokens). Both ways, the reduced bucket is the gradient of the
+mean over all ranks' losses.
 """
 
 from __future__ import annotations
@@ -55,11 +58,14 @@ class GradReducer:
         self.live_bytes = 0
         self.peak_bytes = 0  # communication / staging buffers, high-water mark
         self._reset()
-        self.bound = stage <= 1 and comm.size == 1  # see the module docstring
+        # See the module docstring: .grad bound to the buckets (stages 0-1), and no hooks
+        # at all when there is nobody to communicate with.
+        self.bound = stage <= 1
+        self.hookless = self.bound and comm.size == 1
         if self.bound:
             for buf in buckets:
                 buf.bind_grads()
-        self.handles = [] if self.bound else [
+        self.handles = [] if self.hookless else [
             p.register_post_accumulate_grad_hook(self._hook(b, i))
             for b, buf in enumerate(buckets) for i, p in enumerate(buf.params)
         ]
@@ -68,7 +74,7 @@ class GradReducer:
         """DataParallel.backward is about to run. Bound mode has no hooks to notice a
         second backward in a round that already synchronised; say so here, as the hooks
         do with more than one rank, so that code right on one rank is right on many."""
-        if self.bound:
+        if self.hookless:
             if self.sync and self.backwards_in_round:
                 _late_gradient("a second backward")
             self.backwards_in_round += 1
@@ -91,6 +97,23 @@ class GradReducer:
         buf = self.buckets[b]
         if self.launched[b]:
             _late_gradient(f"a gradient for '{buf.entries[i].name}'")
+        if self.bound:
+            view = buf.grad_view(i)
+            if p.grad is not view:
+                self._fold(p, view)
+        else:
+            self._copy_in(b, i, p)
+        self.arrived[b].add(i)
+        if len(self.arrived[b]) == len(buf.params):
+            if self.on_bucket_done is not None:
+                self.on_bucket_done(buf)
+            if self.sync or self.always_reduce:
+                self.active = True
+                self.ready[b] = True
+                self._launch_ready()
+
+    def _copy_in(self, b: int, i: int, p: torch.nn.Parameter) -> None:
+        buf = self.buckets[b]
         grad, p.grad = p.grad, None
         if buf.full_grad is None:
             self._allocate(buf, b)
@@ -102,14 +125,16 @@ class GradReducer:
         else:
             torch.mul(grad, self.scale, out=view)
             self.written[b].add(i)
-        self.arrived[b].add(i)
-        if len(self.arrived[b]) == len(buf.params):
-            if self.on_bucket_done is not None:
-                self.on_bucket_done(buf)
-            if self.sync or self.always_reduce:
-                self.active = True
-                self.ready[b] = True
-                self._launch_ready()
+
+    @staticmethod
+    def _fold(p: torch.nn.Parameter, view: torch.Tensor) -> None:
+        """Bound mode: user code replaced or dropped this .grad; what .grad holds now is
+        the gradient (None: nothing), and the bucket view takes it over."""
+        if p.grad is None:
+            view.zero_()
+        else:
+            view.copy_(p.grad)
+        p.grad = view
 
     def _allocate(self, buf: FlatBuffer, b: int) -> None:
         """A transient gradient buffer (stages 2-3); only its padding needs zeros."""
@@ -140,7 +165,10 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         buf = self.buckets[b]
-        self._zero_unwritten(b)
+        if self.bound:
+            buf.full_grad.mul_(self.scale)
+        else:
+            self._zero_unwritten(b)
         src = buf.full_grad
         send = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
         if send is not src:
@@ -203,33 +231,22 @@ class GradReducer:
         self.sync = sync
 
     def finish(self) -> None:
-        if self.bound:
-            self._rebind()
-            self._reset()
-            self.sync = True
-            return
-        self.flush()
-        self.wait_all()
+        if not self.hookless:
+            self.flush()
+            self.wait_all()
         self._reset()
         self.sync = True
-        if self.stage <= 1:  # full buffers persist: expose them as .grad, never stale
-            for b, buf in enumerate(self.buckets):
-                self._zero_unwritten(b)
-                buf.bind_grads()
+        if self.bound:
+            self._rebind()
 
     @torch.no_grad()
     def _rebind(self) -> None:
-        """Bound mode: a .grad that is no longer the bucket's view (user code set it to
-        None or to a new tensor) is folded back into the bucket."""
+        """Bound mode, at the boundary: fold back any .grad user code replaced."""
         for buf in self.buckets:
             for i, p in enumerate(buf.params):
                 view = buf.grad_view(i)
                 if p.grad is not view:
-                    if p.grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(p.grad)
-                    p.grad = view
+                    self._fold(p, view)
 
     def clear(self) -> None:
         """zero_grad: forget what the buffers hold; the next gradient overwrites it."""
