@@ -1,4 +1,4 @@
-"""GroupComm's reduce-scatter on gloo (all-to-all + local sum) against the plain sum."""
+"""GroupComm's flat collectives on gloo (all-to-all based) against plain arithmetic."""
 
 from __future__ import annotations
 
@@ -54,10 +54,28 @@ def _worker(rank: int, world: int) -> list[str]:
     sent = comm.counter.total(op="reduce_scatter")
     if sent <= 0:
         problems.append("reduce-scatter bytes were not counted")
+    # All-gather: out of a separate shard, and in place (the shard is the output's slot,
+    # as stage 3 gathers), synchronous and asynchronous.
+    for dtype in (torch.float64, torch.bfloat16):
+        expected = torch.cat([_full(r, 5, dtype) for r in range(world)])
+        for async_op in (False, True):
+            for in_place in (False, True):
+                output = torch.zeros(5 * world, dtype=dtype)
+                if in_place:
+                    shard = output[rank * 5:(rank + 1) * 5]
+                    shard.copy_(_full(rank, 5, dtype))
+                else:
+                    shard = _full(rank, 5, dtype)
+                work = comm.all_gather_flat(output, shard, async_op=async_op)
+                if async_op:
+                    work.wait()
+                if not torch.equal(output, expected):
+                    problems.append(f"all-gather {dtype} async={async_op} "
+                                    f"in_place={in_place} wrong")
     return problems
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gloo_reduce_scatter_sums_in_rank_order(world: int) -> None:
+def test_gloo_flat_collectives(world: int) -> None:
     for rank, problems in enumerate(run_distributed(_worker, world, timeout=120)):
         assert problems == [], f"rank {rank}: {problems}"
