@@ -115,7 +115,7 @@ class GroupComm:
         self._on_gloo: bool | None = None  # asked of the group when first needed
 
     @property
-    def scatter_by_all_to_all(self) -> bool:
+    def flat_by_all_to_all(self) -> bool:
         """See the module docstring: on gloo, flat reduce-scatters and all-gathers are
         all-to-alls."""
         if self._on_gloo is None:
@@ -140,7 +140,7 @@ class GroupComm:
                 output.copy_(shard)
             return _Done() if async_op else None
         self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
-        if self.scatter_by_all_to_all:
+        if self.flat_by_all_to_all:
             # gloo: every member sends its shard to every other in one all-to-all; the
             # repeated input takes the place of the flat staging buffer gloo's own
             # all-gather allocates and copies back from.
@@ -158,7 +158,7 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
-        if self.scatter_by_all_to_all and op == dist.ReduceOp.SUM:
+        if self.flat_by_all_to_all and op == dist.ReduceOp.SUM:
             received = torch.empty_like(full)
             work = _SumOnWait(dist.all_to_all_single(received, full, group=self.group,
                                                      async_op=True),
@@ -171,7 +171,7 @@ class GroupComm:
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
-        return _nbytes(full) if self.scatter_by_all_to_all else 0
+        return _nbytes(full) if self.flat_by_all_to_all else 0
 
     def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
         if self.size == 1:
