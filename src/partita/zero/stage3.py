@@ -79,10 +79,9 @@ class ParamGatherer:
         if id(buf) in self.gathered or id(buf) in self.pending:
             return
         full = torch.empty(buf.padded, dtype=buf.dtype, device=buf.device)
-        full[buf.lo:buf.hi].copy_(buf.shard)
         buf.full = full
-        self.pending[id(buf)] = self.comm.all_gather_flat(full, full[buf.lo:buf.hi],
-                                                          async_op=True)
+        # The collective writes every slot, this rank's own included, from the shard.
+        self.pending[id(buf)] = self.comm.all_gather_flat(full, buf.shard, async_op=True)
         self.live_bytes += full.numel() * full.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
