@@ -45,8 +45,9 @@ class GradReducer:
                  on_bucket_done: Callable[[FlatBuffer], None] | None = None) -> None:
         self.buckets, self.comm, self.stage = buckets, comm, stage
         self.reduce_dtype = reduce_dtype
-        # View mode: .grad of every parameter is a view into the bucket's full buffer and
-        # autograd accumulates into it in place (stages 0, 1, and 2 with "buffer").
+        # View mode: microbatches accumulate in the bucket's full buffer, which lives
+        # until the boundary (stages 0, 1, and 2 with "buffer"); stages 0-1 also bind
+        # .grad to it (`bound`, below).
         self.view_mode = stage <= 1 or (stage == 2 and buffer_accumulation)
         # Stages 2 ("reduce") and 3 communicate on every microbatch, sync or not.
         self.always_reduce = not self.view_mode
