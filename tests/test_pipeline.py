@@ -252,3 +252,47 @@ def test_pipeline_steps_free_each_microbatch_after_its_backward():
         # last stage's single microbatch under 1F1B.
         zb, ob = got[("zb-h1", ms[1], rank)]["held"][0], got[("1f1b", ms[1], rank)]["held"][0]
         assert zb <= (ob if rank == 0 else p * ob), (rank, zb, ob)
+
+
+def _chunk_reduction_worker(rank: int, world: int, zero: int) -> dict:
+    from partita.mesh import Mesh
+    from partita.parallelize import build_parallel_model
+    from partita.pipeline.stage import stage_parameters
+
+    case = dict(dp=2, pp=2, zero=zero, schedule="interleaved-1f1b", v=2, m=4)
+    cfg = make_config(case)
+    mesh = Mesh(ParallelDims(dp=2, pp=2, zero_stage=zero), rank, world)
+    pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    dp, runner = pm.dp, pm.runner
+    stage_of = {id(p): i for i, s in runner.stages.items()
+                for p in stage_parameters(dp.module, runner.plan, s)}
+    spans = [len({stage_of[id(p)] for p in buf.params}) for buf in dp.buckets]
+    tokens = batch(0, cfg.train.global_batch).chunk(2)[mesh.coord.dp]
+    # When each bucket's collective is launched: how many actions the timeline held.
+    at, launch = [], dp.reducer._launch
+    dp.reducer._launch = lambda b: (at.append(len(runner.timeline)), launch(b))
+    mesh.counter.reset()
+    runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
+    launched_in_backward = list(dp.reducer.launched)
+    dp.finish_grad_sync()
+    calls = mesh.counter.calls[("zero_shard", "reduce_scatter")]
+    last_backward = max(i for i, (a, *_) in enumerate(runner.timeline) if a.kind is Kind.B)
+    return {"spans": spans, "launched": launched_in_backward, "calls": calls,
+            "buckets": len(dp.buckets), "m": cfg.train.microbatches,
+            "first_launch": min(at), "last_backward": last_backward}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_interleaved_stages_reduce_their_own_buckets_during_backward(zero: int) -> None:
+    """dp2 x pp2, interleaved v=2: buckets never span two of a rank's stages; ZeRO-1
+    launches every bucket during its stage's last backward (none waits for the step's
+    end), and ZeRO-2 reduce-scatters each bucket once per microbatch, not once per
+    microbatch and stage."""
+    for got in run_distributed(_chunk_reduction_worker, 4, args=(zero,), timeout=180):
+        assert set(got["spans"]) == {1}
+        # Reductions start while backward passes are still to come on this rank.
+        assert got["first_launch"] < got["last_backward"]
+        if zero == 1:
+            assert all(got["launched"]) and got["calls"] == got["buckets"]
+        else:
+            assert got["calls"] == got["m"] * got["buckets"]

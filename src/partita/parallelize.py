@@ -183,14 +183,16 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
                                        dropout_seed=cfg.data.seed + mesh.index("loss_average"))
         loss_fn = report.loss_fn
 
+    bucket_key = None
     if pipeline is not None:  # a tied head's copy of the embedding is not a parameter
         pipeline.detach_tied(model, plan)
+        bucket_key = pipeline.bucket_key(model, plan)
     # The engine materialises every parameter still on the meta device from its global
     # name: the whole local tensor for stages 0-2, only the owned flat slice for stage 3.
     # Values are drawn in float32 exactly as build_model draws them, then cast.
     dp = DataParallel(
         model, mesh, zero=zero, precision=precision, optim=optim,
-        init_fn=model_init_fn(model_cfg), device=device,
+        init_fn=model_init_fn(model_cfg), device=device, bucket_key=bucket_key,
     )
     runner = (pipeline.runner(dp, loss_fn, device, mesh, plan) if pipeline is not None
               else MicrobatchRunner(dp, loss_fn, device))

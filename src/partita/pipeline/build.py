@@ -14,6 +14,7 @@ alike, before any process waits on another.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,14 @@ from partita.pipeline.actions import Schedule
 from partita.pipeline.p2p import check_transfer_order
 from partita.pipeline.runtime import PipelineRunner
 from partita.pipeline.schedules import ALIASES, build_schedule
-from partita.pipeline.stage import StageLayout, detach_tied_copy, keep_stages, plan_stages
+from partita.pipeline.stage import (
+    StageLayout,
+    detach_tied_copy,
+    keep_stages,
+    local_stages,
+    plan_stages,
+    stage_parameters,
+)
 from partita.pipeline.validate import validate
 
 ZERO3_REASON = (
@@ -58,6 +66,16 @@ class PipelineSetup:
 
     def detach_tied(self, model: nn.Module, plan: ModelPlan) -> None:
         detach_tied_copy(model, plan, self.layout, self.rank)
+
+    def bucket_key(self, model: nn.Module, plan: ModelPlan) -> Callable[[str], object] | None:
+        """This rank's stage of each parameter, by name, when it holds several: gradient
+        buckets then never span two stages, and each stage's can be reduced during its
+        last backward of the step."""
+        stages = local_stages(self.layout, self.rank)
+        if len(stages) == 1:
+            return None
+        owner = {id(p): s.index for s in stages for p in stage_parameters(model, plan, s)}
+        return {name: owner.get(id(p)) for name, p in model.named_parameters()}.get
 
     def runner(self, dp, loss_fn, device: torch.device, mesh: Mesh,
                plan: ModelPlan) -> PipelineRunner:

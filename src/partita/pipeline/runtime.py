@@ -88,6 +88,11 @@ class PipelineRunner:
         module = dp.module
         self.dtype = next(p.dtype for p in module.parameters() if p.is_floating_point())
         self.tied = self._tied_head(mesh, timeout_s)
+        # With several stages on this rank, each backward reaches one stage's parameters
+        # and the engine reduces a stage's buckets during its last backward of the step.
+        self.stage_params = ({i: st.stage_parameters(module, plan, s)
+                              for i, s in self.stages.items()}
+                             if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
         self._eval_schedules: dict[int, Schedule] = {}
         self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
@@ -134,8 +139,6 @@ class PipelineRunner:
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
                      microbatches, train=True)
         self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
-        if self.layout.n_virtual > 1 and self.dp.reduces_gradients:
-            self._sync_round()
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
@@ -331,7 +334,7 @@ class PipelineRunner:
         else:
             p = step.passes.pop((a.stage, a.microbatch))
             step.held[a.stage] -= 1
-        with self.dp.grad_sync(is_final and self.layout.n_virtual == 1):
+        with self.dp.grad_sync(is_final, self.stage_params.get(a.stage)):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
                 full_backward(roots, grads)
@@ -367,16 +370,6 @@ class PipelineRunner:
             p.x_grad = x_grad
         else:
             step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
-
-    def _sync_round(self) -> None:
-        """With several stages per rank no single backward covers all of this rank's
-        parameters, so every backward ran with gradient sync off; this empty round
-        (zero added to every gradient) lets the engine reduce them all at once."""
-        params = [t for t in self.module.parameters() if t.requires_grad]
-        with self.dp.grad_sync(True):
-            zeros = [torch.zeros((), dtype=t.dtype, device=t.device).expand_as(t)
-                     for t in params]
-            torch.autograd.backward(params, zeros, inputs=params)
 
 
 def _key(a: Action) -> tuple[str, int, int]:

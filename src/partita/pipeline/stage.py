@@ -155,6 +155,19 @@ def local_stages(layout: StageLayout, rank: int) -> list[LocalStage]:
                        s == layout.last_stage) for s in layout.stages_of(rank)]
 
 
+def stage_parameters(model: nn.Module, plan: ModelPlan, stage: LocalStage) -> list[nn.Parameter]:
+    """The trainable parameters one local stage runs: its blocks, the input side on the
+    first stage and the head on the last (as `keep_stages` assigns them)."""
+    container = model.get_submodule(plan.blocks)
+    params = [p for key in stage.blocks for p in container[key].parameters()]
+    for name, child in model.named_children():
+        if name == plan.blocks or child is None:
+            continue
+        if stage.last if name in plan.head else stage.first:
+            params += list(child.parameters())
+    return [p for p in params if p.requires_grad]
+
+
 def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """The input side of the model (token and position embeddings, dropout)."""
     return model.embed(tokens)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -59,7 +60,8 @@ class DataParallel:
     def __init__(self, module: nn.Module, mesh: Mesh, zero: ZeroConfig | None = None,
                  precision: MixedPrecision | None = None,
                  optim: AdamWConfig | None = None, blocks: BlockSpec = None,
-                 init_fn: InitFn | None = None, device: torch.device | None = None) -> None:
+                 init_fn: InitFn | None = None, device: torch.device | None = None,
+                 bucket_key: Callable[[str], object] | None = None) -> None:
         zero, precision = zero or ZeroConfig(), precision or MixedPrecision()
         optim = optim or AdamWConfig()
         self.module, self.mesh, self.zero = module, mesh, zero
@@ -86,7 +88,7 @@ class DataParallel:
                 buf.materialize_shard(init_fn)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch)
         else:
-            groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize)
+            groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize, bucket_key)
             self.buckets = [FlatBuffer(g, n, index, dtype, device) for g in groups]
             for buf in self.buckets:
                 buf.materialize_full(init_fn)
@@ -104,6 +106,7 @@ class DataParallel:
         self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
                            if self.stage in (1, 2) else None)
         self.scaler = LossScaler(precision)
+        self._scopes: dict[int, tuple[list, tuple[int, ...]]] = {}
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
 
@@ -139,16 +142,25 @@ class DataParallel:
 
     # Backward --------------------------------------------------------------------------
     @contextmanager
-    def grad_sync(self, enabled: bool = True):
-        """Around one microbatch's backward; enabled=False on all but the last."""
-        self.reducer.begin_round(enabled)
+    def grad_sync(self, enabled: bool = True, params: list[nn.Parameter] | None = None):
+        """Around one microbatch's backward; enabled=False on all but the last.
+
+        `params`: this backward reaches only these parameters (one pipeline chunk of
+        several on this rank); with enabled=True it is their last backward of the step.
+        Their buckets are then reduced during it, and stay in flight while other chunks'
+        backwards run; buckets shared with other parameters wait for finish_grad_sync."""
+        self.reducer.begin_round(enabled, None if params is None else self._scope(params))
         yield
 
-    @property
-    def reduces_gradients(self) -> bool:
-        """False when there is nothing to reduce (one rank, stages 0-1): gradients then
-        accumulate straight into the buckets and sync rounds are free to skip."""
-        return not self.reducer.hookless
+    def _scope(self, params: list[nn.Parameter]) -> tuple[int, ...]:
+        """Indices of the buckets made only of `params` (cached per list)."""
+        cached = self._scopes.get(id(params))
+        if cached is None or cached[0] is not params:
+            ids = {id(p) for p in params}
+            scope = tuple(b for b, buf in enumerate(self.buckets)
+                          if all(id(p) in ids for p in buf.params))
+            cached = self._scopes[id(params)] = (params, scope)
+        return cached[1]
 
     @property
     def loss_scale(self) -> float:

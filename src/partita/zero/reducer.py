@@ -81,12 +81,21 @@ class GradReducer:
             self.backwards_in_round += 1
 
     def _reset(self) -> None:
+        """A new step (or, for stages 2-3 "reduce", a new round): nothing launched."""
+        self.launched = [False] * len(self.buckets)
+        self.scoped_sync = False  # a chunk's last backward reduced its buckets this step
+        self._new_round(None)
+
+    def _new_round(self, scope: tuple[int, ...] | None) -> None:
         self.backwards_in_round = 0
         n = len(self.buckets)
         self.arrived = [set() for _ in range(n)]
         self.ready = [False] * n
-        self.launched = [False] * n
-        self.next_launch = 0
+        # The buckets this round may launch, in the order it launches them (bucket
+        # order), so every rank issues the same collectives in the same sequence.
+        self.order = [b for b in (range(n) if scope is None else scope)
+                      if not self.launched[b]]
+        self.cursor = 0
         self.active = False  # some bucket of this round is due for reduction
 
     def _hook(self, b: int, i: int):
@@ -150,9 +159,9 @@ class GradReducer:
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def _launch_ready(self) -> None:
-        while self.next_launch < len(self.buckets) and self.ready[self.next_launch]:
-            self._launch(self.next_launch)
-            self.next_launch += 1
+        while self.cursor < len(self.order) and self.ready[self.order[self.cursor]]:
+            self._launch(self.order[self.cursor])
+            self.cursor += 1
 
     def _zero_unwritten(self, b: int) -> None:
         """Parameters that got no gradient since the buffer was last cleared hold zeros."""
@@ -212,7 +221,7 @@ class GradReducer:
         """Launch every bucket not yet launched in a round that reduces (unused
         parameters leave buckets incomplete; every rank has the same ones)."""
         if self.active:
-            for b in range(self.next_launch, len(self.buckets)):
+            for b in self.order[self.cursor:]:
                 self.ready[b] = True
             self._launch_ready()
 
@@ -224,15 +233,31 @@ class GradReducer:
         self.live_bytes = sum(b.full_grad.numel() * b.full_grad.element_size()
                               for b in self.buckets if self.stage >= 2 and b.full_grad is not None)
 
-    def begin_round(self, sync: bool) -> None:
-        """A new microbatch's backward is about to run."""
+    def begin_round(self, sync: bool, scope: tuple[int, ...] | None = None) -> None:
+        """A new microbatch's backward is about to run. `scope`: it reaches only these
+        buckets' parameters (one pipeline chunk); with sync, for the last time this step.
+        In stages 0-1 (and 2 "buffer") the buckets an earlier scoped round launched stay
+        in flight: no later backward of the step writes to them (a gradient that does
+        is refused as late)."""
         self.flush()
-        self.wait_all()
-        self._reset()
+        if scope is None or self.always_reduce:
+            self.wait_all()
+            self.launched = [False] * len(self.buckets)  # stages 2-3 "reduce": every round
+            if scope is None:
+                self.scoped_sync = False
+        self._new_round(scope)
         self.sync = sync
+        if sync and scope is not None:
+            self.scoped_sync = True
 
     def finish(self) -> None:
         if not self.hookless:
+            if self.scoped_sync:  # buckets no single chunk covers are reduced now
+                self._new_round(None)
+                if self.always_reduce:  # only those holding gradients not yet reduced
+                    self.order = [b for b in self.order
+                                  if self.buckets[b].full_grad is not None]
+                self.active = True
             self.flush()
             self.wait_all()
         self._reset()

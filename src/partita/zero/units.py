@@ -8,6 +8,7 @@ module names, by class, or by an fnmatch pattern over module names. Models with 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 
 import torch.nn as nn
 
@@ -70,31 +71,36 @@ def partition(module: nn.Module, block_names: list[str]) -> tuple[NamedParams,
     return root, per_block
 
 
-def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int) -> list[NamedParams]:
+def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int,
+                    key: Callable[[str], object] | None = None) -> list[NamedParams]:
     """Trainable parameters in reverse registration order (the order backward usually
     produces their gradients), cut greedily into buckets of about `bucket_bytes`.
 
     The first and the last bucket are capped (EDGE_, LAST_BUCKET_BYTES): the first so that
     communication starts early (as DDP does), the last because its collective can only
-    start when backward ends, so its size is the exposed tail of the step."""
+    start when backward ends, so its size is the exposed tail of the step. With `key`,
+    a bucket never holds parameters of two keys (a pipeline rank's chunks: each chunk's
+    buckets can then be reduced as soon as that chunk's last backward is done)."""
     seen: set[int] = set()
     params = []
     for name, p in module.named_parameters():
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             params.append((name, p))
+    key = key or (lambda name: None)
     edge = min(bucket_bytes, EDGE_BUCKET_BYTES)
     last: NamedParams = []
     size = 0
     while len(params) > 1 and size + params[0][1].numel() * itemsize <= \
-            min(bucket_bytes, LAST_BUCKET_BYTES):
+            min(bucket_bytes, LAST_BUCKET_BYTES) and \
+            (not last or key(params[0][0]) == key(last[0][0])):
         size += params[0][1].numel() * itemsize
         last.append(params.pop(0))
     out: list[NamedParams] = [[]]
     size = 0
     for name, p in reversed(params):
         cap = edge if len(out) == 1 else bucket_bytes
-        if out[-1] and size + p.numel() * itemsize > cap:
+        if out[-1] and (size + p.numel() * itemsize > cap or key(name) != key(out[-1][0][0])):
             out.append([])
             size = 0
         out[-1].append((name, p))
