@@ -115,8 +115,36 @@ class ScheduleError(PartitaError):
     """A schedule breaks a rule: wrong rank, missing pass, bad order, or a deadlock."""
 
 
+class StageGrid:
+    """p ranks with v stages each, stage s on rank s % p (Megatron's round robin).
+    Shared by the schedule and the stage split; subclasses define n_ranks, n_virtual."""
+
+    n_ranks: int
+    n_virtual: int
+
+    @property
+    def n_stages(self) -> int:
+        return self.n_ranks * self.n_virtual
+
+    @property
+    def last_stage(self) -> int:
+        return self.n_stages - 1
+
+    def rank_of(self, stage: int) -> int:
+        """The rank holding virtual stage `stage`."""
+        return stage % self.n_ranks
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """Stages held by `rank`, in model order (chunk 0 first)."""
+        return tuple(range(rank, self.n_stages, self.n_ranks))
+
+    def chunk_of(self, stage: int) -> int:
+        """Index of `stage` among its rank's stages (0 .. v-1)."""
+        return stage // self.n_ranks
+
+
 @dataclass(frozen=True)
-class Schedule:
+class Schedule(StageGrid):
     """Every rank's ordered actions for one training step of `n_microbatches`.
 
     `n_ranks` is the pipeline degree p, `n_virtual` the stages per rank v; the model is
@@ -129,26 +157,6 @@ class Schedule:
     n_microbatches: int
     n_virtual: int
     ranks: tuple[tuple[Action, ...], ...]
-
-    @property
-    def n_stages(self) -> int:
-        return self.n_ranks * self.n_virtual
-
-    @property
-    def last_stage(self) -> int:
-        return self.n_stages - 1
-
-    def rank_of(self, stage: int) -> int:
-        """The rank holding virtual stage `stage` (round robin, Megatron's layout)."""
-        return stage % self.n_ranks
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """Stages held by `rank`, in model order (chunk 0 first)."""
-        return tuple(range(rank, self.n_stages, self.n_ranks))
-
-    def chunk_of(self, stage: int) -> int:
-        """Index of `stage` among its rank's stages (0 .. v-1)."""
-        return stage // self.n_ranks
 
     def compute(self, rank: int) -> tuple[Action, ...]:
         """The rank's compute actions only (F/B/I/W), in order."""

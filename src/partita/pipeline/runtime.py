@@ -81,7 +81,7 @@ class PipelineRunner:
         self.microbatches = microbatches
         self.rank = mesh.coord.pp
         comm = mesh.comm("pipeline")
-        self.transport = Transport(comm, lambda s: comm.ranks[s % layout.n_ranks],
+        self.transport = Transport(comm, lambda s: comm.ranks[layout.rank_of(s)],
                                    timeout_s, self.rank)
         self.stages = {s.index: s for s in st.local_stages(layout, self.rank)}
         self.seq_len, self.dim, self.seq_divisor = seq_len, dim, seq_divisor

@@ -28,6 +28,7 @@ import torch.nn as nn
 from partita.errors import PartitaError
 from partita.models.config import ModelConfig
 from partita.models.plan import ModelPlan
+from partita.pipeline.actions import StageGrid
 from partita.pipeline.split import split_blocks
 
 BALANCE_MODES = ("even", "params", "flops")
@@ -35,24 +36,13 @@ TIED_HEAD_ATTR = "weight"  # the attribute of plan.embedding the tied head reads
 
 
 @dataclass(frozen=True)
-class StageLayout:
+class StageLayout(StageGrid):
     """Blocks of every global stage, for p ranks with v stages each."""
 
     n_ranks: int
     n_virtual: int
     blocks: tuple[range, ...]  # indexed by global stage
     tied: bool = False
-
-    @property
-    def n_stages(self) -> int:
-        return self.n_ranks * self.n_virtual
-
-    @property
-    def last_stage(self) -> int:
-        return self.n_stages - 1
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        return tuple(range(rank, self.n_stages, self.n_ranks))
 
     def describe(self) -> str:
         """'stage 0: blocks 0-1 (+embedding), stage 1: blocks 2-3 (+head)'."""
