@@ -5,8 +5,8 @@ size (gloo), one thread per rank and AdamW (torch's with foreach=True, its defau
 GPUs; ours updates each flat bucket in one set of ops). After warm-up, rounds alternate
 ours and the peer, and which of the two goes first alternates too (A B, B A, A B, ...),
 so neither always runs right after the other's barrier; each round times a few steps
-between barriers. The verdict is the median of the per-round ratios. The timing harness here also serves
-`partita bench zero`.
+between barriers. The verdict is the median of the per-round ratios. The timing harness
+here also serves `partita bench zero`.
 """
 
 from __future__ import annotations

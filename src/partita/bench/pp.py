@@ -4,9 +4,10 @@ For pp=2 and pp=4 (gloo, one thread per rank) and each schedule pair — GPipe /
 ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B v=2 / ScheduleInterleaved1F1B —
 both runtimes train the same model (same initial weights, same stage split, same
 microbatches) forward and backward. Rounds alternate partita and torch after a warm-up,
-which of the two goes first alternating too; a step's time is the slowest rank's; the table shows medians and the median of the
-per-round ratios. partita runs through `build_parallel_model` (its data-parallel engine
-included, with nothing to reduce); torch runs plain modules.
+which of the two goes first alternating too; a step's time is the slowest rank's; the
+table shows medians and the median of the per-round ratios. partita runs through
+`build_parallel_model` (its data-parallel engine included, with nothing to reduce);
+torch runs plain modules.
 
 A last row times our 1F1B against a second copy of itself: how far a ratio strays from
 1.0 on this machine when nothing differs (the table's noise floor; not part of R).
@@ -115,8 +116,10 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
     def ours() -> None:
         pm.runner.train(x, y, args.microbatches)
 
+    resets = [pm.dp.zero_grad, lambda: model.zero_grad(set_to_none=True)]
     if peer == SELF:
         again = build_parallel_model(cfg, mesh, device)
+        resets.append(again.dp.zero_grad)
 
         def theirs() -> None:
             again.runner.train(x, y, args.microbatches)
@@ -145,10 +148,8 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
             fn()
             took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            pm.dp.zero_grad()
-            model.zero_grad(set_to_none=True)
-            if peer == SELF:
-                again.dp.zero_grad()
+            for reset in resets:
+                reset()
             if r > 0:
                 times[label].append(took.item())
     return {"name": name, "v": v, "peer": peer, **times}

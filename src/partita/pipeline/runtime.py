@@ -90,9 +90,9 @@ class PipelineRunner:
         self.tied = self._tied_head(mesh, timeout_s)
         # With several stages on this rank, each backward reaches one stage's parameters
         # and the engine reduces a stage's buckets during its last backward of the step.
-        self.stage_params = ({i: st.stage_parameters(module, plan, s)
-                              for i, s in self.stages.items()}
-                             if len(self.stages) > 1 else {})
+        self.stage_buckets = ({i: dp.buckets_of(st.stage_parameters(module, plan, s))
+                               for i, s in self.stages.items()}
+                              if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
         self._eval_schedules: dict[int, Schedule] = {}
         self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
@@ -334,7 +334,7 @@ class PipelineRunner:
         else:
             p = step.passes.pop((a.stage, a.microbatch))
             step.held[a.stage] -= 1
-        with self.dp.grad_sync(is_final, self.stage_params.get(a.stage)):
+        with self.dp.grad_sync(is_final, self.stage_buckets.get(a.stage)):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
                 full_backward(roots, grads)

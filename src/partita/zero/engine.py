@@ -106,7 +106,6 @@ class DataParallel:
         self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
                            if self.stage in (1, 2) else None)
         self.scaler = LossScaler(precision)
-        self._scopes: dict[int, tuple[list, tuple[int, ...]]] = {}
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
 
@@ -142,25 +141,22 @@ class DataParallel:
 
     # Backward --------------------------------------------------------------------------
     @contextmanager
-    def grad_sync(self, enabled: bool = True, params: list[nn.Parameter] | None = None):
+    def grad_sync(self, enabled: bool = True, buckets: tuple[int, ...] | None = None):
         """Around one microbatch's backward; enabled=False on all but the last.
 
-        `params`: this backward reaches only these parameters (one pipeline chunk of
-        several on this rank); with enabled=True it is their last backward of the step.
-        Their buckets are then reduced during it, and stay in flight while other chunks'
-        backwards run; buckets shared with other parameters wait for finish_grad_sync."""
-        self.reducer.begin_round(enabled, None if params is None else self._scope(params))
+        `buckets` (from `buckets_of`): this backward reaches only their parameters (one
+        pipeline stage of several on this rank); with enabled=True it is their last
+        backward of the step. They are then reduced during it and stay in flight while
+        other stages' backwards run; buckets outside every such scope wait for
+        finish_grad_sync."""
+        self.reducer.begin_round(enabled, buckets)
         yield
 
-    def _scope(self, params: list[nn.Parameter]) -> tuple[int, ...]:
-        """Indices of the buckets made only of `params` (cached per list)."""
-        cached = self._scopes.get(id(params))
-        if cached is None or cached[0] is not params:
-            ids = {id(p) for p in params}
-            scope = tuple(b for b, buf in enumerate(self.buckets)
-                          if all(id(p) in ids for p in buf.params))
-            cached = self._scopes[id(params)] = (params, scope)
-        return cached[1]
+    def buckets_of(self, params: list[nn.Parameter]) -> tuple[int, ...]:
+        """Indices of the buckets made only of `params`."""
+        ids = {id(p) for p in params}
+        return tuple(b for b, buf in enumerate(self.buckets)
+                     if all(id(p) in ids for p in buf.params))
 
     @property
     def loss_scale(self) -> float:

@@ -22,10 +22,9 @@ when seen. With a group of one rank (pure tensor or pipeline parallelism, one pr
 nothing is communicated and no hook is registered at all.
 
 Stages 2 and 3 copy each gradient into a transient bucket already divided by the group
-size (one fused pass, as DDP does) and release autograd's own .grad right after, so the
-reduced sum is the gradient of the mean over all ranks' losses (each rank's loss being
-the mean over its own tokens). Both ways, the reduced bucket is the gradient of the
-mean over all ranks' losses.
+size (one fused pass, as DDP does) and release autograd's own .grad right after. Both
+ways, the reduced bucket is the gradient of the mean over all ranks' losses (each rank's
+loss being the mean over its own tokens).
 """
 
 from __future__ import annotations
