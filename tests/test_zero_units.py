@@ -12,7 +12,7 @@ from partita.errors import PartitaError
 from partita.mesh import Mesh, ParallelDims
 from partita.testing import run_distributed
 from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
-from partita.zero.units import resolve_blocks
+from partita.zero.units import gather_units, resolve_blocks
 
 
 def _mesh() -> Mesh:
@@ -184,3 +184,39 @@ def test_one_rank_accumulates_into_bound_buckets(stage: int) -> None:
     dp.finish_grad_sync()
     assert first.grad is not None and float(first.grad.abs().sum()) == 0
     assert any(float(p.grad.abs().sum()) > 0 for p in dp.module.parameters())
+
+
+def test_gather_units_merge_consecutive_blocks_up_to_the_bucket_size() -> None:
+    block = [[("w", nn.Parameter(torch.empty(100)))] for _ in range(5)]  # 400 bytes each
+    assert gather_units(block, 1000, 4) == [[0, 1], [2, 3], [4]]
+    assert gather_units(block, 10, 4) == [[0], [1], [2], [3], [4]]  # too big: one each
+    assert gather_units(block, 2000, 4) == [[0, 1, 2, 3, 4]]
+
+
+def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool) -> dict:
+    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    torch.manual_seed(0)
+    toy = zp.Toy(recompute=recompute).double()
+    dp = DataParallel(toy, mesh, zero=ZeroConfig(stage=3, bucket_mb=bucket_mb),
+                      precision=MixedPrecision(param_dtype=torch.float64), blocks=zp.ToyLayer)
+    tokens = zp.batch(rank)
+    for _ in range(2):  # the second step is counted
+        mesh.counter.reset()
+        dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+        dp.finish_grad_sync()
+        dp.step()
+        dp.zero_grad()
+    return {op: n for (purpose, op), n in mesh.counter.calls.items() if purpose == "zero_shard"}
+
+
+@pytest.mark.parametrize("bucket_mb,recompute,gathers,reductions", [
+    # Each ToyLayer is ~19 KB in float64: three units of one layer each. Forward gathers
+    # the root and the three units, backward the three units again (the root stays
+    # gathered); recomputing a layer inside backward gathers nothing more.
+    (0.001, False, 7, 4), (0.001, True, 7, 4),
+    # All three layers in one unit: root + unit in forward, the unit again in backward.
+    (1.0, False, 3, 2)])
+def test_stage3_issues_one_gather_and_one_reduction_per_unit(
+        bucket_mb: float, recompute: bool, gathers: int, reductions: int) -> None:
+    calls = run_distributed(_stage3_collectives, 2, args=(bucket_mb, recompute))[0]
+    assert calls == {"all_gather": gathers, "reduce_scatter": reductions}

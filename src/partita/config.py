@@ -82,8 +82,10 @@ class ParallelSection:
     cp: int = 1
     ep: int = 1
     zero_stage: int = 0
+    # ZeRO 0-2: gradient bucket size; ZeRO-3: consecutive blocks gathered as one unit
+    # up to this size (docs/zero.md).
     bucket_mb: float = 25.0
-    prefetch: int = 1  # ZeRO-3: blocks gathered ahead of the one computing
+    prefetch: int = 1  # ZeRO-3: gather units fetched ahead of the one computing
     # ZeRO-2 gradient accumulation: "reduce" reduce-scatters every microbatch (least
     # memory); "buffer" keeps a full-size gradient buffer and reduces once per step.
     accumulation: str = "reduce"

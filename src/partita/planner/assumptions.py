@@ -99,8 +99,9 @@ class Assumptions:
     token_id_bytes: float = 0.0
     # ZeRO flat buffers: 0 = the ZeRO paper's unpadded accounting; > 0 = partita's flat
     # buffers, each padded to a multiple of (ZeRO group x this many elements). Stage 3
-    # has one buffer per block plus one for the rest; stages 0-2 one per gradient bucket
-    # of `zero_bucket_bytes` (the engine's bucket_mb default, 25 MiB).
+    # has one buffer per gather unit (consecutive blocks up to `zero_bucket_bytes`) plus
+    # one for the rest; stages 0-2 one per gradient bucket of `zero_bucket_bytes` (the
+    # engine's bucket_mb default, 25 MiB).
     flat_buffer_align: int = 0
     zero_bucket_bytes: float = 25 * 2**20
 

@@ -104,7 +104,8 @@ def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision =
     Every buffer is padded to a multiple of zero_group x align elements, so that it cuts
     into equal aligned slices, and every state (parameters, gradients, master weights,
     moments) is a full or sharded copy of the padded buffers. Stage 3 keeps one buffer
-    per block and one for the rest (embeddings, final norm, head): exact. Stages 0-2 cut
+    per gather unit (consecutive blocks up to `zero_bucket_bytes`) and one for the rest
+    (embeddings, final norm, head): exact. Stages 0-2 cut
     gradient buckets of `zero_bucket_bytes`: exact for one bucket, else each bucket is
     taken to waste half a slot on average (where they are cut depends on tensor order).
     `root_only`: stage 3's root buffer alone.
@@ -120,11 +121,19 @@ def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision =
         block = split["sharded"] + split["replicated"]
         layers = stage_layers(model.config.n_layers, layout.pp)[stage]
         root = pad(counts["dense"] - layers * block)
-        return root if root_only else layers * pad(block) + root
+        per_unit = blocks_per_unit(block * precision.param, layers, assumptions)
+        full, rest = divmod(layers, per_unit)
+        return root if root_only else full * pad(per_unit * block) + pad(rest * block) + root
     buckets = max(1, -(-counts["dense"] * precision.param // assumptions.zero_bucket_bytes))
     if buckets == 1:
         return pad(counts["dense"])
     return counts["dense"] + buckets * unit / 2
+
+
+def blocks_per_unit(block_bytes: float, layers: int, assumptions: Assumptions) -> int:
+    """How many consecutive blocks stage 3 gathers as one unit: as many as fit in
+    `zero_bucket_bytes` (the engine's bucket_mb), at least one, at most the stage's."""
+    return max(1, min(layers, int(assumptions.zero_bucket_bytes // max(block_bytes, 1.0))))
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
@@ -200,7 +209,8 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if layout.zero >= 3 and layout.zero_group > 1:
         split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
         block = split["sharded"] + split["replicated"] + split["expert"] / layout.ep
-        unit = block
+        layers = stage_layers(c.n_layers, layout.pp)[stage]
+        unit = block * blocks_per_unit(block * precision.param, layers, assumptions)
         if stage == 0 or stage == layout.pp - 1:
             unit = max(block, c.vocab_size * c.dim / layout.tp)
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param

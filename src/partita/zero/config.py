@@ -24,8 +24,11 @@ ACCUMULATION_MODES = ("reduce", "buffer")
 @dataclass(frozen=True)
 class ZeroConfig:
     stage: int = 0
-    bucket_mb: float = 25.0  # stages 0-2: gradient bucket size (one collective per bucket)
-    prefetch: int = 1  # stage 3: blocks gathered ahead of the one computing
+    # Stages 0-2: gradient bucket size (one collective per bucket). Stage 3: consecutive
+    # blocks are merged into one gather unit (one all-gather, one reduce-scatter) while
+    # the unit stays within it; a bigger block is a unit by itself.
+    bucket_mb: float = 25.0
+    prefetch: int = 1  # stage 3: gather units fetched ahead of the one computing
     accumulation: str = "reduce"  # stage 2 only, see ACCUMULATION_MODES
 
     def __post_init__(self) -> None:

@@ -38,7 +38,14 @@ from partita.zero.param_sync import ParamAllGather
 from partita.zero.reducer import GradReducer
 from partita.zero.scaler import LossScaler
 from partita.zero.stage3 import ParamGatherer
-from partita.zero.units import BlockSpec, buckets_by_size, partition, require_blocks, resolve_blocks
+from partita.zero.units import (
+    BlockSpec,
+    buckets_by_size,
+    gather_units,
+    partition,
+    require_blocks,
+    resolve_blocks,
+)
 
 
 @dataclass
@@ -78,8 +85,12 @@ class DataParallel:
             names = resolve_blocks(module, blocks)
             require_blocks(module, names)
             root_params, per_block = partition(module, names)
-            block_bufs = [(module.get_submodule(nm), FlatBuffer(ps, n, index, dtype, device))
-                          for nm, ps in zip(names, per_block) if ps]
+            trained = [(nm, ps) for nm, ps in zip(names, per_block) if ps]
+            units = gather_units([ps for _, ps in trained], zero.bucket_bytes, dtype.itemsize)
+            block_bufs = [(tuple(module.get_submodule(trained[i][0]) for i in unit),
+                           FlatBuffer([p for i in unit for p in trained[i][1]], n, index,
+                                      dtype, device))
+                          for unit in units]
             root = FlatBuffer(root_params, n, index, dtype, device) if root_params else None
             # Reduction order = the order backward completes them: last block first, root
             # (embeddings are the last gradients of all) at the end.

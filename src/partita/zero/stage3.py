@@ -1,17 +1,19 @@
-"""ZeRO stage 3: parameters sharded at rest, gathered block by block around compute.
+"""ZeRO stage 3: parameters sharded at rest, gathered unit by unit around compute.
 
+A gather unit is one block or several consecutive ones (`units.gather_units`), with one
+flat buffer: one all-gather and one reduce-scatter each.
 Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
-          head: parameters outside any block) and starts prefetching the first blocks;
-          each block's pre-hook waits for its own gather and starts the next `prefetch`
-          blocks'; its post-hook frees it. The root stays gathered until its gradients
-          are in when forward records a graph (backward begins with the head), and is
-          freed at once otherwise.
-Backward: a tiny autograd function on each block's (and the root's) output fires when
-          backward reaches it: it gathers that block again and prefetches the
-          `prefetch` blocks before it. When every parameter of a block has its gradient
-          (the GradReducer calls `done`), the block is freed and its gradients are
+          head: parameters outside any block) and starts prefetching the first units;
+          a unit's first block's pre-hook waits for its gather and starts the next
+          `prefetch` units'; its last block's post-hook frees it. The root stays
+          gathered until its gradients are in when forward records a graph (backward
+          begins with the head), and is freed at once otherwise.
+Backward: a tiny autograd function on each unit's (and the root's) output fires when
+          backward reaches it: it gathers that unit again and prefetches the
+          `prefetch` units before it. When every parameter of a unit has its gradient
+          (the GradReducer calls `done`), the unit is freed and its gradients are
           reduce-scattered.
-Which block is gathered when depends only on the block order and the hooks' sequence,
+Which unit is gathered when depends only on the unit order and the hooks' sequence,
 never on timing, so every rank issues the same all-gathers in the same order.
 """
 
@@ -58,8 +60,12 @@ def _on_backward(out, fire):
 
 
 class ParamGatherer:
+    """`blocks`: the gather units in forward order, each (its block modules, their flat
+    buffer). A unit of several consecutive blocks is gathered before the first one's
+    forward and freed after the last one's."""
+
     def __init__(self, module: nn.Module, root: FlatBuffer | None,
-                 blocks: list[tuple[nn.Module, FlatBuffer]], comm: GroupComm,
+                 blocks: list[tuple[tuple[nn.Module, ...], FlatBuffer]], comm: GroupComm,
                  prefetch: int) -> None:
         self.root, self.blocks, self.comm, self.prefetch = root, blocks, comm, prefetch
         self.pending: dict[int, object] = {}
@@ -69,9 +75,9 @@ class ParamGatherer:
         self.peak_bytes = 0  # high-water mark of gathered parameters during a step
         self.handles = [module.register_forward_pre_hook(self._root_pre),
                         module.register_forward_hook(self._root_post)]
-        for k, (m, _) in enumerate(blocks):
-            self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
-            self.handles.append(m.register_forward_hook(self._block_post(k)))
+        for k, (mods, _) in enumerate(blocks):
+            self.handles.append(mods[0].register_forward_pre_hook(self._block_pre(k)))
+            self.handles.append(mods[-1].register_forward_hook(self._block_post(k)))
 
     # Gather / free ---------------------------------------------------------------------
     def start(self, buf: FlatBuffer) -> None:
@@ -152,6 +158,10 @@ class ParamGatherer:
 
     def _block_pre(self, k: int):
         def hook(module, args) -> None:
+            if id(self.blocks[k][1]) in self.in_backward:
+                # A recompute inside backward: the unit is gathered already, and the next
+                # one's backward is over, so prefetching it would be a wasted gather.
+                return
             self.start(self.blocks[k][1])
             self._prefetch(range(k + 1, k + 1 + self.prefetch))
             self.ensure(self.blocks[k][1])

@@ -71,6 +71,23 @@ def partition(module: nn.Module, block_names: list[str]) -> tuple[NamedParams,
     return root, per_block
 
 
+def gather_units(per_block: list[NamedParams], unit_bytes: int,
+                 itemsize: int) -> list[list[int]]:
+    """Consecutive blocks merged into stage-3 gather units of at most `unit_bytes`
+    (a block larger than that is a unit by itself); indices into `per_block`, which
+    only names blocks that hold trainable parameters."""
+    units: list[list[int]] = []
+    size = 0
+    for i, params in enumerate(per_block):
+        nbytes = sum(p.numel() for _, p in params) * itemsize
+        if not units or size + nbytes > unit_bytes:
+            units.append([])
+            size = 0
+        units[-1].append(i)
+        size += nbytes
+    return units
+
+
 def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int,
                     key: Callable[[str], object] | None = None) -> list[NamedParams]:
     """Trainable parameters in reverse registration order (the order backward usually
