@@ -173,13 +173,6 @@ class GroupComm:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
         return _nbytes(full) if self.flat_by_all_to_all else 0
 
-    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor, async_op: bool = False):
-        if self.size == 1:
-            output.copy_(tensor)
-            return _Done() if async_op else None
-        self._count("all_to_all", (self.size - 1) / self.size * _nbytes(tensor))
-        return dist.all_to_all_single(output, tensor, group=self.group, async_op=async_op)
-
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> None:
         if self.size == 1:
             return

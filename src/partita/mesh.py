@@ -200,14 +200,6 @@ class Mesh:
                     self.ranks[purpose] = members
                     self.groups[purpose] = handle
 
-    @classmethod
-    def from_env(cls, dims: ParallelDims) -> Mesh:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return cls(dims, dist.get_rank(), dist.get_world_size())
-        return cls(dims)
-
     def group(self, purpose: str) -> dist.ProcessGroup | None:
         return self.groups[purpose]
 
@@ -222,14 +214,6 @@ class Mesh:
     def index(self, purpose: str) -> int:
         """This rank's position within its group for `purpose`."""
         return self.ranks[purpose].index(self.rank)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coord.pp == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coord.pp == self.dims.pp - 1
 
     def __repr__(self) -> str:
         c = self.coord

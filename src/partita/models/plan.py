@@ -35,9 +35,6 @@ class ModelPlan:
                 return role
         return None
 
-    def modules_with_role(self, model: nn.Module, role: str) -> list[tuple[str, nn.Module]]:
-        return [(n, m) for n, m in model.named_modules() if n and self.role_of(n) == role]
-
     def block_names(self, model: nn.Module) -> list[str]:
         container = model.get_submodule(self.blocks)
         return [f"{self.blocks}.{key}" for key in container.keys()]

@@ -158,10 +158,6 @@ class Schedule(StageGrid):
     n_virtual: int
     ranks: tuple[tuple[Action, ...], ...]
 
-    def compute(self, rank: int) -> tuple[Action, ...]:
-        """The rank's compute actions only (F/B/I/W), in order."""
-        return tuple(a for a in self.ranks[rank] if a.kind.is_compute)
-
     def format(self) -> str:
         """One line per rank in the compact form, e.g. 'rank 0: F0.0 SF0.0 ...'."""
         return "\n".join(

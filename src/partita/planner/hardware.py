@@ -159,10 +159,6 @@ class Cluster:
         if self.num_gpus < 1 or self.gpus_per_node < 1:
             raise PartitaError("the number of GPUs and GPUs per node must be positive.")
 
-    @property
-    def num_nodes(self) -> int:
-        return -(-self.num_gpus // self.gpus_per_node)
-
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose members lie within `span` consecutive ranks.
 

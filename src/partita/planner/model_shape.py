@@ -82,14 +82,6 @@ class PlanModel:
         return (c.embedding_param_count() + c.head_param_count()
                 + c.n_layers * (b["sharded"] + b["replicated"] + b["expert"]))
 
-    def active_params(self) -> float:
-        """Parameters one token passes through (top_k of the experts), for FLOPs."""
-        if not self.is_moe:
-            return float(self.config.num_params())
-        c = self.config
-        per_expert = self.mlp_params(self.expert_ffn)
-        return self.total_params() - c.n_layers * (self.moe.num_experts - self.moe.top_k) * per_expert
-
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, no recompute: 6 * matmul params + 12*L*H*Q*T."""
         c = self.config
