@@ -43,10 +43,10 @@ def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def partita_step(model, mesh, stage: int, blocks=None) -> Step:
+def partita_step(model, mesh, stage: int, blocks=None, **zero) -> Step:
     from partita.zero import AdamWConfig, DataParallel, ZeroConfig
 
-    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage),
+    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, **zero),
                       optim=AdamWConfig(lr=LR), blocks=blocks)
 
     def step(tokens: torch.Tensor) -> None:

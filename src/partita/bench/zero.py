@@ -11,6 +11,8 @@ AdamW. Every pair is timed as in `partita bench dp` (warm-up, then alternating r
 median of per-round ratios). S times our own stage 3 against our stage 2 the same way:
 the price of sharding parameters. A last pair times stage 0 against itself: how far from
 1.0 a ratio strays on this machine when nothing differs (the noise floor of the table).
+S is measured at the default unit size (bucket_mb: the tiny model's blocks make one
+gather unit) and, on its own row, with one gather unit per block.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
     kind, _, arg = name.rpartition(" ")
     if kind == "partita stage":
         return harness.partita_step(model, mesh, int(arg))
+    if name == PER_BLOCK:  # a unit size below any block: one gather unit per block
+        return harness.partita_step(model, mesh, 3, bucket_mb=1e-6)
     if name == "torch DDP":
         return harness.ddp_step(model, mesh)
     if name == "torch ZeroRedundancyOpt":
@@ -99,7 +103,7 @@ def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
            ("partita stage 2", "FSDP2 reshard False"),
            ("partita stage 3", "FSDP2 reshard True"),
            # Not peers: our stage 3 against our stage 2 (S), and stage 0 against itself.
-           STAGE3_VS_STAGE2, SELF_PAIR,
+           STAGE3_VS_STAGE2, PER_BLOCK_VS_STAGE2, SELF_PAIR,
            # DeepSpeed last: its engines stay alive in the process after their pair (the
            # S pair measured after them ran 4-9% slower on both sides).
            ("partita stage 1", "DeepSpeed ZeRO 1"), ("partita stage 2", "DeepSpeed ZeRO 2"),
@@ -108,6 +112,8 @@ def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
 
 
 STAGE3_VS_STAGE2 = ("partita stage 3", "partita stage 2")
+PER_BLOCK = "stage 3 per block"
+PER_BLOCK_VS_STAGE2 = (PER_BLOCK, "partita stage 2")
 SELF_PAIR = ("partita stage 0", "partita stage 0")
 
 
@@ -140,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
         harness.print_table(peers, world)
         worst = max(worst, *(r["ratio"] for r in peers))
         by_pair = {(r["ours"], r["peer"]): r for r in rows}
-        for pair, label in ((STAGE3_VS_STAGE2, "(S)"), (SELF_PAIR, "(noise: same run twice)")):
+        for pair, label in ((STAGE3_VS_STAGE2, "(S)"),
+                            (PER_BLOCK_VS_STAGE2, "(S with one gather unit per block)"),
+                            (SELF_PAIR, "(noise: same run twice)")):
             r = by_pair[pair]
             print(f"{world:>5} {pair[0]:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
                   f"{pair[1]:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "

@@ -5,7 +5,9 @@ master weights, AdamW) from the meta device, runs one training step, and reads t
 engine's memory ledger. The formulas (Rajbhandari et al., ZeRO, 2020, with K = 12 bytes
 of fp32 master + Adam moments per parameter) are 16P, 4P + 12P/N, 2P + 14P/N and 16P/N;
 only padding to N x 64-element slices may differ. Stage 3 also reports the peak of
-gathered parameters during the step, which the at-rest figure leaves out.
+gathered parameters during the step, which the at-rest figure leaves out, at the default
+unit size (bucket_mb; the tiny model's blocks make one gather unit) and with one gather
+unit per block (the least it can be).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def formula(stage: int, p: int, n: int) -> float:
 
 
 def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
-            seq: int) -> list[dict]:
+            seq: int, bucket_mb: float = 25.0) -> list[dict]:
     """One row per stage: the ledger after one step, plus stage 3's init requests."""
     import torch.nn.functional as F
 
@@ -46,7 +48,7 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
             drawn[0] += stop - start
             return base_init(info, start, stop)
 
-        dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage),
+        dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=bucket_mb),
                           precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                    master_dtype=torch.float32),
                           init_fn=init_fn, device=torch.device("cpu"))
@@ -73,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = get_model_config(args.model)
     rows = run_distributed(measure, args.world, args=(cfg, STAGES, args.seq),
                            timeout=600)[0]
+    # A unit size below any block's: one gather unit per block.
+    per_block = run_distributed(measure, args.world, args=(cfg, (3,), args.seq, 1e-6),
+                                timeout=600)[0][0]
     n = args.world
     p = rows[0]["P"]
     print(f"zero-memory: {args.model}, P = {p:,} parameters, N = {n} ranks, bf16 params + "
@@ -93,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
               f"{names[r['stage']]:>16} {int(f):>11,} {dev:>6.2f}%")
     s3 = rows[-1]
     print(f"stage 3 during the step: gathered-parameter peak {s3['gathered_peak']:,} bytes "
-          f"(largest group {s3['biggest_group']:,} bytes); at start-up each rank drew "
+          f"(largest group {s3['biggest_group']:,} bytes); with one gather unit per block "
+          f"{per_block['gathered_peak']:,} bytes (largest group "
+          f"{per_block['biggest_group']:,}); at start-up each rank drew "
           f"{s3['drawn']:,} of {p:,} parameter elements (its shard, never the model)")
     print(f"zero-memory: max deviation {worst:.2f}%")
     return 0
