@@ -202,8 +202,8 @@ def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
 def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
                       precision: Precision = MIXED, stage: int = 0,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
-    """Temporary communication buffers: gathered ZeRO-3 blocks (with prefetch) and the
-    block's full gradients before reduce-scatter, gradient buckets, pipeline send/recv."""
+    """Temporary communication buffers: gathered ZeRO-3 units (with prefetch) and the
+    unit's full gradients before reduce-scatter, gradient buckets, pipeline send/recv."""
     c = model.config
     out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
     if layout.zero >= 3 and layout.zero_group > 1:

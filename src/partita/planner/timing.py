@@ -20,7 +20,12 @@ from partita.planner.activations import layer_input_bytes
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.hardware import Cluster
 from partita.planner.layout import MIXED, Layout, Precision
-from partita.planner.memory import padded_dense_params, stage_layers, stage_param_counts
+from partita.planner.memory import (
+    blocks_per_unit,
+    padded_dense_params,
+    stage_layers,
+    stage_param_counts,
+)
 from partita.planner.model_shape import PlanModel
 
 
@@ -195,7 +200,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         dp_vol = per_mb
     link, le = link_eff(t * cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
-    messages = math.ceil(dp_vol / bucket) + (3 * m * sum(layers) // pp if z == 3 else 0)
+    messages = math.ceil(dp_vol / bucket)
+    if z == 3:  # per microbatch, each gather unit: gathered twice, reduce-scattered once
+        split = model.block_split(t, a.whole_kv_replicas)
+        block = precision.param * (split["sharded"] + split["replicated"]
+                                   + split["expert"] / layout.ep)
+        messages += 3 * m * sum(-(-n_l // blocks_per_unit(block, n_l, a)) for n_l in layers
+                                if n_l) // pp
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     hide_step = a.dp_overlap * (mb_s if per_step else 0.0)
     hide_mb = (a.zero3_overlap if z == 3 else a.dp_overlap) * compute_s

@@ -297,7 +297,7 @@ class DataParallel:
     def memory_ledger(self) -> dict[str, int]:
         """Bytes this rank holds, counted from the actual tensors."""
         params = sum(_nbytes(b.full) + _nbytes(b.shard) for b in self.buckets)
-        if self.gatherer is not None:  # at rest: shards only; gathered blocks separately
+        if self.gatherer is not None:  # at rest: shards only; gathered units separately
             params = sum(_nbytes(b.shard) for b in self.buckets)
         grads = sum(_nbytes(b.shard_grad) + (_nbytes(b.full_grad) if self.stage <= 1 else 0)
                     for b in self.buckets)
