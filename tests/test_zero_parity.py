@@ -41,16 +41,16 @@ class ToyLayer(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self, recompute: bool = False) -> None:
+    def __init__(self, recompute: bool = False, order: tuple[int, ...] = (0, 1, 2)) -> None:
         super().__init__()
-        self.recompute = recompute
+        self.recompute, self.order = recompute, order
         self.emb = nn.Embedding(CFG.vocab_size, 24)
         self.layers = nn.ModuleList([ToyLayer(24) for _ in range(3)])
         self.head = nn.Linear(24, CFG.vocab_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x)
-        for layer in self.layers:
+        for layer in (self.layers[i] for i in self.order):
             if self.recompute:  # activation checkpointing: forward runs again in backward
                 h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
             else:
@@ -59,9 +59,12 @@ class Toy(nn.Module):
 
 
 def make_model(case: dict, dtype: torch.dtype, meta: bool = False) -> nn.Module:
-    if case.get("model") in ("toy", "toy-recompute"):
+    if case.get("model") in ("toy", "toy-recompute", "toy-shuffled"):
         torch.manual_seed(0)
-        return Toy(recompute=case["model"] == "toy-recompute").to(dtype)
+        # toy-shuffled runs its layers out of registration order, one of them twice.
+        return Toy(recompute=case["model"] == "toy-recompute",
+                   order=(2, 0, 1, 0) if case["model"] == "toy-shuffled" else (0, 1, 2)
+                   ).to(dtype)
     return build_model(CFG, device="meta" if meta else "cpu", dtype=dtype)
 
 
@@ -184,6 +187,9 @@ CASES = {
        + [dict(stage=2, accum=2, accumulation="buffer"),
           dict(stage=3, model="toy", blocks=ToyLayer),
           dict(stage=3, model="toy-recompute", blocks=ToyLayer, accum=2),
+          # Gather units of one layer and of all three, blocks run out of order.
+          dict(stage=3, model="toy-shuffled", blocks=ToyLayer),
+          dict(stage=3, model="toy-shuffled", blocks=ToyLayer, bucket_mb=1.0),
           dict(stage=2, model="toy", blocks="layers.*"),
           dict(stage=3, accum=2, prefetch=2, bucket_mb=1.0)],
     4: [dict(stage=s, accum=a) for s in (1, 2, 3) for a in (1, 2)]

@@ -4,11 +4,11 @@ A gather unit is one block or several consecutive ones (`units.gather_units`), w
 flat buffer: one all-gather and one reduce-scatter each.
 Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
           head: parameters outside any block) and starts prefetching the first units;
-          a unit's first block's pre-hook waits for its gather and starts the next
-          `prefetch` units'; its last block's post-hook frees it. The root stays
+          a block's pre-hook waits for its unit's gather and starts the next
+          `prefetch` units'; the unit's last block's post-hook frees it. The root stays
           gathered until its gradients are in when forward records a graph (backward
           begins with the head), and is freed at once otherwise.
-Backward: a tiny autograd function on each unit's (and the root's) output fires when
+Backward: a tiny autograd function on each block's (and the root's) output fires when
           backward reaches it: it gathers that unit again and prefetches the
           `prefetch` units before it. When every parameter of a unit has its gradient
           (the GradReducer calls `done`), the unit is freed and its gradients are
@@ -61,8 +61,10 @@ def _on_backward(out, fire):
 
 class ParamGatherer:
     """`blocks`: the gather units in forward order, each (its block modules, their flat
-    buffer). A unit of several consecutive blocks is gathered before the first one's
-    forward and freed after the last one's."""
+    buffer). Every block of a unit makes sure the unit is gathered before its forward and
+    routes backward through `fire`; the unit's last block frees it after its forward. So
+    a model that runs its blocks in another order, or one block twice, stays correct (it
+    only keeps a unit gathered longer)."""
 
     def __init__(self, module: nn.Module, root: FlatBuffer | None,
                  blocks: list[tuple[tuple[nn.Module, ...], FlatBuffer]], comm: GroupComm,
@@ -76,8 +78,9 @@ class ParamGatherer:
         self.handles = [module.register_forward_pre_hook(self._root_pre),
                         module.register_forward_hook(self._root_post)]
         for k, (mods, _) in enumerate(blocks):
-            self.handles.append(mods[0].register_forward_pre_hook(self._block_pre(k)))
-            self.handles.append(mods[-1].register_forward_hook(self._block_post(k)))
+            for m in mods:
+                self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
+                self.handles.append(m.register_forward_hook(self._block_post(k, m is mods[-1])))
 
     # Gather / free ---------------------------------------------------------------------
     def start(self, buf: FlatBuffer) -> None:
@@ -167,7 +170,7 @@ class ParamGatherer:
             self.ensure(self.blocks[k][1])
         return hook
 
-    def _block_post(self, k: int):
+    def _block_post(self, k: int, frees: bool):
         buf = self.blocks[k][1]
 
         def fire() -> None:
@@ -178,7 +181,7 @@ class ParamGatherer:
         def hook(module, args, out):
             # A recompute (activation checkpointing) runs forward inside backward: keep
             # the parameters that backward is about to use.
-            if id(buf) not in self.in_backward:
+            if frees and id(buf) not in self.in_backward:
                 self.free(buf)
             return _on_backward(out, fire) if torch.is_grad_enabled() else out
         return hook
