@@ -95,11 +95,11 @@ def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
     dp = DataParallel(model, _mesh(), zero=ZeroConfig(stage=3),
                       precision=MixedPrecision(param_dtype=torch.bfloat16),
                       init_fn=model_init_fn(zp.CFG))
-    assert all(p.numel() == 0 for p in model.parameters())  # sharded at rest
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # at rest
     with dp.gathered_parameters(writeback=True):
         for p in model.parameters():
             p.fill_(0.5)
-    assert all(p.numel() == 0 for p in model.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     assert all(bool((b.shard[: b.numel] == 0.5).all()) for b in dp.buckets if b.numel >= b.hi)
     assert all(bool((s.master == 0.5).sum() > 0) for s in dp.slots)
 
@@ -113,7 +113,7 @@ def test_memory_ledger_matches_zero_formulas_and_stage3_draws_only_its_shard() -
             f = zero_memory.formula(r["stage"], r["P"], 2)
             assert abs(measured - f) / f < 0.03, r  # only padding differs
             if r["stage"] == 3:
-                assert r["at_rest_param_elements"] == 0
+                assert r["at_rest_param_bytes"] == 0
                 assert r["drawn"] <= r["P"] // 2 + 64 * 4
                 # root + the computing block + one prefetched block, never more
                 assert 0 < r["gathered_peak"] <= 3 * r["biggest_group"]
@@ -220,3 +220,34 @@ def test_stage3_issues_one_gather_and_one_reduction_per_unit(
         bucket_mb: float, recompute: bool, gathers: int, reductions: int) -> None:
     calls = run_distributed(_stage3_collectives, 2, args=(bucket_mb, recompute))[0]
     assert calls == {"all_gather": gathers, "reduce_scatter": reductions}
+
+
+def test_stage3_frees_parameters_that_autograd_saved_for_backward() -> None:
+    """A linear layer saves its weight for backward. Freeing a unit after its forward
+    must release that memory too (the saved views are re-filled by the backward gather),
+    or stage 3 holds every unit from forward until backward, more than stage 2."""
+    torch.manual_seed(0)
+    toy = zp.Toy().double()
+    dp = DataParallel(toy, _mesh(), zero=ZeroConfig(stage=3, bucket_mb=1e-6),
+                      precision=MixedPrecision(param_dtype=torch.float64), blocks=zp.ToyLayer)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, nn.Parameter):
+            t = t.detach()  # what autograd keeps: the storage as it is now
+            saved.append(t)
+        return t
+
+    tokens = zp.batch(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = zp.lm_loss(dp.module(tokens[:, :-1]), tokens)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+    held = sum(storages.values())
+    assert len(saved) >= 6  # the three layers' two weights, at least
+    # Still gathered after forward: the root (the head's backward comes first) and the
+    # last layer, prefetched for backward.
+    assert 0 < held <= dp.gatherer.live_bytes
+    dp.backward(loss)  # the saved views are valid again once their unit is regathered
+    dp.finish_grad_sync()
+    assert dp.gatherer.live_bytes == 0
+    assert all(p.untyped_storage().nbytes() == 0 for p in toy.parameters())

@@ -61,7 +61,8 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
         ledger = dp.memory_ledger()
         rows.append({"stage": stage, "P": p_count, "drawn": drawn[0], **ledger,
                      "biggest_group": max(b.padded for b in dp.buckets) * 2,
-                     "at_rest_param_elements": sum(p.numel() for p in model.parameters())})
+                     "at_rest_param_bytes": sum(p.untyped_storage().nbytes()
+                                                for p in model.parameters())})
     return rows
 
 

@@ -87,11 +87,10 @@ class ParamGatherer:
         """Begin gathering `buf` unless it is gathered or on its way."""
         if id(buf) in self.gathered or id(buf) in self.pending:
             return
-        full = torch.empty(buf.padded, dtype=buf.dtype, device=buf.device)
-        buf.full = full
+        buf.allocate_full()
         # The collective writes every slot, this rank's own included, from the shard.
-        self.pending[id(buf)] = self.comm.all_gather_flat(full, buf.shard, async_op=True)
-        self.live_bytes += full.numel() * full.element_size()
+        self.pending[id(buf)] = self.comm.all_gather_flat(buf.full, buf.shard, async_op=True)
+        self.live_bytes += buf.full.numel() * buf.full.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def ensure(self, buf: FlatBuffer) -> None:
@@ -99,16 +98,15 @@ class ParamGatherer:
         work = self.pending.pop(id(buf), None)
         if work is not None:
             work.wait()
-            buf.bind()
             self.gathered[id(buf)] = buf
 
     def free(self, buf: FlatBuffer) -> None:
         work = self.pending.pop(id(buf), None)
         if work is not None:  # never drop memory an in-flight gather writes into
             work.wait()
-        if buf.full is not None:
+        if buf.full_allocated:
             self.live_bytes -= buf.full.numel() * buf.full.element_size()
-            buf.release()
+            buf.free_full()
         self.gathered.pop(id(buf), None)
         self.in_backward.discard(id(buf))
 
