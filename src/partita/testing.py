@@ -47,7 +47,10 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     import torch
     import torch.distributed as dist
 
+    from partita.host_memory import keep_freed_host_memory
+
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as `partita train` ranks on CPU do
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:

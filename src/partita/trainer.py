@@ -22,6 +22,7 @@ from partita.config import Config
 from partita.data import TokenDataset, load_dataset, num_windows
 from partita.errors import AgreedError, PartitaError
 from partita.export import save_weights
+from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
@@ -88,6 +89,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.device = pick_device(cfg.train.device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()  # per-step buffers without page faults, see module
         rank, world = init_distributed(self.device, cfg.train.collective_timeout_s)
         dims = dims_from_config(cfg, world)
         self.mesh = Mesh(dims, rank, world)
