@@ -170,6 +170,6 @@ def run(args: argparse.Namespace) -> int:
             label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
             print(f"{p:>2} {label:<20} {r['peer']:<25} "
                   f"{statistics.median(r['partita']) * 1e3:>10.1f} "
-                  f"{statistics.median(r['torch']) * 1e3:>9.1f} {ratio:>6.2f}")
-    print(f"pp: worst partita/torch step-time ratio {worst:.2f}")
+                  f"{statistics.median(r['torch']) * 1e3:>9.1f} {ratio:>6.3f}")
+    print(f"pp: worst partita/torch step-time ratio {worst:.3f}")
     return 0
