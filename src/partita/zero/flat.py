@@ -138,8 +138,8 @@ class FlatBuffer:
 
     @torch.no_grad()
     def materialize_shard(self, init_fn: InitFn | None) -> None:
-        """Allocate only the owned slice (stage 3 at rest). The parameters become views
-        of a full buffer whose storage is empty until `allocate_full`."""
+        """Allocate only the owned slice (stage 3 at rest); the full buffer exists with
+        an empty storage until a gather (`allocate_full`, then `bind`)."""
         shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
         for pc in self.owned_pieces():
             p = self.params[self.entries.index(pc.entry)]
@@ -147,10 +147,8 @@ class FlatBuffer:
             shard[pc.buf_start - self.lo:pc.buf_start - self.lo + pc.stop - pc.start].copy_(values)
         self.shard = shard
         self._unmeta()
-        # Views are cut while the storage has its size (never written: untouched pages
-        # cost nothing), then the storage is emptied.
+        # Never written before a gather: its untouched pages cost nothing.
         self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
-        self.bind()
         self.free_full()
 
     def _unmeta(self) -> None:
@@ -168,20 +166,27 @@ class FlatBuffer:
         for p, e in zip(self.params, self.entries):
             p.data = self.full[e.offset:e.offset + e.numel].view(e.shape)
 
-    # Stage 3: the full buffer's storage comes and goes; the tensor, and the parameter
-    # views of it, stay. Autograd keeps the views a forward saved (a linear layer saves
-    # its weight), so only emptying the storage itself frees the memory after forward,
-    # and gathering into the same storage again makes those saved views valid for
-    # backward (FSDP does the same).
+    # Stage 3: the full buffer's storage comes and goes; the tensor stays. Autograd
+    # keeps the views a forward saved (a linear layer saves its weight), so only
+    # emptying the storage itself frees the memory after forward, and gathering into
+    # the same storage again makes those saved views valid for backward (FSDP does the
+    # same). The parameters themselves point at empty tensors while the storage is
+    # empty: reading a view of an emptied storage crashes the process, reading an empty
+    # tensor does not, and a forward that uses a parameter outside its unit fails there
+    # with a shape error.
     @property
     def full_allocated(self) -> bool:
         return self.full is not None and self.full.untyped_storage().nbytes() > 0
 
     def allocate_full(self) -> None:
+        """Give the full buffer its storage back (its contents are undefined)."""
         self.full.untyped_storage().resize_(self.padded * self.full.element_size())
 
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
 
     @property
     def full_grad(self) -> torch.Tensor | None:

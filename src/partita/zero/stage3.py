@@ -98,6 +98,7 @@ class ParamGatherer:
         work = self.pending.pop(id(buf), None)
         if work is not None:
             work.wait()
+            buf.bind()
             self.gathered[id(buf)] = buf
 
     def free(self, buf: FlatBuffer) -> None:
