@@ -13,9 +13,9 @@ buffers) 156 -> 152 ms; 2 ranks, `small`: ZeRO-2 336 -> 317 ms, ZeRO-3 360 -> 33
 The policy raises both thresholds so that freed blocks go back to the heap and are
 reused, as PyTorch's CUDA caching allocator does for device memory. The price: the
 process's resident memory stays at its peak instead of shrinking between steps (`small`,
-ZeRO-2, one process: 522 MB steady against 460). It is
-applied by partita's own worker processes (`partita train` on CPU, the test and benchmark
-ranks), never on import; glibc only, elsewhere it does nothing.
+ZeRO-2, one process: 522 MB steady against 460). partita's own worker processes apply it
+(`partita train` on CPU, the test and benchmark ranks), never an import; glibc only,
+elsewhere it does nothing.
 """
 
 from __future__ import annotations

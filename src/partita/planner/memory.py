@@ -212,7 +212,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         layers = stage_layers(c.n_layers, layout.pp)[stage]
         unit = block * blocks_per_unit(block * precision.param, layers, assumptions)
         if stage == 0 or stage == layout.pp - 1:
-            unit = max(block, c.vocab_size * c.dim / layout.tp)
+            unit = max(unit, c.vocab_size * c.dim / layout.tp)
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
                                  + precision.grad) * unit
     elif layout.zero_group > 1:

@@ -32,8 +32,8 @@ def decay_ranges(flat: FlatBuffer, lo: int, hi: int) -> list[tuple[int, int]]:
 # chunks of this size (1 MiB of fp32 per operand) they stay in a core's cache from one op
 # to the next, and the temporaries live in a preallocated scratch instead of being
 # allocated per step: a bucket-sized temporary is a fresh mmap on CPU, page-faulted on
-# every step (measured on a 3.4 MB bucket: 4.3 ms per update, 1,635 page faults, against
-# 1.2 ms for the same elements in chunks).
+# every step (measured on a 3.4 MB slice: 1.4-4.3 ms per update with up to 1,635 page
+# faults, depending on what the allocator held, against 1.1-1.2 ms in chunks).
 CHUNK = 1 << 18
 
 

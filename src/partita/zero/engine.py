@@ -111,8 +111,8 @@ class DataParallel:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)
         self.slots = [self._make_slot(buf) for buf in self.buckets]
-        self.adam_scratch = adamw_scratch(max((s.exp_avg.numel() for s in self.slots), default=1),
-                                          precision.master, device)
+        largest = max((s.exp_avg.numel() for s in self.slots), default=1)
+        self.adam_scratch = adamw_scratch(largest, precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulation == "buffer",
                                    self.gatherer.done if self.gatherer else None)
