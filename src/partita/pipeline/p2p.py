@@ -84,6 +84,13 @@ class Transport:
         gloo = comm.group is not None and dist.get_backend(comm.group) == "gloo"
         self.early_receives = gloo
         self._sender = ThreadPoolExecutor(1, "partita-pp-send") if gloo else None
+        # A gloo send reports itself complete only once waited on, so "drop the sends
+        # that completed" would keep every sent tensor until the step's end (m of them
+        # on the first stage instead of about p). A second helper waits on each send in
+        # turn (blocked, off the runner's thread) and so marks it done as the peer takes
+        # it; the sender must not wait itself: the receive matching a peer's send could
+        # be queued behind it.
+        self._reaper = ThreadPoolExecutor(1, "partita-pp-reap") if gloo else None
         self.pending_sends: list[tuple[Action, object, torch.Tensor]] = []
 
     def post(self, batch: Sequence[tuple[Action, torch.Tensor]]) -> list[tuple[Action, object]]:
@@ -96,7 +103,9 @@ class Transport:
         if self._sender is not None and sends:
             future = self._sender.submit(dist.batch_isend_irecv, [ops[i] for i in sends])
             for k, i in enumerate(sends):
-                self.pending_sends.append((batch[i][0], _Posted(future, k), batch[i][1]))
+                posted = _Posted(future, k)
+                posted.reaped = self._reaper.submit(posted.wait_work, self.timeout)
+                self.pending_sends.append((batch[i][0], posted, batch[i][1]))
             ops = [op for i, op in enumerate(ops) if i not in sends]
             batch = [item for i, item in enumerate(batch) if i not in sends]
         works = dist.batch_isend_irecv(ops) if ops else []
@@ -152,13 +161,25 @@ class Transport:
 
 
 class _Posted:
-    """The handle of a send posted from the helper thread: the k-th work of a batch."""
+    """The handle of a transfer posted from the helper thread: the k-th work of a batch.
+    `reaped`: for a send, the reaper's wait on it (see Transport)."""
 
     def __init__(self, future, k: int) -> None:
         self.future, self.k = future, k
+        self.reaped = None
 
-    def wait(self, timeout: datetime.timedelta) -> None:
+    def wait_work(self, timeout: datetime.timedelta) -> None:
         self.future.result(timeout=timeout.total_seconds())[self.k].wait(timeout=timeout)
 
+    def wait(self, timeout: datetime.timedelta) -> None:
+        # A gloo send's wait takes one completion off its buffer: a second wait on the
+        # same send would block forever, so once the reaper waits, we wait for it.
+        if self.reaped is not None:
+            self.reaped.result(timeout=timeout.total_seconds())
+        else:
+            self.wait_work(timeout)
+
     def is_completed(self) -> bool:
+        if self.reaped is not None:  # a failed send stays, for finish() to report
+            return self.reaped.done() and self.reaped.exception() is None
         return self.future.done() and self.future.result()[self.k].is_completed()
