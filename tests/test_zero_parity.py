@@ -190,6 +190,7 @@ CASES = {
           # Gather units of one layer and of all three, blocks run out of order.
           dict(stage=3, model="toy-shuffled", blocks=ToyLayer),
           dict(stage=3, model="toy-shuffled", blocks=ToyLayer, bucket_mb=1.0),
+          dict(stage=3, model="toy-recompute", blocks=ToyLayer, bucket_mb=1.0, prefetch=0),
           dict(stage=2, model="toy", blocks="layers.*"),
           dict(stage=3, accum=2, prefetch=2, bucket_mb=1.0)],
     4: [dict(stage=s, accum=a) for s in (1, 2, 3) for a in (1, 2)]
