@@ -16,9 +16,11 @@ schedule before it runs.
 from __future__ import annotations
 
 import datetime
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
@@ -90,7 +92,7 @@ class Transport:
         # turn (blocked, off the runner's thread) and so marks it done as the peer takes
         # it; the sender must not wait itself: the receive matching a peer's send could
         # be queued behind it.
-        self._reaper = ThreadPoolExecutor(1, "partita-pp-reap") if gloo else None
+        self._reaper = _Reaper() if gloo else None
         self.pending_sends: list[tuple[Action, object, torch.Tensor]] = []
 
     def post(self, batch: Sequence[tuple[Action, torch.Tensor]]) -> list[tuple[Action, object]]:
@@ -158,6 +160,35 @@ class Transport:
         for action, work, _ in self.pending_sends:
             self.wait(action, work)
         self.pending_sends.clear()
+
+
+class _Reaper:
+    """Runs waits one after another on a daemon thread: a wait on a peer that died must
+    not hold up this process's exit (a pool's worker would be joined at exit, up to a
+    full timeout per queued send)."""
+
+    def __init__(self) -> None:
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs = jobs
+        threading.Thread(target=_run_jobs, args=(jobs,), name="partita-pp-reap",
+                         daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def __del__(self) -> None:
+        self._jobs.put(None)  # lets the thread end with its transport
+
+
+def _run_jobs(jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        future, fn, args = job
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
 
 
 class _Posted:
