@@ -122,11 +122,11 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
     return out
 
 
-def print_table(rows: list[dict], world: int) -> None:
+def print_table(rows: list[dict], world: int, label: str = "") -> None:
     for r in rows:
         print(f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
               f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
-              f"{r['ratio']:>7.3f}")
+              f"{r['ratio']:>7.3f}" + (f"  {label}" if label else ""))
 
 
 TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/step':>9} "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 
 import torch
 
@@ -149,10 +148,7 @@ def run(args: argparse.Namespace) -> int:
         for pair, label in ((STAGE3_VS_STAGE2, "(S)"),
                             (PER_BLOCK_VS_STAGE2, "(S with one gather unit per block)"),
                             (SELF_PAIR, "(noise: same run twice)")):
-            r = by_pair[pair]
-            print(f"{world:>5} {pair[0]:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
-                  f"{pair[1]:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
-                  f"{r['ratio']:>7.3f}  {label}")
+            harness.print_table([by_pair[pair]], world, label)
         worst_s = max(worst_s, by_pair[STAGE3_VS_STAGE2]["ratio"])
     print(f"zero: worst partita/peer step-time ratio {worst:.3f}; "
           f"stage3/stage2 ratio {worst_s:.3f}")
