@@ -107,9 +107,7 @@ class GradReducer:
         if self.launched[b]:
             _late_gradient(f"a gradient for '{buf.entries[i].name}'")
         if self.bound:
-            view = buf.grad_view(i)
-            if p.grad is not view:
-                self._fold(p, view)
+            self._fold(p, buf.grad_view(i))
         else:
             self._copy_in(b, i, p)
         self.arrived[b].add(i)
@@ -137,8 +135,10 @@ class GradReducer:
 
     @staticmethod
     def _fold(p: torch.nn.Parameter, view: torch.Tensor) -> None:
-        """Bound mode: user code replaced or dropped this .grad; what .grad holds now is
-        the gradient (None: nothing), and the bucket view takes it over."""
+        """Bound mode: if user code replaced or dropped this .grad, what .grad holds now
+        is the gradient (None: nothing), and the bucket view takes it over."""
+        if p.grad is view:
+            return
         if p.grad is None:
             view.zero_()
         else:
@@ -269,9 +269,7 @@ class GradReducer:
         """Bound mode, at the boundary: fold back any .grad user code replaced."""
         for buf in self.buckets:
             for i, p in enumerate(buf.params):
-                view = buf.grad_view(i)
-                if p.grad is not view:
-                    self._fold(p, view)
+                self._fold(p, buf.grad_view(i))
 
     def clear(self) -> None:
         """zero_grad: forget what the buffers hold; the next gradient overwrites it."""
