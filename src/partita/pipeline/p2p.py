@@ -105,8 +105,7 @@ class Transport:
         if self._sender is not None and sends:
             future = self._sender.submit(dist.batch_isend_irecv, [ops[i] for i in sends])
             for k, i in enumerate(sends):
-                posted = _Posted(future, k)
-                posted.reaped = self._reaper.submit(posted.wait_work, self.timeout)
+                posted = _Posted(future, k, (self._reaper, self.timeout))
                 self.pending_sends.append((batch[i][0], posted, batch[i][1]))
             ops = [op for i, op in enumerate(ops) if i not in sends]
             batch = [item for i, item in enumerate(batch) if i not in sends]
@@ -193,11 +192,12 @@ def _run_jobs(jobs: queue.SimpleQueue) -> None:
 
 class _Posted:
     """The handle of a transfer posted from the helper thread: the k-th work of a batch.
-    `reaped`: for a send, the reaper's wait on it (see Transport)."""
+    `reap` (a send's): the reaper and timeout that wait on it (see Transport)."""
 
-    def __init__(self, future, k: int) -> None:
+    def __init__(self, future, k: int,
+                 reap: tuple[_Reaper, datetime.timedelta] | None = None) -> None:
         self.future, self.k = future, k
-        self.reaped = None
+        self.reaped = reap[0].submit(self.wait_work, reap[1]) if reap else None
 
     def wait_work(self, timeout: datetime.timedelta) -> None:
         self.future.result(timeout=timeout.total_seconds())[self.k].wait(timeout=timeout)

@@ -149,6 +149,7 @@ class FlatBuffer:
         self._unmeta()
         # Never written before a gather: its untouched pages cost nothing.
         self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        self._empty = torch.empty(0, dtype=self.dtype, device=self.device)  # at rest
         self.free_full()
 
     def _unmeta(self) -> None:
@@ -184,9 +185,8 @@ class FlatBuffer:
 
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for p in self.params:
-            p.data = empty
+            p.data = self._empty
 
     @property
     def full_grad(self) -> torch.Tensor | None:
