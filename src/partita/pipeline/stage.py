@@ -98,10 +98,8 @@ def keep_stages(model: nn.Module, plan: ModelPlan, layout: StageLayout, rank: in
     for key in list(container.keys()):
         if key not in keep:
             del container[key]
-    for name, child in list(model.named_children()):
-        if name == plan.blocks or child is None:
-            continue
-        if name in plan.head:
+    for name, child, in_head in _outside_blocks(model, plan):
+        if in_head:
             wanted = last
         elif any(True for _ in child.parameters()):
             # Input-side modules (token and position embeddings) run on the first stage;
@@ -150,12 +148,16 @@ def stage_parameters(model: nn.Module, plan: ModelPlan, stage: LocalStage) -> li
     first stage and the head on the last (as `keep_stages` assigns them)."""
     container = model.get_submodule(plan.blocks)
     params = [p for key in stage.blocks for p in container[key].parameters()]
-    for name, child in model.named_children():
-        if name == plan.blocks or child is None:
-            continue
-        if stage.last if name in plan.head else stage.first:
+    for _, child, in_head in _outside_blocks(model, plan):
+        if stage.last if in_head else stage.first:
             params += list(child.parameters())
     return [p for p in params if p.requires_grad]
+
+
+def _outside_blocks(model: nn.Module, plan: ModelPlan) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, part of the head) of each present child other than the blocks."""
+    return [(name, child, name in plan.head) for name, child in model.named_children()
+            if name != plan.blocks and child is not None]
 
 
 def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,13 @@ def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision =
     return counts["dense"] + buckets * unit / 2
 
 
+def gathered_block_elements(model: PlanModel, layout: Layout,
+                            assumptions: Assumptions) -> float:
+    """Parameter elements one ZeRO-3 rank gathers per block: the tp shard, its experts."""
+    split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
+    return split["sharded"] + split["replicated"] + split["expert"] / layout.ep
+
+
 def blocks_per_unit(block_bytes: float, layers: int, assumptions: Assumptions) -> int:
     """How many consecutive blocks stage 3 gathers as one unit: as many as fit in
     `zero_bucket_bytes` (the engine's bucket_mb), at least one, at most the stage's."""
@@ -207,8 +214,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     c = model.config
     out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
     if layout.zero >= 3 and layout.zero_group > 1:
-        split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
-        block = split["sharded"] + split["replicated"] + split["expert"] / layout.ep
+        block = gathered_block_elements(model, layout, assumptions)
         layers = stage_layers(c.n_layers, layout.pp)[stage]
         unit = block * blocks_per_unit(block * precision.param, layers, assumptions)
         if stage == 0 or stage == layout.pp - 1:

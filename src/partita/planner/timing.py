@@ -22,6 +22,7 @@ from partita.planner.hardware import Cluster
 from partita.planner.layout import MIXED, Layout, Precision
 from partita.planner.memory import (
     blocks_per_unit,
+    gathered_block_elements,
     padded_dense_params,
     stage_layers,
     stage_param_counts,
@@ -202,9 +203,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
     if z == 3:  # per microbatch, each gather unit: gathered twice, reduce-scattered once
-        split = model.block_split(t, a.whole_kv_replicas)
-        block = precision.param * (split["sharded"] + split["replicated"]
-                                   + split["expert"] / layout.ep)
+        block = precision.param * gathered_block_elements(model, layout, a)
         messages += 3 * m * sum(-(-n_l // blocks_per_unit(block, n_l, a)) for n_l in layers
                                 if n_l) // pp
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
