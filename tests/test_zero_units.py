@@ -115,7 +115,7 @@ def test_memory_ledger_matches_zero_formulas_and_stage3_draws_only_its_shard() -
             if r["stage"] == 3:
                 assert r["at_rest_param_bytes"] == 0
                 assert r["drawn"] <= r["P"] // 2 + 64 * 4
-                # root + the computing block + one prefetched block, never more
+                # root + the computing unit + one prefetched unit, never more
                 assert 0 < r["gathered_peak"] <= 3 * r["biggest_group"]
 
 
