@@ -12,16 +12,19 @@ head to matter), records every action's start and end, and reports per schedule:
   shared CPU pass times vary by tens of percent, and that variance alone makes bubbles
   the formula cannot know of; the replay keeps it, so measured / replayed isolates what
   the runtime adds (transfer latency, overhead). Both ratios are printed;
+- transfer waits: the share of p x (step time) receivers spent waiting after the
+  matching send was posted, i.e. the transfers' own latency where it delayed a rank;
+  measured minus replayed is about this much;
 - the peak number of microbatches whose activations a stage held, counted by the
   runtime (1F1B <= p on the first stage, GPipe = m).
 
-The default model has 8 blocks per rank (dim 256, seq 128, microbatches of 4), so that
-each pass (about 50 ms forward for an interleaved chunk of 4 blocks on this CPU) is
-long next to what a transfer costs on gloo over loopback (about 0.5 ms of latency plus
-0.1-0.3 ms of posting and copying per transfer), as passes are long next to point-to-
-point latency on real hardware. With 2 blocks per rank an interleaved pass is about
-13 ms and those fixed costs add several points of idle time that the pass-time replay
-does not model (`--blocks-per-rank 2` shows it).
+The default model has 16 blocks per rank (dim 256, seq 128, microbatches of 4), so that
+each pass (about 100 ms forward for an interleaved chunk of 8 blocks on this CPU) is
+long next to what a transfer costs on gloo over loopback (0.2 ms one way on an idle
+machine, a median 0.4-0.5 ms between two busy ranks), as passes are long next to point-
+to-point latency on real hardware (NCCL: tens of microseconds against passes of
+milliseconds). Shorter passes leave the same latency a larger share of the step:
+`--blocks-per-rank 8` or `2` shows it in the transfer-wait column.
 
 Last line: `pp-bubble: worst measured/theory R` (R furthest from 1; target 0.9-1.1).
 """
@@ -43,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--blocks-per-rank", type=int, default=8,
+    parser.add_argument("--blocks-per-rank", type=int, default=16,
                         help="blocks per pipeline rank (interleaved splits them in v); "
-                        "8 keeps each pass long next to the fixed cost of a gloo "
+                        "16 keeps each pass long next to the fixed cost of a gloo "
                         "transfer, as passes are next to p2p latency on real hardware")
 
 
@@ -74,6 +77,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         idle_fraction,
         pass_times,
         replay_idle,
+        transfer_waits,
     )
 
     out = []
@@ -83,7 +87,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                                   torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(32, (cfg.train.global_batch, args.seq + 1), generator=gen)
-        idles, replays, times, held = [], [], [], {}
+        idles, replays, waits, times, held = [], [], [], [], {}
         sched = pm.runner.schedule(args.microbatches)
         for step in range(args.steps + 1):
             dist.barrier()  # a common time origin for every rank's timeline
@@ -94,6 +98,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
                 continue  # warm-up
             idles.append(idle_fraction(rows))
             replays.append(replay_idle(sched, rows))
+            waits.append(transfer_waits(rows))
             times.append(pass_times(rows))
         peaks = [None] * world
         dist.all_gather_object(peaks, pm.runner.held_peak)
@@ -102,6 +107,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
         mean = {k: statistics.mean(t[k] for t in times) for k in times[0]}
         out.append({"name": name, "v": v, "idle": statistics.median(idles), "costs": mean,
                     "replay": statistics.median(replays), "held": held,
+                    "waits": statistics.median(waits),
                     "rows_peaks": held_peaks(rows)})
     return out
 
@@ -128,9 +134,11 @@ def run(args: argparse.Namespace) -> int:
           "rank, median of steps")
     print("formula: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1); simulated: unit simulator "
           "with the mean measured pass times; replayed: the schedule with every pass as "
-          "long as measured, free transfers. R = measured / replayed.")
+          "long as measured, free transfers; xfer: receivers' waits after the matching send was "
+          "posted (transfer latency; measured - replayed is about this). "
+          "R = measured / replayed.")
     print(f"{'p':>2} {'schedule':<22} {'formula':>7} {'simul.':>6} {'replay':>6} "
-          f"{'measured':>8} {'R':>5} {'R sim':>5}  {'held, stage 0 (theory)':<22} "
+          f"{'measured':>8} {'xfer':>5} {'R':>5} {'R sim':>5}  {'held, stage 0 (theory)':<22} "
           "pass ms F/B/I/W")
     for p in args.stages:
         results = run_distributed(_worker, p, (args,), timeout=1200)[0]
@@ -149,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
             shown = f"{formula:.3f}" if formula is not None else "-"
             label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
             print(f"{p:>2} {label:<22} {shown:>7} {simulated:>6.3f} {r['replay']:>6.3f} "
-                  f"{r['idle']:>8.3f} {ratio:>5.2f} {ratio_sim:>5.2f}  "
+                  f"{r['idle']:>8.3f} {r['waits']:>5.3f} {ratio:>5.2f} {ratio_sim:>5.2f}  "
                   f"{r['held'].get(0, 0):>3} ({theory_peak}){'':<16} {passes}")
     print(f"worst measured/simulated (equal, constant passes) {worst_sim:.2f}")
     print(f"pp-bubble: worst measured/theory {worst:.2f}")

@@ -83,6 +83,13 @@ class Action:
         return cls(_CODES[code], int(stage), int(mb))
 
     @property
+    def transfer_key(self) -> tuple[str, int, int]:
+        """What a send and its receive share: direction ('F' activation, 'B' input
+        gradient), producer stage, microbatch."""
+        return ("F" if self.kind in (Kind.SEND_F, Kind.RECV_F) else "B", self.stage,
+                self.microbatch)
+
+    @property
     def peer_stage(self) -> int | None:
         """For a send/recv, the stage at the other end of the link (else None).
 

@@ -60,6 +60,18 @@ def pass_times(rows: Sequence[Sequence[Event]]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
+def transfer_waits(rows: Sequence[Sequence[Event]]) -> float:
+    """Share of p x (step time) that receivers spent waiting after the matching send was
+    posted: the transfers' own latency on the critical path, which a replay with free
+    transfers leaves out. Needs the rows on one clock (ranks on one host)."""
+    makespan = max((end for row in rows for _, _, end in row), default=0.0)
+    posted = {a.transfer_key: start for row in rows for a, start, _ in row
+              if a.kind.is_send}
+    waited = sum(end - max(start, posted.get(a.transfer_key, start))
+                 for row in rows for a, start, end in row if a.kind.is_recv)
+    return waited / (makespan * len(rows)) if makespan > 0 else 0.0
+
+
 def held_peaks(rows: Sequence[Sequence[Event]]) -> dict[int, int]:
     """Per stage, the most microbatches between a forward's start and the end of their
     backward (B, or W when split) in the recorded order."""
@@ -102,8 +114,7 @@ def replay_idle(sched: Schedule, rows: Sequence[Sequence[Event]]) -> float:
         for r, acts in enumerate(sched.ranks):
             while index[r] < len(acts):
                 a = acts[index[r]]
-                key = ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B", a.stage,
-                       a.microbatch)
+                key = a.transfer_key
                 if a.kind.is_recv:
                     if key not in posted:
                         break

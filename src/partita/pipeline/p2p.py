@@ -49,7 +49,7 @@ def check_transfer_order(sched: Schedule) -> None:
     for r, acts in enumerate(sched.ranks):
         for a in acts:
             if a.kind.is_send or a.kind.is_recv:
-                key = (a.kind.value[1], a.stage, a.microbatch)
+                key = a.transfer_key
                 peer = sched.rank_of(a.peer_stage)
                 book = sent if a.kind.is_send else received
                 book.setdefault((r, peer) if a.kind.is_send else (peer, r), []).append(key)

@@ -262,7 +262,7 @@ class PipelineRunner:
                 continue
             work, buf, posted_at = early.pop(a) if a in early else (works[a], buffers[a], start)
             self.transport.wait(a, work)
-            step.inbox[_key(a)] = buf
+            step.inbox[a.transfer_key] = buf
             self.timeline.append((a, max(posted_at, start), time.perf_counter() - t0))
 
     def _boundary_shape(self, step: _Step) -> tuple[int, int, int]:
@@ -370,7 +370,3 @@ class PipelineRunner:
             p.x_grad = x_grad
         else:
             step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
-
-
-def _key(a: Action) -> tuple[str, int, int]:
-    return ("F" if a.kind in (Kind.SEND_F, Kind.RECV_F) else "B", a.stage, a.microbatch)

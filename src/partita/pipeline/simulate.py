@@ -61,12 +61,6 @@ class Timeline:
         return 1.0 - sum(self.busy(r) for r in range(len(self.rows))) / total
 
 
-def _key(action: Action) -> tuple[str, int, int]:
-    """What a send and its receive share: direction, producer stage, microbatch."""
-    direction = "F" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "B"
-    return direction, action.stage, action.microbatch
-
-
 def _missing_input(schedule: Schedule, rank: int, a: Action, done: set[Action]) -> str | None:
     """Name of the action that must precede `a` on this rank but has not run, or None."""
     s, mb = a.stage, a.microbatch
@@ -122,7 +116,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
             while index[r] < len(acts):
                 a = acts[index[r]]
                 if a.kind.is_recv:
-                    arrival = posted.get(_key(a))
+                    arrival = posted.get(a.transfer_key)
                     if arrival is None:
                         break  # blocked: the peer has not posted the send yet
                     start, end = clock[r], max(clock[r], arrival)
@@ -136,7 +130,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
                     start = clock[r]
                     end = start + costs.of(a.kind)
                     if a.kind.is_send:
-                        posted[_key(a)] = start + costs.comm
+                        posted[a.transfer_key] = start + costs.comm
                 clock[r] = end
                 rows[r].append((a, start, end))
                 done[r].add(a)
