@@ -28,18 +28,16 @@ def decay_ranges(flat: FlatBuffer, lo: int, hi: int) -> list[tuple[int, int]]:
     return out
 
 
-# Elements updated per pass. Each op of the update streams its operands once; in
-# chunks of this size (1 MiB of fp32 per operand) they stay in a core's cache from one op
-# to the next, and the temporaries live in a preallocated scratch instead of being
-# allocated per step: a bucket-sized temporary is a fresh mmap on CPU, page-faulted on
-# every step (measured on a 3.4 MB slice: 1.4-4.3 ms per update with up to 1,635 page
-# faults, depending on what the allocator held, against 1.1-1.2 ms in chunks).
+# A gradient of another dtype than the parameter (bf16 gradients, fp32 master) is cast
+# in chunks of this many elements into a preallocated scratch: a bucket-sized temporary
+# is a fresh mmap on CPU, page-faulted on every step (measured on a 3.4 MB slice: up to
+# 1,635 page faults per update).
 CHUNK = 1 << 18
 
 
 def adamw_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Working memory for `adamw_` on slices of up to `numel` elements of `dtype`."""
-    return torch.empty(2, min(numel, CHUNK), dtype=dtype, device=device)
+    return torch.empty(min(numel, CHUNK), dtype=dtype, device=device)
 
 
 @torch.no_grad()
@@ -48,20 +46,26 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
            decay: list[tuple[int, int]], scratch: torch.Tensor) -> None:
     """One AdamW update of the flat `param` in place (step counts from 1). `grad` may
     be of another dtype (a bf16 gradient for an fp32 master); `scratch` comes from
-    `adamw_scratch` with the dtype of `param`."""
-    beta1, beta2 = cfg.betas
+    `adamw_scratch` with the dtype of `param`.
+
+    The update itself is torch's fused AdamW kernel (the one behind
+    `torch.optim.AdamW(fused=True)`, on CPU and CUDA), called on the whole flat slice:
+    one pass over memory instead of one per op (853K fp32 elements on one CPU thread:
+    0.37 ms against 1.1 ms for the same update as five in-place ops in cache-sized
+    chunks, and 2.8 ms for torch's foreach AdamW over the 39 separate parameters).
+    The kernel applies weight decay to all it is given, so decay is applied here, on
+    the decayed ranges only, and the kernel runs with none; decoupled decay first,
+    then the Adam update, is the order torch.optim.AdamW uses."""
     if cfg.weight_decay:
         for a, b in decay:
             param[a:b].mul_(1 - lr * cfg.weight_decay)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    beta1, beta2 = cfg.betas
+    steps = torch.full((), float(step), dtype=torch.float32, device=param.device)
     cast = grad.dtype != param.dtype
-    for lo in range(0, param.numel(), scratch.shape[1]):
-        hi = min(lo + scratch.shape[1], param.numel())
-        g = scratch[1, : hi - lo].copy_(grad[lo:hi]) if cast else grad[lo:hi]
-        m, v = exp_avg[lo:hi], exp_avg_sq[lo:hi]
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = torch.sqrt(v, out=scratch[0, : hi - lo])
-        denom.div_(bias_correction2_sqrt).add_(cfg.eps)
-        param[lo:hi].addcdiv_(m, denom, value=-lr / bias_correction1)
+    chunk = scratch.numel() if cast else param.numel()
+    for lo in range(0, param.numel(), max(chunk, 1)):
+        hi = min(lo + chunk, param.numel())
+        g = scratch[: hi - lo].copy_(grad[lo:hi]) if cast else grad[lo:hi]
+        torch._fused_adamw_([param[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
+                            [steps], lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0,
+                            eps=cfg.eps, amsgrad=False, maximize=False)

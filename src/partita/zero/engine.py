@@ -111,8 +111,11 @@ class DataParallel:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)
         self.slots = [self._make_slot(buf) for buf in self.buckets]
+        # The optimizer casts gradients of another dtype than the master in chunks.
+        grad_dtype = dtype if self.stage <= 1 else precision.reduce
         largest = max((s.exp_avg.numel() for s in self.slots), default=1)
-        self.adam_scratch = adamw_scratch(largest, precision.master, device)
+        self.adam_scratch = adamw_scratch(largest if grad_dtype != precision.master else 0,
+                                          precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulation == "buffer",
                                    self.gatherer.done if self.gatherer else None)
@@ -311,7 +314,7 @@ class DataParallel:
         }
         out["model_states"] = sum(out.values())
         out["comm_buffers_peak"] = self.reducer.peak_bytes
-        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most 2 x adamw.CHUNK
+        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most adamw.CHUNK
         if self.gatherer is not None:
             out["gathered_now"] = self.gatherer.live_bytes
             out["gathered_peak"] = self.gatherer.peak_bytes
