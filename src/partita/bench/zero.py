@@ -7,8 +7,8 @@
 
 DeepSpeed rows appear where `deepspeed` is installed (an optional extra; on CPU:
 `DS_BUILD_OPS=0 pip install deepspeed`); it runs on its CPU accelerator with torch's
-AdamW. Every pair is timed as in `partita bench dp` (warm-up, then alternating rounds,
-median of per-round ratios). S times our own stage 3 against our stage 2 the same way:
+fused AdamW, as the torch peers do (`dp.torch_adamw`). Every pair is timed as in
+`partita bench dp` (warm-up, then alternating rounds, median of per-round ratios). S times our own stage 3 against our stage 2 the same way:
 the price of sharding parameters. A last pair times stage 0 against itself: how far from
 1.0 a ratio strays on this machine when nothing differs (the noise floor of the table).
 S is measured at the default unit size (bucket_mb: the tiny model's blocks make one
@@ -35,8 +35,7 @@ def _fsdp2_step(model, mesh, reshard: bool) -> harness.Step:
     for block in model.blocks.values():
         fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
-    return harness.torch_step(model, torch.optim.AdamW(model.parameters(), lr=harness.LR,
-                                                       foreach=True))
+    return harness.torch_step(model, harness.torch_adamw(model.parameters()))
 
 
 def _zero_redundancy_step(model, mesh) -> harness.Step:
@@ -45,7 +44,7 @@ def _zero_redundancy_step(model, mesh) -> harness.Step:
 
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=harness.LR, foreach=True)
+                                  lr=harness.LR, fused=True)
     return harness.torch_step(ddp, opt)
 
 
@@ -61,7 +60,8 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW",
-                            "params": {"lr": harness.LR, "torch_adam": True}}}
+                            "params": {"lr": harness.LR, "torch_adam": True,
+                                       "fused": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
 
