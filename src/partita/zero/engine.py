@@ -99,7 +99,13 @@ class DataParallel:
                 buf.materialize_shard(init_fn)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch)
         else:
-            groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize, bucket_key)
+            # A small first and last bucket buy overlap where collectives run beside the
+            # backward (NCCL on its own streams). On CPU the reduction takes turns with
+            # the backward on the same cores, and every extra collective is one more
+            # rendezvous of all ranks: measured on 2 cores, tiny model, stage 0, one
+            # bucket instead of three was 3.8% faster per step at 4 ranks and equal at 2.
+            groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize, bucket_key,
+                                     overlap_caps=device.type != "cpu")
             self.buckets = [FlatBuffer(g, n, index, dtype, device) for g in groups]
             for buf in self.buckets:
                 buf.materialize_full(init_fn)

@@ -89,13 +89,16 @@ def gather_units(per_block: list[NamedParams], unit_bytes: int,
 
 
 def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int,
-                    key: Callable[[str], object] | None = None) -> list[NamedParams]:
+                    key: Callable[[str], object] | None = None,
+                    overlap_caps: bool = True) -> list[NamedParams]:
     """Trainable parameters in reverse registration order (the order backward usually
     produces their gradients), cut greedily into buckets of about `bucket_bytes`.
 
-    The first and the last bucket are capped (EDGE_, LAST_BUCKET_BYTES): the first so that
-    communication starts early (as DDP does), the last because its collective can only
-    start when backward ends, so its size is the exposed tail of the step. With `key`,
+    With `overlap_caps` the first and the last bucket are capped (EDGE_,
+    LAST_BUCKET_BYTES): the first so that communication starts early (as DDP does), the
+    last because its collective can only start when backward ends, so its size is the
+    exposed tail of the step. Both pay off only where a collective runs beside the
+    backward instead of taking turns with it on the same cores (see the engine). With `key`,
     a bucket never holds parameters of two keys (a pipeline rank's chunks: each chunk's
     buckets can then be reduced as soon as that chunk's last backward is done)."""
     seen: set[int] = set()
@@ -105,11 +108,11 @@ def buckets_by_size(module: nn.Module, bucket_bytes: int, itemsize: int,
             seen.add(id(p))
             params.append((name, p))
     key = key or (lambda name: None)
-    edge = min(bucket_bytes, EDGE_BUCKET_BYTES)
+    edge = min(bucket_bytes, EDGE_BUCKET_BYTES) if overlap_caps else bucket_bytes
+    last_cap = min(bucket_bytes, LAST_BUCKET_BYTES) if overlap_caps else 0
     last: NamedParams = []
     size = 0
-    while len(params) > 1 and size + params[0][1].numel() * itemsize <= \
-            min(bucket_bytes, LAST_BUCKET_BYTES) and \
+    while len(params) > 1 and size + params[0][1].numel() * itemsize <= last_cap and \
             (not last or key(params[0][0]) == key(last[0][0])):
         size += params[0][1].numel() * itemsize
         last.append(params.pop(0))
