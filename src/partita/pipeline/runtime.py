@@ -239,7 +239,7 @@ class PipelineRunner:
     def _post_early(self, batch: tuple[Action, ...], step: _Step, early: dict,
                     t0: float) -> None:
         """Post receives ahead of the computes in front of them (see `_early_plan`),
-        from the transport's helper thread, behind the sends just handed to it."""
+        from the transport's helper thread."""
         start = time.perf_counter() - t0
         posted = [(a, self._recv_buffer(step)) for a in batch]
         for (a, buf), work in zip(posted, self.transport.post_recvs(posted)):
