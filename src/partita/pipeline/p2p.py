@@ -106,7 +106,7 @@ class Transport:
         for (action, tensor), work in zip(batch, works):
             if action.kind.is_send:
                 if self._reaper is not None:  # gloo: see __init__
-                    work = _Posted(_resolved([work]), 0, (self._reaper, self.timeout))
+                    work = _ReapedSend(work, self._reaper, self.timeout)
                 self.pending_sends.append((action, work, tensor))
             else:
                 recvs.append((action, work))
@@ -184,34 +184,27 @@ def _run_jobs(jobs: queue.SimpleQueue) -> None:
             future.set_exception(exc)
 
 
-def _resolved(value) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
 class _Posted:
-    """The k-th work of a batch posted from the helper thread (an early receive), or a
-    gloo send's work (`_resolved`, posted here) that the reaper waits on.
-    `reap` (a send's): the reaper and timeout that wait on it (see Transport)."""
+    """An early receive posted from the helper thread: the k-th work of that batch."""
 
-    def __init__(self, future, k: int,
-                 reap: tuple[_Reaper, datetime.timedelta] | None = None) -> None:
+    def __init__(self, future: Future, k: int) -> None:
         self.future, self.k = future, k
-        self.reaped = reap[0].submit(self.wait_work, reap[1]) if reap else None
-
-    def wait_work(self, timeout: datetime.timedelta) -> None:
-        self.future.result(timeout=timeout.total_seconds())[self.k].wait(timeout=timeout)
 
     def wait(self, timeout: datetime.timedelta) -> None:
-        # A gloo send's wait takes one completion off its buffer: a second wait on the
-        # same send would block forever, so once the reaper waits, we wait for it.
-        if self.reaped is not None:
-            self.reaped.result(timeout=timeout.total_seconds())
-        else:
-            self.wait_work(timeout)
+        self.future.result(timeout=timeout.total_seconds())[self.k].wait(timeout=timeout)
+
+
+class _ReapedSend:
+    """A gloo send whose one wait runs on the reaper (see Transport). A gloo send's wait
+    takes one completion off its buffer, so a second wait on it would block forever:
+    whoever waits here waits for the reaper instead."""
+
+    def __init__(self, work, reaper: _Reaper, timeout: datetime.timedelta) -> None:
+        self.reaped = reaper.submit(work.wait, timeout)
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        self.reaped.result(timeout=timeout.total_seconds())
 
     def is_completed(self) -> bool:
-        if self.reaped is not None:  # a failed send stays, for finish() to report
-            return self.reaped.done() and self.reaped.exception() is None
-        return self.future.done() and self.future.result()[self.k].is_completed()
+        # A failed send stays pending, for finish() to report.
+        return self.reaped.done() and self.reaped.exception() is None
