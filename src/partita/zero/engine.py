@@ -118,10 +118,9 @@ class DataParallel:
                                              device=device)
         self.slots = [self._make_slot(buf) for buf in self.buckets]
         # The optimizer casts gradients of another dtype than the master in chunks.
-        grad_dtype = dtype if self.stage <= 1 else precision.reduce
+        cast = any(self._owned_grad(b).dtype != precision.master for b in self.buckets)
         largest = max((s.exp_avg.numel() for s in self.slots), default=1)
-        self.adam_scratch = adamw_scratch(largest if grad_dtype != precision.master else 0,
-                                          precision.master, device)
+        self.adam_scratch = adamw_scratch(largest if cast else 0, precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulation == "buffer",
                                    self.gatherer.done if self.gatherer else None)
