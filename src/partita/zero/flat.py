@@ -147,9 +147,11 @@ class FlatBuffer:
             shard[pc.buf_start - self.lo:pc.buf_start - self.lo + pc.stop - pc.start].copy_(values)
         self.shard = shard
         self._unmeta()
-        # Never written before a gather: its untouched pages cost nothing.
-        self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+        # The full buffer's shape over an empty storage: nothing is allocated until the
+        # first gather (`allocate_full`).
         self._empty = torch.empty(0, dtype=self.dtype, device=self.device)  # at rest
+        self.full = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.full.set_(self.full.untyped_storage(), 0, (self.padded,))
         self.free_full()
 
     def _unmeta(self) -> None:
