@@ -3,8 +3,8 @@
 Both train the same model from the same weights on the same batches, with the same world
 size (gloo), one thread per rank and AdamW: the peers get torch's fastest, the fused
 kernel (`fused=True`, not torch's default: on CPU the default is a loop over parameters,
-foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket. After warm-up, rounds alternate
-ours and the peer, and which of the two goes first alternates too (A B, B A, A B, ...),
+foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket.
+After warm-up, rounds alternate ours and the peer, and which of the two goes first alternates too (A B, B A, A B, ...),
 so neither always runs right after the other's barrier; each round times a few steps
 between barriers. The verdict is the median of the per-round ratios. The timing harness
 here also serves `partita bench zero`.
@@ -59,9 +59,13 @@ def partita_step(model, mesh, stage: int, blocks=None, **zero) -> Step:
     return step
 
 
+# The peers' optimizer settings: torch's AdamW with its fused kernel (see the docstring);
+# `bench zero` hands the same to ZeroRedundancyOptimizer and DeepSpeed.
+TORCH_ADAMW = {"lr": LR, "fused": True}
+
+
 def torch_adamw(params) -> torch.optim.Optimizer:
-    """The peers' optimizer: torch's AdamW with its fused kernel (see the docstring)."""
-    return torch.optim.AdamW(params, lr=LR, fused=True)
+    return torch.optim.AdamW(params, **TORCH_ADAMW)
 
 
 def torch_step(model: torch.nn.Module, optimizer) -> Step:

@@ -45,7 +45,7 @@ def _zero_redundancy_step(model, mesh) -> harness.Step:
 
     ddp = DistributedDataParallel(model)
     opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                  lr=harness.LR, fused=True)
+                                  **harness.TORCH_ADAMW)
     return harness.torch_step(ddp, opt)
 
 
@@ -61,8 +61,7 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW",
-                            "params": {"lr": harness.LR, "torch_adam": True,
-                                       "fused": True}}}
+                            "params": {**harness.TORCH_ADAMW, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                       config=config)
 

@@ -29,7 +29,7 @@ def formula(stage: int, p: int, n: int) -> float:
 
 
 def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
-            seq: int, bucket_mb: float = 25.0) -> list[dict]:
+            seq: int, bucket_mb: float | None = None) -> list[dict]:
     """One row per stage: the ledger after one step, plus stage 3's init requests."""
     import torch.nn.functional as F
 
@@ -48,7 +48,9 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
             drawn[0] += stop - start
             return base_init(info, start, stop)
 
-        dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=bucket_mb),
+        zero = ZeroConfig(stage=stage) if bucket_mb is None else \
+            ZeroConfig(stage=stage, bucket_mb=bucket_mb)
+        dp = DataParallel(model, mesh, zero=zero,
                           precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                    master_dtype=torch.float32),
                           init_fn=init_fn, device=torch.device("cpu"))
