@@ -165,6 +165,11 @@ class Schedule(StageGrid):
     n_virtual: int
     ranks: tuple[tuple[Action, ...], ...]
 
+    @property
+    def splits_backward(self) -> bool:
+        """Backward split into I and W passes (zero bubble) rather than whole B."""
+        return any(a.kind is Kind.I for acts in self.ranks for a in acts)
+
     def format(self) -> str:
         """One line per rank in the compact form, e.g. 'rank 0: F0.0 SF0.0 ...'."""
         return "\n".join(

@@ -15,6 +15,12 @@ exactly as in an ordinary backward and post-accumulate hooks (the data-parallel
 engine's gradient reduction) fire. A parameter reached through several intermediates
 (a weight used twice) would be counted twice by that re-entry; its gradient is
 computed during I instead and accumulated during W.
+
+Keeping the graph alive from I to W would keep every tensor the forward saved, though W
+runs only the weight-gradient nodes (a linear layer's matmul: its input, and the
+gradient I recorded). A forward run inside `ForwardSaves` stores what autograd saves in
+slots; given them, I empties every slot no node of W can read, so between I and W a
+microbatch holds what the zero-bubble paper counts for W and nothing more.
 """
 
 from __future__ import annotations
@@ -34,6 +40,89 @@ def as_edge(root: Root) -> GradientEdge:
 def full_backward(roots: Sequence[Root], grads: Sequence[torch.Tensor]) -> None:
     """B: input and parameter gradients in one pass (accumulated into .grad)."""
     torch.autograd.backward([as_edge(r) for r in roots], list(grads))
+
+
+class _Slot:
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+
+_RELEASED = object()
+
+
+class ForwardSaves:
+    """Every tensor autograd saves inside the context, each in a slot I can empty.
+
+    Saved-tensor hooks already active (a user's `torch.autograd.graph.save_on_cpu`, the
+    activation meter) still apply: a tensor goes through them first, and the slot holds
+    what they return. A block wrapped in torch's own checkpoint saves through its hooks,
+    not these; it keeps its (small) saved inputs until W, and reading W's nodes there
+    would recompute the block, so do not combine the two.
+    """
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self._probe: set[int] | None = None
+        self._outer = None
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def __enter__(self) -> ForwardSaves:
+        # The hooks in force outside (torch keeps a stack and lets the innermost win).
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, t: torch.Tensor) -> _Slot:
+        slot = _Slot(self._outer[0](t) if self._outer else t)
+        self.slots.append(slot)
+        return slot
+
+    def _unpack(self, slot: _Slot) -> torch.Tensor:
+        if self._probe is not None:  # only asking which slots a node reads
+            self._probe.add(id(slot))
+            return _EMPTY
+        if slot.value is _RELEASED:
+            raise RuntimeError(
+                "partita: a weight-gradient pass read a saved tensor released after the "
+                "input-gradient pass; this is a bug in partita.pipeline.backward")
+        return self._outer[1](slot.value) if self._outer else slot.value
+
+    def keep_only(self, nodes: Sequence[Node]) -> None:
+        """Empty every slot none of `nodes` reads (they are the nodes W will run)."""
+        self._probe = read = set()
+        try:
+            for node in nodes:
+                for name in _saved_names(node):
+                    getattr(node, name)
+        finally:
+            self._probe = None
+        for slot in self.slots:
+            if id(slot) not in read:
+                slot.value = _RELEASED
+        self.slots = []
+
+
+_EMPTY = torch.empty(0)
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_names(node: Node) -> tuple[str, ...]:
+    """The attributes through which a node's saved tensors are read (unpacking them):
+    `_saved_<name>` on torch's nodes, `saved_tensors` on a custom Function's."""
+    kind = type(node)
+    names = _SAVED_NAMES.get(kind)
+    if names is None:
+        names = tuple(n for n in dir(node) if n.startswith("_saved_")
+                      and not n.endswith(("_sym_sizes", "_sym_strides")))
+        if hasattr(node, "saved_tensors"):
+            names += ("saved_tensors",)
+        _SAVED_NAMES[kind] = names
+    return names
 
 
 class WeightPass:
@@ -76,9 +165,10 @@ def _post_order(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
 
 def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
                    inputs: Sequence[torch.Tensor],
-                   params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor | None],
-                                                            WeightPass]:
-    """I: gradients of `inputs` (None where unused); the returned WeightPass is W."""
+                   params: Sequence[torch.Tensor], saves: ForwardSaves | None = None,
+                   ) -> tuple[list[torch.Tensor | None], WeightPass]:
+    """I: gradients of `inputs` (None where unused); the returned WeightPass is W.
+    With `saves` (the forward ran inside it), what only I needed is released."""
     edges = [as_edge(r) for r in roots]
     grads = list(grads)
     inputs = [x for x in inputs if x.requires_grad]
@@ -143,6 +233,11 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
         slots = [(GradientEdge(entry, i), g) for i, g in enumerate(got) if g is not None]
         if slots:
             groups.append(([e for e, _ in slots], [g for _, g in slots], mine))
+    if saves is not None:
+        # W runs the re-entry nodes on the input path and, below them, nodes off it
+        # only; all off-path nodes are a superset, cheap to read (weight casts, views).
+        saves.keep_only([n for n, _ in entries if isinstance(n, Node)]
+                        + [n for n in order if not on_path[n]])
     return input_grads, WeightPass(groups, eager_grads)
 
 

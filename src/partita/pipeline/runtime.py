@@ -15,6 +15,7 @@ step) so a real run can be drawn and its bubble measured (`partita.pipeline.meas
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -25,7 +26,13 @@ from partita.mesh import Mesh
 from partita.models.plan import ModelPlan
 from partita.pipeline import stage as st
 from partita.pipeline.actions import Action, Kind, Schedule
-from partita.pipeline.backward import WeightPass, as_edge, backward_input, full_backward
+from partita.pipeline.backward import (
+    ForwardSaves,
+    WeightPass,
+    as_edge,
+    backward_input,
+    full_backward,
+)
 from partita.pipeline.p2p import Transport, check_transfer_order
 from partita.pipeline.schedules import build_schedule
 from partita.pipeline.simulate import Event, simulate
@@ -43,6 +50,7 @@ class _Pass:
     edge: object = None  # GradientEdge of the output: the tensor itself may be freed
     weights: WeightPass | None = None
     x_grad: torch.Tensor | None = None  # stage 0 after I: gradient at the detach
+    saves: ForwardSaves | None = None  # split backward: what I may release (backward.py)
 
 
 @dataclass
@@ -51,6 +59,7 @@ class _Step:
     targets: list[torch.Tensor]
     m: int
     train: bool
+    split: bool = False  # the schedule splits backward into I and W
     passes: dict[tuple[int, int], _Pass] = field(default_factory=dict)
     outbox: dict[Action, torch.Tensor] = field(default_factory=dict)  # to send / hand over
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -137,7 +146,7 @@ class PipelineRunner:
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
         sched = self.schedule(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True)
+                     microbatches, train=True, split=sched.splits_backward)
         self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
         return float(sum(loss.item() for loss in step.losses))
 
@@ -299,22 +308,26 @@ class PipelineRunner:
                 p.embedded = embedded
             else:
                 p.x = self._take(step, "F", a.stage - 1, mb).detach().requires_grad_(step.train)
-            out = st.run_blocks(self.module, self.plan, stage, p.x)
-            if stage.last:
-                if self.tied is not None:
-                    self.tied.wait_weight()
-                logits = st.head(self.module, out)
-                # Mean over this microbatch's tokens / number of microbatches: the sum
-                # over microbatches is the mean over the rank's batch.
-                loss = self.loss_fn(logits, step.targets[mb].to(self.device)) / step.m
-                step.losses.append(loss.detach())
-                scale = self.dp.loss_scale
-                p.root = loss * scale if scale != 1 else loss
-            else:
-                # Detached: the send keeps the data until the peer has it (gloo: until
-                # the step's end), not the graph; backward reaches it through `edge`.
-                step.outbox[Action(Kind.SEND_F, a.stage, mb)] = out.detach()
-                p.edge = as_edge(out) if step.train else None
+            # Only the graph from p.x on: I releases what W cannot read (the embedding's
+            # backward, stage 0's W, reads its own saved tensors).
+            p.saves = ForwardSaves() if step.split else None
+            with p.saves or contextlib.nullcontext():
+                out = st.run_blocks(self.module, self.plan, stage, p.x)
+                if stage.last:
+                    if self.tied is not None:
+                        self.tied.wait_weight()
+                    logits = st.head(self.module, out)
+                    # Mean over this microbatch's tokens / number of microbatches: the
+                    # sum over microbatches is the mean over the rank's batch.
+                    loss = self.loss_fn(logits, step.targets[mb].to(self.device)) / step.m
+                    step.losses.append(loss.detach())
+                    scale = self.dp.loss_scale
+                    p.root = loss * scale if scale != 1 else loss
+                else:
+                    # Detached: the send keeps the data until the peer has it (gloo:
+                    # until the step's end), not the graph; backward goes via `edge`.
+                    step.outbox[Action(Kind.SEND_F, a.stage, mb)] = out.detach()
+                    p.edge = as_edge(out) if step.train else None
         if step.train:
             step.passes[(a.stage, mb)] = p
             held = step.held[a.stage] = step.held.get(a.stage, 0) + 1
@@ -364,8 +377,8 @@ class PipelineRunner:
         params = [t for t in self.module.parameters() if t.requires_grad]
         if self.tied is not None and not self.tied.owner:
             params.append(self.tied.weight)
-        (x_grad,), p.weights = backward_input(roots, grads, [p.x], params)
-        p.root = p.edge = None
+        (x_grad,), p.weights = backward_input(roots, grads, [p.x], params, p.saves)
+        p.root = p.edge = p.saves = p.x = None  # W reads none of them
         if stage.first:
             p.x_grad = x_grad
         else:
