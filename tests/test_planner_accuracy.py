@@ -44,6 +44,9 @@ CASES = {
         Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),
         Case(dp=2, tp=2, zero=3, sp=True, shape=GPT2_TIED),
         Case(pp=4, microbatches=4, shape=DEEP), Case(dp=2, pp=2, zero=1, microbatches=3),
+        # Zero bubble: stages 1-2 hold microbatches waiting for their deferred W.
+        Case(pp=4, microbatches=8, schedule="zb-h1", shape=DEEP),
+        Case(tp=2, sp=True, pp=2, microbatches=4, schedule="zb-h1", dtype=BF16),
         Case(tp=2, sp=True, pp=2, microbatches=2, dtype=BF16)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }

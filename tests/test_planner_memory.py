@@ -16,7 +16,12 @@ from partita.planner import (
     zero_state_bytes,
 )
 from partita.planner.activations import inflight_chunks, layer_activation_bytes
-from partita.planner.memory import activation_bytes, stage_layers, stage_param_counts
+from partita.planner.memory import (
+    activation_bytes,
+    stage_layers,
+    stage_param_counts,
+    zero_bubble_peak,
+)
 
 EAGER = Assumptions(attention_kernel="eager")
 
@@ -164,6 +169,15 @@ def test_inflight_microbatches_per_schedule():
     lay = Layout(pp=4, vpp=2, schedule="interleaved")
     assert inflight_chunks(lay, 0, 16) == 11
     assert inflight_chunks(lay, 0, 16) / 2 == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_zero_bubble_peak_walks_the_schedule():
+    """A microbatch costs `whole` from F to I and `deferred` from I to W. Stage 0 runs
+    each W right after its I: 1F1B's p running microbatches. The last stage defers W by
+    p - 1 microbatches: one running and three waiting."""
+    assert zero_bubble_peak(4, 8, 0, whole=10.0, deferred=3.0) == 40.0
+    assert zero_bubble_peak(4, 8, 3, whole=10.0, deferred=3.0) == 10.0 + 3 * 3.0
+    assert zero_bubble_peak(4, 2, 3, whole=10.0, deferred=3.0) == 13.0  # few microbatches
 
 
 def test_activation_bytes_full_recompute_and_precision():

@@ -17,13 +17,16 @@ storage and is counted: it is memory held for backward like any activation.
 
 A storage stays alive while any tensor saved on it does (weak references tell), so
 `peak_bytes`, sampled whenever something is saved, is the high-water mark of memory
-held for backward even when backwards free earlier microbatches meanwhile.
+held for backward even when backwards free earlier microbatches meanwhile. Memory held
+for backward outside autograd (a zero-bubble pipeline's gradients recorded for its
+deferred weight pass) joins the samples through `held_elsewhere`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -32,8 +35,10 @@ import torch.nn as nn
 class SavedTensorMeter:
     """Bytes of distinct non-parameter storages saved for backward inside the context."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module,
+                 held_elsewhere: Callable[[], int] | None = None) -> None:
         self.module = module
+        self.held_elsewhere = held_elsewhere
         self.storages: dict[int, tuple[int, torch.dtype]] = {}
         self._refs: dict[int, list[weakref.ref]] = defaultdict(list)
         self.peak_bytes = 0
@@ -62,7 +67,8 @@ class SavedTensorMeter:
         # alive after their weight pass.
         t = t.detach()
         self._refs[ptr].append(weakref.ref(t))
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        extra = self.held_elsewhere() if self.held_elsewhere is not None else 0
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes + extra)
         return t
 
     def _alive(self, ptr: int) -> bool:

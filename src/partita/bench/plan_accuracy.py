@@ -56,6 +56,9 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                for s in ("1f1b", "gpipe", "zb-h1") for d in DTYPES]
     out[2] += [Case(pp=2, microbatches=4, schedule="interleaved", vpp=2, shape=deep)]
     out[4] += [Case(pp=4, microbatches=4, shape=deep),
+               Case(pp=4, microbatches=8, schedule="zb-h1", shape=deep),
+               Case(tp=2, sp=True, pp=2, microbatches=4, schedule="zb-h1",
+                    dtype="bfloat16", shape=shape),
                Case(dp=2, pp=2, zero=1, microbatches=4, shape=shape),
                Case(dp=2, pp=2, zero=2, microbatches=4, shape=shape),
                Case(tp=2, sp=True, pp=2, microbatches=4, dtype="bfloat16", shape=shape)]

@@ -183,8 +183,11 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
 
     mesh.counter.reset()
     # The trainer's own microbatch loop (or pipeline schedule); the peak is what is
-    # saved for backward at once (a pipeline stage holds several microbatches).
-    with SavedTensorMeter(pm.module) as meter:
+    # held for backward at once (a pipeline stage holds several microbatches; a zero-
+    # bubble one also the gradients kept for its deferred weight passes).
+    deferred = getattr(pm.runner, "deferred_bytes", None)
+    with SavedTensorMeter(pm.module, None if deferred is None
+                          else lambda: pm.runner.deferred_bytes) as meter:
         pm.runner.train(x, y, m)
     _finish_step(dp)
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}

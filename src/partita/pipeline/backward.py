@@ -134,6 +134,12 @@ class WeightPass:
         self.groups = groups
         self.eager = eager
 
+    @property
+    def nbytes(self) -> int:
+        """The recorded gradients held until `run`."""
+        grads = [g for _, gs, _ in self.groups for g in gs] + [g for _, g in self.eager]
+        return sum(g.numel() * g.element_size() for g in grads)
+
     def run(self) -> None:
         """Accumulate every parameter gradient; the graph is released afterwards."""
         for edges, grads, params in self.groups:

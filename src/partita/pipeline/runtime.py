@@ -51,6 +51,7 @@ class _Pass:
     weights: WeightPass | None = None
     x_grad: torch.Tensor | None = None  # stage 0 after I: gradient at the detach
     saves: ForwardSaves | None = None  # split backward: what I may release (backward.py)
+    deferred_bytes: int = 0  # gradients I recorded for W (and x_grad), held until W
 
 
 @dataclass
@@ -110,6 +111,9 @@ class PipelineRunner:
         # Per local stage, the most microbatches whose activations were held at once
         # during the last training step (counted from the runtime's own state).
         self.held_peak: dict[int, int] = {}
+        # Zero bubble: bytes of the gradients I recorded and W has not consumed yet (held
+        # for backward like saved activations, but outside autograd's saved tensors).
+        self.deferred_bytes = 0
         self.schedule(microbatches)  # validate the configured schedule now
 
     @property
@@ -347,6 +351,7 @@ class PipelineRunner:
         else:
             p = step.passes.pop((a.stage, a.microbatch))
             step.held[a.stage] -= 1
+            self.deferred_bytes -= p.deferred_bytes
         with self.dp.grad_sync(is_final, self.stage_buckets.get(a.stage)):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
@@ -379,7 +384,10 @@ class PipelineRunner:
             params.append(self.tied.weight)
         (x_grad,), p.weights = backward_input(roots, grads, [p.x], params, p.saves)
         p.root = p.edge = p.saves = p.x = None  # W reads none of them
+        p.deferred_bytes = p.weights.nbytes
         if stage.first:
             p.x_grad = x_grad
+            p.deferred_bytes += x_grad.numel() * x_grad.element_size()
         else:
             step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
+        self.deferred_bytes += p.deferred_bytes

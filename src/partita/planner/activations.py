@@ -157,6 +157,42 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
     return sum(terms.values())
 
 
+def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
+                      precision: Precision = MIXED,
+                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Named bytes one layer holds for one microbatch between its input-gradient pass (I)
+    and its deferred weight-gradient pass (W) in a zero-bubble schedule.
+
+    W reads what each weight's gradient needs and nothing else: the inputs of the
+    linear layers and of the norms' weights, and the output gradients I recorded at
+    each of them (Qi et al. count the same: W keeps linear inputs and output
+    gradients). Everything else a layer saved (attention internals, the MLP's
+    activation inputs) is released after I.
+    """
+    c = model.config
+    t, e = layout.tp, precision.activation
+    s, b, h = seq_len / layout.cp, layout.mb, c.dim
+    sp_div = t if layout.sp else 1
+    full = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+    kv = -(-c.kv_heads // t) * c.head_dim
+    ffn = model.expert_ffn * model.moe.top_k if model.is_moe else c.ffn_hidden
+    up_outputs = 2 if c.gated_mlp else 1  # gate and up, or fc1
+    terms = {
+        "linear_inputs": (full["qkv_input"] + full["mlp_input"] + full["attention_output"]
+                          + e * s * b * ffn / t),  # fc2's input
+        # Output gradients of QKV, the output projection, the MLP's up projection(s) and
+        # fc2 (row-parallel outputs are full width before their reduction).
+        "linear_output_grads": e * s * b * ((h + 2 * kv) / t + h + up_outputs * ffn / t + h),
+        "norm_output_grads": 2 * e * s * b * h / sp_div,
+    }
+    if assumptions.norm_kernel == "eager" and c.flavour == "llama":
+        # RMSNorm's weight gradient reads the normalised input before the weight.
+        terms["norm_inputs"] = 2 * e * s * b * h / sp_div
+    else:  # one kernel for the input and weight gradients: W re-runs it whole
+        terms["norm_inputs"] = full["norm_inputs"]
+    return terms
+
+
 def inflight_chunks(layout: Layout, stage: int, num_microbatches: int) -> float:
     """Model chunks' worth of microbatch activations stage `stage` holds at its peak.
 

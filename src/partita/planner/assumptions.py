@@ -84,10 +84,6 @@ class Assumptions:
     # ZeRO-3 keeps the root group (embeddings, final norm, head) gathered from the end
     # of forward until its gradients are in: 3 Psi - Psi_root per step, not 3 Psi.
     zero3_keeps_root: bool = False
-    # Zero-bubble schedules: partita's W pass re-enters the autograd graph of I, so a
-    # microbatch's saved tensors live until its W (up to pp microbatches on every
-    # stage); the paper's W keeps only linear inputs and output gradients.
-    zero_bubble_keeps_graph: bool = False
     # Eager rotary embedding saves its cos and sin tables (seq x head_dim/2 each, per
     # layer); a fused rope kernel recomputes them.
     rotary_tables_saved: bool = False
@@ -138,7 +134,6 @@ class Assumptions:
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
-                   zero_bubble_keeps_graph=True,
                    token_id_bytes=16.0, flat_buffer_align=64)
 
     @classmethod

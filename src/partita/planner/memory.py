@@ -14,12 +14,15 @@ temporary buffers; `memory_breakdown` returns them all as one dict of named byte
 
 from __future__ import annotations
 
+from partita.pipeline.actions import Kind
+from partita.pipeline.schedules import zb_h1_order
 from partita.planner.activations import (
     inflight_chunks,
     layer_activation_bytes,
     layer_activation_terms,
     layer_input_bytes,
     norm_bytes,
+    weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.layout import MIXED, Layout, Precision
@@ -161,26 +164,74 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     x the stage's layers x the microbatches the schedule holds in flight, plus what the
     last stage keeps for the loss and, under full recompute, one layer's working set."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
-    chunks = inflight_chunks(layout, stage, num_microbatches)
-    if layout.schedule == "zb-h1" and assumptions.zero_bubble_keeps_graph:
-        # Every microbatch's graph lives from F to its deferred W: up to pp of them.
-        chunks = min(num_microbatches, layout.pp) * layout.vpp
     per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
-    total = per_layer * layers * chunks / layout.vpp
+    ids = assumptions.token_id_bytes / 2 * seq_len / layout.cp * layout.mb
+    first, last = stage == 0, stage == layout.pp - 1
+    # Loss side of the last stage: logits, the head's input, the targets.
+    loss_side = (logits_bytes(model, layout, seq_len, assumptions)
+                 + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids)
+    if layout.schedule == "zb-h1" and layout.pp > 1:
+        whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
+        deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
+                                               assumptions, layers, first, last)
+        total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole,
+                                 min(deferred, whole))
+    else:
+        chunks = inflight_chunks(layout, stage, num_microbatches)
+        total = per_layer * layers * chunks / layout.vpp
+        if first:
+            total += ids * chunks / layout.vpp  # token ids of the embedding lookup
+        if last:
+            # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
+            total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
     if layout.recompute == "full":
         # Backward re-runs one layer's forward and holds its full activations meanwhile.
         total += sum(layer_activation_terms(model, layout, seq_len, precision,
                                             assumptions).values())
-    ids = assumptions.token_id_bytes / 2 * seq_len / layout.cp * layout.mb
-    if stage == 0:
-        total += ids * chunks / layout.vpp  # token ids of the embedding lookup
-    if stage == layout.pp - 1:
-        # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
-        held = num_microbatches if layout.schedule == "gpipe" else 1
-        total += held * (logits_bytes(model, layout, seq_len, assumptions)
-                         + head_input_bytes(model, layout, seq_len, precision, assumptions)
-                         + ids)  # ids: the loss's targets
     return total
+
+
+def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                                precision: Precision, assumptions: Assumptions,
+                                layers: int, first: bool, last: bool) -> float:
+    """What one microbatch of a stage holds between I and W (`weight_pass_terms` per
+    layer; stage 0 adds the embedding's token ids and the gradient at its output, the
+    last stage the head's and final norm's inputs and output gradients)."""
+    e, tokens = precision.activation, seq_len / layout.cp * layout.mb
+    h, sp_div = model.config.dim, layout.tp if layout.sp else 1
+    ids = assumptions.token_id_bytes / 2 * tokens
+    per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
+    if layout.recompute == "full":
+        per_layer = min(per_layer, layer_input_bytes(model, layout, seq_len, precision))
+    total = per_layer * layers
+    if first:
+        total += ids + e * tokens * h / sp_div
+    if last:
+        vocab = -(-model.config.vocab_size // layout.tp)
+        in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
+        norm = (e * tokens * h / sp_div
+                if assumptions.norm_kernel == "eager" and model.config.flavour == "llama"
+                else norm_bytes(model, tokens / sp_div, precision, assumptions))
+        total += (e * tokens * h / in_div + norm  # the head's and the norm's inputs
+                  + e * tokens * (vocab + h / sp_div))  # their output gradients
+    return total
+
+
+def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,
+                     deferred: float) -> float:
+    """The most a ZB-H1 stage holds: walk its schedule; a microbatch holds `whole` from
+    F to I and `deferred` from I to W."""
+    running = waiting = 0  # microbatches between F and I, and between I and W
+    peak = 0.0
+    for action in zb_h1_order(pp, num_microbatches, stage):
+        if action.kind is Kind.F:
+            running += 1
+            peak = max(peak, running * whole + waiting * deferred)
+        elif action.kind is Kind.I:
+            running, waiting = running - 1, waiting + 1
+        else:
+            waiting -= 1
+    return peak
 
 
 def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
