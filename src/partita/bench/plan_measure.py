@@ -185,9 +185,8 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     # The trainer's own microbatch loop (or pipeline schedule); the peak is what is
     # held for backward at once (a pipeline stage holds several microbatches; a zero-
     # bubble one also the gradients kept for its deferred weight passes).
-    deferred = getattr(pm.runner, "deferred_bytes", None)
-    with SavedTensorMeter(pm.module, None if deferred is None
-                          else lambda: pm.runner.deferred_bytes) as meter:
+    with SavedTensorMeter(pm.module,
+                          lambda: getattr(pm.runner, "deferred_bytes", 0)) as meter:
         pm.runner.train(x, y, m)
     _finish_step(dp)
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}

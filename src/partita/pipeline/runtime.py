@@ -187,6 +187,7 @@ class PipelineRunner:
         self.timeline = []
         if step.train:
             self.held_peak = {}
+            self.deferred_bytes = 0  # a step cut short must not leave a count behind
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
         plan = self._early_plan(actions) if self.transport.early_receives else None

@@ -175,6 +175,7 @@ def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
     sp_div = t if layout.sp else 1
     full = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     kv = -(-c.kv_heads // t) * c.head_dim
+    # MoE: top_k copies of each token through an expert's projections (not measured).
     ffn = model.expert_ffn * model.moe.top_k if model.is_moe else c.ffn_hidden
     up_outputs = 2 if c.gated_mlp else 1  # gate and up, or fc1
     terms = {
