@@ -100,7 +100,10 @@ def zb_h1_order(p: int, m: int, rank: int) -> Order:
     F and I keep 1F1B's order, so gradients travel back as fast as in 1F1B but each
     hop costs only I. Rank r defers each W by r microbatches: the later ranks, which
     in 1F1B hold fewer activations, use that slack so the deferred Ws fill the drain
-    bubble. Every rank then holds at most p microbatches, 1F1B's peak (rank 0).
+    bubble. Every rank then holds at most p microbatches, 1F1B's count on rank 0; in
+    bytes a microbatch waiting for its W holds its linear layers' inputs and output
+    gradients, about as much as a whole forward's activations (the planner counts both:
+    `partita.planner.memory.zero_bubble_peak`).
     """
     order: Order = []
     next_w = 0

@@ -174,8 +174,7 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
         whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
                                                assumptions, layers, first, last)
-        total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole,
-                                 min(deferred, whole))
+        total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
     else:
         chunks = inflight_chunks(layout, stage, num_microbatches)
         total = per_layer * layers * chunks / layout.vpp
@@ -201,8 +200,6 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     h, sp_div = model.config.dim, layout.tp if layout.sp else 1
     ids = assumptions.token_id_bytes / 2 * tokens
     per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
-    if layout.recompute == "full":
-        per_layer = min(per_layer, layer_input_bytes(model, layout, seq_len, precision))
     total = per_layer * layers
     if first:
         total += ids + e * tokens * h / sp_div
