@@ -162,7 +162,9 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Activations saved for backward on one GPU of `stage` at its peak: per-layer bytes
     x the stage's layers x the microbatches the schedule holds in flight, plus what the
-    last stage keeps for the loss and, under full recompute, one layer's working set."""
+    last stage keeps for the loss and, under full recompute, one layer's working set.
+    ZB-H1 is walked action by action (`zero_bubble_peak`): a microbatch waiting for its
+    deferred W holds only what W reads."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
     per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
     ids = assumptions.token_id_bytes / 2 * seq_len / layout.cp * layout.mb
