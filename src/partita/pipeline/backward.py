@@ -78,7 +78,11 @@ class ForwardSaves:
         self._hooks.__exit__(*exc)
 
     def _pack(self, t: torch.Tensor) -> _Slot:
-        slot = _Slot(self._outer[0](t) if self._outer else t)
+        # A detached alias, not `t`: a node saving its own output would otherwise hold
+        # the output, which holds the node (grad_fn), a cycle through C++ that the
+        # garbage collector cannot see; the graph would outlive W (found leaking six
+        # tensors per microbatch, and aborting at exit when freed after finalization).
+        slot = _Slot(self._outer[0](t) if self._outer else t.detach())
         self.slots.append(slot)
         return slot
 
