@@ -80,8 +80,8 @@ class ForwardSaves:
     def _pack(self, t: torch.Tensor) -> _Slot:
         # A detached alias, not `t`: a node saving its own output would otherwise hold
         # the output, which holds the node (grad_fn), a cycle through C++ that the
-        # garbage collector cannot see; the graph would outlive W (found leaking six
-        # tensors per microbatch, and aborting at exit when freed after finalization).
+        # garbage collector cannot see; the graph would outlive W (six tensors per
+        # microbatch of the test model leaked so).
         slot = _Slot(self._outer[0](t) if self._outer else t.detach())
         self.slots.append(slot)
         return slot
