@@ -18,6 +18,7 @@ from partita.planner import (
 from partita.planner.activations import inflight_chunks, layer_activation_bytes
 from partita.planner.memory import (
     activation_bytes,
+    peak_stages,
     stage_layers,
     stage_param_counts,
     zero_bubble_peak,
@@ -178,6 +179,11 @@ def test_zero_bubble_peak_walks_the_schedule():
     assert zero_bubble_peak(4, 8, 0, whole=10.0, deferred=3.0) == 40.0
     assert zero_bubble_peak(4, 8, 3, whole=10.0, deferred=3.0) == 10.0 + 3 * 3.0
     assert zero_bubble_peak(4, 2, 3, whole=10.0, deferred=3.0) == 13.0  # few microbatches
+    # Waiting microbatches can cost more than running ones: the stage before the last
+    # (most of them, short of the last) is a peak candidate too.
+    assert zero_bubble_peak(4, 8, 2, whole=10.0, deferred=12.0) > zero_bubble_peak(
+        4, 8, 0, whole=10.0, deferred=12.0)
+    assert peak_stages(8, "zb-h1") == [0, 1, 6, 7] and peak_stages(8) == [0, 1, 7]
 
 
 def test_activation_bytes_full_recompute_and_precision():

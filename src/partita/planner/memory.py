@@ -298,10 +298,13 @@ def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microba
     return out
 
 
-def peak_stages(pp: int) -> list[int]:
+def peak_stages(pp: int, schedule: str = "1f1b") -> list[int]:
     """Stages that can hold the peak: the first (most microbatches in flight, embedding),
-    the second (most layers), the last (head and logits)."""
-    return sorted({0, min(1, pp - 1), pp - 1})
+    the second (most layers), the last (head and logits); under ZB-H1 also the one
+    before the last (the most microbatches waiting for W, which can cost more than
+    running ones)."""
+    zb = {pp - 2} if schedule == "zb-h1" and pp > 2 else set()
+    return sorted({0, min(1, pp - 1), pp - 1} | zb)
 
 
 def peak_memory(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
@@ -309,7 +312,7 @@ def peak_memory(model: PlanModel, layout: Layout, seq_len: int, num_microbatches
                 runtime_reserved: float = 0.0) -> tuple[int, dict[str, float]]:
     """(stage, breakdown) of the pipeline stage with the largest total."""
     best: tuple[int, dict[str, float]] | None = None
-    for stage in peak_stages(layout.pp):
+    for stage in peak_stages(layout.pp, layout.schedule):
         b = memory_breakdown(model, layout, seq_len, num_microbatches, stage, precision,
                              assumptions, runtime_reserved)
         if best is None or b["total"] > best[1]["total"]:
