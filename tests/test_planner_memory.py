@@ -4,6 +4,8 @@ import pytest
 
 from partita.models.catalog import MODELS
 from partita.models.config import ModelConfig
+from partita.pipeline.actions import Kind
+from partita.pipeline.schedules import zb_h1_order
 from partita.planner import (
     Assumptions,
     Layout,
@@ -184,6 +186,30 @@ def test_zero_bubble_peak_walks_the_schedule():
     assert zero_bubble_peak(4, 8, 2, whole=10.0, deferred=12.0) > zero_bubble_peak(
         4, 8, 0, whole=10.0, deferred=12.0)
     assert peak_stages(8, "zb-h1") == [0, 1, 6, 7] and peak_stages(8) == [0, 1, 7]
+
+
+def _walked_peak(p: int, m: int, stage: int, whole: float, deferred: float) -> float:
+    """The ZB-H1 peak by walking the real action list, sampled after every F and I."""
+    running = waiting = 0
+    peak = 0.0
+    for action in zb_h1_order(p, m, stage):
+        if action.kind is Kind.F:
+            running += 1
+        elif action.kind is Kind.I:
+            running, waiting = running - 1, waiting + 1
+        else:
+            waiting -= 1
+        peak = max(peak, running * whole + waiting * deferred)
+    return peak
+
+
+@pytest.mark.parametrize("deferred", [0.0, 3.0, 10.0, 12.5])
+def test_zero_bubble_peak_closed_form_matches_the_schedule(deferred):
+    for p in range(1, 9):
+        for m in range(1, 20):
+            for stage in range(p):
+                got = zero_bubble_peak(p, m, stage, 10.0, deferred)
+                assert got == _walked_peak(p, m, stage, 10.0, deferred), (p, m, stage)
 
 
 def test_activation_bytes_full_recompute_and_precision():

@@ -14,8 +14,6 @@ temporary buffers; `memory_breakdown` returns them all as one dict of named byte
 
 from __future__ import annotations
 
-from partita.pipeline.actions import Kind
-from partita.pipeline.schedules import zb_h1_order
 from partita.planner.activations import (
     inflight_chunks,
     layer_activation_bytes,
@@ -218,19 +216,25 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
 
 def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,
                      deferred: float) -> float:
-    """The most a ZB-H1 stage holds: walk its schedule; a microbatch holds `whole` from
-    F to I and `deferred` from I to W."""
-    running = waiting = 0  # microbatches between F and I, and between I and W
-    peak = 0.0
-    for action in zb_h1_order(pp, num_microbatches, stage):
-        if action.kind is Kind.F:
-            running += 1
-            peak = max(peak, running * whole + waiting * deferred)
-        elif action.kind is Kind.I:
-            running, waiting = running - 1, waiting + 1
-        else:
-            waiting -= 1
-    return peak
+    """The most a ZB-H1 stage holds, when a microbatch costs `whole` from F to I and
+    `deferred` from I to W (after each F, and after each I: deferred may exceed whole).
+
+    Closed form of `partita.pipeline.schedules.zb_h1_order` (the search evaluates it
+    for every layout; a test walks the real schedule against it): stage r runs
+    w = min(pp - r - 1, m) warm-up forwards, then F, I pairs, and lets r microbatches
+    wait for W. After I(i), min(w, m - 1 - i) are running and min(i + 1, r + 1)
+    waiting; after a steady-state F, w + 1 running and up to r waiting.
+    """
+    m, r = num_microbatches, stage
+    w = min(pp - r - 1, m)
+    if m <= w:  # every forward is warm-up: all m run at once
+        after_f = m * whole
+    else:
+        after_f = (w + 1) * whole + min(m - 1 - w, r) * deferred
+    # After I(i): linear in i between these points, so its maximum is at one of them.
+    points = {min(max(i, 0), m - 1) for i in (0, r, m - 1 - w, m - 1)}
+    after_i = max(min(w, m - 1 - i) * whole + min(i + 1, r + 1) * deferred for i in points)
+    return max(after_f, after_i)
 
 
 def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
