@@ -51,7 +51,15 @@ class _Pass:
     weights: WeightPass | None = None
     x_grad: torch.Tensor | None = None  # stage 0 after I: gradient at the detach
     saves: ForwardSaves | None = None  # split backward: what I may release (backward.py)
-    deferred_bytes: int = 0  # gradients I recorded for W (and x_grad), held until W
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Held from I to W outside the saved tensors: the gradients I recorded (and on
+        stage 0 the one at the embedding's detach)."""
+        held = self.weights.nbytes if self.weights is not None else 0
+        if self.x_grad is not None:
+            held += self.x_grad.numel() * self.x_grad.element_size()
+        return held
 
 
 @dataclass
@@ -385,10 +393,8 @@ class PipelineRunner:
             params.append(self.tied.weight)
         (x_grad,), p.weights = backward_input(roots, grads, [p.x], params, p.saves)
         p.root = p.edge = p.saves = p.x = None  # W reads none of them
-        p.deferred_bytes = p.weights.nbytes
         if stage.first:
             p.x_grad = x_grad
-            p.deferred_bytes += x_grad.numel() * x_grad.element_size()
         else:
             step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
         self.deferred_bytes += p.deferred_bytes
