@@ -189,15 +189,22 @@ def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
         "linear_output_grads": e * s * b * ((h + 2 * kv) / t + h + up_outputs * ffn / t + h),
         "norm_output_grads": 2 * e * s * b * h / sp_div,
     }
-    if assumptions.norm_kernel == "eager" and c.flavour == "llama":
-        # RMSNorm's weight gradient reads the normalised input before the weight.
-        terms["norm_inputs"] = 2 * e * s * b * h / sp_div
-    else:  # one kernel for the input and weight gradients: W re-runs it whole
-        terms["norm_inputs"] = full["norm_inputs"]
+    terms["norm_inputs"] = 2 * norm_weight_pass_bytes(model, s * b / sp_div, precision,
+                                                      assumptions)
     if layout.recompute == "full":  # W recomputes from the layer's input, as I did
         terms["linear_inputs"] = layer_input_bytes(model, layout, seq_len, precision)
         terms["norm_inputs"] = 0.0
     return terms
+
+
+def norm_weight_pass_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,
+                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """What one norm over `tokens` tokens keeps for its deferred weight gradient. Eager
+    RMSNorm: the normalised input before the weight. Otherwise one kernel computes the
+    input and weight gradients, so W re-runs it whole and keeps what it saved."""
+    if assumptions.norm_kernel == "eager" and model.config.flavour == "llama":
+        return precision.activation * tokens * model.config.dim
+    return norm_bytes(model, tokens, precision, assumptions)
 
 
 def inflight_chunks(layout: Layout, stage: int, num_microbatches: int) -> float:

@@ -20,6 +20,7 @@ from partita.planner.activations import (
     layer_activation_terms,
     layer_input_bytes,
     norm_bytes,
+    norm_weight_pass_bytes,
     weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
@@ -206,9 +207,7 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if last:
         vocab = -(-model.config.vocab_size // layout.tp)
         in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
-        norm = (e * tokens * h / sp_div
-                if assumptions.norm_kernel == "eager" and model.config.flavour == "llama"
-                else norm_bytes(model, tokens / sp_div, precision, assumptions))
+        norm = norm_weight_pass_bytes(model, tokens / sp_div, precision, assumptions)
         total += (e * tokens * h / in_div + norm  # the head's and the norm's inputs
                   + e * tokens * (vocab + h / sp_div))  # their output gradients
     return total
