@@ -20,6 +20,7 @@ from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.testing import run_distributed
+from partita.zero.config import ZeroConfig
 
 STAGES = (0, 1, 2, 3)
 
@@ -29,12 +30,12 @@ def formula(stage: int, p: int, n: int) -> float:
 
 
 def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
-            seq: int, bucket_mb: float | None = None) -> list[dict]:
+            seq: int, bucket_mb: float = ZeroConfig.bucket_mb) -> list[dict]:
     """One row per stage: the ledger after one step, plus stage 3's init requests."""
     import torch.nn.functional as F
 
     from partita.mesh import Mesh, ParallelDims
-    from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
+    from partita.zero import DataParallel, MixedPrecision, model_init_fn
 
     mesh = Mesh(ParallelDims(dp=world), rank, world)
     rows = []
@@ -48,9 +49,7 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
             drawn[0] += stop - start
             return base_init(info, start, stop)
 
-        zero = ZeroConfig(stage=stage) if bucket_mb is None else \
-            ZeroConfig(stage=stage, bucket_mb=bucket_mb)
-        dp = DataParallel(model, mesh, zero=zero,
+        dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=bucket_mb),
                           precision=MixedPrecision(param_dtype=torch.bfloat16,
                                                    master_dtype=torch.float32),
                           init_fn=init_fn, device=torch.device("cpu"))
