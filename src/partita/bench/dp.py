@@ -4,9 +4,9 @@ Both train the same model from the same weights on the same batches, with the sa
 size (gloo), one thread per rank and AdamW: the peers get torch's fastest, the fused
 kernel (`fused=True`, not torch's default: on CPU the default is a loop over parameters,
 foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket.
-After warm-up, rounds alternate ours and the peer, and which of the two goes first alternates too (A B, B A, A B, ...),
-so neither always runs right after the other's barrier; each round times a few steps
-between barriers. The verdict is the median of the per-round ratios. The timing harness
+After warm-up, rounds alternate ours and the peer, and which of the two goes first
+alternates too (A B, B A, A B, ...), so neither always runs right after the other's
+barrier; each round times a few steps between barriers. The verdict is the median of the per-round ratios. The timing harness
 here also serves `partita bench zero`.
 """
 

@@ -114,10 +114,10 @@ class Transport:
 
     def post_recvs(self, batch: Sequence[tuple[Action, torch.Tensor]]) -> list:
         """Post receives from the helper thread (gloo's early receives), in order;
-        returns their handles. Posting a gloo receive
-        can copy the tensor off the socket in the calling thread when the peer has
-        already sent it (measured: about 0.25 ms per 512 KB), so the runner's thread
-        hands that over instead of doing it between two passes."""
+        returns their handles. Posting a gloo receive can copy the tensor off the socket
+        in the calling thread when the peer has already sent it (measured: about 0.25 ms
+        per 512 KB), so the runner's thread hands that over instead of doing it between
+        two passes."""
         peers = [self.peer_rank(a.peer_stage) for a, _ in batch]
         group = self.comm.group
 
