@@ -1,4 +1,4 @@
-"""Run a function on every rank of a small gloo world, for tests and benchmarks.
+"""Run a function on every rank of a small local world, for tests and benchmarks.
 
     results = run_distributed(fn, world_size=4, args=(config,))
 
@@ -7,6 +7,8 @@
 each). The list of return values, in rank order, comes back; an exception on any rank
 is re-raised here with that rank's traceback, and a world that outlives `timeout`
 seconds is killed and reported, so a hang fails a test instead of stalling CI.
+`backend="nccl"` gives rank r the GPU r (NCCL accepts one rank per GPU), for the GPU
+benchmarks; tests use gloo.
 
 Processes start from a fork server that has already imported torch and partita,
 which makes a world start in well under a second instead of re-importing torch.
@@ -43,7 +45,7 @@ def _context() -> mp.context.BaseContext:
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
-            results: mp.Queue, collective_timeout: float) -> None:
+            results: mp.Queue, collective_timeout: float, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -53,9 +55,11 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
     keep_freed_host_memory()  # as `partita train` ranks on CPU do
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     try:
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
+            backend, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
         )
         # Plain pickle copies tensor data into the message; the queue's own pickler
@@ -70,14 +74,14 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
-                    timeout: float = 180.0) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` gloo ranks; return results."""
+                    timeout: float = 180.0, backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results."""
     ctx = _context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results,
-                                          max(timeout - 5, 5)), daemon=True)
+                                          max(timeout - 5, 5), backend), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

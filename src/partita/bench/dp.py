@@ -13,6 +13,7 @@ here also serves `partita bench zero`.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import statistics
 import time
@@ -36,19 +37,21 @@ class Setup:
     warmup: int = 3
     rounds: int = 16
     steps: int = 2  # steps per timed round
+    device: str = "cpu"  # "cuda": rank r on GPU r (`partita bench gpu`)
 
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    # In float32 whatever the logits' dtype, as torch's autocast computes it.
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def partita_step(model, mesh, stage: int, blocks=None, **zero) -> Step:
+def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -> Step:
     from partita.zero import AdamWConfig, DataParallel, ZeroConfig
 
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, **zero),
-                      optim=AdamWConfig(lr=LR), blocks=blocks)
+                      optim=AdamWConfig(lr=LR), blocks=blocks, precision=precision)
 
     def step(tokens: torch.Tensor) -> None:
         dp.backward(_loss(dp.module(tokens[:, :-1]), tokens))
@@ -106,12 +109,21 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
     warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = get_model_config(setup.model)
     mesh = Mesh(ParallelDims(dp=world), rank, world)
+    device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
     gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1), generator=gen)
-               for _ in range(4)]
+    batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1),
+                             generator=gen).to(device) for _ in range(4)]
+
+    def wait() -> None:  # a GPU runs behind the host: the clock waits for its queue
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
+    template = build_model(cfg, device=device)
     out = []
     for ours, peer in pairs:
-        steps = [build(name, build_model(cfg), mesh) for name in (ours, peer)]
+        steps = [build(name, copy.deepcopy(template), mesh) for name in (ours, peer)]
         for fn in steps:
             for i in range(setup.warmup):
                 fn(batches[i % 4])
@@ -119,11 +131,11 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
         for r in range(setup.rounds):
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for fn, acc in ((steps[k], times[k]) for k in order):
-                dist.barrier()
+                wait()
                 t0 = time.perf_counter()
                 for i in range(setup.steps):
                     fn(batches[i % 4])
-                dist.barrier()
+                wait()
                 acc.append((time.perf_counter() - t0) / setup.steps)
         out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
                     "ratio": statistics.median(a / b for a, b in zip(*times))})

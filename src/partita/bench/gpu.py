@@ -1,0 +1,139 @@
+"""GPUs: partita's ZeRO stages against torch's in bf16 mixed precision, with MFU.
+
+`partita bench zero` compares the algorithms on CPU processes; this compares what the
+engine costs where models train: CUDA, NCCL, bf16 compute with fp32 master weights and
+a published 1B shape (Llama 3.2 1B) by default. One rank per visible GPU (NCCL takes
+one rank per GPU; on a single GPU the collectives are local copies, so the table is the
+engines' own overhead, not communication). Pairs, timed as in `partita bench dp`:
+
+    stage 0  vs  torch DDP under autocast(bf16): fp32 parameters, bf16 matmuls
+    stage 2  vs  FSDP2 fully_shard(reshard_after_forward=False)
+    stage 3  vs  FSDP2 fully_shard(reshard_after_forward=True)
+    stage 0  vs  itself (the noise floor)
+
+Both sides keep fp32 master weights and AdamW states, compute in bf16 and reduce
+gradients in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the loss is computed on
+fp32 logits everywhere. MFU counts 6N + attention FLOPs per token
+(`ModelConfig.flops_per_token`) against the GPU's dense bf16 datasheet peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from partita.bench import dp as harness
+from partita.testing import run_distributed
+
+BF16 = torch.bfloat16
+
+
+def _partita(model, mesh, stage: int) -> harness.Step:
+    from partita.zero import MixedPrecision
+
+    return harness.partita_step(model, mesh, stage,
+                                precision=MixedPrecision(param_dtype=BF16,
+                                                         reduce_dtype=torch.float32))
+
+
+def _ddp_autocast(model, mesh) -> harness.Step:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_type = next(model.parameters()).device.type
+    ddp = DistributedDataParallel(model)
+    optimizer = harness.torch_adamw(ddp.parameters())
+
+    def step(tokens: torch.Tensor) -> None:
+        with torch.autocast(device_type, dtype=BF16):
+            logits = ddp(tokens[:, :-1])
+        harness._loss(logits, tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
+def _fsdp2(model, mesh, reshard: bool) -> harness.Step:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device_type = next(model.parameters()).device.type
+    device_mesh = init_device_mesh(device_type, (mesh.world_size,))
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
+    for block in model.blocks.values():
+        fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard,
+                    mp_policy=policy)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    return harness.torch_step(model, harness.torch_adamw(model.parameters()))
+
+
+def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
+    kind, _, arg = name.rpartition(" ")
+    if kind == "partita stage":
+        return _partita(model, mesh, int(arg))
+    if name == "DDP autocast bf16":
+        return _ddp_autocast(model, mesh)
+    if kind == "FSDP2 reshard":
+        return _fsdp2(model, mesh, arg == "True")
+    raise ValueError(name)
+
+
+PAIRS = [("partita stage 0", "DDP autocast bf16"),
+         ("partita stage 2", "FSDP2 reshard False"),
+         ("partita stage 3", "FSDP2 reshard True"),
+         ("partita stage 0", "partita stage 0")]
+
+
+def _worker(rank: int, world: int, setup: harness.Setup) -> tuple[list[dict], int]:
+    rows = harness.time_pairs(rank, world, setup, PAIRS, build_step)
+    return rows, torch.cuda.max_memory_allocated()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, default=0,
+                        help="ranks, one per GPU (default: every visible GPU)")
+    parser.add_argument("--model", default="llama3.2-1b")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=8)
+
+
+def run(args: argparse.Namespace) -> int:
+    from partita.metrics import device_peak_flops
+    from partita.models.catalog import get_model_config
+
+    if not torch.cuda.is_available():
+        print("gpu: no CUDA device visible; this benchmark needs at least one GPU")
+        return 1
+    world = args.gpus or torch.cuda.device_count()
+    setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
+                          rounds=args.rounds, device="cuda")
+    cfg = get_model_config(setup.model)
+    flops_per_step = cfg.flops_per_token(setup.seq) * setup.batch * setup.seq
+    peak = device_peak_flops(torch.device("cuda", 0))
+    name = torch.cuda.get_device_name(0)
+    print(f"gpu: {setup.model}, {world} x {name}, NCCL, bf16 compute + fp32 master, "
+          f"{setup.batch}x{setup.seq} tokens per rank, {setup.rounds} interleaved rounds "
+          f"of {setup.steps} steps after {setup.warmup} warm-up steps; torch "
+          f"{torch.__version__}; MFU against {peak / 1e12:.0f} TFLOP/s")
+    rows, memory = run_distributed(_worker, world, args=(setup,), timeout=1800,
+                                   backend="nccl")[0]
+
+    def mfu(times: list[float]) -> str:
+        return f"{flops_per_step / statistics.median(times) / peak:>6.1%}" if peak else "   n/a"
+    print(f"{'partita':>16} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
+          f"{'MFU':>6} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['ours']:>16} {statistics.median(r['t_ours']) * 1e3:>8.1f} "
+              f"{mfu(r['t_ours'])} {r['peer']:>20} {statistics.median(r['t_peer']) * 1e3:>8.1f} "
+              f"{mfu(r['t_peer'])} {r['ratio']:>6.3f}")
+    print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
+          f"{memory / 2**30:.1f} GiB")
+    peers = [r for r in rows if not r["peer"].startswith("partita")]
+    worst = max(r["ratio"] for r in peers)
+    best_mfu = max(flops_per_step / statistics.median(r["t_ours"]) / peak
+                   for r in rows) if peak else 0.0
+    print(f"gpu: worst partita/peer step-time ratio {worst:.3f}; best partita MFU "
+          f"{best_mfu:.1%}")
+    return 0

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The checks one lease of a GPU machine runs, in one call (device time is short):
+#   1. `partita bench gpu`: our ZeRO engine against DDP/FSDP2 on the GPU, bf16, MFU;
+#   2. `partita train` on the GPU (Llama 3.2 1B shape) next to `partita plan`'s
+#      prediction of the same layout's memory and step time;
+#   3. `partita bench zero` and `partita bench pp` with one free core per rank (the
+#      machine has 16), against the 2-core CI box where 4 ranks share 2 cores.
+# Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
+set -u
+OUT=${OUT:-device-logs}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { echo "install failed, see install.log"; tail -5 "$OUT/install.log"; }
+if ! command -v partita >/dev/null; then  # no install: run from the source tree
+    export PYTHONPATH=$PWD/src
+    partita() { python3 -c 'import sys; from partita.cli import main; sys.exit(main())' "$@"; }
+fi
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
+nproc
+
+echo "== bench gpu"
+timeout 300 partita bench gpu 2>&1 | grep -v Warning | tee "$OUT/bench_gpu.log"
+
+echo "== train on the GPU, then the planner's figures for that layout"
+timeout 180 partita train --model.name=llama3.2-1b --data.seq_len=2048 \
+    --train.global_batch=4 --precision.param_dtype=bfloat16 --train.steps=40 \
+    --train.lr=3e-4 --train.min_lr=3e-5 --train.warmup_steps=5 --train.log_every=5 \
+    --train.eval_every=1000 --train.progress=false --metrics.tensorboard=false \
+    --train.out_dir=/tmp/gpu-run 2>&1 | tee "$OUT/train_gpu.log"
+cp /tmp/gpu-run/metrics.jsonl "$OUT/train_gpu_metrics.jsonl" 2>/dev/null
+partita plan --model llama3.2-1b --gpus 1 --gpu-type H200 --seq-len 2048 \
+    --global-batch 4 --layout "dp=1 zero=0 mb=4" 2>&1 | tee "$OUT/plan_gpu.log"
+
+echo "== CPU benches, one core per rank"
+timeout 200 partita bench zero --no-deepspeed 2>&1 | tee "$OUT/bench_zero.log"
+timeout 240 partita bench pp 2>&1 | tee "$OUT/bench_pp.log"
