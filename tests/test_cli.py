@@ -113,3 +113,16 @@ def test_nan_loss_stops_naming_the_step_and_writes_no_weights(tmp_path, cache):
     assert not (out / "model.safetensors").exists()
     assert "done:" not in result.stdout
     assert result.stderr.count("partita: error: the") == 1  # said once, not once per rank
+
+
+def test_a_launched_process_that_crashes_shows_its_traceback(capfd):
+    """An exception that is not partita's own (a CUDA error, a bug) reaches the user."""
+    import operator
+
+    from partita.errors import PartitaError
+    from partita.launch import LaunchSpec, launch
+
+    with pytest.raises(PartitaError, match="process 0 of the job stopped with exit code 1"):
+        launch(LaunchSpec(nproc=1), operator.truediv, 1, 0)
+    err = capfd.readouterr().err
+    assert "partita: process 0 failed" in err and "ZeroDivisionError" in err

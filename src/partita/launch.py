@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,7 +59,7 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, fn)(*args)
+        results = elastic_launch(config, _run_reporting_errors)(fn, *args)
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         raise PartitaError(
@@ -65,3 +67,17 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             "message is printed above. The other processes were stopped."
         ) from None
     return [results[r] for r in sorted(results)]
+
+
+def _run_reporting_errors(fn: Callable, *args):
+    """A launched process's entry: an exception it does not handle is printed here,
+    with the process's rank, before the process dies. (The elastic agent files it in
+    an error record that nothing shows, which left the parent pointing at a message
+    no one printed.) Functions that print their own message exit via SystemExit."""
+    try:
+        return fn(*args)
+    except Exception:
+        rank = os.environ.get("RANK", "?")
+        print(f"partita: process {rank} failed:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        raise
