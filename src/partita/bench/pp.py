@@ -113,7 +113,9 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
     model, pieces = _torch_stages(cfg, layout, rank, device)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(args.vocab, (cfg.train.global_batch, args.seq + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]
+    # Contiguous: torch 2.11's pipelining refuses a microbatch whose strides differ from
+    # the ones it inferred (a slice of `tokens` keeps the stride of seq + 1).
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def ours() -> None:
         pm.runner.train(x, y, args.microbatches)
