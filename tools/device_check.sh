@@ -6,7 +6,10 @@
 #   3. `partita bench zero` and `partita bench pp` with one free core per rank (the
 #      machine has 16), against the 2-core CI box where 4 ranks share 2 cores.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
+# Arguments pick parts (gpu train zero pp); none runs all four.
 set -u
+PARTS=${*:-gpu train zero pp}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -20,10 +23,11 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
 nproc
 
-echo "== bench gpu"
+want gpu && echo "== [$SECONDS s] bench gpu" &&
 timeout 300 partita bench gpu 2>&1 | grep -v Warning | tee "$OUT/bench_gpu.log"
 
-echo "== train on the GPU, then the planner's figures for that layout"
+if want train; then
+echo "== [$SECONDS s] train on the GPU, then the planner's figures for that layout"
 timeout 180 partita train --model.name=llama3.2-1b --data.seq_len=2048 \
     --train.global_batch=4 --precision.param_dtype=bfloat16 --train.steps=40 \
     --train.lr=3e-4 --train.min_lr=3e-5 --train.warmup_steps=5 --train.log_every=5 \
@@ -32,7 +36,10 @@ timeout 180 partita train --model.name=llama3.2-1b --data.seq_len=2048 \
 cp /tmp/gpu-run/metrics.jsonl "$OUT/train_gpu_metrics.jsonl" 2>/dev/null
 partita plan --model llama3.2-1b --gpus 1 --gpu-type H200 --seq-len 2048 \
     --global-batch 4 --layout "dp=1 zero=0 mb=4" 2>&1 | tee "$OUT/plan_gpu.log"
+fi
 
-echo "== CPU benches, one core per rank"
+want zero && echo "== [$SECONDS s] CPU: bench zero, one core per rank" &&
 timeout 200 partita bench zero --no-deepspeed 2>&1 | tee "$OUT/bench_zero.log"
+want pp && echo "== [$SECONDS s] CPU: bench pp, one core per rank" &&
 timeout 240 partita bench pp 2>&1 | tee "$OUT/bench_pp.log"
+echo "== [$SECONDS s] done"

@@ -113,6 +113,18 @@ class GroupComm:
         self.purpose = purpose
         self.counter = counter
         self._on_gloo: bool | None = None  # asked of the group when first needed
+        self._scalar_device: torch.device | None = None
+
+    @property
+    def scalar_device(self) -> torch.device:
+        """Where small tensors made for a collective (scalars, bounds) must live: NCCL
+        communicates CUDA tensors only, gloo CPU ones."""
+        if self._scalar_device is None:
+            nccl = (self.size > 1 and dist.is_initialized()
+                    and dist.get_backend(self.group) == dist.Backend.NCCL)
+            self._scalar_device = (torch.device("cuda", torch.cuda.current_device())
+                                   if nccl else torch.device("cpu"))
+        return self._scalar_device
 
     @property
     def flat_by_all_to_all(self) -> bool:
@@ -189,7 +201,7 @@ class GroupComm:
     def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM,
                            dtype: torch.dtype = torch.float64) -> list[float]:
         """All-reduce a few Python numbers (loss sums, norms, flags) in one call."""
-        t = torch.tensor(values, dtype=dtype)
+        t = torch.tensor(values, dtype=dtype, device=self.scalar_device)
         self.all_reduce(t, op=op)
         return t.tolist()
 

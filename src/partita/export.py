@@ -29,7 +29,8 @@ def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
     local = param.detach()
     if not info.is_split or comm.size == 1:
         return local.clone()
-    bounds = gather_along(torch.tensor([[info.start, info.stop]]), comm, 0).tolist()
+    bounds = gather_along(torch.tensor([[info.start, info.stop]],
+                                       device=comm.scalar_device), comm, 0).tolist()
     width = max(stop - start for start, stop in bounds)
     pad = [0, 0] * (local.ndim - 1 - info.dim) + [0, width - local.shape[info.dim]]
     gathered = gather_along(torch.nn.functional.pad(local, pad), comm, info.dim)

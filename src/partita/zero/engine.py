@@ -77,7 +77,7 @@ class DataParallel:
         self.mp_comm = mesh.comm("model_parallel")
         self.stage = zero.stage
         n, index = self.comm.size, self.comm.index
-        device = device or _device_of(module)
+        device = self.device = device or _device_of(module)
         dtype = precision.param_dtype
         init_fn = _flat_init(init_fn)
         self.gatherer: ParamGatherer | None = None
@@ -216,7 +216,7 @@ class DataParallel:
         max_norm (as torch.nn.utils.clip_grad_norm_) unless max_norm is None."""
         if self._prepare():
             return math.inf
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for buf, slot in zip(self.buckets, self.slots):
             g = self._owned_grad(buf)
             for a, b in slot.counted:
@@ -319,7 +319,7 @@ class DataParallel:
         }
         out["model_states"] = sum(out.values())
         out["comm_buffers_peak"] = self.reducer.peak_bytes
-        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most adamw.CHUNK
+        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most one adamw chunk
         if self.gatherer is not None:
             out["gathered_now"] = self.gatherer.live_bytes
             out["gathered_peak"] = self.gatherer.peak_bytes
