@@ -1,6 +1,12 @@
 """Planner memory arithmetic against hand-computed cases (no processes, no GPU)."""
 
+import weakref
+
 import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from partita.models.catalog import MODELS
 from partita.models.config import ModelConfig
@@ -222,3 +228,66 @@ def test_activation_bytes_full_recompute_and_precision():
     assert total == pytest.approx(32 * per_input + working + logits + per_input)
     fp32 = layer_activation_bytes(model, Layout(), 1024, precision=Precision.fp32())
     assert fp32 == pytest.approx(2 * layer_activation_bytes(model, Layout(), 1024), rel=1e-3)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created inside the region that are alive at once
+    (storages counted once, released when their last tensor dies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.live += nbytes
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._release, key, nbytes)
+        return out
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("fp32", [False, True])
+def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
+    """The planner's loss side (saved log-probabilities or softmax + `loss_transients`)
+    equals the peak of live tensors while partita's loss runs forward and backward: torch's
+    cross-entropy at tp = 1, one rank's vocab-parallel loss (a group of one) at tp = 2."""
+    from partita.comm import CommCounter, GroupComm
+    from partita.parallelize import cross_entropy
+    from partita.planner.memory import logits_bytes, loss_transient_bytes
+    from partita.tensor_parallel.vocab import vocab_parallel_cross_entropy
+
+    tokens, vocab, dim = 1024, 4096, 4  # dim small: the head's own gradients are noise
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    local = vocab // tp
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(1, tokens, dim, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(local, dim, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, local, (1, tokens), generator=gen)
+    group = GroupComm(None, [0], 0, "tensor", CommCounter())
+    meter = _LiveBytes()
+    with meter:
+        logits = F.linear(h, w)  # the head's output, dropped once the loss has it
+        loss = (cross_entropy(logits, targets) if tp == 1 else
+                vocab_parallel_cross_entropy(logits, targets, group, 0, local))
+        del logits
+        loss.backward()
+    model = PlanModel("loss", ModelConfig(vocab_size=vocab, dim=dim, n_layers=1, n_heads=1))
+    layout = Layout(tp=tp)
+    precision = Precision.fp32() if fp32 else Precision()
+    cpu = Assumptions.measured_cpu()
+    predicted = (logits_bytes(model, layout, tokens, cpu)
+                 + loss_transient_bytes(model, layout, tokens, precision, cpu))
+    assert meter.peak == pytest.approx(predicted, rel=0.01)
+    assert loss_transient_bytes(model, layout, tokens, precision, Assumptions()) == 0.0

@@ -35,6 +35,10 @@ def register(subparsers) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
+    p.add_argument("--implementation", default=None, choices=("fused", "partita"),
+                   help="what the activations and loss describe: fused (Megatron-style "
+                        "fused GPU kernels; default on GPUs) or partita (partita's own "
+                        "eager model, as measured; default for cpu)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
                         "e.g. --set compute_efficiency=0.45")
@@ -60,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
+    base = {"fused": Assumptions, "partita": Assumptions.measured_cpu}.get(
+        args.implementation, lambda: Assumptions.for_device(args.gpu_type))()
     req = make_request(args.model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
-                       Assumptions.for_device(args.gpu_type).override(settings), args.hardware)
+                       base.override(settings), args.hardware)
     if args.layout is not None:
         ev = evaluate(req, parse_layout(args.layout, args.gpus))
         advice = advise_layout(req, ev)

@@ -90,6 +90,11 @@ class Assumptions:
     # Under sequence parallelism partita's column-parallel layers keep the all-gathered
     # (full-sequence) input for backward; Megatron saves the shard and gathers it again.
     sp_saves_gathered_input: bool = False
+    # Count what partita's losses hold only while they run, beyond what they save
+    # (`loss_transient_bytes`): the 16-bit logits beside an fp32 working copy, and in
+    # backward torch's cross-entropy's two fp32 gradients of tokens x vocabulary. The
+    # fused default counts the loss in `logits_bytes_per_element` alone.
+    loss_transients: bool = False
     # Bytes per token of integer ids kept for backward (embedding lookup, loss targets);
     # negligible at scale, a visible share of a tiny model's activations.
     token_id_bytes: float = 0.0
@@ -134,7 +139,7 @@ class Assumptions:
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
-                   token_id_bytes=16.0, flat_buffer_align=64)
+                   token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True)
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:

@@ -259,6 +259,27 @@ def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
             * -(-c.vocab_size // layout.tp))  # vocabulary padded to a multiple of tp
 
 
+def loss_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                         precision: Precision = MIXED,
+                         assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Bytes the last stage holds only while one microbatch's loss runs, beyond what the
+    loss saves (partita's losses; measured op by op in tests/test_planner_memory.py), per
+    logit: in forward the 16-bit logits beside their fp32 working copy (fp32 logits are
+    their own copy); in backward torch's cross-entropy (tp = 1) holds the fp32 gradients
+    of the log-probabilities and of the logits at once, the vocab-parallel loss (tp > 1)
+    works in place on its saved softmax and adds only the cast back to 16 bits.
+    Megatron-style fused losses count none of this (`loss_transients` off)."""
+    if not assumptions.loss_transients:
+        return 0.0
+    e = precision.activation
+    narrow = e < 4
+    forward = e + (4 if narrow else 0)
+    backward = 8 if layout.tp == 1 else (e if narrow else 0)
+    c = model.config
+    return (max(forward, backward) * seq_len / layout.cp * layout.mb
+            * -(-c.vocab_size // layout.tp))
+
+
 def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
                       precision: Precision = MIXED, stage: int = 0,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
@@ -287,13 +308,17 @@ def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microba
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
                      runtime_reserved: float = 0.0) -> dict[str, float]:
     """Every byte on one GPU of `stage`: model states, activations, communication
-    buffers, the device's runtime reserve (`GPUSpec.runtime_reserved_bytes`) and the
+    buffers, the loss's transients (last stage), the device's runtime reserve (`GPUSpec.runtime_reserved_bytes`) and the
     fragmentation allowance, and their `total`."""
     out = model_state_bytes(model, layout, precision, stage, assumptions)
     out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
                                           precision, assumptions)
     out["comm_buffers"] = sum(comm_buffer_bytes(model, layout, seq_len, precision, stage,
                                                 assumptions).values())
+    # Beside the saved activations: the loss runs while its microbatch's are all held.
+    out["loss_transients"] = (loss_transient_bytes(model, layout, seq_len, precision,
+                                                   assumptions)
+                              if stage == layout.pp - 1 else 0.0)
     subtotal = sum(out.values())
     out["runtime_reserved"] = runtime_reserved
     out["fragmentation"] = assumptions.fragmentation * subtotal
