@@ -64,8 +64,12 @@ def run(args: argparse.Namespace) -> int:
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
-    base = {"fused": Assumptions, "partita": Assumptions.measured_cpu}.get(
-        args.implementation, lambda: Assumptions.for_device(args.gpu_type))()
+    if args.implementation == "partita":
+        base = Assumptions.measured_cpu()
+    elif args.implementation == "fused":
+        base = Assumptions()
+    else:
+        base = Assumptions.for_device(args.gpu_type)
     req = make_request(args.model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware)

@@ -308,8 +308,9 @@ def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microba
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
                      runtime_reserved: float = 0.0) -> dict[str, float]:
     """Every byte on one GPU of `stage`: model states, activations, communication
-    buffers, the loss's transients (last stage), the device's runtime reserve (`GPUSpec.runtime_reserved_bytes`) and the
-    fragmentation allowance, and their `total`."""
+    buffers, the loss's transients (last stage), the device's runtime reserve
+    (`GPUSpec.runtime_reserved_bytes`) and the fragmentation allowance, and their
+    `total`."""
     out = model_state_bytes(model, layout, precision, stage, assumptions)
     out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
                                           precision, assumptions)

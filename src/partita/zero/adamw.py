@@ -32,10 +32,9 @@ def decay_ranges(flat: FlatBuffer, lo: int, hi: int) -> list[tuple[int, int]]:
 # in chunks into a preallocated scratch. On CPU the chunk is small: a bucket-sized
 # temporary is a fresh mmap, page-faulted on every step (measured on a 3.4 MB slice: up
 # to 1,635 page faults per update). On a GPU each chunk costs kernel launches instead
-# (a copy and the fused update, some 10-40 us of host time): 256 Ki-element chunks made
-# the optimizer step of a 1.24B-parameter model 4,714 pairs of launches, and our stage 0
-# took 1.94x torch DDP's step time on an H200; 64 Mi-element chunks (a 256 MB fp32
-# scratch) make it 19.
+# (a copy and the fused update): 256 Ki-element chunks made the optimizer step of a
+# 1.24B-parameter model 4,714 pairs of launches and our stage 0 1.94x torch DDP's step
+# time on an H200; 64 Mi-element chunks (a 256 MB fp32 scratch) make it 19, and 0.96x.
 CPU_CHUNK = 1 << 18
 GPU_CHUNK = 1 << 26
 
