@@ -260,13 +260,12 @@ class _LiveBytes(TorchDispatchMode):
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("fp32", [False, True])
 def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
-    """The planner's loss side (saved log-probabilities or softmax + `loss_transients`)
-    equals the peak of live tensors while partita's loss runs forward and backward: torch's
-    cross-entropy at tp = 1, one rank's vocab-parallel loss (a group of one) at tp = 2."""
+    """The planner's loss side (the saved fp32 softmax + `loss_transients`) equals the
+    peak of live tensors while partita's loss runs forward and backward: on the whole
+    vocabulary at tp = 1, on one rank's half at tp = 2 (a group of one)."""
     from partita.comm import CommCounter, GroupComm
-    from partita.parallelize import cross_entropy
+    from partita.loss import cross_entropy
     from partita.planner.memory import logits_bytes, loss_transient_bytes
-    from partita.tensor_parallel.vocab import vocab_parallel_cross_entropy
 
     tokens, vocab, dim = 1024, 4096, 4  # dim small: the head's own gradients are noise
     dtype = torch.float32 if fp32 else torch.bfloat16
@@ -279,8 +278,7 @@ def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
     meter = _LiveBytes()
     with meter:
         logits = F.linear(h, w)  # the head's output, dropped once the loss has it
-        loss = (cross_entropy(logits, targets) if tp == 1 else
-                vocab_parallel_cross_entropy(logits, targets, group, 0, local))
+        loss = cross_entropy(logits, targets, None if tp == 1 else group, 0, local)
         del logits
         loss.backward()
     model = PlanModel("loss", ModelConfig(vocab_size=vocab, dim=dim, n_layers=1, n_heads=1))

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from partita.config import Config
 from partita.errors import PartitaError
+from partita.loss import cross_entropy  # the whole vocabulary on one rank
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
 from partita.models.transformer import Transformer
@@ -52,12 +52,6 @@ def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
         dims = ParallelDims(dp=p.dp, **degrees)
     dims.check_world_size(world_size)
     return dims
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss over every position of the (micro)batch."""
-    return F.cross_entropy(logits.flatten(0, 1).float() if logits.dtype in (
-        torch.bfloat16, torch.float16) else logits.flatten(0, 1), targets.flatten())
 
 
 class MicrobatchRunner:

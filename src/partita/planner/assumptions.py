@@ -90,10 +90,10 @@ class Assumptions:
     # Under sequence parallelism partita's column-parallel layers keep the all-gathered
     # (full-sequence) input for backward; Megatron saves the shard and gathers it again.
     sp_saves_gathered_input: bool = False
-    # Count what partita's losses hold only while they run, beyond what they save
-    # (`loss_transient_bytes`): the 16-bit logits beside an fp32 working copy, and in
-    # backward torch's cross-entropy's two fp32 gradients of tokens x vocabulary. The
-    # fused default counts the loss in `logits_bytes_per_element` alone.
+    # Count what partita's loss holds only while it runs, beyond what it saves
+    # (`loss_transient_bytes`): the logits beside its saved fp32 tensor in forward,
+    # their gradient in backward. The fused default counts the loss in
+    # `logits_bytes_per_element` alone.
     loss_transients: bool = False
     # Bytes per token of integer ids kept for backward (embedding lookup, loss targets);
     # negligible at scale, a visible share of a tiny model's activations.

@@ -262,21 +262,16 @@ def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
 def loss_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
                          precision: Precision = MIXED,
                          assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
-    """Bytes the last stage holds only while one microbatch's loss runs, beyond what the
-    loss saves (partita's losses; measured op by op in tests/test_planner_memory.py), per
-    logit: in forward the 16-bit logits beside their fp32 working copy (fp32 logits are
-    their own copy); in backward torch's cross-entropy (tp = 1) holds the fp32 gradients
-    of the log-probabilities and of the logits at once, the vocab-parallel loss (tp > 1)
-    works in place on its saved softmax and adds only the cast back to 16 bits.
-    Megatron-style fused losses count none of this (`loss_transients` off)."""
+    """Bytes the last stage holds only while one microbatch's loss runs, beyond the fp32
+    tensor the loss saves (`logits_bytes`): partita's loss (`partita.loss`) works in
+    that tensor in place, beside which live only the logits themselves in forward and
+    their gradient in the logits' dtype in backward, one element per logit either way
+    (measured op by op in tests/test_planner_memory.py). Megatron-style fused losses
+    count none of this (`loss_transients` off)."""
     if not assumptions.loss_transients:
         return 0.0
-    e = precision.activation
-    narrow = e < 4
-    forward = e + (4 if narrow else 0)
-    backward = 8 if layout.tp == 1 else (e if narrow else 0)
     c = model.config
-    return (max(forward, backward) * seq_len / layout.cp * layout.mb
+    return (precision.activation * seq_len / layout.cp * layout.mb
             * -(-c.vocab_size // layout.tp))
 
 

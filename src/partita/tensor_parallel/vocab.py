@@ -2,19 +2,20 @@
 
 Rank r owns vocabulary rows [start, stop) of a vocabulary padded to a multiple of tp
 (see partition.py); only real rows are stored. Logits stay sharded along the vocabulary:
-the full (tokens x vocab) logits never exist on one rank. The cross-entropy needs three
-all-reduces of one number per token in forward (max, target logit, sum of exponentials)
-and none in backward, because each rank's softmax slice is its gradient slice.
+the full (tokens x vocab) logits never exist on one rank. The cross-entropy
+(`partita.loss`) needs three all-reduces of one number per token in forward (max,
+target logit, sum of exponentials) and none in backward, because each rank's softmax
+slice is its gradient slice.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from partita.comm import GroupComm, copy_to_region, gather_sequence
+from partita.loss import cross_entropy
 from partita.tensor_parallel.layers import _local_param, check_sequence, leave_region
 
 
@@ -77,46 +78,6 @@ class VocabParallelHead(nn.Module):
         return f"rows[{self.start}:{self.stop}] (+{self.padded_rows - self.stop + self.start} -inf){tied}"
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index):
-        # At least fp32: bf16 exponentials and sums lose the loss's precision.
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        real = max(0, min(vocab_size - vocab_start, x.shape[-1]))
-        if real < x.shape[-1]:  # padding columns: no probability mass, whatever they hold
-            x = x.clone()
-            x[..., real:] = float("-inf")
-        x_max = x.max(dim=-1).values
-        comm.all_reduce(x_max, op=dist.ReduceOp.MAX)  # 1
-        x = x - x_max.unsqueeze(-1)
-
-        local_target = targets - vocab_start
-        here = (local_target >= 0) & (local_target < real)
-        index = local_target.masked_fill(~here, 0).unsqueeze(-1)
-        target_logit = x.gather(-1, index).squeeze(-1).masked_fill(~here, 0.0)
-        comm.all_reduce(target_logit)  # 2
-
-        probs = x.exp_()
-        sum_exp = probs.sum(dim=-1)
-        comm.all_reduce(sum_exp)  # 3
-        probs.div_(sum_exp.unsqueeze(-1))
-
-        counted = targets != ignore_index
-        n = counted.sum().clamp(min=1)
-        loss = ((sum_exp.log() - target_logit) * counted).sum() / n
-        ctx.save_for_backward(probs, here, index, counted, n)
-        ctx.out_dtype = logits.dtype
-        return loss  # in the computation dtype (fp32 for bf16 logits), as loss scaling wants
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        probs, here, index, counted, n = ctx.saved_tensors
-        grad = probs  # softmax - one_hot(target), only this rank's columns: no comm
-        grad.scatter_add_(-1, index, -here.unsqueeze(-1).to(grad.dtype))
-        grad.mul_((counted.to(grad.dtype) * (grad_loss / n)).unsqueeze(-1))
-        return grad.to(ctx.out_dtype), None, None, None, None, None
-
-
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor,
                                  comm: GroupComm, vocab_start: int, vocab_size: int,
                                  ignore_index: int = -100) -> torch.Tensor:
@@ -126,9 +87,10 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     `vocab_size` (padding) are ignored. `targets` holds global token ids (same on every
     tp rank); tokens equal to `ignore_index` are not counted. Equals
     `F.cross_entropy(full_logits.flatten(0, -2), targets.flatten(), ignore_index=...)`.
+    The computation (in place, three all-reduces of a number per token) is
+    `partita.loss.cross_entropy`'s.
     """
-    return _VocabParallelCrossEntropy.apply(local_logits, targets, comm, vocab_start,
-                                            vocab_size, ignore_index)
+    return cross_entropy(local_logits, targets, comm, vocab_start, vocab_size, ignore_index)
 
 
 class VocabParallelLoss:

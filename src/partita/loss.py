@@ -1,0 +1,86 @@
+"""Next-token cross-entropy that keeps one fp32 tensor of tokens x vocabulary, not three.
+
+torch's `F.cross_entropy` saves the log-probabilities for backward, and its backward
+holds two more fp32 tensors of that size at once (the gradient of the log-probabilities
+and of the logits): 12 bytes per logit at the peak. With a 128K vocabulary that was
+8.4 GB of a 1.24B model's 47.9 GB on an H200 (README, "On a GPU"). Here a 16-bit
+input is copied up to fp32 once and everything else happens in that copy: shifted by
+the row maximum, exponentiated in place and saved unnormalised with its row sums; the
+backward turns it into the gradient in place (softmax minus one-hot, times the
+incoming gradient over the counted tokens). Peak: the saved tensor plus the 16-bit
+logits (forward) or their 16-bit gradient (backward), 6 bytes per bf16 logit; fp32
+logits are not ours to overwrite, so the shifted copy is new, 8 bytes per logit. On
+one CPU thread the forward and backward also take about half torch's time (2,048
+tokens x 32,000 entries, median of 7 alternating runs: 201 against 413 ms in fp32, 308
+against 644 ms in bf16); not yet timed on a GPU.
+
+The same function computes the vocabulary-parallel loss: given a group, each rank
+holds logits for vocabulary entries [vocab_start, vocab_start + width) and three
+all-reduces of one number per token (row maximum, target logit, sum of exponentials)
+make every rank's loss the loss over the whole vocabulary; the backward needs no
+communication, because each rank's slice of the softmax is its slice of the gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _CrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, comm, vocab_start, vocab_size, ignore_index):
+        # At least fp32: bf16 exponentials and sums lose the loss's precision.
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        owned = x is not logits  # a copy of ours: work on it in place
+        real = max(0, min(vocab_size - vocab_start, x.shape[-1]))
+        if real < x.shape[-1]:  # padding columns: no probability mass, whatever they hold
+            x = x if owned else x.clone()
+            owned = True
+            x[..., real:] = float("-inf")
+        x_max = x.amax(dim=-1, keepdim=True)
+        if comm is not None:
+            comm.all_reduce(x_max, op=dist.ReduceOp.MAX)  # 1
+        x = x.sub_(x_max) if owned else x - x_max
+
+        local_target = targets - vocab_start
+        here = (local_target >= 0) & (local_target < real)
+        index = local_target.masked_fill(~here, 0).unsqueeze(-1)
+        target_logit = x.gather(-1, index).squeeze(-1).masked_fill(~here, 0.0)
+        exp = x.exp_()
+        sum_exp = exp.sum(dim=-1)
+        if comm is not None:
+            comm.all_reduce(target_logit)  # 2
+            comm.all_reduce(sum_exp)  # 3
+
+        counted = targets != ignore_index
+        n = counted.sum().clamp(min=1)
+        loss = ((sum_exp.log() - target_logit) * counted).sum() / n
+        ctx.save_for_backward(exp, sum_exp, here, index, counted, n)
+        ctx.out_dtype = logits.dtype
+        return loss  # in the computation dtype (fp32 for bf16 logits), as loss scaling wants
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        exp, sum_exp, here, index, counted, n = ctx.saved_tensors
+        scale = counted.to(exp.dtype) * (grad_loss / n)  # per token
+        grad = exp.mul_((scale / sum_exp).unsqueeze(-1))  # softmax x scale, in place
+        grad.scatter_add_(-1, index, -(here.to(exp.dtype) * scale).unsqueeze(-1))
+        return grad.to(ctx.out_dtype), None, None, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm=None,
+                  vocab_start: int = 0, vocab_size: int | None = None,
+                  ignore_index: int = -100) -> torch.Tensor:
+    """Mean cross-entropy over the counted tokens (targets not equal to `ignore_index`).
+
+    `logits` (..., width) and `targets` (...) of global token ids. Without `comm` the
+    logits cover the whole vocabulary and this equals `F.cross_entropy(logits.flatten(0,
+    -2), targets.flatten(), ignore_index=ignore_index)`. With a `GroupComm`, column j is
+    the logit of token `vocab_start + j` on this rank and the result is the loss over the
+    vocabulary of all ranks; columns at or past `vocab_size` (padding) are ignored.
+    """
+    width = logits.shape[-1]
+    return _CrossEntropy.apply(logits.reshape(-1, width), targets.reshape(-1), comm,
+                               vocab_start, width if vocab_size is None else vocab_size,
+                               ignore_index)
