@@ -1,11 +1,14 @@
 """The planner against partita's own measurements, for the layouts the suite runs on CPU.
 
 Each case is built as a real run builds it (meta model, pipeline stages, tensor
-parallel, ZeRO engine) and takes one training step (the pipeline: one schedule). Model states: the planner (with `Assumptions.measured_cpu`,
-the cpu profile's defaults) equals the ZeRO engine's memory ledger within 2%, term by
-term. Activations: its estimate is within 15% of the most bytes autograd held saved for
-backward at once (per pipeline stage). Communication: within 2% of the bytes the mesh counted. Cases share one
-spawned world per world size; dp=1 runs in this process.
+parallel, ZeRO engine) and takes one training step (the pipeline: one schedule). Model
+states: the planner (with `Assumptions.measured_cpu`, the cpu profile's defaults)
+equals the ZeRO engine's memory ledger within 2%, term by term. Activations: its
+estimate is within 2% of the most bytes autograd held saved for backward at once (per
+pipeline stage; with zero bubble, plus the gradients held for deferred weight passes;
+`partita bench plan-accuracy` reads at most 1.0% on these cases). Communication: within
+2% of the bytes the mesh counted. Cases share one spawned world per world size; dp=1
+runs in this process.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ CASES = {
         Case(tp=2, sp=True, pp=2, microbatches=2, dtype=BF16)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
-STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.15, 0.02
+STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02
 
 
 def _check_memory(case: Case, measured: dict, stage: int = 0) -> None:

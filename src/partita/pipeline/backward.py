@@ -253,5 +253,9 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
 
 def _capture(store: dict, node: Node):
     def hook(grad_outputs):
-        store[node] = tuple(grad_outputs)
+        # Aliases, not the tensors: a gradient formed in place in a saved tensor (the
+        # loss's softmax, partita.loss) would otherwise keep that saved tensor's object
+        # alive after I released it, and a meter of saved tensors would count the
+        # storage twice, as saved and as held for W.
+        store[node] = tuple(None if g is None else g.detach() for g in grad_outputs)
     return hook
