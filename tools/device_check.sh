@@ -4,11 +4,13 @@
 #   2. `partita train` on the GPU (Llama 3.2 1B shape) next to `partita plan`'s
 #      prediction of the same layout's memory and step time;
 #   3. `partita bench zero` and `partita bench pp` with one free core per rank (the
-#      machine has 16), against the 2-core CI box where 4 ranks share 2 cores.
+#      machine has 16), against the 2-core CI box where 4 ranks share 2 cores;
+#   4. tools/loss_check.py: partita's loss against torch's cross-entropy, time and
+#      peak memory at 8,192 tokens x 128K vocabulary.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
-# Arguments pick parts (gpu train zero pp); none runs all four.
+# Arguments pick parts (gpu train zero pp loss); none runs them all.
 set -u
-PARTS=${*:-gpu train zero pp}
+PARTS=${*:-gpu train zero pp loss}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT"
@@ -42,4 +44,6 @@ want zero && echo "== [$SECONDS s] CPU: bench zero, one core per rank" &&
 timeout 200 partita bench zero --no-deepspeed 2>&1 | tee "$OUT/bench_zero.log"
 want pp && echo "== [$SECONDS s] CPU: bench pp, one core per rank" &&
 timeout 240 partita bench pp 2>&1 | tee "$OUT/bench_pp.log"
+want loss && echo "== [$SECONDS s] loss" &&
+timeout 120 python3 tools/loss_check.py 2>&1 | tee "$OUT/loss.log"
 echo "== [$SECONDS s] done"
