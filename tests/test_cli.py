@@ -126,3 +126,20 @@ def test_a_launched_process_that_crashes_shows_its_traceback(capfd):
         launch(LaunchSpec(nproc=1), operator.truediv, 1, 0)
     err = capfd.readouterr().err
     assert "partita: process 0 failed" in err and "ZeroDivisionError" in err
+
+
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, cache,
+                                                            tmp_path):
+    """NCCL takes one process per GPU: asking for more says what to change instead of
+    failing inside NCCL's setup ("Duplicate GPU detected") after the launch."""
+    import torch
+
+    from partita.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code = main(["train", *SMALL, "--nproc", "2", f"--data.cache_dir={cache}",
+                 f"--train.out_dir={tmp_path}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "2 processes on this node but 1 GPU(s) visible" in err and "--nproc 1" in err

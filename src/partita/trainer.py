@@ -62,17 +62,37 @@ def open_dataset(cfg: Config) -> TokenDataset:
     return data
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device_name(name: str) -> str:
+    """train.device resolved: "auto" is cuda when a GPU is visible, else cpu."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise PartitaError("train.device=cuda but no CUDA device is visible; use "
+                           "train.device=cpu or auto.")
+    return name
+
+
+def pick_device(name: str) -> torch.device:
+    name = pick_device_name(name)
     if name == "cuda":
-        if not torch.cuda.is_available():
-            raise PartitaError("train.device=cuda but no CUDA device is visible; use "
-                               "train.device=cpu or auto.")
         index = int(os.environ.get("LOCAL_RANK", 0))
+        check_one_gpu_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", index + 1)))
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(name)
+
+
+def check_one_gpu_per_process(local_processes: int) -> None:
+    """NCCL takes one process per GPU (two on one GPU fail inside NCCL's setup with
+    "Duplicate GPU detected"); say so before anything starts."""
+    gpus = torch.cuda.device_count()
+    if local_processes > gpus:
+        raise PartitaError(
+            f"{local_processes} processes on this node but {gpus} GPU(s) visible; NCCL "
+            f"runs one process per GPU. Use --nproc {gpus} (or fewer), make more GPUs "
+            "visible (CUDA_VISIBLE_DEVICES), or train on CPU processes with "
+            "--train.device=cpu."
+        )
 
 
 def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:

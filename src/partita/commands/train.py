@@ -57,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     nproc = args.nproc or default_nproc()
     validate_before_launch(cfg, nproc * args.nnodes)
+    from partita.trainer import check_one_gpu_per_process, pick_device_name
+
+    if pick_device_name(cfg.train.device) == "cuda":
+        check_one_gpu_per_process(nproc)
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_id=args.rdzv_id)
     launch(spec, _worker, cfg.to_toml())
