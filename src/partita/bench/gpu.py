@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         print("gpu: no CUDA device visible; this benchmark needs at least one GPU")
         return 1
     world = args.gpus or torch.cuda.device_count()
+    if world > torch.cuda.device_count():
+        print(f"gpu: --gpus {world} but {torch.cuda.device_count()} GPU(s) visible; NCCL "
+              "runs one rank per GPU")
+        return 1
     setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
                           rounds=args.rounds, device="cuda")
     cfg = get_model_config(setup.model)
