@@ -132,8 +132,10 @@ class Assumptions:
 
         torch's CPU scaled-dot-product attention is a flash-style kernel (it saves Q, K,
         V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:
-        SwiGLU keeps gate, silu(gate), up and their product; the loss keeps fp32
-        log-probabilities (or the vocab-parallel softmax) per vocabulary entry.
+        SwiGLU keeps gate, silu(gate), up and their product; the loss (`partita.loss`)
+        keeps one fp32 element per vocabulary entry, and while it runs the logits or
+        their gradient beside it (`loss_transients`). Also the preset of `partita plan
+        --implementation partita` on GPUs.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
