@@ -6,7 +6,7 @@ states: the planner (with `Assumptions.measured_cpu`, the cpu profile's defaults
 equals the ZeRO engine's memory ledger within 2%, term by term. Activations: its
 estimate is within 2% of the most bytes autograd held saved for backward at once (per
 pipeline stage; with zero bubble, plus the gradients held for deferred weight passes;
-`partita bench plan-accuracy` reads at most 1.0% on these cases). Communication: within
+`partita bench plan-accuracy` reads at most 0.9% on these cases). Communication: within
 2% of the bytes the mesh counted. Cases share one spawned world per world size; dp=1
 runs in this process.
 """

@@ -95,6 +95,9 @@ class Assumptions:
     # their gradient in backward. The fused default counts the loss in
     # `logits_bytes_per_element` alone.
     loss_transients: bool = False
+    # Bytes per token a loss saves besides its targets: partita's keeps an fp32 row sum
+    # of exponentials and two boolean masks (6).
+    loss_token_bytes: float = 0.0
     # Bytes per token of integer ids kept for backward (embedding lookup, loss targets);
     # negligible at scale, a visible share of a tiny model's activations.
     token_id_bytes: float = 0.0
@@ -141,7 +144,8 @@ class Assumptions:
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
-                   token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True)
+                   token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
+                   loss_token_bytes=6.0)
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:

@@ -170,7 +170,8 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     first, last = stage == 0, stage == layout.pp - 1
     # Loss side of the last stage: logits, the head's input, the targets.
     loss_side = (logits_bytes(model, layout, seq_len, assumptions)
-                 + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids)
+                 + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids
+                 + assumptions.loss_token_bytes * seq_len / layout.cp * layout.mb)
     if layout.schedule == "zb-h1" and layout.pp > 1:
         whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
