@@ -166,12 +166,14 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     deferred W holds only what W reads."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
     per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
-    ids = assumptions.token_id_bytes / 2 * seq_len / layout.cp * layout.mb
+    tokens = microbatch_tokens(layout, seq_len)
+    ids = assumptions.token_id_bytes / 2 * tokens
     first, last = stage == 0, stage == layout.pp - 1
-    # Loss side of the last stage: logits, the head's input, the targets.
+    # Loss side of the last stage: logits, the head's input, the targets and what the
+    # loss keeps per token besides them.
     loss_side = (logits_bytes(model, layout, seq_len, assumptions)
                  + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids
-                 + assumptions.loss_token_bytes * seq_len / layout.cp * layout.mb)
+                 + assumptions.loss_token_bytes * tokens)
     if layout.schedule == "zb-h1" and layout.pp > 1:
         whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
@@ -198,7 +200,7 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     """What one microbatch of a stage holds between I and W (`weight_pass_terms` per
     layer; stage 0 adds the embedding's token ids and the gradient at its output, the
     last stage the head's and final norm's inputs and output gradients)."""
-    e, tokens = precision.activation, seq_len / layout.cp * layout.mb
+    e, tokens = precision.activation, microbatch_tokens(layout, seq_len)
     h, sp_div = model.config.dim, layout.tp if layout.sp else 1
     ids = assumptions.token_id_bytes / 2 * tokens
     per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
@@ -206,11 +208,11 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if first:
         total += ids + e * tokens * h / sp_div
     if last:
-        vocab = -(-model.config.vocab_size // layout.tp)
         in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
         norm = norm_weight_pass_bytes(model, tokens / sp_div, precision, assumptions)
         total += (e * tokens * h / in_div + norm  # the head's and the norm's inputs
-                  + e * tokens * (vocab + h / sp_div))  # their output gradients
+                  + e * (logit_elements(model, layout, seq_len)  # their output gradients
+                         + tokens * h / sp_div))
     return total
 
 
@@ -245,19 +247,28 @@ def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
     tensors plus the head's input (gathered along the sequence under sp by partita)."""
     if assumptions.norm_kernel == "fused":
         return layer_input_bytes(model, layout, seq_len, precision)
-    tokens = seq_len / layout.cp * layout.mb
+    tokens = microbatch_tokens(layout, seq_len)
     sp_div = layout.tp if layout.sp else 1
     in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
     return (norm_bytes(model, tokens / sp_div, precision, assumptions)
             + precision.activation * tokens * model.config.dim / in_div)
 
 
+def microbatch_tokens(layout: Layout, seq_len: int) -> float:
+    """Tokens of one microbatch on one GPU (its share of the sequence under cp)."""
+    return seq_len / layout.cp * layout.mb
+
+
+def logit_elements(model: PlanModel, layout: Layout, seq_len: int) -> float:
+    """One microbatch's logits on one GPU: tokens x this rank's vocabulary rows (the
+    vocabulary padded to a multiple of tp)."""
+    return microbatch_tokens(layout, seq_len) * -(-model.config.vocab_size // layout.tp)
+
+
 def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Logits of one microbatch with their fp32 softmax and gradient (vocab-parallel)."""
-    c = model.config
-    return (assumptions.logits_bytes_per_element * seq_len / layout.cp * layout.mb
-            * -(-c.vocab_size // layout.tp))  # vocabulary padded to a multiple of tp
+    return assumptions.logits_bytes_per_element * logit_elements(model, layout, seq_len)
 
 
 def loss_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -271,9 +282,7 @@ def loss_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     count none of this (`loss_transients` off)."""
     if not assumptions.loss_transients:
         return 0.0
-    c = model.config
-    return (precision.activation * seq_len / layout.cp * layout.mb
-            * -(-c.vocab_size // layout.tp))
+    return precision.activation * logit_elements(model, layout, seq_len)
 
 
 def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,

@@ -13,7 +13,8 @@ from partita.planner.search import SearchResult
 MEMORY_COLUMNS = (
     ("params", "parameters"), ("grads", "gradients"), ("master", "master_weights"),
     ("optim", "optimizer_states"), ("activ", "activations"), ("buffers", "comm_buffers"),
-    ("loss", "loss_transients"), ("reserve", "runtime_reserved"), ("frag", "fragmentation"), ("total", "total"),
+    ("loss", "loss_transients"), ("reserve", "runtime_reserved"), ("frag", "fragmentation"),
+    ("total", "total"),
 )
 KIND_TITLES = {"memory": "does not fit", "divisibility": "divisibility",
                "constraint": "constraint"}
