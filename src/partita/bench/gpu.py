@@ -124,20 +124,20 @@ def run(args: argparse.Namespace) -> int:
     rows, memory = run_distributed(_worker, world, args=(setup,), timeout=1800,
                                    backend="nccl")[0]
 
-    def mfu(times: list[float]) -> str:
-        return f"{flops_per_step / statistics.median(times) / peak:>6.1%}" if peak else "   n/a"
+    # MFU of a median step (0 where the GPU's peak is unknown, see partita.metrics).
+    def mfu(seconds: float) -> float:
+        return flops_per_step / seconds / peak if peak else 0.0
+
     print(f"{'partita':>16} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
           f"{'MFU':>6} {'ratio':>6}")
     for r in rows:
-        print(f"{r['ours']:>16} {statistics.median(r['t_ours']) * 1e3:>8.1f} "
-              f"{mfu(r['t_ours'])} {r['peer']:>20} {statistics.median(r['t_peer']) * 1e3:>8.1f} "
-              f"{mfu(r['t_peer'])} {r['ratio']:>6.3f}")
+        ours, theirs = statistics.median(r["t_ours"]), statistics.median(r["t_peer"])
+        print(f"{r['ours']:>16} {ours * 1e3:>8.1f} {mfu(ours):>6.1%} {r['peer']:>20} "
+              f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {r['ratio']:>6.3f}")
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
-    peers = [r for r in rows if not r["peer"].startswith("partita")]
-    worst = max(r["ratio"] for r in peers)
-    best_mfu = max(flops_per_step / statistics.median(r["t_ours"]) / peak
-                   for r in rows) if peak else 0.0
+    worst = max(r["ratio"] for r in rows if not r["peer"].startswith("partita"))
+    best_mfu = max(mfu(statistics.median(r["t_ours"])) for r in rows)
     print(f"gpu: worst partita/peer step-time ratio {worst:.3f}; best partita MFU "
           f"{best_mfu:.1%}")
     return 0
