@@ -23,6 +23,7 @@ NCCL keeps its native collectives.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -112,28 +113,28 @@ class GroupComm:
         self.index = ranks.index(rank)
         self.purpose = purpose
         self.counter = counter
-        self._on_gloo: bool | None = None  # asked of the group when first needed
-        self._scalar_device: torch.device | None = None
+
+    @functools.cached_property  # asked of the group when first needed
+    def backend(self) -> str | None:
+        """The group's backend ("gloo", "nccl"), or None when there is nobody to
+        communicate with (one member, or no process group)."""
+        if self.size == 1 or not dist.is_initialized():
+            return None
+        return str(dist.get_backend(self.group))
 
     @property
     def scalar_device(self) -> torch.device:
         """Where small tensors made for a collective (scalars, bounds) must live: NCCL
         communicates CUDA tensors only, gloo CPU ones."""
-        if self._scalar_device is None:
-            nccl = (self.size > 1 and dist.is_initialized()
-                    and dist.get_backend(self.group) == dist.Backend.NCCL)
-            self._scalar_device = (torch.device("cuda", torch.cuda.current_device())
-                                   if nccl else torch.device("cpu"))
-        return self._scalar_device
+        if self.backend == dist.Backend.NCCL:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     @property
     def flat_by_all_to_all(self) -> bool:
         """See the module docstring: on gloo, flat reduce-scatters and all-gathers are
         all-to-alls."""
-        if self._on_gloo is None:
-            self._on_gloo = (self.size > 1 and dist.is_initialized()
-                             and dist.get_backend(self.group) == dist.Backend.GLOO)
-        return self._on_gloo
+        return self.backend == dist.Backend.GLOO
 
     def _count(self, op: str, nbytes: float) -> None:
         self.counter.record(self.purpose, op, nbytes)
