@@ -6,8 +6,11 @@ kernel (`fused=True`, not torch's default: on CPU the default is a loop over par
 foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket.
 After warm-up, rounds alternate ours and the peer, and which of the two goes first
 alternates too (A B, B A, A B, ...), so neither always runs right after the other's
-barrier; each round times a few steps between barriers. The verdict is the median of the per-round ratios. The timing harness
-here also serves `partita bench zero`.
+barrier; each round times a few steps between barriers (the slowest rank's time). The
+verdict is the median of the per-round ratios with its 99% interval; against a peer,
+rounds double from --rounds until the interval lies on one side of 1.0 or
+--max-rounds is reached (`partita.bench.paired`). The timing harness here also serves
+`partita bench zero`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from partita.bench import paired
 from partita.models.catalog import get_model_config
 from partita.testing import run_distributed
 
@@ -35,7 +39,8 @@ class Setup:
     batch: int = 4  # sequences per rank
     seq: int = 128
     warmup: int = 3
-    rounds: int = 16
+    rounds: int = 16  # at least; doubled up to max_rounds where a verdict is close
+    max_rounds: int = 16
     steps: int = 2  # steps per timed round
     device: str = "cpu"  # "cuda": rank r on GPU r (`partita bench gpu`)
 
@@ -95,8 +100,10 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> Step:
 
 
 def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]],
-               build: Callable[[str, torch.nn.Module, object], Step]) -> list[dict]:
-    """Per pair (ours, peer): per-round seconds per step of each, interleaved."""
+               build: Callable[[str, torch.nn.Module, object], Step],
+               thresholds: dict[tuple[str, str], float] | None = None) -> list[dict]:
+    """Per pair (ours, peer): per-round seconds per step of each, interleaved (see
+    `paired`: a pair with a threshold runs until its verdict is settled)."""
     import warnings
 
     import torch.distributed as dist
@@ -127,32 +134,55 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
         for fn in steps:
             for i in range(setup.warmup):
                 fn(batches[i % 4])
-        times: list[list[float]] = [[], []]
-        for r in range(setup.rounds):
-            order = (0, 1) if r % 2 == 0 else (1, 0)
-            for fn, acc in ((steps[k], times[k]) for k in order):
-                wait()
-                t0 = time.perf_counter()
-                for i in range(setup.steps):
-                    fn(batches[i % 4])
-                wait()
-                acc.append((time.perf_counter() - t0) / setup.steps)
+
+        times = _time_pair(steps, batches, setup, wait,
+                           (thresholds or {}).get((ours, peer)))
         out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
-                    "ratio": statistics.median(a / b for a, b in zip(*times))})
+                    "estimate": paired.estimate(paired.ratios(times))})
         del steps
         gc.collect()
     return out
 
 
+def _time_pair(steps: list[Step], batches: list[torch.Tensor], setup: Setup,
+               wait: Callable[[], None],
+               threshold: float | None) -> tuple[list[float], list[float]]:
+    import torch.distributed as dist
+
+    def time_side(k: int) -> float:
+        wait()
+        t0 = time.perf_counter()
+        for i in range(setup.steps):
+            steps[k](batches[i % 4])
+        wait()
+        # The slowest rank's time, the same on every rank (they decide together whether
+        # to run more rounds).
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
+                            device=batches[0].device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return took.item() / setup.steps
+
+    return paired.paired_rounds(time_side, setup.rounds, setup.max_rounds, threshold)
+
+
 def print_table(rows: list[dict], world: int, label: str = "") -> None:
     for r in rows:
+        est = r["estimate"]
         print(f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
               f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
-              f"{r['ratio']:>7.3f}" + (f"  {label}" if label else ""))
+              f"{est.median:>7.3f} {est.low:>6.3f}-{est.high:<6.3f} {est.rounds:>6}"
+              + (f"  {label}" if label else ""))
+
+
+def describe(bench: str, setup: Setup) -> str:
+    return (f"{bench}: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, "
+            f"1 thread per rank, {setup.warmup} warm-up steps, then interleaved rounds of "
+            f"{setup.steps} steps ({setup.rounds}, doubled up to {setup.max_rounds} where "
+            "the 99% interval of a peer pair's ratio still spans 1.0); median step times")
 
 
 TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/step':>9} "
-              f"{'ratio':>7}")
+              f"{'ratio':>7} {'99% interval':>13} {'rounds':>6}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,21 +190,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=Setup.model)
     parser.add_argument("--batch", type=int, default=Setup.batch, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=Setup.seq)
-    parser.add_argument("--rounds", type=int, default=Setup.rounds)
+    parser.add_argument("--rounds", type=int, default=Setup.rounds,
+                        help="timed rounds per pair, at least")
+    # 160: a pair at 0.985 whose single rounds spread by +-7% (this machine) needs about
+    # that many for its 99% interval to end below 1.0.
+    parser.add_argument("--max-rounds", type=int, default=160,
+                        help="rounds a close pair may double up to (default 160)")
 
 
 def setup_from(args: argparse.Namespace) -> Setup:
-    return Setup(model=args.model, batch=args.batch, seq=args.seq, rounds=args.rounds)
+    return Setup(model=args.model, batch=args.batch, seq=args.seq, rounds=args.rounds,
+                 max_rounds=max(args.rounds, args.max_rounds))
 
 
 def run(args: argparse.Namespace) -> int:
     setup = setup_from(args)
-    rows = run_distributed(time_pairs, args.world, timeout=900,
-                           args=(setup, [("partita stage 0", "torch DDP")], build_step))[0]
-    print(f"dp: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, 1 thread "
-          f"per rank, {setup.rounds} interleaved rounds of {setup.steps} steps after "
-          f"{setup.warmup} warm-up steps; median step times")
+    pair = ("partita stage 0", "torch DDP")
+    rows = run_distributed(time_pairs, args.world, timeout=1800,
+                           args=(setup, [pair], build_step, {pair: 1.0}))[0]
+    print(describe("dp", setup))
     print(TABLE_HEAD)
     print_table(rows, args.world)
-    print(f"dp: partita/torch-ddp step-time ratio {rows[0]['ratio']:.3f}")
+    print(f"dp: partita/torch-ddp step-time ratio {rows[0]['estimate'].median:.3f}")
     return 0

@@ -5,7 +5,8 @@ ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B v=2 / ScheduleInterleaved1F
 both runtimes train the same model (same initial weights, same stage split, same
 microbatches) forward and backward. Rounds alternate partita and torch after a warm-up,
 which of the two goes first alternating too; a step's time is the slowest rank's; the
-table shows medians and the median of the per-round ratios. partita runs through
+table shows medians and the median of the per-round ratios with its 99% interval; a
+pair whose interval still spans 1.0 gets more rounds (`partita.bench.paired`). partita runs through
 `build_parallel_model` (its data-parallel engine included, with nothing to reduce);
 torch runs plain modules.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from partita.bench import paired
 from partita.testing import run_distributed
 
 SELF = "partita (same again)"
@@ -36,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # 16: with 6 our 1F1B timed against itself read 0.987-1.030; R is the worst of six
     # pairs, so round-to-round noise alone pushes it up.
     parser.add_argument("--rounds", type=int, default=16,
-                        help="timed rounds per runtime (even: each goes first equally often)")
+                        help="timed rounds per pair, at least (even: each runtime goes "
+                             "first equally often)")
+    parser.add_argument("--max-rounds", type=int, default=128,
+                        help="rounds a pair whose 99%% interval still spans 1.0 may double "
+                             "up to (default 128)")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--microbatch-size", type=int, default=2)
@@ -143,37 +149,43 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
             kwargs = {"target": y, "losses": []} if last else {}
             sched.step(*((x,) if first else ()), **kwargs)
 
-    times: dict[str, list[float]] = {"partita": [], "torch": []}
-    runtimes = [("partita", ours), ("torch", theirs)]
-    for r in range(args.rounds + 1):  # round 0 warms up (torch infers shapes there)
-        for label, fn in runtimes if r % 2 == 0 else runtimes[::-1]:
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
-            for reset in resets:
-                reset()
-            if r > 0:
-                times[label].append(took.item())
-    return {"name": name, "v": v, "peer": peer, **times}
+    runtimes = [ours, theirs]
+
+    def time_side(k: int) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        runtimes[k]()
+        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's, on every rank
+        for reset in resets:
+            reset()
+        return took.item()
+
+    for k in (0, 1):  # warm-up (torch infers shapes here)
+        time_side(k)
+    times = paired.paired_rounds(time_side, args.rounds, max(args.rounds, args.max_rounds),
+                                 None if peer == SELF else 1.0)
+    return {"name": name, "v": v, "peer": peer, "partita": times[0], "torch": times[1],
+            "estimate": paired.estimate(paired.ratios(times))}
 
 
 def run(args: argparse.Namespace) -> int:
     print(f"pipeline step time, partita vs torch.distributed.pipelining: m={args.microbatches}, "
           f"dim={args.dim}, seq={args.seq}, microbatch {args.microbatch_size}, gloo, "
-          "1 thread per rank, median of alternating rounds")
+          f"1 thread per rank, median of alternating rounds ({args.rounds}, doubled up to "
+          f"{max(args.rounds, args.max_rounds)} where the 99% interval spans 1.0)")
     print(f"{'p':>2} {'partita schedule':<20} {'torch schedule':<25} {'partita ms':>10} "
-          f"{'torch ms':>9} {'ratio':>6}")
+          f"{'torch ms':>9} {'ratio':>6} {'99% interval':>13} {'rounds':>6}")
     worst = 0.0
     for p in args.stages:
-        for r in run_distributed(_worker, p, (args,), timeout=1800)[0]:
-            ratio = statistics.median(a / b for a, b in zip(r["partita"], r["torch"]))
+        for r in run_distributed(_worker, p, (args,), timeout=3600)[0]:
+            est = r["estimate"]
             if r["peer"] != SELF:
-                worst = max(worst, ratio)
+                worst = max(worst, est.median)
             label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
             print(f"{p:>2} {label:<20} {r['peer']:<25} "
                   f"{statistics.median(r['partita']) * 1e3:>10.1f} "
-                  f"{statistics.median(r['torch']) * 1e3:>9.1f} {ratio:>6.3f}")
+                  f"{statistics.median(r['torch']) * 1e3:>9.1f} {est.median:>6.3f} "
+                  f"{est.low:>6.3f}-{est.high:<6.3f} {est.rounds:>6}")
     print(f"pp: worst partita/torch step-time ratio {worst:.3f}")
     return 0
