@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from pipeline_cases import batch, make_config, train_case
+from pipeline_cases import SEQ, batch, make_config, train_case
 
 from partita.activations import SavedTensorMeter
 from partita.errors import PartitaError
@@ -400,3 +400,58 @@ def test_large_transfers_both_ways_at_once_do_not_deadlock():
     """Sends are posted from the runner's thread on gloo: 64 MB each way at once (far
     beyond a socket's buffer) must still complete, within the transport's timeout."""
     assert run_distributed(_exchange_large, 2, (16 * 2**20,), timeout=120) == [True, True]
+
+
+def _zero_bubble_head(rank: int, world: int, vocab: int, tied: bool) -> dict:
+    """One ZB-H1 step of the same model twice: the output projection's weight gradient
+    formed right after I (the runtime's way) and deferred to W like every other weight.
+    Per way: the most the stage held for backward (saved tensors + the runner's own
+    count of gradients kept outside autograd) and every gradient afterwards."""
+    from partita.mesh import Mesh
+    from partita.parallelize import build_parallel_model
+
+    torch.set_num_threads(1)
+    cfg = make_config({"pp": 2, "schedule": "zb-h1", "m": 4, "batch": 32,
+                       "model": {"vocab_size": vocab, "tie_embeddings": tied}})
+    tokens = batch(0, cfg.train.global_batch)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    out = {}
+    for way in ("early", "deferred"):
+        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world),
+                                  torch.device("cpu"))
+        if way == "deferred":
+            pm.runner.early_params = []
+        out[way] = _measured_step(pm, x, y, cfg.train.microbatches)
+    return out
+
+
+def _measured_step(pm, x: torch.Tensor, y: torch.Tensor, m: int) -> dict:
+    runner = pm.runner
+    with SavedTensorMeter(pm.module, lambda: runner.deferred_bytes) as meter:
+        runner.train(x, y, m)
+    pm.dp.finish_grad_sync()
+    return {"peak": meter.peak_bytes, "left": runner.deferred_bytes,
+            "grads": {n: p.grad.clone() for n, p in pm.module.named_parameters()}}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_zero_bubble_forms_the_head_gradient_after_i_not_in_w(tied):
+    """ZB-H1's last stage forms the output projection's weight gradient right after each
+    I, so no deferred W keeps the logits' gradient (tokens x vocabulary): the gradients
+    are bitwise those of deferring it (the same sums in the same order), the stage holds
+    less by about the logits' gradients that were waiting, and nothing stays counted."""
+    vocab, tokens_per_mb = 2048, 8 * SEQ  # batch 32 in 4 microbatches
+    got = run_distributed(_zero_bubble_head, 2, (vocab, tied), timeout=180)
+    for rank, row in enumerate(got):
+        early, deferred = row["early"], row["deferred"]
+        assert early["grads"].keys() == deferred["grads"].keys()
+        for name, grad in early["grads"].items():
+            assert torch.equal(grad, deferred["grads"][name]), (rank, name)
+        assert early["left"] == deferred["left"] == 0
+    logits_grad = tokens_per_mb * vocab * 8  # float64: 2 MiB
+    head_sum = vocab * 32 * 8  # the step's sum of head gradients (dim 32): 0.5 MiB
+    first, last = got[0], got[1]
+    assert first["early"]["peak"] == first["deferred"]["peak"]  # stage 0: no head
+    # At most one microbatch waits for W on the last stage of two (ZB-H1 at p = 2).
+    saved = last["deferred"]["peak"] - last["early"]["peak"]
+    assert saved >= logits_grad - head_sum, (saved, logits_grad, head_sum)

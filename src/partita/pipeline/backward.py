@@ -153,6 +153,27 @@ class WeightPass:
             torch.autograd.backward(params, [g for _, g in self.eager], inputs=params)
         self.groups, self.eager = [], []
 
+    def take(self, params: Sequence[torch.Tensor]) -> WeightPass:
+        """Move the part of this pass that computes only gradients of `params` into a
+        pass of its own (run it first or later: the two share no node)."""
+        ids = {id(p) for p in params}
+        mine = [all(id(p) in ids for p in group[2]) for group in self.groups]
+        taken = WeightPass([g for g, m in zip(self.groups, mine) if m],
+                           [(p, g) for p, g in self.eager if id(p) in ids])
+        self.groups = [g for g, m in zip(self.groups, mine) if not m]
+        self.eager = [(p, g) for p, g in self.eager if id(p) not in ids]
+        return taken
+
+    def gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As `run`, but return (parameter, gradient) pairs instead of accumulating
+        them into .grad; the recorded gradients and the graph are released as there."""
+        out = list(self.eager)
+        for edges, grads, params in self.groups:
+            found = torch.autograd.grad(edges, params, grads, allow_unused=True)
+            out += [(p, g) for p, g in zip(params, found) if g is not None]
+        self.groups, self.eager = [], []
+        return out
+
 
 def _post_order(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
     """Every node reachable from `roots`, children before parents, and the children."""

@@ -50,13 +50,23 @@ def idle_fraction(rows: Sequence[Sequence[Event]]) -> float:
     return 1.0 - busy / (makespan * len(rows))
 
 
+def action_durations(row: Sequence[Event]) -> dict:
+    """Compute time per action of one rank. An action may run in pieces: zero bubble's
+    last stage records the output projection's weight pass, run after I's send, as a
+    second piece of that I (`PipelineRunner._run_early`)."""
+    took: dict = {}
+    for a, start, end in row:
+        if a.kind.is_compute:
+            took[a] = took.get(a, 0.0) + end - start
+    return took
+
+
 def pass_times(rows: Sequence[Sequence[Event]]) -> dict[str, float]:
     """Mean duration of each compute kind over all ranks ('F', 'B', 'I', 'W')."""
     sums: dict[str, list[float]] = {}
     for row in rows:
-        for a, start, end in row:
-            if a.kind.is_compute:
-                sums.setdefault(a.kind.value, []).append(end - start)
+        for a, took in action_durations(row).items():
+            sums.setdefault(a.kind.value, []).append(took)
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
@@ -103,7 +113,7 @@ def replay_idle(sched: Schedule, rows: Sequence[Sequence[Event]]) -> float:
     """The idle fraction this schedule would have if every pass took exactly the time it
     was measured to take and transfers were free: the theory for *this* run, which the
     measured idle fraction exceeds only by transfer latency and runtime overhead."""
-    took = [{a: end - start for a, start, end in row if a.kind.is_compute} for row in rows]
+    took = [action_durations(row) for row in rows]
     posted: dict[tuple[str, int, int], float] = {}
     clock = [0.0] * sched.n_ranks
     index = [0] * sched.n_ranks

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from partita.mesh import Mesh
-from partita.models.plan import ModelPlan
+from partita.models.plan import VOCAB_HEAD, ModelPlan
 from partita.pipeline import stage as st
 from partita.pipeline.actions import Action, Kind, Schedule
 from partita.pipeline.backward import (
@@ -74,6 +74,10 @@ class _Step:
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     held: dict[int, int] = field(default_factory=dict)  # per stage: len of its passes
+    # Zero bubble, last stage: output-projection weight passes waiting to run right
+    # after the next sends are posted, and the step's sum of their gradients.
+    early: list[tuple[Action, WeightPass]] = field(default_factory=list)
+    early_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 def forward_only(sched: Schedule) -> Schedule:
@@ -123,6 +127,7 @@ class PipelineRunner:
         # for backward like saved activations, but outside autograd's saved tensors).
         self.deferred_bytes = 0
         self.schedule(microbatches)  # validate the configured schedule now
+        self.early_params = self._early_weight_params()
 
     @property
     def module(self) -> nn.Module:
@@ -143,6 +148,23 @@ class PipelineRunner:
                            requires_grad=True)
         setattr(owner, st.TIED_HEAD_ATTR, copy)
         return TiedHead(mesh.comm("embedding"), copy, False, timeout_s)
+
+    def _early_weight_params(self) -> list[torch.Tensor]:
+        """Zero bubble, last stage: the output projection's weights, whose gradient is
+        formed right after I instead of in the deferred W. Deferred, W would need the
+        logits' gradient, tokens x vocabulary per waiting microbatch (the last stage
+        of ZB-H1 keeps up to p - 1 waiting: for llama3-8b at p = 8, sequence 8192, 7 x
+        2.1 GB in bf16); formed early, the stage keeps one sum of the step's head
+        gradients instead (one weight's size), which its final W adds to .grad. The
+        matmul runs once the input gradient is on its way upstream (`_transfer`), so
+        it does not delay the stage before."""
+        if not self.schedule(self.microbatches).splits_backward or \
+                self.layout.last_stage not in self.stages:
+            return []
+        if self.tied is not None:
+            return [self.tied.weight]
+        return [p for name in self.plan.head if self.plan.role_of(name) == VOCAB_HEAD
+                for p in self.module.get_submodule(name).parameters() if p.requires_grad]
 
     def schedule(self, microbatches: int) -> Schedule:
         """The validated schedule for `microbatches` (built once per count)."""
@@ -277,6 +299,8 @@ class PipelineRunner:
                 posted.append((a, self._recv_buffer(step)))
         start = time.perf_counter() - t0
         works = dict(self.transport.post(posted))
+        if step.early:  # the sends are on their way: compute while receives arrive
+            self._run_early(step, t0)
         buffers = {a: t for a, t in posted if a.kind.is_recv}
         for a in batch:
             if a.kind.is_send:
@@ -286,6 +310,32 @@ class PipelineRunner:
             self.transport.wait(a, work)
             step.inbox[a.transfer_key] = buf
             self.timeline.append((a, max(posted_at, start), time.perf_counter() - t0))
+
+    def _run_early(self, step: _Step, t0: float) -> None:
+        """The output projection's weight passes recorded by I (`_early_weight_params`),
+        summed into the step's head gradients."""
+        for a, weights in step.early:
+            start = time.perf_counter() - t0
+            for param, grad in weights.gradients():
+                held = step.early_grads.get(id(param))
+                if held is None:
+                    step.early_grads[id(param)] = (param, grad)
+                    self.deferred_bytes += grad.numel() * grad.element_size()
+                else:
+                    held[1].add_(grad)
+            self.timeline.append((a, start, time.perf_counter() - t0))
+        step.early.clear()
+
+    def _apply_early(self, step: _Step) -> None:
+        """Final W of the last stage: the summed head gradients join .grad (inside the
+        engine's grad_sync, as every other gradient of that W)."""
+        if step.early_grads:
+            params = [p for p, _ in step.early_grads.values()]
+            torch.autograd.backward(params, [g for _, g in step.early_grads.values()],
+                                    inputs=params)
+            self.deferred_bytes -= sum(g.numel() * g.element_size()
+                                       for _, g in step.early_grads.values())
+            step.early_grads.clear()
 
     def _boundary_shape(self, step: _Step) -> tuple[int, int, int]:
         b = step.inputs[0].shape[0]
@@ -361,6 +411,8 @@ class PipelineRunner:
             p = step.passes.pop((a.stage, a.microbatch))
             step.held[a.stage] -= 1
             self.deferred_bytes -= p.deferred_bytes
+            if step.early:  # not run after a transfer yet (none came since its I)
+                self._run_early(step, self.step_started)
         with self.dp.grad_sync(is_final, self.stage_buckets.get(a.stage)):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
@@ -368,6 +420,8 @@ class PipelineRunner:
                 x_grad = p.x.grad
             else:
                 p.weights.run()
+                if is_final and stage.last:
+                    self._apply_early(step)
                 x_grad = p.x_grad
             if stage.first:
                 roots, grads = [p.embedded], [x_grad]
@@ -393,6 +447,9 @@ class PipelineRunner:
             params.append(self.tied.weight)
         (x_grad,), p.weights = backward_input(roots, grads, [p.x], params, p.saves)
         p.root = p.edge = p.saves = p.x = None  # W reads none of them
+        if stage.last and self.early_params:
+            # Timed as a second piece of this I (it runs in I's turn, after the send).
+            step.early.append((a, p.weights.take(self.early_params)))
         if stage.first:
             p.x_grad = x_grad
         else:

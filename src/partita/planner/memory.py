@@ -179,6 +179,8 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
                                                assumptions, layers, first, last)
         total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
+        if last:  # the step's sum of head weight gradients, formed right after each I
+            total += precision.grad * head_weight_elements(model, layout)
     else:
         chunks = inflight_chunks(layout, stage, num_microbatches)
         total = per_layer * layers * chunks / layout.vpp
@@ -199,7 +201,10 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
                                 layers: int, first: bool, last: bool) -> float:
     """What one microbatch of a stage holds between I and W (`weight_pass_terms` per
     layer; stage 0 adds the embedding's token ids and the gradient at its output, the
-    last stage the head's and final norm's inputs and output gradients)."""
+    last stage the final norm's input and output gradient). The output projection's
+    weight gradient is formed right after I (`PipelineRunner._early_weight_params`),
+    which releases its input and the logits' gradient there; the stage holds their sum
+    over the step instead (`activation_bytes`)."""
     e, tokens = precision.activation, microbatch_tokens(layout, seq_len)
     h, sp_div = model.config.dim, layout.tp if layout.sp else 1
     ids = assumptions.token_id_bytes / 2 * tokens
@@ -208,12 +213,14 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if first:
         total += ids + e * tokens * h / sp_div
     if last:
-        in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
         norm = norm_weight_pass_bytes(model, tokens / sp_div, precision, assumptions)
-        total += (e * tokens * h / in_div + norm  # the head's and the norm's inputs
-                  + e * (logit_elements(model, layout, seq_len)  # their output gradients
-                         + tokens * h / sp_div))
+        total += norm + e * tokens * h / sp_div  # the norm's input and output gradient
     return total
+
+
+def head_weight_elements(model: PlanModel, layout: Layout) -> float:
+    """The output projection's weight on one GPU: this rank's vocabulary rows x dim."""
+    return -(-model.config.vocab_size // layout.tp) * model.config.dim
 
 
 def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,
