@@ -192,8 +192,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=Setup.seq)
     parser.add_argument("--rounds", type=int, default=Setup.rounds,
                         help="timed rounds per pair, at least")
-    # 160: a pair at 0.985 whose single rounds spread by +-7% (this machine) needs about
-    # that many for its 99% interval to end below 1.0.
+    # 160 (four looks from 16 or 20): on this 2-core machine the 99% interval is then
+    # about +-2% wide (stage 0 vs DDP: 0.993-1.029); a pair closer than that stays
+    # open, and the table shows it.
     parser.add_argument("--max-rounds", type=int, default=160,
                         help="rounds a close pair may double up to (default 160)")
 

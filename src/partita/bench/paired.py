@@ -35,9 +35,6 @@ class Estimate:
         """The interval lies wholly on one side of `threshold`."""
         return self.high <= threshold or self.low > threshold
 
-    def __str__(self) -> str:
-        return f"{self.median:.3f} [{self.low:.3f}, {self.high:.3f}] n={self.rounds}"
-
 
 def estimate(ratios: Sequence[float]) -> Estimate:
     """Median of `ratios` with its distribution-free 99% interval: the order statistics

@@ -6,9 +6,9 @@ both runtimes train the same model (same initial weights, same stage split, same
 microbatches) forward and backward. Rounds alternate partita and torch after a warm-up,
 which of the two goes first alternating too; a step's time is the slowest rank's; the
 table shows medians and the median of the per-round ratios with its 99% interval; a
-pair whose interval still spans 1.0 gets more rounds (`partita.bench.paired`). partita runs through
-`build_parallel_model` (its data-parallel engine included, with nothing to reduce);
-torch runs plain modules.
+pair whose interval still spans 1.0 gets more rounds (`partita.bench.paired`). partita
+runs through `build_parallel_model` (its data-parallel engine included, with nothing to
+reduce); torch runs plain modules.
 
 A last row times our 1F1B against a second copy of itself: how far a ratio strays from
 1.0 on this machine when nothing differs (the table's noise floor; not part of R).
