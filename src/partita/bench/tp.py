@@ -6,8 +6,10 @@ same initial weights) three times: with partita.tensor_parallel, with DTensor
 `loss_parallel`, the torchtitan recipe), and, when megatron-core is installed, with
 megatron-core's ColumnParallelLinear/RowParallelLinear/VocabParallelEmbedding and
 vocab_parallel_cross_entropy. All three start from the same loss (checked and printed).
-Steps (forward, backward, AdamW) are timed interleaved A B C A B C ... after a warm-up;
-the verdict is the median over rounds of the per-round ratio partita/peer.
+After a warm-up, each peer is timed against partita in alternating rounds of a few
+steps (forward, backward, AdamW), which of the two goes first alternating too; the
+verdict is the median of the per-round ratios partita/peer with its 99% interval, and a
+pair whose interval spans 1.0 doubles its rounds (`partita.bench.paired`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from partita.bench import paired
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
@@ -36,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per pair, at least")
+    parser.add_argument("--max-rounds", type=int, default=64,
+                        help="rounds a pair whose 99%% interval spans 1.0 may double up to")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed round")
 
 
@@ -176,36 +181,51 @@ def _bench(rank: int, world: int, args: dict) -> dict:
     first = {k: _step(m, f, opts[k], tokens, c) for k, (m, f, c) in impls.items()}
     for k, (m, f, c) in impls.items():  # warm-up
         _step(m, f, opts[k], tokens, c)
-    times: dict[str, list[float]] = {k: [] for k in impls}
-    for _ in range(args["rounds"]):
-        for k, (m, f, c) in impls.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(args["steps"]):
-                _step(m, f, opts[k], tokens, c)
-            dist.barrier()
-            times[k].append((time.perf_counter() - t0) / args["steps"])
-    return {"first_loss": first, "times": times}
+    pairs = {}
+    for peer in (k for k in impls if k != "partita"):
+        time_side = _timer([impls["partita"], impls[peer]], [opts["partita"], opts[peer]],
+                           tokens, args["steps"])
+        pairs[peer] = paired.paired_rounds(time_side, args["rounds"],
+                                           max(args["rounds"], args["max_rounds"]), 1.0)
+    return {"first_loss": first, "pairs": pairs}
+
+
+def _timer(sides: list, opts: list, tokens: torch.Tensor, steps: int):
+    """time_side for `paired.paired_rounds`: `steps` steps of side k, the slowest rank's
+    seconds per step (the same on every rank)."""
+    def time_side(k: int) -> float:
+        model, loss_fn, ctx = sides[k]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _step(model, loss_fn, opts[k], tokens, ctx)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        return took.item() / steps
+    return time_side
 
 
 def run(args: argparse.Namespace) -> int:
-    out = run_distributed(_bench, args.tp, args=(vars(args),), timeout=1800)[0]
-    times, first = out["times"], out["first_loss"]
+    out = run_distributed(_bench, args.tp, args=(vars(args),), timeout=3600)[0]
+    pairs, first = out["pairs"], out["first_loss"]
     print(f"model dim={args.dim} heads={args.heads} layers={args.layers} vocab={args.vocab}, "
           f"batch {args.batch} x seq {args.seq}, tp={args.tp}, gloo, 1 thread per rank, "
-          f"fp32, AdamW; {args.rounds} interleaved rounds of {args.steps} steps")
-    if "megatron-core" not in times:
-        print("megatron-core not installed: its column is skipped "
+          f"fp32, AdamW; each peer against partita in alternating rounds of {args.steps} "
+          f"steps ({args.rounds}, doubled up to {max(args.rounds, args.max_rounds)} while "
+          "the ratio's 99% interval spans 1.0)")
+    if "megatron-core" not in first:
+        print("megatron-core not installed: its row is skipped "
               "(pip install 'megatron-core==0.16.*')")
-    print(f"{'implementation':<16}{'first loss':>12}{'median step ms':>16}"
-          f"{'partita/peer':>14}")
+    print("first loss (the same model from the same weights): "
+          + ", ".join(f"{name} {loss:.6f}" for name, loss in first.items()))
+    print(f"{'peer':<16}{'partita ms':>12}{'peer ms':>10}{'ratio':>8}{'99% interval':>15}"
+          f"{'rounds':>8}")
     worst = 0.0
-    for name, ts in times.items():
-        ratio = ""
-        if name != "partita":
-            r = statistics.median(a / b for a, b in zip(times["partita"], ts))
-            worst = max(worst, r)
-            ratio = f"{r:.3f}"
-        print(f"{name:<16}{first[name]:>12.6f}{statistics.median(ts) * 1e3:>16.1f}{ratio:>14}")
+    for name, times in pairs.items():
+        est = paired.estimate(paired.ratios(times))
+        worst = max(worst, est.median)
+        print(f"{name:<16}{statistics.median(times[0]) * 1e3:>12.1f}"
+              f"{statistics.median(times[1]) * 1e3:>10.1f}{est.median:>8.3f}"
+              f"{est.low:>8.3f}-{est.high:<6.3f}{est.rounds:>8}")
     print(f"tp: worst partita/peer step-time ratio {worst:.3f}")
     return 0
