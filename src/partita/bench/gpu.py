@@ -129,11 +129,13 @@ def run(args: argparse.Namespace) -> int:
         return flops_per_step / seconds / peak if peak else 0.0
 
     print(f"{'partita':>16} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
-          f"{'MFU':>6} {'ratio':>6}")
+          f"{'MFU':>6} {'ratio':>6} {'99% interval':>13}")
     for r in rows:
         ours, theirs = statistics.median(r["t_ours"]), statistics.median(r["t_peer"])
+        est = r["estimate"]
         print(f"{r['ours']:>16} {ours * 1e3:>8.1f} {mfu(ours):>6.1%} {r['peer']:>20} "
-              f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {r['estimate'].median:>6.3f}")
+              f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {est.median:>6.3f} "
+              f"{est.low:>6.3f}-{est.high:<6.3f}")
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
     worst = max(r["estimate"].median for r in rows if not r["peer"].startswith("partita"))
