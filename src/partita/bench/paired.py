@@ -4,8 +4,7 @@ A benchmark pair runs ours and a peer in alternating rounds (A B, B A, ...), eac
 giving one ratio. The estimate is the median of those ratios, and its confidence
 interval comes from order statistics: no assumption about their distribution, which on
 a shared machine has long tails (a pair of identical runners read single rounds from
-0.77 to 1.48 on this project's 2-core machine, and the median of 20 rounds strayed 3%
-from 1.0).
+0.77 to 1.48 on this project's 2-core machine, and medians of 20 rounds 0.964-1.049).
 
 With a threshold (1.0 for ours against a peer), a pair runs more rounds, doubling, until
 the interval lies wholly on one side of it or the cap is reached: rounds go where the
