@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 
 from partita.pipeline import Costs, build_schedule, simulate
-from partita.pipeline.measure import held_peaks, idle_fraction, replay_idle, transfer_waits
+from partita.pipeline.actions import Kind
+from partita.pipeline.measure import (
+    held_peaks,
+    idle_fraction,
+    pass_times,
+    replay_idle,
+    transfer_waits,
+)
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2),
@@ -37,3 +44,20 @@ def test_held_peaks_follow_the_schedule():
     for name, expect in (("gpipe", 4), ("1f1b", 2)):
         rows = simulate(build_schedule(name, 2, 4)).rows
         assert held_peaks(rows)[0] == expect
+
+
+def test_an_action_recorded_in_two_pieces_counts_once_with_their_sum():
+    """Zero bubble's last stage records the head's weight pass as a second piece of its
+    I: pass times and the replay add the pieces; held peaks ignore I."""
+    sched = build_schedule("zb-h1", 2, 4)
+    rows = simulate(sched, Costs(F=1.0, I=1.0, W=1.0)).rows
+    last = []
+    for a, start, end in rows[1]:  # I split into 0.75 + 0.25, the second piece later
+        if a.kind is Kind.I:
+            last += [(a, start, end - 0.25), (a, end + 10.0, end + 10.25)]
+        else:
+            last.append((a, start, end))
+    split = [rows[0], last]
+    assert pass_times(split) == pytest.approx(pass_times(rows))
+    assert replay_idle(sched, split) == pytest.approx(replay_idle(sched, rows))
+    assert held_peaks(split) == held_peaks(rows)
