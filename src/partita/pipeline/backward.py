@@ -145,12 +145,24 @@ class WeightPass:
         return sum(g.numel() * g.element_size() for g in grads)
 
     def run(self) -> None:
-        """Accumulate every parameter gradient; the graph is released afterwards."""
+        """Accumulate every parameter gradient; the graph is released afterwards.
+
+        A linear layer's weight gradient (`_linear_weight_grad`) is computed here and
+        accumulated with the others in one autograd call: re-entering autograd once per
+        layer made W 30% slower than the same matmuls inside a full backward on CPU,
+        because every call first walks the whole graph below its root (16 Llama blocks,
+        144 calls: W 188 ms against the 145 ms a full backward spends on them)."""
+        direct = []
         for edges, grads, params in self.groups:
-            torch.autograd.backward(edges, grads, inputs=params)
-        if self.eager:
-            params = [p for p, _ in self.eager]
-            torch.autograd.backward(params, [g for _, g in self.eager], inputs=params)
+            grad = _linear_weight_grad(edges, grads, params)
+            if grad is None:
+                torch.autograd.backward(edges, grads, inputs=params)
+            else:
+                direct.append((params[0], grad))
+        leaves = direct + self.eager
+        if leaves:
+            params = [p for p, _ in leaves]
+            torch.autograd.backward(params, [g for _, g in leaves], inputs=params)
         self.groups, self.eager = [], []
 
     def take(self, params: Sequence[torch.Tensor]) -> WeightPass:
@@ -173,6 +185,32 @@ class WeightPass:
             out += [(p, g) for p, g in zip(params, found) if g is not None]
         self.groups, self.eager = [], []
         return out
+
+
+def _linear_weight_grad(edges: list[GradientEdge], grads: list[torch.Tensor],
+                        params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The weight gradient of `x @ W.t()` (a bias-free linear layer, which autograd
+    records as mm <- t <- W), formed by the same matmul and transposes as torch's mm
+    backward (`mm_mat2_backward`: a column-major mat2 gets grad.t().mm(x).t()), so it is
+    bitwise the gradient a full backward accumulates. None for any other re-entry point:
+    W then re-enters autograd there."""
+    if len(edges) != 1 or len(params) != 1 or edges[0].output_nr != 0:
+        return None
+    node = edges[0].node
+    if type(node).__name__ != "MmBackward0":
+        return None
+    transpose = node.next_functions[1][0]
+    if transpose is None or type(transpose).__name__ != "TBackward0":
+        return None
+    if getattr(transpose.next_functions[0][0], "variable", None) is not params[0]:
+        return None
+    x, grad = node._saved_self, grads[0]
+    sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
+    if strides[0] == 1 and strides[1] == sizes[0]:
+        grad_mat2 = grad.t().mm(x).t()
+    else:
+        grad_mat2 = x.t().mm(grad)
+    return grad_mat2.t()  # through the transpose, to W
 
 
 def _post_order(roots: list[Node]) -> tuple[list[Node], dict[Node, list[Node]]]:
