@@ -138,7 +138,7 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
         times = _time_pair(steps, batches, setup, wait,
                            (thresholds or {}).get((ours, peer)))
         out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
-                    "estimate": paired.estimate(paired.ratios(times))})
+                    "estimate": paired.estimate_times(times)})
         del steps
         gc.collect()
     return out
@@ -147,20 +147,14 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
 def _time_pair(steps: list[Step], batches: list[torch.Tensor], setup: Setup,
                wait: Callable[[], None],
                threshold: float | None) -> tuple[list[float], list[float]]:
-    import torch.distributed as dist
-
     def time_side(k: int) -> float:
         wait()
         t0 = time.perf_counter()
         for i in range(setup.steps):
             steps[k](batches[i % 4])
         wait()
-        # The slowest rank's time, the same on every rank (they decide together whether
-        # to run more rounds).
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64,
-                            device=batches[0].device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item() / setup.steps
+        took = paired.slowest_rank(time.perf_counter() - t0, batches[0].device)
+        return took / setup.steps
 
     return paired.paired_rounds(time_side, setup.rounds, setup.max_rounds, threshold)
 
@@ -170,8 +164,13 @@ def print_table(rows: list[dict], world: int, label: str = "") -> None:
         est = r["estimate"]
         print(f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
               f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
-              f"{est.median:>7.3f} {est.low:>6.3f}-{est.high:<6.3f} {est.rounds:>6}"
+              f"{est.median:>7.3f} {est.span:>13} {est.rounds:>6}"
               + (f"  {label}" if label else ""))
+
+
+def is_peer(name: str) -> bool:
+    """Another system's runner, as opposed to one of ours timed against another."""
+    return not name.startswith("partita")
 
 
 def describe(bench: str, setup: Setup) -> str:

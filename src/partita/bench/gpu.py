@@ -135,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
         est = r["estimate"]
         print(f"{r['ours']:>16} {ours * 1e3:>8.1f} {mfu(ours):>6.1%} {r['peer']:>20} "
               f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {est.median:>6.3f} "
-              f"{est.low:>6.3f}-{est.high:<6.3f}")
+              f"{est.span:>13}")
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
-    worst = max(r["estimate"].median for r in rows if not r["peer"].startswith("partita"))
+    worst = max(r["estimate"].median for r in rows if harness.is_peer(r["peer"]))
     best_mfu = max(mfu(statistics.median(r["t_ours"])) for r in rows)
     print(f"gpu: worst partita/peer step-time ratio {worst:.3f}; best partita MFU "
           f"{best_mfu:.1%}")

@@ -20,6 +20,9 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 Z_99 = 2.576  # two-sided 99% quantile of the normal distribution
 
 
@@ -33,6 +36,10 @@ class Estimate:
     def settled(self, threshold: float) -> bool:
         """The interval lies wholly on one side of `threshold`."""
         return self.high <= threshold or self.low > threshold
+
+    @property
+    def span(self) -> str:
+        return f"{self.low:.3f}-{self.high:.3f}"
 
 
 def estimate(ratios: Sequence[float]) -> Estimate:
@@ -50,10 +57,24 @@ def ratios(times: tuple[list[float], list[float]]) -> list[float]:
     return [a / b for a, b in zip(*times)]
 
 
+def estimate_times(times: tuple[list[float], list[float]]) -> Estimate:
+    """The estimate of side 0 / side 1 from `paired_rounds`' times."""
+    return estimate(ratios(times))
+
+
+def slowest_rank(seconds: float, device: torch.device | None = None) -> float:
+    """The largest of every rank's `seconds` (a collective over the default group):
+    a round's time as `paired_rounds` needs it, the same on every rank."""
+    took = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
 def paired_rounds(time_side: Callable[[int], float], rounds: int, max_rounds: int,
                   threshold: float | None) -> tuple[list[float], list[float]]:
     """Seconds of side 0 and side 1 over alternating rounds: `rounds` of them, then,
-    with a threshold, doubled until the ratio's interval settles or `max_rounds`.
+    with a threshold, doubled until the ratio's interval settles or `max_rounds` (a cap
+    below `rounds` means no doubling).
 
     `time_side(k)` runs and times side k once; every rank must get the same value back
     (the callers reduce each time over the ranks), so that all take the same decisions
@@ -66,6 +87,6 @@ def paired_rounds(time_side: Callable[[int], float], rounds: int, max_rounds: in
             for k in (first, 1 - first):
                 times[k].append(time_side(k))
         if threshold is None or target >= max_rounds or \
-                estimate(ratios(times)).settled(threshold):
+                estimate_times(times).settled(threshold):
             return times
         target = min(2 * target, max_rounds)

@@ -155,18 +155,17 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
         dist.barrier()
         start = time.perf_counter()
         runtimes[k]()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's, on every rank
+        took = paired.slowest_rank(time.perf_counter() - start)
         for reset in resets:
             reset()
-        return took.item()
+        return took
 
     for k in (0, 1):  # warm-up (torch infers shapes here)
         time_side(k)
-    times = paired.paired_rounds(time_side, args.rounds, max(args.rounds, args.max_rounds),
+    times = paired.paired_rounds(time_side, args.rounds, args.max_rounds,
                                  None if peer == SELF else 1.0)
     return {"name": name, "v": v, "peer": peer, "partita": times[0], "torch": times[1],
-            "estimate": paired.estimate(paired.ratios(times))}
+            "estimate": paired.estimate_times(times)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -186,6 +185,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{p:>2} {label:<20} {r['peer']:<25} "
                   f"{statistics.median(r['partita']) * 1e3:>10.1f} "
                   f"{statistics.median(r['torch']) * 1e3:>9.1f} {est.median:>6.3f} "
-                  f"{est.low:>6.3f}-{est.high:<6.3f} {est.rounds:>6}")
+                  f"{est.span:>13} {est.rounds:>6}")
     print(f"pp: worst partita/torch step-time ratio {worst:.3f}")
     return 0

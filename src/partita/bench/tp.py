@@ -185,8 +185,8 @@ def _bench(rank: int, world: int, args: dict) -> dict:
     for peer in (k for k in impls if k != "partita"):
         time_side = _timer([impls["partita"], impls[peer]], [opts["partita"], opts[peer]],
                            tokens, args["steps"])
-        pairs[peer] = paired.paired_rounds(time_side, args["rounds"],
-                                           max(args["rounds"], args["max_rounds"]), 1.0)
+        pairs[peer] = paired.paired_rounds(time_side, args["rounds"], args["max_rounds"],
+                                           1.0)
     return {"first_loss": first, "pairs": pairs}
 
 
@@ -199,9 +199,7 @@ def _timer(sides: list, opts: list, tokens: torch.Tensor, steps: int):
         t0 = time.perf_counter()
         for _ in range(steps):
             _step(model, loss_fn, opts[k], tokens, ctx)
-        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return took.item() / steps
+        return paired.slowest_rank(time.perf_counter() - t0) / steps
     return time_side
 
 
@@ -222,10 +220,10 @@ def run(args: argparse.Namespace) -> int:
           f"{'rounds':>8}")
     worst = 0.0
     for name, times in pairs.items():
-        est = paired.estimate(paired.ratios(times))
+        est = paired.estimate_times(times)
         worst = max(worst, est.median)
         print(f"{name:<16}{statistics.median(times[0]) * 1e3:>12.1f}"
               f"{statistics.median(times[1]) * 1e3:>10.1f}{est.median:>8.3f}"
-              f"{est.low:>8.3f}-{est.high:<6.3f}{est.rounds:>8}")
+              f"{est.span:>15}{est.rounds:>8}")
     print(f"tp: worst partita/peer step-time ratio {worst:.3f}")
     return 0

@@ -101,7 +101,7 @@ def _worker(rank: int, world: int, setup: harness.Setup, pairs) -> list[dict]:
 def thresholds(pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
     """The verdict each pair is timed until it settles (see `paired`): 1.0 against a
     peer, the S target for stage 3 against stage 2; the other rows are informative."""
-    out = {pair: 1.0 for pair in pairs if not pair[1].startswith("partita")}
+    out = {pair: 1.0 for pair in pairs if harness.is_peer(pair[1])}
     out[STAGE3_VS_STAGE2] = S_TARGET
     return out
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     worst, worst_s = 0.0, 0.0
     for world in args.worlds:
         rows = run_distributed(_worker, world, args=(setup, pairs(with_ds)), timeout=3600)[0]
-        peers = [r for r in rows if not r["peer"].startswith("partita")]
+        peers = [r for r in rows if harness.is_peer(r["peer"])]
         harness.print_table(peers, world)
         worst = max(worst, *(r["estimate"].median for r in peers))
         by_pair = {(r["ours"], r["peer"]): r for r in rows}
