@@ -49,9 +49,7 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
     dense = layers * (split["sharded"] + split["replicated"])
     expert = layers * split["expert"] / layout.ep
-    # Vocab-parallel embedding / head: the vocabulary is cut as if padded to a multiple
-    # of tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored).
-    vocab = -(-c.vocab_size // layout.tp) * c.dim
+    vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
     first, last = stage == 0, stage == layout.pp - 1
     if first:
         dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
@@ -218,9 +216,15 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     return total
 
 
+def vocab_rows(model: PlanModel, layout: Layout) -> int:
+    """Vocabulary rows on one GPU: the vocabulary is cut as if padded to a multiple of
+    tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored)."""
+    return -(-model.config.vocab_size // layout.tp)
+
+
 def head_weight_elements(model: PlanModel, layout: Layout) -> float:
-    """The output projection's weight on one GPU: this rank's vocabulary rows x dim."""
-    return -(-model.config.vocab_size // layout.tp) * model.config.dim
+    """The output projection's (or embedding's) weight on one GPU."""
+    return vocab_rows(model, layout) * model.config.dim
 
 
 def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,
@@ -269,7 +273,7 @@ def microbatch_tokens(layout: Layout, seq_len: int) -> float:
 def logit_elements(model: PlanModel, layout: Layout, seq_len: int) -> float:
     """One microbatch's logits on one GPU: tokens x this rank's vocabulary rows (the
     vocabulary padded to a multiple of tp)."""
-    return microbatch_tokens(layout, seq_len) * -(-model.config.vocab_size // layout.tp)
+    return microbatch_tokens(layout, seq_len) * vocab_rows(model, layout)
 
 
 def logits_bytes(model: PlanModel, layout: Layout, seq_len: int,
