@@ -331,6 +331,28 @@ def test_sent_activations_are_freed_during_the_step_not_at_its_end():
         assert many <= few + 4 and many < ms[0], (rank, few, many)
 
 
+def _recorded_order(rank: int, world: int, schedule: str) -> list[str]:
+    from partita.mesh import Mesh
+    from partita.parallelize import build_parallel_model
+
+    cfg = make_config(dict(pp=2, schedule=schedule, m=4, batch=8))
+    pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world), torch.device("cpu"))
+    tokens = batch(0, cfg.train.global_batch)
+    pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
+    return [str(a) for a, _, _ in sorted(pm.runner.timeline, key=lambda e: e[1])]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_last_backward_sends_its_input_gradient_before_its_weight_pass(schedule):
+    """The last rank's last backward runs as I, then the send of its input gradient,
+    then W (as recorded by the runtime, not only as planned); every other backward of
+    the step stays one B, and rank 0 (nothing to send) keeps a whole B."""
+    first, last = run_distributed(_recorded_order, 2, (schedule,), timeout=120)
+    assert last[-3:] == ["I1.3", "SB1.3", "W1.3"], last
+    assert [a for a in last if a[0] in "BIW"] == ["B1.0", "B1.1", "B1.2", "I1.3", "W1.3"]
+    assert [a for a in first if a[0] in "BIW"] == ["B0.0", "B0.1", "B0.2", "B0.3"]
+
+
 def _chunk_reduction_worker(rank: int, world: int, zero: int) -> dict:
     from partita.mesh import Mesh
     from partita.parallelize import build_parallel_model

@@ -29,10 +29,11 @@ def test_free_transfers_measure_as_the_simulator_predicts(name, v):
 
 def test_transfer_latency_is_the_gap_between_measured_and_replayed():
     # GPipe, p=2, m=1, by hand: F0 [0,1], F1 [1+c, 2+c], B1 [2+c, 4+c], B0 [4+2c, 6+2c];
-    # each of the two receives waits c after its send was posted.
+    # each of the two receives waits c after its send was posted. (Rank 1's last
+    # backward runs as I then W; priced I = B, W = 0 it is the whole B of this sum.)
     c = 0.25
     sched = build_schedule("gpipe", 2, 1)
-    rows = simulate(sched, Costs(F=1.0, B=2.0, comm=c)).rows
+    rows = simulate(sched, Costs(F=1.0, B=2.0, I=2.0, W=0.0, comm=c)).rows
     makespan = 6 + 2 * c
     assert idle_fraction(rows) == pytest.approx(1 - 6 / (2 * makespan))
     assert replay_idle(sched, rows) == pytest.approx(0.5)  # the same passes, free transfers

@@ -35,6 +35,10 @@ PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--schedules", nargs="+", default=[n for n, _, _ in PAIRS[:3]],
+                        choices=[n for n, _, _ in PAIRS[:3]],
+                        help="our schedules to time against their torch peers (default: "
+                             "all three; the noise-floor row runs with 1f1b)")
     # 16: with 6 our 1F1B timed against itself read 0.987-1.030; R is the worst of six
     # pairs, so round-to-round noise alone pushes it up.
     parser.add_argument("--rounds", type=int, default=16,
@@ -96,7 +100,8 @@ def _torch_stages(cfg, layout, rank: int, device):
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
-    return [_pair(rank, world, args, name, v, peer) for name, v, peer in PAIRS]
+    return [_pair(rank, world, args, name, v, peer) for name, v, peer in PAIRS
+            if name in args.schedules]
 
 
 def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,

@@ -207,7 +207,9 @@ def _linear_weight_grad(edges: list[GradientEdge], grads: list[torch.Tensor],
         return None
     if getattr(transpose.next_functions[0][0], "variable", None) is not params[0]:
         return None
-    x, grad = node._saved_self, grads[0]
+    # Detached: unpacked without `ForwardSaves` (a W that follows its I at once), the
+    # saved input still requires grad, and the matmul would record a graph of its own.
+    x, grad = node._saved_self.detach(), grads[0]
     sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
     if strides[0] == 1 and strides[1] == sizes[0]:
         grad_mat2 = grad.t().mm(x).t()

@@ -68,7 +68,9 @@ class _Step:
     targets: list[torch.Tensor]
     m: int
     train: bool
-    split: bool = False  # the schedule splits backward into I and W
+    # (stage, microbatch) whose W does not follow its I at once: their forwards run
+    # inside `ForwardSaves`, so I can release what W will not read.
+    deferred: frozenset[tuple[int, int]] = frozenset()
     passes: dict[tuple[int, int], _Pass] = field(default_factory=dict)
     outbox: dict[Action, torch.Tensor] = field(default_factory=dict)  # to send / hand over
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -78,6 +80,14 @@ class _Step:
     # after the next sends are posted, and the step's sum of their gradients.
     early: list[tuple[Action, WeightPass]] = field(default_factory=list)
     early_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
+    """(stage, microbatch) of every I in `actions` whose W is not the next compute pass
+    (zero bubble's deferred W; 1F1B's last backward runs I, its send, then W)."""
+    computes = [a for a in actions if a.kind.is_compute]
+    return frozenset((a.stage, a.microbatch) for a, after in zip(computes, computes[1:] + [None])
+                     if a.kind is Kind.I and after != Action(Kind.W, a.stage, a.microbatch))
 
 
 def forward_only(sched: Schedule) -> Schedule:
@@ -116,6 +126,7 @@ class PipelineRunner:
                                for i, s in self.stages.items()}
                               if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
+        self._deferred: dict[int, frozenset[tuple[int, int]]] = {}
         self._eval_schedules: dict[int, Schedule] = {}
         self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
         self.timeline: list[Event] = []  # last training step, seconds from its start
@@ -158,8 +169,9 @@ class PipelineRunner:
         gradients instead (one weight's size), which its final W adds to .grad. The
         matmul runs once the input gradient is on its way upstream (`_transfer`), so
         it does not delay the stage before."""
-        if not self.schedule(self.microbatches).splits_backward or \
-                self.layout.last_stage not in self.stages:
+        last = self.layout.last_stage
+        self.schedule(self.microbatches)
+        if not any(s == last for s, _ in self._deferred[self.microbatches]):
             return []
         if self.tied is not None:
             return [self.tied.weight]
@@ -174,13 +186,14 @@ class PipelineRunner:
             validate(sched)
             check_transfer_order(sched)
             self._schedules[microbatches] = sched
+            self._deferred[microbatches] = deferred_weight_passes(sched.ranks[self.rank])
         return self._schedules[microbatches]
 
     # The two entry points ------------------------------------------------------------
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
         sched = self.schedule(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True, split=sched.splits_backward)
+                     microbatches, train=True, deferred=self._deferred[microbatches])
         self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
         return float(sum(loss.item() for loss in step.losses))
 
@@ -373,7 +386,7 @@ class PipelineRunner:
                 p.x = self._take(step, "F", a.stage - 1, mb).detach().requires_grad_(step.train)
             # Only the graph from p.x on: I releases what W cannot read (the embedding's
             # backward, stage 0's W, reads its own saved tensors).
-            p.saves = ForwardSaves() if step.split else None
+            p.saves = ForwardSaves() if (a.stage, mb) in step.deferred else None
             with p.saves or contextlib.nullcontext():
                 out = st.run_blocks(self.module, self.plan, stage, p.x)
                 if stage.last:
