@@ -5,7 +5,10 @@ stages are equal (same number of blocks, a vocabulary too small for the embeddin
 head to matter), records every action's start and end, and reports per schedule:
 
 - measured idle fraction: 1 - (compute time) / (p x step time), median over steps;
-- theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved; the unit
+- theory: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved (both
+  with a whole B per hop of the drain; our GPipe and 1F1B run each rank's last
+  backward as I, send, W, which the replay below accounts for and the formula does
+  not); the unit
   simulator run with the measured mean F/B/I/W durations ("simulated", also ZB-H1's
   reference, whose bubble depends on those ratios); and the schedule replayed with
   every pass exactly as long as it was measured, transfers free ("replayed"). On a
@@ -132,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
           f"seq={args.seq}, microbatch {args.microbatch_size}, {args.blocks_per_rank} blocks "
           "per rank (passes long next to gloo's per-transfer cost), gloo, 1 thread per "
           "rank, median of steps")
-    print("formula: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1); simulated: unit simulator "
+    print("formula: (p-1)/(m+p-1), interleaved (p-1)/(vm+p-1) (with a whole B per hop; "
+          "our GPipe and 1F1B split each rank's last backward, so they can idle less); "
+          "simulated: unit simulator "
           "with the mean measured pass times; replayed: the schedule with every pass as "
           "long as measured, free transfers; xfer: receivers' waits after the matching send was "
           "posted (transfer latency; measured - replayed is about this). "

@@ -22,7 +22,6 @@ receive print identically apart from S/R — matching them is a string compariso
 from __future__ import annotations
 
 import enum
-import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,11 +164,6 @@ class Schedule(StageGrid):
     n_microbatches: int
     n_virtual: int
     ranks: tuple[tuple[Action, ...], ...]
-
-    @functools.cached_property  # asked on every training step
-    def splits_backward(self) -> bool:
-        """Backward split into I and W passes (zero bubble) rather than whole B."""
-        return any(a.kind is Kind.I for acts in self.ranks for a in acts)
 
     def format(self) -> str:
         """One line per rank in the compact form, e.g. 'rank 0: F0.0 SF0.0 ...'."""

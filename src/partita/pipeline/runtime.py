@@ -170,7 +170,6 @@ class PipelineRunner:
         matmul runs once the input gradient is on its way upstream (`_transfer`), so
         it does not delay the stage before."""
         last = self.layout.last_stage
-        self.schedule(self.microbatches)
         if not any(s == last for s, _ in self._deferred[self.microbatches]):
             return []
         if self.tied is not None:

@@ -55,12 +55,14 @@ def _gradient_first_at_the_end(order: Order, rank: int) -> Order:
 
     GPipe and 1F1B end on a chain: the last microbatch's backward on rank p-1, then on
     p-2, ..., then on 0, each waiting for the gradient the one after it sends. A whole
-    B sends only after its weight gradients too; split, each hop of the chain costs
-    I, and the W runs while the rank before computes (p=4, m=8, F=I=W=1: 33 -> 30
-    units). Only that last backward is split: the others are not on the chain, and on
-    CPU an I plus its W cost 20-30% more than one B (measured, 2 Llama blocks). Rank 0
-    sends nothing upstream, so it keeps B. W follows its I at once: nothing is held
-    longer than a B would hold it.
+    B sends only after its weight gradients too; split, the gradient leaves after I and
+    the W runs while the rank before computes. Where the rank before waits at every
+    hop (the last stage, with the head and the loss, is the slowest) each hop saves a
+    W; with equal stages the ranks run in lockstep and the step is barely shorter
+    (p=4, m=8, F=I=W=1: 33 -> 32 units). Only that last backward is split: the others
+    are not on the chain, and on CPU an I plus its W cost 15-30% more than one B
+    (measured, 2 Llama blocks). Rank 0 sends nothing upstream, so it keeps B. W follows
+    its I at once: nothing is held longer than a B would hold it.
     """
     if rank == 0 or not order or order[-1].kind is not Kind.B:
         return order
