@@ -19,7 +19,12 @@ from partita.models.config import ModelConfig
 from partita.models.transformer import Transformer, build_model
 from partita.pipeline import build_schedule, schedule_names
 from partita.pipeline.actions import Action, Kind
-from partita.pipeline.backward import ForwardSaves, backward_input, full_backward
+from partita.pipeline.backward import (
+    ForwardSaves,
+    _direct_weight_grad,
+    backward_input,
+    full_backward,
+)
 from partita.pipeline.build import check_pipeline
 from partita.pipeline.p2p import check_transfer_order
 from partita.pipeline.runtime import forward_only
@@ -129,6 +134,9 @@ def test_split_backward_equals_full_backward_and_fires_hooks_once(which, release
     if release == "under-meter":  # the meter saw what I released go
         assert 0 < meter.live_bytes < 0.8 * saved_before, (meter.live_bytes, saved_before)
     assert not fired and all(p.grad is None for p in params)  # I touched no weight
+    if which == "llama":  # linear weights and norm scales: W re-enters autograd nowhere
+        assert weights.groups and all(_direct_weight_grad(*group) is not None
+                                      for group in weights.groups)
     torch.testing.assert_close(x_grad, x1.grad, rtol=0, atol=1e-14)
     weights.run()
     for p, g in zip(params, want):

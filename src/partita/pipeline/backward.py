@@ -147,15 +147,15 @@ class WeightPass:
     def run(self) -> None:
         """Accumulate every parameter gradient; the graph is released afterwards.
 
-        A linear layer's weight gradient (`_linear_weight_grad`) is computed here and
-        accumulated with the others in one autograd call: re-entering autograd once per
-        layer made W 30% slower than the same matmuls inside a full backward on CPU,
-        because every call first walks the whole graph below its root (16 Llama blocks,
-        144 calls: W 188 ms, where a full backward took 145 ms more than one computing
-        the input gradient alone)."""
+        A linear layer's weight gradient, and a norm's scale (`_direct_weight_grad`), is
+        computed here and accumulated with the others in one autograd call: re-entering
+        autograd once per layer made W 30% slower than the same matmuls inside a full
+        backward on CPU, because every call first walks the whole graph below its root
+        (16 Llama blocks, 144 calls: W 188 ms, where a full backward took 145 ms more
+        than one computing the input gradient alone)."""
         direct = []
         for edges, grads, params in self.groups:
-            grad = _linear_weight_grad(edges, grads, params)
+            grad = _direct_weight_grad(edges, grads, params)
             if grad is None:
                 torch.autograd.backward(edges, grads, inputs=params)
             else:
@@ -190,26 +190,50 @@ class WeightPass:
         return out
 
 
-def _linear_weight_grad(edges: list[GradientEdge], grads: list[torch.Tensor],
+def _direct_weight_grad(edges: list[GradientEdge], grads: list[torch.Tensor],
                         params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The gradient of the one parameter below a re-entry point, formed without autograd
+    for the two commonest points, bitwise as autograd would form it; None for any other
+    (W then re-enters autograd there)."""
+    if len(edges) != 1 or len(params) != 1 or edges[0].output_nr != 0:
+        return None
+    node, kind = edges[0].node, type(edges[0].node).__name__
+    if kind == "MmBackward0":
+        return _linear_weight_grad(node, grads[0], params[0])
+    if kind == "MulBackward0":
+        return _scale_grad(node, grads[0], params[0])
+    return None
+
+
+def _scale_grad(node: Node, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of a per-channel scale, `x * weight` with `weight` of the last
+    dimension's size (an RMS norm's weight): `grad * x` summed over the broadcast
+    dimensions, as torch's mul backward and then `sum_to` (the engine's reduction to the
+    input's shape: one `sum` over the leading dimensions, keepdim, then a view)."""
+    if getattr(node.next_functions[1][0], "variable", None) is not param:
+        return None
+    x = node._saved_self.detach()  # detached: see `_linear_weight_grad`
+    if (param.dim() != 1 or x.shape != grad.shape or x.shape[-1] != param.shape[0]
+            or not x.dtype == grad.dtype == param.dtype):
+        return None
+    with torch.no_grad():
+        return (grad * x).sum(list(range(grad.dim() - 1)), keepdim=True).view(param.shape)
+
+
+def _linear_weight_grad(node: Node, grad: torch.Tensor,
+                        param: torch.Tensor) -> torch.Tensor | None:
     """The weight gradient of `x @ W.t()` (a bias-free linear layer, which autograd
     records as mm <- t <- W), formed by the same matmul and transposes as torch's mm
     backward (`mm_mat2_backward`: a column-major mat2 gets grad.t().mm(x).t()), so it is
-    bitwise the gradient a full backward accumulates. None for any other re-entry point:
-    W then re-enters autograd there."""
-    if len(edges) != 1 or len(params) != 1 or edges[0].output_nr != 0:
-        return None
-    node = edges[0].node
-    if type(node).__name__ != "MmBackward0":
-        return None
+    bitwise the gradient a full backward accumulates."""
     transpose = node.next_functions[1][0]
     if transpose is None or type(transpose).__name__ != "TBackward0":
         return None
-    if getattr(transpose.next_functions[0][0], "variable", None) is not params[0]:
+    if getattr(transpose.next_functions[0][0], "variable", None) is not param:
         return None
     # Detached: unpacked without `ForwardSaves` (a W that follows its I at once), the
     # saved input still requires grad, and the matmul would record a graph of its own.
-    x, grad = node._saved_self.detach(), grads[0]
+    x = node._saved_self.detach()
     sizes, strides = node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides
     if strides[0] == 1 and strides[1] == sizes[0]:
         grad_mat2 = grad.t().mm(x).t()
