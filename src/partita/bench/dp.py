@@ -173,11 +173,14 @@ def is_peer(name: str) -> bool:
     return not name.startswith("partita")
 
 
-def describe(bench: str, setup: Setup) -> str:
+def describe(bench: str, setup: Setup, targets: str = "1.0") -> str:
+    """The table's header line; `targets`: the values a pair's interval is timed until it
+    clears."""
     return (f"{bench}: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, "
             f"1 thread per rank, {setup.warmup} warm-up steps, then interleaved rounds of "
             f"{setup.steps} steps ({setup.rounds}, doubled up to {setup.max_rounds} where "
-            "the 99% interval of a peer pair's ratio still spans 1.0); median step times")
+            f"the 99% interval of a peer pair's ratio still spans {targets}); median step "
+            "times")
 
 
 TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/step':>9} "

@@ -30,13 +30,13 @@ PAIRS = [("gpipe", 1, "ScheduleGPipe"), ("1f1b", 1, "Schedule1F1B"),
          ("interleaved-1f1b", 2, "ScheduleInterleaved1F1B"),
          # Not a peer: our 1F1B timed against itself, the noise floor of the table.
          ("1f1b", 1, SELF)]
+OURS = [name for name, _, peer in PAIRS if peer != SELF]  # each against its torch peer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=int, default=8)
-    parser.add_argument("--schedules", nargs="+", default=[n for n, _, _ in PAIRS[:3]],
-                        choices=[n for n, _, _ in PAIRS[:3]],
+    parser.add_argument("--schedules", nargs="+", default=OURS, choices=OURS,
                         help="our schedules to time against their torch peers (default: "
                              "all three; the noise-floor row runs with 1f1b)")
     # 16: with 6 our 1F1B timed against itself read 0.987-1.030; R is the worst of six

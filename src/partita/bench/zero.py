@@ -98,15 +98,15 @@ def _worker(rank: int, world: int, setup: harness.Setup, pairs) -> list[dict]:
     return harness.time_pairs(rank, world, setup, pairs, build_step, thresholds(pairs))
 
 
+S_TARGET = 1.15
+
+
 def thresholds(pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
     """The verdict each pair is timed until it settles (see `paired`): 1.0 against a
     peer, the S target for stage 3 against stage 2; the other rows are informative."""
     out = {pair: 1.0 for pair in pairs if harness.is_peer(pair[1])}
     out[STAGE3_VS_STAGE2] = S_TARGET
     return out
-
-
-S_TARGET = 1.15
 
 
 def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     setup = dataclasses.replace(harness.setup_from(args), steps=2)
     installed = importlib.util.find_spec("deepspeed") is not None
     with_ds = installed and not args.no_deepspeed
-    print(harness.describe("zero", setup).replace("1.0)", f"1.0, of S {S_TARGET})")
+    print(harness.describe("zero", setup, f"1.0, of S {S_TARGET}")
           + ("" if with_ds else "; DeepSpeed rows skipped ("
              + ("--no-deepspeed)" if installed else "not installed)")))
     print(harness.TABLE_HEAD)
