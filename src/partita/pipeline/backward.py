@@ -179,7 +179,7 @@ class WeightPass:
 
     def gradients(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """As `run`, but return (parameter, gradient) pairs instead of accumulating
-        them into .grad. Every group re-enters autograd here (no direct linear path):
+        them into .grad. Every group re-enters autograd here (no direct path):
         running the node releases its saved input at once, which the zero-bubble head
         pass counts on (`PipelineRunner._early_weight_params`)."""
         out = list(self.eager)
@@ -216,8 +216,7 @@ def _scale_grad(node: Node, grad: torch.Tensor, param: torch.Tensor) -> torch.Te
     if (param.dim() != 1 or x.shape != grad.shape or x.shape[-1] != param.shape[0]
             or not x.dtype == grad.dtype == param.dtype):
         return None
-    with torch.no_grad():
-        return (grad * x).sum(list(range(grad.dim() - 1)), keepdim=True).view(param.shape)
+    return (grad * x).sum(list(range(grad.dim() - 1)), keepdim=True).view(param.shape)
 
 
 def _linear_weight_grad(node: Node, grad: torch.Tensor,
