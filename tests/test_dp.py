@@ -50,11 +50,15 @@ def _comm_worker(rank: int, world: int) -> dict:
         dp.reducer.wait_all() if m == 1 else None
         out[m] = mesh.counter.total("zero_shard")
     dp.finish_grad_sync()
+    out["total"] = mesh.counter.total("zero_shard")
     # .grad stayed a view into the flat buckets (autograd accumulated in place).
     out["views"] = all(p.grad.data_ptr() == b.grad_view(i).data_ptr()
                        for b in dp.buckets for i, p in enumerate(b.params))
     out["buckets"] = len(dp.buckets)
     out["bytes"] = sum(b.padded for b in dp.buckets) * 8
+    out["hooks"] = len(dp.reducer.handles)
+    out["params"] = sum(len(b.params) for b in dp.buckets)
+    out["last_params"] = len(dp.buckets[-1].params)
     return out
 
 
@@ -62,4 +66,9 @@ def test_no_communication_during_accumulation_and_grads_are_bucket_views() -> No
     got = run_distributed(_comm_worker, 2)[0]
     assert got[0] == 0  # the grad_sync(False) microbatch sent nothing
     assert got["buckets"] > 1 and got["views"]
-    assert got[1] == pytest.approx(2 * (2 - 1) / 2 * got["bytes"])  # one all-reduce
+    one_all_reduce = 2 * (2 - 1) / 2  # bytes sent per byte reduced, 2 ranks
+    # Every bucket but the last is launched by its hooks during the backward; the last
+    # (the first layers, no hooks) as the grad_sync round ends. Each is reduced once.
+    assert got["hooks"] == got["params"] - got["last_params"]
+    assert got[1] == pytest.approx(one_all_reduce * got["bytes"])
+    assert got["total"] == got[1]

@@ -58,13 +58,17 @@ class Toy(nn.Module):
         return self.head(h)
 
 
+# toy-shuffled runs its layers out of registration order, one of them twice; toy-unused
+# never runs its middle layer (its parameters get no gradient on any rank).
+TOY_ORDERS = {"toy": (0, 1, 2), "toy-recompute": (0, 1, 2), "toy-shuffled": (2, 0, 1, 0),
+              "toy-unused": (0, 2)}
+
+
 def make_model(case: dict, dtype: torch.dtype, meta: bool = False) -> nn.Module:
-    if case.get("model") in ("toy", "toy-recompute", "toy-shuffled"):
+    if case.get("model") in TOY_ORDERS:
         torch.manual_seed(0)
-        # toy-shuffled runs its layers out of registration order, one of them twice.
         return Toy(recompute=case["model"] == "toy-recompute",
-                   order=(2, 0, 1, 0) if case["model"] == "toy-shuffled" else (0, 1, 2)
-                   ).to(dtype)
+                   order=TOY_ORDERS[case["model"]]).to(dtype)
     return build_model(CFG, device="meta" if meta else "cpu", dtype=dtype)
 
 
@@ -144,6 +148,11 @@ def reference(case: dict) -> dict:
         tokens = batch(step)
         loss = lm_loss(model(tokens[:, :-1]), tokens)
         loss.backward()
+        for p in model.parameters():
+            # partita's flat buffers give a parameter without a gradient a zero one (so
+            # weight decay still applies); torch.optim would skip it.
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         clip = case.get("clip", 1.0)
@@ -192,6 +201,10 @@ CASES = {
           dict(stage=3, model="toy-shuffled", blocks=ToyLayer, bucket_mb=1.0),
           dict(stage=3, model="toy-recompute", blocks=ToyLayer, bucket_mb=1.0, prefetch=0),
           dict(stage=2, model="toy", blocks="layers.*"),
+          # A layer no rank runs: every bucket still reduced (it once was not, when no
+          # bucket of a stage-0-2 model completed), its parameters decayed alike.
+          *(dict(stage=s, model="toy-unused", blocks=ToyLayer, bucket_mb=1.0)
+            for s in (0, 1, 2, 3)),
           dict(stage=3, accum=2, prefetch=2, bucket_mb=1.0)],
     4: [dict(stage=s, accum=a) for s in (1, 2, 3) for a in (1, 2)]
        + [dict(stage=3, dtype="float32", accum=2)],

@@ -172,6 +172,7 @@ class DataParallel:
         finish_grad_sync."""
         self.reducer.begin_round(enabled, buckets)
         yield
+        self.reducer.end_round()
 
     def buckets_of(self, params: list[nn.Parameter]) -> tuple[int, ...]:
         """Indices of the buckets made only of `params`."""
