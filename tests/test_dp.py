@@ -72,3 +72,26 @@ def test_no_communication_during_accumulation_and_grads_are_bucket_views() -> No
     assert got["hooks"] == got["params"] - got["last_params"]
     assert got[1] == pytest.approx(one_all_reduce * got["bytes"])
     assert got["total"] == got[1]
+
+
+def _second_backward_worker(rank: int, world: int) -> str:
+    from partita.errors import PartitaError
+
+    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    dp = DataParallel(zp.make_model({}, torch.float64), mesh,
+                      precision=MixedPrecision(param_dtype=torch.float64))
+    assert len(dp.buckets) == 1 and not dp.reducer.handles  # one bucket: no hooks at all
+    tokens = zp.batch(0).chunk(world)[rank]
+    dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+    try:
+        dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
+    except PartitaError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_second_backward_is_refused_on_many_ranks_without_hooks_too() -> None:
+    """A hook-free bucket cannot see a late gradient, so DataParallel.backward refuses
+    a second backward in a round that synchronises, as on one rank."""
+    for message in run_distributed(_second_backward_worker, 2):
+        assert "grad_sync" in message, message
