@@ -1,7 +1,7 @@
 """Gradient reduction: each bucket's collective starts as soon as its gradients are in.
 
-A hook on every parameter (`register_post_accumulate_grad_hook`) counts arrivals per
-bucket during backward. When a bucket is complete its collective is launched
+A hook on each parameter (`register_post_accumulate_grad_hook`; not on those of the
+last bucket in stages 0-1, see below) counts arrivals per bucket during backward. When a bucket is complete its collective is launched
 asynchronously (gloo and NCCL run it on their own threads/streams) while backward goes
 on with earlier layers. Buckets launch strictly in bucket order, so every rank issues
 the same collectives in the same sequence whatever its timing.
@@ -23,9 +23,8 @@ whose gradients are the last of the backward, so a hook could launch it hardly e
 than the end of the round (`end_round`, or finish_grad_sync after DataParallel.backward
 alone) does, and Python hooks are not free: the tiny model's one bucket at 2 ranks, 39
 hooks, cost 0.6-1.7 ms of a 37 ms backward (a step without them: 0.98-0.99 of one with
-them). With a group of one rank
-(pure tensor or pipeline parallelism, one process) nothing is communicated and no hook
-is registered at all.
+them). With a group of one rank (pure tensor or pipeline parallelism, one process)
+nothing is communicated and no hook is registered at all.
 
 A round that reduces (the last microbatch's, or every one in stages 2-3 "reduce")
 reduces every bucket at its end, complete or not: a parameter that got no gradient
