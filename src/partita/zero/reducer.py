@@ -96,10 +96,15 @@ class GradReducer:
             self.backwards_in_round += 1
         self._due()
 
+    @property
+    def _reduces(self) -> bool:
+        """This round's gradients are reduced (the last microbatch's, or every one)."""
+        return self.sync or self.always_reduce
+
     def _due(self) -> None:
         """A backward runs in this round: if the round reduces, all its buckets are due
         at its end, hooked or not, complete or not."""
-        if self.sync or self.always_reduce:
+        if self._reduces:
             self.active = True
 
     def end_round(self) -> None:
@@ -143,13 +148,11 @@ class GradReducer:
         else:
             self._copy_in(b, i, p)
         self.arrived[b].add(i)
-        reduces = self.sync or self.always_reduce
-        if reduces:
-            self.active = True  # due at the round's end even if no bucket completes
+        self._due()  # at the round's end even if no bucket completes
         if len(self.arrived[b]) == len(buf.params):
             if self.on_bucket_done is not None:
                 self.on_bucket_done(buf)
-            if reduces:
+            if self._reduces:
                 self.ready[b] = True
                 self._launch_ready()
 
