@@ -95,3 +95,44 @@ def test_second_backward_is_refused_on_many_ranks_without_hooks_too() -> None:
     a second backward in a round that synchronises, as on one rank."""
     for message in run_distributed(_second_backward_worker, 2):
         assert "grad_sync" in message, message
+
+
+def _raw_backward_worker(rank: int, world: int, stage: int) -> float:
+    import copy
+
+    import torch.distributed as dist
+
+    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    model = zp.make_model({}, torch.float64)
+    plain = copy.deepcopy(model)
+    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage),
+                      precision=MixedPrecision(param_dtype=torch.float64))
+    (buf,) = dp.buckets
+    tokens = zp.batch(0).chunk(world)[rank]
+    for step in range(2):  # the second step checks that a reduced step is not skipped
+        zp.lm_loss(dp.module(tokens[:, :-1]), tokens).backward()  # not dp.backward
+        dp.finish_grad_sync()
+        zp.lm_loss(plain(tokens[:, :-1]), tokens).backward()
+        # The mean gradient over the ranks, laid out as the flat bucket.
+        grads = dict(plain.named_parameters())
+        want = torch.zeros(buf.padded, dtype=torch.float64)
+        for e in buf.entries:
+            want[e.offset:e.offset + e.numel] = grads[e.name].grad.flatten()
+        dist.all_reduce(want)
+        want /= world
+        lo, hi = (0, buf.padded) if stage == 0 else (buf.lo, buf.hi)
+        worst = float((dp._owned_grad(buf) - want[lo:hi]).abs().max())
+        assert worst < 1e-12, (step, worst)
+        dp.step()  # consumes the reduced gradients: the next boundary reduces again
+        dp.wait_params()
+        dp.zero_grad()
+        plain.load_state_dict({n: p.detach() for n, p in dp.module.named_parameters()})
+        plain.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_plain_loss_backward_is_reduced_too(stage: int) -> None:
+    """loss.backward() on the module, not dp.backward(): the bucket without hooks (here
+    the only one) is still reduced at finish_grad_sync, every step."""
+    run_distributed(_raw_backward_worker, 2, args=(stage,))

@@ -264,6 +264,7 @@ class DataParallel:
                 param.copy_(slot.master)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
+        self.reducer.used()
         self.scaler.update(False)
         return True
 

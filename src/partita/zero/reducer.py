@@ -1,9 +1,9 @@
 """Gradient reduction: each bucket's collective starts as soon as its gradients are in.
 
 A hook on each parameter (`register_post_accumulate_grad_hook`; not on those of the
-last bucket in stages 0-1, see below) counts arrivals per bucket during backward. When a bucket is complete its collective is launched
-asynchronously (gloo and NCCL run it on their own threads/streams) while backward goes
-on with earlier layers. Buckets launch strictly in bucket order, so every rank issues
+last bucket in stages 0-1, see below) counts arrivals per bucket during backward. When
+a bucket is complete its collective is launched asynchronously (gloo and NCCL run it on
+their own threads/streams) while backward goes on with earlier layers. Buckets launch strictly in bucket order, so every rank issues
 the same collectives in the same sequence whatever its timing.
 
 Per stage:
@@ -20,8 +20,8 @@ size in one op just before its collective; zero_grad() clears the buckets with o
 memset each. A .grad that user code replaced or dropped is folded back into the bucket
 when seen. The bucket launched last has no hooks there: it holds the first layers,
 whose gradients are the last of the backward, so a hook could launch it hardly earlier
-than the end of the round (`end_round`, or finish_grad_sync after DataParallel.backward
-alone) does, and Python hooks are not free: the tiny model's one bucket at 2 ranks, 39
+than the end of the round (`end_round`, or finish_grad_sync after a backward outside
+grad_sync) does, and Python hooks are not free: the tiny model's one bucket at 2 ranks, 39
 hooks, cost 0.6-1.7 ms of a 37 ms backward (a step without them: 0.98-0.99 of one with
 them). With a group of one rank (pure tensor or pipeline parallelism, one process)
 nothing is communicated and no hook is registered at all.
@@ -72,6 +72,9 @@ class GradReducer:
         # at all when there is nobody to communicate with.
         self.bound = stage <= 1
         self.hookless = self.bound and comm.size == 1
+        # Bound mode: the buffers hold gradients reduced since the optimizer last used
+        # them, so a second finish_grad_sync (step() calls it again) reduces nothing.
+        self.reduced = False
         if self.bound:
             for buf in buckets:
                 buf.bind_grads()
@@ -94,7 +97,6 @@ class GradReducer:
             if self.sync and self.backwards_in_round:
                 _late_gradient("a second backward")
             self.backwards_in_round += 1
-        self._due()
 
     @property
     def _reduces(self) -> bool:
@@ -102,8 +104,9 @@ class GradReducer:
         return self.sync or self.always_reduce
 
     def _due(self) -> None:
-        """A backward runs in this round: if the round reduces, all its buckets are due
-        at its end, hooked or not, complete or not."""
+        """A backward ran in this round (a hook saw a gradient, or grad_sync's body
+        ended): if the round reduces, all its buckets are due at its end, hooked or not,
+        complete or not. (A bound-mode boundary reduces even unseen: `finish`.)"""
         if self._reduces:
             self.active = True
 
@@ -291,6 +294,10 @@ class GradReducer:
 
     def finish(self) -> None:
         if not self.hookless:
+            if self.bound and self.sync and not self.reduced:
+                # A plain loss.backward() marks nothing due where no hook saw it (the
+                # hook-free bucket): the boundary's gradients are reduced all the same.
+                self.active = True
             if self.scoped_sync:  # buckets no single chunk covers are reduced now
                 self._new_round(None)
                 if self.always_reduce:  # only those holding gradients not yet reduced
@@ -302,7 +309,12 @@ class GradReducer:
         self._reset()
         self.sync = True
         if self.bound:
+            self.reduced = True
             self._rebind()
+
+    def used(self) -> None:
+        """The optimizer consumed the reduced gradients: the next boundary reduces."""
+        self.reduced = False
 
     @torch.no_grad()
     def _rebind(self) -> None:
@@ -313,6 +325,7 @@ class GradReducer:
 
     def clear(self) -> None:
         """zero_grad: forget what the buffers hold; the next gradient overwrites it."""
+        self.reduced = False
         if self.bound:
             with torch.no_grad():
                 for buf in self.buckets:
