@@ -21,6 +21,7 @@ from partita.pipeline import build_schedule, schedule_names
 from partita.pipeline.actions import Action, Kind
 from partita.pipeline.backward import (
     ForwardSaves,
+    _adds_in_place,
     _direct_weight_grad,
     backward_input,
     full_backward,
@@ -142,6 +143,47 @@ def test_split_backward_equals_full_backward_and_fires_hooks_once(which, release
     for p, g in zip(params, want):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=1e-14)
     assert sorted(fired) == sorted(id(p) for p in params)  # each accumulated once
+    for h in hooks:
+        h.remove()
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_w_accumulates_into_existing_grads_in_place_unless_a_hook_watches(hooked):
+    """With .grad already holding a sum (a later microbatch, or the data-parallel
+    engine's bucket views), W adds the linear and norm weight gradients into those very
+    tensors; a parameter with a hook goes through autograd, which fires it once."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4,
+                                    max_seq_len=16), dtype=torch.float64)
+
+    def run(inp):
+        for block in model.blocks.values():
+            inp = block(inp)
+        return model.logits(model.norm(inp))
+
+    x = torch.randn(2, 16, 32, dtype=torch.float64)
+    x1 = x.clone().requires_grad_()
+    out = run(x1)
+    grad = torch.randn_like(out)
+    full_backward([out], [grad])
+    params = [p for p in model.parameters() if p.grad is not None]
+    want = {id(p): p.grad.clone() for p in params}
+    held = {id(p): torch.randn_like(p) for p in params}  # what .grad holds before
+    for p in params:
+        p.grad = held[id(p)].clone()
+    tensors = {id(p): p.grad for p in params}
+    fired = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+             for p in params] if hooked else []
+    assert all(_adds_in_place(p) for p in params) is not hooked  # the path W takes
+    x2 = x.clone().requires_grad_()
+    (_,), weights = backward_input([run(x2)], [grad], [x2], params)
+    weights.run()
+    for p in params:
+        assert p.grad is tensors[id(p)]  # accumulated in place, both ways
+        torch.testing.assert_close(p.grad, held[id(p)] + want[id(p)], rtol=0, atol=1e-13)
+    if hooked:
+        assert sorted(fired) == sorted(id(p) for p in params)
     for h in hooks:
         h.remove()
 

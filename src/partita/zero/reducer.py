@@ -218,7 +218,8 @@ class GradReducer:
             if not self.hooked[b]:  # what a hook would have folded on arrival
                 for i, p in enumerate(buf.params):
                     self._fold(p, buf.grad_view(i))
-            buf.full_grad.mul_(self.scale)
+            if self.scale != 1.0:  # one rank: the mean is the gradient itself
+                buf.full_grad.mul_(self.scale)
         else:
             self._zero_unwritten(b)
         src = buf.full_grad
