@@ -27,7 +27,7 @@ from partita.pipeline.backward import (
     full_backward,
 )
 from partita.pipeline.build import check_pipeline
-from partita.pipeline.p2p import check_transfer_order
+from partita.pipeline.p2p import check_transfer_order, delivery_proofs
 from partita.pipeline.runtime import forward_only
 from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
 from partita.testing import run_distributed
@@ -220,6 +220,29 @@ def test_transfers_match_in_order_and_forward_only_is_valid(name, p, m):
     forward_only(sched)
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (3, 6)])
+def test_a_send_is_proven_delivered_only_by_a_receive_the_peer_sends_after_taking_it(
+        name, p, m):
+    """Each proof is a receive of the same rank, later in its list than the send, whose
+    matching send the peer posts after its own receive of ours; in 1F1B every
+    activation the first stage sends is proven (so none waits for the step's end)."""
+    sched = build_schedule(name, p, m)
+    for rank, acts in enumerate(sched.ranks):
+        where = {a: i for i, a in enumerate(acts)}
+        for send, proof in delivery_proofs(sched, rank).items():
+            assert proof.kind.is_recv and where[proof] > where[send], (rank, send, proof)
+            peer = sched.ranks[sched.rank_of(send.peer_stage)]
+            took = next(i for i, a in enumerate(peer)
+                        if a.kind.is_recv and a.transfer_key == send.transfer_key)
+            answered = next(i for i, a in enumerate(peer)
+                            if a.kind.is_send and a.transfer_key == proof.transfer_key)
+            assert answered > took, (rank, send, proof)
+    if name == "1f1b":
+        sends = [a for a in sched.ranks[0] if a.kind.is_send]
+        assert sends and set(sends) <= set(delivery_proofs(sched, 0))
+
+
 def test_transfer_order_mismatch_is_rejected():
     sched = build_schedule("1f1b", 2, 4)
     acts = list(sched.ranks[1])
@@ -360,7 +383,8 @@ def _sends_held(rank: int, world: int, ms: tuple[int, ...]) -> list[int]:
 
         def counted(transport=transport, release=transport.release_sent, held=held) -> None:
             release()
-            held[0] = max(held[0], len(transport.pending_sends))
+            proven = sum(len(sends) for sends in transport.proven.values())
+            held[0] = max(held[0], len(transport.pending_sends) + proven)
         transport.release_sent = counted
         tokens = batch(0, cfg.train.global_batch)
         for _ in range(2):
@@ -373,8 +397,9 @@ def _sends_held(rank: int, world: int, ms: tuple[int, ...]) -> list[int]:
 
 def test_sent_activations_are_freed_during_the_step_not_at_its_end():
     """gloo marks a send complete only when waited on; without the transport's reaper
-    the first stage kept all m sent activations until the step's end. With it, what a
-    rank holds does not grow with m (timing decides the exact figure: a few)."""
+    and the receives that prove a send delivered, the first stage kept all m sent
+    activations until the step's end. With them, what a rank holds does not grow with m
+    (timing decides the exact figure: a few)."""
     ms = (8, 32)
     per_rank = run_distributed(_sends_held, 2, (ms,), timeout=120)
     for rank, (few, many) in enumerate(per_rank):

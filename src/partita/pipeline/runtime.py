@@ -33,7 +33,7 @@ from partita.pipeline.backward import (
     backward_input,
     full_backward,
 )
-from partita.pipeline.p2p import Transport, check_transfer_order
+from partita.pipeline.p2p import Transport, check_transfer_order, delivery_proofs
 from partita.pipeline.schedules import build_schedule
 from partita.pipeline.simulate import Event, simulate
 from partita.pipeline.tied import TiedHead
@@ -127,6 +127,8 @@ class PipelineRunner:
                               if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
         self._deferred: dict[int, frozenset[tuple[int, int]]] = {}
+        # Per action list of this rank: which receive proves each send delivered.
+        self._proofs: dict[int, tuple[tuple[Action, ...], dict[Action, Action]]] = {}
         self._eval_schedules: dict[int, Schedule] = {}
         self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
         self.timeline: list[Event] = []  # last training step, seconds from its start
@@ -186,7 +188,12 @@ class PipelineRunner:
             check_transfer_order(sched)
             self._schedules[microbatches] = sched
             self._deferred[microbatches] = deferred_weight_passes(sched.ranks[self.rank])
+            self._note_proofs(sched)
         return self._schedules[microbatches]
+
+    def _note_proofs(self, sched: Schedule) -> None:
+        actions = sched.ranks[self.rank]
+        self._proofs[id(actions)] = (actions, delivery_proofs(sched, self.rank))
 
     # The two entry points ------------------------------------------------------------
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
@@ -201,6 +208,7 @@ class PipelineRunner:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
         if m not in self._eval_schedules:
             self._eval_schedules[m] = forward_only(self.schedule(m))
+            self._note_proofs(self._eval_schedules[m])
         sched = self._eval_schedules[m]
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
         training_timeline = self.timeline  # `timeline` shows the last *training* step
@@ -233,6 +241,8 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
         plan = self._early_plan(actions) if self.transport.early_receives else None
+        known = self._proofs.get(id(actions))
+        self.transport.proofs = known[1] if known is not None and known[0] is actions else {}
         self.step_started = t0 = time.perf_counter()
         early: dict[Action, tuple[object, torch.Tensor, float]] = {}
         timeline = self.timeline
@@ -320,6 +330,7 @@ class PipelineRunner:
                 continue
             work, buf, posted_at = early.pop(a) if a in early else (works[a], buffers[a], start)
             self.transport.wait(a, work)
+            self.transport.received(a)
             step.inbox[a.transfer_key] = buf
             self.timeline.append((a, max(posted_at, start), time.perf_counter() - t0))
 
