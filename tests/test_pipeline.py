@@ -227,17 +227,20 @@ def test_a_send_is_proven_delivered_only_by_a_receive_the_peer_sends_after_takin
     """Each proof is a receive of the same rank, later in its list than the send, whose
     matching send the peer posts after its own receive of ours; in 1F1B every
     activation the first stage sends is proven (so none waits for the step's end)."""
+    from partita.pipeline.runtime import forward_only
+
     sched = build_schedule(name, p, m)
-    for rank, acts in enumerate(sched.ranks):
-        where = {a: i for i, a in enumerate(acts)}
-        for send, proof in delivery_proofs(sched, rank).items():
-            assert proof.kind.is_recv and where[proof] > where[send], (rank, send, proof)
-            peer = sched.ranks[sched.rank_of(send.peer_stage)]
-            took = next(i for i, a in enumerate(peer)
-                        if a.kind.is_recv and a.transfer_key == send.transfer_key)
-            answered = next(i for i, a in enumerate(peer)
-                            if a.kind.is_send and a.transfer_key == proof.transfer_key)
-            assert answered > took, (rank, send, proof)
+    for checked in (sched, forward_only(sched)):  # training, and evaluation's
+        for rank, acts in enumerate(checked.ranks):
+            where = {a: i for i, a in enumerate(acts)}
+            for send, proof in delivery_proofs(checked, rank).items():
+                assert proof.kind.is_recv and where[proof] > where[send], (rank, send)
+                peer = checked.ranks[checked.rank_of(send.peer_stage)]
+                took = next(i for i, a in enumerate(peer)
+                            if a.kind.is_recv and a.transfer_key == send.transfer_key)
+                answered = next(i for i, a in enumerate(peer)
+                                if a.kind.is_send and a.transfer_key == proof.transfer_key)
+                assert answered > took, (rank, send, proof)
     if name == "1f1b":
         sends = [a for a in sched.ranks[0] if a.kind.is_send]
         assert sends and set(sends) <= set(delivery_proofs(sched, 0))

@@ -127,9 +127,11 @@ class PipelineRunner:
                               if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
         self._deferred: dict[int, frozenset[tuple[int, int]]] = {}
-        # Per action list of this rank: which receive proves each send delivered.
-        self._proofs: dict[int, tuple[tuple[Action, ...], dict[Action, Action]]] = {}
+        # Per microbatch count: which of this rank's receives proves each send delivered
+        # (training's schedule, and evaluation's: interleaved sends forwards back too).
+        self._proofs: dict[int, dict[Action, Action]] = {}
         self._eval_schedules: dict[int, Schedule] = {}
+        self._eval_proofs: dict[int, dict[Action, Action]] = {}
         self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
         self.timeline: list[Event] = []  # last training step, seconds from its start
         self.step_started = 0.0  # time.perf_counter() at the last step's start
@@ -188,19 +190,16 @@ class PipelineRunner:
             check_transfer_order(sched)
             self._schedules[microbatches] = sched
             self._deferred[microbatches] = deferred_weight_passes(sched.ranks[self.rank])
-            self._note_proofs(sched)
+            self._proofs[microbatches] = delivery_proofs(sched, self.rank)
         return self._schedules[microbatches]
-
-    def _note_proofs(self, sched: Schedule) -> None:
-        actions = sched.ranks[self.rank]
-        self._proofs[id(actions)] = (actions, delivery_proofs(sched, self.rank))
 
     # The two entry points ------------------------------------------------------------
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
         sched = self.schedule(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
                      microbatches, train=True, deferred=self._deferred[microbatches])
-        self._run(sched.ranks[self.rank], step, self._final_backwards(sched))
+        self._run(sched.ranks[self.rank], step, self._final_backwards(sched),
+                  self._proofs[microbatches])
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
@@ -208,11 +207,11 @@ class PipelineRunner:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
         if m not in self._eval_schedules:
             self._eval_schedules[m] = forward_only(self.schedule(m))
-            self._note_proofs(self._eval_schedules[m])
+            self._eval_proofs[m] = delivery_proofs(self._eval_schedules[m], self.rank)
         sched = self._eval_schedules[m]
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
         training_timeline = self.timeline  # `timeline` shows the last *training* step
-        self._run(sched.ranks[self.rank], step, {})
+        self._run(sched.ranks[self.rank], step, {}, self._eval_proofs[m])
         self.timeline = training_timeline
         return float(sum(loss.item() for loss in step.losses))
 
@@ -232,8 +231,8 @@ class PipelineRunner:
 
         return save_timeline(self, path, title)
 
-    def _run(self, actions: tuple[Action, ...], step: _Step,
-             final: dict[int, Action]) -> None:
+    def _run(self, actions: tuple[Action, ...], step: _Step, final: dict[int, Action],
+             proofs: dict[Action, Action]) -> None:
         self.timeline = []
         if step.train:
             self.held_peak = {}
@@ -241,8 +240,7 @@ class PipelineRunner:
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
         plan = self._early_plan(actions) if self.transport.early_receives else None
-        known = self._proofs.get(id(actions))
-        self.transport.proofs = known[1] if known is not None and known[0] is actions else {}
+        self.transport.proofs = proofs
         self.step_started = t0 = time.perf_counter()
         early: dict[Action, tuple[object, torch.Tensor, float]] = {}
         timeline = self.timeline

@@ -60,7 +60,7 @@ def _gradient_first_at_the_end(order: Order, rank: int) -> Order:
     hop (the last stage, with the head and the loss, is the slowest) each hop saves a
     W; with equal stages the ranks run in lockstep and the step is barely shorter
     (p=4, m=8, F=I=W=1: 33 -> 32 units). Only that last backward is split: the others
-    are not on the chain, and on CPU an I plus its W cost 10-17% more than one B
+    are not on the chain, and on CPU an I plus its W cost 8-17% more than one B
     (measured, 2 Llama blocks: almost all of it I's graph walk and capture hooks).
     Rank 0 sends nothing upstream, so it keeps B. W follows its I at once: nothing is
     held longer than a B would hold it.

@@ -3,8 +3,9 @@
 A hook on each parameter (`register_post_accumulate_grad_hook`; not on those of the
 last bucket in stages 0-1, see below) counts arrivals per bucket during backward. When
 a bucket is complete its collective is launched asynchronously (gloo and NCCL run it on
-their own threads/streams) while backward goes on with earlier layers. Buckets launch strictly in bucket order, so every rank issues
-the same collectives in the same sequence whatever its timing.
+their own threads/streams) while backward goes on with earlier layers. Buckets launch
+strictly in bucket order, so every rank issues the same collectives in the same
+sequence whatever its timing.
 
 Per stage:
   0  all-reduce the full gradient buffer (params' .grad are views into it);
@@ -21,10 +22,10 @@ memset each. A .grad that user code replaced or dropped is folded back into the 
 when seen. The bucket launched last has no hooks there: it holds the first layers,
 whose gradients are the last of the backward, so a hook could launch it hardly earlier
 than the end of the round (`end_round`, or finish_grad_sync after a backward outside
-grad_sync) does, and Python hooks are not free: the tiny model's one bucket at 2 ranks, 39
-hooks, cost 0.6-1.7 ms of a 37 ms backward (a step without them: 0.98-0.99 of one with
-them). With a group of one rank (pure tensor or pipeline parallelism, one process)
-nothing is communicated and no hook is registered at all.
+grad_sync) does, and Python hooks are not free: the tiny model's one bucket at 2
+ranks, 39 hooks, cost 0.6-1.7 ms of a 37 ms backward (a step without them: 0.98-0.99
+of one with them). With a group of one rank (pure tensor or pipeline parallelism, one
+process) nothing is communicated and no hook is registered at all.
 
 A round that reduces (the last microbatch's, or every one in stages 2-3 "reduce")
 reduces every bucket at its end, complete or not: a parameter that got no gradient
