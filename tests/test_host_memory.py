@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -33,13 +34,20 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 8)
 
 
 def _faults_per_step(mode: str) -> int:
+    env = dict(os.environ)
+    if mode == "default":
+        # glibc's starting mmap threshold, fixed: left to itself glibc raises it after
+        # freeing a large chunk, and depending on the allocation history it sometimes
+        # already keeps some step buffers (one CI run read 92 faults per step, others
+        # about 2,150), which made this baseline flaky.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True,
-                         text=True, check=True, timeout=120)
+                         text=True, check=True, timeout=120, env=env)
     return int(out.stdout.strip())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a glibc policy")
 def test_freed_step_buffers_are_reused_without_page_faults() -> None:
     default, kept = _faults_per_step("default"), _faults_per_step("policy")
-    assert default >= 500, default  # measured about 2,150 per step
-    assert kept * 10 <= default, (kept, default)  # measured about 10
+    assert default >= 500, default  # measured 9,400-11,100 per step (threshold fixed)
+    assert kept * 10 <= default, (kept, default)  # measured 0-36
