@@ -71,6 +71,9 @@ class _Step:
     # (stage, microbatch) whose W does not follow its I at once: their forwards run
     # inside `ForwardSaves`, so I can release what W will not read.
     deferred: frozenset[tuple[int, int]] = frozenset()
+    # (stage, microbatch) whose backward runs as I and W (any zero-bubble split): on
+    # stage 0 those detach the embedding's output, so W can run the embedding's backward.
+    split: frozenset[tuple[int, int]] = frozenset()
     passes: dict[tuple[int, int], _Pass] = field(default_factory=dict)
     outbox: dict[Action, torch.Tensor] = field(default_factory=dict)  # to send / hand over
     inbox: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)
@@ -88,6 +91,11 @@ def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, 
     computes = [a for a in actions if a.kind.is_compute]
     return frozenset((a.stage, a.microbatch) for a, after in zip(computes, computes[1:] + [None])
                      if a.kind is Kind.I and after != Action(Kind.W, a.stage, a.microbatch))
+
+
+def split_backwards(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
+    """(stage, microbatch) of every backward in `actions` that runs as I then W."""
+    return frozenset((a.stage, a.microbatch) for a in actions if a.kind is Kind.I)
 
 
 def forward_only(sched: Schedule) -> Schedule:
@@ -127,6 +135,7 @@ class PipelineRunner:
                               if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
         self._deferred: dict[int, frozenset[tuple[int, int]]] = {}
+        self._split: dict[int, frozenset[tuple[int, int]]] = {}
         # Per microbatch count: which of this rank's receives proves each send delivered
         # (training's schedule, and evaluation's: interleaved sends forwards back too).
         self._proofs: dict[int, dict[Action, Action]] = {}
@@ -190,6 +199,7 @@ class PipelineRunner:
             check_transfer_order(sched)
             self._schedules[microbatches] = sched
             self._deferred[microbatches] = deferred_weight_passes(sched.ranks[self.rank])
+            self._split[microbatches] = split_backwards(sched.ranks[self.rank])
             self._proofs[microbatches] = delivery_proofs(sched, self.rank)
         return self._schedules[microbatches]
 
@@ -197,7 +207,8 @@ class PipelineRunner:
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
         sched = self.schedule(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True, deferred=self._deferred[microbatches])
+                     microbatches, train=True, deferred=self._deferred[microbatches],
+                     split=self._split[microbatches])
         self._run(sched.ranks[self.rank], step, self._final_backwards(sched),
                   self._proofs[microbatches])
         return float(sum(loss.item() for loss in step.losses))
@@ -386,10 +397,13 @@ class PipelineRunner:
                 embedded = st.embed(self.module, step.inputs[mb].to(self.device))
                 if self.tied is not None:
                     self.tied.send_weight()
-                # Detached so the embedding's backward can run apart from the blocks'
-                # (zero-bubble W; the tied head's gradient joins it there).
-                p.x = embedded.detach().requires_grad_(step.train)
-                p.embedded = embedded
+                if (a.stage, mb) in step.split:
+                    # Detached so the embedding's backward can run apart from the
+                    # blocks' (in W; the tied head's gradient joins it there).
+                    p.x = embedded.detach().requires_grad_(step.train)
+                    p.embedded = embedded
+                else:  # B: one backward through the blocks and the embedding
+                    p.x = embedded
             else:
                 p.x = self._take(step, "F", a.stage - 1, mb).detach().requires_grad_(step.train)
             # Only the graph from p.x on: I releases what W cannot read (the embedding's
@@ -437,20 +451,18 @@ class PipelineRunner:
         with self.dp.grad_sync(is_final, self.stage_buckets.get(a.stage)):
             if a.kind is Kind.B:
                 roots, grads = self._output_grad(a, step, p)
+                if stage.first:  # p.x is the embedding's output: this reaches it too
+                    self._tied_root(roots, grads, is_final)
                 full_backward(roots, grads)
-                x_grad = p.x.grad
+                x_grad = None if stage.first else p.x.grad
             else:
                 p.weights.run()
                 if is_final and stage.last:
                     self._apply_early(step)
-                x_grad = p.x_grad
-            if stage.first:
-                roots, grads = [p.embedded], [x_grad]
-                if is_final and self.tied is not None:
-                    weight, head_grad = self.tied.extra_root()
-                    roots.append(weight)
-                    grads.append(head_grad)
-                full_backward(roots, grads)
+                if stage.first:
+                    roots, grads = [p.embedded], [p.x_grad]
+                    self._tied_root(roots, grads, is_final)
+                    full_backward(roots, grads)
         if a.kind is Kind.B:
             step.passes.pop((a.stage, a.microbatch))
             step.held[a.stage] -= 1
@@ -458,6 +470,14 @@ class PipelineRunner:
                 step.outbox[Action(Kind.SEND_B, a.stage, a.microbatch)] = x_grad
         if stage.last and is_final and self.tied is not None:
             self.tied.send_grad()
+
+    def _tied_root(self, roots: list, grads: list, is_final: bool) -> None:
+        """Stage 0's last backward of the step also carries the tied head's gradient
+        from the last stage, so both accumulate into the embedding weight at once."""
+        if is_final and self.tied is not None:
+            weight, head_grad = self.tied.extra_root()
+            roots.append(weight)
+            grads.append(head_grad)
 
     def _backward_input(self, a: Action, step: _Step) -> None:
         stage = self.stages[a.stage]
