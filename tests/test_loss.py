@@ -5,7 +5,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import partita.loss
 from partita.loss import cross_entropy
+
+
+@pytest.fixture(params=["ours", "fused"], autouse=True)
+def path(request, monkeypatch):
+    """Every test runs on both paths: our kernel (forced at these sizes) and torch's
+    fused one, which serves inputs up to FUSED_UP_TO logits."""
+    if request.param == "ours":
+        monkeypatch.setattr(partita.loss, "FUSED_UP_TO", 0)
+    else:
+        assert _case(torch.float32)[0].numel() <= partita.loss.FUSED_UP_TO
+    return request.param
 
 
 def _case(dtype: torch.dtype, tokens: int = 96, vocab: int = 211):
@@ -56,3 +68,21 @@ def test_padding_columns_carry_no_probability():
     padded = torch.cat([logits, torch.full_like(logits[..., :5], 50.0)], dim=-1)
     got = cross_entropy(padded, targets, vocab_size=logits.shape[-1])
     assert torch.allclose(got, _torch(logits, targets), rtol=1e-12, atol=0)
+
+
+def test_no_counted_token_gives_zero_loss_and_gradient():
+    logits, targets = _case(torch.float64)
+    targets.fill_(-100)
+    loss, grad = _loss_and_grad(cross_entropy, logits, targets)
+    assert loss.item() == 0.0 and grad.abs().max() == 0
+
+
+def test_small_inputs_take_torchs_kernel_and_large_ones_ours(path):
+    """The dispatch itself: which autograd node the loss hangs from (with the bound
+    forced to 0, everything takes ours)."""
+    logits, targets = _case(torch.float32)
+    small = cross_entropy(logits.requires_grad_(), targets).grad_fn
+    big = torch.zeros(max(partita.loss.FUSED_UP_TO, 64) // 64 + 1, 64, requires_grad=True)
+    large = cross_entropy(big, torch.zeros(big.shape[0], dtype=torch.long)).grad_fn
+    assert ("_CrossEntropy" in type(small).__name__) == (path == "ours")
+    assert "_CrossEntropy" in type(large).__name__

@@ -19,12 +19,24 @@ holds logits for vocabulary entries [vocab_start, vocab_start + width) and three
 all-reduces of one number per token (row maximum, target logit, sum of exponentials)
 make every rank's loss the loss over the whole vocabulary; the backward needs no
 communication, because each rank's slice of the softmax is its slice of the gradient.
+
+Small inputs on one rank (`FUSED_UP_TO` logits) go to torch's fused kernel instead:
+there launching ops, not memory, sets the time, and its extra bytes are a few MB.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+# Up to this many logits (one rank's, one microbatch) torch's fused kernel computes the
+# loss instead: there the time goes to launching ops, not to memory traffic, and ours
+# launches about 25 (fp32, one thread, forward and backward, median of 400 alternating
+# runs: 0.53 ms against torch's 0.27 at 256 tokens x 256 entries; 0.85 against 0.76 at
+# 256 x 1,024, this bound; from 256 x 4,096 ours is faster, 3.8 against 6.3 ms). torch's
+# 12 bytes per logit are at most 3 MB here.
+FUSED_UP_TO = 1 << 18
 
 
 class _CrossEntropy(torch.autograd.Function):
@@ -69,6 +81,15 @@ class _CrossEntropy(torch.autograd.Function):
         return grad.to(ctx.out_dtype), None, None, None, None, None
 
 
+def _fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                         ignore_index: int) -> torch.Tensor:
+    """The same loss through `F.cross_entropy` (small inputs, see FUSED_UP_TO): at least
+    fp32, and 0 rather than NaN when no token counts, as `_CrossEntropy` gives."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    total = F.cross_entropy(x, targets, ignore_index=ignore_index, reduction="sum")
+    return total / (targets != ignore_index).sum().clamp(min=1)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm=None,
                   vocab_start: int = 0, vocab_size: int | None = None,
                   ignore_index: int = -100) -> torch.Tensor:
@@ -81,6 +102,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm=None,
     vocabulary of all ranks; columns at or past `vocab_size` (padding) are ignored.
     """
     width = logits.shape[-1]
+    if (comm is None and vocab_start == 0 and (vocab_size is None or vocab_size >= width)
+            and logits.numel() <= FUSED_UP_TO):
+        return _fused_cross_entropy(logits.reshape(-1, width), targets.reshape(-1),
+                                    ignore_index)
     return _CrossEntropy.apply(logits.reshape(-1, width), targets.reshape(-1), comm,
                                vocab_start, width if vocab_size is None else vocab_size,
                                ignore_index)
