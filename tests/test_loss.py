@@ -11,8 +11,8 @@ from partita.loss import cross_entropy
 
 @pytest.fixture(params=["ours", "fused"], autouse=True)
 def path(request, monkeypatch):
-    """Every test runs on both paths: our kernel (forced at these sizes) and torch's
-    fused one, which serves inputs up to FUSED_UP_TO logits."""
+    """Every test runs twice: with our kernel forced, and as dispatched by default
+    (torch's fused kernel at these sizes, unless the call needs ours: padding)."""
     if request.param == "ours":
         monkeypatch.setattr(partita.loss, "FUSED_UP_TO", 0)
     else:
