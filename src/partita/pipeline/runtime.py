@@ -108,6 +108,27 @@ def forward_only(sched: Schedule) -> Schedule:
     return out
 
 
+@dataclass(frozen=True)
+class _RankRun:
+    """One schedule as this rank runs it, with what is worked out from it once (per
+    microbatch count, for training and for evaluation), not on every step."""
+
+    actions: tuple[Action, ...]
+    final: dict[int, Action]  # per local stage, its last B or W of the step
+    deferred: frozenset[tuple[int, int]]  # see _Step
+    split: frozenset[tuple[int, int]]  # see _Step
+    # Which of this rank's receives proves each send delivered (gloo; p2p.py).
+    proofs: dict[Action, Action]
+    # Per action index, the receives to post just before it (`_early_receives`); None
+    # where the transport posts receives only when reached (NCCL).
+    early: list[tuple[Action, ...]] | None
+
+
+def final_backwards(actions: tuple[Action, ...]) -> dict[int, Action]:
+    """Per local stage, its last parameter-gradient pass (B or W) of the step."""
+    return {a.stage: a for a in actions if a.kind in (Kind.B, Kind.W)}
+
+
 class PipelineRunner:
     """Executes schedules on this rank's stages of `dp.module`."""
 
@@ -134,14 +155,9 @@ class PipelineRunner:
                                for i, s in self.stages.items()}
                               if len(self.stages) > 1 else {})
         self._schedules: dict[int, Schedule] = {}
-        self._deferred: dict[int, frozenset[tuple[int, int]]] = {}
-        self._split: dict[int, frozenset[tuple[int, int]]] = {}
-        # Per microbatch count: which of this rank's receives proves each send delivered
-        # (training's schedule, and evaluation's: interleaved sends forwards back too).
-        self._proofs: dict[int, dict[Action, Action]] = {}
-        self._eval_schedules: dict[int, Schedule] = {}
-        self._eval_proofs: dict[int, dict[Action, Action]] = {}
-        self._plans: dict[int, tuple[tuple[Action, ...], list]] = {}
+        # Per microbatch count, training's and evaluation's run of this rank.
+        self._train_runs: dict[int, _RankRun] = {}
+        self._eval_runs: dict[int, _RankRun] = {}
         self.timeline: list[Event] = []  # last training step, seconds from its start
         self.step_started = 0.0  # time.perf_counter() at the last step's start
         # Per local stage, the most microbatches whose activations were held at once
@@ -183,7 +199,7 @@ class PipelineRunner:
         matmul runs once the input gradient is on its way upstream (`_transfer`), so
         it does not delay the stage before."""
         last = self.layout.last_stage
-        if not any(s == last for s, _ in self._deferred[self.microbatches]):
+        if not any(s == last for s, _ in self._train_run(self.microbatches).deferred):
             return []
         if self.tied is not None:
             return [self.tied.weight]
@@ -198,43 +214,41 @@ class PipelineRunner:
             validate(sched)
             check_transfer_order(sched)
             self._schedules[microbatches] = sched
-            self._deferred[microbatches] = deferred_weight_passes(sched.ranks[self.rank])
-            self._split[microbatches] = split_backwards(sched.ranks[self.rank])
-            self._proofs[microbatches] = delivery_proofs(sched, self.rank)
         return self._schedules[microbatches]
+
+    def _rank_run(self, sched: Schedule) -> _RankRun:
+        actions = sched.ranks[self.rank]
+        return _RankRun(actions, final_backwards(actions), deferred_weight_passes(actions),
+                        split_backwards(actions), delivery_proofs(sched, self.rank),
+                        self._early_receives(actions) if self.transport.early_receives
+                        else None)
+
+    def _train_run(self, microbatches: int) -> _RankRun:
+        if microbatches not in self._train_runs:
+            self._train_runs[microbatches] = self._rank_run(self.schedule(microbatches))
+        return self._train_runs[microbatches]
 
     # The two entry points ------------------------------------------------------------
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
-        sched = self.schedule(microbatches)
+        run = self._train_run(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True, deferred=self._deferred[microbatches],
-                     split=self._split[microbatches])
-        self._run(sched.ranks[self.rank], step, self._final_backwards(sched),
-                  self._proofs[microbatches])
+                     microbatches, train=True, deferred=run.deferred, split=run.split)
+        self._run(run, step)
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
-        if m not in self._eval_schedules:
-            self._eval_schedules[m] = forward_only(self.schedule(m))
-            self._eval_proofs[m] = delivery_proofs(self._eval_schedules[m], self.rank)
-        sched = self._eval_schedules[m]
+        if m not in self._eval_runs:
+            # Its own proofs: interleaved sends forwards back to rank 0 too.
+            self._eval_runs[m] = self._rank_run(forward_only(self.schedule(m)))
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
         training_timeline = self.timeline  # `timeline` shows the last *training* step
-        self._run(sched.ranks[self.rank], step, {}, self._eval_proofs[m])
+        self._run(self._eval_runs[m], step)
         self.timeline = training_timeline
         return float(sum(loss.item() for loss in step.losses))
 
     # Execution -----------------------------------------------------------------------
-    def _final_backwards(self, sched: Schedule) -> dict[int, Action]:
-        """Per local stage, its last parameter-gradient pass (B or W) of the step."""
-        last: dict[int, Action] = {}
-        for a in sched.ranks[self.rank]:
-            if a.kind in (Kind.B, Kind.W):
-                last[a.stage] = a
-        return last
-
     def save_timeline(self, path, title: str = ""):
         """Draw the last training step as measured (collective over the pipeline
         group; global rank 0 writes the PNG and gets its path)."""
@@ -242,16 +256,15 @@ class PipelineRunner:
 
         return save_timeline(self, path, title)
 
-    def _run(self, actions: tuple[Action, ...], step: _Step, final: dict[int, Action],
-             proofs: dict[Action, Action]) -> None:
+    def _run(self, run: _RankRun, step: _Step) -> None:
         self.timeline = []
         if step.train:
             self.held_peak = {}
             self.deferred_bytes = 0  # a step cut short must not leave a count behind
         if self.tied is not None:
             self.tied.begin(want_grad=step.train)
-        plan = self._early_plan(actions) if self.transport.early_receives else None
-        self.transport.proofs = proofs
+        actions, final, plan = run.actions, run.final, run.early
+        self.transport.proofs = run.proofs
         self.step_started = t0 = time.perf_counter()
         early: dict[Action, tuple[object, torch.Tensor, float]] = {}
         timeline = self.timeline
@@ -281,15 +294,11 @@ class PipelineRunner:
     def _recv_buffer(self, step: _Step) -> torch.Tensor:
         return torch.empty(self._boundary_shape(step), dtype=self.dtype, device=self.device)
 
-    def _early_plan(self, actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
+    def _early_receives(self, actions: tuple[Action, ...]) -> list[tuple[Action, ...]]:
         """Per action index, the receives to post just before that compute (gloo only,
         see Transport): those listed up to the p-th compute ahead and not posted yet, so
         the data moves while we compute; the window bounds the extra receive buffers to
-        about p. Worked out once per action list, not on every compute."""
-        key = id(actions)
-        cached = self._plans.get(key)
-        if cached is not None and cached[0] is actions:
-            return cached[1]
+        about p. Worked out once per `_RankRun`, not on every compute."""
         posted: set[Action] = set()
         plan: list[tuple[Action, ...]] = []
         for i, a in enumerate(actions):
@@ -308,12 +317,11 @@ class PipelineRunner:
                     posted.add(b)
                 j += 1
             plan.append(tuple(batch))
-        self._plans[key] = (actions, plan)
         return plan
 
     def _post_early(self, batch: tuple[Action, ...], step: _Step, early: dict,
                     t0: float) -> None:
-        """Post receives ahead of the computes in front of them (see `_early_plan`),
+        """Post receives ahead of the computes in front of them (see `_early_receives`),
         from the transport's helper thread."""
         start = time.perf_counter() - t0
         posted = [(a, self._recv_buffer(step)) for a in batch]
