@@ -227,8 +227,6 @@ def test_a_send_is_proven_delivered_only_by_a_receive_the_peer_sends_after_takin
     """Each proof is a receive of the same rank, later in its list than the send, whose
     matching send the peer posts after its own receive of ours; in 1F1B every
     activation the first stage sends is proven (so none waits for the step's end)."""
-    from partita.pipeline.runtime import forward_only
-
     sched = build_schedule(name, p, m)
     for checked in (sched, forward_only(sched)):  # training, and evaluation's
         for rank, acts in enumerate(checked.ranks):
