@@ -116,7 +116,7 @@ def test_png(tmp_path, capsys):
 
 def test_implementation_chooses_whose_activations_are_counted(capsys):
     """`--implementation partita` counts partita's own eager model, loss transients
-    included (see README, "On a GPU"); fused is the GPU default."""
+    included (see docs/benchmarks.md, "On a GPU"); fused is the GPU default."""
     memory = {}
     for impl in ("fused", "partita"):
         assert main(["plan", "--model", "llama3.2-1b", "--gpus", "1", "--gpu-type", "H200",

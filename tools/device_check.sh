@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks one lease of a GPU machine runs, in one call (device time is short):
+# The GPU checks, run in one call (a GPU machine may be available only briefly):
 #   1. `partita bench gpu`: our ZeRO engine against DDP/FSDP2 on the GPU, bf16, MFU;
 #   2. `partita train` on the GPU (Llama 3.2 1B shape) next to `partita plan`'s
 #      prediction of the same layout's memory and step time;

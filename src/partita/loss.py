@@ -3,7 +3,7 @@
 torch's `F.cross_entropy` saves the log-probabilities for backward, and its backward
 holds two more fp32 tensors of that size at once (the gradient of the log-probabilities
 and of the logits): 12 bytes per logit at the peak. With a 128K vocabulary that was
-8.4 GB of a 1.24B model's 47.9 GB on an H200 (README, "On a GPU"). Here a 16-bit
+8.4 GB of a 1.24B model's 47.9 GB on an H200 (docs/benchmarks.md, "On a GPU"). Here a 16-bit
 input is copied up to fp32 once and everything else happens in that copy: shifted by
 the row maximum, exponentiated in place and saved unnormalised with its row sums; the
 backward turns it into the gradient in place (softmax minus one-hot, times the
