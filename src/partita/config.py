@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from partita.config_ranges import check_ranges
 from partita.errors import PartitaError, did_you_mean
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
@@ -253,6 +254,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_toml(cfg, p.read_text(), str(path))
     for key, value in parse_overrides(overrides or []):
         _set(cfg, key, value)
+    check_ranges(cfg)
     return cfg
 
 
