@@ -64,6 +64,7 @@ class TrainSection:
     eval_batches: int = 4
     log_every: int = 10
     out_dir: str = "runs/default"
+    overwrite: bool = False  # replace another run's results found in out_dir
     dtype: str = "float32"  # parameter dtype when precision.param_dtype is unset
     device: str = "auto"  # auto: cuda when available, else cpu
     max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)

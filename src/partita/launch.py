@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import sys
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, Stopped, stop_on_signals
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ def launched_externally() -> bool:
 
 def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     """Run fn(*args) on spec.nproc local processes; return their results by local rank."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -74,8 +76,13 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             "--rdzv-endpoint (an address every node can reach), check --nnodes, or give "
             "slow nodes longer with --rdzv-timeout SECONDS."
         ) from None
+    except SignalException as exc:
+        # The agent caught SIGINT/SIGTERM and has already stopped the workers.
+        raise Stopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise Stopped(failure.exitcode - 128) from None
         raise PartitaError(
             f"process {rank} of the job stopped with exit code {failure.exitcode}; its "
             "message is printed above. The other processes were stopped."
@@ -88,8 +95,14 @@ def _run_reporting_errors(fn: Callable, *args):
     with the process's rank, before the process dies. (The elastic agent files it in
     an error record that nothing shows, which left the parent pointing at a message
     no one printed.) Functions that print their own message exit via SystemExit."""
+    stop_on_signals()
     try:
         return fn(*args)
+    except Stopped as exc:
+        # Leave at once: the agent sends SIGTERM to every worker after a signal, and one
+        # arriving during the interpreter's own shutdown would print a traceback.
+        sys.stderr.flush()
+        os._exit(exc.exit_code)
     except Exception:
         rank = os.environ.get("RANK", "?")
         print(f"partita: process {rank} failed:\n{traceback.format_exc()}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,3 +51,53 @@ def test_launcher_counts_out_of_range_are_refused(flags, tmp_path):
     result = partita("train", *flags, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
     assert result.returncode == 2
     assert flags[0] in result.stderr and "Traceback" not in result.stderr
+
+
+SMALL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--data.seq_len=32",
+         "--data.max_bytes=200000", "--train.global_batch=4", "--train.threads=1",
+         "--metrics.tensorboard=false", "--train.log_every=1", "--train.progress=false"]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) and SIGTERM
+    end the job with the shell's status for the signal, one line, no traceback."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
+         "--train.steps=100000", f"--data.cache_dir={tmp_path / 'cache'}",
+         f"--train.out_dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until training has logged a step
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().strip():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training did not start")
+        os.killpg(proc.pid, sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
+
+
+def test_a_used_out_dir_is_refused_unless_overwrite(tmp_path):
+    run = tmp_path / "run"
+    (run).mkdir()
+    (run / "model.safetensors").write_bytes(b"previous run")
+    args = ["train", *SMALL, "--nproc", "1", "--train.steps=2",
+            f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={run}"]
+    refused = partita(*args)
+    assert refused.returncode == 2 and "already holds another run's results" in refused.stderr
+    assert (run / "model.safetensors").read_bytes() == b"previous run"
+    replaced = partita(*args, "--train.overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert (run / "model.safetensors").read_bytes() != b"previous run"

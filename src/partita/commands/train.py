@@ -9,6 +9,7 @@ import sys
 from partita.config import Config, config_from_toml, load_config
 from partita.errors import AgreedError, PartitaError
 from partita.launch import LaunchSpec, launch, launched_externally
+from partita.run_dir import prepare_out_dir, weight_bytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -55,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     if launched_externally():
         from partita.trainer import train
 
+        if int(os.environ["RANK"]) == 0:
+            prepare_run_dir(cfg)
         train(cfg)
         return 0
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
@@ -88,3 +91,11 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
     dims = dims_from_config(cfg, world_size)
     check_layout(cfg, model_cfg, dims)
     open_dataset(cfg)
+    prepare_run_dir(cfg)
+
+
+def prepare_run_dir(cfg: Config) -> None:
+    """Check and claim train.out_dir for this run (see partita.run_dir)."""
+    wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
+    prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
+                    weight_bytes(cfg.model_config().num_params(), 8 if wide else 4))
