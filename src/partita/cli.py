@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, Stopped, stop_on_signals
 
 # Module paths, imported lazily so `partita --help` stays fast and one broken command
 # does not take the others down.
@@ -50,11 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     if extra and not getattr(args, "accepts_overrides", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = extra
+    stop_on_signals()
     try:
         return int(args.func(args) or 0)
     except PartitaError as exc:
         print(f"partita: error: {exc}", file=sys.stderr)
         return 2
+    except Stopped as exc:
+        print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

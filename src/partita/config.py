@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from partita.config_ranges import check_ranges
 from partita.errors import PartitaError, did_you_mean
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
@@ -63,6 +64,7 @@ class TrainSection:
     eval_batches: int = 4
     log_every: int = 10
     out_dir: str = "runs/default"
+    overwrite: bool = False  # replace another run's results found in out_dir
     dtype: str = "float32"  # parameter dtype when precision.param_dtype is unset
     device: str = "auto"  # auto: cuda when available, else cpu
     max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)
@@ -253,6 +255,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_toml(cfg, p.read_text(), str(path))
     for key, value in parse_overrides(overrides or []):
         _set(cfg, key, value)
+    check_ranges(cfg)
     return cfg
 
 

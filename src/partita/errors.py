@@ -30,3 +30,34 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
 class AgreedError(PartitaError):
     """A PartitaError that every rank raises identically (it follows from values all ranks
     share, such as the all-reduced loss); only rank 0 needs to print it."""
+
+
+class Stopped(BaseException):
+    """The run was asked to stop by a signal (Ctrl-C, or SIGTERM from a scheduler).
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way
+    swallows it; `finally` blocks still run, so nothing half-written is left behind.
+    The process exits with the shell's convention, 128 + the signal number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def stop_on_signals() -> None:
+    """Turn SIGINT and SIGTERM into `Stopped` in this process (main thread only)."""
+    import signal
+
+    def handler(signum, _frame):
+        raise Stopped(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)

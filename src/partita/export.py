@@ -15,6 +15,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from partita.comm import gather_along
+from partita.errors import PartitaError
+from partita.run_dir import PARTIAL_SUFFIX
 from partita.sharding import shard_info
 
 
@@ -66,10 +68,18 @@ def save_weights(pm, path: str | Path) -> None:
     if state is None:
         return
     path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".partial")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-              metadata={"format": "partita", "model": "transformer"})
-    os.replace(tmp, path)
+    tmp = path.with_suffix(path.suffix + PARTIAL_SUFFIX)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                  metadata={"format": "partita", "model": "transformer"})
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise PartitaError(
+            f"writing the weights to '{path}' failed ({exc.strerror or exc}); nothing was "
+            "left behind. Free disk space or choose another train.out_dir."
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)  # a write that did not finish leaves nothing
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:

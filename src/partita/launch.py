@@ -9,14 +9,16 @@ process and this module is not used.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import signal
 import sys
 import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, Stopped, stop_on_signals
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,9 @@ class LaunchSpec:
     rdzv_endpoint: str = ""  # host:port every node can reach; "" = this machine, free port
     rdzv_id: str = ""  # shared by the nodes of one job; "" = a fresh id (single node)
     max_restarts: int = 0
+    # How long the nodes of a multi-node job wait for each other before the job stops
+    # with a message (torch's own default is 10 minutes of silence).
+    join_timeout_s: float = 120.0
 
 
 def launched_externally() -> bool:
@@ -35,7 +40,9 @@ def launched_externally() -> bool:
 
 def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     """Run fn(*args) on spec.nproc local processes; return their results by local rank."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from partita.testing import free_port
@@ -50,7 +57,8 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         run_id=spec.rdzv_id or uuid.uuid4().hex[:12],
         rdzv_backend="c10d",
         rdzv_endpoint=spec.rdzv_endpoint or f"127.0.0.1:{free_port()}",
-        rdzv_configs={"timeout": 120},
+        # join_timeout is the key torch's c10d rendezvous reads for its overall wait.
+        rdzv_configs={"join_timeout": int(math.ceil(spec.join_timeout_s))},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
     )
     # The agent logs each failed child with a long record; the child has already printed
@@ -60,8 +68,21 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _run_reporting_errors)(fn, *args)
+    except RendezvousTimeoutError:
+        raise PartitaError(
+            f"the job's {spec.nnodes} nodes did not all join the rendezvous at "
+            f"{config.rdzv_endpoint} within {spec.join_timeout_s:g} s, so nothing was "
+            "started. Start the same command on every node with the same --rdzv-id and "
+            "--rdzv-endpoint (an address every node can reach), check --nnodes, or give "
+            "slow nodes longer with --rdzv-timeout SECONDS."
+        ) from None
+    except SignalException as exc:
+        # The agent caught SIGINT/SIGTERM and has already stopped the workers.
+        raise Stopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
+        if failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise Stopped(failure.exitcode - 128) from None
         raise PartitaError(
             f"process {rank} of the job stopped with exit code {failure.exitcode}; its "
             "message is printed above. The other processes were stopped."
@@ -74,8 +95,14 @@ def _run_reporting_errors(fn: Callable, *args):
     with the process's rank, before the process dies. (The elastic agent files it in
     an error record that nothing shows, which left the parent pointing at a message
     no one printed.) Functions that print their own message exit via SystemExit."""
+    stop_on_signals()
     try:
         return fn(*args)
+    except Stopped as exc:
+        # Leave at once: the agent sends SIGTERM to every worker after a signal, and one
+        # arriving during the interpreter's own shutdown would print a traceback.
+        sys.stderr.flush()
+        os._exit(exc.exit_code)
     except Exception:
         rank = os.environ.get("RANK", "?")
         print(f"partita: process {rank} failed:\n{traceback.format_exc()}",

@@ -9,6 +9,7 @@ import sys
 from partita.config import Config, config_from_toml, load_config
 from partita.errors import AgreedError, PartitaError
 from partita.launch import LaunchSpec, launch, launched_externally
+from partita.run_dir import prepare_out_dir, weight_bytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, default=1, help="nodes in the job")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (multi-node)")
     p.add_argument("--rdzv-id", default="", help="job id shared by every node (multi-node)")
+    p.add_argument("--rdzv-timeout", type=float, default=120.0,
+                   help="seconds the nodes wait for each other before the job stops (multi-node)")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -53,8 +56,16 @@ def run(args: argparse.Namespace) -> int:
     if launched_externally():
         from partita.trainer import train
 
+        if int(os.environ["RANK"]) == 0:
+            prepare_run_dir(cfg)
         train(cfg)
         return 0
+    for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
+        if value is not None and value < 1:
+            raise PartitaError(f"{flag} {value} is out of range: give 1 or more processes "
+                               "per node and 1 or more nodes.")
+    if args.rdzv_timeout <= 0:
+        raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     nproc = args.nproc or default_nproc()
     validate_before_launch(cfg, nproc * args.nnodes)
     from partita.trainer import check_one_gpu_per_process, pick_device_name
@@ -62,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if pick_device_name(cfg.train.device) == "cuda":
         check_one_gpu_per_process(nproc)
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_id=args.rdzv_id)
+                      rdzv_id=args.rdzv_id, join_timeout_s=args.rdzv_timeout)
     launch(spec, _worker, cfg.to_toml())
     return 0
 
@@ -80,3 +91,11 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
     dims = dims_from_config(cfg, world_size)
     check_layout(cfg, model_cfg, dims)
     open_dataset(cfg)
+    prepare_run_dir(cfg)
+
+
+def prepare_run_dir(cfg: Config) -> None:
+    """Check and claim train.out_dir for this run (see partita.run_dir)."""
+    wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
+    prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
+                    weight_bytes(cfg.model_config().num_params(), 8 if wide else 4))

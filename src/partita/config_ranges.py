@@ -1,0 +1,148 @@
+"""The valid range of every run setting, checked before any process starts.
+
+`config.py` gives each setting a type; this table gives the values that make sense,
+so a zero step count, a negative learning rate or `beta1 = 1.5` is refused with one
+message instead of "succeeding" with nonsense or failing inside every worker. The
+parallel degrees and the pipeline schedule are not here: they are a layout's, checked
+by the layout's own validation with the model and world in view.
+
+`check_ranges(cfg)` raises one PartitaError listing every setting out of range. A test
+checks that every numeric setting of `Config` has an entry, so a new one cannot be
+added without saying what is valid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from partita.errors import PartitaError
+
+DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16", "fp32", "fp64", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """`ok(value)` says whether a value is valid; `text` says what is, for the message;
+    `outside` lists values just outside the range (used by the tests)."""
+
+    ok: Callable[[object], bool]
+    text: str
+    outside: tuple = ()
+
+
+def _num(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+         hi_open: bool = False) -> Rule:
+    def ok(v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            return False
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            return False
+        return not (hi is not None and (v >= hi if hi_open else v > hi))
+
+    left = "" if lo is None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
+    right = "" if hi is None else (f"< {hi:g}" if hi_open else f"<= {hi:g}")
+    text = " and ".join(p for p in (left, right) if p)
+    outside = tuple(x for x in ((lo - 1 if not lo_open else lo) if lo is not None else None,
+                                (hi + 1 if not hi_open else hi) if hi is not None else None)
+                    if x is not None)
+    return Rule(ok, text, outside)
+
+
+def _choice(*options: str) -> Rule:
+    return Rule(lambda v: v in options, "one of " + ", ".join(options), ("nonsense",))
+
+
+def _device() -> Rule:
+    def ok(v: object) -> bool:
+        if v in ("auto", "cpu", "cuda"):
+            return True
+        head, _, index = str(v).partition(":")
+        return head == "cuda" and index.isdigit()
+    return Rule(ok, "auto, cpu, cuda or cuda:N", ("gpu", "cuda:x"))
+
+
+def _dtype(optional: bool) -> Rule:
+    names = DTYPE_NAMES + (("",) if optional else ())
+    text = ", ".join(DTYPE_NAMES[:4]) + (" (or empty: inherit)" if optional else "")
+    return Rule(lambda v: v in names, text, ("float8", "int32"))
+
+
+AT_LEAST_1 = _num(1)
+AT_LEAST_0 = _num(0)
+POSITIVE = _num(0, lo_open=True)
+FRACTION = _num(0, 1, hi_open=True)  # [0, 1)
+
+RANGES: dict[str, Rule] = {
+    # [model]: only the keys set override the catalog entry (None means "keep").
+    "model.vocab_size": AT_LEAST_1,
+    "model.dim": AT_LEAST_1,
+    "model.n_layers": AT_LEAST_1,
+    "model.n_heads": AT_LEAST_1,
+    "model.n_kv_heads": AT_LEAST_1,
+    "model.ffn_dim": AT_LEAST_1,
+    "model.max_seq_len": AT_LEAST_1,
+    "model.flavour": _choice("llama", "gpt2"),
+    "model.dropout": FRACTION,
+    "model.seed": AT_LEAST_0,
+    # [data]
+    "data.seq_len": _num(2),  # a window needs an input and a next token
+    "data.val_fraction": FRACTION,
+    "data.max_bytes": AT_LEAST_1,
+    "data.seed": AT_LEAST_0,
+    # [train]
+    "train.steps": AT_LEAST_1,
+    "train.global_batch": AT_LEAST_1,
+    "train.microbatches": AT_LEAST_1,
+    "train.lr": AT_LEAST_0,
+    "train.min_lr": AT_LEAST_0,
+    "train.warmup_steps": AT_LEAST_0,
+    "train.weight_decay": AT_LEAST_0,
+    "train.beta1": FRACTION,
+    "train.beta2": FRACTION,
+    "train.eps": POSITIVE,
+    "train.grad_clip": AT_LEAST_0,
+    "train.eval_every": AT_LEAST_1,
+    "train.eval_batches": AT_LEAST_0,
+    "train.log_every": AT_LEAST_1,
+    "train.dtype": _dtype(optional=False),
+    "train.device": _device(),
+    "train.max_bad_steps": AT_LEAST_0,
+    "train.threads": AT_LEAST_0,
+    "train.collective_timeout_s": POSITIVE,
+    # [parallel] policies with a plain range (degrees and schedules: see the layout).
+    "parallel.bucket_mb": POSITIVE,
+    "parallel.prefetch": AT_LEAST_0,
+    "parallel.accumulation": _choice("reduce", "buffer"),
+    "parallel.pp_balance": _choice("even", "params", "flops"),
+    "parallel.pp_timeout_s": POSITIVE,
+    # [precision]
+    "precision.param_dtype": _dtype(optional=True),
+    "precision.reduce_dtype": _dtype(optional=True),
+    # [metrics]
+    "metrics.peak_tflops": AT_LEAST_0,
+}
+
+
+def out_of_range(cfg) -> list[str]:
+    """One line per setting of `cfg` outside its range (empty when all are valid)."""
+    problems = []
+    for dotted, rule in RANGES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value is None and section == "model":
+            continue  # not set: the catalog's value, which is valid
+        if not rule.ok(value):
+            problems.append(f"{dotted}={value!r} is out of range: use {rule.text}")
+    if cfg.train.min_lr > cfg.train.lr >= 0:
+        problems.append(f"train.min_lr={cfg.train.min_lr:g} exceeds train.lr="
+                        f"{cfg.train.lr:g}: the schedule decays from lr down to min_lr")
+    return problems
+
+
+def check_ranges(cfg) -> None:
+    """Raise PartitaError naming every setting of `cfg` that is out of range."""
+    problems = out_of_range(cfg)
+    if problems:
+        raise PartitaError("invalid settings: " + "; ".join(problems) + ".")

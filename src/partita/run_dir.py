@@ -1,0 +1,74 @@
+"""The run's output folder: checked before launch, never shared by two runs.
+
+A run writes `config.toml`, `metrics.jsonl`, TensorBoard events and at its end
+`model.safetensors` into `train.out_dir`. Everything that can go wrong with that folder
+is found before any process starts: a path that is a file, a folder that cannot be
+written (permissions, a read-only mount), too little free space for the weights, and
+another run's results already there. Re-using a folder needs `train.overwrite`, and
+then the old results are removed first, so a new run that dies early never leaves the
+previous run's weights looking like its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from partita.errors import PartitaError
+
+# Files a run writes; any of them present means the folder holds a run's results.
+RESULT_FILES = ("config.toml", "metrics.jsonl", "model.safetensors")
+PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when complete
+# Room kept beyond the weights' own size: metrics, config, filesystem overhead.
+SPARE_BYTES = 16 << 20
+
+
+def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: int) -> Path:
+    """Create and check `out_dir` for a new run; raise PartitaError saying what to fix."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise PartitaError(f"train.out_dir '{path}' is a file, not a folder; give the path "
+                           "of a folder (it is created when missing).")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".partita-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise PartitaError(
+            f"train.out_dir '{path}' cannot be written ({exc.strerror or exc}); choose a "
+            "folder on a writable disk, or fix its permissions."
+        ) from None
+    remove_partial_files(path)
+    found = [name for name in RESULT_FILES if (path / name).exists()]
+    if found and not overwrite:
+        raise PartitaError(
+            f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
+            "choose a new folder with --train.out_dir=PATH, or replace them with "
+            "--train.overwrite=true."
+        )
+    if found:
+        for name in found:
+            (path / name).unlink()
+        for events in path.glob("events.out.tfevents.*"):
+            events.unlink()
+    free = shutil.disk_usage(path).free
+    if free < bytes_needed + SPARE_BYTES:
+        raise PartitaError(
+            f"train.out_dir '{path}' has {free / 2**20:,.0f} MiB free but the run will write "
+            f"about {(bytes_needed + SPARE_BYTES) / 2**20:,.0f} MiB (its weights, the config "
+            "and metrics); free some space or choose a folder on another disk."
+        )
+    return path
+
+
+def remove_partial_files(path: Path) -> None:
+    """Remove files a killed writer left half-written (they never look complete)."""
+    for partial in path.glob(f"*{PARTIAL_SUFFIX}"):
+        partial.unlink(missing_ok=True)
+
+
+def weight_bytes(num_params: int, dtype_bytes: int) -> int:
+    """Bytes of the final weights file (full, unsharded; at least 4 bytes per value)."""
+    return num_params * max(dtype_bytes, 4)

@@ -1,0 +1,103 @@
+"""Launch-time faults end with one message within a bound, never a silent wait."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from partita.testing import free_port
+
+
+def partita(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_a_missing_node_stops_the_job_after_the_rendezvous_timeout(tmp_path):
+    start = time.monotonic()
+    result = partita("train", "--nproc", "1", "--nnodes", "2", "--rdzv-timeout", "5",
+                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone",
+                     "--data.max_bytes=100000", f"--data.cache_dir={tmp_path / 'cache'}",
+                     f"--train.out_dir={tmp_path / 'run'}")
+    elapsed = time.monotonic() - start
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "did not all join the rendezvous" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert elapsed < 90
+
+
+@pytest.mark.parametrize("setting", [
+    "--train.steps=0", "--train.steps=-3", "--train.lr=-0.1", "--train.grad_clip=-1",
+    "--train.beta1=1.5", "--train.microbatches=0", "--train.eval_every=0",
+    "--train.log_every=0", "--model.dropout=2.0", "--train.threads=-1",
+    "--train.collective_timeout_s=0", "--train.device=tpu",
+])
+def test_nonsense_is_refused_before_launch(setting, tmp_path):
+    result = partita("train", setting, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 2
+    assert setting.split("=")[0].lstrip("-") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "-2"], ["--nnodes", "0"],
+                                   ["--rdzv-timeout", "0"]])
+def test_launcher_counts_out_of_range_are_refused(flags, tmp_path):
+    result = partita("train", *flags, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 2
+    assert flags[0] in result.stderr and "Traceback" not in result.stderr
+
+
+SMALL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--data.seq_len=32",
+         "--data.max_bytes=200000", "--train.global_batch=4", "--train.threads=1",
+         "--metrics.tensorboard=false", "--train.log_every=1", "--train.progress=false"]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) and SIGTERM
+    end the job with the shell's status for the signal, one line, no traceback."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
+         "--train.steps=100000", f"--data.cache_dir={tmp_path / 'cache'}",
+         f"--train.out_dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until training has logged a step
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().strip():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training did not start")
+        os.killpg(proc.pid, sig)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert f"stopped by {signal.Signals(sig).name}" in err
+    assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
+
+
+def test_a_used_out_dir_is_refused_unless_overwrite(tmp_path):
+    run = tmp_path / "run"
+    (run).mkdir()
+    (run / "model.safetensors").write_bytes(b"previous run")
+    args = ["train", *SMALL, "--nproc", "1", "--train.steps=2",
+            f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={run}"]
+    refused = partita(*args)
+    assert refused.returncode == 2 and "already holds another run's results" in refused.stderr
+    assert (run / "model.safetensors").read_bytes() == b"previous run"
+    replaced = partita(*args, "--train.overwrite=true")
+    assert replaced.returncode == 0, replaced.stderr[-2000:]
+    assert (run / "model.safetensors").read_bytes() != b"previous run"

@@ -1,0 +1,83 @@
+"""Every run setting out of its range is refused when the configuration is loaded.
+
+Cases are generated from the range table itself (values just outside each range, and a
+value of the wrong type), so a setting added to the table is tested without a new line
+here; a second test makes sure every numeric setting has a range at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from partita.config import Config, _sections, load_config
+from partita.config_ranges import RANGES, out_of_range
+from partita.errors import PartitaError
+
+# Settings that belong to the layout (validated with the model and world in view) or
+# are free text.
+LAYOUT_OR_TEXT = {
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+    "parallel.zero_stage", "parallel.virtual_stages", "parallel.schedule",
+    "model.name", "data.source", "data.cache_dir", "train.out_dir", "train.timeline_png",
+}
+
+
+def _outside_cases() -> list[tuple[str, object]]:
+    return [(key, value) for key, rule in RANGES.items() for value in rule.outside]
+
+
+def _wrong_type_cases() -> list[tuple[str, str]]:
+    cases = []
+    for key in RANGES:
+        section, name = key.split(".")
+        hint = typing.get_type_hints(_sections()[section])[name]
+        if hint in (int, float) or int in typing.get_args(hint) or float in typing.get_args(hint):
+            cases.append((key, "twelve"))
+    return cases
+
+
+@pytest.mark.parametrize(("key", "value"), _outside_cases())
+def test_value_just_outside_its_range_is_refused(key, value):
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, [f"--{key}={value}"])
+    assert key in str(exc.value)
+    assert "out of range" in str(exc.value)
+
+
+@pytest.mark.parametrize(("key", "value"), _wrong_type_cases())
+def test_value_of_the_wrong_type_is_refused(key, value):
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, [f"--{key}={value}"])
+    assert key in str(exc.value)
+
+
+def test_defaults_are_in_range():
+    assert out_of_range(Config()) == []
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, ["--train.steps=0", "--train.lr=-1", "--train.beta1=1.5"])
+    for key in ("train.steps", "train.lr", "train.beta1"):
+        assert key in str(exc.value)
+
+
+def test_min_lr_above_lr_is_refused():
+    with pytest.raises(PartitaError, match="train.min_lr"):
+        load_config(None, ["--train.lr=1e-4", "--train.min_lr=1e-3"])
+
+
+def test_every_numeric_or_enumerated_setting_has_a_range():
+    missing = []
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            key = f"{section}.{f.name}"
+            hint = typing.get_type_hints(cls)[f.name]
+            if key in LAYOUT_OR_TEXT or hint is bool or bool in typing.get_args(hint):
+                continue
+            if key not in RANGES:
+                missing.append(key)
+    assert not missing, f"settings without a valid range in config_ranges.RANGES: {missing}"
