@@ -83,4 +83,21 @@ def save_weights(pm, path: str | Path) -> None:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
+    """Every tensor of a weights file; PartitaError naming the file when it is unreadable,
+    truncated, corrupt, or holds NaN or infinite values."""
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error type, or OSError
+        raise PartitaError(
+            f"the weights file '{path}' cannot be read ({exc}); it is truncated or corrupt. "
+            "Train again, or copy the file again from where it was written."
+        ) from None
+    bad = [name for name, t in state.items()
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        raise PartitaError(
+            f"the weights file '{path}' holds NaN or infinite values in {', '.join(bad[:3])}"
+            f"{' and more' if len(bad) > 3 else ''}; the run that wrote it diverged. Train "
+            "again with a lower train.lr or gradient clipping."
+        )
+    return state

@@ -24,7 +24,13 @@ def load_run_model(run_dir: str | Path, device: str = "cpu"):
     cfg = load_config(config)
     model = build_model(cfg.model_config(), device=device)
     state = load_weights(weights)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # a shape that disagrees with config.toml
+        raise PartitaError(
+            f"the weights in {weights} do not fit the model in {config}: "
+            f"{str(exc).splitlines()[-1].strip()}; the run directory is inconsistent."
+        ) from None
     if missing or unexpected:
         raise PartitaError(
             f"the weights in {weights} do not match the model in {config} (missing "

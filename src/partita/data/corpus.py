@@ -100,8 +100,9 @@ def _walk_sorted(root: Path) -> Iterator[Path]:
         # Pruning in place steers os.walk; sorting makes the order deterministic.
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         for name in sorted(filenames):
-            if not name.startswith("."):
-                yield Path(dirpath, name)
+            path = Path(dirpath, name)
+            if not name.startswith(".") and path.is_file():  # no FIFOs, sockets, devices
+                yield path
 
 
 def _budgeted(name: str, paths: Iterator[Path], max_bytes: int | None) -> Corpus:
@@ -145,6 +146,10 @@ def text_corpus(source: str | os.PathLike, max_bytes: int | None = None) -> Corp
         raise PartitaError(f"Data path '{root}' does not exist. Pass an existing text file, "
                            "a folder of text files, or a partita token file; or pass no "
                            "source to use the built-in standard-library corpus.")
+    if not (root.is_file() or root.is_dir()):
+        raise PartitaError(f"Data path '{root}' is neither a regular file nor a folder (a "
+                           "FIFO, socket or device would block or never end); write the "
+                           "data to a file and pass that.")
     if root.is_file():
         if not _looks_like_text(root):
             raise PartitaError(f"Data file '{root}' is neither UTF-8 text nor a partita "

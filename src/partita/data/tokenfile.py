@@ -38,6 +38,11 @@ HEADER_BYTES = _HEADER.size  # 32
 _DTYPES = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
+# Token files up to this size are checked id by id on open; larger ones are sampled.
+FULL_SCAN_BYTES = 64 << 20
+SAMPLE_BLOCKS = 64
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """The narrowest unsigned dtype that holds ids 0..vocab_size-1."""
     if vocab_size < 1:
@@ -53,6 +58,8 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
 
 def is_token_file(path: str | os.PathLike) -> bool:
     """True when `path` is a regular file that starts with the token-file magic."""
+    if not Path(path).is_file():  # never open a FIFO or device: a read could block forever
+        return False
     try:
         with open(path, "rb") as f:
             return f.read(len(MAGIC)) == MAGIC
@@ -158,4 +165,36 @@ def read_token_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
         return np.zeros(0, dtype=_DTYPES[width]), int(vocab)
     data = np.memmap(path, dtype=_DTYPES[width], mode="r", offset=HEADER_BYTES,
                      shape=(count,))
+    check_token_ids(data, int(vocab), path, fix)
     return data, int(vocab)
+
+
+def check_token_ids(data: np.ndarray, vocab: int, path: Path, fix: str = "",
+                    full_scan_bytes: int = FULL_SCAN_BYTES) -> int:
+    """Raise PartitaError if an id is >= `vocab`; return the bytes scanned.
+
+    A file up to `full_scan_bytes` is scanned whole; a larger one in SAMPLE_BLOCKS evenly
+    spaced blocks that together make `full_scan_bytes`, so a file of wrong width or vocabulary
+    is caught at once, while a single bad id deep in a huge file may slip through (the
+    embedding lookup then fails with the id named).
+    """
+    total = data.nbytes
+    if total <= full_scan_bytes:
+        blocks = [(0, len(data))]
+    else:
+        per_block = max(1, full_scan_bytes // data.itemsize // SAMPLE_BLOCKS)
+        starts = np.linspace(0, len(data) - per_block, SAMPLE_BLOCKS).astype(np.int64)
+        blocks = [(int(s), int(s) + per_block) for s in starts]
+    scanned = 0
+    for start, stop in blocks:
+        block = np.asarray(data[start:stop])
+        scanned += block.nbytes
+        if block.size and int(block.max()) >= vocab:
+            where = start + int(np.argmax(block >= vocab))
+            raise PartitaError(
+                f"Token file '{path}' holds token id {int(data[where])} at position {where}, "
+                f"but its header's vocabulary has {vocab} ids (scanned {scanned:,} of "
+                f"{total:,} bytes), so it is corrupt or was written with another "
+                f"vocabulary. {fix}"
+            )
+    return scanned
