@@ -101,7 +101,8 @@ class ParallelModel:
 
 def engine_policies(cfg: Config):
     """The data-parallel engine's ZeRO, mixed-precision and optimizer policies."""
-    from partita.zero import AdamWConfig, MixedPrecision, ZeroConfig
+    from partita.optim import AdamWConfig
+    from partita.zero import MixedPrecision, ZeroConfig
 
     param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
                               "precision.param_dtype")

@@ -25,17 +25,8 @@ from partita.export import save_weights
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
-
-
-def lr_at(step: int, cfg: Config) -> float:
-    """Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step."""
-    t = cfg.train
-    if step < t.warmup_steps:
-        return t.lr * (step + 1) / t.warmup_steps
-    span = max(t.steps - t.warmup_steps, 1)
-    progress = min((step - t.warmup_steps) / span, 1.0)
-    return t.min_lr + 0.5 * (t.lr - t.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 @dataclass
@@ -185,6 +176,9 @@ class Trainer:
                 f"layout {self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
                 f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
             )
+        # Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step.
+        schedule = WarmupCosine(lr=c.train.lr, min_lr=c.train.min_lr,
+                                warmup_steps=c.train.warmup_steps, total_steps=c.train.steps)
         tokens_per_step = c.train.global_batch * c.data.seq_len
         flops_per_step = self.pm.model_cfg.flops_per_token(c.data.seq_len) * tokens_per_step
         bad_steps, val_loss, result = 0, None, None
@@ -192,7 +186,7 @@ class Trainer:
         window_start, window_steps = start, 0
         for step in range(c.train.steps):
             inputs, targets = next(self.sampler)
-            lr = lr_at(step, c)
+            lr = schedule(step)
             result = self.train_step(inputs, targets, lr)
             window_steps += 1
             if not self._healthy(result):

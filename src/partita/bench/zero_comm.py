@@ -16,6 +16,7 @@ import torch
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
 from partita.testing import run_distributed
+from partita.zero.config import ZeroStage
 
 STAGES = (0, 1, 2, 3)
 
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         totals[r["stage"]] = sum(ops.values())
         print(f"{r['stage']:>5} {ops.get('all_reduce', 0):>11.3f} "
               f"{ops.get('reduce_scatter', 0):>15.3f} {ops.get('all_gather', 0):>11.3f} "
-              f"{totals[r['stage']]:>8.3f} {3 if r['stage'] == 3 else 2:>6}")
+              f"{totals[r['stage']]:>8.3f} {3 if ZeroStage(r['stage']).shards_parameters else 2:>6}")
     print("(stages 1-3 also all-reduce the 8-byte gradient-norm scalar, shown as 0.000)")
     print(f"zero-comm: stage3/stage0 volume ratio {totals[3] / totals[0]:.3f}")
     return 0

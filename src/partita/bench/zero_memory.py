@@ -20,13 +20,20 @@ from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.testing import run_distributed
-from partita.zero.config import ZeroConfig
+from partita.zero.config import ZeroConfig, ZeroStage
 
 STAGES = (0, 1, 2, 3)
 
 
 def formula(stage: int, p: int, n: int) -> float:
-    return {0: 16 * p, 1: 4 * p + 12 * p / n, 2: 2 * p + 14 * p / n, 3: 16 * p / n}[stage]
+    """The paper's bytes per rank: 2 (bf16 parameters) + 2 (bf16 gradients) + K = 12
+    (fp32 master and two moments) per parameter, each divided by N where the stage
+    shards it: 16P, 4P + 12P/N, 2P + 14P/N, 16P/N."""
+    s = ZeroStage(stage)
+    params = 2 * p / n if s.shards_parameters else 2 * p
+    grads = 2 * p / n if s.shards_gradients else 2 * p
+    states = 12 * p / n if s.shards_optimizer_states else 12 * p
+    return params + grads + states
 
 
 def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],

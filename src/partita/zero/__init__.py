@@ -1,9 +1,14 @@
-"""Data parallelism with ZeRO stages 0-3 on one flat-buffer layer (see docs/zero.md)."""
+"""Data parallelism with ZeRO stages 0-3 on one flat-buffer layer (see docs/zero.md).
 
-from partita.zero.config import AdamWConfig, MixedPrecision, ZeroConfig
+`AdamWConfig` lives in partita.optim; it is re-exported here because DataParallel takes
+it as its `optim` policy.
+"""
+
+from partita.optim import AdamWConfig
+from partita.zero.config import MixedPrecision, ZeroConfig, ZeroStage
 from partita.zero.engine import DataParallel
 from partita.zero.flat import ALIGN, FlatBuffer, FlatEntry
 from partita.zero.init import model_init_fn
 
 __all__ = ["ALIGN", "AdamWConfig", "DataParallel", "FlatBuffer", "FlatEntry",
-           "MixedPrecision", "ZeroConfig", "model_init_fn"]
+           "MixedPrecision", "ZeroConfig", "ZeroStage", "model_init_fn"]

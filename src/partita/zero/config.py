@@ -1,4 +1,4 @@
-"""Policies of the data-parallel engine: ZeRO stage, mixed precision, AdamW.
+"""Policies of the data-parallel engine: ZeRO stage, mixed precision.
 
 Small frozen dataclasses, validated on construction so a bad value fails before any
 process group is touched.
@@ -22,8 +22,78 @@ ACCUMULATION_MODES = ("reduce", "buffer")
 
 
 @dataclass(frozen=True)
+class ZeroStage:
+    """What ZeRO stage `number` shards over the data-parallel group, and what follows
+    from it. Each stage shards what the one before does, and one thing more:
+
+      0  nothing (plain data parallelism: gradients all-reduced, full optimizer states);
+      1  optimizer states (and master weights): each rank updates its own slice;
+      2  + gradients: each rank keeps only its slice of the reduced gradient;
+      3  + parameters: gathered around compute, a slice at rest.
+
+    The number stays the user-facing value (`parallel.zero_stage`); code reads the
+    properties, never the number."""
+
+    number: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.number, bool) or self.number not in (0, 1, 2, 3):
+            raise PartitaError(
+                f"parallel.zero_stage={self.number} is invalid: use 0 (plain data parallel), "
+                "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+
+    @classmethod
+    def of(cls, stage: int | ZeroStage) -> ZeroStage:
+        return stage if isinstance(stage, ZeroStage) else cls(stage)
+
+    def __int__(self) -> int:
+        return self.number
+
+    def __str__(self) -> str:
+        return f"ZeRO-{self.number}"
+
+    @property
+    def shards_optimizer_states(self) -> bool:
+        """Each rank updates only its own slice of every bucket (its moments and master
+        weights), so the gradient norm is summed over the group."""
+        return self.number >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Reduced gradients are kept as the owned slice only; without this the full
+        gradient buffers live for the whole run and .grad are views into them."""
+        return self.number >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are a slice at rest, gathered block by block around compute."""
+        return self.number >= 3
+
+    @property
+    def all_reduces_gradients(self) -> bool:
+        """Gradients are all-reduced (every rank holds all of them); otherwise they are
+        reduce-scattered (each rank receives the sum of its own slice)."""
+        return not self.shards_optimizer_states
+
+    @property
+    def gathers_parameters_after_step(self) -> bool:
+        """Every rank keeps full parameters but updates only its slice: the updated
+        slices are all-gathered after each step (stage 3 gathers before compute)."""
+        return self.shards_optimizer_states and not self.shards_parameters
+
+    @property
+    def can_buffer_accumulation(self) -> bool:
+        """Gradient accumulation may choose between reducing every microbatch and one
+        full-size buffer reduced at the boundary (see ACCUMULATION_MODES)."""
+        return self.shards_gradients and not self.shards_parameters
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
-    stage: int = 0
+    """`stage` is given as its number 0-3 (or a ZeroStage) and kept as a ZeroStage."""
+
+    stage: ZeroStage | int = 0
     # Stages 0-2: gradient bucket size (one collective per bucket). Stage 3: consecutive
     # blocks are merged into one gather unit (one all-gather, one reduce-scatter) while
     # the unit stays within it; a bigger block is a unit by itself.
@@ -32,11 +102,7 @@ class ZeroConfig:
     accumulation: str = "reduce"  # stage 2 only, see ACCUMULATION_MODES
 
     def __post_init__(self) -> None:
-        if self.stage not in (0, 1, 2, 3):
-            raise PartitaError(
-                f"parallel.zero_stage={self.stage} is invalid: use 0 (plain data parallel), "
-                "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
-            )
+        object.__setattr__(self, "stage", ZeroStage.of(self.stage))
         if not self.bucket_mb > 0:
             raise PartitaError(
                 f"parallel.bucket_mb={self.bucket_mb} must be positive: it is the size of one "
@@ -53,6 +119,14 @@ class ZeroConfig:
                 "(reduce-scatter every microbatch, least memory) or 'buffer' (full-size "
                 "accumulation buffer, one reduce-scatter per step)."
             )
+
+    @property
+    def accumulates_in_full_buffer(self) -> bool:
+        """Microbatches accumulate into each bucket's full-size gradient buffer, which
+        is reduced once at the step boundary: always when gradients are not sharded,
+        and by choice ("buffer") where the stage allows it."""
+        return not self.stage.shards_gradients or (
+            self.accumulation == "buffer" and self.stage.can_buffer_accumulation)
 
     @property
     def bucket_bytes(self) -> int:
@@ -109,14 +183,3 @@ class MixedPrecision:
     @property
     def loss_scaling(self) -> bool:
         return self.param_dtype == torch.float16
-
-
-@dataclass(frozen=True)
-class AdamWConfig:
-    """torch.optim.AdamW semantics. Weight decay applies to parameters with ndim >= 2
-    only (matrices and embeddings; never norms or biases)."""
-
-    lr: float = 3e-4
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1

@@ -1,7 +1,7 @@
 """`DataParallel`: data parallelism with ZeRO stages 0-3 over the mesh's zero_shard group.
 
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=2), precision=MixedPrecision(...),
-                      optim=AdamWConfig(lr=3e-4))
+                      optim=AdamWConfig(lr=3e-4))  # partita.optim.AdamWConfig
     for i, batch in enumerate(microbatches):
         with dp.grad_sync(i == len(microbatches) - 1):
             dp.backward(loss_fn(dp.module(batch)) / len(microbatches))
@@ -15,15 +15,17 @@ the zero_shard group (dp x cp) and divided by its size, which is the gradient of
 global-batch mean when every rank holds as many tokens. Gradient-accumulation microbatches
 under `grad_sync(False)` communicate nothing in stages 0 and 1 (and 2 with
 accumulation="buffer"); stage 2 "reduce" and stage 3 reduce-scatter every microbatch.
+
+The optimizer math (AdamW, the gradient norm and clip factor) is partita.optim's; this
+engine decides which flat slice each rank updates and which elements it counts.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,8 +33,15 @@ import torch.nn as nn
 
 from partita.errors import PartitaError
 from partita.mesh import Mesh
-from partita.zero.adamw import adamw_, adamw_scratch, decay_ranges
-from partita.zero.config import AdamWConfig, MixedPrecision, ZeroConfig
+from partita.optim import (
+    AdamWConfig,
+    AdamWState,
+    adamw_scratch,
+    clip_coefficient,
+    global_norm,
+    squared_sum,
+)
+from partita.zero.config import MixedPrecision, ZeroConfig
 from partita.zero.flat import FlatBuffer, InitFn
 from partita.zero.param_sync import ParamAllGather
 from partita.zero.reducer import GradReducer
@@ -46,17 +55,6 @@ from partita.zero.units import (
     require_blocks,
     resolve_blocks,
 )
-
-
-@dataclass
-class _Slot:
-    """Optimizer state of one bucket's owned slice."""
-
-    master: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    decay: list[tuple[int, int]]  # weight-decay ranges within the owned slice
-    counted: list[tuple[int, int]]  # ranges the global gradient norm counts on this rank
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -75,13 +73,13 @@ class DataParallel:
         self.precision, self.optim = precision, optim
         self.comm = mesh.comm("zero_shard")
         self.mp_comm = mesh.comm("model_parallel")
-        self.stage = zero.stage
+        self.stage = zero.stage  # a ZeroStage: read its properties, not its number
         n, index = self.comm.size, self.comm.index
         device = self.device = device or _device_of(module)
         dtype = precision.param_dtype
         init_fn = _flat_init(init_fn)
         self.gatherer: ParamGatherer | None = None
-        if self.stage == 3:
+        if self.stage.shards_parameters:
             names = resolve_blocks(module, blocks)
             require_blocks(module, names)
             root_params, per_block = partition(module, names)
@@ -111,44 +109,49 @@ class DataParallel:
                 buf.materialize_full(init_fn)
         _check_nothing_left_on_meta(module)
         for buf in self.buckets:
-            if self.stage <= 1:
+            if not self.stage.shards_gradients:
                 buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=device)
             else:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)
-        self.slots = [self._make_slot(buf) for buf in self.buckets]
+        # AdamW state of each bucket's owned slice, and the ranges of it that the global
+        # gradient norm counts on this rank.
+        self.slots = [AdamWState.for_slice(self._owned_param(buf), precision.master,
+                                           buf.decay_ranges(*self._owned_range(buf)))
+                      for buf in self.buckets]
+        self.counted = [self._counted_ranges(buf) for buf in self.buckets]
         # The optimizer casts gradients of another dtype than the master in chunks.
         cast = any(self._owned_grad(b).dtype != precision.master for b in self.buckets)
         largest = max((s.exp_avg.numel() for s in self.slots), default=1)
         self.adam_scratch = adamw_scratch(largest if cast else 0, precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
-                                   zero.accumulation == "buffer",
+                                   zero.accumulates_in_full_buffer,
                                    self.gatherer.done if self.gatherer else None)
         self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
-                           if self.stage in (1, 2) else None)
+                           if self.stage.gathers_parameters_after_step else None)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
 
     # Layout ----------------------------------------------------------------------------
+    # The slice of each bucket this rank's optimizer updates: all of it unless the
+    # stage shards optimizer states.
     def _owned_range(self, buf: FlatBuffer) -> tuple[int, int]:
-        return (0, buf.padded) if self.stage == 0 else (buf.lo, buf.hi)
+        return (buf.lo, buf.hi) if self.stage.shards_optimizer_states else (0, buf.padded)
 
     def _owned_param(self, buf: FlatBuffer) -> torch.Tensor:
-        return buf.full if self.stage == 0 else buf.owned_param()
+        return buf.owned_param() if self.stage.shards_optimizer_states else buf.full
 
     def _owned_grad(self, buf: FlatBuffer) -> torch.Tensor:
-        if self.stage == 0:
-            return buf.full_grad
-        if self.stage == 1:
+        if self.stage.shards_gradients:
+            return buf.shard_grad
+        if self.stage.shards_optimizer_states:
             return buf.full_grad[buf.lo:buf.hi]
-        return buf.shard_grad
+        return buf.full_grad
 
-    def _make_slot(self, buf: FlatBuffer) -> _Slot:
+    def _counted_ranges(self, buf: FlatBuffer) -> list[tuple[int, int]]:
+        """Ranges of the owned slice that the global gradient norm counts on this rank."""
         lo, hi = self._owned_range(buf)
-        param = self._owned_param(buf)
-        mdtype = self.precision.master
-        master = param.to(mdtype).clone() if self.precision.has_master else None
         counted = []
         for pc in buf.pieces(lo, hi):
             # A copy replicated over another group (a norm under tensor parallelism) is
@@ -157,8 +160,7 @@ class DataParallel:
                       for p in pc.entry.info.replicated_over)
             if not dup:
                 counted.append((pc.buf_start - lo, pc.buf_start - lo + pc.stop - pc.start))
-        return _Slot(master, torch.zeros_like(param, dtype=mdtype),
-                     torch.zeros_like(param, dtype=mdtype), decay_ranges(buf, lo, hi), counted)
+        return counted
 
     # Backward --------------------------------------------------------------------------
     @contextmanager
@@ -217,26 +219,21 @@ class DataParallel:
         max_norm (as torch.nn.utils.clip_grad_norm_) unless max_norm is None."""
         if self._prepare():
             return math.inf
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for buf, slot in zip(self.buckets, self.slots):
-            g = self._owned_grad(buf)
-            for a, b in slot.counted:
-                # Accumulated in float64 inside the reduction: `.double().pow(2)` made
-                # two float64 copies of every gradient (4.2 GB at once for a 262M-entry
-                # embedding) and took twice as long on a CPU thread (50M bf16: 409 ms
-                # against 190).
-                total += torch.linalg.vector_norm(g[a:b], dtype=torch.float64).square()
-        sq = total.item()
-        if self.stage > 0:
-            sq = self.comm.all_reduce_scalars([sq])[0]
-        sq = self.mp_comm.all_reduce_scalars([sq])[0]
-        norm = math.sqrt(sq)
-        if max_norm is not None:
-            coef = max_norm / (norm + 1e-6)
-            if coef < 1.0:
-                for buf in self.buckets:
-                    self._owned_grad(buf).mul_(coef)
+        # Each rank counts its own slice when optimizer states are sharded (the reduced
+        # gradient is whole on every rank otherwise); model-parallel ranks hold
+        # different parameters, each counted once (`_counted_ranges`).
+        groups = ([self.comm] if self.stage.shards_optimizer_states else []) + [self.mp_comm]
+        norm = global_norm(squared_sum(self._counted_grads(), self.device), groups)
+        coef = clip_coefficient(norm, max_norm)
+        if coef < 1.0:
+            for buf in self.buckets:
+                self._owned_grad(buf).mul_(coef)
         return norm
+
+    def _counted_grads(self) -> Iterator[torch.Tensor]:
+        for buf, counted in zip(self.buckets, self.counted):
+            g = self._owned_grad(buf)
+            yield from (g[a:b] for a, b in counted)
 
     # Optimizer -------------------------------------------------------------------------
     @torch.no_grad()
@@ -255,13 +252,9 @@ class DataParallel:
         # Forward order (last bucket first), so that the all-gathers of stages 1 and 2
         # arrive in the order the next forward needs them.
         for b in reversed(range(len(self.buckets))):
-            buf, slot = self.buckets[b], self.slots[b]
-            param = self._owned_param(buf)
-            target = slot.master if slot.master is not None else param
-            adamw_(target, self._owned_grad(buf), slot.exp_avg, slot.exp_avg_sq,
-                   self.step_count, lr, self.optim, slot.decay, self.adam_scratch)
-            if slot.master is not None:
-                param.copy_(slot.master)
+            buf = self.buckets[b]
+            self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
+                                self.step_count, lr, self.optim, self.adam_scratch)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
@@ -304,8 +297,7 @@ class DataParallel:
 
     def _refresh_master(self) -> None:
         for buf, slot in zip(self.buckets, self.slots):
-            if slot.master is not None:
-                slot.master.copy_(self._owned_param(buf))
+            slot.load_param_(self._owned_param(buf))
 
     # Reports and state -----------------------------------------------------------------
     def memory_ledger(self) -> dict[str, int]:
@@ -313,7 +305,10 @@ class DataParallel:
         params = sum(_nbytes(b.full) + _nbytes(b.shard) for b in self.buckets)
         if self.gatherer is not None:  # at rest: shards only; gathered units separately
             params = sum(_nbytes(b.shard) for b in self.buckets)
-        grads = sum(_nbytes(b.shard_grad) + (_nbytes(b.full_grad) if self.stage <= 1 else 0)
+        # A full gradient buffer is part of the model states where it lives for the
+        # whole run; a transient one (sharded gradients) is a communication buffer.
+        grads = sum(_nbytes(b.shard_grad)
+                    + (0 if self.stage.shards_gradients else _nbytes(b.full_grad))
                     for b in self.buckets)
         out = {
             "parameters": params,
@@ -335,7 +330,7 @@ class DataParallel:
         """Owned optimizer, master and parameter slices, with their layout metadata."""
         self.wait_params()
         return {
-            "stage": self.stage, "world": self.comm.size, "index": self.comm.index,
+            "stage": int(self.stage), "world": self.comm.size, "index": self.comm.index,
             "step": self.step_count, "scaler": self.scaler.state_dict(),
             "buckets": [
                 {"layout": buf.metadata(), "param": self._owned_param(buf).clone(),
@@ -348,12 +343,12 @@ class DataParallel:
     def load_state_dict(self, state: dict) -> None:
         self.wait_params()
         mine = [b.metadata() for b in self.buckets]
-        if (state["stage"], state["world"]) != (self.stage, self.comm.size) or \
+        if (state["stage"], state["world"]) != (int(self.stage), self.comm.size) or \
                 [b["layout"] for b in state["buckets"]] != mine:
             raise PartitaError(
                 f"this optimizer state was saved with ZeRO stage {state['stage']} on "
                 f"{state['world']} data-parallel ranks and a different bucket layout; it "
-                f"loads only into the same layout (here stage {self.stage}, "
+                f"loads only into the same layout (here stage {int(self.stage)}, "
                 f"{self.comm.size} ranks). Keep stage, bucket size and world size, or "
                 "resume from a full checkpoint, which reshards on load."
             )
@@ -362,7 +357,7 @@ class DataParallel:
             for name in ("master", "exp_avg", "exp_avg_sq"):
                 if getattr(slot, name) is not None:
                     getattr(slot, name).copy_(saved[name])
-            if self.stage in (1, 2):
+            if self.stage.gathers_parameters_after_step:
                 self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
         self.step_count = state["step"]
         self.scaler.load_state_dict(state["scaler"])

@@ -98,6 +98,21 @@ class FlatBuffer:
     def owned_pieces(self) -> list[Piece]:
         return self.pieces(self.lo, self.hi)
 
+    def decay_ranges(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Ranges, relative to `lo`, of elements in [lo, hi) that get weight decay
+        (`FlatEntry.decays`), adjacent ones merged."""
+        out: list[tuple[int, int]] = []
+        for pc in self.pieces(lo, hi):
+            if not pc.entry.decays:
+                continue
+            a = pc.buf_start - lo
+            b = a + pc.stop - pc.start
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
     def metadata(self) -> dict:
         """Plain data describing the layout and this rank's slice (for checkpoints)."""
         return {

@@ -46,19 +46,21 @@ import torch
 
 from partita.comm import GroupComm
 from partita.errors import PartitaError
+from partita.zero.config import ZeroStage
 from partita.zero.flat import FlatBuffer
 
 
 class GradReducer:
-    def __init__(self, buckets: list[FlatBuffer], comm: GroupComm, stage: int,
-                 reduce_dtype: torch.dtype, buffer_accumulation: bool,
+    def __init__(self, buckets: list[FlatBuffer], comm: GroupComm, stage: ZeroStage,
+                 reduce_dtype: torch.dtype, accumulate_in_full_buffer: bool,
                  on_bucket_done: Callable[[FlatBuffer], None] | None = None) -> None:
         self.buckets, self.comm, self.stage = buckets, comm, stage
         self.reduce_dtype = reduce_dtype
         # View mode: microbatches accumulate in the bucket's full buffer, which lives
-        # until the boundary (stages 0, 1, and 2 with "buffer"); stages 0-1 also bind
-        # .grad to it (`bound`, below).
-        self.view_mode = stage <= 1 or (stage == 2 and buffer_accumulation)
+        # until the boundary (stages 0, 1, and 2 with "buffer":
+        # ZeroConfig.accumulates_in_full_buffer); stages 0-1 also bind .grad to it
+        # (`bound`, below).
+        self.view_mode = accumulate_in_full_buffer
         # Stages 2 ("reduce") and 3 communicate on every microbatch, sync or not.
         self.always_reduce = not self.view_mode
         self.on_bucket_done = on_bucket_done
@@ -71,7 +73,7 @@ class GradReducer:
         self._reset()
         # See the module docstring: .grad bound to the buckets (stages 0-1), and no hooks
         # at all when there is nobody to communicate with.
-        self.bound = stage <= 1
+        self.bound = not stage.shards_gradients
         self.hookless = self.bound and comm.size == 1
         # Bound mode: the buffers hold gradients reduced since the optimizer last used
         # them, so a second finish_grad_sync (step() calls it again) reduces nothing.
@@ -227,12 +229,13 @@ class GradReducer:
         send = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
         if send is not src:
             self._track(send)
-        if self.stage == 0:
+        if self.stage.all_reduces_gradients:
             out = send
             work = self.comm.all_reduce(send, async_op=True)
         else:
-            # Stage 1 reduces in place: the owned slice of the full buffer is the output.
-            in_place = self.stage == 1 and send is src
+            # Stage 1 reduces in place: the full buffer stays (gradients are not sharded)
+            # and its owned slice is the output.
+            in_place = not self.stage.shards_gradients and send is src
             out = send[buf.lo:buf.hi] if in_place else send.new_empty(buf.shard_numel)
             if not in_place:
                 self._track(out)
@@ -249,10 +252,10 @@ class GradReducer:
     def _complete(self, b: int, work, send: torch.Tensor, out: torch.Tensor) -> None:
         work.wait()
         buf = self.buckets[b]
-        if self.stage == 0:
+        if self.stage.all_reduces_gradients:
             if send is not buf.full_grad:
                 buf.full_grad.copy_(send)
-        elif self.stage == 1:
+        elif not self.stage.shards_gradients:  # the owned slice of the full buffer
             if out.data_ptr() != buf.full_grad[buf.lo:].data_ptr():
                 buf.full_grad[buf.lo:buf.hi].copy_(out)
         else:
@@ -275,7 +278,8 @@ class GradReducer:
         self.pending.clear()
         # What stays alive: only stage 2 "buffer" accumulation buffers between microbatches.
         self.live_bytes = sum(b.full_grad.numel() * b.full_grad.element_size()
-                              for b in self.buckets if self.stage >= 2 and b.full_grad is not None)
+                              for b in self.buckets
+                              if self.stage.shards_gradients and b.full_grad is not None)
 
     def begin_round(self, sync: bool, scope: tuple[int, ...] | None = None) -> None:
         """A new microbatch's backward is about to run. `scope`: it reaches only these

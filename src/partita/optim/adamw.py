@@ -1,31 +1,33 @@
-"""AdamW on flat slices: one fused kernel call per bucket instead of one per parameter.
+"""AdamW on flat slices: one fused kernel call per slice instead of one per parameter.
 
 Element for element this is torch.optim.AdamW (decoupled weight decay, bias correction,
 eps added after the square root), so a float64 run matches the torch optimizer to
-rounding. Weight decay touches only the ranges of parameters with ndim >= 2.
+rounding. Weight decay touches only the ranges the caller marks (parameters with
+ndim >= 2: matrices and embeddings, never norms or biases).
+
+`AdamWState` holds one slice's moments (and its master copy when the parameters are
+kept in a narrower dtype); `adamw_` is the update itself. Neither knows how the slice
+was cut out of the model: the data-parallel engine owns that.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from partita.zero.config import AdamWConfig
-from partita.zero.flat import FlatBuffer
+Ranges = list[tuple[int, int]]
 
 
-def decay_ranges(flat: FlatBuffer, lo: int, hi: int) -> list[tuple[int, int]]:
-    """Ranges, relative to `lo`, of elements in [lo, hi) that get weight decay (merged)."""
-    out: list[tuple[int, int]] = []
-    for pc in flat.pieces(lo, hi):
-        if not pc.entry.decays:
-            continue
-        a = pc.buf_start - lo
-        b = a + pc.stop - pc.start
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
+@dataclass(frozen=True)
+class AdamWConfig:
+    """torch.optim.AdamW semantics. Weight decay applies to parameters with ndim >= 2
+    only (matrices and embeddings; never norms or biases)."""
+
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
 
 
 # A gradient of another dtype than the parameter (bf16 gradients, fp32 master) is cast
@@ -48,10 +50,11 @@ def adamw_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch
 @torch.no_grad()
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
            exp_avg_sq: torch.Tensor, step: int, lr: float, cfg: AdamWConfig,
-           decay: list[tuple[int, int]], scratch: torch.Tensor) -> None:
+           decay: Ranges, scratch: torch.Tensor) -> None:
     """One AdamW update of the flat `param` in place (step counts from 1). `grad` may
     be of another dtype (a bf16 gradient for an fp32 master); `scratch` comes from
-    `adamw_scratch` with the dtype of `param`.
+    `adamw_scratch` with the dtype of `param`. `decay`: the [a, b) ranges of `param`
+    that get weight decay.
 
     The update itself is torch's fused AdamW kernel (the one behind
     `torch.optim.AdamW(fused=True)`, on CPU and CUDA), called on the whole flat slice:
@@ -77,3 +80,41 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         torch._fused_adamw_([param[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
                             [steps], lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0,
                             eps=cfg.eps, amsgrad=False, maximize=False)
+
+
+@dataclass
+class AdamWState:
+    """AdamW state of one flat slice of parameters: both moments, the weight-decay
+    ranges and, when the parameters live in a narrower dtype, the master copy the
+    update runs on."""
+
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: Ranges  # weight-decay ranges within the slice
+
+    @classmethod
+    def for_slice(cls, param: torch.Tensor, master_dtype: torch.dtype,
+                  decay: Ranges) -> AdamWState:
+        """Zero moments in `master_dtype`; a master copy only when `param` is of
+        another dtype."""
+        master = param.to(master_dtype).clone() if param.dtype != master_dtype else None
+        return cls(master, torch.zeros_like(param, dtype=master_dtype),
+                   torch.zeros_like(param, dtype=master_dtype), decay)
+
+    @torch.no_grad()
+    def step_(self, param: torch.Tensor, grad: torch.Tensor, step: int, lr: float,
+              cfg: AdamWConfig, scratch: torch.Tensor) -> None:
+        """Update `param` (the slice this state belongs to) from `grad`: on the master
+        copy, then rounded into `param`, when there is one."""
+        target = self.master if self.master is not None else param
+        adamw_(target, grad, self.exp_avg, self.exp_avg_sq, step, lr, cfg, self.decay,
+               scratch)
+        if self.master is not None:
+            param.copy_(self.master)
+
+    @torch.no_grad()
+    def load_param_(self, param: torch.Tensor) -> None:
+        """`param` was written from outside: the master copy follows it."""
+        if self.master is not None:
+            self.master.copy_(param)
