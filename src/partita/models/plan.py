@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from partita.models.config import ModelConfig
+from partita.models.init import ParamInit
+
 # Roles a module can play.
 COLWISE = "colwise"  # Linear split along its output features
 ROWWISE = "rowwise"  # Linear split along its input features
@@ -28,6 +31,14 @@ class ModelPlan:
     blocks: str = "blocks"  # the index-keyed ModuleDict that pipelines split
     embedding: str | None = "tok_embeddings"  # lives on the first pipeline stage
     head: tuple[str, ...] = ("norm", "output")  # live on the last pipeline stage
+    # How every parameter is drawn, by global name. Required to build the model on the
+    # meta device: each rank then draws only its own shards. None: the model arrives
+    # with its values (not on meta) and parallel code slices them.
+    init: ParamInit | None = None
+    # The model's shape (widths, depth, heads, vocabulary, tied embeddings): what layout
+    # checks, pipeline balance and the stage-to-stage activation size read. None only for
+    # models that run no layout needing it.
+    shape: ModelConfig | None = None
 
     def role_of(self, module_name: str) -> str | None:
         for pattern, role in self.roles.items():

@@ -6,7 +6,7 @@
 Modules are swapped in place; parameter names stay those of the single-device model and
 every parameter gets a ShardInfo (split ones: which slice; the rest: replicated over
 "tensor"). On a meta-device model the new parameters are meta tensors of the local
-shapes, to be materialised with `partita.sharding.init_shard(cfg, shard_info(p))`; on a
+shapes, to be materialised with `partita.sharding.init_shard(plan.init, shard_info(p))`; on a
 model with values the shards are sliced from them.
 
 Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundaries
@@ -85,7 +85,7 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             f"{type(model.get_submodule(done[0])).__name__}); apply it once, to a model "
             "built from its single-device definition."
         )
-    cfg = getattr(model, "cfg", None)
+    cfg = plan.shape if plan.shape is not None else getattr(model, "cfg", None)
     report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
     ctx = _Context(comm, sequence_parallel, cfg, report)
     planned = [(n, m, plan.role_of(n)) for n, m in model.named_modules() if n]
@@ -99,8 +99,10 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             parent_name = name.rpartition(".")[0]
             region_parents[parent_name] = model.get_submodule(parent_name)
     for parent in region_parents.values():
+        # prepend: the region is entered before any pre-hook the model installed itself,
+        # so those see what the module computes on (the whole sequence under SP).
         parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
-                                         with_kwargs=True)
+                                         with_kwargs=True, prepend=True)
     _tie_head(model, ctx)
     _positions(model, ctx)
     _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
