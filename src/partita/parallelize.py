@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@runtime_checkable
 class StepRunner(Protocol):
     """Runs one rank's share of a step; `MicrobatchRunner` and the pipeline's
     `PipelineRunner` both are one."""

@@ -20,7 +20,10 @@ ROWWISE = "rowwise"  # Linear split along its input features
 VOCAB_EMBEDDING = "vocab_embedding"  # Embedding split along the vocabulary
 VOCAB_HEAD = "vocab_head"  # output Linear split along the vocabulary (logits stay sharded)
 NORM = "norm"  # replicated; under sequence parallelism its input is sequence-sharded
-ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM)
+# A learned position embedding called with positions (0..seq): replicated; under
+# sequence parallelism it returns only this rank's sequence slice.
+POSITIONS = "positions"
+ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,10 @@ class ModelPlan:
     blocks: str = "blocks"  # the index-keyed ModuleDict that pipelines split
     embedding: str | None = "tok_embeddings"  # lives on the first pipeline stage
     head: tuple[str, ...] = ("norm", "output")  # live on the last pipeline stage
+    # Tied embeddings: the attribute (None on the model) of the output head that reuses
+    # the embedding's weight; tensor parallelism builds it from the vocab-parallel
+    # embedding. None: untied.
+    tied_head: str | None = None
     # How every parameter is drawn, by global name. Required to build the model on the
     # meta device: each rank then draws only its own shards. None: the model arrives
     # with its values (not on meta) and parallel code slices them.

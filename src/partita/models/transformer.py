@@ -177,7 +177,10 @@ def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
         table["output"] = roles.VOCAB_HEAD
     table.update({"blocks.*.attn_norm": roles.NORM, "blocks.*.mlp_norm": roles.NORM,
                   "norm": roles.NORM})
-    return roles.ModelPlan(roles=table, init=transformer_init(cfg), shape=cfg)
+    if cfg.flavour == "gpt2":
+        table["pos_embeddings"] = roles.POSITIONS
+    return roles.ModelPlan(roles=table, tied_head="output" if cfg.tie_embeddings else None,
+                           init=transformer_init(cfg), shape=cfg)
 
 
 def transformer_init(cfg: ModelConfig) -> ParamInit:
