@@ -1,36 +1,73 @@
-"""Turn a single-device model description into this rank's parallel training model.
+"""Turn a single-device model and its plan into this rank's parallel training model.
 
-The order is fixed and documented, because each step reads what the previous one left:
+    pm = parallelize(model, plan, cfg, mesh, device)   # any model built on meta + its plan
+    pm = build_parallel_model(cfg, mesh, device)       # partita's own Transformer from cfg
+    loss = pm.runner.train(inputs, targets, microbatches)
 
-1. build the model on the meta device (no memory, names and shapes only);
-2. pipeline: keep only the blocks, embedding and head of this rank's stages;
-3. tensor parallel: swap planned modules for their parallel versions (meta shards,
-   each parameter tagged with ShardInfo);
-4. data parallel / ZeRO: the engine that reduces gradients and steps the optimizer; it
-   also materialises each parameter from its global name, drawing only the local slice
-   (for ZeRO-3 only its flat 1/N of that slice).
+The order is fixed, because each step reads what the previous one left. Each step is a
+function from one explicit object to the next:
+
+1. the caller builds the model on the meta device (names and shapes, no memory) and
+   hands it over with its `ModelPlan` (roles, blocks, init rule, shape);
+2. `cut_pipeline`: ModelPlan + meta model -> `StagedModel`, holding only the blocks,
+   embedding and head of this rank's pipeline stages (block names stay global);
+3. `shard_tensor_parallel`: StagedModel -> `ShardedModel`, planned modules swapped for
+   their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
+   and the loss that matches the (possibly vocabulary-sharded) logits;
+4. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
+   gradients and steps the optimizer; it materialises each parameter from its global
+   name with the plan's init rule, drawing only the local slice (for ZeRO-3 only its
+   flat 1/N of that slice);
+5. `make_runner`: the `StepRunner` that runs a step's microbatches (a pipeline schedule
+   or microbatches in turn).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
 
+from partita.comm import GroupComm
 from partita.config import Config
 from partita.errors import PartitaError
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
+from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
+from partita.optim import AdamWConfig
+from partita.pipeline.build import PipelineSetup, check_pipeline, prepare_pipeline
+from partita.tensor_parallel import (
+    TensorParallelReport,
+    apply_tensor_parallel,
+    check_tensor_parallel,
+)
+from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16,
           "fp16": torch.float16, "fp64": torch.float64}
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class StepRunner(Protocol):
+    """Runs one rank's share of a step; `MicrobatchRunner` and the pipeline's
+    `PipelineRunner` both are one."""
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+        """Forward and backward of `microbatches` equal microbatches, gradients
+        accumulated as of mean loss / microbatches; this rank's summed loss."""
+        ...
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """The loss of one batch, no gradients."""
+        ...
 
 
 def parse_dtype(name: str, key: str) -> torch.dtype:
@@ -61,7 +98,7 @@ class MicrobatchRunner:
     gradient accumulation costs no communication.
     """
 
-    def __init__(self, dp, loss_fn: LossFn, device: torch.device) -> None:
+    def __init__(self, dp: DataParallel, loss_fn: LossFn, device: torch.device) -> None:
         self.dp, self.loss_fn, self.device = dp, loss_fn, device
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
@@ -87,23 +124,21 @@ class MicrobatchRunner:
 class ParallelModel:
     """Everything a training step needs on this rank."""
 
-    model_cfg: ModelConfig
+    model_cfg: ModelConfig  # the model's shape (its plan's)
     mesh: Mesh
-    dp: object  # partita.zero.DataParallel
+    dp: DataParallel
     loss_fn: LossFn
     device: torch.device
-    runner: MicrobatchRunner  # or a pipeline runner with the same two methods
+    runner: StepRunner
+    plan: ModelPlan | None = None
 
     @property
     def module(self) -> nn.Module:
         return self.dp.module
 
 
-def engine_policies(cfg: Config):
+def engine_policies(cfg: Config) -> tuple[ZeroConfig, MixedPrecision, AdamWConfig]:
     """The data-parallel engine's ZeRO, mixed-precision and optimizer policies."""
-    from partita.optim import AdamWConfig
-    from partita.zero import MixedPrecision, ZeroConfig
-
     param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
                               "precision.param_dtype")
     reduce_dtype = parse_dtype(cfg.precision.reduce_dtype or cfg.precision.param_dtype
@@ -128,13 +163,9 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
             "implemented yet; set both to 1."
         )
     if cfg.parallel.sequence_parallel or dims.tp > 1:
-        from partita.tensor_parallel import check_tensor_parallel
-
         check_tensor_parallel(model_cfg, dims.tp, cfg.parallel.sequence_parallel,
                               cfg.data.seq_len, dims.world_size)
     if dims.pp > 1:
-        from partita.pipeline.build import check_pipeline
-
         check_pipeline(cfg, model_cfg, dims)
     if cfg.train.global_batch % (dims.dp * dims.cp):
         raise PartitaError(
@@ -151,45 +182,114 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> Non
         )
 
 
-def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
-    from partita.zero import DataParallel
-    from partita.zero.init import model_init_fn
+@dataclass
+class StagedModel:
+    """After the pipeline cut: the modules of this rank's pipeline stages."""
 
-    model_cfg = cfg.model_config()
-    dims = mesh.dims
-    check_layout(cfg, model_cfg, dims)
-    zero, precision, optim = engine_policies(cfg)
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    plan = model.plan()
-    pipeline = None
-    if dims.pp > 1:  # pipeline: keep only this rank's stages (see partita.pipeline.build)
-        from partita.pipeline.build import prepare_pipeline
+    module: nn.Module
+    plan: ModelPlan
+    pipeline: PipelineSetup | None  # None: no pipeline, the whole model
 
-        pipeline = prepare_pipeline(cfg, model_cfg, mesh)
+
+@dataclass
+class ShardedModel:
+    """After tensor parallelism: this rank's shards, and the loss that fits its logits."""
+
+    module: nn.Module
+    plan: ModelPlan
+    pipeline: PipelineSetup | None
+    loss_fn: LossFn
+    tensor_parallel: TensorParallelReport | None  # None: tp = 1
+
+
+def cut_pipeline(model: nn.Module, plan: ModelPlan,
+                 pipeline: PipelineSetup | None) -> StagedModel:
+    """Step 1: keep only this rank's stages (see partita.pipeline.build)."""
+    if pipeline is not None:
         pipeline.cut(model, plan)
-    loss_fn: LossFn = cross_entropy
-    if dims.tp > 1:
-        from partita.tensor_parallel import apply_tensor_parallel
+    return StagedModel(model, plan, pipeline)
 
-        # Dropout masks must differ between replicas (they see different tokens).
-        report = apply_tensor_parallel(model, plan, mesh.comm("tensor"),
-                                       sequence_parallel=cfg.parallel.sequence_parallel,
-                                       dropout_seed=cfg.data.seed + mesh.index("loss_average"))
-        loss_fn = report.loss_fn
 
+def shard_tensor_parallel(staged: StagedModel, comm: GroupComm, sequence_parallel: bool,
+                          dropout_seed: int) -> ShardedModel:
+    """Step 2: swap the plan's modules for tensor-parallel ones over `comm` (tp > 1)."""
+    if comm.size == 1 and not sequence_parallel:
+        return ShardedModel(staged.module, staged.plan, staged.pipeline, cross_entropy, None)
+    report = apply_tensor_parallel(staged.module, staged.plan, comm,
+                                   sequence_parallel=sequence_parallel,
+                                   dropout_seed=dropout_seed)
+    loss_fn: LossFn = report.loss_fn if report.loss_fn is not None else cross_entropy
+    return ShardedModel(staged.module, staged.plan, staged.pipeline, loss_fn, report)
+
+
+def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
+                       precision: MixedPrecision, optim: AdamWConfig,
+                       device: torch.device) -> DataParallel:
+    """Step 3: the data-parallel / ZeRO engine, which materialises the meta parameters.
+
+    Values come from the plan's init rule by global name: the whole local tensor for
+    ZeRO 0-2, only the owned flat slice for ZeRO-3, drawn in float32 exactly as a
+    single-device build draws them, then cast.
+    """
+    model, plan, pipeline = sharded.module, sharded.plan, sharded.pipeline
     bucket_key = None
     if pipeline is not None:  # a tied head's copy of the embedding is not a parameter
         pipeline.detach_tied(model, plan)
         bucket_key = pipeline.bucket_key(model, plan)
-    # The engine materialises every parameter still on the meta device from its global
-    # name: the whole local tensor for stages 0-2, only the owned flat slice for stage 3.
-    # Values are drawn in float32 exactly as build_model draws them, then cast.
-    dp = DataParallel(
-        model, mesh, zero=zero, precision=precision, optim=optim,
-        init_fn=model_init_fn(model_cfg), device=device, bucket_key=bucket_key,
-    )
-    runner = (pipeline.runner(dp, loss_fn, device, mesh, plan) if pipeline is not None
-              else MicrobatchRunner(dp, loss_fn, device))
-    return ParallelModel(model_cfg=model_cfg, mesh=mesh, dp=dp, loss_fn=loss_fn,
-                         device=device, runner=runner)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and plan.init is None:
+        raise PartitaError(
+            "the model is on the meta device but its plan has no init rule "
+            "(ModelPlan.init), so no rank can draw its parameters. Give the plan a "
+            "ParamInit, or build the model with its values on a real device."
+        )
+    init_fn = model_init_fn(plan.init) if on_meta else None
+    return DataParallel(model, mesh, zero=zero, precision=precision, optim=optim,
+                        blocks=plan.block_names(model), init_fn=init_fn, device=device,
+                        bucket_key=bucket_key)
+
+
+def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
+                device: torch.device) -> StepRunner:
+    """Step 4: how a step's microbatches run on this rank."""
+    if sharded.pipeline is not None:
+        return sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
+    return MicrobatchRunner(dp, sharded.loss_fn, device)
+
+
+def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
+                device: torch.device) -> ParallelModel:
+    """This rank's part of `model` under the layout of `cfg` on `mesh`.
+
+    `model` is a single-device model, normally built on the meta device (then
+    `plan.init` draws its parameters), that follows its plan: the blocks in an
+    index-keyed ModuleDict at `plan.blocks`; for a pipeline, `model.embed(tokens)`,
+    `model.head(hidden)` and blocks that map hidden states to hidden states.
+    `plan.shape` describes its widths for the layout checks. Raises PartitaError for a
+    layout the model cannot take, on every rank alike, before any process waits.
+    """
+    if plan.shape is None:
+        raise PartitaError(
+            "the model's plan has no shape (ModelPlan.shape): partita needs the model's "
+            "widths, depth and vocabulary to check a layout and to cut a pipeline."
+        )
+    dims = mesh.dims
+    check_layout(cfg, plan.shape, dims)
+    zero, precision, optim = engine_policies(cfg)
+    pipeline = prepare_pipeline(cfg, plan.shape, mesh) if dims.pp > 1 else None
+    staged = cut_pipeline(model, plan, pipeline)
+    # Dropout masks must differ between replicas (they see different tokens).
+    sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
+                                    dropout_seed=cfg.data.seed + mesh.index("loss_average"))
+    dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device)
+    runner = make_runner(sharded, dp, mesh, device)
+    return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
+                         device=device, runner=runner, plan=plan)
+
+
+def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
+    """`parallelize` partita's own Transformer, built on the meta device from `cfg`."""
+    model_cfg = cfg.model_config()
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    return parallelize(model, model.plan(), cfg, mesh, device)

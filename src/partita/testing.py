@@ -117,3 +117,24 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+# --- Parity assertion -------------------------------------------------------------------
+# One relative-error definition for parity checks: max|a - b| / max(max|b|, 1e-30) per key.
+
+def assert_parity(actual: dict, expected: dict, tol: float, what: str) -> None:
+    """Assert every key of `expected` matches `actual` within relative error `tol`.
+
+    Values are tensors or lists of floats; the error of a key is max|a - b| divided by
+    max(max|b|, 1e-30).
+    """
+    import torch
+
+    missing = sorted(set(expected) - set(actual))
+    assert not missing, f"{what}: missing {missing}"
+    for key, ref in expected.items():
+        a = torch.as_tensor(actual[key], dtype=torch.float64)
+        b = torch.as_tensor(ref, dtype=torch.float64)
+        assert a.shape == b.shape, f"{what}: {key} has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+        err = ((a - b).abs().max() / max(b.abs().max().item(), 1e-30)).item() if b.numel() else 0.0
+        assert err <= tol, f"{what}: {key} differs by {err:.3g} (relative), tolerance {tol:g}"

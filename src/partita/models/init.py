@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -25,6 +27,49 @@ class InitRule:
 
     kind: str
     std: float = 0.0
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """A model's whole initialisation: `rule(global name) -> InitRule`, and the seed.
+
+    It is all parallel code needs to draw any slice of any parameter, so it reads a
+    model's initialisation through this object (carried by the model's plan) and never
+    imports the model.
+    """
+
+    rule: Callable[[str], InitRule]
+    seed: int
+
+    def flat_slice(self, name: str, start: int, stop: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return init_flat_slice(self.rule(name), self.seed, name, start, stop, dtype)
+
+    def full(self, name: str, shape: tuple[int, ...],
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return init_full(self.rule(name), self.seed, name, shape, dtype)
+
+    def slice(self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return init_slice(self.rule(name), self.seed, name, shape, dim, start, stop, dtype)
+
+
+class HasParamInit(Protocol):
+    """Something that knows its model's initialisation (a ModelConfig of partita's own
+    transformer answers with that model's rules)."""
+
+    def param_init(self) -> ParamInit: ...
+
+
+def as_param_init(source: ParamInit | HasParamInit) -> ParamInit:
+    return source if isinstance(source, ParamInit) else source.param_init()
+
+
+@torch.no_grad()
+def init_parameters(model: torch.nn.Module, init: ParamInit) -> None:
+    """Fill every parameter of a materialised model from its global name."""
+    for name, param in model.named_parameters():
+        param.copy_(init.full(name, tuple(param.shape)).to(param.dtype))
 
 
 def _chunk_seed(seed: int, name: str, chunk: int) -> int:

@@ -11,13 +11,19 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from partita.models.config import ModelConfig
+from partita.models.init import ParamInit
+
 # Roles a module can play.
 COLWISE = "colwise"  # Linear split along its output features
 ROWWISE = "rowwise"  # Linear split along its input features
 VOCAB_EMBEDDING = "vocab_embedding"  # Embedding split along the vocabulary
 VOCAB_HEAD = "vocab_head"  # output Linear split along the vocabulary (logits stay sharded)
 NORM = "norm"  # replicated; under sequence parallelism its input is sequence-sharded
-ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM)
+# A learned position embedding called with positions (0..seq): replicated; under
+# sequence parallelism it returns only this rank's sequence slice.
+POSITIONS = "positions"
+ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,18 @@ class ModelPlan:
     blocks: str = "blocks"  # the index-keyed ModuleDict that pipelines split
     embedding: str | None = "tok_embeddings"  # lives on the first pipeline stage
     head: tuple[str, ...] = ("norm", "output")  # live on the last pipeline stage
+    # Tied embeddings: the attribute (None on the model) of the output head that reuses
+    # the embedding's weight; tensor parallelism builds it from the vocab-parallel
+    # embedding. None: untied.
+    tied_head: str | None = None
+    # How every parameter is drawn, by global name. Required to build the model on the
+    # meta device: each rank then draws only its own shards. None: the model arrives
+    # with its values (not on meta) and parallel code slices them.
+    init: ParamInit | None = None
+    # The model's shape (widths, depth, heads, vocabulary, tied embeddings): what layout
+    # checks, pipeline balance and the stage-to-stage activation size read. None only for
+    # models that run no layout needing it.
+    shape: ModelConfig | None = None
 
     def role_of(self, module_name: str) -> str | None:
         for pattern, role in self.roles.items():

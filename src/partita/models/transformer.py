@@ -9,6 +9,7 @@ states instead of tokens and logits, and block names stay the same ("blocks.7").
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from partita.models import plan as roles
 from partita.models.config import ModelConfig
-from partita.models.init import InitRule, init_full
+from partita.models.init import InitRule, ParamInit, init_parameters
 
 
 class RMSNorm(nn.Module):
@@ -176,7 +177,15 @@ def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
         table["output"] = roles.VOCAB_HEAD
     table.update({"blocks.*.attn_norm": roles.NORM, "blocks.*.mlp_norm": roles.NORM,
                   "norm": roles.NORM})
-    return roles.ModelPlan(roles=table)
+    if cfg.flavour == "gpt2":
+        table["pos_embeddings"] = roles.POSITIONS
+    return roles.ModelPlan(roles=table, tied_head="output" if cfg.tie_embeddings else None,
+                           init=transformer_init(cfg), shape=cfg)
+
+
+def transformer_init(cfg: ModelConfig) -> ParamInit:
+    """The model's initialisation, as parallel code reads it (through the plan)."""
+    return ParamInit(partial(init_rule, cfg), cfg.seed)
 
 
 def init_rule(cfg: ModelConfig, name: str) -> InitRule:
@@ -192,12 +201,9 @@ def init_rule(cfg: ModelConfig, name: str) -> InitRule:
     return InitRule("normal", cfg.init_std)
 
 
-@torch.no_grad()
 def init_weights(model: Transformer) -> None:
     """Fill every parameter from its global name (see partita.models.init)."""
-    for name, param in model.named_parameters():
-        value = init_full(init_rule(model.cfg, name), model.cfg.seed, name, tuple(param.shape))
-        param.copy_(value)
+    init_parameters(model, transformer_init(model.cfg))
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu",

@@ -6,15 +6,15 @@
 Modules are swapped in place; parameter names stay those of the single-device model and
 every parameter gets a ShardInfo (split ones: which slice; the rest: replicated over
 "tensor"). On a meta-device model the new parameters are meta tensors of the local
-shapes, to be materialised with `partita.sharding.init_shard(cfg, shard_info(p))`; on a
+shapes, to be materialised with `partita.sharding.init_shard(plan.init, shard_info(p))`; on a
 model with values the shards are sliced from them.
 
 Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundaries
 when the parent module has a `head_dim`, i.e. is attention), VOCAB_EMBEDDING
-nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module. Outside the plan: a tied head
-(`model.output is None` with `cfg.tie_embeddings`) is built from the vocab-parallel
-embedding; a learned `model.pos_embeddings` is sequence-sharded under sequence
-parallelism; every nn.Dropout becomes a ParallelDropout (see dropout.py).
+nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module, POSITIONS an nn.Embedding
+(sequence-sharded under sequence parallelism). A tied head (`plan.tied_head`, None on
+the model) is built from the vocab-parallel embedding; every nn.Dropout becomes a
+ParallelDropout (see dropout.py).
 """
 
 from __future__ import annotations
@@ -85,9 +85,8 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             f"{type(model.get_submodule(done[0])).__name__}); apply it once, to a model "
             "built from its single-device definition."
         )
-    cfg = getattr(model, "cfg", None)
     report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
-    ctx = _Context(comm, sequence_parallel, cfg, report)
+    ctx = _Context(comm, sequence_parallel, plan.shape, report)
     planned = [(n, m, plan.role_of(n)) for n, m in model.named_modules() if n]
     planned = [(n, m, r) for n, m, r in planned if r is not None]
     region_parents: dict[str, nn.Module] = {}
@@ -99,10 +98,11 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             parent_name = name.rpartition(".")[0]
             region_parents[parent_name] = model.get_submodule(parent_name)
     for parent in region_parents.values():
+        # prepend: the region is entered before any pre-hook the model installed itself,
+        # so those see what the module computes on (the whole sequence under SP).
         parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
-                                         with_kwargs=True)
-    _tie_head(model, ctx)
-    _positions(model, ctx)
+                                         with_kwargs=True, prepend=True)
+    _tie_head(model, plan, ctx)
     _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
     _mark_replicated(model, ctx)
     verify_tensor_parallel(model, plan, sequence_parallel)
@@ -118,6 +118,7 @@ def verify_tensor_parallel(model: nn.Module, plan: roles.ModelPlan,
         roles.VOCAB_EMBEDDING: (VocabParallelEmbedding,),
         roles.VOCAB_HEAD: (VocabParallelHead,),
         roles.NORM: (SequenceParallelNorm,) if sequence_parallel else (nn.Module,),
+        roles.POSITIONS: (SequenceShardedPositions,) if sequence_parallel else (nn.Embedding,),
     }
     wrong = [f"{n} ({r}: {type(m).__name__})" for n, m in model.named_modules()
              if n and (r := plan.role_of(n)) is not None and not isinstance(m, expected[r])]
@@ -195,6 +196,12 @@ class _Context:
             for pname, param in module.named_parameters(recurse=False):
                 self.replicate(f"{name}.{pname}", param)
             new = SequenceParallelNorm(module, self.comm) if self.sp else module
+        elif role == roles.POSITIONS and isinstance(module, nn.Embedding):
+            for pname, param in module.named_parameters(recurse=False):
+                self.replicate(f"{name}.{pname}", param)
+            if not self.sp:
+                return module
+            new = SequenceShardedPositions(module, self.comm)
         else:
             return module
         self.report.parallel[name] = type(new).__name__
@@ -229,26 +236,15 @@ class _Context:
         return new
 
 
-def _tie_head(model: nn.Module, ctx: _Context) -> None:
+def _tie_head(model: nn.Module, plan: roles.ModelPlan, ctx: _Context) -> None:
     """Tied embeddings: the vocab-parallel embedding shard doubles as the head shard."""
-    tied = ctx.cfg is not None and getattr(ctx.cfg, "tie_embeddings", False)
-    if not tied or getattr(model, "output", "absent") is not None or ctx.vocab is None:
+    name = plan.tied_head
+    if name is None or getattr(model, name, "absent") is not None or ctx.vocab is None:
         return
     v = ctx.vocab
-    model.output = VocabParallelHead(None, v.start, v.stop, v.padded_rows, ctx.comm, ctx.sp,
-                                     tied=v)
-    ctx.report.parallel["output"] = "VocabParallelHead (tied)"
-
-
-def _positions(model: nn.Module, ctx: _Context) -> None:
-    pos = getattr(model, "pos_embeddings", None)
-    if not isinstance(pos, nn.Embedding):
-        return
-    if ctx.sp:
-        for pname, param in pos.named_parameters(recurse=False):
-            ctx.replicate(f"pos_embeddings.{pname}", param)
-        model.pos_embeddings = SequenceShardedPositions(pos, ctx.comm)
-        ctx.report.parallel["pos_embeddings"] = "SequenceShardedPositions"
+    setattr(model, name, VocabParallelHead(None, v.start, v.stop, v.padded_rows, ctx.comm,
+                                           ctx.sp, tied=v))
+    ctx.report.parallel[name] = "VocabParallelHead (tied)"
 
 
 def _dropouts(model: nn.Module, rng: RegionRNG, region_parents: set[str],

@@ -16,6 +16,8 @@ enters once and tags the tensor, and column layers skip tensors already entered.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -64,14 +66,40 @@ def check_sequence(length: int, comm: GroupComm) -> None:
 
 
 def region_pre_hook(comm: GroupComm, sequence_parallel: bool):
-    """Forward pre-hook for a module whose column-parallel children share its input."""
+    """Forward pre-hook for a module whose column-parallel children share its input.
+
+    The region's input is the module's first forward argument, passed by position or by
+    keyword (`self_attn(hidden_states=h)`): entering it here, once, means the children
+    skip it, and under sequence parallelism the module itself sees the whole sequence
+    (models reshape with their input's shape).
+    """
+    first_name: dict[type, str | None] = {}
 
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-            return (enter_region(args[0], comm, sequence_parallel), *args[1:]), kwargs
+        if args:
+            if isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                return (enter_region(args[0], comm, sequence_parallel), *args[1:]), kwargs
+            return None
+        kind = type(module)
+        if kind not in first_name:
+            first_name[kind] = _first_parameter(module)
+        key = first_name[kind]
+        x = kwargs.get(key) if key is not None else None
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return args, {**kwargs, key: enter_region(x, comm, sequence_parallel)}
         return None
 
     return hook
+
+
+def _first_parameter(module: nn.Module) -> str | None:
+    """Name of the first parameter of module.forward that can be passed by keyword."""
+    for p in inspect.signature(module.forward).parameters.values():
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            return p.name
+        if p.kind == p.VAR_POSITIONAL:
+            return None
+    return None
 
 
 def _local_param(source: torch.Tensor | None, dim: int, start: int, stop: int,
