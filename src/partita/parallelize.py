@@ -21,8 +21,9 @@ import torch.nn as nn
 
 from partita.config import Config
 from partita.errors import PartitaError
+from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
-from partita.mesh import Mesh, ParallelDims
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import Transformer
 
@@ -43,15 +44,9 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
         ) from None
 
 
-def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
-    p = cfg.parallel
-    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero_stage": p.zero_stage}
-    if p.dp == 0:
-        dims = ParallelDims.fill_dp(world_size, **degrees)
-    else:
-        dims = ParallelDims(dp=p.dp, **degrees)
-    dims.check_world_size(world_size)
-    return dims
+def dims_from_config(cfg: Config, world_size: int) -> Layout:
+    """The run's Layout for `world_size` processes (see `Config.layout`)."""
+    return cfg.layout(world_size)
 
 
 class MicrobatchRunner:
@@ -118,36 +113,13 @@ def engine_policies(cfg: Config):
     return zero, precision, optim
 
 
-def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> None:
-    """Reject unsupported combinations before any process waits on another."""
+def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
+                 world_size: int | None = None) -> None:
+    """Reject unsupported settings before any process waits on another: the engine's
+    policies, then every rule of `partita.layout.validate` at once."""
     engine_policies(cfg)  # constructing the policies validates them
-    if dims.cp > 1 or dims.ep > 1:
-        raise PartitaError(
-            "context parallelism (parallel.cp) and expert parallelism (parallel.ep) are not "
-            "implemented yet; set both to 1."
-        )
-    if cfg.parallel.sequence_parallel or dims.tp > 1:
-        from partita.tensor_parallel import check_tensor_parallel
-
-        check_tensor_parallel(model_cfg, dims.tp, cfg.parallel.sequence_parallel,
-                              cfg.data.seq_len, dims.world_size)
-    if dims.pp > 1:
-        from partita.pipeline.build import check_pipeline
-
-        check_pipeline(cfg, model_cfg, dims)
-    if cfg.train.global_batch % (dims.dp * dims.cp):
-        raise PartitaError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by the "
-            f"{dims.dp * dims.cp} data-parallel replicas; choose a multiple of "
-            f"{dims.dp * dims.cp}."
-        )
-    local = cfg.train.global_batch // (dims.dp * dims.cp)
-    if local % cfg.train.microbatches:
-        raise PartitaError(
-            f"each replica's batch of {local} sequences cannot be cut into "
-            f"train.microbatches={cfg.train.microbatches} equal microbatches; choose a "
-            f"divisor of {local}."
-        )
+    validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
+             seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
@@ -155,20 +127,23 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
     from partita.zero.init import model_init_fn
 
     model_cfg = cfg.model_config()
-    dims = mesh.dims
-    check_layout(cfg, model_cfg, dims)
+    layout = cfg.layout(mesh.world_size)
+    check_layout(cfg, model_cfg, layout, mesh.world_size)
+    if layout.degrees != mesh.dims:
+        raise PartitaError(f"the mesh was built for {mesh.dims} but the configuration "
+                           f"asks for {layout.degrees}; build both from one Layout.")
     zero, precision, optim = engine_policies(cfg)
     with torch.device("meta"):
         model = Transformer(model_cfg)
     plan = model.plan()
     pipeline = None
-    if dims.pp > 1:  # pipeline: keep only this rank's stages (see partita.pipeline.build)
+    if layout.pp > 1:  # pipeline: keep only this rank's stages (see partita.pipeline.build)
         from partita.pipeline.build import prepare_pipeline
 
-        pipeline = prepare_pipeline(cfg, model_cfg, mesh)
+        pipeline = prepare_pipeline(cfg, model_cfg, mesh, layout)
         pipeline.cut(model, plan)
     loss_fn: LossFn = cross_entropy
-    if dims.tp > 1:
+    if layout.tp > 1:
         from partita.tensor_parallel import apply_tensor_parallel
 
         # Dropout masks must differ between replicas (they see different tokens).
