@@ -17,7 +17,7 @@ MEMORY_COLUMNS = (
     ("total", "total"),
 )
 KIND_TITLES = {"memory": "does not fit", "divisibility": "divisibility",
-               "constraint": "constraint"}
+               "constraint": "constraint", "not available yet": "not available yet"}
 
 
 def describe_request(req: Request) -> str:
