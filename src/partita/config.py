@@ -186,6 +186,25 @@ class Config:
         Path(path).write_text(self.to_toml())
 
 
+def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
+    """The `partita train` settings that run `layout` with `global_batch` sequences per
+    step (the inverse of `Config.layout`)."""
+    m = layout.microbatches(global_batch)
+    if not m:
+        raise PartitaError(
+            f"global batch {global_batch} does not divide into dp={layout.dp} replicas of "
+            f"microbatches of {layout.microbatch_size} sequences."
+        )
+    out = [f"--parallel.{k}={getattr(layout, k)}" for k in ("dp", "tp", "pp", "cp", "ep",
+                                                            "zero_stage")]
+    if layout.pp > 1:
+        out += [f"--parallel.schedule={layout.schedule}",
+                f"--parallel.virtual_stages={layout.virtual_stages}"]
+    out += [f"--parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
+            f"--train.global_batch={global_batch}", f"--train.microbatches={m}"]
+    return out
+
+
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"

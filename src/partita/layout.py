@@ -18,10 +18,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from partita.errors import PartitaError, did_you_mean
-from partita.models.config import ModelConfig
+
+if TYPE_CHECKING:  # only its fields are read; importing `partita.models` loads torch
+    from partita.models.config import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 # Other names a schedule has been written as; accepted with a deprecation warning.
