@@ -311,6 +311,37 @@ def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
     assert time.perf_counter() - start < 30
 
 
+def _count_schedule_builds(rank: int, world: int, case: dict) -> dict:
+    """Build the model and train one step (and evaluate) counting, in this process, how
+    often a schedule is generated and proven."""
+    from unittest import mock
+
+    import partita.pipeline.build as build
+    import partita.pipeline.runtime as runtime
+
+    counts = {"build": 0, "validate": 0, "runtime": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with mock.patch.object(build, "build_schedule", counted("build", build.build_schedule)), \
+            mock.patch.object(build, "validate", counted("validate", build.validate)), \
+            mock.patch.object(runtime, "build_schedule",
+                              counted("runtime", runtime.build_schedule)):
+        train_case(rank, world, case, steps=1)
+    return counts
+
+
+def test_the_schedule_is_built_and_validated_once_per_process():
+    case = dict(pp=2, schedule="interleaved-1f1b", v=2, m=4)
+    for counts in run_distributed(_count_schedule_builds, 2, (case,), timeout=120):
+        # Training and evaluating with the configured microbatches reuse the one object.
+        assert counts == {"build": 1, "validate": 1, "runtime": 0}
+
+
 class _HeldMeter(SavedTensorMeter):
     """The meter, weak-referencing a detached alias of each saved tensor: alive exactly
     while autograd (or the runtime) holds what was saved. The stock meter references the
