@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from partita.config import Config
-from partita.mesh import Mesh, ParallelDims
+from partita.mesh import Mesh
 from partita.models.transformer import build_model
 from partita.parallelize import build_parallel_model
 
@@ -57,9 +57,7 @@ def train_case(rank: int, world: int, case: dict, steps: int) -> dict:
     cfg = make_config(case)
     for key, value in case.get("parallel", {}).items():  # settings not in the config yet
         setattr(cfg.parallel, key, value)
-    dims = ParallelDims(dp=cfg.parallel.dp, tp=cfg.parallel.tp, pp=cfg.parallel.pp,
-                        zero_stage=cfg.parallel.zero_stage)
-    mesh = Mesh(dims, rank, world)
+    mesh = Mesh(cfg.layout(world), rank, world)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     dp, loss_comm = pm.dp, mesh.comm("loss_average")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.testing import run_distributed
 
 
@@ -16,7 +17,7 @@ def _full(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int) -> list[str]:
-    comm = Mesh(ParallelDims(dp=world), rank, world).comm("zero_shard")
+    comm = Mesh(Layout(dp=world), rank, world).comm("zero_shard")
     problems = []
     assert comm.flat_by_all_to_all  # gloo: the all-to-all path is the one under test
     for dtype in (torch.float64, torch.float32, torch.bfloat16):

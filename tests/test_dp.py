@@ -7,7 +7,8 @@ import pytest
 import test_zero_parity as zp
 import torch
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.testing import run_distributed
 from partita.zero import DataParallel, MixedPrecision, ZeroConfig
 
@@ -38,7 +39,7 @@ def test_data_parallel_matches_single_process(world: int) -> None:
 
 
 def _comm_worker(rank: int, world: int) -> dict:
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     model = zp.make_model({}, torch.float64)
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=0, bucket_mb=0.02),
                       precision=MixedPrecision(param_dtype=torch.float64))
@@ -77,7 +78,7 @@ def test_no_communication_during_accumulation_and_grads_are_bucket_views() -> No
 def _second_backward_worker(rank: int, world: int) -> str:
     from partita.errors import PartitaError
 
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     dp = DataParallel(zp.make_model({}, torch.float64), mesh,
                       precision=MixedPrecision(param_dtype=torch.float64))
     assert len(dp.buckets) == 1 and not dp.reducer.handles  # one bucket: no hooks at all
@@ -102,7 +103,7 @@ def _raw_backward_worker(rank: int, world: int, stage: int) -> float:
 
     import torch.distributed as dist
 
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     model = zp.make_model({}, torch.float64)
     plain = copy.deepcopy(model)
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage),

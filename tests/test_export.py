@@ -3,7 +3,8 @@
 import torch
 
 from partita.export import gather_full
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models import ModelConfig, build_model
 from partita.tensor_parallel import apply_tensor_parallel
 from partita.testing import run_distributed
@@ -14,7 +15,7 @@ CFG = ModelConfig(vocab_size=67, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ff
 
 
 def _gather_all(rank: int, world: int) -> dict[str, torch.Tensor]:
-    mesh = Mesh(ParallelDims(tp=world), rank, world)
+    mesh = Mesh(Layout(tp=world), rank, world)
     model = build_model(CFG, dtype=torch.float64)
     apply_tensor_parallel(model, model.plan(), mesh.comm("tensor"))
     return {name: gather_full(p, name, mesh.comm("tensor"))

@@ -13,14 +13,15 @@ import pytest
 PROBE = """
 import resource, sys, torch, torch.nn.functional as F
 from partita.host_memory import keep_freed_host_memory
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.catalog import get_model_config
 from partita.models.transformer import build_model
 from partita.zero import DataParallel, ZeroConfig
 torch.set_num_threads(1)
 if sys.argv[1] == "policy":
     assert keep_freed_host_memory()
-dp = DataParallel(build_model(get_model_config("tiny")), Mesh(ParallelDims()),
+dp = DataParallel(build_model(get_model_config("tiny")), Mesh(Layout()),
                   zero=ZeroConfig(stage=3))
 x = torch.randint(0, 256, (2, 129))
 for i in range(12):

@@ -14,9 +14,10 @@ from pipeline_cases import SEQ, batch, make_config, train_case
 
 from partita.activations import SavedTensorMeter
 from partita.errors import PartitaError
-from partita.mesh import ParallelDims
+from partita.layout import Layout
 from partita.models.config import ModelConfig
 from partita.models.transformer import Transformer, build_model
+from partita.parallelize import check_layout
 from partita.pipeline import build_schedule, schedule_names
 from partita.pipeline.actions import Action, Kind
 from partita.pipeline.backward import (
@@ -26,7 +27,7 @@ from partita.pipeline.backward import (
     backward_input,
     full_backward,
 )
-from partita.pipeline.build import check_pipeline
+from partita.pipeline.build import pipeline_schedule
 from partita.pipeline.p2p import check_transfer_order, delivery_proofs
 from partita.pipeline.runtime import forward_only
 from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
@@ -253,6 +254,14 @@ def test_transfer_order_mismatch_is_rejected():
         check_transfer_order(sched.replace_rank(1, acts))
 
 
+def _check(cfg) -> None:
+    """What the launcher and every worker run before any process waits on another."""
+    layout = cfg.layout(cfg.parallel.dp * cfg.parallel.pp * cfg.parallel.tp)
+    check_layout(cfg, cfg.model_config(), layout)
+    sched = pipeline_schedule(layout, cfg.train.microbatches)
+    assert sched.name == layout.schedule and sched.n_ranks == layout.pp
+
+
 @pytest.mark.parametrize("case,message", [
     (dict(schedule="1f1bb"), "unknown pipeline schedule"),
     (dict(schedule="interleaved-1f1b", m=1, batch=8), "multiple of 2"),
@@ -263,16 +272,18 @@ def test_transfer_order_mismatch_is_rejected():
 def test_bad_settings_fail_before_any_process_waits(case, message):
     case = {"pp": 2, **case}
     cfg = make_config(case)
-    dims = ParallelDims(dp=1, pp=case["pp"], zero_stage=case.get("zero", 0))
     with pytest.raises(PartitaError, match=message):
-        check_pipeline(cfg, cfg.model_config(), dims)
+        _check(cfg)
 
 
 def test_every_schedule_name_is_accepted():
     cfg = make_config({"pp": 2, "m": 4})
     for name in schedule_names():
         cfg.parallel.schedule = name
-        check_pipeline(cfg, cfg.model_config(), ParallelDims(pp=2))
+        with contextlib.ExitStack() as stack:
+            if name not in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"):
+                stack.enter_context(pytest.warns(FutureWarning, match="deprecated"))
+            _check(cfg)
 
 
 def _stall(rank: int, world: int, case: dict) -> str:
@@ -281,7 +292,7 @@ def _stall(rank: int, world: int, case: dict) -> str:
         from partita.parallelize import build_parallel_model
 
         cfg = make_config(case)
-        build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world), torch.device("cpu"))
+        build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world), torch.device("cpu"))
         time.sleep(8)
         return "stalled"
     train_case(rank, world, case, steps=1)
@@ -298,6 +309,37 @@ def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
     assert "PipelineTimeout" in text and "stage 0" in text
     assert "RB1.0 (input gradient of stage 1, microbatch 0) from rank 1" in text
     assert time.perf_counter() - start < 30
+
+
+def _count_schedule_builds(rank: int, world: int, case: dict) -> dict:
+    """Build the model and train one step (and evaluate) counting, in this process, how
+    often a schedule is generated and proven."""
+    from unittest import mock
+
+    import partita.pipeline.build as build
+    import partita.pipeline.runtime as runtime
+
+    counts = {"build": 0, "validate": 0, "runtime": 0}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    with mock.patch.object(build, "build_schedule", counted("build", build.build_schedule)), \
+            mock.patch.object(build, "validate", counted("validate", build.validate)), \
+            mock.patch.object(runtime, "build_schedule",
+                              counted("runtime", runtime.build_schedule)):
+        train_case(rank, world, case, steps=1)
+    return counts
+
+
+def test_the_schedule_is_built_and_validated_once_per_process():
+    case = dict(pp=2, schedule="interleaved-1f1b", v=2, m=4)
+    for counts in run_distributed(_count_schedule_builds, 2, (case,), timeout=120):
+        # Training and evaluating with the configured microbatches reuse the one object.
+        assert counts == {"build": 1, "validate": 1, "runtime": 0}
 
 
 class _HeldMeter(SavedTensorMeter):
@@ -321,7 +363,7 @@ def _held_activations(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
         cfg = make_config(case)
-        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world),
+        pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world),
                                   torch.device("cpu"))
         tokens = batch(0, cfg.train.global_batch)
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -378,7 +420,7 @@ def _sends_held(rank: int, world: int, ms: tuple[int, ...]) -> list[int]:
     out = []
     for m in ms:
         cfg = make_config(dict(pp=2, m=m, batch=2 * m))
-        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world),
+        pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world),
                                   torch.device("cpu"))
         transport, held = pm.runner.transport, [0]
 
@@ -412,7 +454,7 @@ def _recorded_order(rank: int, world: int, schedule: str) -> list[str]:
     from partita.parallelize import build_parallel_model
 
     cfg = make_config(dict(pp=2, schedule=schedule, m=4, batch=8))
-    pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world), torch.device("cpu"))
+    pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world), torch.device("cpu"))
     tokens = batch(0, cfg.train.global_batch)
     pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
     return [str(a) for a, _, _ in sorted(pm.runner.timeline, key=lambda e: e[1])]
@@ -436,7 +478,7 @@ def _chunk_reduction_worker(rank: int, world: int, zero: int) -> dict:
 
     case = dict(dp=2, pp=2, zero=zero, schedule="interleaved-1f1b", v=2, m=4)
     cfg = make_config(case)
-    mesh = Mesh(ParallelDims(dp=2, pp=2, zero_stage=zero), rank, world)
+    mesh = Mesh(Layout(dp=2, pp=2, zero_stage=zero), rank, world)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     dp, runner = pm.dp, pm.runner
     stage_of = {id(p): i for i, s in runner.stages.items()
@@ -480,7 +522,7 @@ def _exchange_large(rank: int, world: int, numel: int) -> bool:
     from partita.pipeline.actions import Action, Kind
     from partita.pipeline.p2p import Transport
 
-    comm = Mesh(ParallelDims(pp=2), rank, world).comm("pipeline")
+    comm = Mesh(Layout(pp=2), rank, world).comm("pipeline")
     transport = Transport(comm, lambda stage: comm.ranks[stage], 60.0, rank)
     mine = torch.full((numel,), float(rank + 1))
     got = torch.empty(numel)
@@ -515,7 +557,7 @@ def _zero_bubble_head(rank: int, world: int, vocab: int, tied: bool) -> dict:
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     out = {}
     for way in ("early", "deferred"):
-        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=2), rank, world),
+        pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world),
                                   torch.device("cpu"))
         if way == "deferred":
             pm.runner.early_params = []

@@ -40,7 +40,7 @@ CASES = {
     2: [Case(dp=2, zero=0), Case(dp=2, zero=1, dtype=BF16), Case(dp=2, zero=2),
         Case(dp=2, zero=3, dtype=BF16), Case(tp=2), Case(tp=2, sp=True, dtype=BF16),
         Case(pp=2, microbatches=4), Case(pp=2, microbatches=4, schedule="gpipe", dtype=BF16),
-        Case(pp=2, microbatches=4, schedule="interleaved", vpp=2, shape=DEEP),
+        Case(pp=2, microbatches=4, schedule="interleaved-1f1b", vpp=2, shape=DEEP),
         Case(pp=2, microbatches=4, schedule="zb-h1")],
     # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
     4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),

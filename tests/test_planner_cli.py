@@ -30,7 +30,7 @@ def test_json_output(capsys):
 
 def test_layout_evaluation(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64",
-                 "--layout", "tp=8 pp=4 zero=1 mb=1"]) == 0
+                 "--layout", "tp=8 pp=4 zero_stage=1 microbatch_size=1"]) == 0
     out = capsys.readouterr().out
     assert "dp=2 tp=8 pp=4" in out and "Fits." in out and "master_weights" in out
     # A layout that does not fit: exit 1, the reason and the smallest change.
@@ -41,14 +41,14 @@ def test_layout_evaluation(capsys):
 
 def test_layout_json(capsys):
     assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu-type", "A100-40GB",
-                 "--layout", "dp=2 zero=2", "--json"]) == 0
+                 "--layout", "dp=2 zero_stage=2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["evaluation"]["fits"] and data["evaluation"]["degrees"]["zero"] == 2
+    assert data["evaluation"]["fits"] and data["evaluation"]["degrees"]["zero_stage"] == 2
 
 
 def test_nothing_fits_says_what_would(capsys):
     assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--gpu-type", "A100-40GB",
-                 "--global-batch", "64"]) == 1
+                 "--global-batch", "64", "--seq-len", "2048"]) == 1
     out = capsys.readouterr().out
     assert "No layout fits." in out and "--gpus" in out
 
@@ -65,7 +65,7 @@ def test_unknown_names_list_known(capsys):
 
 
 def test_assumption_override_changes_time(capsys):
-    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8 zero=1", "--json"]
+    args = ["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8 zero_stage=1", "--json"]
     main(args)
     base = json.loads(capsys.readouterr().out)["evaluation"]["time"]["compute_s"]
     main(args + ["--set", "compute_efficiency=0.275"])
@@ -120,7 +120,7 @@ def test_implementation_chooses_whose_activations_are_counted(capsys):
     memory = {}
     for impl in ("fused", "partita"):
         assert main(["plan", "--model", "llama3.2-1b", "--gpus", "1", "--gpu-type", "H200",
-                     "--seq-len", "2048", "--global-batch", "4", "--layout", "mb=4",
+                     "--seq-len", "2048", "--global-batch", "4", "--layout", "microbatch_size=4",
                      "--implementation", impl, "--json"]) == 0
         memory[impl] = json.loads(capsys.readouterr().out)["evaluation"]["memory_bytes"]
     assert memory["fused"]["loss_transients"] == 0.0

@@ -104,7 +104,7 @@ def test_stage_layers_uneven():
 def test_zero_shards_over_data_and_context():
     model = resolve_model("tiny")
     p = model.config.num_params()
-    s = model_state_bytes(model, Layout(dp=2, cp=2, zero=1))
+    s = model_state_bytes(model, Layout(dp=2, cp=2, zero_stage=1))
     assert s["master_weights"] == pytest.approx(4 * p / 4)
     assert s["parameters"] == 2 * p
 
@@ -131,7 +131,7 @@ def test_korthikanti_hand_case():
 @pytest.mark.parametrize("tp,sp", [(1, False), (4, False), (4, True), (8, True)])
 def test_terms_reproduce_korthikanti(tp, sp):
     model = _gpt()
-    layout = Layout(tp=tp, sp=sp, mb=2)
+    layout = Layout(tp=tp, sequence_parallel=sp, microbatch_size=2)
     terms = layer_activation_terms(model, layout, 2048, assumptions=EAGER)
     assert sum(terms.values()) == pytest.approx(
         korthikanti_layer_bytes(2048, 2, 12288, 96, t=tp, sp=sp))
@@ -175,7 +175,7 @@ def test_inflight_microbatches_per_schedule():
     assert inflight_chunks(Layout(pp=4), 0, 2) == 2
     assert inflight_chunks(Layout(pp=4, schedule="gpipe"), 0, 16) == 16
     # Interleaved, stage 0: pp*v + pp - 1 chunks = pp * (1 + (pp-1)/(pp v)) stages' worth.
-    lay = Layout(pp=4, vpp=2, schedule="interleaved")
+    lay = Layout(pp=4, virtual_stages=2, schedule="interleaved-1f1b")
     assert inflight_chunks(lay, 0, 16) == 11
     assert inflight_chunks(lay, 0, 16) / 2 == pytest.approx(4 * (1 + 3 / 8))
 

@@ -12,30 +12,39 @@ from partita.planner import (
     parse_layout,
     plan,
 )
-from partita.planner.evaluate import CONSTRAINT, DIVISIBILITY, MEMORY
+from partita.planner.evaluate import CONSTRAINT, DIVISIBILITY, MEMORY, UNAVAILABLE
 from partita.planner.search import SearchSpace, search
 
 
 def test_405b_on_16384_gpus():
-    result = plan("llama3-405b", 16384, gpu_type="H100", global_batch=2048)
+    # Every option the planner models, the ones partita does not train yet included:
+    # the prunings keep a six-figure search fast, and nothing unavailable is ranked.
+    result = plan("llama3-405b", 16384, space=SearchSpace.everything(), gpu_type="H100",
+                  global_batch=2048)
     assert result.searched > 100_000
     assert result.ranked
     best = result.best.layout
-    assert best.world_size == 16384 and best.tp == 8 and best.pp > 1
+    assert best.world_size == 16384 and best.tp == 8
     for ev in result.ranked:
         assert ev.memory["total"] <= 80e9
-        assert not (ev.layout.zero == 3 and ev.layout.pp > 1)
+        assert not (ev.layout.zero_stage == 3 and ev.layout.pp > 1)
         assert ev.layout.tp <= 8
+        assert ev.layout.cp == ev.layout.ep == 1
+        assert ev.layout.recompute == ev.layout.offload == "none"
     steps = [e.time["step_s"] for e in result.ranked]
     assert all(a <= b * (1 + 1e-5) for a, b in zip(steps, steps[1:]))
-    assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT}
+    assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT, UNAVAILABLE}
     # Every enumerated layout is counted once: fitting or rejected.
     assert result.searched == len(result.ranked) + sum(result.rejected.values())
 
 
 def test_small_model_prefers_plain_data_parallel():
     result = plan("tiny", 8, gpu_type="H100", seq_len=128, global_batch=64)
-    assert result.best.layout.tp == 1 and result.best.layout.pp == 1
+    assert result.best.layout.tp == 1
+    # A pipeline of two may be predicted a few percent faster (a model this small is
+    # all latency); plain data parallelism is within that of the best.
+    plain = next(e for e in result.ranked if e.layout.dp == 8)
+    assert plain.time["step_s"] <= 1.1 * result.best.time["step_s"]
 
 
 def _reasons(layout_text, model="llama3-70b", gpus=64, **kw):
@@ -48,14 +57,14 @@ def test_rejection_reasons():
     _, kinds, text = _reasons("tp=16 pp=4", global_batch=512)
     assert CONSTRAINT in kinds and "within a node" in text
     _, kinds, text = _reasons("tp=3 dp=1 pp=1", gpus=3)
-    assert kinds == [DIVISIBILITY] and "64 heads" in text
-    _, kinds, text = _reasons("tp=8 pp=2 zero=3")
-    assert CONSTRAINT in kinds and "ZeRO-3" in text
-    _, kinds, text = _reasons("dp=64 zero=0")
+    assert set(kinds) == {DIVISIBILITY} and "n_heads=64" in text
+    _, kinds, text = _reasons("tp=8 pp=2 zero_stage=3")
+    assert CONSTRAINT in kinds and "ZeRO stage 3 with pipeline" in text
+    _, kinds, text = _reasons("dp=64 zero_stage=0")
     assert kinds == [MEMORY] and "GB per GPU" in text
     _, kinds, text = _reasons("tp=8 pp=4 dp=2", global_batch=3)
     assert DIVISIBILITY in kinds
-    _, kinds, text = _reasons("tp=8 pp=4 vpp=30", global_batch=512)
+    _, kinds, text = _reasons("tp=8 pp=4 virtual_stages=30", global_batch=512)
     assert DIVISIBILITY in kinds or CONSTRAINT in kinds
     _, kinds, text = _reasons("tp=8 dp=4 ep=2 pp=2")
     assert "mixture-of-experts" in text
@@ -63,7 +72,7 @@ def test_rejection_reasons():
 
 def test_layout_advice_fixes_the_layout():
     req = make_request("llama3-8b", 8, seq_len=8192, global_batch=64)
-    ev = evaluate(req, parse_layout("dp=8 zero=0 mb=4", 8))
+    ev = evaluate(req, parse_layout("dp=8 zero_stage=0 microbatch_size=4", 8))
     assert not ev.fits
     advice = advise_layout(req, ev)
     assert advice
@@ -76,43 +85,59 @@ def test_layout_advice_fixes_the_layout():
 
 
 def test_search_advice_when_nothing_fits():
-    req = make_request("llama3-405b", 8, gpu_type="A100-40GB", seq_len=8192, global_batch=64)
+    req = make_request("llama3-405b", 8, gpu_type="A100-40GB", seq_len=2048, global_batch=64)
     assert not search(req).ranked
     advice = advise_search(req)
     assert any("--gpus" in a for a in advice)
     # The suggested GPU count really fits.
     gpus = int(next(a for a in advice if "--gpus" in a).split("--gpus ")[1].split(":")[0])
-    assert search(make_request("llama3-405b", gpus, gpu_type="A100-40GB", seq_len=8192,
+    assert search(make_request("llama3-405b", gpus, gpu_type="A100-40GB", seq_len=2048,
                                global_batch=64)).ranked
 
 
 def test_restricted_space_advice_relaxes_it():
-    req = make_request("llama3-8b", 1, seq_len=8192, global_batch=64)
-    narrow = SearchSpace(zero_stages=(0,), recompute=("none",), offload=("none",))
+    req = make_request("llama3-8b", 8, seq_len=8192, global_batch=64)
+    narrow = SearchSpace(zero_stages=())
     assert not search(req, narrow).ranked
     advice = advise_search(req, narrow)
     assert advice[0].startswith("allow every")
 
 
 def test_shorter_sequence_advice():
-    req = make_request("llama3-8b", 1, gpu_type="A100-40GB", seq_len=131072, global_batch=8)
-    ev = evaluate(req, parse_layout("dp=1 zero=0 recompute=full offload=optimizer", 1))
+    req = make_request("llama3-8b", 8, seq_len=131072, global_batch=8)
+    ev = evaluate(req, parse_layout("tp=8 zero_stage=1", 8))
     assert not ev.fits
-    assert any("--seq-len" in a or "--gpus" in a for a in advise_layout(req, ev))
+    assert any("--seq-len 65536" in a for a in advise_layout(req, ev))
+
+
+def test_unavailable_options_are_not_advised():
+    req = make_request("llama3-8b", 1, gpu_type="A100-40GB", seq_len=131072, global_batch=8)
+    ev = evaluate(req, parse_layout("dp=1 recompute=full offload=optimizer", 1))
+    assert {k for k, _ in ev.reasons} >= {UNAVAILABLE, MEMORY}
+    assert advise_layout(req, ev) == []
 
 
 def test_evaluate_layout_api_and_moe(tmp_path):
-    ev = evaluate_layout("llama3-8b", 16, "tp=8 zero=1", seq_len=4096, global_batch=32)
+    ev = evaluate_layout("llama3-8b", 16, "tp=8 zero_stage=1", seq_len=4096, global_batch=32)
     assert ev.fits and ev.layout.dp == 2
     cfg = tmp_path / "moe.toml"
     cfg.write_text("[model]\nvocab_size = 32000\ndim = 2048\nn_layers = 16\nn_heads = 16\n"
                    "max_seq_len = 4096\n[moe]\nnum_experts = 8\ntop_k = 2\n")
-    moe = evaluate_layout(str(cfg), 16, "dp=16 ep=8 zero=1", seq_len=4096, global_batch=64)
-    dense_ep = evaluate_layout(str(cfg), 16, "dp=16 ep=1 zero=1", seq_len=4096, global_batch=64)
-    assert moe.fits and moe.time["ep_bytes"] > 0
+    moe = evaluate_layout(str(cfg), 16, "dp=16 ep=8 zero_stage=1", seq_len=4096,
+                          global_batch=64)
+    dense_ep = evaluate_layout(str(cfg), 16, "dp=16 ep=1 zero_stage=1", seq_len=4096,
+                               global_batch=64)
+    # Expert parallelism is modelled (memory, traffic) but not trained yet: never "fits".
+    assert [k for k, _ in moe.reasons] == [UNAVAILABLE] and moe.time["ep_bytes"] > 0
+    assert "not available yet" in moe.reasons[0][1]
     assert moe.memory["parameters"] < dense_ep.memory["parameters"]
+    assert dense_ep.fits
     result = plan(str(cfg), 16, seq_len=4096, global_batch=64)
-    assert any(e.layout.ep > 1 for e in result.ranked)
+    assert result.ranked and all(e.layout.ep == 1 for e in result.ranked)
+    everything = plan(str(cfg), 16, space=SearchSpace.everything(), seq_len=4096,
+                      global_batch=64)
+    assert everything.rejected[UNAVAILABLE] > 0
+    assert all(e.layout.ep == 1 for e in everything.ranked)
 
 
 def test_bad_layout_text():

@@ -23,7 +23,7 @@ def test_1f1b_bubble(pp, m):
 
 def test_interleaved_and_zero_bubble():
     pp, v, m = 4, 2, 16
-    t = _time(Layout(pp=pp, vpp=v, schedule="interleaved"), batch=m)
+    t = _time(Layout(pp=pp, virtual_stages=v, schedule="interleaved-1f1b"), batch=m)
     units = (pp - 1) / v
     assert t["bubble_fraction"] == pytest.approx(units / (m + units))
     zb = _time(Layout(pp=pp, schedule="zb-h1"), batch=m)
@@ -36,21 +36,21 @@ def test_data_parallel_volume_per_zero_stage():
     frac = 7 / 8
     z0 = _time(Layout(dp=8), batch=64)
     assert z0["dp_bytes"] == pytest.approx(2 * frac * p2)  # one all-reduce per step
-    z1 = _time(Layout(dp=8, zero=1), batch=64)
+    z1 = _time(Layout(dp=8, zero_stage=1), batch=64)
     assert z1["dp_bytes"] == pytest.approx(2 * frac * p2)  # reduce-scatter + all-gather
     m = 64 // 8
-    z2 = _time(Layout(dp=8, zero=2), batch=64)
+    z2 = _time(Layout(dp=8, zero_stage=2), batch=64)
     assert z2["dp_bytes"] == pytest.approx(frac * p2 * (m + 1))  # RS per microbatch
-    z3 = _time(Layout(dp=8, zero=3), batch=64)
+    z3 = _time(Layout(dp=8, zero_stage=3), batch=64)
     assert z3["dp_bytes"] == pytest.approx(3 * frac * p2 * m)  # AG fwd + AG bwd + RS
 
 
 def test_tensor_and_pipeline_volumes():
-    t = _time(Layout(tp=4, dp=2), batch=16)
+    t = _time(Layout(tp=4, dp=2, sequence_parallel=True), batch=16)
     act = 2 * SEQ * MODEL.config.dim  # one microbatch's hidden states, bf16
     m = 16 // 2
     assert t["tp_bytes"] == pytest.approx(4 * 2 * 3 / 4 * act * MODEL.config.n_layers * m)
-    p = _time(Layout(pp=4, tp=2), batch=8)
+    p = _time(Layout(pp=4, tp=2, sequence_parallel=True), batch=8)
     assert p["pp_bytes"] == pytest.approx(2 * 8 * act / 2)  # fwd + bwd per microbatch, sp
 
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from partita.bench.tp_comm import measure
 from partita.errors import PartitaError
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
@@ -34,7 +35,7 @@ def _gathered(comm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dropout_and_errors(rank: int, world: int) -> dict:
-    comm = Mesh(ParallelDims(tp=world), rank, world).comm("tensor")
+    comm = Mesh(Layout(tp=world), rank, world).comm("tensor")
     cfg = ModelConfig(**SMALL, n_layers=2, max_seq_len=16, dropout=0.5)
     tokens = torch.randint(64, (2, 16), generator=torch.Generator().manual_seed(0))
     out = {}
@@ -62,7 +63,7 @@ def _dropout_and_errors(rank: int, world: int) -> dict:
 
 
 def _cross_entropy(rank: int, world: int) -> dict:
-    mesh = Mesh(ParallelDims(tp=world), rank, world)
+    mesh = Mesh(Layout(tp=world), rank, world)
     comm = mesh.comm("tensor")
     gen = torch.Generator().manual_seed(5)
     full = torch.randn(2, 8, 67, generator=gen, dtype=torch.float64)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.sharding import init_shard, set_shard_info, shard_info
@@ -81,7 +82,7 @@ def _check_padding(model, report, comm, tokens) -> None:
 def _run_case(rank: int, world: int, case: dict) -> dict:
     dtype = case.get("dtype", torch.float64)
     cfg = ModelConfig(**case["model"])
-    comm = Mesh(ParallelDims(tp=world), rank, world).comm("tensor")
+    comm = Mesh(Layout(tp=world), rank, world).comm("tensor")
     model, report = _tp_model(cfg, case, comm, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, grads = [], {}

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.sharding import shard_info
@@ -79,7 +80,7 @@ def test_region_rng_rule() -> None:
 
 
 def _comm():
-    return Mesh(ParallelDims()).comm("tensor")
+    return Mesh(Layout()).comm("tensor")
 
 
 def test_apply_reports_every_module_and_shard_info() -> None:

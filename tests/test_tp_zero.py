@@ -12,7 +12,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.sharding import shard_info
@@ -65,7 +66,7 @@ def _run(rank: int, world: int, mesh: Mesh, case: dict) -> dict:
 
 
 def _worker(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    mesh = Mesh(ParallelDims(dp=2, tp=2), rank, world)
+    mesh = Mesh(Layout(dp=2, tp=2), rank, world)
     return [_run(rank, world, mesh, case) for case in cases]
 
 

@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.testing import run_distributed
@@ -129,7 +130,7 @@ def _numpy(t: torch.Tensor):
 
 
 def worker(rank: int, world: int, cases: list[dict]) -> list[dict | None]:
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     return [run_case(rank, world, mesh, case) for case in cases]
 
 

@@ -6,7 +6,8 @@ import pytest
 import test_zero_parity as zp
 import torch
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.testing import run_distributed
 from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
@@ -36,7 +37,7 @@ def _snapshot(dp: DataParallel) -> list[torch.Tensor]:
 
 def _fp16_worker(rank: int, world: int, stages: list[int], bad: dict[int, str],
                  max_skips: int) -> list[dict]:
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     out = []
     for stage in stages:
         model = zp.make_model({}, torch.float16, meta=stage == 3)

@@ -9,14 +9,15 @@ import torch.nn as nn
 
 from partita.bench import zero_memory
 from partita.errors import PartitaError
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.testing import run_distributed
 from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
 from partita.zero.units import gather_units, resolve_blocks
 
 
 def _mesh() -> Mesh:
-    return Mesh(ParallelDims())
+    return Mesh(Layout())
 
 
 def test_flat_buffer_pads_to_aligned_equal_slices_and_maps_back() -> None:
@@ -194,7 +195,7 @@ def test_gather_units_merge_consecutive_blocks_up_to_the_bucket_size() -> None:
 
 
 def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool) -> dict:
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     torch.manual_seed(0)
     toy = zp.Toy(recompute=recompute).double()
     dp = DataParallel(toy, mesh, zero=ZeroConfig(stage=3, bucket_mb=bucket_mb),

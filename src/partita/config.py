@@ -17,6 +17,7 @@ from pathlib import Path
 
 from partita.config_ranges import check_ranges
 from partita.errors import PartitaError, did_you_mean
+from partita.layout import Layout, canonical_schedule
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
 
@@ -92,7 +93,7 @@ class ParallelSection:
     # memory); "buffer" keeps a full-size gradient buffer and reduces once per step.
     accumulation: str = "reduce"
     sequence_parallel: bool = False
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b, zb-h1
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved-1f1b, zb-h1 (partita.layout.SCHEDULES)
     virtual_stages: int = 0  # model chunks per pipeline rank; 0 = the schedule's default
     pp_balance: str = "even"  # how blocks split into stages: even, params or flops
     # A pipeline rank that waits longer than this for a peer's tensor stops with a message
@@ -134,6 +135,42 @@ class Config:
             cfg = dataclasses.replace(cfg, max_seq_len=self.data.seq_len)
         return cfg
 
+    def layout(self, world_size: int) -> Layout:
+        """The `[parallel]` and `[train]` settings as a Layout for `world_size` processes.
+
+        dp=0 becomes what the world leaves after tp*pp*cp; virtual_stages=0 the schedule's
+        default; train.microbatches (a count) the microbatch size in sequences. Raises
+        only when those cannot be resolved; `partita.layout.validate` judges the rest.
+        """
+        p, t = self.parallel, self.train
+        other = p.tp * p.pp * p.cp
+        dp = p.dp
+        if dp == 0:
+            if other < 1 or world_size % other:
+                raise PartitaError(
+                    f"tp*pp*cp={other} does not divide the world size {world_size}; choose "
+                    "degrees whose product divides the number of processes."
+                )
+            dp = world_size // other
+        schedule = canonical_schedule(p.schedule)
+        virtual = p.virtual_stages or (2 if schedule == "interleaved-1f1b" and p.pp > 1 else 1)
+        if dp < 1 or t.global_batch % dp:
+            raise PartitaError(
+                f"train.global_batch={t.global_batch} is not divisible by the {dp} "
+                f"data-parallel replicas; choose a multiple of {dp}."
+            )
+        local = t.global_batch // dp
+        if t.microbatches < 1 or local % t.microbatches:
+            raise PartitaError(
+                f"each replica's batch of {local} sequences cannot be cut into "
+                f"train.microbatches={t.microbatches} equal microbatches; choose a divisor "
+                f"of {local}."
+            )
+        return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero_stage=p.zero_stage,
+                      schedule=schedule, virtual_stages=virtual,
+                      microbatch_size=local // t.microbatches,
+                      sequence_parallel=p.sequence_parallel)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -149,6 +186,25 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_toml())
+
+
+def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
+    """The `partita train` settings that run `layout` with `global_batch` sequences per
+    step (the inverse of `Config.layout`)."""
+    m = layout.microbatches(global_batch)
+    if not m:
+        raise PartitaError(
+            f"global batch {global_batch} does not divide into dp={layout.dp} replicas of "
+            f"microbatches of {layout.microbatch_size} sequences."
+        )
+    out = [f"--parallel.{k}={getattr(layout, k)}" for k in ("dp", "tp", "pp", "cp", "ep",
+                                                            "zero_stage")]
+    if layout.pp > 1:
+        out += [f"--parallel.schedule={layout.schedule}",
+                f"--parallel.virtual_stages={layout.virtual_stages}"]
+    out += [f"--parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
+            f"--train.global_batch={global_batch}", f"--train.microbatches={m}"]
+    return out
 
 
 def _toml_value(value: object) -> str:

@@ -34,17 +34,17 @@ import torch.nn as nn
 from partita.comm import GroupComm
 from partita.config import Config
 from partita.errors import PartitaError
+from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
-from partita.mesh import Mesh, ParallelDims
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
 from partita.optim import AdamWConfig
-from partita.pipeline.build import PipelineSetup, check_pipeline, prepare_pipeline
+from partita.pipeline.build import PipelineSetup, prepare_pipeline
 from partita.tensor_parallel import (
     TensorParallelReport,
     apply_tensor_parallel,
-    check_tensor_parallel,
 )
 from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
@@ -80,15 +80,9 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
         ) from None
 
 
-def dims_from_config(cfg: Config, world_size: int) -> ParallelDims:
-    p = cfg.parallel
-    degrees = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "zero_stage": p.zero_stage}
-    if p.dp == 0:
-        dims = ParallelDims.fill_dp(world_size, **degrees)
-    else:
-        dims = ParallelDims(dp=p.dp, **degrees)
-    dims.check_world_size(world_size)
-    return dims
+def dims_from_config(cfg: Config, world_size: int) -> Layout:
+    """The run's Layout for `world_size` processes (see `Config.layout`)."""
+    return cfg.layout(world_size)
 
 
 class MicrobatchRunner:
@@ -154,32 +148,13 @@ def engine_policies(cfg: Config) -> tuple[ZeroConfig, MixedPrecision, AdamWConfi
     return zero, precision, optim
 
 
-def check_layout(cfg: Config, model_cfg: ModelConfig, dims: ParallelDims) -> None:
-    """Reject unsupported combinations before any process waits on another."""
+def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
+                 world_size: int | None = None) -> None:
+    """Reject unsupported settings before any process waits on another: the engine's
+    policies, then every rule of `partita.layout.validate` at once."""
     engine_policies(cfg)  # constructing the policies validates them
-    if dims.cp > 1 or dims.ep > 1:
-        raise PartitaError(
-            "context parallelism (parallel.cp) and expert parallelism (parallel.ep) are not "
-            "implemented yet; set both to 1."
-        )
-    if cfg.parallel.sequence_parallel or dims.tp > 1:
-        check_tensor_parallel(model_cfg, dims.tp, cfg.parallel.sequence_parallel,
-                              cfg.data.seq_len, dims.world_size)
-    if dims.pp > 1:
-        check_pipeline(cfg, model_cfg, dims)
-    if cfg.train.global_batch % (dims.dp * dims.cp):
-        raise PartitaError(
-            f"train.global_batch={cfg.train.global_batch} is not divisible by the "
-            f"{dims.dp * dims.cp} data-parallel replicas; choose a multiple of "
-            f"{dims.dp * dims.cp}."
-        )
-    local = cfg.train.global_batch // (dims.dp * dims.cp)
-    if local % cfg.train.microbatches:
-        raise PartitaError(
-            f"each replica's batch of {local} sequences cannot be cut into "
-            f"train.microbatches={cfg.train.microbatches} equal microbatches; choose a "
-            f"divisor of {local}."
-        )
+    validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
+             seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
 
 
 @dataclass
@@ -273,10 +248,13 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
             "the model's plan has no shape (ModelPlan.shape): partita needs the model's "
             "widths, depth and vocabulary to check a layout and to cut a pipeline."
         )
-    dims = mesh.dims
-    check_layout(cfg, plan.shape, dims)
+    layout = cfg.layout(mesh.world_size)
+    check_layout(cfg, plan.shape, layout, mesh.world_size)
+    if layout.degrees != mesh.dims:
+        raise PartitaError(f"the mesh was built for {mesh.dims} but the configuration "
+                           f"asks for {layout.degrees}; build both from one Layout.")
     zero, precision, optim = engine_policies(cfg)
-    pipeline = prepare_pipeline(cfg, plan.shape, mesh) if dims.pp > 1 else None
+    pipeline = prepare_pipeline(cfg, plan.shape, mesh, layout) if layout.pp > 1 else None
     staged = cut_pipeline(model, plan, pipeline)
     # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,

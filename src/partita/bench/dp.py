@@ -108,14 +108,15 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
 
     import torch.distributed as dist
 
-    from partita.mesh import Mesh, ParallelDims
+    from partita.layout import Layout
+    from partita.mesh import Mesh
     from partita.models.transformer import build_model
 
     # The peers call collectives torch 2.13 deprecated; one warning per call and rank
     # would bury the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
     cfg = get_model_config(setup.model)
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
     gen = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1),

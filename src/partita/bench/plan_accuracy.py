@@ -54,7 +54,7 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     deep = replace(shape, n_layers=max(shape.n_layers, 4))
     out[2] += [Case(pp=2, microbatches=4, schedule=s, dtype=d, shape=shape)
                for s in ("1f1b", "gpipe", "zb-h1") for d in DTYPES]
-    out[2] += [Case(pp=2, microbatches=4, schedule="interleaved", vpp=2, shape=deep)]
+    out[2] += [Case(pp=2, microbatches=4, schedule="interleaved-1f1b", vpp=2, shape=deep)]
     out[4] += [Case(pp=4, microbatches=4, shape=deep),
                Case(pp=4, microbatches=8, schedule="zb-h1", shape=deep),
                Case(tp=2, sp=True, pp=2, microbatches=4, schedule="zb-h1",

@@ -58,7 +58,7 @@ class Case:
     mb: int = 2  # sequences per microbatch
     pp: int = 1  # pipeline stages
     microbatches: int = 1  # per rank and step
-    schedule: str = "1f1b"  # the planner's name: 1f1b, gpipe, zb-h1, interleaved
+    schedule: str = "1f1b"  # 1f1b, gpipe, zb-h1, interleaved-1f1b
     vpp: int = 1  # virtual stages per rank (interleaved)
     shape: Shape = Shape()
 
@@ -68,8 +68,9 @@ class Case:
 
     @property
     def layout(self) -> Layout:
-        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero=self.zero, mb=self.mb,
-                      sp=self.sp, schedule=self.schedule, vpp=self.vpp)
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero,
+                      microbatch_size=self.mb, sequence_parallel=self.sp,
+                      schedule=self.schedule, virtual_stages=self.vpp)
 
     @property
     def precision(self) -> Precision:
@@ -100,7 +101,7 @@ def run_config(case: Case):
     cfg.train.microbatches = case.microbatches
     cfg.train.dtype = case.dtype
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = case.dp, case.tp, case.pp
-    cfg.parallel.schedule = {"interleaved": "interleaved-1f1b"}.get(case.schedule, case.schedule)
+    cfg.parallel.schedule = case.schedule
     cfg.parallel.virtual_stages = case.vpp
     cfg.parallel.zero_stage = case.zero
     cfg.parallel.sequence_parallel = case.sp
@@ -163,7 +164,7 @@ def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0
     meshes: dict = {}  # process groups are slow to create: one mesh per layout shape
     out = []
     for case in cases:
-        dims = dims_from_config(run_config(case), world)
+        dims = dims_from_config(run_config(case), world).degrees
         if dims not in meshes:
             meshes[dims] = Mesh(dims, rank, world)
         out.append(_measure(meshes[dims], case, timed_steps))

@@ -113,12 +113,12 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
     import torch.distributed.pipelining as tpp
     import torch.nn.functional as F
 
-    from partita.mesh import Mesh, ParallelDims
+    from partita.mesh import Mesh
     from partita.parallelize import build_parallel_model
 
     device = torch.device("cpu")
     cfg = _config(world, name, v, args)
-    mesh = Mesh(ParallelDims(pp=world), rank, world)
+    mesh = Mesh(cfg.layout(world), rank, world)
     pm = build_parallel_model(cfg, mesh, device)
     layout = pm.runner.layout
     model, pieces = _torch_stages(cfg, layout, rank, device)

@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     import torch
     import torch.distributed as dist
 
-    from partita.mesh import Mesh, ParallelDims
+    from partita.mesh import Mesh
     from partita.parallelize import build_parallel_model
     from partita.pipeline.measure import (
         gather_rows,
@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
     out = []
     for name, v in SCHEDULES:
         cfg = _config(world, name, v, args)
-        pm = build_parallel_model(cfg, Mesh(ParallelDims(pp=world), rank, world),
+        pm = build_parallel_model(cfg, Mesh(cfg.layout(world), rank, world),
                                   torch.device("cpu"))
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(32, (cfg.train.global_batch, args.seq + 1), generator=gen)

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from partita.bench import paired
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
@@ -46,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _partita(cfg: ModelConfig, rank: int, world: int):
-    mesh = Mesh(ParallelDims(tp=world), rank, world)
+    mesh = Mesh(Layout(tp=world), rank, world)
     model = build_model(cfg)
     report = apply_tensor_parallel(model, model.plan(), mesh.comm("tensor"))
     return model, report.loss_fn

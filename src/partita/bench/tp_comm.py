@@ -16,7 +16,8 @@ import argparse
 
 import torch
 
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
@@ -38,7 +39,7 @@ def theory_bytes(batch: int, seq: int, dim: int, tp: int, element_size: int) -> 
 
 def _bytes_sent(rank: int, world: int, model_kwargs: dict, batch: int, seq: int,
                 sequence_parallel: bool) -> dict[str, float]:
-    mesh = Mesh(ParallelDims(tp=world), rank, world)
+    mesh = Mesh(Layout(tp=world), rank, world)
     out = {}
     for layers in (1, 2):
         cfg = ModelConfig(**model_kwargs, n_layers=layers, max_seq_len=seq)

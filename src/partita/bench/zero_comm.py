@@ -24,11 +24,12 @@ STAGES = (0, 1, 2, 3)
 def measure(rank: int, world: int, cfg: ModelConfig, seq: int, steps: int) -> list[dict]:
     import torch.nn.functional as F
 
-    from partita.mesh import Mesh, ParallelDims
+    from partita.layout import Layout
+    from partita.mesh import Mesh
     from partita.models.transformer import build_model
     from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     rows = []
     for stage in STAGES:
         model = build_model(cfg, device="meta")

@@ -41,10 +41,11 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
     """One row per stage: the ledger after one step, plus stage 3's init requests."""
     import torch.nn.functional as F
 
-    from partita.mesh import Mesh, ParallelDims
+    from partita.layout import Layout
+    from partita.mesh import Mesh
     from partita.zero import DataParallel, MixedPrecision, model_init_fn
 
-    mesh = Mesh(ParallelDims(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world)
     rows = []
     for stage in stages:
         model = build_model(cfg, device="meta", dtype=torch.bfloat16)

@@ -12,10 +12,10 @@ def register(subparsers) -> None:
         "plan",
         help="predict memory and step time of parallel layouts and rank them",
         description=(
-            "Enumerate every layout (dp x tp x pp x cp x ep, ZeRO stage, virtual stages, "
-            "microbatch, recompute, offload) for a model on a cluster, explain each GPU's "
-            "memory byte by byte, predict step time, and rank the layouts that fit. Needs "
-            "only model shapes and a hardware description."
+            "Enumerate every layout partita can train (dp x tp x pp, ZeRO stage, schedule "
+            "and virtual stages, microbatch size) for a model on a cluster, explain each "
+            "GPU's memory byte by byte, predict step time, and rank the layouts that fit. "
+            "Needs only model shapes and a hardware description."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -31,7 +31,12 @@ def register(subparsers) -> None:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step; default: about 4M tokens")
     p.add_argument("--layout", default=None,
-                   help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero=1 mb=1"')
+                   help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
+                        'microbatch_size=1"')
+    p.add_argument("--all-options", action="store_true",
+                   help="also search context and expert parallelism, recomputation and "
+                        "offload, which are modelled but not available yet in partita "
+                        "train (shown as rejected, never ranked)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from partita.planner.assumptions import Assumptions
     from partita.planner.evaluate import evaluate
     from partita.planner.layout import parse_layout
-    from partita.planner.search import search
+    from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
     settings = {}
     for item in args.set:
@@ -84,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         if args.png and ev.memory:
             report.draw_memory([ev], args.png)
         return 0 if ev.fits else 1
-    result = search(req)
+    space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
+    result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice))
@@ -102,5 +108,5 @@ def _print_advice(advice: list[str], nothing_fits: bool = False) -> None:
         for line in advice[1:]:
             print("  or " + line)
     elif nothing_fits:
-        print("No single change among recompute, offload, a smaller microbatch, a shorter "
+        print("No single change among the ZeRO stage, a smaller microbatch, a shorter "
               "sequence, up to 64x the GPUs or a larger GPU makes a layout fit.")

@@ -84,12 +84,10 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
     Preparing the data here also means the token cache is written once per node before
     any worker starts; the workers then only open it.
     """
-    from partita.parallelize import check_layout, dims_from_config
+    from partita.parallelize import check_layout
     from partita.trainer import open_dataset
 
-    model_cfg = cfg.model_config()
-    dims = dims_from_config(cfg, world_size)
-    check_layout(cfg, model_cfg, dims)
+    check_layout(cfg, cfg.model_config(), cfg.layout(world_size), world_size)
     open_dataset(cfg)
     prepare_run_dir(cfg)
 

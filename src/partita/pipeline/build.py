@@ -1,15 +1,15 @@
 """Pipeline parallelism inside `build_parallel_model`, in three calls at fixed points:
 
-    setup = prepare_pipeline(cfg, model_cfg, mesh)  # validates; before anything waits
-    setup.cut(model, plan)                           # meta model -> this rank's stages
+    setup = prepare_pipeline(cfg, model_cfg, mesh, layout)  # the schedule, built once
+    setup.cut(model, plan)                                   # meta model -> my stages
     ... tensor parallel ...
-    setup.detach_tied(model, plan)                   # before materialising
+    setup.detach_tied(model, plan)                           # before materialising
     ... materialise, data-parallel engine ...
-    runner = setup.runner(dp, loss_fn, device, mesh, plan)
+    runner = setup.runner(dp, loss_fn, device, mesh, plan)  # gets the Schedule object
 
-Everything a user can get wrong (unknown schedule, too few microbatches for it, more
-stages than blocks, ZeRO-3) raises PartitaError in `prepare_pipeline`, on every rank
-alike, before any process waits on another.
+What a user can get wrong (too few microbatches for the schedule, more stages than
+blocks, ZeRO-3) is a rule of `partita.layout.validate`, which runs before this. Here the
+schedule is built, proven free of deadlocks and handed on as an object: once per process.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from partita.errors import PartitaError
-from partita.mesh import Mesh, ParallelDims
+from partita.layout import Layout
+from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.pipeline.actions import Schedule
 from partita.pipeline.p2p import check_transfer_order
 from partita.pipeline.runtime import PipelineRunner
-from partita.pipeline.schedules import ALIASES, build_schedule
+from partita.pipeline.schedules import build_schedule
 from partita.pipeline.stage import (
     StageLayout,
     detach_tied_copy,
@@ -38,23 +38,11 @@ from partita.pipeline.stage import (
 )
 from partita.pipeline.validate import validate
 
-ZERO3_REASON = (
-    "ZeRO stage 3 with pipeline parallelism (parallel.pp > 1) is not supported: stage 3 "
-    "gathers each block's parameters around its forward and backward and frees them "
-    "after, but a pipeline stage runs the forwards and backwards of many microbatches "
-    "interleaved, so every block would be gathered again for every microbatch and pass "
-    "(about 3 x microbatches all-gathers per step instead of 3), and a zero-bubble W pass "
-    "would need them once more. Use parallel.zero_stage=2 with the pipeline (gradients "
-    "and optimizer state stay sharded), or drop the pipeline to use stage 3."
-)
-
 
 @dataclass(frozen=True)
 class PipelineSetup:
     layout: StageLayout
-    schedule: str
-    virtual: int
-    microbatches: int
+    schedule: Schedule  # built and validated once, for the step's microbatch count
     rank: int  # pipeline coordinate of this process
     seq_len: int
     dim: int
@@ -80,39 +68,24 @@ class PipelineSetup:
     def runner(self, dp, loss_fn, device: torch.device, mesh: Mesh,
                plan: ModelPlan) -> PipelineRunner:
         return PipelineRunner(dp, loss_fn, device, mesh, plan, self.layout, self.schedule,
-                              self.microbatches, self.seq_len, self.dim, self.seq_divisor,
-                              self.timeout_s, self.virtual)
+                              self.seq_len, self.dim, self.seq_divisor, self.timeout_s)
 
 
-def check_pipeline(cfg, model_cfg: ModelConfig, dims: ParallelDims) -> tuple[Schedule,
-                                                                           StageLayout]:
-    """Validate the pipeline settings; the schedule and the stage split. Pure: no process
-    group, so the launcher can call it before starting any worker."""
-    par = cfg.parallel
-    if dims.zero_stage == 3:
-        raise PartitaError(ZERO3_REASON)
-    name = ALIASES.get(par.schedule.strip().lower(), par.schedule.strip().lower())
-    del name  # build_schedule resolves aliases itself
-    # parallel.virtual_stages = 0 means the schedule's own default (2 for interleaved).
-    sched = build_schedule(par.schedule, dims.pp, cfg.train.microbatches,
-                           par.virtual_stages or None)
+def pipeline_schedule(layout: Layout, microbatches: int) -> Schedule:
+    """The layout's schedule for `microbatches`, validated and proven to deliver every
+    transfer in order. Pure: no process group."""
+    sched = build_schedule(layout.schedule, layout.pp, microbatches, layout.virtual_stages)
     validate(sched)
     check_transfer_order(sched)
-    layout = plan_stages(model_cfg, dims.pp, sched.n_virtual, par.pp_balance,
+    return sched
+
+
+def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh, layout: Layout) -> PipelineSetup:
+    """This rank's part of the pipeline: the stage split and the schedule (no
+    communication). `layout` has passed `partita.layout.validate`."""
+    sched = pipeline_schedule(layout, cfg.train.microbatches)
+    stages = plan_stages(model_cfg, layout.pp, sched.n_virtual, cfg.parallel.pp_balance,
                          cfg.data.seq_len)
-    if par.sequence_parallel and cfg.data.seq_len % dims.tp:
-        raise PartitaError(
-            f"data.seq_len={cfg.data.seq_len} must be divisible by parallel.tp={dims.tp} "
-            "under sequence parallelism: pipeline stages exchange sequence shards."
-        )
-    return sched, layout
-
-
-def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh) -> PipelineSetup:
-    """Check the pipeline settings and decide this rank's part (no communication)."""
-    dims = mesh.dims
-    sched, layout = check_pipeline(cfg, model_cfg, dims)
-    seq_divisor = dims.tp if cfg.parallel.sequence_parallel else 1
-    timeout = float(cfg.parallel.pp_timeout_s)
-    return PipelineSetup(layout, sched.name, sched.n_virtual, cfg.train.microbatches,
-                         mesh.coord.pp, cfg.data.seq_len, model_cfg.dim, seq_divisor, timeout)
+    seq_divisor = layout.tp if layout.sequence_parallel else 1
+    return PipelineSetup(stages, sched, mesh.coord.pp, cfg.data.seq_len, model_cfg.dim,
+                         seq_divisor, float(cfg.parallel.pp_timeout_s))

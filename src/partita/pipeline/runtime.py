@@ -133,13 +133,13 @@ class PipelineRunner:
     """Executes schedules on this rank's stages of `dp.module`."""
 
     def __init__(self, dp, loss_fn, device: torch.device, mesh: Mesh, plan: ModelPlan,
-                 layout: st.StageLayout, schedule: str, microbatches: int,
-                 seq_len: int, dim: int, seq_divisor: int = 1,
-                 timeout_s: float = 300.0, virtual: int | None = None) -> None:
+                 layout: st.StageLayout, schedule: Schedule, seq_len: int, dim: int,
+                 seq_divisor: int = 1, timeout_s: float = 300.0) -> None:
+        """`schedule` is the step's schedule, already validated (`pipeline.build`)."""
         self.dp, self.loss_fn, self.device, self.plan = dp, loss_fn, device, plan
         self.layout = layout
-        self.schedule_name, self.virtual = schedule, virtual or layout.n_virtual
-        self.microbatches = microbatches
+        self.schedule_name, self.virtual = schedule.name, schedule.n_virtual
+        self.microbatches = schedule.n_microbatches
         self.rank = mesh.coord.pp
         comm = mesh.comm("pipeline")
         self.transport = Transport(comm, lambda s: comm.ranks[layout.rank_of(s)],
@@ -154,7 +154,8 @@ class PipelineRunner:
         self.stage_buckets = ({i: dp.buckets_of(st.stage_parameters(module, plan, s))
                                for i, s in self.stages.items()}
                               if len(self.stages) > 1 else {})
-        self._schedules: dict[int, Schedule] = {}
+        # Other counts (an evaluation batch that does not divide) are built on demand.
+        self._schedules: dict[int, Schedule] = {schedule.n_microbatches: schedule}
         # Per microbatch count, training's and evaluation's run of this rank.
         self._train_runs: dict[int, _RankRun] = {}
         self._eval_runs: dict[int, _RankRun] = {}
@@ -166,7 +167,6 @@ class PipelineRunner:
         # Zero bubble: bytes of the gradients I recorded and W has not consumed yet (held
         # for backward like saved activations, but outside autograd's saved tensors).
         self.deferred_bytes = 0
-        self.schedule(microbatches)  # validate the configured schedule now
         self.early_params = self._early_weight_params()
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from partita.errors import PartitaError, did_you_mean
+from partita.layout import SCHEDULE_ALIASES
 from partita.pipeline.actions import Action, Kind, Schedule
 
 Order = list[Action]  # one rank's compute passes, in order
@@ -196,7 +197,8 @@ GENERATORS: dict[str, Callable[[int, int, int], Schedule]] = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
 }
-ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1", "zbh1": "zb-h1"}
+# Short names `partita schedule` accepts; one table with the layout's (partita.layout).
+ALIASES = SCHEDULE_ALIASES
 
 
 def schedule_names() -> list[str]:

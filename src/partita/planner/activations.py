@@ -52,8 +52,8 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     """
     c, a = model.config, assumptions
     t, e = layout.tp, precision.activation
-    s, b, h = seq_len / layout.cp, layout.mb, c.dim
-    sp_div = t if layout.sp else 1
+    s, b, h = seq_len / layout.cp, layout.microbatch_size, c.dim
+    sp_div = t if layout.sequence_parallel else 1
     # Column-parallel inputs: the sequence shard (Megatron re-gathers it in backward) or
     # the gathered full sequence (partita keeps what it gathered).
     in_div = 1 if a.sp_saves_gathered_input else sp_div
@@ -79,7 +79,7 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     }
     if a.rotary_tables_saved and c.flavour == "llama":
         terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
-    if a.norm_kernel == "eager" and layout.sp and t > 1:
+    if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:
         # Sequence-parallel norms use a clone of their weight (and bias), kept for backward.
         terms["norm_weight_copies"] = 2 * (2 if c.flavour == "gpt2" else 1) * precision.param * h
     if a.gqa_expanded_kv and t > 1 and c.kv_heads % t:
@@ -117,7 +117,7 @@ def attention_score_bytes(model: PlanModel, layout: Layout, seq_len: int,
     context parallelism each GPU's queries (seq/cp) meet every key (seq).
     """
     c, e = model.config, precision.activation
-    s_q, b, heads = seq_len / layout.cp, layout.mb, c.n_heads / layout.tp
+    s_q, b, heads = seq_len / layout.cp, layout.microbatch_size, c.n_heads / layout.tp
     if assumptions.attention_kernel == "flash":
         return 4.0 * heads * s_q * b
     per_score = e + ((1 + e) if c.dropout > 0 else 0)
@@ -131,7 +131,7 @@ def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
     SwiGLU saves gate and up projections and fc2's input (3 with a fused kernel, 4 in
     eager PyTorch, which also keeps silu(gate)). MoE: top_k tokens through each expert."""
     c = model.config
-    s, b, e = seq_len / layout.cp, layout.mb, precision.activation
+    s, b, e = seq_len / layout.cp, layout.microbatch_size, precision.activation
     tensors = assumptions.swiglu_saved_tensors if c.gated_mlp else 2
     if model.is_moe:
         return model.moe.top_k * tensors * e * s * b * model.expert_ffn / layout.tp
@@ -141,8 +141,8 @@ def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
 def layer_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
                       precision: Precision = MIXED) -> float:
     """A layer's input: all that full recompute keeps per layer (sharded under sp)."""
-    sp_div = layout.tp if layout.sp else 1
-    return precision.activation * seq_len / layout.cp * layout.mb * model.config.dim / sp_div
+    sp_div = layout.tp if layout.sequence_parallel else 1
+    return precision.activation * seq_len / layout.cp * layout.microbatch_size * model.config.dim / sp_div
 
 
 def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -174,8 +174,8 @@ def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
     """
     c = model.config
     t, e = layout.tp, precision.activation
-    s, b, h = seq_len / layout.cp, layout.mb, c.dim
-    sp_div = t if layout.sp else 1
+    s, b, h = seq_len / layout.cp, layout.microbatch_size, c.dim
+    sp_div = t if layout.sequence_parallel else 1
     full = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     kv = -(-c.kv_heads // t) * c.head_dim
     # MoE: top_k copies of each token through an expert's projections (not measured).
@@ -215,11 +215,11 @@ def inflight_chunks(layout: Layout, stage: int, num_microbatches: int) -> float:
     which for stage 0 is Korthikanti's pp * (1 + (pp - 1)/(pp v)) stages' worth.
     Returned in units of chunks (1/vpp of the stage's layers).
     """
-    pp, v, m = layout.pp, layout.vpp, num_microbatches
+    pp, v, m = layout.pp, layout.virtual_stages, num_microbatches
     if pp == 1:
         return v  # one microbatch through every chunk
     if layout.schedule == "gpipe":
         return m * v
-    if layout.schedule == "interleaved":
+    if layout.schedule == "interleaved-1f1b":
         return min(m * v, 2 * (pp - stage - 1) + (v - 1) * pp + 1)
     return min(m, pp - stage) * v

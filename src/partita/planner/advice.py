@@ -1,8 +1,9 @@
 """When nothing fits: the smallest change that would make something fit.
 
 Candidate changes are tried from least to most disruptive: first knobs that cost only
-speed (recompute, ZeRO stage, offload, a smaller microbatch), then changes to the
-training run (a shorter sequence), then to the cluster (more GPUs, a larger GPU).
+speed (ZeRO stage, a smaller microbatch), then changes to the training run (a shorter
+sequence), then to the cluster (more GPUs, a larger GPU). Only layouts `partita train`
+runs are suggested (recompute and offload are not available yet).
 Each suggestion names the change and the layout that then fits.
 """
 
@@ -14,24 +15,24 @@ from dataclasses import replace
 from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
 from partita.planner.hardware import GPUS
 from partita.planner.layout import Layout
-from partita.planner.search import FULL_SPACE, SearchSpace, search
+from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 
 def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     """Changes to one layout that does not fit in memory: the fewest knobs changed first
-    (recompute, ZeRO stage, offload, microbatch), the fastest result among equals; then
-    changes to the request."""
+    (ZeRO stage, microbatch size; recompute and offload only where `partita train` runs
+    them), the fastest result among equals; then changes to the request."""
     if ev.fits or any(k != MEMORY for k, _ in ev.reasons):
         return []
     lay = ev.layout
-    recomputes = [r for r in ("none", "selective", "full") if _order(r) >= _order(lay.recompute)]
-    zeros = list(range(lay.zero, 4 if lay.pp == 1 else 3))
-    offloads = [lay.offload] + (["optimizer"] if lay.offload == "none" else [])
-    mbs = [lay.mb >> i for i in range(lay.mb.bit_length()) if lay.mb % (lay.mb >> i) == 0]
+    zeros = list(range(lay.zero_stage, 4 if lay.pp == 1 else 3))
+    mbs = [lay.microbatch_size >> i for i in range(lay.microbatch_size.bit_length())
+           if lay.microbatch_size % (lay.microbatch_size >> i) == 0]
     found: list[tuple[int, float, str]] = []
-    for rc, z, off, mb in itertools.product(recomputes, zeros, offloads, mbs):
-        trial = lay.with_(recompute=rc, zero=z, offload=off, mb=mb)
-        changes = [f"{k}={getattr(trial, k)}" for k in ("recompute", "zero", "offload", "mb")
+    names = ("zero_stage", "microbatch_size")
+    for z, mb in itertools.product(zeros, mbs):
+        trial = lay.with_(zero_stage=z, microbatch_size=mb)
+        changes = [f"{k}={getattr(trial, k)}" for k in names
                    if getattr(trial, k) != getattr(lay, k)]
         if not changes:
             continue
@@ -42,18 +43,21 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     found.sort()
     out = [text for _, _, text in found[:limit]]
     if len(out) < limit:
-        out += _request_changes(req, lambda r: _fits_scaled(r, lay), limit - len(out))
+        # The request changes also try the layout with every memory-saving knob turned.
+        saving = lay.with_(zero_stage=zeros[-1], microbatch_size=1)
+        out += _request_changes(req, lambda r: _fits_scaled(r, lay) or _fits_scaled(r, saving),
+                                limit - len(out))
     return out[:limit]
 
 
-def advise_search(req: Request, space: SearchSpace = FULL_SPACE, limit: int = 3) -> list[str]:
+def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int = 3) -> list[str]:
     """Changes to the request when no layout of the search space fits."""
     out = []
-    full = FULL_SPACE
+    full = DEFAULT_SPACE
     if space != full:
         best = search(req, full).best
         if best is not None:
-            out.append(f"allow every recompute/offload/ZeRO/microbatch choice: "
+            out.append(f"allow every ZeRO stage, schedule and microbatch size: "
                        f"{best.layout.describe()} fits")
 
     def best_of(r: Request) -> Layout | None:
@@ -98,12 +102,9 @@ def _fits_scaled(req: Request, layout: Layout) -> Layout | None:
     if n % other:
         return None
     trial = layout.with_(dp=n // other)
-    if req.global_batch % (trial.dp * trial.mb):
+    if req.global_batch % (trial.dp * trial.microbatch_size):
         # Keep the per-replica batch whole: more replicas share the same global batch.
         return None
     return trial if evaluate(req, trial).fits else None
 
-
-def _order(recompute: str) -> int:
-    return ("none", "selective", "full").index(recompute)
 

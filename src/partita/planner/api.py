@@ -13,7 +13,7 @@ from partita.planner.evaluate import Evaluation, Request, evaluate
 from partita.planner.hardware import Cluster, GPUSpec, get_gpu, load_gpu_profiles
 from partita.planner.layout import Layout, Precision, parse_layout
 from partita.planner.model_shape import PlanModel, resolve_model
-from partita.planner.search import FULL_SPACE, SearchResult, SearchSpace, search
+from partita.planner.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 
 # Default global batch: about 4M tokens per step, the order of GPT-3's 3.2M and the
 # 4M Llama 3 started from, expressed in sequences of the requested length.
@@ -39,7 +39,7 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
                    assumptions or Assumptions.for_device(gpu.name))
 
 
-def plan(model: str | PlanModel, gpus: int, space: SearchSpace = FULL_SPACE,
+def plan(model: str | PlanModel, gpus: int, space: SearchSpace = DEFAULT_SPACE,
          **request_options) -> SearchResult:
     """Every layout for `model` on `gpus` GPUs, the fitting ones ranked fastest first."""
     return search(make_request(model, gpus, **request_options), space)
@@ -47,7 +47,7 @@ def plan(model: str | PlanModel, gpus: int, space: SearchSpace = FULL_SPACE,
 
 def evaluate_layout(model: str | PlanModel, gpus: int, layout: str | Layout,
                     **request_options) -> Evaluation:
-    """Memory, time and rejection reasons of one layout (`"dp=8 tp=2 pp=2 zero=1"`)."""
+    """Memory, time and rejection reasons of one layout (`"dp=8 tp=2 pp=2 zero_stage=1"`)."""
     req = make_request(model, gpus, **request_options)
     lay = parse_layout(layout, gpus) if isinstance(layout, str) else layout
     return evaluate(req, lay)

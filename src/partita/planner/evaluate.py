@@ -1,13 +1,16 @@
 """One layout, judged: does it divide, is it allowed, does it fit, and how fast is it.
 
-Rejections carry a kind (`divisibility`, `constraint`, `memory`) and a sentence, so the
-report can say why a layout was ruled out and the advice can say what would fix it.
+Rejections carry a kind (`divisibility`, `constraint`, `not available yet`, `memory`) and
+a sentence, so the report can say why a layout was ruled out and the advice can say what
+would fix it. Whether partita can train a layout at all is `partita.layout`'s rule set,
+the same the trainer checks; only memory and the cluster's shape are the planner's own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from partita.layout import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
 from partita.planner.hardware import Cluster
 from partita.planner.layout import Layout, Precision
@@ -15,7 +18,9 @@ from partita.planner.memory import host_state_bytes, peak_memory, stage_layers
 from partita.planner.model_shape import PlanModel
 from partita.planner.timing import num_microbatches, step_time
 
-DIVISIBILITY, CONSTRAINT, MEMORY = "divisibility", "constraint", "memory"
+MEMORY = "memory"
+__all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "UNAVAILABLE", "Evaluation", "Request",
+           "evaluate", "memory_reasons", "structural_reasons"]
 
 
 @dataclass(frozen=True)
@@ -59,33 +64,22 @@ class Evaluation:
 
 
 def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
-    """Divisibility and support constraints: everything but memory."""
-    c, out = req.model.config, []
-    n = req.cluster.num_gpus
-    if layout.world_size != n:
-        out.append((DIVISIBILITY, f"dp*tp*pp*cp = {layout.world_size}, not the {n} GPUs"))
-    if c.n_heads % layout.tp:
-        out.append((DIVISIBILITY, f"tp={layout.tp} does not divide {c.n_heads} heads"))
-    elif c.kv_heads % layout.tp and layout.tp % c.kv_heads:
+    """Everything but memory: whether partita can train the layout at all (the rules of
+    `partita.layout.find_problems`, the trainer's own), then what the planner's model of
+    a cluster adds (tensor parallelism within a node, learned positions, MoE experts)."""
+    c = req.model.config
+    out: list[tuple[str, str]] = list(find_problems(
+        layout, c, req.cluster.num_gpus, seq_len=req.seq_len, global_batch=req.global_batch))
+    if layout.tp > 1 and c.kv_heads % layout.tp and layout.tp % c.kv_heads:
         out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
                                   "divides the other"))
     if layout.tp > req.cluster.gpus_per_node:
         out.append((CONSTRAINT, f"tp={layout.tp} spans nodes of {req.cluster.gpus_per_node} "
                                 "GPUs; tensor parallelism is placed within a node"))
-    if layout.pp > c.n_layers:
-        out.append((DIVISIBILITY, f"pp={layout.pp} exceeds the {c.n_layers} layers"))
-    elif layout.vpp > 1 and min(stage_layers(c.n_layers, layout.pp)) < layout.vpp:
-        out.append((DIVISIBILITY, f"vpp={layout.vpp} exceeds the layers of a stage"))
-    if layout.vpp > 1 and (layout.pp == 1 or layout.schedule != "interleaved"):
-        out.append((CONSTRAINT, "virtual stages need pp > 1 and the interleaved schedule"))
-    if layout.schedule == "interleaved" and layout.vpp == 1:
-        out.append((CONSTRAINT, "the interleaved schedule needs vpp > 1"))
-    if layout.zero == 3 and layout.pp > 1:
-        out.append((CONSTRAINT, "ZeRO-3 with pipeline parallelism is not supported by "
-                                "partita's pipeline (use ZeRO-1 or 2 with pp)"))
-    if layout.cp > 1 and req.seq_len % (2 * layout.cp):
-        out.append((DIVISIBILITY, f"seq_len={req.seq_len} is not divisible by 2*cp="
-                                  f"{2 * layout.cp} (ring attention balances 2cp chunks)"))
+    if layout.pp > 1 and layout.virtual_stages > 1 and layout.pp * layout.virtual_stages <= \
+            c.n_layers and min(stage_layers(c.n_layers, layout.pp)) < layout.virtual_stages:
+        out.append((DIVISIBILITY, f"virtual_stages={layout.virtual_stages} exceeds the "
+                                  "layers of a stage"))
     if c.flavour == "gpt2" and req.seq_len > c.max_seq_len:
         out.append((CONSTRAINT, f"seq_len={req.seq_len} exceeds the {c.max_seq_len} learned "
                                 "positions"))
@@ -95,17 +89,6 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
         elif req.model.moe.num_experts % layout.ep:
             out.append((DIVISIBILITY, f"ep={layout.ep} does not divide "
                                       f"{req.model.moe.num_experts} experts"))
-        if layout.zero_group % layout.ep:
-            out.append((DIVISIBILITY, f"ep={layout.ep} does not divide dp*cp="
-                                      f"{layout.zero_group}"))
-    if req.global_batch % (layout.dp * layout.mb):
-        out.append((DIVISIBILITY, f"global batch {req.global_batch} is not divisible by "
-                                  f"dp*mb={layout.dp * layout.mb}"))
-    elif layout.schedule == "interleaved" and (
-            num_microbatches(layout, req.global_batch) % layout.pp):
-        out.append((CONSTRAINT, f"interleaved 1F1B needs microbatches "
-                                f"({num_microbatches(layout, req.global_batch)}) to be a "
-                                f"multiple of pp={layout.pp}"))
     return out
 
 

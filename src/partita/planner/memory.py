@@ -90,7 +90,7 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     out = dict.fromkeys(MODEL_STATE_TERMS, 0.0)
     for kind, n in counts.items():
-        for term, value in zero_state_bytes(n, layout.zero, groups[kind], precision,
+        for term, value in zero_state_bytes(n, layout.zero_stage, groups[kind], precision,
                                             layout.offload).items():
             out[term] += value
     return out
@@ -116,7 +116,7 @@ def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision =
     def pad(n: float) -> float:
         return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
 
-    if layout.zero >= 3:
+    if layout.zero_stage >= 3:
         split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
         block = split["sharded"] + split["replicated"]
         layers = stage_layers(model.config.n_layers, layout.pp)[stage]
@@ -151,7 +151,7 @@ def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     counts = stage_param_counts(model, layout, stage)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     per = precision.master + precision.optimizer
-    return sum(per * n / (groups[k] if layout.zero >= 1 else 1) for k, n in counts.items())
+    return sum(per * n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
 
 
 def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
@@ -181,9 +181,9 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
             total += precision.grad * head_weight_elements(model, layout)
     else:
         chunks = inflight_chunks(layout, stage, num_microbatches)
-        total = per_layer * layers * chunks / layout.vpp
+        total = per_layer * layers * chunks / layout.virtual_stages
         if first:
-            total += ids * chunks / layout.vpp  # token ids of the embedding lookup
+            total += ids * chunks / layout.virtual_stages  # token ids of the embedding lookup
         if last:
             # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
             total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
@@ -204,7 +204,7 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     which releases its input and the logits' gradient there; the stage holds their sum
     over the step instead (`activation_bytes`)."""
     e, tokens = precision.activation, microbatch_tokens(layout, seq_len)
-    h, sp_div = model.config.dim, layout.tp if layout.sp else 1
+    h, sp_div = model.config.dim, layout.tp if layout.sequence_parallel else 1
     ids = assumptions.token_id_bytes / 2 * tokens
     per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
     total = per_layer * layers
@@ -259,7 +259,7 @@ def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if assumptions.norm_kernel == "fused":
         return layer_input_bytes(model, layout, seq_len, precision)
     tokens = microbatch_tokens(layout, seq_len)
-    sp_div = layout.tp if layout.sp else 1
+    sp_div = layout.tp if layout.sequence_parallel else 1
     in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
     return (norm_bytes(model, tokens / sp_div, precision, assumptions)
             + precision.activation * tokens * model.config.dim / in_div)
@@ -267,7 +267,7 @@ def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
 
 def microbatch_tokens(layout: Layout, seq_len: int) -> float:
     """Tokens of one microbatch on one GPU (its share of the sequence under cp)."""
-    return seq_len / layout.cp * layout.mb
+    return seq_len / layout.cp * layout.microbatch_size
 
 
 def logit_elements(model: PlanModel, layout: Layout, seq_len: int) -> float:
@@ -303,7 +303,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     unit's full gradients before reduce-scatter, gradient buckets, pipeline send/recv."""
     c = model.config
     out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
-    if layout.zero >= 3 and layout.zero_group > 1:
+    if layout.zero_stage >= 3 and layout.zero_group > 1:
         block = gathered_block_elements(model, layout, assumptions)
         layers = stage_layers(c.n_layers, layout.pp)[stage]
         unit = block * blocks_per_unit(block * precision.param, layers, assumptions)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from partita.config import layout_overrides
 from partita.errors import PartitaError
 from partita.planner.evaluate import Evaluation, Request
 from partita.planner.search import SearchResult
@@ -17,7 +18,7 @@ MEMORY_COLUMNS = (
     ("total", "total"),
 )
 KIND_TITLES = {"memory": "does not fit", "divisibility": "divisibility",
-               "constraint": "constraint"}
+               "constraint": "constraint", "not available yet": "not available yet"}
 
 
 def describe_request(req: Request) -> str:
@@ -57,6 +58,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(f"Best {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
                    "that fit, fastest first:")
         out.append(format_table(result.ranked[:top]))
+        out.append("")
+        out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
         out.append("No layout fits.")
     out.append("")
@@ -69,6 +72,13 @@ def format_search(result: SearchResult, top: int = 10) -> str:
     out.append("")
     out.append(footer(result))
     return "\n".join(out)
+
+
+def train_command(req: Request, ev: Evaluation) -> str:
+    """The `partita train` settings of a ranked layout (the model and data settings are
+    the user's own)."""
+    args = layout_overrides(ev.layout, req.global_batch)
+    return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args)
 
 
 def footer(result: SearchResult) -> str:

@@ -1,7 +1,9 @@
 """Enumerate every layout of a request, judge each, rank the ones that fit.
 
 The space is dp x tp x pp x cp x ep (product = GPUs) x ZeRO stage x virtual stages x
-schedule x microbatch x recompute x offload. Three prunings keep a 16k-GPU search to
+schedule x microbatch size x recompute x offload; by default only the options
+`partita train` runs (`SearchSpace`), and every layout ranked passes `partita.layout`'s
+rules. Three prunings keep a 16k-GPU search to
 seconds without losing a valid layout:
 
 * structural: degrees that break divisibility (or a support constraint) are rejected
@@ -22,30 +24,45 @@ from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
     MEMORY,
+    UNAVAILABLE,
     Evaluation,
     Request,
     evaluate,
     structural_reasons,
 )
-from partita.planner.layout import OFFLOAD, Layout
+from partita.planner.layout import OFFLOAD, RECOMPUTE, Layout
 from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
 
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Which options the search tries (narrow it to pin a choice)."""
+    """Which options the search tries (narrow it to pin a choice).
+
+    By default only what `partita train` runs: context and expert parallelism,
+    recomputation and offload are modelled but not built yet, so they are left out.
+    `SearchSpace.everything()` adds them; they are then judged and shown as rejected,
+    "not available yet", never ranked.
+    """
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none", "selective", "full")
-    offload: tuple[str, ...] = OFFLOAD
-    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")
+    recompute: tuple[str, ...] = ("none",)
+    offload: tuple[str, ...] = ("none",)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zb-h1")
     max_microbatch: int = 16
-    max_vpp: int = 8
+    max_virtual_stages: int = 8
+    context_parallel: bool = False  # search cp > 1
+    expert_parallel: bool = False  # search ep > 1 (mixture-of-experts models)
     # Context-parallel chunks shorter than this are all latency: not worth searching.
     min_tokens_per_cp_rank: int = 512
 
+    @classmethod
+    def everything(cls) -> SearchSpace:
+        """Also the options partita models but does not train yet."""
+        return cls(recompute=RECOMPUTE, offload=OFFLOAD, context_parallel=True,
+                   expert_parallel=True)
 
-FULL_SPACE = SearchSpace()  # immutable, shared as a default argument
+
+DEFAULT_SPACE = SearchSpace()  # immutable, shared as a default argument
 
 
 @dataclass
@@ -67,7 +84,7 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3) -> SearchResult:
+def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int = 3) -> SearchResult:
     """Every layout of `req` judged; the fitting ones ranked by step time."""
     start = time.perf_counter()
     result = SearchResult(req, [])
@@ -88,12 +105,12 @@ def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3
     mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= space.max_microbatch]
     experts = req.model.moe.num_experts
     for tp in divisors(n):
-        for cp in divisors(n // tp):
+        for cp in divisors(n // tp) if space.context_parallel else [1]:
             if cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank:
                 continue
             for pp in divisors(n // (tp * cp)):
                 dp = n // (tp * cp * pp)
-                for ep in divisors(experts) if req.model.is_moe else [1]:
+                for ep in divisors(experts) if req.model.is_moe and space.expert_parallel else [1]:
                     if (dp * cp) % ep:
                         continue
                     inner = _inner_options(req, space, pp, dp, mbs)
@@ -102,8 +119,9 @@ def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3
                         if zero > 0 and dp * cp == 1:
                             continue  # identical to zero=0: nothing to shard over
                         for offload in space.offload:
-                            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero,
-                                          offload=offload)
+                            # Sequence parallelism whenever tensor parallelism is on.
+                            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                          offload=offload, sequence_parallel=tp > 1)
                             reasons = structural_reasons(req, base)
                             if reasons:
                                 kind = reasons[0][0]
@@ -117,14 +135,15 @@ def search(req: Request, space: SearchSpace = FULL_SPACE, keep_examples: int = 3
                             _search_inner(req, space, base, inner, result, reject)
     # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
     result.ranked.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
-                                      e.layout.cp, e.layout.ep, e.layout.pp, e.layout.vpp))
+                                      e.layout.cp, e.layout.ep, e.layout.pp,
+                                      e.layout.virtual_stages))
     result.seconds = time.perf_counter() - start
     return result
 
 
 def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
                    mbs: list[int]) -> list[tuple[int, str, int]]:
-    """(vpp, schedule, microbatch) triples worth trying for these degrees."""
+    """(virtual stages, schedule, microbatch size) triples worth trying for these degrees."""
     options = []
     per_replica = req.global_batch // dp if req.global_batch % dp == 0 else 0
     valid_mbs = [b for b in mbs if per_replica and per_replica % b == 0] or mbs[:1]
@@ -133,8 +152,9 @@ def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
     else:
         fewest = min(stage_layers(req.model.config.n_layers, pp))
         scheds = [(1, s) for s in space.schedules if s in ("1f1b", "zb-h1", "gpipe")]
-        if "interleaved" in space.schedules:
-            scheds += [(v, "interleaved") for v in range(2, min(space.max_vpp, fewest) + 1)
+        if "interleaved-1f1b" in space.schedules:
+            scheds += [(v, "interleaved-1f1b")
+                       for v in range(2, min(space.max_virtual_stages, fewest) + 1)
                        if fewest % v == 0]
     for vpp, sched in scheds:
         options += [(vpp, sched, b) for b in valid_mbs]
@@ -161,7 +181,7 @@ def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject)
         by_schedule.setdefault((vpp, sched), []).append(mb)
     for (vpp, sched), mbs in by_schedule.items():
         for i, mb in enumerate(mbs):
-            layout = base.with_(vpp=vpp, schedule=sched, mb=mb)
+            layout = base.with_(virtual_stages=vpp, schedule=sched, microbatch_size=mb)
             overflow_all = False
             for j, rc in enumerate(order):
                 ev = evaluate(req, layout.with_(recompute=rc))
@@ -182,5 +202,5 @@ def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject)
                 break
 
 
-__all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "FULL_SPACE", "SearchResult", "SearchSpace",
-           "search"]
+__all__ = ["CONSTRAINT", "DEFAULT_SPACE", "DIVISIBILITY", "MEMORY", "UNAVAILABLE", "SearchResult",
+           "SearchSpace", "search"]

@@ -49,14 +49,14 @@ def head_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
 
 def matmul_efficiency(model: PlanModel, layout: Layout, seq_len: int,
                       assumptions: Assumptions) -> float:
-    rows = layout.mb * seq_len / layout.cp
+    rows = layout.microbatch_size * seq_len / layout.cp
     cols = model.config.dim / layout.tp
     return (assumptions.compute_efficiency * rows / (rows + assumptions.matmul_half_rows)
             * cols / (cols + assumptions.matmul_half_cols))
 
 
 def num_microbatches(layout: Layout, global_batch: int) -> int:
-    return global_batch // (layout.dp * layout.mb)
+    return global_batch // (layout.dp * layout.microbatch_size)
 
 
 def _collective_time(volume: float, n: int, messages: float, link: tuple[float, float],
@@ -86,13 +86,13 @@ def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if t == 1 or not assumptions.tp_boundary_comm:
         return 0.0
     ring = 2 * (t - 1) / t
-    tokens = layout.mb * seq_len / layout.cp
+    tokens = layout.microbatch_size * seq_len / layout.cp
     act = precision.activation * tokens * c.dim
     first, last = stage == 0, stage == layout.pp - 1
     layers = stage_layers(c.n_layers, layout.pp)[stage]
     vol = ring * act * (first + last) + (3 * ring * 4 * tokens if last else 0.0)
     replicated = 0.0
-    if layout.sp:
+    if layout.sequence_parallel:
         norm = c.dim * (2 if c.flavour == "gpt2" else 1)
         replicated += layers * 2 * norm + (norm if last else 0)
         replicated += layers * 2 * c.dim if c.has_bias else 0  # row-parallel biases
@@ -110,15 +110,15 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension."""
     a, c, gpu = assumptions, model.config, cluster.gpu
     m = num_microbatches(layout, global_batch)
-    t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.vpp
+    t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
     eff = matmul_efficiency(model, layout, seq_len, a)
     rate = gpu.peak_flops * eff
     split = t * cp
-    fwd_layer = layer_forward_flops(model, seq_len, layout.mb) / split
-    attn_fwd = 4 * c.dim * seq_len * layout.mb * seq_len / split
+    fwd_layer = layer_forward_flops(model, seq_len, layout.microbatch_size) / split
+    attn_fwd = 4 * c.dim * seq_len * layout.microbatch_size * seq_len / split
     passes = {"none": 3.0, "selective": 3.0, "full": 4.0}[layout.recompute]
     layer_s = (passes * fwd_layer + (attn_fwd if layout.recompute == "selective" else 0)) / rate
-    head_s = 3 * head_forward_flops(model, seq_len, layout.mb) / split / rate
+    head_s = 3 * head_forward_flops(model, seq_len, layout.microbatch_size) / split / rate
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
     def link_eff(span: int) -> tuple[tuple[float, float], float]:
@@ -127,14 +127,14 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
 
     # Tensor parallel: 2 collectives forward, 2 backward (+2 when recomputing forward),
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
-    act = precision.activation * layout.mb * seq_len / cp * c.dim
+    act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
     tp_colls = 4 + (2 if layout.recompute == "full" else 0)
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
     # Context parallel ring: cp-1 hops of this rank's K and V forward; backward passes K,
     # V and their gradients (x2); + a forward again under full recompute.
-    kv = 2 * precision.activation * layout.mb * seq_len / cp * (-(-c.kv_heads // t)) * c.head_dim
+    kv = 2 * precision.activation * layout.microbatch_size * seq_len / cp * (-(-c.kv_heads // t)) * c.head_dim
     cp_hops = (3 + (1 if layout.recompute == "full" else 0)) * (cp - 1)
     cp_vol = cp_hops * kv
     link, le = link_eff(t * cp)
@@ -158,7 +158,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     stage_s = [n * (layer_s + exposed_layer) + edge for n, edge in zip(layers, tp_edge_s)]
     stage_s[-1] += head_s
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
-    bubble_units = {"interleaved": (pp - 1) / v, "zb-h1": (pp - 1) / 3}.get(
+    bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) / 3}.get(
         layout.schedule, pp - 1)
     compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0)
                         for i, n in enumerate(layers))
@@ -184,7 +184,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     g_bytes, p_bytes = precision.grad * local, precision.param * local
     frac = (n - 1) / n if n > 1 else 0.0
     every_mb = a.sharded_grads_reduce_every_microbatch
-    z = layout.zero
+    z = layout.zero_stage
     if z <= 1:
         dp_vol = frac * (g_bytes + (p_bytes if z == 1 else g_bytes))
         per_step, per_mb = dp_vol, 0.0

@@ -1,0 +1,400 @@
+"""A parallel layout, and every reason one cannot run on a model and a world.
+
+A `Layout` is the whole answer to "how is this training run split over processes": the
+degrees of each parallel dimension and the policies that go with them. The config
+(`Config.layout`), the planner and the trainer all use this one type, with one spelling
+for every name: the config keys of `[parallel]`.
+
+`find_problems` lists every reason a layout cannot train a model on a world and a batch;
+`validate` raises them all at once. The command line calls it before launching, each
+worker calls it before any process waits on another, and the planner calls it so that
+it never ranks a layout `partita train` refuses.
+
+Pure data: no torch, no process group, so the planner and the launcher can use it.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, NamedTuple
+
+from partita.errors import PartitaError, did_you_mean
+
+if TYPE_CHECKING:  # only its fields are read; importing `partita.models` loads torch
+    from partita.models.config import ModelConfig
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+# Other names a schedule has been written as; accepted with a deprecation warning.
+SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
+                    "zbh1": "zb-h1"}
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "optimizer")
+DEGREES = ("dp", "tp", "pp", "cp", "ep")
+
+# Kinds of problem, so that callers can sort them (the planner counts rejections by kind).
+DIVISIBILITY, CONSTRAINT, UNAVAILABLE = "divisibility", "constraint", "not available yet"
+
+ZERO3_PIPELINE_REASON = (
+    "ZeRO stage 3 with pipeline parallelism (parallel.pp > 1) is not supported: stage 3 "
+    "gathers each block's parameters around its forward and backward and frees them "
+    "after, but a pipeline stage runs the forwards and backwards of many microbatches "
+    "interleaved, so every block would be gathered again for every microbatch and pass "
+    "(about 3 x microbatches all-gathers per step instead of 3), and a zero-bubble W pass "
+    "would need them once more. Use parallel.zero_stage=2 with the pipeline (gradients "
+    "and optimizer state stay sharded), or drop the pipeline to use stage 3."
+)
+
+
+class Problem(NamedTuple):
+    """One reason a layout cannot run: its kind and a sentence that says what to change."""
+
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """The degrees alone: what the rank grid (`partita.mesh`) is built from."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DEGREES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PartitaError(
+                    f"parallel.{name}={value!r} is invalid: every degree is a positive "
+                    "integer (1 turns that dimension off)."
+                )
+        if (self.dp * self.cp) % self.ep:
+            raise PartitaError(
+                f"parallel.ep={self.ep} must divide dp*cp={self.dp * self.cp}: expert "
+                "parallel ranks are carved out of the data x context ranks. Valid ep: "
+                f"{_divisors(self.dp * self.cp)}."
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs (ep is carved out of dp x cp, so it does not count)."""
+        return self.dp * self.tp * self.pp * self.cp
+
+    def sizes(self) -> dict[str, int]:
+        return {"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}
+
+    def __str__(self) -> str:
+        extra = "".join(f" {k}={getattr(self, k)}" for k in ("cp", "ep") if getattr(self, k) > 1)
+        return f"dp={self.dp} tp={self.tp} pp={self.pp}{extra}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Degrees and policies of one parallel training run.
+
+    `microbatch_size` is in sequences: each data-parallel replica cuts its share of the
+    global batch (global_batch / dp sequences; context-parallel ranks split every
+    sequence's tokens instead) into microbatches of this many sequences. The number of
+    microbatches per step, which the pipeline schedule runs, is `microbatches(batch)`.
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0  # 0 plain data parallel; 1 shard optimizer state; 2 + grads; 3 + params
+    schedule: str = "1f1b"  # pipeline schedule, one of SCHEDULES
+    virtual_stages: int = 1  # model chunks per pipeline rank (interleaved-1f1b: >= 2)
+    microbatch_size: int = 1
+    sequence_parallel: bool = False  # shard norms and dropout over tp (needs tp > 1)
+    recompute: str = "none"  # activation recomputation, one of RECOMPUTE
+    offload: str = "none"  # what lives in host memory, one of OFFLOAD
+
+    def __post_init__(self) -> None:
+        Degrees(**{k: getattr(self, k) for k in DEGREES})  # checks the degrees
+        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
+            raise PartitaError(
+                f"parallel.zero_stage={self.zero_stage!r} is invalid: use 0 (plain data "
+                "parallel), 1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+        object.__setattr__(self, "schedule", canonical_schedule(self.schedule))
+        for name in ("virtual_stages", "microbatch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PartitaError(f"layout {name}={value!r} is invalid: use an integer >= 1.")
+        for name, options in (("recompute", RECOMPUTE), ("offload", OFFLOAD)):
+            if getattr(self, name) not in options:
+                raise PartitaError(
+                    f"layout {name}={getattr(self, name)!r} is unknown; choose one of "
+                    f"{', '.join(options)}."
+                )
+
+    @property
+    def degrees(self) -> Degrees:
+        return Degrees(**{k: getattr(self, k) for k in DEGREES})
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def zero_group(self) -> int:
+        """Ranks ZeRO shards dense model states over (and dense gradients are reduced over)."""
+        return self.dp * self.cp
+
+    def microbatches(self, global_batch: int) -> int:
+        """Microbatches per optimizer step on each replica (0 when the batch does not divide)."""
+        per_step = self.dp * self.microbatch_size
+        return global_batch // per_step if global_batch % per_step == 0 else 0
+
+    def describe(self) -> str:
+        """The short text form `parse_layout` reads back: non-default policies only."""
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        parts += [f"{k}={getattr(self, k)}" for k in ("cp", "ep", "virtual_stages")
+                  if getattr(self, k) > 1]
+        parts += [f"zero_stage={self.zero_stage}", f"microbatch_size={self.microbatch_size}"]
+        if self.pp > 1 and self.schedule != default_schedule(self.virtual_stages):
+            parts.append(f"schedule={self.schedule}")
+        if self.sequence_parallel:
+            parts.append("sequence_parallel=1")
+        for name in ("recompute", "offload"):
+            if getattr(self, name) != "none":
+                parts.append(f"{name}={getattr(self, name)}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def with_(self, **changes) -> Layout:
+        return replace(self, **changes)
+
+
+def default_schedule(virtual_stages: int) -> str:
+    return "interleaved-1f1b" if virtual_stages > 1 else "1f1b"
+
+
+def canonical_schedule(name: str) -> str:
+    """The one spelling of a schedule name; old spellings warn, unknown ones raise."""
+    key = str(name).strip().lower()
+    if key in SCHEDULE_ALIASES:
+        _deprecated(f"schedule '{key}'", f"'{SCHEDULE_ALIASES[key]}'")
+        return SCHEDULE_ALIASES[key]
+    if key not in SCHEDULES:
+        raise PartitaError(
+            f"unknown pipeline schedule '{name}'.{did_you_mean(key, SCHEDULES)} Known "
+            f"schedules: {', '.join(SCHEDULES)}."
+        )
+    return key
+
+
+def _deprecated(old: str, new: str) -> None:
+    # FutureWarning, not DeprecationWarning: it is meant for users and shown by default.
+    warnings.warn(f"{old} is deprecated; write {new} instead.", FutureWarning, stacklevel=3)
+
+
+# Text form ---------------------------------------------------------------------------
+# Names the planner's `--layout` text used to take: accepted, with a deprecation warning.
+RENAMED = {"zero": "zero_stage", "vpp": "virtual_stages", "v": "virtual_stages",
+           "mb": "microbatch_size", "micro_batch": "microbatch_size",
+           "microbatch": "microbatch_size", "sp": "sequence_parallel"}
+
+
+def parse_layout(text: str, world_size: int | None = None) -> Layout:
+    """`"dp=8 tp=2 pp=2 zero_stage=1"` (spaces or commas) -> Layout.
+
+    Omitted degrees are 1, except dp, which is filled in from `world_size` when given.
+    Sequence parallelism defaults to on when tp > 1 (the usual choice with tensor
+    parallelism), and the schedule to interleaved-1f1b when virtual_stages > 1.
+    """
+    known = [f.name for f in fields(Layout)]
+    values: dict[str, object] = {}
+    for item in text.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        if key in RENAMED:
+            _deprecated(f"layout name '{key}'", f"'{RENAMED[key]}'")
+            key = RENAMED[key]
+        if not sep or key not in known:
+            raise PartitaError(
+                f"cannot read '{item}' in layout '{text}'.{did_you_mean(key, known)} Write "
+                f"name=value pairs with names among {', '.join(known)}."
+            )
+        values[key] = _convert(key, raw.strip(), text)
+    if "dp" not in values and world_size is not None:
+        other = math.prod(int(values.get(k, 1)) for k in ("tp", "pp", "cp"))
+        if world_size % other:
+            raise PartitaError(
+                f"layout '{text}': tp*pp*cp={other} does not divide the {world_size} "
+                "processes (GPUs)."
+            )
+        values["dp"] = world_size // other
+    values.setdefault("sequence_parallel", int(values.get("tp", 1)) > 1)
+    values.setdefault("schedule", default_schedule(int(values.get("virtual_stages", 1))))
+    return Layout(**values)
+
+
+def _convert(key: str, raw: str, text: str) -> object:
+    if key in ("recompute", "offload", "schedule"):
+        return raw.lower()
+    if key == "sequence_parallel":
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise PartitaError(f"layout '{text}': {key}={raw} is not true or false (1 or 0).")
+    try:
+        return int(raw)
+    except ValueError:
+        raise PartitaError(f"layout '{text}': {key}={raw} is not an integer.") from None
+
+
+# The rules ---------------------------------------------------------------------------
+def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: int,
+                  global_batch: int) -> list[Problem]:
+    """Every reason `layout` cannot train `model` on `world_size` processes with
+    `global_batch` sequences of `seq_len` tokens per step; empty when it can."""
+    out: list[Problem] = []
+    lay = layout
+    if lay.world_size != world_size:
+        out.append(Problem(DIVISIBILITY, world_size_message(lay.degrees, world_size)))
+    out += _unavailable(lay)
+    out += _tensor_parallel(lay, model, seq_len)
+    out += _pipeline(lay, model)
+    out += _batch(lay, global_batch)
+    if lay.cp > 1 and seq_len % (2 * lay.cp):
+        out.append(Problem(DIVISIBILITY, f"data.seq_len={seq_len} is not divisible by "
+                                         f"2*cp={2 * lay.cp}: ring attention balances 2cp "
+                                         "chunks of every sequence."))
+    return out
+
+
+def validate(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: int,
+             global_batch: int) -> None:
+    """Raise PartitaError naming every problem of `find_problems`, if there is any."""
+    problems = find_problems(layout, model, world_size, seq_len=seq_len,
+                             global_batch=global_batch)
+    if len(problems) == 1:
+        raise PartitaError(problems[0].message)
+    if problems:
+        raise PartitaError(f"the layout {layout.describe()} cannot run, for "
+                           f"{len(problems)} reasons:\n" +
+                           "\n".join(f"  - {p.message}" for p in problems))
+
+
+def world_size_message(degrees: Degrees, world_size: int) -> str:
+    d = degrees
+    other = d.tp * d.pp * d.cp
+    return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs "
+            f"{d.world_size} processes but {world_size} were started. Start "
+            f"{d.world_size} processes (--nproc {d.world_size}), or change the degrees so "
+            f"that their product is {world_size} (for example "
+            f"--parallel.dp={max(1, world_size // other)}).")
+
+
+def _unavailable(lay: Layout) -> list[Problem]:
+    """Options the planner models but `partita train` does not run yet."""
+    out = []
+    for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if getattr(lay, name) > 1:
+            out.append(Problem(UNAVAILABLE, f"{what} (parallel.{name}={getattr(lay, name)}) "
+                                            f"is not available yet; set parallel.{name}=1."))
+    for name, what in (("recompute", "activation recomputation"), ("offload", "offload")):
+        if getattr(lay, name) != "none":
+            out.append(Problem(UNAVAILABLE, f"{what} ({name}={getattr(lay, name)}) is not "
+                                            f"available yet; use {name}=none."))
+    return out
+
+
+def _tensor_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Problem]:
+    out, tp = [], lay.tp
+    if lay.sequence_parallel and tp == 1:
+        out.append(Problem(CONSTRAINT, "sequence parallelism shards activations over the "
+                                       "tensor-parallel group, but parallel.tp=1. Set "
+                                       "parallel.tp to 2 or more, or turn sequence "
+                                       "parallelism off."))
+    if lay.sequence_parallel and tp > 1 and seq_len % tp:
+        out.append(Problem(DIVISIBILITY, f"data.seq_len={seq_len} is not divisible by tp={tp}; "
+                                         "sequence parallelism cuts the sequence into tp equal "
+                                         "pieces. Use a sequence length that is a multiple of "
+                                         f"{tp}, or a tp degree among {_divisors(seq_len)}."))
+    if tp == 1:
+        return out
+    if model.n_heads % tp:
+        out.append(Problem(DIVISIBILITY, f"model.n_heads={model.n_heads} is not divisible by "
+                                         f"tp={tp}: attention is split by heads, so every rank "
+                                         "needs the same number of whole heads. Valid tp "
+                                         f"degrees: {_divisors(model.n_heads)}."))
+    for n, what in ((model.ffn_hidden, "model ffn hidden width"),
+                    (model.vocab_size, "model.vocab_size")):
+        if not _padded_split_ok(n, tp):
+            ok = [t for t in range(1, min(n, 4096) + 1) if _padded_split_ok(n, t)]
+            shown = str(ok) if len(ok) <= 12 else f"{ok[:12]} ..."
+            out.append(Problem(DIVISIBILITY, f"{what}={n} cannot be split over tp={tp} ranks: "
+                                             f"with padding to a multiple of {tp} the last rank "
+                                             f"would own no real row. Use a tp degree among "
+                                             f"{shown}."))
+    return out
+
+
+def _padded_split_ok(n: int, parts: int) -> bool:
+    """Padded to a multiple of `parts`, the last rank still owns a real row."""
+    return parts == 1 or (parts - 1) * math.ceil(n / parts) < n
+
+
+def _pipeline(lay: Layout, model: ModelConfig) -> list[Problem]:
+    out, v = [], lay.virtual_stages
+    if v > 1 and lay.schedule != "interleaved-1f1b":
+        out.append(Problem(CONSTRAINT, f"the {lay.schedule} schedule runs one stage per rank, "
+                                       f"but parallel.virtual_stages={v}; use "
+                                       "parallel.schedule=interleaved-1f1b for several "
+                                       "virtual stages per rank, or set virtual_stages=1."))
+    if lay.pp == 1:
+        if v > 1:
+            out.append(Problem(CONSTRAINT, f"parallel.virtual_stages={v} needs a pipeline "
+                                           "(parallel.pp > 1); set virtual_stages=1."))
+        return out
+    if model.n_layers < lay.pp * v:
+        out.append(Problem(DIVISIBILITY, f"the model has {model.n_layers} blocks but "
+                                         f"parallel.pp={lay.pp} x parallel.virtual_stages={v} "
+                                         f"= {lay.pp * v} pipeline stages; every stage needs "
+                                         f"at least one block. Use at most {model.n_layers} "
+                                         "stages in all (fewer virtual stages or a smaller "
+                                         "pp), or a deeper model (model.n_layers)."))
+    if lay.zero_stage == 3:
+        out.append(Problem(CONSTRAINT, ZERO3_PIPELINE_REASON))
+    return out
+
+
+def _batch(lay: Layout, global_batch: int) -> list[Problem]:
+    if global_batch < 1 or global_batch % lay.dp:
+        return [Problem(DIVISIBILITY, f"train.global_batch={global_batch} is not divisible by "
+                                      f"the {lay.dp} data-parallel replicas; choose a multiple "
+                                      f"of {lay.dp}.")]
+    local = global_batch // lay.dp
+    if local % lay.microbatch_size:
+        return [Problem(DIVISIBILITY, f"each replica's batch of {local} sequences cannot be "
+                                      f"cut into microbatches of {lay.microbatch_size} "
+                                      "sequences; choose a number of microbatches "
+                                      f"(train.microbatches) that divides {local}.")]
+    m = local // lay.microbatch_size
+    if lay.pp > 1 and lay.schedule == "interleaved-1f1b" and m % lay.pp:
+        lower, upper = (m // lay.pp) * lay.pp, (m // lay.pp + 1) * lay.pp
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        return [Problem(CONSTRAINT, f"interleaved-1f1b sends microbatches round the {lay.pp} "
+                                    f"pipeline stages in groups of {lay.pp}, so the number "
+                                    f"of microbatches must be a multiple of {lay.pp}; got "
+                                    f"{m}. Use {hint} microbatches (train.microbatches), or "
+                                    "the 1f1b schedule.")]
+    return []
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
