@@ -111,6 +111,7 @@ RANGES: dict[str, Rule] = {
     "train.max_bad_steps": AT_LEAST_0,
     "train.threads": AT_LEAST_0,
     "train.collective_timeout_s": POSITIVE,
+    "train.stall_warning_factor": AT_LEAST_0,
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,

@@ -32,6 +32,15 @@ class AgreedError(PartitaError):
     share, such as the all-reduced loss); only rank 0 needs to print it."""
 
 
+class PeerFailure(PartitaError):
+    """This process is healthy but a collective failed because another process stopped,
+    died or stalled. Its exit status (PEER_FAILURE_EXIT) lets the launcher tell these
+    victims from the process that failed first."""
+
+
+PEER_FAILURE_EXIT = 3
+
+
 class Stopped(BaseException):
     """The run was asked to stop by a signal (Ctrl-C, or SIGTERM from a scheduler).
 

@@ -18,7 +18,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from partita.errors import PartitaError, Stopped, stop_on_signals
+from partita.errors import PEER_FAILURE_EXIT, PartitaError, Stopped, stop_on_signals
+
+SHUTDOWN_TIMEOUT_S = 5
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         # join_timeout is the key torch's c10d rendezvous reads for its overall wait.
         rdzv_configs={"join_timeout": int(math.ceil(spec.join_timeout_s))},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
+        # After one process fails, the others get this long to exit on SIGTERM before
+        # SIGKILL (torch waits 30 s, which a SIGSTOPped process always uses up).
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     # The agent logs each failed child with a long record; the child has already printed
     # its own message (a one-paragraph PartitaError or a traceback), which is the one
@@ -80,14 +85,33 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         # The agent caught SIGINT/SIGTERM and has already stopped the workers.
         raise Stopped(int(exc.sigval)) from None
     except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
+        rank, failure = _first_cause(exc.failures)
         if failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
             raise Stopped(failure.exitcode - 128) from None
+        if failure.exitcode < 0:  # killed by a signal nobody handled
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+            said = ("it printed nothing (a kill, the out-of-memory killer, or a crash in "
+                    "native code)")
+        elif failure.exitcode == PEER_FAILURE_EXIT:  # every failure was a victim's
+            how = "timed out waiting for another process"
+            said = "the messages above name the process that was behind, where one could tell"
+        else:
+            how, said = f"stopped with exit code {failure.exitcode}", "its message is above"
         raise PartitaError(
-            f"process {rank} of the job stopped with exit code {failure.exitcode}; its "
-            "message is printed above. The other processes were stopped."
+            f"process {rank} of the job {how}, the first to fail; {said}. The other "
+            "processes were stopped."
         ) from None
     return [results[r] for r in sorted(results)]
+
+
+def _first_cause(failures: dict) -> tuple[int, object]:
+    """The failure that started it: the earliest of those that are not a victim's exit
+    (PEER_FAILURE_EXIT: 'a collective failed because another process did'), else the
+    earliest. A victim can exit before the agent notices the death that caused it."""
+    causes = {r: f for r, f in failures.items() if f.exitcode != PEER_FAILURE_EXIT}
+    pool = causes or failures
+    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
+    return rank, pool[rank]
 
 
 def _run_reporting_errors(fn: Callable, *args):
@@ -97,14 +121,32 @@ def _run_reporting_errors(fn: Callable, *args):
     no one printed.) Functions that print their own message exit via SystemExit."""
     stop_on_signals()
     try:
-        return fn(*args)
+        result = fn(*args)
     except Stopped as exc:
-        # Leave at once: the agent sends SIGTERM to every worker after a signal, and one
-        # arriving during the interpreter's own shutdown would print a traceback.
-        sys.stderr.flush()
-        os._exit(exc.exit_code)
-    except Exception:
+        # Leave at once: the agent sends SIGTERM to every worker once one fails or is
+        # signalled, and one arriving during the interpreter's own shutdown would print
+        # a traceback.
+        _exit_now(exc.exit_code)
+    except SystemExit as exc:
+        _exit_now(exc.code if isinstance(exc.code, int) else 1)
+    except Exception as exc:
         rank = os.environ.get("RANK", "?")
-        print(f"partita: process {rank} failed:\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
-        raise
+        if os.environ.get("PARTITA_DEBUG") == "1":
+            detail = f":\n{traceback.format_exc()}"
+        else:
+            detail = (f": {type(exc).__name__}: {str(exc).strip()[:300]}. This is a fault "
+                      "inside partita, not in your settings; PARTITA_DEBUG=1 shows the "
+                      "traceback to report.")
+        print(f"partita: process {rank} failed{detail}", file=sys.stderr, flush=True)
+        _exit_now(1)
+    # Done: while the agent collects the results, a SIGTERM (another process failed)
+    # or Ctrl-C ends this one quietly.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: _exit_now(128 + signum))
+    return result
+
+
+def _exit_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -126,7 +126,8 @@ class Mesh:
     every collective in `partita.comm` treats None as "nothing to do".
     """
 
-    def __init__(self, layout: Layout | Degrees, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, layout: Layout | Degrees, rank: int = 0, world_size: int = 1,
+                 timeout_s: float | None = None) -> None:
         dims = layout.degrees if isinstance(layout, Layout) else layout
         check_world_size(dims, world_size)
         self.dims: Degrees = dims
@@ -147,7 +148,7 @@ class Mesh:
                 if key not in made:
                     # new_group is collective over the whole world: every rank creates
                     # every group, in the same order, even those it is not part of.
-                    made[key] = _new_group(members) if len(members) > 1 else None
+                    made[key] = _new_group(members, timeout_s) if len(members) > 1 else None
                 handle = made[key]
                 if rank in members:
                     self.ranks[purpose] = members
@@ -173,7 +174,14 @@ class Mesh:
         return f"Mesh(rank={self.rank}, tp={c.tp}, cp={c.cp}, dp={c.dp}, pp={c.pp}, {self.dims})"
 
 
-def _new_group(members: list[int]):
+def _new_group(members: list[int], timeout_s: float | None):
+    """A process group over `members`. Without an explicit timeout torch gives each new
+    group its 30-minute default, not the world group's: a stalled peer would then hang
+    every collective of the group for half an hour."""
+    import datetime
+
     import torch.distributed as dist
 
-    return dist.new_group(members)
+    if timeout_s is None:
+        return dist.new_group(members)
+    return dist.new_group(members, timeout=datetime.timedelta(seconds=timeout_s))

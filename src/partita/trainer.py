@@ -20,13 +20,15 @@ import torch.distributed as dist
 
 from partita.config import Config
 from partita.data import TokenDataset, load_dataset, num_windows
-from partita.errors import AgreedError, PartitaError
+from partita.errors import AgreedError, PartitaError, PeerFailure
 from partita.export import save_weights
+from partita.faults import FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
+from partita.watchdog import Progress
 
 
 @dataclass
@@ -96,20 +98,29 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+# A stall is reported only after at least this long, however short the median step.
+STALL_MIN_SECONDS = 2.0
+
+
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, fault: FaultPlan | None = None) -> None:
         self.cfg = cfg
+        self.where: tuple[int, str] = (0, "setup")  # (step, phase) for messages
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # per-step buffers without page faults, see module
         rank, world = init_distributed(self.device, cfg.train.collective_timeout_s)
         dims = dims_from_config(cfg, world)
-        self.mesh = Mesh(dims, rank, world)
+        self.mesh = Mesh(dims, rank, world, cfg.train.collective_timeout_s)
         torch.manual_seed(cfg.data.seed + rank)
         self.out_dir = Path(cfg.train.out_dir)
         self.is_logger = rank == 0
         self.data = self._load_data()
         self.pm: ParallelModel = build_parallel_model(cfg, self.mesh, self.device)
+        self.faults = Faults(fault, rank)
+        self._arm_backward_fault()
+        self.progress = Progress(rank, world, cfg.train.stall_warning_factor,
+                                 STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
         dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
         self.sampler = self.data.train_sampler(cfg.train.global_batch, dp_index, dp_size,
                                                cfg.data.seed)
@@ -133,19 +144,44 @@ class Trainer:
         return data
 
     # One optimizer step ------------------------------------------------------------------
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float) -> StepResult:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor, lr: float,
+                   step: int = 0) -> StepResult:
         dp = self.pm.dp
+        self._enter(step, "forward and backward", "forward")
         local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches)
+        self._enter(step, "gradient reduction", "reduction")
         dp.finish_grad_sync()
+        self._enter(step, "clipping")
         grad_norm = dp.clip_grad_norm_(self.cfg.train.grad_clip or None)
+        self._enter(step, "loss average")
         mean_loss = self._mean_loss(local)
         # Every rank sees the same loss and norm, so all skip or all step together. An
         # infinite norm under fp16 loss scaling is an overflow the engine itself skips.
         healthy = math.isfinite(mean_loss) and (
             math.isfinite(grad_norm) or dp.precision.loss_scaling)
+        self._enter(step, "optimizer step", "optimizer")
         stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
         return StepResult(mean_loss, grad_norm, stepped)
+
+    def _enter(self, step: int, phase: str, fault_point: str | None = None) -> None:
+        """Record where this rank is (for the watchdog and error messages); fire an
+        injected fault planned for this point."""
+        self.where = (step, phase)
+        self.progress.enter(step, phase)
+        if fault_point is not None:
+            self.faults.reach(fault_point, step)
+
+    def _arm_backward_fault(self) -> None:
+        """A planned backward fault fires inside autograd, at the first block's backward."""
+        plan = self.faults.plan
+        if plan is None or plan.at != "backward":
+            return
+        blocks = [m for n, m in self.pm.module.named_modules() if n.count(".") == 1
+                  and n.startswith("blocks.")]
+        target = blocks[0] if blocks else self.pm.module
+        target.register_full_backward_pre_hook(
+            lambda *_: self.faults.reach("backward", self.where[0]))
 
     def _mean_loss(self, local: float) -> float:
         """Average over replicas; with a pipeline only the last stage has a loss."""
@@ -187,7 +223,7 @@ class Trainer:
         for step in range(c.train.steps):
             inputs, targets = next(self.sampler)
             lr = schedule(step)
-            result = self.train_step(inputs, targets, lr)
+            result = self.train_step(inputs, targets, lr, step + 1)
             window_steps += 1
             if not self._healthy(result):
                 bad_steps += 1
@@ -195,6 +231,7 @@ class Trainer:
                     self._fail(step, result)
             last = step == c.train.steps - 1
             if (step + 1) % c.train.eval_every == 0 or last:
+                self._enter(step + 1, "evaluation")
                 val_loss = self.evaluate()
                 if val_loss is not None and not math.isfinite(val_loss):
                     self._fail(step, StepResult(val_loss, result.grad_norm, False), "validation ")
@@ -215,6 +252,7 @@ class Trainer:
             "steps": c.train.steps, "train_loss": result.loss if result else float("nan"),
             "val_loss": val_loss, "tokens_per_s": tokens_per_step * c.train.steps / elapsed,
         }
+        self._enter(c.train.steps, "weight write", "weight_write")
         save_weights(self.pm, self.out_dir / "model.safetensors")
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
             self.pm.runner.save_timeline(c.train.timeline_png,
@@ -247,15 +285,47 @@ class Trainer:
         )
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     """Run training on this process (its rank comes from the environment)."""
     torch.set_num_threads(cfg.train.threads or _default_threads())
-    trainer = Trainer(cfg)
+    trainer = None
     try:
+        trainer = Trainer(cfg, fault)
         return trainer.run()
+    except (RuntimeError, dist.DistError) as exc:
+        if not is_peer_failure(exc):
+            raise
+        step, phase = trainer.where if trainer is not None else (0, "setup")
+        late = trainer.progress.culprits() if trainer is not None else ""
+        who = (f"The process to look at: {late}" if late else
+               "Another process of the job stopped, died or stalled (the launcher names "
+               "the one that failed first)")
+        raise PeerFailure(
+            f"a collective in {phase} of step {step} failed: "
+            f"{str(exc).strip().splitlines()[0][:160]}. {who}; collectives wait at most "
+            f"train.collective_timeout_s={cfg.train.collective_timeout_s:g} s."
+        ) from None
     finally:
+        if trainer is not None:
+            trainer.progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# What gloo and NCCL say when a peer is gone or late (their errors are RuntimeErrors
+# with these words rather than one exception type).
+_PEER_FAILURE_WORDS = ("timed out", "application timeout", "pair closure",
+                       "connection closed", "connection reset",
+                       "broken pipe", "connection refused", "read error", "peer",
+                       "nccl communicator was aborted")
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """True when `exc` says a collective failed because another process did."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _PEER_FAILURE_WORDS)
 
 
 def _default_threads() -> int:

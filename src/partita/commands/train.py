@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from partita.config import Config, config_from_toml, load_config
-from partita.errors import AgreedError, PartitaError
+from partita.errors import PEER_FAILURE_EXIT, AgreedError, PartitaError, PeerFailure
 from partita.launch import LaunchSpec, launch, launched_externally
 from partita.run_dir import prepare_out_dir, weight_bytes
 
@@ -30,18 +31,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_overrides=True)
 
 
+VICTIM_GRACE_S = 1.0
+
+
 def _worker(config_toml: str) -> dict:
     """Entry point of each launched process."""
+    from partita.faults import fault_from_env
     from partita.trainer import train
 
     cfg = config_from_toml(config_toml)
     try:
-        return train(cfg)
+        return train(cfg, fault_from_env())
     except PartitaError as exc:
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 or not isinstance(exc, AgreedError):
             where = f" (rank {rank})" if rank else ""
             print(f"partita: error{where}: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, PeerFailure):
+            # Let the launcher see the death that caused this first: it reports one
+            # failure, whichever it notices first, and this one is only a consequence.
+            time.sleep(VICTIM_GRACE_S)
+            raise SystemExit(PEER_FAILURE_EXIT) from None
         raise SystemExit(2) from None
 
 

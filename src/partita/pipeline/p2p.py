@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from partita.comm import GroupComm
-from partita.errors import PartitaError
+from partita.errors import PeerFailure
 from partita.pipeline.actions import Action, Kind, Schedule, ScheduleError
 
 
-class PipelineTimeout(PartitaError):
+class PipelineTimeout(PeerFailure):
     """A pipeline peer did not deliver in time (it died, stalls, or runs another step)."""
 
 

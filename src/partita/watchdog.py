@@ -1,0 +1,164 @@
+"""Where each rank is in its step, whether it is alive, and a warning when it stalls.
+
+Every rank publishes "step, phase" to the job's key-value store (the one
+torch.distributed's rendezvous set up) when it enters a phase of a step, and a
+background thread bumps a heartbeat counter four times a second. Two uses:
+
+* when a collective fails, the ranks that waited name the ones whose heartbeat stopped
+  (stopped, hung or dead) or, failing that, the ones behind the others;
+* on rank 0 the thread compares how long the current step has run with the median step
+  time; past `factor` times the median (and at least `min_seconds`) it prints once which
+  ranks are behind or silent, well before the collective timeout ends the job.
+
+A stalled rank cannot report itself, so the report comes from the ones waiting for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+
+# Phases in the order a step passes them; a rank in an earlier phase is behind.
+PHASES = ("forward and backward", "gradient reduction", "clipping", "loss average",
+          "optimizer step", "evaluation", "weight write")
+BEAT_S = 0.25  # heartbeat period
+SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running
+
+
+def _store_client():
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+class Progress:
+    """Publishes this rank's position and heartbeat; rank 0 also watches for stalls."""
+
+    STEP_KEY = "partita/progress/{rank}"
+    BEAT_KEY = "partita/beat/{rank}"
+
+    def __init__(self, rank: int, world_size: int, factor: float, min_seconds: float,
+                 timeout_s: float) -> None:
+        self.rank, self.world = rank, world_size
+        self.factor, self.min_seconds, self.timeout_s = factor, min_seconds, timeout_s
+        self.enabled = world_size > 1 and "MASTER_ADDR" in os.environ
+        self.step, self.phase = 0, PHASES[0]
+        self.step_started = time.monotonic()
+        self.durations: deque[float] = deque(maxlen=50)
+        self._store = _store_client() if self.enabled else None
+        self._stop = threading.Event()
+        self._thread = None
+        if self.enabled:
+            self.enter(0, PHASES[0])
+            self._thread = threading.Thread(target=self._background, daemon=True,
+                                            name="partita-heartbeat")
+            self._thread.start()
+
+    def enter(self, step: int, phase: str) -> None:
+        """This rank starts `phase` of `step` (1-based)."""
+        if step != self.step:
+            now = time.monotonic()
+            if self.step > 0:
+                self.durations.append(now - self.step_started)
+            self.step, self.step_started = step, now
+        self.phase = phase
+        if self._store is not None:
+            self._store.set(self.STEP_KEY.format(rank=self.rank), f"{step}|{phase}")
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    # What the others are doing -------------------------------------------------------------
+    def positions(self, store=None) -> dict[int, tuple[int, str]]:
+        """rank -> (step, phase) as last published by every rank."""
+        store = store or self._store
+        where = {}
+        for r in range(self.world):
+            step, _, phase = store.get(self.STEP_KEY.format(rank=r)).decode().partition("|")
+            where[r] = (int(step), phase)
+        return where
+
+    def silent(self, store=None) -> list[int]:
+        """Ranks whose heartbeat did not move for SILENT_S seconds (takes that long)."""
+        store = store or self._store
+        keys = [self.BEAT_KEY.format(rank=r) for r in range(self.world)]
+        before = store.multi_get(keys)
+        time.sleep(SILENT_S)
+        after = store.multi_get(keys)
+        return [r for r in range(self.world) if r != self.rank and before[r] == after[r]]
+
+    def culprits(self) -> str:
+        """Who to look at after a failed collective: silent ranks first, else the ranks
+        behind the furthest one; '' when that cannot be told."""
+        if self._store is None:
+            return ""
+        try:
+            where = self.positions()
+            silent = self.silent()
+        except Exception:  # the store's host may be the process that died
+            return ""
+        return describe(where, silent)
+
+    # The background thread -----------------------------------------------------------------
+    def _background(self) -> None:
+        store = _store_client()
+        beat, reported = 0, -1
+        key = self.BEAT_KEY.format(rank=self.rank)
+        while not self._stop.wait(BEAT_S):
+            beat += 1
+            try:
+                store.set(key, str(beat))
+                if self.rank == 0 and self.factor > 0 and self.step != reported:
+                    if self._stalled():
+                        reported = self.step
+                        waited = time.monotonic() - self.step_started
+                        print(stall_report(self.step, waited, statistics.median(self.durations),
+                                           describe(self.positions(store), self.silent(store)),
+                                           self.timeout_s), file=sys.stderr, flush=True)
+            except Exception:
+                return  # the job is ending; the main thread reports why
+
+    def _stalled(self) -> bool:
+        if len(self.durations) < 2:
+            return False
+        waited = time.monotonic() - self.step_started
+        return waited >= max(self.factor * statistics.median(self.durations), self.min_seconds)
+
+
+def describe(where: dict[int, tuple[int, str]], silent: list[int]) -> str:
+    """'rank 1 (step 3, forward and backward) is not running' or '... is behind'."""
+    if silent:
+        return ", ".join(f"rank {r} (last seen in step {where[r][0]}, {where[r][1]})"
+                         for r in silent) + (" stopped responding: stopped, hung or dead")
+    late = ranks_behind(where)
+    if late:
+        return ", ".join(f"rank {r} (step {where[r][0]}, {where[r][1]})"
+                         for r in late) + " behind the others"
+    return ""
+
+
+def ranks_behind(where: dict[int, tuple[int, str]]) -> list[int]:
+    """Ranks at an earlier (step, phase) than the furthest rank."""
+    if not where:
+        return []
+    order = {phase: i for i, phase in enumerate(PHASES)}
+    position = {r: (s, order.get(p, 0)) for r, (s, p) in where.items()}
+    furthest = max(position.values())
+    return sorted(r for r, pos in position.items() if pos < furthest)
+
+
+def stall_report(step: int, waited: float, median: float, who: str, timeout_s: float) -> str:
+    """The warning for a stalled step."""
+    who = who or "every rank is at the same point, so one is stuck inside it"
+    return (f"partita: warning: step {step} has run {waited:.1f} s, {waited / median:.0f}x the "
+            f"median step time ({median:.2f} s); {who}. If it does not recover the job stops "
+            f"after train.collective_timeout_s={timeout_s:g} s.")

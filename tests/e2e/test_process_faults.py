@@ -1,0 +1,72 @@
+"""Process faults injected into real `partita train` jobs end them within a bound.
+
+Each case kills (SIGKILL), stops (SIGSTOP) or makes raise one rank at one point of a
+step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
+once, the layouts taking turns, so each layout meets every kind of fault. Each case
+asserts a non-zero exit within the bound, messages without a traceback, the last
+message naming the process that failed first (and, for a stopped one, the others
+naming it as behind), and no weights or half-written file left in the run folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from partita.faults import KINDS, POINTS
+
+TIMEOUT_S = 4  # collective and pipeline timeouts of these jobs
+BOUND_S = 150  # start-up of two processes on a loaded 2-core machine included
+
+LAYOUTS = {
+    "dp": [],
+    "zero3": ["--parallel.zero_stage=3"],
+    "tp": ["--parallel.tp=2", "--parallel.sequence_parallel"],
+    "pp": ["--parallel.pp=2", "--train.microbatches=2"],
+}
+SMALL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--data.seq_len=32",
+         "--data.max_bytes=200000", "--train.global_batch=4", "--train.threads=1",
+         "--metrics.tensorboard=false", "--train.progress=false", "--train.eval_every=1000",
+         f"--train.collective_timeout_s={TIMEOUT_S}", f"--parallel.pp_timeout_s={TIMEOUT_S}"]
+
+
+def _cases() -> list[tuple[str, str, str, int]]:
+    layouts = itertools.cycle(LAYOUTS)
+    cases = []
+    for i, (kind, point) in enumerate(itertools.product(KINDS, POINTS)):
+        cases.append((next(layouts), kind, point, i % 2))
+    return cases
+
+
+@pytest.mark.parametrize(("layout", "kind", "point", "rank"), _cases(),
+                         ids=[f"{lay}-{k}-{p}-rank{r}" for lay, k, p, r in _cases()])
+def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, rank, tmp_path):
+    steps = 3
+    step = steps if point == "weight_write" else 2
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": f"rank={rank},step={step},at={point},do={kind}"}
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, *LAYOUTS[layout], "--nproc", "2",
+         f"--train.steps={steps}", f"--data.cache_dir={tmp_path / 'cache'}",
+         f"--train.out_dir={run}"],
+        capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
+    elapsed = time.monotonic() - start
+    err = result.stderr
+    assert result.returncode != 0, err[-3000:]
+    assert elapsed < BOUND_S, elapsed
+    assert "Traceback" not in err, err[-3000:]
+    last = [line for line in err.splitlines() if line.startswith("partita:")][-1]
+    assert last.startswith("partita: error: process "), last
+    if kind == "stop" and point != "weight_write":  # the waiting ranks name it
+        assert f"The process to look at: rank {rank} " in err, err[-3000:]
+    if kind != "stop":  # the faulty process is the first to fail
+        assert f"process {rank} of the job" in last, last
+    assert not (run / "model.safetensors").exists()
+    assert not list(run.glob("*.partial"))
