@@ -70,3 +70,13 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+def require_in_range(flag: str, value: int | None, low: int, high: int, why: str = "") -> None:
+    """Raise PartitaError unless low <= value <= high (None means not given: fine).
+
+    For command-line counts: a size beyond `high` is refused at once rather than left to
+    run for minutes without a word."""
+    if value is not None and not low <= value <= high:
+        raise PartitaError(f"{flag} {value} is out of range: use {low} to {high:,}"
+                           f"{'; ' + why if why else ''}.")

@@ -101,3 +101,20 @@ def test_a_used_out_dir_is_refused_unless_overwrite(tmp_path):
     replaced = partita(*args, "--train.overwrite=true")
     assert replaced.returncode == 0, replaced.stderr[-2000:]
     assert (run / "model.safetensors").read_bytes() != b"previous run"
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "--model", "llama3-70b", "--gpus", "100000000"],
+    ["plan", "--model", "llama3-70b", "--gpus", "0"],
+    ["plan", "--model", "llama3-70b", "--gpus", "8", "--global-batch", "-4"],
+    ["plan", "--model", "llama3-70b", "--gpus", "8", "--seq-len", "0"],
+    ["schedule", "gpipe", "--stages", "100000", "--microbatches", "100000"],
+    ["schedule", "1f1b", "--stages", "0", "--microbatches", "4"],
+    ["schedule", "interleaved-1f1b", "--stages", "64", "--microbatches", "64", "--virtual", "8"],
+])
+def test_sizes_beyond_the_stated_limits_are_refused_at_once(args):
+    start = time.monotonic()
+    result = partita(*args, timeout=60)
+    assert result.returncode == 2 and "is out of range" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 30  # an import of torch at most, no search

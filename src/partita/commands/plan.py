@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, require_in_range
 
 
 def register(subparsers) -> None:
@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes seconds
+
+
 def run(args: argparse.Namespace) -> int:
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
@@ -63,6 +66,11 @@ def run(args: argparse.Namespace) -> int:
     from partita.planner.layout import parse_layout
     from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
+    require_in_range("--gpus", args.gpus, 1, MAX_GPUS, "larger searches run for minutes")
+    require_in_range("--gpus-per-node", args.gpus_per_node, 1, 1024)
+    require_in_range("--seq-len", args.seq_len, 2, 1 << 22)
+    require_in_range("--global-batch", args.global_batch, 1, 1 << 24, "sequences per step")
+    require_in_range("--top", args.top, 1, 10_000)
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")

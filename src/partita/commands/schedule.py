@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from partita.errors import require_in_range
 from partita.pipeline import (
     build_schedule,
     draw_timeline,
@@ -38,7 +39,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# Actions (stages x microbatches x virtual stages) a schedule may have: about 2 s to
+# build, validate, simulate and print on one CPU core; a bigger one is no drawing to read.
+MAX_CELLS = 8192
+
+
 def run(args: argparse.Namespace) -> int:
+    require_in_range("--stages", args.stages, 1, MAX_CELLS)
+    require_in_range("--microbatches", args.microbatches, 1, MAX_CELLS)
+    require_in_range("--virtual", args.virtual, 1, 64)
+    cells = args.stages * args.microbatches * (args.virtual or 1)
+    require_in_range("--stages x --microbatches x --virtual", cells, 1, MAX_CELLS,
+                     "draw a smaller pipeline (the schedule's shape repeats)")
     sched = build_schedule(args.name, args.stages, args.microbatches, args.virtual)
     validate(sched)
     timeline = simulate(sched)
