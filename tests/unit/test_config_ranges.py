@@ -30,12 +30,16 @@ def _outside_cases() -> list[tuple[str, object]]:
 
 
 def _wrong_type_cases() -> list[tuple[str, str]]:
+    """Every numeric setting given a word, every true/false setting given 'maybe'."""
     cases = []
-    for key in RANGES:
-        section, name = key.split(".")
-        hint = typing.get_type_hints(_sections()[section])[name]
-        if hint in (int, float) or int in typing.get_args(hint) or float in typing.get_args(hint):
-            cases.append((key, "twelve"))
+    for section, cls in _sections().items():
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            kinds = (hint, *typing.get_args(hint))
+            if bool in kinds:
+                cases.append((f"{section}.{f.name}", "maybe"))
+            elif int in kinds or float in kinds:
+                cases.append((f"{section}.{f.name}", "twelve"))
     return cases
 
 
