@@ -90,8 +90,9 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             raise Stopped(failure.exitcode - 128) from None
         if failure.exitcode < 0:  # killed by a signal nobody handled
             how = f"was killed by {signal.Signals(-failure.exitcode).name}"
-            said = ("it printed nothing (a kill, the out-of-memory killer, or a crash in "
-                    "native code)")
+            said = ("it printed nothing: a kill, the out-of-memory killer, a crash in "
+                    "native code, or partita's own peers ending it after it stopped "
+                    "responding (then the messages above say so)")
         elif failure.exitcode == PEER_FAILURE_EXIT:  # every failure was a victim's
             how = "timed out waiting for another process"
             said = "the messages above name the process that was behind, where one could tell"

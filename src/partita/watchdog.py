@@ -15,8 +15,11 @@ A stalled rank cannot report itself, so the report comes from the ones waiting f
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
+import socket
 import statistics
 import sys
 import threading
@@ -43,6 +46,7 @@ class Progress:
 
     STEP_KEY = "partita/progress/{rank}"
     BEAT_KEY = "partita/beat/{rank}"
+    PID_KEY = "partita/pid/{rank}"
 
     def __init__(self, rank: int, world_size: int, factor: float, min_seconds: float,
                  timeout_s: float) -> None:
@@ -56,6 +60,7 @@ class Progress:
         self._stop = threading.Event()
         self._thread = None
         if self.enabled:
+            self._store.set(self.PID_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
             self.enter(0, PHASES[0])
             self._thread = threading.Thread(target=self._background, daemon=True,
                                             name="partita-heartbeat")
@@ -98,15 +103,26 @@ class Progress:
 
     def culprits(self) -> str:
         """Who to look at after a failed collective: silent ranks first, else the ranks
-        behind the furthest one; '' when that cannot be told."""
+        behind the furthest one; '' when that cannot be told.
+
+        Silent processes on this machine are then killed: the job is ending, and torch's
+        launcher would otherwise wait 30 s for a stopped process to honour its SIGTERM."""
         if self._store is None:
             return ""
         try:
             where = self.positions()
             silent = self.silent()
+            self._kill_local(silent)
         except Exception:  # the store's host may be the process that died
             return ""
         return describe(where, silent)
+
+    def _kill_local(self, ranks: list[int]) -> None:
+        for r in ranks:
+            host, _, pid = self._store.get(self.PID_KEY.format(rank=r)).decode().partition("|")
+            if host == socket.gethostname():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
 
     # The background thread -----------------------------------------------------------------
     def _background(self) -> None:
@@ -138,7 +154,8 @@ def describe(where: dict[int, tuple[int, str]], silent: list[int]) -> str:
     """'rank 1 (step 3, forward and backward) is not running' or '... is behind'."""
     if silent:
         return ", ".join(f"rank {r} (last seen in step {where[r][0]}, {where[r][1]})"
-                         for r in silent) + (" stopped responding: stopped, hung or dead")
+                         for r in silent) + (" stopped responding (stopped, hung or dead; "
+                                             "ended now if on this machine)")
     late = ranks_behind(where)
     if late:
         return ", ".join(f"rank {r} (step {where[r][0]}, {where[r][1]})"
