@@ -16,11 +16,11 @@ import argparse
 
 import torch
 
+from partita.local_world import run_distributed
 from partita.mesh import Mesh, ParallelDims
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
-from partita.testing import run_distributed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
