@@ -19,8 +19,9 @@ batch and the same initial weights. This module is the one way the tests check t
 
 Tolerances: float64 parity within `FLOAT64_TOL` = 1e-10 relative (a correct layout lands
 near 1e-13, reduction order being the only difference); float32 within `FLOAT32_TOL` =
-1e-4 (a correct data-parallel run already drifts ~3e-5 on these models from reduction
-order alone). Tests that drive a lower-level API on models outside the catalog (a toy
+1e-4 (reduction order alone moves a correct data-parallel run's float32 weights by up
+to 7e-5 over 10 steps at the default learning rate of 3e-3, and by 1.6e-4 at 1e-2:
+measured, so float32 cases train at the default rate). Tests that drive a lower-level API on models outside the catalog (a toy
 model under `DataParallel`) use `token_batch` and `assert_parity` directly.
 """
 
@@ -52,12 +53,12 @@ FLOAT64_TOL = 1e-10
 FLOAT32_TOL = 1e-4
 # Denominator floor of `relative_error`: a quantity that is zero in exact arithmetic
 # comes out of float64 as rounding noise on both sides (the key bias gradient: softmax
-# ignores a constant added to every score, so it is ~1e-19 here, with unrelated values
+# ignores a constant added to every score, so it is ~1e-20 here, with unrelated values
 # on each side); measured against its own size a correct layout would show an error of
-# order 1. Everything else these tests compare is above 1e-4 in size (losses ~4, norms
-# ~0.1-10, gradients and weights of tiny models), so the floor never hides a real
-# difference: at 1e-10 it tolerates an absolute error of 1e-16, below float64 rounding
-# of any quantity of size 1.
+# order 1. Every other quantity these tests compare is far larger (losses ~2-4, norms
+# ~1, weights ~0.07 and up; the smallest gradient, the first step's query projection,
+# 8.6e-5: measured on the parity model), so the floor never hides a real difference:
+# at 1e-10 it lets through at most 1e-16 absolute, float64 rounding of a value of 1.
 PARITY_FLOOR = 1e-6
 
 # The tiny model every parity test trains unless it says otherwise (GQA: 4 heads, 2 kv).
@@ -200,8 +201,8 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     over `train.microbatches`, gradient sync, the global gradient norm (clipped at
     `train.grad_clip`, 0 = none), a step at the constant rate `train.lr`. Returns the
     mean loss and gradient norm per step, the validation loss of one more batch, the
-    engine's memory ledger, this rank's gradients at the steps in `grads_at` (ZeRO 0-1,
-    before clipping) and, with `params`, its final parameters, each as (ShardInfo,
+    engine's memory ledger, this rank's gradients at the steps in `grads_at` (before
+    clipping; without ZeRO only, since ZeRO reduces each rank's own slice alone) and, with `params`, its final parameters, each as (ShardInfo,
     tensor) under its global name; `probe(pm, cfg)`'s result when given.
     """
     mesh = Mesh(dims_from_config(cfg, world), rank, world)
@@ -245,8 +246,8 @@ def _named(pm: ParallelModel, what: Callable) -> dict[str, tuple[ShardInfo, torc
     for name, p in pm.module.named_parameters():
         value = what(p)
         if value is None:
-            raise ValueError(f"{name} has no gradient to record (record gradients under "
-                             "ZeRO 0-1 only, where each rank holds them whole)")
+            raise ValueError(f"{name} has no gradient to record (record gradients "
+                             "without ZeRO only, where each rank holds them whole)")
         info = shard_info(p, name)
         # A copy: the engine reuses its buffers, and a view would pickle all of them.
         out[info.name] = (info, value.detach().clone())
