@@ -6,13 +6,13 @@ Layers, lowest first (docs/architecture.md explains each):
     base         partita (the package), errors, device_specs, host_memory, local_world
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
-    config       config              the typed run configuration
+    config       config, config_ranges   the typed run configuration and its valid ranges
     core         comm, mesh, sharding, loss, activations
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
-    services     checkpoint, data.*, export, generate, metrics
-    trainer      trainer, launch
+    services     checkpoint, data.*, export, generate, metrics, run_dir
+    trainer      trainer, launch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
     testing      testing             the test harness: nothing in the library imports it
@@ -38,15 +38,15 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
               "partita.local_world")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout",)),
-    ("config", ("partita.config",)),
+    ("config", ("partita.config", "partita.config_ranges")),
     ("core", ("partita.comm", "partita.mesh", "partita.sharding", "partita.loss",
               "partita.activations")),
     ("optim", ("partita.optim",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline")),
     ("parallelize", ("partita.parallelize",)),
     ("services", ("partita.checkpoint", "partita.data", "partita.export", "partita.generate",
-                  "partita.metrics")),
-    ("trainer", ("partita.trainer", "partita.launch")),
+                  "partita.metrics", "partita.run_dir")),
+    ("trainer", ("partita.trainer", "partita.launch", "partita.faults", "partita.watchdog")),
     ("bench", ("partita.bench",)),
     ("commands", ("partita.commands", "partita.cli")),
     ("testing", ("partita.testing",)),
