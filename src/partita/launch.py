@@ -47,7 +47,7 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from partita.testing import free_port
+    from partita.local_world import free_port
 
     if spec.nnodes > 1 and not (spec.rdzv_endpoint and spec.rdzv_id):
         raise PartitaError(

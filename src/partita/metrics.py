@@ -2,7 +2,7 @@
 
 MFU = (training FLOPs per token x tokens per second) / (peak FLOP/s x devices), with
 FLOPs per token = 6N + 12*L*H*Q*T (see ModelConfig.flops_per_token). The peak is the
-device's dense bf16 datasheet figure from the planner's hardware catalog on known GPUs
+device's dense bf16 datasheet figure (`partita.device_specs`) on known GPUs
 (TF32 for fp32 training would be half: we state bf16 so MFU is comparable across runs),
 or, on a CPU, one thread's measured float32 matmul rate per thread, or
 `metrics.peak_tflops` when set.
@@ -16,21 +16,17 @@ from pathlib import Path
 
 import torch
 
+from partita.device_specs import datasheet_peak_flops, matmul_rate
+
 
 def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
-    """FLOP/s that MFU divides by: the setting, the planner's GPU catalog, or on a CPU
+    """FLOP/s that MFU divides by: the setting, the GPU datasheet table, or on a CPU
     one thread's measured float32 matmul rate times the threads in use."""
-    from partita.planner.cpu_profile import matmul_rate
-    from partita.planner.hardware import GPUS
-
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, spec in GPUS.items():
-            if key.split("-")[0] in name:  # "A100-80GB" matches "NVIDIA A100-SXM4-80GB"
-                return spec.peak_flops
-        return 0.0  # unknown GPU: MFU is reported as 0 until metrics.peak_tflops is set
+        # An unknown GPU: MFU is reported as 0 until metrics.peak_tflops is set.
+        return datasheet_peak_flops(torch.cuda.get_device_name(device)) or 0.0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from partita.bench import paired
+from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
-from partita.testing import run_distributed
 
 LR = 1e-4
 Step = Callable[[torch.Tensor], None]

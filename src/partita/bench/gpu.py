@@ -25,7 +25,7 @@ import statistics
 import torch
 
 from partita.bench import dp as harness
-from partita.testing import run_distributed
+from partita.local_world import run_distributed
 
 BF16 = torch.bfloat16
 

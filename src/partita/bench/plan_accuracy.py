@@ -35,9 +35,9 @@ from partita.bench.plan_measure import (
     worst_by_stage,
     worst_rank,
 )
+from partita.local_world import run_distributed
 from partita.planner import Assumptions, get_gpu
 from partita.planner.hardware import GPUSpec
-from partita.testing import run_distributed
 
 DTYPES = ("float32", "bfloat16")
 

@@ -22,7 +22,7 @@ import argparse
 import statistics
 
 from partita.bench import paired
-from partita.testing import run_distributed
+from partita.local_world import run_distributed
 
 SELF = "partita (same again)"
 

@@ -25,11 +25,11 @@ import torch.nn.functional as F
 
 from partita.bench import paired
 from partita.layout import Layout
+from partita.local_world import run_distributed
 from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
-from partita.testing import run_distributed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

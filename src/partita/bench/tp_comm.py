@@ -17,11 +17,11 @@ import argparse
 import torch
 
 from partita.layout import Layout
+from partita.local_world import run_distributed
 from partita.mesh import Mesh
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
-from partita.testing import run_distributed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

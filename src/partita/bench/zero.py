@@ -27,7 +27,7 @@ import os
 import torch
 
 from partita.bench import dp as harness
-from partita.testing import run_distributed
+from partita.local_world import run_distributed
 
 
 def _fsdp2_step(model, mesh, reshard: bool) -> harness.Step:

@@ -16,10 +16,10 @@ import argparse
 
 import torch
 
+from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
 from partita.models.transformer import build_model
-from partita.testing import run_distributed
 from partita.zero.config import ZeroConfig, ZeroStage
 
 STAGES = (0, 1, 2, 3)

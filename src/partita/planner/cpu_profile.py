@@ -9,9 +9,8 @@ after a fixed time budget (well under two seconds together).
 from __future__ import annotations
 
 import os
-import time
 
-from partita.planner.hardware import GB, GPUSpec
+from partita.device_specs import GB, GPUSpec, best_rate, matmul_rate
 
 
 def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
@@ -29,7 +28,7 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         flops = matmul_rate(size, budget_s)
         n = 1 << 22  # 16 MiB of float32: beyond the caches
         src, dst = torch.randn(n), torch.empty(n)
-        copy_rate = _best_rate(lambda a, b: b.copy_(a), src, dst, 2.0 * 4 * n, budget_s / 2)
+        copy_rate = best_rate(lambda a, b: b.copy_(a), src, dst, 2.0 * 4 * n, budget_s / 2)
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
@@ -52,25 +51,6 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         source=f"measured on this machine: {size}^3 fp32 matmul on 1 thread, "
                f"copy bandwidth, /proc/meminfo",
     )
-
-
-def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
-    """Best float32 FLOP/s of `size`^3 matmuls on the current thread setting."""
-    import torch
-
-    return _best_rate(lambda a, b: torch.mm(a, b), torch.randn(size, size),
-                      torch.randn(size, size), 2.0 * size**3, budget_s)
-
-
-def _best_rate(op, a, b, work: float, budget_s: float) -> float:
-    op(a, b)  # warm-up: first call allocates and picks kernels
-    best = float("inf")
-    deadline = time.perf_counter() + budget_s
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        op(a, b)
-        best = min(best, time.perf_counter() - start)
-    return work / best
 
 
 def _physical_memory() -> float:

@@ -1,9 +1,6 @@
 """Paired benchmark rounds: the median's interval, and rounds doubled only while a
-verdict is open. The statistics are pure functions; one short `bench dp` run checks
-that the harness wires them in."""
-
-import subprocess
-import sys
+verdict is open. The statistics are pure functions; one short `bench dp` run
+(tests/e2e/test_bench_cli.py) checks that the benchmarks wire them in."""
 
 from partita.bench.paired import estimate, paired_rounds, ratios
 
@@ -53,18 +50,3 @@ def test_rounds_stop_once_the_interval_clears_the_threshold():
 def test_without_a_threshold_the_count_is_fixed():
     time_side, _ = sides(lambda r: 0.9 if r % 2 else 1.1)
     assert len(paired_rounds(time_side, 6, 160, threshold=None)[0]) == 6
-
-
-def test_bench_dp_prints_its_table_with_intervals():
-    out = subprocess.run(
-        [sys.executable, "-m", "partita.cli", "bench", "dp", "--world", "2", "--batch", "1",
-         "--seq", "16", "--rounds", "2", "--max-rounds", "4"],
-        capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
-    row = lines[-2].split()
-    assert row[:4] == ["2", "partita", "stage", "0"], lines
-    assert int(row[-1]) in (2, 4)  # rounds: 2, or doubled once to the cap
-    low, high = (float(x) for x in row[-2].split("-"))
-    assert low <= float(row[-3]) <= high
-    assert lines[-1].startswith("dp: partita/torch-ddp step-time ratio ")

@@ -1,5 +1,5 @@
 """partita.loss.cross_entropy against torch's, on the whole vocabulary (the sharded form
-is checked against it across ranks in tests/test_tp_distributed.py)."""
+is checked against it across ranks in tests/dist/test_tp_distributed.py)."""
 
 import pytest
 import torch

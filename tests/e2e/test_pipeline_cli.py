@@ -5,7 +5,6 @@ fail with a message that says what to change."""
 from __future__ import annotations
 
 import pytest
-from test_cli import SMALL, losses, partita
 
 FLOAT64 = ["--train.dtype=float64", "--train.microbatches=2"]
 LAYOUTS = {
@@ -17,29 +16,22 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def test_pipeline_layouts_match_one_process(tmp_path, cache):
+def test_pipeline_layouts_match_one_process(tmp_path, cli):
     curves = {}
     for name, extra in LAYOUTS.items():
         out = tmp_path / name
-        result = partita("train", *SMALL, *FLOAT64, "--model.n_layers=4", *extra,
-                         f"--data.cache_dir={cache}", f"--train.out_dir={out}", timeout=400)
+        result = cli.train(out, *FLOAT64, "--model.n_layers=4", *extra, timeout=400)
         assert result.returncode == 0, result.stderr[-3000:]
-        curves[name] = losses(out)
+        curves[name] = cli.losses(out)
     for name, curve in curves.items():
         assert curve == pytest.approx(curves["single"], rel=1e-10), name
     assert curves["single"][-1] < curves["single"][0]
 
 
-def test_a_bad_pipeline_setting_fails_with_the_reason(tmp_path, cache):
-    # The other bad settings are covered without processes in test_pipeline.py.
-    result = partita("train", *SMALL, "--nproc", "2", "--parallel.pp=2",
-                     "--parallel.schedule=1f1bb", f"--data.cache_dir={cache}",
-                     f"--train.out_dir={tmp_path}", timeout=120)
+def test_a_bad_pipeline_setting_fails_with_the_reason(run_dir, cli):
+    # The other bad settings are covered without processes in dist/test_pipeline.py.
+    result = cli.train(run_dir, "--nproc", "2", "--parallel.pp=2",
+                       "--parallel.schedule=1f1bb", timeout=120)
     assert result.returncode != 0
     assert "partita: error: unknown pipeline schedule '1f1bb'. Did you mean '1f1b'?" \
         in result.stderr

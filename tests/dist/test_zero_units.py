@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import test_zero_parity as zp
 import torch
 import torch.nn as nn
 
@@ -14,6 +13,7 @@ from partita.mesh import Mesh
 from partita.testing import run_distributed
 from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
 from partita.zero.units import gather_units, resolve_blocks
+from tests.dist import dp_cases as zp
 
 
 def _mesh() -> Mesh:

@@ -2,40 +2,53 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import test_zero_parity as zp
 import torch
 
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.testing import run_distributed
+from partita.testing import FLOAT32_TOL, Case, check_layouts, parity_config, run_distributed
 from partita.zero import DataParallel, MixedPrecision, ZeroConfig
+from tests.dist import dp_cases as zp
+
+STEPS = 10
+
+
+def dp_case(name: str, stage: int = 0, microbatches: int = 1, clip: float = 1.0,
+            dtype: str = "float64") -> Case:
+    parallel = dict(zero_stage=stage, bucket_mb=0.02)
+    if dtype == "float32":  # at the default rate: see tests/dist/test_zero_parity.py
+        cfg = parity_config(parallel=parallel, train=dict(microbatches=microbatches,
+                                                          dtype=dtype, grad_clip=clip))
+        return Case(name, cfg, tol=FLOAT32_TOL, grads_at=(0,), params=True)
+    cfg = parity_config(parallel=parallel, train=dict(microbatches=microbatches, lr=1e-2,
+                                                      grad_clip=clip))
+    # Gradients are whole on every rank only without ZeRO.
+    return Case(name, cfg, grads_at=(0,) if stage == 0 else (), params=True)
+
 
 CASES = {
-    2: [dict(stage=0, accum=1), dict(stage=0, accum=2),
+    2: [dp_case("dp-m1"), dp_case("dp-m2", microbatches=2),
         # Exactness: with 2 ranks an all-reduce and a reduce-scatter add the same two
         # numbers, so without clipping (whose norm sums in another order) stages 1 and 2
         # must equal stage 0 bit for bit.
-        dict(stage=0, clip=None), dict(stage=1, clip=None), dict(stage=2, clip=None),
-        dict(stage=0, dtype="float32", accum=2)],
-    4: [dict(stage=0, accum=1), dict(stage=0, accum=2)],
+        dp_case("dp-noclip", clip=0), dp_case("zero1-noclip", stage=1, clip=0),
+        dp_case("zero2-noclip", stage=2, clip=0),
+        dp_case("dp-m2-fp32", microbatches=2, dtype="float32")],
+    4: [dp_case("dp-m1"), dp_case("dp-m2", microbatches=2)],
 }
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_data_parallel_matches_single_process(world: int) -> None:
-    results = run_distributed(zp.worker, world, args=(CASES[world],), timeout=240)[0]
-    for case, got in zip(CASES[world], results):
-        tol = 1e-4 if case.get("dtype") == "float32" else zp.TOL
-        assert got["grads"] is not None or case["stage"] > 0
-        zp.assert_parity(got, zp.cached_reference(case), tol, f"{world}:{case}")
+    results = check_layouts(CASES[world], world, STEPS)
     if world == 2:
-        base = results[2]
-        for got in results[3:5]:
+        base = results[2][0][0]
+        for ranks, _ in results[3:5]:
+            got = ranks[0]
             assert got["losses"] == base["losses"]
-            for name, value in base["params"].items():
-                assert np.array_equal(got["params"][name], value), name
+            for name, (_, value) in base["params"].items():
+                assert torch.equal(got["params"][name][1], value), name
 
 
 def _comm_worker(rank: int, world: int) -> dict:

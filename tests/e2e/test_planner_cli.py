@@ -125,5 +125,5 @@ def test_implementation_chooses_whose_activations_are_counted(capsys):
         memory[impl] = json.loads(capsys.readouterr().out)["evaluation"]["memory_bytes"]
     assert memory["fused"]["loss_transients"] == 0.0
     # bf16: the logits (forward) or their gradient (backward) beside the loss's saved
-    # fp32 tensor, 2 bytes per logit (tests/test_planner_memory.py measures it).
+    # fp32 tensor, 2 bytes per logit (tests/unit/test_planner_memory.py measures it).
     assert memory["partita"]["loss_transients"] == pytest.approx(2 * 4 * 2048 * 128256)

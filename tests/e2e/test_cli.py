@@ -1,6 +1,5 @@
 """The real command line, end to end: training runs, layouts agree, errors are clean."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,36 +8,14 @@ import pytest
 
 from partita.testing import free_port
 
-SMALL = [
-    "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-    "--data.seq_len=32", "--data.max_bytes=300000", "--train.global_batch=8",
-    "--train.steps=6", "--train.log_every=1", "--train.eval_every=3", "--train.eval_batches=1",
-    "--train.warmup_steps=2", "--train.threads=1", "--metrics.tensorboard=false",
-]
 
-
-def partita(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-
-
-def losses(run_dir) -> list[float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
-
-
-def test_help_lists_every_command():
-    out = partita("--help").stdout
+def test_help_lists_every_command(cli):
+    out = cli("--help").stdout
     for command in ("train", "generate", "bench", "plan", "schedule"):
         assert command in out
 
 
-def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_path, cache):
+def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_path, cli):
     runs = {}
     for name, extra in {"single": ["--nproc", "1"],
                         "dp2": ["--nproc", "2"],
@@ -47,26 +24,24 @@ def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_pat
                         "tp2-sp": ["--nproc", "2", "--parallel.tp=2",
                                    "--parallel.sequence_parallel"]}.items():
         out = tmp_path / name
-        result = partita("train", *SMALL, *extra, "--train.dtype=float64",
-                         f"--data.cache_dir={cache}", f"--train.out_dir={out}")
+        result = cli.train(out, *extra, "--train.dtype=float64")
         assert result.returncode == 0, result.stderr[-3000:]
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("done: 6 steps, train loss"), last
-        runs[name] = losses(out)
+        runs[name] = cli.losses(out)
     for name, curve in runs.items():
         assert curve == pytest.approx(runs["single"], rel=1e-10), name
     assert runs["single"][-1] < runs["single"][0]
-    text = partita("generate", "--run", str(tmp_path / "dp2"), "--prompt", "def ",
+    text = cli("generate", "--run", str(tmp_path / "dp2"), "--prompt", "def ",
                    "--tokens", "20")
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("def ") and len(text.stdout) > 4
 
 
-def test_two_launchers_form_one_two_node_job(tmp_path, cache):
+def test_two_launchers_form_one_two_node_job(run_dir, cli):
     port = free_port()
-    common = ["train", *SMALL, "--nproc", "1", "--nnodes", "2",
-              f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode",
-              f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"]
+    common = cli.train_args(run_dir, "--nproc", "1", "--nnodes", "2",
+                            f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=twonode")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     nodes = [subprocess.Popen([sys.executable, "-m", "partita.cli", *common],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -86,28 +61,25 @@ def test_two_launchers_form_one_two_node_job(tmp_path, cache):
     (["--train.stepz=3"], "Did you mean 'train.steps'"),
     (["--data.source=/no/such/place"], "does not exist"),
 ])
-def test_bad_input_is_one_paragraph_not_a_traceback(args, message, tmp_path, cache):
-    result = partita("train", *SMALL, "--nproc", "2", f"--data.cache_dir={cache}",
-                     f"--train.out_dir={tmp_path}", *args)
+def test_bad_input_is_one_paragraph_not_a_traceback(args, message, run_dir, cli):
+    result = cli.train(run_dir, "--nproc", "2", *args)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
 
-def test_unreadable_token_file_is_reported(tmp_path, cache):
+def test_unreadable_token_file_is_reported(tmp_path, run_dir, cli):
     bad = tmp_path / "tokens.bin"
     bad.write_bytes(b"PTOK" + b"\x00" * 5)
-    result = partita("train", *SMALL, "--nproc", "1", f"--data.source={bad}",
-                     f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'r'}")
+    result = cli.train(run_dir, "--nproc", "1", f"--data.source={bad}")
     assert result.returncode != 0
     assert "partita: error:" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_nan_loss_stops_naming_the_step_and_writes_no_weights(tmp_path, cache):
-    out = tmp_path / "nan"
-    result = partita("train", *SMALL, "--nproc", "2", "--train.lr=1e30",
-                     "--train.warmup_steps=0", "--train.grad_clip=0",
-                     f"--data.cache_dir={cache}", f"--train.out_dir={out}")
+def test_nan_loss_stops_naming_the_step_and_writes_no_weights(run_dir, cli):
+    out = run_dir
+    result = cli.train(out, "--nproc", "2", "--train.lr=1e30", "--train.warmup_steps=0",
+                       "--train.grad_clip=0")
     assert result.returncode != 0
     assert "became nan" in result.stderr and "at step" in result.stderr
     assert not (out / "model.safetensors").exists()
@@ -128,8 +100,7 @@ def test_a_launched_process_that_crashes_shows_its_traceback(capfd):
     assert "partita: process 0 failed" in err and "ZeroDivisionError" in err
 
 
-def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, cache,
-                                                            tmp_path):
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, cli, run_dir):
     """NCCL takes one process per GPU: asking for more says what to change instead of
     failing inside NCCL's setup ("Duplicate GPU detected") after the launch."""
     import torch
@@ -138,8 +109,7 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, 
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    code = main(["train", *SMALL, "--nproc", "2", f"--data.cache_dir={cache}",
-                 f"--train.out_dir={tmp_path}"])
+    code = main(cli.train_args(run_dir, "--nproc", "2"))
     assert code == 2
     err = capsys.readouterr().err
     assert "2 processes on this node but 1 GPU(s) visible" in err and "--nproc 1" in err

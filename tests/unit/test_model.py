@@ -10,12 +10,10 @@ from partita.models import MODELS, ModelConfig, Transformer, build_model, get_mo
 from partita.models.init import CHUNK, InitRule, init_flat_slice, init_full
 from partita.sharding import ShardInfo, init_shard
 
-TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16)
-
 
 @pytest.mark.parametrize("flavour", ["llama", "gpt2"])
-def test_causal_future_tokens_do_not_change_past_logits(flavour):
-    model = build_model(dataclasses.replace(TINY, flavour=flavour), dtype=torch.float64)
+def test_causal_future_tokens_do_not_change_past_logits(flavour, tiny_model):
+    model = build_model(dataclasses.replace(tiny_model, flavour=flavour), dtype=torch.float64)
     x = torch.randint(0, 64, (2, 12))
     y = x.clone()
     y[:, 8:] = (y[:, 8:] + 1) % 64
@@ -24,15 +22,15 @@ def test_causal_future_tokens_do_not_change_past_logits(flavour):
     assert not torch.allclose(a[:, 8:], b[:, 8:])
 
 
-def test_gqa_with_all_kv_heads_equals_multi_head_attention():
-    mha = build_model(dataclasses.replace(TINY, n_kv_heads=None), dtype=torch.float64)
-    gqa = build_model(dataclasses.replace(TINY, n_kv_heads=4), dtype=torch.float64)
+def test_gqa_with_all_kv_heads_equals_multi_head_attention(tiny_model):
+    mha = build_model(dataclasses.replace(tiny_model, n_kv_heads=None), dtype=torch.float64)
+    gqa = build_model(dataclasses.replace(tiny_model, n_kv_heads=4), dtype=torch.float64)
     x = torch.randint(0, 64, (2, 10))
     assert torch.equal(mha(x), gqa(x))
 
 
-def test_attention_matches_explicit_softmax():
-    model = build_model(TINY, dtype=torch.float64)
+def test_attention_matches_explicit_softmax(tiny_model):
+    model = build_model(tiny_model, dtype=torch.float64)
     attn = model.blocks["0"].attn
     x = torch.randn(1, 6, 32, dtype=torch.float64)
     q = attn.wq(x).view(1, 6, 4, 8)
@@ -40,7 +38,7 @@ def test_attention_matches_explicit_softmax():
     v = attn.wv(x).view(1, 6, 2, 8)
     from partita.models.transformer import apply_rotary, rotary_tables
 
-    cos, sin = rotary_tables(6, 8, TINY.rope_theta, x.device, x.dtype)
+    cos, sin = rotary_tables(6, 8, tiny_model.rope_theta, x.device, x.dtype)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     k, v = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / 8**0.5
@@ -58,10 +56,10 @@ def test_meta_init_equals_eager_init(name):
         assert torch.equal(a, b), n
 
 
-def test_init_depends_on_name_and_seed_only():
-    model = build_model(TINY)
-    again = build_model(TINY)
-    other_seed = build_model(dataclasses.replace(TINY, seed=1))
+def test_init_depends_on_name_and_seed_only(tiny_model):
+    model = build_model(tiny_model)
+    again = build_model(tiny_model)
+    other_seed = build_model(dataclasses.replace(tiny_model, seed=1))
     w = "blocks.0.attn.wq.weight"
     assert torch.equal(dict(model.named_parameters())[w], dict(again.named_parameters())[w])
     assert not torch.equal(dict(model.named_parameters())[w],
@@ -79,15 +77,15 @@ def test_any_flat_slice_equals_the_slice_of_the_full_tensor():
         assert torch.equal(init_flat_slice(rule, 7, "w", start, stop), full[start:stop])
 
 
-def test_tensor_parallel_style_shards_equal_slices_of_the_single_device_init():
-    model = build_model(TINY)
+def test_tensor_parallel_style_shards_equal_slices_of_the_single_device_init(tiny_model):
+    model = build_model(tiny_model)
     for name, param in model.named_parameters():
         if param.ndim != 2:
             continue
         for dim in (0, 1):
             half = param.shape[dim] // 2
             info = ShardInfo(name, tuple(param.shape), dim, half, param.shape[dim])
-            assert torch.equal(init_shard(TINY, info), param.narrow(dim, half, half)), name
+            assert torch.equal(init_shard(tiny_model, info), param.narrow(dim, half, half)), name
 
 
 def test_parameter_counts_match_the_published_sizes():

@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-from pipeline_cases import SEQ, batch, make_config, train_case
 
 from partita.activations import SavedTensorMeter
 from partita.errors import PartitaError
@@ -31,9 +30,16 @@ from partita.pipeline.build import pipeline_schedule
 from partita.pipeline.p2p import check_transfer_order, delivery_proofs
 from partita.pipeline.runtime import forward_only
 from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
-from partita.testing import run_distributed
+from partita.testing import run_distributed, token_batch, train_layout
+from tests.dist.pipeline_cases import pipeline_config
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, max_seq_len=16)
+
+
+def _batch(cfg) -> torch.Tensor:
+    """Step 0's global batch of the run `cfg` describes."""
+    return token_batch(0, cfg.train.global_batch, cfg.data.seq_len,
+                       cfg.model_config().vocab_size)
 
 
 def _meta(cfg: ModelConfig) -> Transformer:
@@ -262,22 +268,22 @@ def _check(cfg) -> None:
     assert sched.name == layout.schedule and sched.n_ranks == layout.pp
 
 
-@pytest.mark.parametrize("case,message", [
+@pytest.mark.parametrize("settings,message", [
     (dict(schedule="1f1bb"), "unknown pipeline schedule"),
-    (dict(schedule="interleaved-1f1b", m=1, batch=8), "multiple of 2"),
+    (dict(schedule="interleaved-1f1b", microbatches=1), "multiple of 2"),
     (dict(pp=4, model={"n_layers": 2}), "every stage needs at least one block"),
-    (dict(schedule="interleaved-1f1b", v=3, model={"n_layers": 4}), "at least one block"),
-    (dict(zero=3), "ZeRO stage 3 with pipeline"),
+    (dict(schedule="interleaved-1f1b", virtual_stages=3, model={"n_layers": 4}),
+     "at least one block"),
+    (dict(zero_stage=3), "ZeRO stage 3 with pipeline"),
 ])
-def test_bad_settings_fail_before_any_process_waits(case, message):
-    case = {"pp": 2, **case}
-    cfg = make_config(case)
+def test_bad_settings_fail_before_any_process_waits(settings, message):
+    cfg = pipeline_config(dp=1, **settings)
     with pytest.raises(PartitaError, match=message):
         _check(cfg)
 
 
 def test_every_schedule_name_is_accepted():
-    cfg = make_config({"pp": 2, "m": 4})
+    cfg = pipeline_config(dp=1)
     for name in schedule_names():
         cfg.parallel.schedule = name
         with contextlib.ExitStack() as stack:
@@ -286,24 +292,23 @@ def test_every_schedule_name_is_accepted():
             _check(cfg)
 
 
-def _stall(rank: int, world: int, case: dict) -> str:
+def _stall(rank: int, world: int, cfg) -> str:
     if rank == 1:  # builds the model (collective), then stops taking part
         from partita.mesh import Mesh
         from partita.parallelize import build_parallel_model
 
-        cfg = make_config(case)
         build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world), torch.device("cpu"))
         time.sleep(8)
         return "stalled"
-    train_case(rank, world, case, steps=1)
+    train_layout(rank, world, cfg, steps=1)
     return "finished"
 
 
 def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
-    case = dict(pp=2, schedule="1f1b", parallel={"pp_timeout_s": 2.0})
+    cfg = pipeline_config(pp_timeout_s=2.0)
     start = time.perf_counter()
     with pytest.raises(RuntimeError) as info:
-        run_distributed(_stall, 2, (case,), timeout=60)
+        run_distributed(_stall, 2, (cfg,), timeout=60)
     text = str(info.value)
     assert "rank 0 of 2 failed" in text
     assert "PipelineTimeout" in text and "stage 0" in text
@@ -311,7 +316,7 @@ def test_a_stalled_stage_fails_its_peer_with_a_clear_timeout():
     assert time.perf_counter() - start < 30
 
 
-def _count_schedule_builds(rank: int, world: int, case: dict) -> dict:
+def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
     """Build the model and train one step (and evaluate) counting, in this process, how
     often a schedule is generated and proven."""
     from unittest import mock
@@ -331,13 +336,13 @@ def _count_schedule_builds(rank: int, world: int, case: dict) -> dict:
             mock.patch.object(build, "validate", counted("validate", build.validate)), \
             mock.patch.object(runtime, "build_schedule",
                               counted("runtime", runtime.build_schedule)):
-        train_case(rank, world, case, steps=1)
+        train_layout(rank, world, cfg, steps=1)
     return counts
 
 
 def test_the_schedule_is_built_and_validated_once_per_process():
-    case = dict(pp=2, schedule="interleaved-1f1b", v=2, m=4)
-    for counts in run_distributed(_count_schedule_builds, 2, (case,), timeout=120):
+    cfg = pipeline_config(schedule="interleaved-1f1b", virtual_stages=2)
+    for counts in run_distributed(_count_schedule_builds, 2, (cfg,), timeout=120):
         # Training and evaluating with the configured microbatches reuse the one object.
         assert counts == {"build": 1, "validate": 1, "runtime": 0}
 
@@ -362,10 +367,11 @@ def _held_activations(rank: int, world: int, cases: list[dict]) -> list[dict]:
     torch.set_num_threads(1)
     out = []
     for case in cases:
-        cfg = make_config(case)
+        cfg = pipeline_config(schedule=case["schedule"], microbatches=case["m"],
+                              global_batch=2 * case["m"])
         pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world),
                                   torch.device("cpu"))
-        tokens = batch(0, cfg.train.global_batch)
+        tokens = _batch(cfg)
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         row = {"batch_bytes": x.untyped_storage().nbytes(), "stage": rank}
         for name, kind in (("stock", SavedTensorMeter), ("held", _HeldMeter)):
@@ -387,7 +393,7 @@ def test_pipeline_steps_free_each_microbatch_after_its_backward():
     views of the batch (the meter counts their storage, the whole batch, once), so the
     peak may grow by the batch's own growth and nothing more."""
     p, ms = 2, (4, 8)
-    cases = [dict(pp=p, schedule=s, m=m, batch=2 * m) for s in ("1f1b", "zb-h1") for m in ms]
+    cases = [dict(schedule=s, m=m) for s in ("1f1b", "zb-h1") for m in ms]
     per_rank = run_distributed(_held_activations, p, (cases,), timeout=120)
     got = {(c["schedule"], c["m"], r): per_rank[r][i]
            for i, c in enumerate(cases) for r in range(p)}
@@ -419,7 +425,7 @@ def _sends_held(rank: int, world: int, ms: tuple[int, ...]) -> list[int]:
     torch.set_num_threads(1)
     out = []
     for m in ms:
-        cfg = make_config(dict(pp=2, m=m, batch=2 * m))
+        cfg = pipeline_config(microbatches=m, global_batch=2 * m)
         pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world),
                                   torch.device("cpu"))
         transport, held = pm.runner.transport, [0]
@@ -429,7 +435,7 @@ def _sends_held(rank: int, world: int, ms: tuple[int, ...]) -> list[int]:
             proven = sum(len(sends) for sends in transport.proven.values())
             held[0] = max(held[0], len(transport.pending_sends) + proven)
         transport.release_sent = counted
-        tokens = batch(0, cfg.train.global_batch)
+        tokens = _batch(cfg)
         for _ in range(2):
             pm.runner.train(tokens[:, :-1], tokens[:, 1:], m)
             pm.dp.finish_grad_sync()
@@ -453,9 +459,9 @@ def _recorded_order(rank: int, world: int, schedule: str) -> list[str]:
     from partita.mesh import Mesh
     from partita.parallelize import build_parallel_model
 
-    cfg = make_config(dict(pp=2, schedule=schedule, m=4, batch=8))
+    cfg = pipeline_config(schedule=schedule)
     pm = build_parallel_model(cfg, Mesh(Layout(pp=2), rank, world), torch.device("cpu"))
-    tokens = batch(0, cfg.train.global_batch)
+    tokens = _batch(cfg)
     pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
     return [str(a) for a, _, _ in sorted(pm.runner.timeline, key=lambda e: e[1])]
 
@@ -476,15 +482,15 @@ def _chunk_reduction_worker(rank: int, world: int, zero: int) -> dict:
     from partita.parallelize import build_parallel_model
     from partita.pipeline.stage import stage_parameters
 
-    case = dict(dp=2, pp=2, zero=zero, schedule="interleaved-1f1b", v=2, m=4)
-    cfg = make_config(case)
+    cfg = pipeline_config(dp=2, zero_stage=zero, schedule="interleaved-1f1b",
+                          virtual_stages=2)
     mesh = Mesh(Layout(dp=2, pp=2, zero_stage=zero), rank, world)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     dp, runner = pm.dp, pm.runner
     stage_of = {id(p): i for i, s in runner.stages.items()
                 for p in stage_parameters(dp.module, runner.plan, s)}
     spans = [len({stage_of[id(p)] for p in buf.params}) for buf in dp.buckets]
-    tokens = batch(0, cfg.train.global_batch).chunk(2)[mesh.coord.dp]
+    tokens = _batch(cfg).chunk(2)[mesh.coord.dp]
     # When each bucket's collective is launched: how many actions the timeline held.
     at, launch = [], dp.reducer._launch
     dp.reducer._launch = lambda b: (at.append(len(runner.timeline)), launch(b))
@@ -551,9 +557,9 @@ def _zero_bubble_head(rank: int, world: int, vocab: int, tied: bool) -> dict:
     from partita.parallelize import build_parallel_model
 
     torch.set_num_threads(1)
-    cfg = make_config({"pp": 2, "schedule": "zb-h1", "m": 4, "batch": 32,
-                       "model": {"vocab_size": vocab, "tie_embeddings": tied}})
-    tokens = batch(0, cfg.train.global_batch)
+    cfg = pipeline_config(schedule="zb-h1", global_batch=32,
+                          model={"vocab_size": vocab, "tie_embeddings": tied})
+    tokens = _batch(cfg)
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     out = {}
     for way in ("early", "deferred"):
@@ -580,7 +586,7 @@ def test_zero_bubble_forms_the_head_gradient_after_i_not_in_w(tied):
     I, so no deferred W keeps the logits' gradient (tokens x vocabulary): the gradients
     are bitwise those of deferring it (the same sums in the same order), the stage holds
     less by about the logits' gradients that were waiting, and nothing stays counted."""
-    vocab, tokens_per_mb = 2048, 8 * SEQ  # batch 32 in 4 microbatches
+    vocab, tokens_per_mb = 2048, 8 * 16  # batch 32 in 4 microbatches of 16 tokens
     got = run_distributed(_zero_bubble_head, 2, (vocab, tied), timeout=180)
     for rank, row in enumerate(got):
         early, deferred = row["early"], row["deferred"]

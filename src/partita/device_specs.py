@@ -1,0 +1,106 @@
+"""What each kind of device can do: the GPU datasheet table and this CPU's measured rate.
+
+Both the runtime (`partita.metrics` divides by a device's peak FLOP/s for MFU) and the
+planner (`partita.planner.hardware` builds clusters and user profiles on these entries)
+read these figures, so they live in this small module that imports nothing of partita:
+neither side has to import the other, and the table exists once.
+
+Figures are per GPU and come from vendor datasheets (named next to each entry).
+Bandwidths are stored *per direction*: a ring collective moves bytes one way per
+link, so the bidirectional NVLink figures NVIDIA quotes are halved. What NCCL really
+achieves on those links is a separate, configurable planner assumption
+(`Assumptions.intra_node_efficiency` / `inter_node_efficiency`), not baked in here.
+
+Memory capacity is the datasheet figure in 10^9 bytes. Devices expose slightly more
+(an "80 GB" H100 reports about 85.5e9 bytes), and that slack acts as a safety margin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s (no structured sparsity)
+    memory_bytes: float  # device memory capacity
+    memory_bandwidth: float  # device memory, bytes/s
+    intra_node_bandwidth: float  # NVLink (or equivalent) per GPU, per direction, bytes/s
+    inter_node_bandwidth: float  # network per GPU, per direction, bytes/s
+    intra_node_latency: float = 5e-6  # s per collective step (typical NCCL, not datasheet)
+    inter_node_latency: float = 15e-6  # s per collective step (typical NCCL, not datasheet)
+    host_link_bandwidth: float = 25e9  # GPU <-> CPU memory (PCIe), per direction, bytes/s
+    host_memory_per_node: float = 1000 * GB  # CPU memory of one node, for offload
+    gpus_per_node: int = 8
+    # Device memory outside the framework's allocator: CUDA context, cuBLAS and NCCL
+    # workspaces (about 0.5-1 GB on recent NVIDIA drivers; not a datasheet figure).
+    runtime_reserved_bytes: float = 1.0 * GB
+    source: str = ""
+
+
+# Every figure below is from the vendor datasheet named in `source`. Network: one
+# ConnectX NIC per GPU as in the DGX reference designs (HDR 200 Gb/s on A100, NDR
+# 400 Gb/s on Hopper and Blackwell); PCIe: Gen4 x16 on A100, Gen5 x16 from Hopper on.
+GPUS: dict[str, GPUSpec] = {
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOPS bf16 dense, 40 GB HBM2
+    # at 1,555 GB/s, NVLink 600 GB/s bidirectional; DGX A100 datasheet: 8x HDR 200 Gb/s.
+    "A100-40GB": GPUSpec("A100-40GB", 312e12, 40 * GB, 1555e9, 300e9, 25e9,
+                         host_link_bandwidth=32e9, host_memory_per_node=1000 * GB,
+                         source="NVIDIA A100 datasheet; DGX A100 datasheet"),
+    # Same datasheet, 80 GB HBM2e at 2,039 GB/s; DGX A100 (640 GB) has 2 TB of host RAM.
+    "A100-80GB": GPUSpec("A100-80GB", 312e12, 80 * GB, 2039e9, 300e9, 25e9,
+                         host_link_bandwidth=32e9, host_memory_per_node=2000 * GB,
+                         source="NVIDIA A100 datasheet; DGX A100 datasheet"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS bf16 dense (1,979 with
+    # sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional; DGX H100
+    # datasheet: 8x ConnectX-7 400 Gb/s, 2 TB host memory.
+    "H100": GPUSpec("H100", 989e12, 80 * GB, 3350e9, 450e9, 50e9,
+                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB,
+                    source="NVIDIA H100 datasheet; DGX H100 datasheet"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS bf16 dense, 141 GB HBM3e
+    # at 4.8 TB/s, NVLink 900 GB/s; DGX H200 datasheet: 8x 400 Gb/s, 2 TB host memory.
+    "H200": GPUSpec("H200", 989e12, 141 * GB, 4800e9, 450e9, 50e9,
+                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB,
+                    source="NVIDIA H200 datasheet; DGX H200 datasheet"),
+    # NVIDIA DGX B200 datasheet: 8 GPUs, 72 PFLOPS FP8 training with sparsity
+    # (=> 2.25 PFLOPS bf16 dense per GPU), 1,440 GB HBM3e (180 GB each) at 64 TB/s
+    # (8 TB/s each), NVLink 5 at 1.8 TB/s bidirectional, 8x 400 Gb/s, 4 TB host memory.
+    "B200": GPUSpec("B200", 2250e12, 180 * GB, 8000e9, 900e9, 50e9,
+                    host_link_bandwidth=64e9, host_memory_per_node=4000 * GB,
+                    source="NVIDIA DGX B200 datasheet; NVIDIA Blackwell datasheet"),
+}
+ALIASES = {"H100-SXM": "H100", "H100-80GB": "H100", "H200-SXM": "H200", "A100": "A100-80GB"}
+
+
+def datasheet_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 FLOP/s of the catalog GPU whose family appears in `device_name` (as
+    CUDA reports it, e.g. "NVIDIA A100-SXM4-80GB"); None for a GPU not in the table."""
+    for key, spec in GPUS.items():
+        if key.split("-")[0] in device_name:  # "A100-80GB" matches "NVIDIA A100-SXM4-80GB"
+            return spec.peak_flops
+    return None
+
+
+def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
+    """Best float32 FLOP/s of `size`^3 matmuls on the current thread setting."""
+    import torch
+
+    return best_rate(lambda a, b: torch.mm(a, b), torch.randn(size, size),
+                     torch.randn(size, size), 2.0 * size**3, budget_s)
+
+
+def best_rate(op: Callable, a, b, work: float, budget_s: float) -> float:
+    """`work` divided by the fastest of repeated `op(a, b)` calls within `budget_s`."""
+    op(a, b)  # warm-up: first call allocates and picks kernels
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline:
+        start = time.perf_counter()
+        op(a, b)
+        best = min(best, time.perf_counter() - start)
+    return work / best

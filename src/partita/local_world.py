@@ -1,0 +1,123 @@
+"""Run a function on every rank of a small local world on this machine.
+
+Benchmarks and the test harness (`partita.testing`) start their worlds here, and the
+launcher picks its rendezvous port with `free_port`:
+
+    results = run_distributed(fn, world_size=4, args=(config,))
+
+`fn(rank, world_size, *args)` runs in each of `world_size` fresh processes after
+`torch.distributed` is initialised (gloo, a free port on 127.0.0.1, one intra-op thread
+each). The list of return values, in rank order, comes back; an exception on any rank
+is re-raised here with that rank's traceback, and a world that outlives `timeout`
+seconds is killed and reported, so a hang fails a test instead of stalling CI.
+`backend="nccl"` gives rank r the GPU r (NCCL accepts one rank per GPU), for the GPU
+benchmarks; tests use gloo.
+
+Processes start from a fork server that has already imported torch and partita,
+which makes a world start in well under a second instead of re-importing torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+_CONTEXT: mp.context.BaseContext | None = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context() -> mp.context.BaseContext:
+    global _CONTEXT  # one fork server per test session is the point of having one
+    if _CONTEXT is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "partita.local_world"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
+            results: mp.Queue, collective_timeout: float, backend: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from partita.host_memory import keep_freed_host_memory
+
+    torch.set_num_threads(1)
+    keep_freed_host_memory()  # as `partita train` ranks on CPU do
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    try:
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        # Plain pickle copies tensor data into the message; the queue's own pickler
+        # would share storages by file descriptor, which breaks once this process exits.
+        value = pickle.dumps(fn(rank, world_size, *args))
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
+                    timeout: float = 180.0, backend: str = "gloo") -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results."""
+    ctx = _context()
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results,
+                                          max(timeout - 5, 5), backend), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(out) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f} s "
+                    "(a hang: some rank is waiting for a collective another skipped)"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if not p.is_alive() and p.exitcode not in (0, None) and r not in out]
+                if dead:
+                    raise RuntimeError(
+                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,81 @@
+"""Fixtures shared by every kind of test.
+
+Tests are grouped by kind: `unit/` (pure logic, no processes), `dist/` (tests that start
+processes: gloo worlds for parity and communication), `e2e/` (the real command line).
+Each folder is a package, so files with the same name in two folders do not collide.
+The parity harness itself is `partita.testing` (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from partita.models.config import ModelConfig
+from partita.testing import PARITY_MODEL
+
+# A `partita train` run that finishes in seconds on one core: the tiny parity-sized
+# model on 300 kB of the built-in corpus, 6 steps, an evaluation every 3.
+TINY_TRAIN = (
+    "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+    "--data.seq_len=32", "--data.max_bytes=300000", "--train.global_batch=8",
+    "--train.steps=6", "--train.log_every=1", "--train.eval_every=3", "--train.eval_batches=1",
+    "--train.warmup_steps=2", "--train.threads=1", "--metrics.tensorboard=false",
+)
+
+
+@pytest.fixture
+def tiny_model() -> ModelConfig:
+    """The parity model's shape: 64 tokens, width 32, 2 blocks, 4 heads over 2 kv heads."""
+    return ModelConfig(**PARITY_MODEL)
+
+
+@pytest.fixture(scope="session")
+def cache(tmp_path_factory) -> str:
+    """One data cache for the whole session: the corpus is tokenised once."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    """A fresh directory for one run's outputs."""
+    return tmp_path / "run"
+
+
+@dataclass(frozen=True)
+class CLI:
+    """The real command line, in a subprocess, as a user runs it."""
+
+    cache: str
+    tiny_train: tuple[str, ...] = TINY_TRAIN
+
+    def __call__(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "partita.cli", *args],
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def train_args(self, out_dir: Path | str, *args: str) -> list[str]:
+        """`train` with the tiny run's settings, the shared cache and `out_dir`."""
+        return ["train", *self.tiny_train, f"--data.cache_dir={self.cache}",
+                f"--train.out_dir={out_dir}", *args]
+
+    def train(self, out_dir: Path | str, *args: str,
+              timeout: float = 240) -> subprocess.CompletedProcess:
+        return self(*self.train_args(out_dir, *args), timeout=timeout)
+
+    @staticmethod
+    def losses(out_dir: Path | str) -> list[float]:
+        """The training loss of every logged step of a finished run."""
+        lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.fixture
+def cli(cache) -> CLI:
+    return CLI(cache)
