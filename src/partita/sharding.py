@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from partita.models.init import HasParamInit, ParamInit, as_param_init
+from partita.models.init import ParamInit
 
 _ATTR = "partita_shard"
 
@@ -59,13 +59,10 @@ def shard_info(tensor: torch.Tensor, name: str | None = None) -> ShardInfo:
     return ShardInfo(name=name, global_shape=tuple(tensor.shape))
 
 
-def init_shard(init: ParamInit | HasParamInit, info: ShardInfo,
+def init_shard(init: ParamInit, info: ShardInfo,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values of this shard, equal to the same slice of a single-device init.
-
-    `init` is the model plan's ParamInit (or a ModelConfig of partita's transformer).
-    """
-    init = as_param_init(init)
+    """The values of this shard (`init`: the model plan's), equal to the same slice of a
+    single-device init."""
     if info.dim is None:
         return init.slice(info.name, info.global_shape, 0, 0, info.global_shape[0], dtype)
     return init.slice(info.name, info.global_shape, info.dim, info.start, info.stop, dtype)

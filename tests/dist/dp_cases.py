@@ -19,7 +19,7 @@ import torch.utils.checkpoint
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.models.config import ModelConfig
-from partita.models.transformer import build_model
+from partita.models.transformer import build_model, transformer_init
 from partita.testing import PARITY_MODEL, token_batch
 from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
@@ -93,7 +93,7 @@ def run_case(rank: int, world: int, mesh: Mesh, case: dict) -> dict | None:
                       zero=ZeroConfig(stage=stage, bucket_mb=case.get("bucket_mb", 0.02),
                                       prefetch=case.get("prefetch", 1)),
                       precision=MixedPrecision(param_dtype=dtype), optim=OPTIM,
-                      blocks=case.get("blocks"), init_fn=model_init_fn(CFG) if meta else None)
+                      blocks=case.get("blocks"), init_fn=model_init_fn(transformer_init(CFG)) if meta else None)
     losses, norms = [], []
     for step in range(STEPS):
         local = batch(step).chunk(world)[rank]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from partita.models.transformer import transformer_init
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.testing import (
@@ -61,7 +62,7 @@ def _fp16_worker(rank: int, world: int, stages: list[int], bad: dict[int, str],
         dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=0.02),
                           precision=MixedPrecision(param_dtype=torch.float16,
                                                    initial_scale=1024.0, max_skips=max_skips),
-                          optim=zp.OPTIM, init_fn=model_init_fn(zp.CFG) if stage == 3 else None)
+                          optim=zp.OPTIM, init_fn=model_init_fn(transformer_init(zp.CFG)) if stage == 3 else None)
         oks, scales, unchanged = [], [], []
         for step in range(6):
             tokens = zp.batch(step).chunk(world)[rank]

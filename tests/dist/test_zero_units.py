@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from partita.models.transformer import transformer_init
 from partita.bench import zero_memory
 from partita.errors import PartitaError
 from partita.layout import Layout
@@ -95,7 +96,7 @@ def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
 
     dp = DataParallel(model, _mesh(), zero=ZeroConfig(stage=3),
                       precision=MixedPrecision(param_dtype=torch.bfloat16),
-                      init_fn=model_init_fn(zp.CFG))
+                      init_fn=model_init_fn(transformer_init(zp.CFG)))
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # at rest
     with dp.gathered_parameters(writeback=True):
         for p in model.parameters():
@@ -153,7 +154,7 @@ def test_frozen_parameter_left_on_meta_is_named() -> None:
     from partita.zero import model_init_fn
 
     with pytest.raises(PartitaError, match="'norm.weight' is still on the meta device"):
-        DataParallel(model, _mesh(), zero=ZeroConfig(stage=3), init_fn=model_init_fn(zp.CFG))
+        DataParallel(model, _mesh(), zero=ZeroConfig(stage=3), init_fn=model_init_fn(transformer_init(zp.CFG)))
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -8,6 +8,7 @@ import torch
 from partita.errors import PartitaError
 from partita.models import MODELS, ModelConfig, Transformer, build_model, get_model_config
 from partita.models.init import CHUNK, InitRule, init_flat_slice, init_full
+from partita.models.transformer import transformer_init
 from partita.sharding import ShardInfo, init_shard
 
 
@@ -85,7 +86,7 @@ def test_tensor_parallel_style_shards_equal_slices_of_the_single_device_init(tin
         for dim in (0, 1):
             half = param.shape[dim] // 2
             info = ShardInfo(name, tuple(param.shape), dim, half, param.shape[dim])
-            assert torch.equal(init_shard(tiny_model, info), param.narrow(dim, half, half)), name
+            assert torch.equal(init_shard(transformer_init(tiny_model), info), param.narrow(dim, half, half)), name
 
 
 def test_parameter_counts_match_the_published_sizes():

@@ -26,7 +26,7 @@ def measure(rank: int, world: int, cfg: ModelConfig, seq: int, steps: int) -> li
 
     from partita.layout import Layout
     from partita.mesh import Mesh
-    from partita.models.transformer import build_model
+    from partita.models.transformer import build_model, transformer_init
     from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
     mesh = Mesh(Layout(dp=world), rank, world)
@@ -36,7 +36,7 @@ def measure(rank: int, world: int, cfg: ModelConfig, seq: int, steps: int) -> li
         psi = sum(p.numel() for p in model.parameters())
         dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=1.0),
                           precision=MixedPrecision(param_dtype=torch.float32),
-                          init_fn=model_init_fn(cfg), device=torch.device("cpu"))
+                          init_fn=model_init_fn(transformer_init(cfg)), device=torch.device("cpu"))
         gen = torch.Generator().manual_seed(rank)
         per_step = {}
         for step in range(steps + 1):

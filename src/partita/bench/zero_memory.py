@@ -19,7 +19,7 @@ import torch
 from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
 from partita.models.config import ModelConfig
-from partita.models.transformer import build_model
+from partita.models.transformer import build_model, transformer_init
 from partita.zero.config import ZeroConfig, ZeroStage
 
 STAGES = (0, 1, 2, 3)
@@ -51,7 +51,7 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
         model = build_model(cfg, device="meta", dtype=torch.bfloat16)
         p_count = sum(p.numel() for p in model.parameters())
         drawn = [0]
-        base_init = model_init_fn(cfg)
+        base_init = model_init_fn(transformer_init(cfg))
 
         def init_fn(info, start, stop, base_init=base_init, drawn=drawn):
             drawn[0] += stop - start

@@ -117,13 +117,6 @@ class ModelConfig:
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * matmul_params + attention
 
-    def param_init(self):
-        """How partita's transformer of this shape draws its parameters (a ParamInit)."""
-        # Imported here: the model module imports this one (a documented cycle).
-        from partita.models.transformer import transformer_init
-
-        return transformer_init(self)
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -14,7 +14,6 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -52,17 +51,6 @@ class ParamInit:
     def slice(self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int,
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return init_slice(self.rule(name), self.seed, name, shape, dim, start, stop, dtype)
-
-
-class HasParamInit(Protocol):
-    """Something that knows its model's initialisation (a ModelConfig of partita's own
-    transformer answers with that model's rules)."""
-
-    def param_init(self) -> ParamInit: ...
-
-
-def as_param_init(source: ParamInit | HasParamInit) -> ParamInit:
-    return source if isinstance(source, ParamInit) else source.param_init()
 
 
 @torch.no_grad()

@@ -136,7 +136,7 @@ class FlatBuffer:
                 raise PartitaError(
                     f"parameter '{e.name}' is on the meta device and no init_fn was given; "
                     "pass DataParallel(..., init_fn=...) (for partita models "
-                    "partita.zero.model_init_fn(cfg)) or build the model on a real device."
+                    "partita.zero.model_init_fn(plan.init)) or build the model on a real device."
                 )
             return init_fn(e.info, start, stop)
         return p.detach().reshape(-1)[start:stop]

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from partita.models.init import HasParamInit, ParamInit, as_param_init
+from partita.models.init import ParamInit
 from partita.sharding import ShardInfo, init_shard
 from partita.zero.flat import InitFn
 
 
-def model_init_fn(init: ParamInit | HasParamInit,
+def model_init_fn(init: ParamInit,
                   dtype: torch.dtype = torch.float32) -> InitFn:
     """init_fn(info, start, stop) drawing exactly the single-device values.
 
     An unsplit parameter draws only the chunks its flat range touches; a tensor-parallel
     shard (info.dim set) is materialised whole first -- one local tensor, never a model.
     Values are drawn in `dtype` (float32, as build_model does) and cast by the caller.
-    `init` is the model plan's ParamInit (or a ModelConfig of partita's transformer).
+    `init` is the model plan's ParamInit.
     """
-    init = as_param_init(init)
 
     def fn(info: ShardInfo, start: int, stop: int) -> torch.Tensor:
         if not info.is_split:
