@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.testing import PARITY_MODEL
 
 # A `partita train` run that finishes in seconds on one core: the tiny parity-sized

@@ -19,7 +19,7 @@ from partita.config_ranges import check_ranges
 from partita.errors import PartitaError, did_you_mean
 from partita.layout import Layout, canonical_schedule
 from partita.models.catalog import get_model_config
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from partita.errors import PartitaError, did_you_mean
 
 if TYPE_CHECKING:  # only its fields are read; importing `partita.models` loads torch
-    from partita.models.config import ModelConfig
+    from partita.models.model_config import ModelConfig
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 # Other names a schedule has been written as; accepted with a deprecation warning.

@@ -9,9 +9,9 @@ function from one explicit object to the next:
 
 1. the caller builds the model on the meta device (names and shapes, no memory) and
    hands it over with its `ModelPlan` (roles, blocks, init rule, shape);
-2. `cut_pipeline`: ModelPlan + meta model -> `StagedModel`, holding only the blocks,
+2. `cut_pipeline`: ModelPlan + meta model -> `PipelineCut`, holding only the blocks,
    embedding and head of this rank's pipeline stages (block names stay global);
-3. `shard_tensor_parallel`: StagedModel -> `ShardedModel`, planned modules swapped for
+3. `shard_tensor_parallel`: PipelineCut -> `ShardedModel`, planned modules swapped for
    their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
    and the loss that matches the (possibly vocabulary-sharded) logits;
 4. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
@@ -37,7 +37,7 @@ from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
 from partita.optim import AdamWConfig
@@ -158,7 +158,7 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
 
 
 @dataclass
-class StagedModel:
+class PipelineCut:
     """After the pipeline cut: the modules of this rank's pipeline stages."""
 
     module: nn.Module
@@ -178,14 +178,14 @@ class ShardedModel:
 
 
 def cut_pipeline(model: nn.Module, plan: ModelPlan,
-                 pipeline: PipelineSetup | None) -> StagedModel:
+                 pipeline: PipelineSetup | None) -> PipelineCut:
     """Step 1: keep only this rank's stages (see partita.pipeline.build)."""
     if pipeline is not None:
         pipeline.cut(model, plan)
-    return StagedModel(model, plan, pipeline)
+    return PipelineCut(model, plan, pipeline)
 
 
-def shard_tensor_parallel(staged: StagedModel, comm: GroupComm, sequence_parallel: bool,
+def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_parallel: bool,
                           dropout_seed: int) -> ShardedModel:
     """Step 2: swap the plan's modules for tensor-parallel ones over `comm` (tp > 1)."""
     if comm.size == 1 and not sequence_parallel:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from partita.models.init import ParamInit
+from partita.models.param_init import ParamInit
 
 _ATTR = "partita_shard"
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from partita.config import Config
 from partita.data import TokenDataset, load_dataset, num_windows
 from partita.errors import AgreedError, PartitaError, PeerFailure
-from partita.export import save_weights
 from partita.faults import FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
@@ -29,6 +28,7 @@ from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
 from partita.watchdog import Progress
+from partita.weights import save_weights
 
 
 @dataclass

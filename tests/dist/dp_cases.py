@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model, transformer_init
 from partita.testing import PARITY_MODEL, token_batch
 from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig, model_init_fn

@@ -2,7 +2,7 @@
 
 import torch
 
-from partita.export import gather_full
+from partita.weights import gather_full
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.models import ModelConfig, build_model

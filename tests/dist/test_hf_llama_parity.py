@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from partita.config import Config
-from partita.export import full_state_dict
+from partita.weights import full_state_dict
 from partita.mesh import Mesh
 from partita.models.transformer import Transformer
 from partita.parallelize import parallelize

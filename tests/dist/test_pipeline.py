@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partita.activations import SavedTensorMeter
+from partita.saved_tensors import SavedTensorMeter
 from partita.errors import PartitaError
 from partita.layout import Layout
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import Transformer, build_model
 from partita.parallelize import check_layout
 from partita.pipeline import build_schedule, schedule_names

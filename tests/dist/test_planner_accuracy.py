@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partita.activations import SavedTensorMeter
+from partita.saved_tensors import SavedTensorMeter
 from partita.bench.plan_measure import (
     COMM,
     STATE_TERMS,

@@ -11,7 +11,7 @@ from partita.bench.tp_comm import measure
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from partita.tensor_parallel import partition as part

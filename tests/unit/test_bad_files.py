@@ -21,10 +21,10 @@ from partita.config import load_config
 from partita.data import load_dataset
 from partita.data.tokenfile import HEADER_BYTES, check_token_ids, read_token_file, write_token_file
 from partita.errors import PartitaError
-from partita.export import load_weights
-from partita.generate import load_run_model
 from partita.models.catalog import get_model_config
 from partita.models.transformer import build_model
+from partita.sampling import load_run_model
+from partita.weights import load_weights
 
 VOCAB = 300  # two bytes per id
 

@@ -7,11 +7,11 @@ Layers, lowest first (docs/architecture.md explains each):
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges   the typed run configuration and its valid ranges
-    core         comm, mesh, sharding, loss, activations
+    core         comm, mesh, sharding, loss, saved_tensors
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
-    services     checkpoint, data.*, export, generate, metrics, run_dir
+    services     checkpoint, data.*, weights, sampling, metrics, run_dir
     trainer      trainer, launch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
@@ -40,11 +40,11 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("layout", ("partita.layout",)),
     ("config", ("partita.config", "partita.config_ranges")),
     ("core", ("partita.comm", "partita.mesh", "partita.sharding", "partita.loss",
-              "partita.activations")),
+              "partita.saved_tensors")),
     ("optim", ("partita.optim",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline")),
     ("parallelize", ("partita.parallelize",)),
-    ("services", ("partita.checkpoint", "partita.data", "partita.export", "partita.generate",
+    ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.metrics", "partita.run_dir")),
     ("trainer", ("partita.trainer", "partita.launch", "partita.faults", "partita.watchdog")),
     ("bench", ("partita.bench",)),

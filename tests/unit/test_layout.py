@@ -19,7 +19,7 @@ from partita.layout import (
     validate,
 )
 from partita.models.catalog import get_model_config
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 
 TINY = get_model_config("tiny")  # 4 layers, 4 heads, 2 kv heads, vocab 256
 

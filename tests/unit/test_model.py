@@ -7,7 +7,7 @@ import torch
 
 from partita.errors import PartitaError
 from partita.models import MODELS, ModelConfig, Transformer, build_model, get_model_config
-from partita.models.init import CHUNK, InitRule, init_flat_slice, init_full
+from partita.models.param_init import CHUNK, InitRule, init_flat_slice, init_full
 from partita.models.transformer import transformer_init
 from partita.sharding import ShardInfo, init_shard
 

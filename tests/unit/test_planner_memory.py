@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from partita.models.catalog import MODELS
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.pipeline.actions import Kind
 from partita.pipeline.schedules import zb_h1_order
 from partita.planner import (
@@ -23,7 +23,7 @@ from partita.planner import (
     resolve_model,
     zero_state_bytes,
 )
-from partita.planner.activations import inflight_chunks, layer_activation_bytes
+from partita.planner.activation_memory import inflight_chunks, layer_activation_bytes
 from partita.planner.memory import (
     activation_bytes,
     peak_stages,

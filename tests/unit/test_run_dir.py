@@ -61,14 +61,14 @@ def test_too_little_free_space_is_an_error_before_training(tmp_path, monkeypatch
 def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
     import torch
 
-    from partita import export
+    from partita import weights
 
     def full_disk(*_a, **_k):
         (tmp_path / "model.safetensors.partial").write_bytes(b"\0" * 10)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(export, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
-    monkeypatch.setattr(export, "save_file", full_disk)
+    monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
+    monkeypatch.setattr(weights, "save_file", full_disk)
     with pytest.raises(PartitaError, match="No space left on device"):
-        export.save_weights(None, tmp_path / "model.safetensors")
+        weights.save_weights(None, tmp_path / "model.safetensors")
     assert not list(tmp_path.iterdir())

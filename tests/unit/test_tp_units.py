@@ -10,7 +10,7 @@ import torch.nn as nn
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.sharding import shard_info
 from partita.tensor_parallel import apply_tensor_parallel, check_tensor_parallel

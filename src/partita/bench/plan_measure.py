@@ -7,7 +7,7 @@ tensor parallel, ZeRO engine), then takes one training step and reads
 
 - model states: the ZeRO engine's memory ledger (bytes of the live tensors);
 - activations: distinct non-parameter storages autograd saved during the forward and
-  the loss (`partita.activations.SavedTensorMeter`);
+  the loss (`partita.saved_tensors.SavedTensorMeter`);
 - communication: bytes this rank sent, from the mesh's counter, by purpose;
 - step time: the median of timed trainer steps (`runner.train`, clip, step).
 
@@ -172,8 +172,8 @@ def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0
 
 
 def _measure(mesh, case: Case, timed_steps: int) -> dict:
-    from partita.activations import SavedTensorMeter
     from partita.parallelize import build_parallel_model
+    from partita.saved_tensors import SavedTensorMeter
 
     cfg = run_config(case)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))

@@ -19,7 +19,7 @@ import torch
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.tensor_parallel import apply_tensor_parallel
 

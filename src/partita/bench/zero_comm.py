@@ -15,8 +15,8 @@ import torch
 
 from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
-from partita.models.config import ModelConfig
-from partita.zero.config import ZeroStage
+from partita.models.model_config import ModelConfig
+from partita.zero.policies import ZeroStage
 
 STAGES = (0, 1, 2, 3)
 

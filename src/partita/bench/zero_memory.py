@@ -18,9 +18,9 @@ import torch
 
 from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model, transformer_init
-from partita.zero.config import ZeroConfig, ZeroStage
+from partita.zero.policies import ZeroConfig, ZeroStage
 
 STAGES = (0, 1, 2, 3)
 

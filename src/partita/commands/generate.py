@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from partita.generate import generate_text
+    from partita.sampling import generate_text
 
     print(generate_text(args.run, args.prompt, args.tokens, args.temperature, args.top_k,
                         args.seed))

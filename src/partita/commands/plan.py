@@ -58,12 +58,12 @@ MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes
 
 
 def run(args: argparse.Namespace) -> int:
+    from partita.layout import parse_layout
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
     from partita.planner.api import make_request
     from partita.planner.assumptions import Assumptions
     from partita.planner.evaluate import evaluate
-    from partita.planner.layout import parse_layout
     from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
     require_in_range("--gpus", args.gpus, 1, MAX_GPUS, "larger searches run for minutes")

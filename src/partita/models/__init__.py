@@ -1,7 +1,7 @@
 """Single-device model code. Nothing in here imports parallel code."""
 
 from partita.models.catalog import MODELS, get_model_config
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer, build_model
 

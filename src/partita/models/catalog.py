@@ -7,7 +7,7 @@ figures come from the papers and released configs of each model family.
 from __future__ import annotations
 
 from partita.errors import PartitaError, did_you_mean
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 
 MODELS: dict[str, ModelConfig] = {
     # CPU presets. `tiny` is the default of `partita train`.

@@ -37,8 +37,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from partita.errors import PartitaError
 from partita.models import plan as roles
-from partita.models.config import ModelConfig
-from partita.models.init import InitRule, ParamInit
+from partita.models.model_config import ModelConfig
+from partita.models.param_init import InitRule, ParamInit
 
 
 class LlamaCausalLM(nn.Module):

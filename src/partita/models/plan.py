@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from partita.models.config import ModelConfig
-from partita.models.init import ParamInit
+from partita.models.model_config import ModelConfig
+from partita.models.param_init import ParamInit
 
 # Roles a module can play.
 COLWISE = "colwise"  # Linear split along its output features

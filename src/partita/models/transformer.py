@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from partita.models import plan as roles
-from partita.models.config import ModelConfig
-from partita.models.init import InitRule, ParamInit, init_parameters
+from partita.models.model_config import ModelConfig
+from partita.models.param_init import InitRule, ParamInit, init_parameters
 
 
 class RMSNorm(nn.Module):
@@ -202,7 +202,7 @@ def init_rule(cfg: ModelConfig, name: str) -> InitRule:
 
 
 def init_weights(model: Transformer) -> None:
-    """Fill every parameter from its global name (see partita.models.init)."""
+    """Fill every parameter from its global name (see partita.models.param_init)."""
     init_parameters(model, transformer_init(model.cfg))
 
 

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.pipeline.actions import Schedule
 from partita.pipeline.p2p import check_transfer_order

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.pipeline.actions import StageGrid
 from partita.pipeline.split import split_blocks

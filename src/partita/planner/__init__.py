@@ -8,13 +8,13 @@ bytes per layer), `memory` (per-GPU breakdown), `timing` (step time), `evaluate`
 layout judged), `search` (all layouts ranked), `advice` (what would fit), `report`.
 """
 
-from partita.planner.activations import korthikanti_layer_bytes, layer_activation_terms
+from partita.layout import Layout, parse_layout
+from partita.planner.activation_memory import korthikanti_layer_bytes, layer_activation_terms
 from partita.planner.advice import advise_layout, advise_search
 from partita.planner.api import evaluate_layout, make_request, plan
 from partita.planner.assumptions import Assumptions
 from partita.planner.evaluate import Evaluation, Request, evaluate
 from partita.planner.hardware import GPUS, Cluster, GPUSpec, get_gpu, load_gpu_profiles
-from partita.planner.layout import Layout, Precision, parse_layout
 from partita.planner.memory import (
     activation_bytes,
     comm_buffer_bytes,
@@ -23,6 +23,7 @@ from partita.planner.memory import (
     zero_state_bytes,
 )
 from partita.planner.model_shape import MoEShape, PlanModel, resolve_model
+from partita.planner.precision import Precision
 from partita.planner.search import SearchResult, SearchSpace, search
 from partita.planner.timing import step_time
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+from partita.layout import Layout
 from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
 from partita.planner.hardware import GPUS
-from partita.planner.layout import Layout
 from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 

@@ -8,11 +8,12 @@
 from __future__ import annotations
 
 from partita.errors import PartitaError
+from partita.layout import Layout, parse_layout
 from partita.planner.assumptions import Assumptions
 from partita.planner.evaluate import Evaluation, Request, evaluate
 from partita.planner.hardware import Cluster, GPUSpec, get_gpu, load_gpu_profiles
-from partita.planner.layout import Layout, Precision, parse_layout
 from partita.planner.model_shape import PlanModel, resolve_model
+from partita.planner.precision import Precision
 from partita.planner.search import DEFAULT_SPACE, SearchResult, SearchSpace, search
 
 # Default global batch: about 4M tokens per step, the order of GPT-3's 3.2M and the

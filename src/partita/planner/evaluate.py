@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from partita.layout import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
+from partita.layout import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, Layout, find_problems
 from partita.planner.assumptions import Assumptions
 from partita.planner.hardware import Cluster
-from partita.planner.layout import Layout, Precision
 from partita.planner.memory import host_state_bytes, peak_memory, stage_layers
 from partita.planner.model_shape import PlanModel
+from partita.planner.precision import Precision
 from partita.planner.timing import num_microbatches, step_time
 
 MEMORY = "memory"

@@ -14,7 +14,8 @@ temporary buffers; `memory_breakdown` returns them all as one dict of named byte
 
 from __future__ import annotations
 
-from partita.planner.activations import (
+from partita.layout import Layout
+from partita.planner.activation_memory import (
     inflight_chunks,
     layer_activation_bytes,
     layer_activation_terms,
@@ -24,8 +25,8 @@ from partita.planner.activations import (
     weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
-from partita.planner.layout import MIXED, Layout, Precision
 from partita.planner.model_shape import PlanModel
+from partita.planner.precision import MIXED, Precision
 
 MODEL_STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
 

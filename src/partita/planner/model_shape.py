@@ -15,7 +15,7 @@ from pathlib import Path
 
 from partita.errors import PartitaError, did_you_mean
 from partita.models.catalog import MODELS, get_model_config
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

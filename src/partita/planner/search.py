@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from partita.layout import OFFLOAD, RECOMPUTE, Layout
 from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
@@ -30,7 +31,6 @@ from partita.planner.evaluate import (
     evaluate,
     structural_reasons,
 )
-from partita.planner.layout import OFFLOAD, RECOMPUTE, Layout
 from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
 
 

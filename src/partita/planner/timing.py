@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import math
 
-from partita.planner.activations import layer_input_bytes
+from partita.layout import Layout
+from partita.planner.activation_memory import layer_input_bytes
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.hardware import Cluster
-from partita.planner.layout import MIXED, Layout, Precision
 from partita.planner.memory import (
     blocks_per_unit,
     gathered_block_elements,
@@ -28,6 +28,7 @@ from partita.planner.memory import (
     stage_param_counts,
 )
 from partita.planner.model_shape import PlanModel
+from partita.planner.precision import MIXED, Precision
 
 
 def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from partita.errors import PartitaError
-from partita.models.config import ModelConfig
+from partita.models.model_config import ModelConfig
 
 
 def divisors(n: int) -> list[int]:

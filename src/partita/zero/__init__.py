@@ -5,10 +5,10 @@ it as its `optim` policy.
 """
 
 from partita.optim import AdamWConfig
-from partita.zero.config import MixedPrecision, ZeroConfig, ZeroStage
 from partita.zero.engine import DataParallel
 from partita.zero.flat import ALIGN, FlatBuffer, FlatEntry
-from partita.zero.init import model_init_fn
+from partita.zero.materialize import model_init_fn
+from partita.zero.policies import MixedPrecision, ZeroConfig, ZeroStage
 
 __all__ = ["ALIGN", "AdamWConfig", "DataParallel", "FlatBuffer", "FlatEntry",
            "MixedPrecision", "ZeroConfig", "ZeroStage", "model_init_fn"]

@@ -41,12 +41,12 @@ from partita.optim import (
     global_norm,
     squared_sum,
 )
-from partita.zero.config import MixedPrecision, ZeroConfig
 from partita.zero.flat import FlatBuffer, InitFn
+from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
+from partita.zero.policies import MixedPrecision, ZeroConfig
 from partita.zero.reducer import GradReducer
 from partita.zero.scaler import LossScaler
-from partita.zero.stage3 import ParamGatherer
 from partita.zero.units import (
     BlockSpec,
     buckets_by_size,

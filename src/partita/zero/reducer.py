@@ -46,8 +46,8 @@ import torch
 
 from partita.comm import GroupComm
 from partita.errors import PartitaError
-from partita.zero.config import ZeroStage
 from partita.zero.flat import FlatBuffer
+from partita.zero.policies import ZeroStage
 
 
 class GradReducer:

@@ -8,7 +8,7 @@ collective another skipped.
 from __future__ import annotations
 
 from partita.errors import PartitaError
-from partita.zero.config import MixedPrecision
+from partita.zero.policies import MixedPrecision
 
 
 class LossScaler:

@@ -18,9 +18,10 @@ activation element.
 
 from __future__ import annotations
 
+from partita.layout import Layout
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
-from partita.planner.layout import MIXED, Layout, Precision
 from partita.planner.model_shape import PlanModel
+from partita.planner.precision import MIXED, Precision
 
 
 def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,

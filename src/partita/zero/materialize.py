@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from partita.models.init import ParamInit
+from partita.models.param_init import ParamInit
 from partita.sharding import ShardInfo, init_shard
 from partita.zero.flat import InitFn
 

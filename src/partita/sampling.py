@@ -9,8 +9,8 @@ import torch
 from partita.config import load_config
 from partita.data import ByteTokenizer
 from partita.errors import PartitaError
-from partita.export import load_weights
 from partita.models.transformer import build_model
+from partita.weights import load_weights
 
 
 def load_run_model(run_dir: str | Path, device: str = "cpu"):

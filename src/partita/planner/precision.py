@@ -1,8 +1,7 @@
-"""The precision policy a layout trains under, and the planner's view of layouts.
+"""The precision policy a layout trains under: bytes per parameter of each model state.
 
-A layout is `partita.layout.Layout`, the one type the config and the trainer use too;
-it is written and read in the form `"dp=8 tp=2 pp=2 zero_stage=1 microbatch_size=1"`,
-which is what `partita plan --layout` accepts.
+Layouts themselves are `partita.layout.Layout`, the one type the config, the trainer and
+the planner share.
 """
 
 from __future__ import annotations
@@ -10,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from partita.errors import PartitaError
-from partita.layout import OFFLOAD, RECOMPUTE, SCHEDULES, Layout, parse_layout
-
-__all__ = ["MIXED", "OFFLOAD", "RECOMPUTE", "SCHEDULES", "Layout", "Precision", "parse_layout"]
 
 
 @dataclass(frozen=True)
