@@ -79,3 +79,38 @@ class CLI:
 @pytest.fixture
 def cli(cache) -> CLI:
     return CLI(cache)
+
+
+# The fault-injection and bad-input suite: its files carry `pytestmark =
+# pytest.mark.fault_suite("CLASS")`, and the run ends with its count by class.
+FAULT_SUITE: dict[str, str] = {}  # test node id -> class
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "fault_suite(kind): a case of the fault-injection "
+                                       "and bad-input suite, counted by kind at the end")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        marker = item.get_closest_marker("fault_suite")
+        if marker is not None:
+            FAULT_SUITE[item.nodeid] = marker.args[0]
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not FAULT_SUITE:
+        return
+    outcome = {}
+    for status in ("passed", "failed", "skipped", "error"):
+        for report in terminalreporter.stats.get(status, []):
+            if getattr(report, "nodeid", None) in FAULT_SUITE and report.when in ("call", "setup"):
+                outcome[report.nodeid] = status
+    kinds: dict[str, int] = {}
+    for kind in FAULT_SUITE.values():
+        kinds[kind] = kinds.get(kind, 0) + 1
+    done = sum(1 for s in outcome.values() if s == "passed")
+    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    terminalreporter.write_line(
+        f"fault-injection and bad-input suite: {len(FAULT_SUITE)} cases ({by_kind}); "
+        f"{done} passed")

@@ -1,4 +1,5 @@
-"""Launch-time faults end with one message within a bound, never a silent wait."""
+"""Launch-time faults end with one message within a bound, never a silent wait: a missing
+node, out-of-range settings and sizes, Ctrl-C and SIGTERM, a folder of another run."""
 
 from __future__ import annotations
 
@@ -12,18 +13,15 @@ import pytest
 
 from partita.testing import free_port
 
-
-def partita(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "partita.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+pytestmark = pytest.mark.fault_suite("launch and signals")
 
 
-def test_a_missing_node_stops_the_job_after_the_rendezvous_timeout(tmp_path):
+def test_a_missing_node_stops_the_job_after_the_rendezvous_timeout(cli, tmp_path):
     start = time.monotonic()
-    result = partita("train", "--nproc", "1", "--nnodes", "2", "--rdzv-timeout", "5",
-                     f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone",
-                     "--data.max_bytes=100000", f"--data.cache_dir={tmp_path / 'cache'}",
-                     f"--train.out_dir={tmp_path / 'run'}")
+    result = cli("train", "--nproc", "1", "--nnodes", "2", "--rdzv-timeout", "5",
+                 f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone",
+                 "--data.max_bytes=100000", f"--data.cache_dir={tmp_path / 'cache'}",
+                 f"--train.out_dir={tmp_path / 'run'}")
     elapsed = time.monotonic() - start
     assert result.returncode == 2, result.stderr[-2000:]
     assert "did not all join the rendezvous" in result.stderr
@@ -37,8 +35,8 @@ def test_a_missing_node_stops_the_job_after_the_rendezvous_timeout(tmp_path):
     "--train.log_every=0", "--model.dropout=2.0", "--train.threads=-1",
     "--train.collective_timeout_s=0", "--train.device=tpu",
 ])
-def test_nonsense_is_refused_before_launch(setting, tmp_path):
-    result = partita("train", setting, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
+def test_nonsense_is_refused_before_launch(cli, setting, tmp_path):
+    result = cli("train", setting, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
     assert result.returncode == 2
     assert setting.split("=")[0].lstrip("-") in result.stderr
     assert "Traceback" not in result.stderr
@@ -47,8 +45,8 @@ def test_nonsense_is_refused_before_launch(setting, tmp_path):
 
 @pytest.mark.parametrize("flags", [["--nproc", "0"], ["--nproc", "-2"], ["--nnodes", "0"],
                                    ["--rdzv-timeout", "0"]])
-def test_launcher_counts_out_of_range_are_refused(flags, tmp_path):
-    result = partita("train", *flags, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
+def test_launcher_counts_out_of_range_are_refused(cli, flags, tmp_path):
+    result = cli("train", *flags, f"--train.out_dir={tmp_path / 'run'}", timeout=60)
     assert result.returncode == 2
     assert flags[0] in result.stderr and "Traceback" not in result.stderr
 
@@ -89,16 +87,16 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
 
 
-def test_a_used_out_dir_is_refused_unless_overwrite(tmp_path):
+def test_a_used_out_dir_is_refused_unless_overwrite(cli, tmp_path):
     run = tmp_path / "run"
     (run).mkdir()
     (run / "model.safetensors").write_bytes(b"previous run")
     args = ["train", *SMALL, "--nproc", "1", "--train.steps=2",
             f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={run}"]
-    refused = partita(*args)
+    refused = cli(*args)
     assert refused.returncode == 2 and "already holds another run's results" in refused.stderr
     assert (run / "model.safetensors").read_bytes() == b"previous run"
-    replaced = partita(*args, "--train.overwrite=true")
+    replaced = cli(*args, "--train.overwrite=true")
     assert replaced.returncode == 0, replaced.stderr[-2000:]
     assert (run / "model.safetensors").read_bytes() != b"previous run"
 
@@ -112,9 +110,9 @@ def test_a_used_out_dir_is_refused_unless_overwrite(tmp_path):
     ["schedule", "1f1b", "--stages", "0", "--microbatches", "4"],
     ["schedule", "interleaved-1f1b", "--stages", "64", "--microbatches", "64", "--virtual", "8"],
 ])
-def test_sizes_beyond_the_stated_limits_are_refused_at_once(args):
+def test_sizes_beyond_the_stated_limits_are_refused_at_once(cli, args):
     start = time.monotonic()
-    result = partita(*args, timeout=60)
+    result = cli(*args, timeout=60)
     assert result.returncode == 2 and "is out of range" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 30  # an import of torch at most, no search

@@ -20,6 +20,8 @@ import pytest
 
 from partita.faults import KINDS, POINTS
 
+pytestmark = pytest.mark.fault_suite("process faults")
+
 TIMEOUT_S = 4  # collective and pipeline timeouts of these jobs
 BOUND_S = 150  # start-up of two processes on a loaded 2-core machine included
 

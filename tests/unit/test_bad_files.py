@@ -26,6 +26,8 @@ from partita.models.transformer import build_model
 from partita.sampling import load_run_model
 from partita.weights import load_weights
 
+pytestmark = pytest.mark.fault_suite("damaged files")
+
 VOCAB = 300  # two bytes per id
 
 

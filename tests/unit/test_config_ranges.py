@@ -16,6 +16,8 @@ from partita.config import Config, _sections, load_config
 from partita.config_ranges import RANGES, out_of_range
 from partita.errors import PartitaError
 
+pytestmark = pytest.mark.fault_suite("settings")
+
 # Settings that belong to the layout (validated with the model and world in view) or
 # are free text.
 LAYOUT_OR_TEXT = {

@@ -10,6 +10,8 @@ from partita import run_dir
 from partita.errors import PartitaError
 from partita.run_dir import RESULT_FILES, prepare_out_dir
 
+pytestmark = pytest.mark.fault_suite("output folder")
+
 
 def test_a_new_folder_is_created(tmp_path):
     path = prepare_out_dir(tmp_path / "a" / "b", overwrite=False, bytes_needed=1)
