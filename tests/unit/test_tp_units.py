@@ -3,17 +3,19 @@ dropout generators, and what apply_tensor_parallel reports on a tp=1 comm."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.layout import Layout
+from partita.layout import Layout, find_problems
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.sharding import shard_info
-from partita.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
+from partita.tensor_parallel import apply_tensor_parallel
 from partita.tensor_parallel import partition as part
 from partita.tensor_parallel.dropout import RegionRNG
 
@@ -48,21 +50,22 @@ def test_replicated_kv_rows(n_heads, n_kv, tp, expect) -> None:
     assert got == expect
 
 
-def test_check_tensor_parallel_errors_and_notes() -> None:
+def test_tensor_parallel_rules_live_in_the_layout_validation() -> None:
+    """Every tensor-parallel rule is one of partita.layout's (one rule set); the exact
+    adjustments (padding, replicated kv heads) are reported when the plan is applied."""
     cfg = ModelConfig(vocab_size=67, dim=64, n_heads=8, n_kv_heads=2, ffn_dim=90)
-    notes = check_tensor_parallel(cfg, 4, sequence_parallel=True, seq_len=16, world_size=8)
-    assert any("kv heads" in n for n in notes) and any("padded to 68" in n for n in notes)
-    assert any("ffn hidden width 90 padded to 92" in n for n in notes)
-    with pytest.raises(PartitaError, match="larger than the 2 processes"):
-        check_tensor_parallel(cfg, 4, world_size=2)
-    with pytest.raises(PartitaError, match="parallel.tp=1"):
-        check_tensor_parallel(cfg, 1, sequence_parallel=True)
-    with pytest.raises(PartitaError, match=r"sequence length 15 .*\[1, 3, 5, 15\]"):
-        check_tensor_parallel(cfg, 2, sequence_parallel=True, seq_len=15)
-    with pytest.raises(PartitaError, match=r"n_heads=8 is not divisible by tp=3"):
-        check_tensor_parallel(cfg, 3)
-    with pytest.raises(PartitaError, match="last rank would own no real row"):
-        check_tensor_parallel(ModelConfig(vocab_size=5, dim=64, n_heads=4), 4)
+
+    def problems(tp, sp=False, seq_len=16, world=None, model=cfg):
+        lay = Layout(tp=tp, dp=1, sequence_parallel=sp)
+        return " ".join(p.message for p in find_problems(
+            lay, model, world or tp, seq_len=seq_len, global_batch=8))
+
+    assert problems(4, sp=True) == ""
+    assert "needs 4 processes but 2" in problems(4, world=2)
+    assert "parallel.tp=1" in problems(1, sp=True)
+    assert re.search(r"seq_len=15 .*\[1, 3, 5, 15\]", problems(2, sp=True, seq_len=15))
+    assert "n_heads=8 is not divisible by tp=3" in problems(3)
+    assert "last rank" in problems(4, model=ModelConfig(vocab_size=5, dim=64, n_heads=4))
 
 
 def test_region_rng_rule() -> None:

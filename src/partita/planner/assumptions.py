@@ -131,7 +131,7 @@ class Assumptions:
     @classmethod
     def measured_cpu(cls) -> Assumptions:
         """What partita itself does, as measured on CPU (eager PyTorch, gloo): the
-        preset for the `cpu` device profile, checked by tests/test_planner_accuracy.py.
+        preset for the `cpu` device profile, checked by tests/dist/test_planner_accuracy.py.
 
         torch's CPU scaled-dot-product attention is a flash-style kernel (it saves Q, K,
         V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:

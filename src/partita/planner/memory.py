@@ -290,7 +290,7 @@ def loss_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     tensor the loss saves (`logits_bytes`): partita's loss (`partita.loss`) works in
     that tensor in place, beside which live only the logits themselves in forward and
     their gradient in the logits' dtype in backward, one element per logit either way
-    (measured op by op in tests/test_planner_memory.py). Megatron-style fused losses
+    (measured op by op in tests/unit/test_planner_memory.py). Megatron-style fused losses
     count none of this (`loss_transients` off)."""
     if not assumptions.loss_transients:
         return 0.0

@@ -15,7 +15,6 @@ from partita.tensor_parallel.layers import (
     ReplicatedHeadsLinear,
     RowParallelLinear,
 )
-from partita.tensor_parallel.partition import check_tensor_parallel
 from partita.tensor_parallel.vocab import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -27,5 +26,5 @@ __all__ = [
     "ColumnParallelLinear", "ParallelDropout", "RegionRNG", "ReplicatedHeadsLinear",
     "RowParallelLinear", "TensorParallelReport", "VocabParallelEmbedding",
     "VocabParallelHead", "VocabParallelLoss", "apply_tensor_parallel",
-    "check_tensor_parallel", "verify_tensor_parallel", "vocab_parallel_cross_entropy",
+    "verify_tensor_parallel", "vocab_parallel_cross_entropy",
 ]

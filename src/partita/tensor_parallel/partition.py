@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 
 from partita.errors import PartitaError
-from partita.models.model_config import ModelConfig
 
 
 def divisors(n: int) -> list[int]:
@@ -79,57 +78,6 @@ def kv_rows_for_rank(n_heads: int, n_kv_heads: int, q_first: int, q_last: int) -
     if len(needed) % len(distinct) == 0 and needed == [h for h in distinct for _ in range(rep)]:
         return distinct
     return needed
-
-
-def check_tensor_parallel(cfg: ModelConfig, tp: int, sequence_parallel: bool = False,
-                          seq_len: int | None = None,
-                          world_size: int | None = None) -> list[str]:
-    """Validate a model for tensor parallelism of degree `tp`; return the adjustments made.
-
-    Raises PartitaError with what to change for an impossible layout. The returned notes
-    describe exact adjustments (padding, replicated kv heads) worth logging.
-    """
-    notes: list[str] = []
-    if tp < 1:
-        raise PartitaError(f"parallel.tp={tp} is invalid: use a positive integer.")
-    if world_size is not None and tp > world_size:
-        raise PartitaError(
-            f"parallel.tp={tp} is larger than the {world_size} processes started; tensor "
-            f"parallelism needs tp ranks. Start at least {tp} processes or lower tp to a "
-            f"value among {[d for d in divisors(world_size) if d <= world_size]}."
-        )
-    if sequence_parallel and tp == 1:
-        raise PartitaError(
-            "sequence parallelism shards activations over the tensor-parallel group, but "
-            "parallel.tp=1. Set parallel.tp to 2 or more, or turn sequence parallelism off."
-        )
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise PartitaError(
-            f"sequence length {seq_len} is not divisible by tp={tp}; sequence parallelism "
-            f"cuts the sequence into tp equal pieces. Use a sequence length that is a "
-            f"multiple of {tp}, or a tp degree among {divisors(seq_len)}."
-        )
-    head_split(cfg.n_heads, tp, 0)
-    if cfg.kv_heads % tp:
-        notes.append(
-            f"kv heads ({cfg.kv_heads}) not divisible by tp={tp}: wk/wv are replicated on "
-            f"every tp rank (+{2 * cfg.dim * cfg.kv_heads * cfg.head_dim * (tp - 1) // tp} "
-            "parameters per layer per rank versus sharding, and an all-reduce of their "
-            "gradients over tp)."
-        )
-    check_padded_split(cfg.ffn_hidden, tp, "model ffn hidden width")
-    if cfg.ffn_hidden % tp:
-        notes.append(
-            f"ffn hidden width {cfg.ffn_hidden} padded to {padded_size(cfg.ffn_hidden, tp)} "
-            f"for tp={tp} (exact; the last rank holds fewer columns)."
-        )
-    check_padded_split(cfg.vocab_size, tp, "model.vocab_size")
-    if cfg.vocab_size % tp:
-        notes.append(
-            f"vocabulary {cfg.vocab_size} padded to {padded_size(cfg.vocab_size, tp)} for "
-            f"tp={tp}; padded logits are -inf and receive no probability mass."
-        )
-    return notes
 
 
 def _short(values: list[int]) -> str:
