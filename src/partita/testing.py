@@ -8,9 +8,10 @@ batch and the same initial weights. This module is the one way the tests check t
 
 - `parity_config` builds a `Config` for a tiny float64 model from TOML-style sections.
 - `run_layouts` trains each configuration on a spawned local world (gloo, one thread per
-  rank) through `parallelize.build_parallel_model`; `reference` trains the same
-  configuration at world size 1 through the very same call (no layout: tp, pp, dp and
-  ZeRO off, the whole batch in one microbatch).
+  rank) through `parallelize.build_parallel_model` (or `parallelize` of a case's own
+  model, such as transformers' Llama); `reference` trains the same configuration at
+  world size 1 through the very same call (no layout: tp, pp, dp and ZeRO off, the whole
+  batch in one microbatch).
 - `token_batch` is the one batch maker: both sides draw step `s` from it.
 - `assert_parity(actual, expected, tol, what)` compares two dicts of named quantities
   with one definition of relative error (see `relative_error`).
@@ -35,11 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn as nn
 
 from partita.config import Config, ParallelSection, load_config
 from partita.local_world import free_port, run_distributed
 from partita.mesh import Mesh
-from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
+from partita.models.plan import ModelPlan
+from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config, parallelize
 from partita.sharding import ShardInfo, shard_info
 
 __all__ = [
@@ -190,11 +193,14 @@ def _step_batch(cfg: Config, step: int) -> torch.Tensor:
 # Training ----------------------------------------------------------------------------
 
 Probe = Callable[[ParallelModel, Config], Any]
+# Builds a model partita did not write, on the meta device, with its plan; a module-level
+# function, so that it reaches the spawned ranks. None: partita's Transformer from cfg.
+ModelFn = Callable[[], tuple[nn.Module, ModelPlan]]
 
 
 def train_layout(rank: int, world: int, cfg: Config, steps: int,
                  grads_at: Iterable[int] = (), params: bool = False,
-                 probe: Probe | None = None) -> dict[str, Any]:
+                 probe: Probe | None = None, model: ModelFn | None = None) -> dict[str, Any]:
     """Train `cfg` for `steps` AdamW steps on this rank of a `world`-rank world.
 
     Each step: this replica's share of `token_batch`, the runner's forward and backward
@@ -206,7 +212,9 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     tensor) under its global name; `probe(pm, cfg)`'s result when given.
     """
     mesh = Mesh(dims_from_config(cfg, world), rank, world)
-    pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    device = torch.device("cpu")
+    pm = (build_parallel_model(cfg, mesh, device) if model is None
+          else parallelize(*model(), cfg, mesh, device))
     dp, loss_comm, pipe = pm.dp, mesh.comm("loss_average"), mesh.comm("pipeline")
     out: dict[str, Any] = {"losses": [], "norms": [], "grads": {}}
     if probe is not None:
@@ -264,11 +272,12 @@ class Case:
     tol: float = FLOAT64_TOL
     grads_at: tuple[int, ...] = ()
     params: bool = False
+    model: ModelFn | None = None  # None: partita's own Transformer
 
 
 def _train_cases(rank: int, world: int, cases: list[Case], steps: int,
                  probe: Probe | None) -> list[dict]:
-    return [train_layout(rank, world, c.cfg, steps, c.grads_at, c.params, probe)
+    return [train_layout(rank, world, c.cfg, steps, c.grads_at, c.params, probe, c.model)
             for c in cases]
 
 
@@ -285,15 +294,17 @@ _REFERENCES: dict[tuple, dict] = {}
 
 
 def reference(cfg: Config, steps: int, grads_at: Iterable[int] = (),
-              params: bool = False) -> dict[str, Any]:
+              params: bool = False, model: ModelFn | None = None) -> dict[str, Any]:
     """`train_layout` of `single_process(cfg)` in this process at world size 1 (cached)."""
     ref_cfg = single_process(cfg)
-    key = (ref_cfg.to_toml(), steps, tuple(sorted(grads_at)), params)
+    key = (ref_cfg.to_toml(), steps, tuple(sorted(grads_at)), params,
+           None if model is None else f"{model.__module__}.{model.__qualname__}")
     if key not in _REFERENCES:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank runs; a tiny model gains nothing more
         try:
-            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params)
+            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params,
+                                            model=model)
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[key]
@@ -332,7 +343,7 @@ def check_layouts(cases: list[Case], world: int, steps: int, probe: Probe | None
     runs = run_layouts(cases, world, steps, probe, timeout)
     failures, out = [], []
     for case, ranks in zip(cases, runs):
-        ref = reference(case.cfg, steps, case.grads_at, case.params)
+        ref = reference(case.cfg, steps, case.grads_at, case.params, case.model)
         out.append((ranks, ref))
         if steps > 1 and not ref["losses"][-1] < ref["losses"][0]:
             failures.append(f"{case.id}: the reference did not train: {ref['losses']}")

@@ -3,8 +3,10 @@
 Its plan lives in `partita.models.hf_llama`; the attention, MLP and decoder-layer code
 that runs is transformers' own. Every layout (dp=2 with ZeRO 0-3, tp=2 with and without
 sequence parallelism, pp=2) must match one process in float64 within 1e-10: the loss
-of every step, the gradient norm, and every final parameter. One spawned world of two
-ranks runs all layouts.
+of every step, the gradient norm, and every final parameter. The layouts and the
+one-process reference go through partita.testing's harness (`Case(model=...)`), the
+same path as partita's own model; one more test anchors that reference to a plain
+PyTorch loop over transformers' own module (torch.optim.AdamW, clip_grad_norm_).
 
 transformers' RMSNorm and rotary embedding compute in float32 even in a float64 model,
 so this model is less precise than a float64 one; it does not loosen the comparison,
@@ -20,132 +22,108 @@ attention sees the whole sequence.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from partita.config import Config
-from partita.weights import full_state_dict
 from partita.mesh import Mesh
 from partita.models.transformer import Transformer
 from partita.parallelize import parallelize
-from partita.testing import assert_parity, run_distributed
+from partita.testing import (
+    PARITY_MODEL,
+    Case,
+    assert_parity,
+    check_layouts,
+    parity_config,
+    reference,
+    run_distributed,
+    token_batch,
+)
 
 transformers = pytest.importorskip("transformers")
 hf_llama = pytest.importorskip("partita.models.hf_llama")
 
-SEQ, VOCAB, LR, STEPS, BATCH, SEED = 16, 64, 3e-3, 3, 4, 5
-TOL = 1e-10
-CASES = [
-    dict(id="dp2-zero0", dp=2, zero=0, m=2),
-    dict(id="dp2-zero1", dp=2, zero=1, m=2),
-    dict(id="dp2-zero2", dp=2, zero=2, m=2),
-    dict(id="dp2-zero3", dp=2, zero=3, m=2),
-    dict(id="tp2", tp=2, m=2),
-    dict(id="tp2-sp", tp=2, sp=True, m=2),
-    dict(id="pp2-1f1b", pp=2, m=2),
-]
+STEPS, SEED = 3, 5
+LAYOUTS = {
+    "dp2-zero0": dict(dp=2, zero_stage=0),
+    "dp2-zero1": dict(dp=2, zero_stage=1),
+    "dp2-zero2": dict(dp=2, zero_stage=2),
+    "dp2-zero3": dict(dp=2, zero_stage=3),
+    "tp2": dict(tp=2),
+    "tp2-sp": dict(tp=2, sequence_parallel=True),
+    "pp2-1f1b": dict(pp=2),
+}
 
 
 def llama_config(impl: str = "sdpa"):
+    """The parity model's shape as a transformers LlamaConfig."""
+    m = PARITY_MODEL
     return transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        vocab_size=m["vocab_size"], hidden_size=m["dim"], intermediate_size=64,
+        num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
+        num_key_value_heads=m["n_kv_heads"], max_position_embeddings=64,
         attn_implementation=impl)
 
 
-def make_config(case: dict) -> Config:
-    cfg = Config()
-    cfg.data.seq_len = SEQ
-    cfg.train.global_batch = BATCH
-    cfg.train.microbatches = case.get("m", 1)
-    cfg.train.dtype = "float64"
-    cfg.train.lr = LR
-    cfg.parallel.dp = case.get("dp", 1)
-    cfg.parallel.tp = case.get("tp", 1)
-    cfg.parallel.pp = case.get("pp", 1)
-    cfg.parallel.zero_stage = case.get("zero", 0)
-    cfg.parallel.sequence_parallel = case.get("sp", False)
-    cfg.parallel.bucket_mb = 0.01  # several buckets
-    return cfg
+def hf_model():
+    """transformers' Llama on the meta device, with its plan (the harness's ModelFn)."""
+    return hf_llama.llama_model(llama_config(), seed=SEED)
 
 
-def batch(step: int) -> torch.Tensor:
-    """Learnable sequences (next = 5 * token + 3 mod vocab), so the loss moves."""
-    gen = torch.Generator().manual_seed(2000 + step)
-    tokens = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(VOCAB, (BATCH,), generator=gen)
-    for t in range(SEQ):
-        tokens[:, t + 1] = (5 * tokens[:, t] + 3) % VOCAB
-    return tokens
+def config(**parallel) -> Config:
+    return parity_config(parallel=dict(bucket_mb=0.01, **parallel),  # several buckets
+                         train=dict(microbatches=2))
 
 
-def _mesh(cfg: Config, rank: int, world: int) -> Mesh:
-    return Mesh(cfg.layout(world), rank, world)
+def test_hf_llama_matches_one_process_in_every_layout():
+    cases = [Case(name, config(**lay), params=True, model=hf_model)
+             for name, lay in LAYOUTS.items()]
+    check_layouts(cases, world=2, steps=STEPS)
 
 
-def train_case(rank: int, world: int, case: dict) -> dict:
-    cfg = make_config(case)
-    mesh = _mesh(cfg, rank, world)
-    model, plan = hf_llama.llama_model(llama_config(case.get("impl", "sdpa")), seed=SEED)
-    pm = parallelize(model, plan, cfg, mesh, torch.device("cpu"))
-    dp, loss_comm = pm.dp, mesh.comm("loss_average")
-
-    def mean(local: float) -> float:
-        (total,) = loss_comm.all_reduce_scalars([local])
-        (total,) = mesh.comm("pipeline").all_reduce_scalars([total])
-        return total / loss_comm.size
-
-    losses, norms = [], []
-    for step in range(STEPS):
-        tokens = batch(step).chunk(loss_comm.size)[loss_comm.index]
-        local = pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
-        dp.finish_grad_sync()
-        norms.append(dp.clip_grad_norm_(1.0))
-        losses.append(mean(local))
-        dp.step(LR)
-        dp.zero_grad()
-    return {"losses": losses, "norms": norms, "params": full_state_dict(pm)}
-
-
-def reference() -> dict:
-    """The same training in one process: transformers' modules, whole batch at once."""
+def test_the_reference_is_plain_pytorch_over_transformers_modules():
+    """The harness's one-process run of the adapter equals a hand-written loop: the
+    whole batch, torch.optim.AdamW (no decay on vectors), clip_grad_norm_."""
+    cfg = config()
+    ref = reference(cfg, STEPS, params=True, model=hf_model)
     model, _ = hf_llama.llama_model(llama_config(), seed=SEED, device="cpu")
     model = model.to(torch.float64)
     params = list(model.parameters())
-    t = Config().train
+    t = cfg.train
     groups = [{"params": [p for p in params if p.ndim >= 2]},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(t.beta1, t.beta2), eps=t.eps,
+    opt = torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                             weight_decay=t.weight_decay)
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = batch(step)
+        tokens = token_batch(step, t.global_batch, cfg.data.seq_len, cfg.model.vocab_size)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 1.0).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(params, t.grad_clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    assert_parity({"losses": ref["losses"], "norms": ref["norms"]},
+                  {"losses": losses, "norms": norms}, 1e-10, "harness vs plain PyTorch")
+    assert_parity({n: v for n, (_, v) in ref["params"].items()},
+                  {n: p.detach() for n, p in model.named_parameters()}, 1e-10,
+                  "harness vs plain PyTorch, final parameters")
+    assert losses[-1] < losses[0]
 
 
 def tensor_comm(rank: int, world: int, sp: bool) -> dict:
     """(op -> calls, bytes) on the tensor group for one training step, HF vs partita."""
-    cfg = make_config(dict(tp=2, sp=sp, m=1))
+    cfg = parity_config(parallel=dict(tp=2, sequence_parallel=sp))
     out = {}
-    config = llama_config()
-    hf, plan = hf_llama.llama_model(config, seed=SEED)
+    hf, plan = hf_model()
     with torch.device("meta"):
         own = Transformer(plan.shape)
+    tokens = token_batch(0, 4, cfg.data.seq_len, PARITY_MODEL["vocab_size"])
     for name, (model, model_plan) in {"hf": (hf, plan), "partita": (own, own.plan())}.items():
-        mesh = _mesh(cfg, rank, world)
+        mesh = Mesh(cfg.layout(world), rank, world)
         pm = parallelize(model, model_plan, cfg, mesh, torch.device("cpu"))
-        tokens = batch(0)
         mesh.counter.reset()
         pm.runner.train(tokens[:, :-1], tokens[:, 1:], 1)
         out[name] = {op: (mesh.counter.calls[(p, op)], mesh.counter.sent[(p, op)])
@@ -153,57 +131,9 @@ def tensor_comm(rank: int, world: int, sp: bool) -> dict:
     return out
 
 
-def _catching(fn, *args):
-    """fn's result, or its traceback as a string: a case that fails on every rank alike
-    fails its own test, not the whole world's."""
-    try:
-        return fn(*args)
-    except Exception:
-        return traceback.format_exc()
-
-
-def run_world(rank: int, world: int) -> dict:
-    results = {case["id"]: _catching(train_case, rank, world, case) for case in CASES}
-    comm = {sp: _catching(tensor_comm, rank, world, sp) for sp in (False, True)}
-    return {"results": results, "comm": comm}
-
-
-def _result(value):
-    if isinstance(value, str):
-        pytest.fail(value)
-    return value
-
-
-@pytest.fixture(scope="module")
-def world() -> list[dict]:
-    return run_distributed(run_world, 2, timeout=240)
-
-
-@pytest.fixture(scope="module")
-def ref() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return reference()
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])
-def test_hf_llama_matches_one_process(world, ref, case):
-    got = _result(world[0]["results"][case["id"]])
-    assert_parity({"losses": got["losses"], "norms": got["norms"]},
-                  {"losses": ref["losses"], "norms": ref["norms"]}, TOL, case["id"])
-    assert set(got["params"]) == set(ref["params"])
-    assert_parity(got["params"], ref["params"], TOL, f"{case['id']} final parameters")
-    # The weights moved: equal final parameters are not equal initial ones.
-    assert ref["losses"][-1] < ref["losses"][0]
-
-
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2-sp"])
-def test_hf_llama_tensor_comm_equals_partita_model(world, sp):
-    for rank in (0, 1):
-        comm = _result(world[rank]["comm"][sp])
+def test_hf_llama_tensor_comm_equals_partita_model(sp):
+    for comm in run_distributed(tensor_comm, 2, args=(sp,), timeout=240):
         assert comm["hf"] == comm["partita"], (comm["hf"], comm["partita"])
         # Not vacuous: forward and backward of 2 blocks communicated over the group.
         assert sum(calls for calls, _ in comm["hf"].values()) >= 8
@@ -240,7 +170,7 @@ def test_adapter_computes_what_transformers_computes(impl):
     state = {(n if n.startswith("lm_head") else f"model.{n}"): p.detach()
              for n, p in model.named_parameters()}
     reference.load_state_dict(state, strict=True)
-    tokens = batch(0)[:, :-1]
+    tokens = token_batch(0, 4, 16, PARITY_MODEL["vocab_size"])[:, :-1]
     with torch.no_grad():
         assert torch.equal(model(tokens), reference(tokens).logits)
     assert plan.block_names(model) == ["layers.0", "layers.1"]
