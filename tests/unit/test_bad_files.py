@@ -159,3 +159,21 @@ def test_weights_of_another_shape_are_refused(run_dir):
     save_file(state, str(weights))
     with pytest.raises(PartitaError, match="do not fit the model"):
         load_run_model(run_dir)
+
+
+def test_a_killed_token_writer_leaves_nothing_the_next_writer_keeps(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    target = tmp_path / "tokens.bin"
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    stale = tmp_path / f".tokens.bin.{host}.{dead}.abc.tmp"
+    stale.write_bytes(b"\0" * 64)
+    live = tmp_path / f".tokens.bin.{host}.{os.getpid()}.def.tmp"  # this process: alive
+    live.write_bytes(b"\0" * 64)
+    write_token_file(target, np.arange(10), VOCAB)
+    assert not stale.exists() and live.exists()
+    assert read_token_file(target)[0].tolist() == list(range(10))

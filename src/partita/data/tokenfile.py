@@ -23,6 +23,7 @@ copy, the last one winning.
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import tempfile
 from pathlib import Path
@@ -86,8 +87,12 @@ class TokenFileWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # A unique temporary name per writer, in the same folder so os.replace is a
         # rename within one file system (atomic), never a copy.
-        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp",
-                                         dir=self.path.parent)
+        # The name carries host and pid, so a writer killed outright (SIGKILL) leaves a
+        # file the next writer on that host recognises as dead and removes.
+        host = socket.gethostname()
+        _remove_dead_writers(self.path, host)
+        fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.{host}.{os.getpid()}.",
+                                         suffix=".tmp", dir=self.path.parent)
         self._file = os.fdopen(fd, "wb")
         self._file.write(b"\0" * HEADER_BYTES)  # real header written at close
         return self
@@ -120,6 +125,24 @@ class TokenFileWriter:
         finally:
             if os.path.exists(self._tmp):
                 os.unlink(self._tmp)
+
+
+def _remove_dead_writers(path: Path, host: str) -> None:
+    """Delete temporaries of `path` left on this host by writers that no longer run."""
+    for tmp in path.parent.glob(f".{path.name}.{host}.*.tmp"):
+        pid = tmp.name[len(f".{path.name}.{host}."):].split(".")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def write_token_file(path: str | os.PathLike, ids: np.ndarray, vocab_size: int) -> Path:
