@@ -91,8 +91,8 @@ def pytest_configure(config) -> None:
                                        "and bad-input suite, counted by kind at the end")
 
 
-def pytest_collection_modifyitems(items) -> None:
-    for item in items:
+def pytest_collection_finish(session) -> None:
+    for item in session.items:  # after deselection: the cases that run
         marker = item.get_closest_marker("fault_suite")
         if marker is not None:
             FAULT_SUITE[item.nodeid] = marker.args[0]

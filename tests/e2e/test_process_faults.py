@@ -72,3 +72,22 @@ def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, ra
         assert f"process {rank} of the job" in last, last
     assert not (run / "model.safetensors").exists()
     assert not list(run.glob("*.partial"))
+
+
+def test_a_stalled_step_is_reported_before_the_timeout(tmp_path):
+    """Rank 0's watchdog names the stopped rank once the step runs stall_warning_factor
+    times the median step time, seconds before the collective timeout ends the job."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": "rank=1,step=4,at=forward,do=stop"}
+    settings = [s for s in SMALL if "timeout_s" not in s]
+    result = subprocess.run(
+        [sys.executable, "-m", "partita.cli", "train", *settings, "--nproc", "2",
+         "--train.steps=6", "--train.collective_timeout_s=15", "--train.stall_warning_factor=3",
+         f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
+    err = result.stderr
+    assert result.returncode != 0
+    warning = [line for line in err.splitlines() if line.startswith("partita: warning: step 4")]
+    assert warning, err[-3000:]
+    assert "rank 1 (last seen in step 4" in warning[0] and "stopped responding" in warning[0]
+    assert err.index(warning[0]) < err.index("partita: error")
