@@ -82,13 +82,9 @@ def cli(cache) -> CLI:
 
 
 # The fault-injection and bad-input suite: its files carry `pytestmark =
-# pytest.mark.fault_suite("CLASS")`, and the run ends with its count by class.
+# pytest.mark.fault_suite("CLASS")` (registered in pyproject.toml), and the run ends
+# with its count by class.
 FAULT_SUITE: dict[str, str] = {}  # test node id -> class
-
-
-def pytest_configure(config) -> None:
-    config.addinivalue_line("markers", "fault_suite(kind): a case of the fault-injection "
-                                       "and bad-input suite, counted by kind at the end")
 
 
 def pytest_collection_finish(session) -> None:

@@ -37,7 +37,7 @@ def _store_client():
     import torch.distributed as dist
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=10),
+                         is_master=False, timeout=datetime.timedelta(seconds=5),
                          wait_for_workers=False)
 
 
@@ -61,6 +61,9 @@ class Progress:
         self._thread = None
         if self.enabled:
             self._store.set(self.PID_KEY.format(rank=rank), f"{socket.gethostname()}|{os.getpid()}")
+            # Every key exists before training starts (a read of a missing key waits for
+            # it): a rank stopped before its first heartbeat still reads as silent.
+            self._store.set(self.BEAT_KEY.format(rank=rank), "0")
             self.enter(0, PHASES[0])
             self._thread = threading.Thread(target=self._background, daemon=True,
                                             name="partita-heartbeat")
