@@ -21,6 +21,8 @@ from partita.errors import PartitaError
 
 # Points of a training step, in the order a step reaches them.
 POINTS = ("forward", "backward", "reduction", "optimizer", "weight_write")
+# Pipeline layouts only: when the rank posts its first send / receive of the step.
+PIPELINE_POINTS = ("pipeline_send", "pipeline_recv")
 KINDS = ("kill", "stop", "raise")
 ENV = "PARTITA_FAULT"
 
@@ -37,8 +39,9 @@ class FaultPlan:
     do: str
 
     def __post_init__(self) -> None:
-        if self.at not in POINTS or self.do not in KINDS:
-            raise PartitaError(f"{ENV}: at must be one of {', '.join(POINTS)} and do one of "
+        if self.at not in POINTS + PIPELINE_POINTS or self.do not in KINDS:
+            raise PartitaError(f"{ENV}: at must be one of "
+                               f"{', '.join(POINTS + PIPELINE_POINTS)} and do one of "
                                f"{', '.join(KINDS)}; got at={self.at}, do={self.do}.")
 
     @classmethod

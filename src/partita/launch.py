@@ -44,7 +44,7 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     """Run fn(*args) on spec.nproc local processes; return their results by local rank."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from partita.local_world import free_port
@@ -74,12 +74,21 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     try:
         results = elastic_launch(config, _run_reporting_errors)(fn, *args)
     except RendezvousTimeoutError:
+        others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
+        count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
+                 else "")
         raise PartitaError(
             f"the job's {spec.nnodes} nodes did not all join the rendezvous at "
-            f"{config.rdzv_endpoint} within {spec.join_timeout_s:g} s, so nothing was "
+            f"{config.rdzv_endpoint} within {spec.join_timeout_s:g} s{count}, so nothing was "
             "started. Start the same command on every node with the same --rdzv-id and "
             "--rdzv-endpoint (an address every node can reach), check --nnodes, or give "
             "slow nodes longer with --rdzv-timeout SECONDS."
+        ) from None
+    except RendezvousError as exc:  # the host node's store went away, or refused us
+        raise PartitaError(
+            f"the rendezvous at {config.rdzv_endpoint} failed ({type(exc).__name__}): the "
+            "node hosting it gave up, died or is unreachable. Start every node of the job "
+            "again with the same --rdzv-id and --rdzv-endpoint."
         ) from None
     except SignalException as exc:
         # The agent caught SIGINT/SIGTERM and has already stopped the workers.
@@ -103,6 +112,30 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             "processes were stopped."
         ) from None
     return [results[r] for r in sorted(results)]
+
+
+def _nodes_waiting(endpoint: str, run_id: str) -> int | None:
+    """Other nodes still in the rendezvous after this one gave up, read from its store;
+    None when that cannot be told (the store's host is gone, or torch keeps the state
+    differently). A node that timed out earlier has left it, hence 'at least'."""
+    import datetime
+    import pickle
+
+    try:
+        from torch.distributed import TCPStore
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+
+        host, _, port = endpoint.rpartition(":")
+        store = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=2))
+        got = C10dRendezvousBackend(store, run_id).get_state()
+        # torch's own record of the rendezvous, written by the nodes of this job
+        state = pickle.loads(got[0]) if got is not None else None
+        return None if state is None else len(state.participants) + len(state.wait_list)
+    except Exception:
+        return None
 
 
 def _first_cause(failures: dict) -> tuple[int, object]:

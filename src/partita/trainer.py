@@ -21,7 +21,7 @@ import torch.distributed as dist
 from partita.config import Config
 from partita.data import TokenDataset, load_dataset, num_windows
 from partita.errors import AgreedError, PartitaError, PeerFailure
-from partita.faults import FaultPlan, Faults
+from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
@@ -119,6 +119,7 @@ class Trainer:
         self.pm: ParallelModel = build_parallel_model(cfg, self.mesh, self.device)
         self.faults = Faults(fault, rank)
         self._arm_backward_fault()
+        self._arm_transfer_fault()
         self.progress = Progress(rank, world, cfg.train.stall_warning_factor,
                                  STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
         dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
@@ -171,6 +172,22 @@ class Trainer:
         self.progress.enter(step, phase)
         if fault_point is not None:
             self.faults.reach(fault_point, step)
+
+    def _arm_transfer_fault(self) -> None:
+        """A planned pipeline send/receive fault fires when the runner posts one."""
+        plan, transport = self.faults.plan, getattr(self.pm.runner, "transport", None)
+        if plan is None or plan.at not in PIPELINE_POINTS or transport is None:
+            return
+        wanted = "is_send" if plan.at == "pipeline_send" else "is_recv"
+
+        def armed(post):
+            def faulty(posted):
+                if any(getattr(a.kind, wanted) for a, _ in posted):
+                    self.faults.reach(plan.at, self.where[0])
+                return post(posted)
+            return faulty
+        transport.post = armed(transport.post)
+        transport.post_recvs = armed(transport.post_recvs)
 
     def _arm_backward_fault(self) -> None:
         """A planned backward fault fires inside autograd, at the first block's backward."""
@@ -292,24 +309,32 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     try:
         trainer = Trainer(cfg, fault)
         return trainer.run()
+    except PeerFailure as exc:  # a pipeline transfer that timed out: say who to look at
+        raise PeerFailure(f"{exc} {_culprit_sentence(trainer)}.") from None
     except (RuntimeError, dist.DistError) as exc:
         if not is_peer_failure(exc):
             raise
         step, phase = trainer.where if trainer is not None else (0, "setup")
-        late = trainer.progress.culprits() if trainer is not None else ""
-        who = (f"The process to look at: {late}" if late else
-               "Another process of the job stopped, died or stalled (the launcher names "
-               "the one that failed first)")
         raise PeerFailure(
             f"a collective in {phase} of step {step} failed: "
-            f"{str(exc).strip().splitlines()[0][:160]}. {who}; collectives wait at most "
-            f"train.collective_timeout_s={cfg.train.collective_timeout_s:g} s."
+            f"{str(exc).strip().splitlines()[0][:160]}. {_culprit_sentence(trainer)}; "
+            f"collectives wait at most train.collective_timeout_s="
+            f"{cfg.train.collective_timeout_s:g} s."
         ) from None
     finally:
         if trainer is not None:
             trainer.progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _culprit_sentence(trainer: Trainer | None) -> str:
+    """Who to look at after a failed transfer or collective (see watchdog.culprits)."""
+    late = trainer.progress.culprits() if trainer is not None else ""
+    if late:
+        return f"The process to look at: {late}"
+    return ("Another process of the job stopped, died or stalled (the launcher names the "
+            "one that failed first)")
 
 
 # What gloo and NCCL say when a peer is gone or late (their errors are RuntimeErrors

@@ -321,10 +321,9 @@ def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
     often a schedule is generated and proven."""
     from unittest import mock
 
-    import partita.pipeline.build as build
     import partita.pipeline.runtime as runtime
 
-    counts = {"build": 0, "validate": 0, "runtime": 0}
+    counts = {"build": 0, "validate": 0, "proof": 0}
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -332,10 +331,10 @@ def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
             return fn(*args, **kwargs)
         return wrapper
 
-    with mock.patch.object(build, "build_schedule", counted("build", build.build_schedule)), \
-            mock.patch.object(build, "validate", counted("validate", build.validate)), \
-            mock.patch.object(runtime, "build_schedule",
-                              counted("runtime", runtime.build_schedule)):
+    with mock.patch.object(runtime, "build_schedule", counted("build", runtime.build_schedule)), \
+            mock.patch.object(runtime, "validate", counted("validate", runtime.validate)), \
+            mock.patch.object(runtime, "check_transfer_order",
+                              counted("proof", runtime.check_transfer_order)):
         train_layout(rank, world, cfg, steps=1)
     return counts
 
@@ -343,8 +342,9 @@ def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
 def test_the_schedule_is_built_and_validated_once_per_process():
     cfg = pipeline_config(schedule="interleaved-1f1b", virtual_stages=2)
     for counts in run_distributed(_count_schedule_builds, 2, (cfg,), timeout=120):
-        # Training and evaluating with the configured microbatches reuse the one object.
-        assert counts == {"build": 1, "validate": 1, "runtime": 0}
+        # Training and evaluating with the configured microbatches reuse the one object
+        # that parallelize built (runtime.validated_schedule is the only place that builds).
+        assert counts == {"build": 1, "validate": 1, "proof": 1}
 
 
 class _HeldMeter(SavedTensorMeter):

@@ -25,8 +25,28 @@ def test_a_missing_node_stops_the_job_after_the_rendezvous_timeout(cli, tmp_path
     elapsed = time.monotonic() - start
     assert result.returncode == 2, result.stderr[-2000:]
     assert "did not all join the rendezvous" in result.stderr
+    assert "(at least 1 of 2 had joined)" in result.stderr
     assert "Traceback" not in result.stderr
     assert elapsed < 90
+
+
+def test_two_of_three_nodes_say_so_and_the_other_stops_cleanly(tmp_path):
+    """The node hosting the rendezvous counts who had joined; a node whose host gave up
+    first says the rendezvous failed. One paragraph each, no traceback."""
+    common = [sys.executable, "-m", "partita.cli", "train", "--nproc", "1", "--nnodes", "3",
+              "--rdzv-timeout", "6", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+              "--rdzv-id=two-of-three", "--train.global_batch=12", "--data.max_bytes=100000",
+              f"--data.cache_dir={tmp_path / 'cache'}"]
+    nodes = []
+    for i in range(2):
+        nodes.append(subprocess.Popen([*common, f"--train.out_dir={tmp_path / str(i)}"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+        time.sleep(1.5)  # the first one hosts the rendezvous
+    errors = [node.communicate(timeout=120)[1] for node in nodes]
+    assert all(node.returncode == 2 for node in nodes), errors
+    assert "(at least 2 of 3 had joined)" in errors[0], errors[0]
+    assert all("Traceback" not in err for err in errors), errors
 
 
 @pytest.mark.parametrize("setting", [

@@ -2,7 +2,8 @@
 
 Each case kills (SIGKILL), stops (SIGSTOP) or makes raise one rank at one point of a
 step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
-once, the layouts taking turns, so each layout meets every kind of fault. Each case
+once, the layouts taking turns, so each layout meets every kind of fault; a pipeline's
+sends and receives are two more points, under the pp layout. Each case
 asserts a non-zero exit within the bound, messages without a traceback, the last
 message naming the process that failed first (and, for a stopped one, the others
 naming it as behind), and no weights or half-written file left in the run folder.
@@ -18,7 +19,7 @@ import time
 
 import pytest
 
-from partita.faults import KINDS, POINTS
+from partita.faults import KINDS, PIPELINE_POINTS, POINTS
 
 pytestmark = pytest.mark.fault_suite("process faults")
 
@@ -42,6 +43,9 @@ def _cases() -> list[tuple[str, str, str, int]]:
     cases = []
     for i, (kind, point) in enumerate(itertools.product(KINDS, POINTS)):
         cases.append((next(layouts), kind, point, i % 2))
+    # A pipeline's own transfers: each fault at a send and at a receive.
+    for i, (kind, point) in enumerate(itertools.product(KINDS, PIPELINE_POINTS)):
+        cases.append(("pp", kind, point, i % 2))
     return cases
 
 

@@ -25,9 +25,7 @@ from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.pipeline.actions import Schedule
-from partita.pipeline.p2p import check_transfer_order
-from partita.pipeline.runtime import PipelineRunner
-from partita.pipeline.schedules import build_schedule
+from partita.pipeline.runtime import PipelineRunner, validated_schedule
 from partita.pipeline.stage import (
     StageLayout,
     detach_tied_copy,
@@ -36,7 +34,6 @@ from partita.pipeline.stage import (
     plan_stages,
     stage_parameters,
 )
-from partita.pipeline.validate import validate
 
 
 @dataclass(frozen=True)
@@ -74,10 +71,7 @@ class PipelineSetup:
 def pipeline_schedule(layout: Layout, microbatches: int) -> Schedule:
     """The layout's schedule for `microbatches`, validated and proven to deliver every
     transfer in order. Pure: no process group."""
-    sched = build_schedule(layout.schedule, layout.pp, microbatches, layout.virtual_stages)
-    validate(sched)
-    check_transfer_order(sched)
-    return sched
+    return validated_schedule(layout.schedule, layout.pp, microbatches, layout.virtual_stages)
 
 
 def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh, layout: Layout) -> PipelineSetup:

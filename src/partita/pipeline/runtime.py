@@ -1,16 +1,11 @@
 """Run a pipeline schedule: this rank's actions, in order, for one training step.
 
-`PipelineRunner` offers the trainer's runner interface: `train(inputs, targets,
-microbatches)` returns this rank's share of the loss (the sum over microbatches of
-loss / microbatches on the last stage, 0.0 elsewhere) and leaves gradients in `.grad`
-ready for the data-parallel engine; `evaluate` is the same without backward.
-
-Losses are averaged explicitly: each microbatch's mean token loss is divided by the
-number of microbatches here, in the code, and multiplied by the data-parallel engine's
-loss scale (1 unless float16); nothing else rescales a gradient.
-
-Every action's start and end are recorded (`timeline`, seconds from the start of the
-step) so a real run can be drawn and its bubble measured (`partita.pipeline.measure`).
+`PipelineRunner` is a `parallelize.StepRunner`: `train` returns this rank's share of the
+loss (sum over microbatches of loss / microbatches on the last stage, 0.0 elsewhere) and
+leaves gradients in `.grad` for the data-parallel engine; `evaluate` has no backward.
+Each microbatch's loss is divided by the number of microbatches here and multiplied by
+the engine's loss scale (1 unless float16); nothing else rescales a gradient. Every
+action's start and end are recorded (`timeline`) to draw a run and measure its bubble.
 """
 
 from __future__ import annotations
@@ -38,6 +33,14 @@ from partita.pipeline.schedules import build_schedule
 from partita.pipeline.simulate import Event, simulate
 from partita.pipeline.tied import TiedHead
 from partita.pipeline.validate import validate
+
+
+def validated_schedule(name: str, n_ranks: int, microbatches: int, virtual: int) -> Schedule:
+    """A schedule, validated and proven to deliver every transfer in order (no process)."""
+    sched = build_schedule(name, n_ranks, microbatches, virtual)
+    validate(sched)
+    check_transfer_order(sched)
+    return sched
 
 
 @dataclass
@@ -209,11 +212,8 @@ class PipelineRunner:
     def schedule(self, microbatches: int) -> Schedule:
         """The validated schedule for `microbatches` (built once per count)."""
         if microbatches not in self._schedules:
-            sched = build_schedule(self.schedule_name, self.layout.n_ranks, microbatches,
-                                   self.virtual)
-            validate(sched)
-            check_transfer_order(sched)
-            self._schedules[microbatches] = sched
+            self._schedules[microbatches] = validated_schedule(
+                self.schedule_name, self.layout.n_ranks, microbatches, self.virtual)
         return self._schedules[microbatches]
 
     def _rank_run(self, sched: Schedule) -> _RankRun:
