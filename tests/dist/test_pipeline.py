@@ -321,7 +321,7 @@ def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
     often a schedule is generated and proven."""
     from unittest import mock
 
-    import partita.pipeline.runtime as runtime
+    import partita.pipeline.p2p as p2p
 
     counts = {"build": 0, "validate": 0, "proof": 0}
 
@@ -331,10 +331,10 @@ def _count_schedule_builds(rank: int, world: int, cfg) -> dict:
             return fn(*args, **kwargs)
         return wrapper
 
-    with mock.patch.object(runtime, "build_schedule", counted("build", runtime.build_schedule)), \
-            mock.patch.object(runtime, "validate", counted("validate", runtime.validate)), \
-            mock.patch.object(runtime, "check_transfer_order",
-                              counted("proof", runtime.check_transfer_order)):
+    with mock.patch.object(p2p, "build_schedule", counted("build", p2p.build_schedule)), \
+            mock.patch.object(p2p, "validate", counted("validate", p2p.validate)), \
+            mock.patch.object(p2p, "check_transfer_order",
+                              counted("proof", p2p.check_transfer_order)):
         train_layout(rank, world, cfg, steps=1)
     return counts
 
@@ -343,7 +343,7 @@ def test_the_schedule_is_built_and_validated_once_per_process():
     cfg = pipeline_config(schedule="interleaved-1f1b", virtual_stages=2)
     for counts in run_distributed(_count_schedule_builds, 2, (cfg,), timeout=120):
         # Training and evaluating with the configured microbatches reuse the one object
-        # that parallelize built (runtime.validated_schedule is the only place that builds).
+        # that parallelize built (p2p.validated_schedule is the only place that builds).
         assert counts == {"build": 1, "validate": 1, "proof": 1}
 
 

@@ -25,7 +25,8 @@ from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.pipeline.actions import Schedule
-from partita.pipeline.runtime import PipelineRunner, validated_schedule
+from partita.pipeline.p2p import validated_schedule
+from partita.pipeline.runtime import PipelineRunner
 from partita.pipeline.stage import (
     StageLayout,
     detach_tied_copy,

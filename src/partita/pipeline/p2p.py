@@ -10,7 +10,8 @@ microbatch instead of hanging.
 
 Matching is by order on each (sender, receiver) pair — NCCL has no tags — so both ends
 must post their transfers in the same order; `check_transfer_order` proves that for a
-schedule before it runs.
+schedule before it runs, and `validated_schedule` is the one place a schedule is built,
+validated and proven.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from partita.comm import GroupComm
 from partita.errors import PeerFailure
 from partita.pipeline.actions import Action, Kind, Schedule, ScheduleError
+from partita.pipeline.schedules import build_schedule
+from partita.pipeline.validate import validate
 
 
 class PipelineTimeout(PeerFailure):
@@ -253,3 +256,11 @@ class _ReapedSend:
     def is_completed(self) -> bool:
         # A failed send stays pending, for finish() to report.
         return self.reaped.done() and self.reaped.exception() is None
+
+
+def validated_schedule(name: str, n_ranks: int, microbatches: int, virtual: int) -> Schedule:
+    """A schedule, validated and proven to deliver every transfer in order (no process)."""
+    sched = build_schedule(name, n_ranks, microbatches, virtual)
+    validate(sched)
+    check_transfer_order(sched)
+    return sched

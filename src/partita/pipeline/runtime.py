@@ -28,19 +28,9 @@ from partita.pipeline.backward import (
     backward_input,
     full_backward,
 )
-from partita.pipeline.p2p import Transport, check_transfer_order, delivery_proofs
-from partita.pipeline.schedules import build_schedule
+from partita.pipeline.p2p import Transport, delivery_proofs, validated_schedule
 from partita.pipeline.simulate import Event, simulate
 from partita.pipeline.tied import TiedHead
-from partita.pipeline.validate import validate
-
-
-def validated_schedule(name: str, n_ranks: int, microbatches: int, virtual: int) -> Schedule:
-    """A schedule, validated and proven to deliver every transfer in order (no process)."""
-    sched = build_schedule(name, n_ranks, microbatches, virtual)
-    validate(sched)
-    check_transfer_order(sched)
-    return sched
 
 
 @dataclass
