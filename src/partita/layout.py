@@ -47,6 +47,75 @@ ZERO3_PIPELINE_REASON = (
 )
 
 
+@dataclass(frozen=True)
+class ZeroStage:
+    """What ZeRO stage `number` shards over the data-parallel group, and what follows
+    from it. Each stage shards what the one before does, and one thing more:
+
+      0  nothing (plain data parallelism: gradients all-reduced, full optimizer states);
+      1  optimizer states (and master weights): each rank updates its own slice;
+      2  + gradients: each rank keeps only its slice of the reduced gradient;
+      3  + parameters: gathered around compute, a slice at rest.
+
+    The number stays the user-facing value (`parallel.zero_stage`); code reads the
+    properties, never the number."""
+
+    number: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.number, bool) or self.number not in (0, 1, 2, 3):
+            raise PartitaError(
+                f"parallel.zero_stage={self.number} is invalid: use 0 (plain data parallel), "
+                "1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
+            )
+
+    @classmethod
+    def of(cls, stage: int | ZeroStage) -> ZeroStage:
+        return stage if isinstance(stage, ZeroStage) else cls(stage)
+
+    def __int__(self) -> int:
+        return self.number
+
+    def __str__(self) -> str:
+        return f"ZeRO-{self.number}"
+
+    @property
+    def shards_optimizer_states(self) -> bool:
+        """Each rank updates only its own slice of every bucket (its moments and master
+        weights), so the gradient norm is summed over the group."""
+        return self.number >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Reduced gradients are kept as the owned slice only; without this the full
+        gradient buffers live for the whole run and .grad are views into them."""
+        return self.number >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are a slice at rest, gathered block by block around compute."""
+        return self.number >= 3
+
+    @property
+    def all_reduces_gradients(self) -> bool:
+        """Gradients are all-reduced (every rank holds all of them); otherwise they are
+        reduce-scattered (each rank receives the sum of its own slice)."""
+        return not self.shards_optimizer_states
+
+    @property
+    def gathers_parameters_after_step(self) -> bool:
+        """Every rank keeps full parameters but updates only its slice: the updated
+        slices are all-gathered after each step (stage 3 gathers before compute)."""
+        return self.shards_optimizer_states and not self.shards_parameters
+
+    @property
+    def can_buffer_accumulation(self) -> bool:
+        """Gradient accumulation may choose between reducing every microbatch and one
+        full-size buffer reduced at the boundary (see ACCUMULATION_MODES)."""
+        return self.shards_gradients and not self.shards_parameters
+
+
+
 class Problem(NamedTuple):
     """One reason a layout cannot run: its kind and a sentence that says what to change."""
 
@@ -117,11 +186,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         Degrees(**{k: getattr(self, k) for k in DEGREES})  # checks the degrees
-        if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
-            raise PartitaError(
-                f"parallel.zero_stage={self.zero_stage!r} is invalid: use 0 (plain data "
-                "parallel), 1 (shard optimizer state), 2 (+ gradients) or 3 (+ parameters)."
-            )
+        ZeroStage(self.zero_stage)  # checks the stage
         object.__setattr__(self, "schedule", canonical_schedule(self.schedule))
         for name in ("virtual_stages", "microbatch_size"):
             value = getattr(self, name)
