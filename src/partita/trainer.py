@@ -105,13 +105,15 @@ STALL_MIN_SECONDS = 2.0
 class Trainer:
     def __init__(self, cfg: Config, fault: FaultPlan | None = None) -> None:
         self.cfg = cfg
-        self.where: tuple[int, str] = (0, "setup")  # (step, phase) for messages
         self.device = pick_device(cfg.train.device)
         if self.device.type == "cpu":
             keep_freed_host_memory()  # per-step buffers without page faults, see module
         rank, world = init_distributed(self.device, cfg.train.collective_timeout_s)
         dims = dims_from_config(cfg, world)
         self.mesh = Mesh(dims, rank, world, cfg.train.collective_timeout_s)
+        # Where this rank is (step, phase), for the watchdog and for error messages.
+        self.progress = Progress(rank, world, cfg.train.stall_warning_factor,
+                                 STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
         torch.manual_seed(cfg.data.seed + rank)
         self.out_dir = Path(cfg.train.out_dir)
         self.is_logger = rank == 0
@@ -120,8 +122,6 @@ class Trainer:
         self.faults = Faults(fault, rank)
         self._arm_backward_fault()
         self._arm_transfer_fault()
-        self.progress = Progress(rank, world, cfg.train.stall_warning_factor,
-                                 STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
         dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
         self.sampler = self.data.train_sampler(cfg.train.global_batch, dp_index, dp_size,
                                                cfg.data.seed)
@@ -168,7 +168,6 @@ class Trainer:
     def _enter(self, step: int, phase: str, fault_point: str | None = None) -> None:
         """Record where this rank is (for the watchdog and error messages); fire an
         injected fault planned for this point."""
-        self.where = (step, phase)
         self.progress.enter(step, phase)
         if fault_point is not None:
             self.faults.reach(fault_point, step)
@@ -183,7 +182,7 @@ class Trainer:
         def armed(post):
             def faulty(posted):
                 if any(getattr(a.kind, wanted) for a, _ in posted):
-                    self.faults.reach(plan.at, self.where[0])
+                    self.faults.reach(plan.at, self.progress.step)
                 return post(posted)
             return faulty
         transport.post = armed(transport.post)
@@ -198,7 +197,7 @@ class Trainer:
                   and n.startswith("blocks.")]
         target = blocks[0] if blocks else self.pm.module
         target.register_full_backward_pre_hook(
-            lambda *_: self.faults.reach("backward", self.where[0]))
+            lambda *_: self.faults.reach("backward", self.progress.step))
 
     def _mean_loss(self, local: float) -> float:
         """Average over replicas; with a pipeline only the last stage has a loss."""
@@ -314,7 +313,8 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     except (RuntimeError, dist.DistError) as exc:
         if not is_peer_failure(exc):
             raise
-        step, phase = trainer.where if trainer is not None else (0, "setup")
+        step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
+                       else (0, "setup"))
         raise PeerFailure(
             f"a collective in {phase} of step {step} failed: "
             f"{str(exc).strip().splitlines()[0][:160]}. {_culprit_sentence(trainer)}; "

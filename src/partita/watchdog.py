@@ -27,7 +27,7 @@ import time
 from collections import deque
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
-PHASES = ("forward and backward", "gradient reduction", "clipping", "loss average",
+PHASES = ("setup", "forward and backward", "gradient reduction", "clipping", "loss average",
           "optimizer step", "evaluation", "weight write")
 BEAT_S = 0.25  # heartbeat period
 SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running
@@ -53,7 +53,7 @@ class Progress:
         self.rank, self.world = rank, world_size
         self.factor, self.min_seconds, self.timeout_s = factor, min_seconds, timeout_s
         self.enabled = world_size > 1 and "MASTER_ADDR" in os.environ
-        self.step, self.phase = 0, PHASES[0]
+        self.step, self.phase = 0, "setup"
         self.step_started = time.monotonic()
         self.durations: deque[float] = deque(maxlen=50)
         self._store = _store_client() if self.enabled else None
