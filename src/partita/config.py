@@ -78,6 +78,20 @@ class TrainSection:
     # naming the ranks that are behind; 0 turns the watchdog off.
     stall_warning_factor: float = 20.0
     timeline_png: str = ""  # pipeline runs: draw the last step's measured timeline here
+    # Checkpoints (docs/checkpoints.md). Every N steps (0: only when stopped by SIGTERM
+    # or train.stop_after, and at the end of a run that checkpoints), into
+    # checkpoint_dir ("" = OUT_DIR/checkpoints), keeping the newest keep_last (0: all).
+    checkpoint_every: int = 0
+    checkpoint_dir: str = ""
+    keep_last: int = 3
+    # "": a fresh run; "auto": the newest complete checkpoint in checkpoint_dir, or a
+    # fresh run when there is none; or the path of a checkpoint (or of a run's out_dir).
+    resume: str = ""
+    stop_after: int = 0  # stop after this step with a checkpoint (0: run to the end)
+    async_checkpoint: bool = True  # write on a background thread; training waits only for a copy
+    # A save that fails (a full disk): "stop" the run, or "continue" training and try
+    # again at the next checkpoint. The previous checkpoint is kept either way.
+    checkpoint_failure: str = "stop"
 
 
 @dataclass

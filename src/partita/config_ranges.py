@@ -112,6 +112,10 @@ RANGES: dict[str, Rule] = {
     "train.threads": AT_LEAST_0,
     "train.collective_timeout_s": POSITIVE,
     "train.stall_warning_factor": AT_LEAST_0,
+    "train.checkpoint_every": AT_LEAST_0,
+    "train.keep_last": AT_LEAST_0,
+    "train.stop_after": AT_LEAST_0,
+    "train.checkpoint_failure": _choice("stop", "continue"),
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,

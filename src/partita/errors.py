@@ -61,6 +61,39 @@ class Stopped(BaseException):
         return 128 + self.signum
 
 
+# Exit status of a run that stopped on request (SIGTERM, train.stop_after) after writing
+# a checkpoint: EX_TEMPFAIL, "try again later", which is what resuming does.
+CHECKPOINT_STOP_EXIT = 75
+
+
+class StopRequest:
+    """SIGTERM as a request: finish the step, write a checkpoint, exit (what schedulers
+    mean when they send it before pre-empting a job). A second SIGTERM stops at once.
+
+    Signal handlers belong to the process, so there is one request per process
+    (`STOP_REQUEST`); the trainer installs it and reads `signum` at each step's end.
+    """
+
+    def __init__(self) -> None:
+        self.signum = 0
+
+    def install(self) -> None:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; signals then stay as they are
+
+        def handler(signum, _frame):
+            if self.signum:
+                raise Stopped(signum)
+            self.signum = signum
+        signal.signal(signal.SIGTERM, handler)
+
+
+STOP_REQUEST = StopRequest()
+
+
 def stop_on_signals() -> None:
     """Turn SIGINT and SIGTERM into `Stopped` in this process (main thread only)."""
     import signal

@@ -13,6 +13,7 @@ reaches. It is never set in normal use.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from dataclasses import dataclass
@@ -23,7 +24,11 @@ from partita.errors import PartitaError
 POINTS = ("forward", "backward", "reduction", "optimizer", "weight_write")
 # Pipeline layouts only: when the rank posts its first send / receive of the step.
 PIPELINE_POINTS = ("pipeline_send", "pipeline_recv")
+# On the checkpoint writer's thread, before it writes the checkpoint of that step.
+CHECKPOINT_POINTS = ("checkpoint_write",)
 KINDS = ("kill", "stop", "raise")
+# The write at this point fails as on a full disk.
+WRITE_KINDS = ("enospc",)
 ENV = "PARTITA_FAULT"
 
 
@@ -37,26 +42,34 @@ class FaultPlan:
     step: int  # 1-based, as logged
     at: str
     do: str
+    # Which start of the job it fires in: 0 the first; n the n-th restart by the
+    # launcher (--max-restarts), so a fault need not repeat after each restart.
+    attempt: int = 0
 
     def __post_init__(self) -> None:
-        if self.at not in POINTS + PIPELINE_POINTS or self.do not in KINDS:
-            raise PartitaError(f"{ENV}: at must be one of "
-                               f"{', '.join(POINTS + PIPELINE_POINTS)} and do one of "
-                               f"{', '.join(KINDS)}; got at={self.at}, do={self.do}.")
+        points = POINTS + PIPELINE_POINTS + CHECKPOINT_POINTS
+        if self.at not in points or self.do not in KINDS + WRITE_KINDS:
+            raise PartitaError(f"{ENV}: at must be one of {', '.join(points)} and do one "
+                               f"of {', '.join(KINDS + WRITE_KINDS)}; got at={self.at}, "
+                               f"do={self.do}.")
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         try:
             fields = dict(item.split("=", 1) for item in text.split(","))
-            return cls(int(fields["rank"]), int(fields["step"]), fields["at"], fields["do"])
+            return cls(int(fields["rank"]), int(fields["step"]), fields["at"], fields["do"],
+                       int(fields.get("attempt", 0)))
         except (KeyError, ValueError):
             raise PartitaError(f"{ENV}='{text}' is not of the form "
-                               "rank=R,step=S,at=POINT,do=KIND.") from None
+                               "rank=R,step=S,at=POINT,do=KIND[,attempt=N].") from None
 
 
 def fault_from_env() -> FaultPlan | None:
+    """The plan in the environment, if it is for this start of the job."""
     text = os.environ.get(ENV, "")
-    return FaultPlan.parse(text) if text else None
+    plan = FaultPlan.parse(text) if text else None
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    return plan if plan is not None and plan.attempt == restart else None
 
 
 class Faults:
@@ -74,5 +87,7 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         elif plan.do == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif plan.do == "enospc":
+            raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
         else:
             raise InjectedFault(f"injected fault at {point} of step {step}")

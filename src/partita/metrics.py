@@ -52,7 +52,10 @@ class MetricsLogger:
     """Writes metrics on the logging rank only; other ranks get a silent logger."""
 
     def __init__(self, out_dir: Path, enabled: bool, total_steps: int, progress: bool,
-                 tensorboard: bool) -> None:
+                 tensorboard: bool, resume_at: int | None = None) -> None:
+        """`resume_at`: a run resumed from the checkpoint of that step keeps the records
+        up to it and continues the file (records of steps after it, from the attempt
+        that was interrupted, are dropped: they are about to be trained again)."""
         self.enabled = enabled
         self.total_steps = total_steps
         self.progress = progress and enabled and sys.stderr.isatty()
@@ -61,7 +64,10 @@ class MetricsLogger:
         if not enabled:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = (out_dir / "metrics.jsonl").open("w")
+        path = out_dir / "metrics.jsonl"
+        kept = _records_up_to(path, resume_at) if resume_at is not None else []
+        self._jsonl = path.open("w")
+        self._jsonl.writelines(kept)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -107,6 +113,19 @@ class MetricsLogger:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        except ValueError:
+            continue  # a line cut short by the crash that ended the earlier attempt
+    return kept
 
 
 def format_line(record: dict) -> str:

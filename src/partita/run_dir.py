@@ -24,8 +24,10 @@ PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when com
 SPARE_BYTES = 16 << 20
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: int) -> Path:
-    """Create and check `out_dir` for a new run; raise PartitaError saying what to fix."""
+def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: int,
+                    resuming: bool = False) -> Path:
+    """Create and check `out_dir` for a new run (or, `resuming`, for the continuation
+    of the run whose results are there); raise PartitaError saying what to fix."""
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
         raise PartitaError(f"train.out_dir '{path}' is a file, not a folder; give the path "
@@ -41,12 +43,12 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
             "folder on a writable disk, or fix its permissions."
         ) from None
     remove_partial_files(path)
-    found = [name for name in RESULT_FILES if (path / name).exists()]
+    found = [] if resuming else [name for name in RESULT_FILES if (path / name).exists()]
     if found and not overwrite:
         raise PartitaError(
             f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
-            "choose a new folder with --train.out_dir=PATH, or replace them with "
-            "--train.overwrite=true."
+            "choose a new folder with --train.out_dir=PATH, continue that run with "
+            "--train.resume=auto, or replace them with --train.overwrite=true."
         )
     if found:
         for name in found:

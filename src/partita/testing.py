@@ -33,11 +33,13 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from partita.checkpoint import CheckpointWriter, load_checkpoint, manifest_fields, resolve
 from partita.config import Config, ParallelSection, load_config
 from partita.local_world import free_port, run_distributed
 from partita.mesh import Mesh
@@ -200,8 +202,13 @@ ModelFn = Callable[[], tuple[nn.Module, ModelPlan]]
 
 def train_layout(rank: int, world: int, cfg: Config, steps: int,
                  grads_at: Iterable[int] = (), params: bool = False,
-                 probe: Probe | None = None, model: ModelFn | None = None) -> dict[str, Any]:
+                 probe: Probe | None = None, model: ModelFn | None = None,
+                 save_to: str = "", resume_from: str = "") -> dict[str, Any]:
     """Train `cfg` for `steps` AdamW steps on this rank of a `world`-rank world.
+
+    With `resume_from` (a checkpoint, or a folder of them: its newest), the run loads it
+    first and trains only the steps after the checkpoint's (losses and norms then start
+    there); with `save_to` it writes a checkpoint of the final state into that folder.
 
     Each step: this replica's share of `token_batch`, the runner's forward and backward
     over `train.microbatches`, gradient sync, the global gradient norm (clipped at
@@ -229,7 +236,10 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
         return tokens.chunk(loss_comm.size)[loss_comm.index]
 
     grads_at, clip = set(grads_at), cfg.train.grad_clip or None
-    for step in range(steps):
+    first = 0
+    if resume_from:
+        first = load_checkpoint(pm, resolve(Path(resume_from)), cfg.data.seed).step
+    for step in range(first, steps):
         tokens = mine(_step_batch(cfg, step))
         local = pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)
         dp.finish_grad_sync()
@@ -243,6 +253,11 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     tokens = mine(_step_batch(cfg, steps))
     out["val"] = mean(pm.runner.evaluate(tokens[:, :-1], tokens[:, 1:]))
     out["ledger"] = dp.memory_ledger()
+    if save_to:
+        writer = CheckpointWriter(Path(save_to), rank, world, async_save=False)
+        writer.save(steps, pm, manifest_fields(pm, training={}))
+        if writer.failure:
+            raise RuntimeError(writer.failure)
     if params:
         with dp.gathered_parameters():
             out["params"] = _named(pm, lambda p: p)
@@ -273,11 +288,14 @@ class Case:
     grads_at: tuple[int, ...] = ()
     params: bool = False
     model: ModelFn | None = None  # None: partita's own Transformer
+    save_to: str = ""  # write a checkpoint of the final state into this folder
+    resume_from: str = ""  # start from this checkpoint (train_layout)
 
 
 def _train_cases(rank: int, world: int, cases: list[Case], steps: int,
                  probe: Probe | None) -> list[dict]:
-    return [train_layout(rank, world, c.cfg, steps, c.grads_at, c.params, probe, c.model)
+    return [train_layout(rank, world, c.cfg, steps, c.grads_at, c.params, probe, c.model,
+                         c.save_to, c.resume_from)
             for c in cases]
 
 

@@ -18,9 +18,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from partita.checkpoint import (
+    CheckpointWriter,
+    Loaded,
+    find_latest,
+    load_checkpoint,
+    manifest_fields,
+    resolve,
+)
 from partita.config import Config
 from partita.data import TokenDataset, load_dataset, num_windows
-from partita.errors import AgreedError, PartitaError, PeerFailure
+from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
@@ -36,6 +44,23 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    """Where the run's checkpoints live: train.checkpoint_dir, else OUT_DIR/checkpoints."""
+    return Path(cfg.train.checkpoint_dir or Path(cfg.train.out_dir) / "checkpoints")
+
+
+def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
+    """The checkpoint this run starts from: train.resume resolved ("auto": the newest
+    complete one, or None for a fresh start). A worker restarted by the launcher
+    (--max-restarts) resumes as with "auto" when nothing else was asked."""
+    wanted = cfg.train.resume or ("auto" if restarted else "")
+    if not wanted:
+        return None
+    if wanted == "auto":
+        return find_latest(checkpoint_root(cfg))
+    return resolve(Path(wanted))
 
 
 def open_dataset(cfg: Config) -> TokenDataset:
@@ -125,14 +150,36 @@ class Trainer:
         dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
         self.sampler = self.data.train_sampler(cfg.train.global_batch, dp_index, dp_size,
                                                cfg.data.seed)
+        self.bad_steps = 0
+        self._reported = -1  # the step of the last save reported in the log
+        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        self.progress.enter(0, "checkpoint load")
+        self.resumed: Loaded | None = self._resume(resume_target(cfg, restarted))
+        self.writer = CheckpointWriter(
+            checkpoint_root(cfg), rank, world, cfg.train.keep_last, cfg.train.async_checkpoint,
+            cfg.train.collective_timeout_s, self.resumed.folder if self.resumed else None,
+            before_write=lambda step: self.faults.reach("checkpoint_write", step))
+        STOP_REQUEST.install()  # SIGTERM: finish the step, checkpoint, exit
         self.logger = MetricsLogger(self.out_dir, self.is_logger, cfg.train.steps,
-                                    cfg.train.progress, cfg.metrics.tensorboard)
+                                    cfg.train.progress, cfg.metrics.tensorboard,
+                                    resume_at=self.resumed.step if self.resumed else None)
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
         # Evaluate with the global batch, or with what a small validation split allows
         # (a multiple of the replicas); 0 means there is nothing to validate on.
         windows = num_windows(len(self.data.val), cfg.data.seq_len)
         self.eval_batch = min(cfg.train.global_batch, windows // dp_size * dp_size)
+
+    def _resume(self, folder: Path | None) -> Loaded | None:
+        """Load the checkpoint in `folder` (None: a fresh run) with the data position."""
+        if folder is None:
+            return None
+        loaded = load_checkpoint(self.pm, folder, self.cfg.data.seed)
+        training = loaded.training
+        if "sampler" in training:
+            self.sampler.load_state_dict(training["sampler"])
+        self.bad_steps = int(training.get("bad_steps", 0))
+        return loaded
 
     def _load_data(self) -> TokenDataset:
         # One process per node tokenizes; the others then open the finished cache.
@@ -220,6 +267,7 @@ class Trainer:
     # The loop ----------------------------------------------------------------------------
     def run(self) -> dict:
         c = self.cfg
+        first = self.resumed.step if self.resumed else 0
         if self.is_logger:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "config.toml")
@@ -228,22 +276,27 @@ class Trainer:
                 f"layout {self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
                 f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
             )
+            if self.resumed:
+                how = ("same layout" if self.resumed.same_layout
+                       else "resharded into this layout")
+                self.logger.message(f"resumed from {self.resumed.folder} at step {first} "
+                                    f"({how})")
         # Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step.
         schedule = WarmupCosine(lr=c.train.lr, min_lr=c.train.min_lr,
                                 warmup_steps=c.train.warmup_steps, total_steps=c.train.steps)
         tokens_per_step = c.train.global_batch * c.data.seq_len
         flops_per_step = self.pm.model_cfg.flops_per_token(c.data.seq_len) * tokens_per_step
-        bad_steps, val_loss, result = 0, None, None
+        val_loss, result, stopped = None, None, False
         start = time.perf_counter()
         window_start, window_steps = start, 0
-        for step in range(c.train.steps):
+        for step in range(first, c.train.steps):
             inputs, targets = next(self.sampler)
             lr = schedule(step)
             result = self.train_step(inputs, targets, lr, step + 1)
             window_steps += 1
             if not self._healthy(result):
-                bad_steps += 1
-                if bad_steps > c.train.max_bad_steps:
+                self.bad_steps += 1
+                if self.bad_steps > c.train.max_bad_steps:
                     self._fail(step, result)
             last = step == c.train.steps - 1
             if (step + 1) % c.train.eval_every == 0 or last:
@@ -251,7 +304,7 @@ class Trainer:
                 val_loss = self.evaluate()
                 if val_loss is not None and not math.isfinite(val_loss):
                     self._fail(step, StepResult(val_loss, result.grad_norm, False), "validation ")
-            if (step + 1) % c.train.log_every == 0 or last or step == 0:
+            if (step + 1) % c.train.log_every == 0 or last or step == first:
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 mfu = (flops_per_step * window_steps / max(elapsed, 1e-9)
@@ -263,11 +316,23 @@ class Trainer:
                 }, console=True)
                 val_loss = None if not last else val_loss
                 window_start, window_steps = time.perf_counter(), 0
+            stopped = self._checkpoint_after(step + 1, last)
+            if stopped:
+                break
+        self._enter(c.train.steps, "checkpoint write")
+        self._finish_saves(stopped)
         elapsed = time.perf_counter() - start
+        done = step + 1 if result is not None else first
         summary = {
-            "steps": c.train.steps, "train_loss": result.loss if result else float("nan"),
-            "val_loss": val_loss, "tokens_per_s": tokens_per_step * c.train.steps / elapsed,
+            "steps": done, "train_loss": result.loss if result else float("nan"),
+            "val_loss": val_loss,
+            "tokens_per_s": tokens_per_step * (done - first) / max(elapsed, 1e-9),
+            "stopped": stopped, "checkpoint": str(self.writer.last.folder)
+            if self.writer.last and self.writer.last.folder else "",
         }
+        if stopped:  # the launcher says where the checkpoint is and how to continue
+            self.logger.close()
+            return summary
         self._enter(c.train.steps, "weight write", "weight_write")
         save_weights(self.pm, self.out_dir / "model.safetensors")
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
@@ -275,12 +340,78 @@ class Trainer:
                                          f"{c.parallel.schedule}, last step, {self.mesh.dims}")
         if self.is_logger:
             val = "n/a" if val_loss is None else f"{val_loss:.4f}"
-            self.logger.message(
-                f"done: {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
-                f"val loss {val}, {summary['tokens_per_s']:,.0f} tokens/s"
-            )
+            if result is None:
+                self.logger.message(f"the checkpoint is at step {first}, which train.steps="
+                                    f"{c.train.steps} already reaches; nothing to train. "
+                                    "Raise train.steps to train further.")
+            else:
+                self.logger.message(
+                    f"done: {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
+                    f"val loss {val}, {summary['tokens_per_s']:,.0f} tokens/s"
+                )
         self.logger.close()
         return summary
+
+    # Checkpoints ---------------------------------------------------------------------
+    def _checkpoint_after(self, step: int, last: bool) -> bool:
+        """Save when due; True when the run stops here (SIGTERM, train.stop_after, or a
+        failed save with train.checkpoint_failure=stop). Every rank decides alike."""
+        c = self.cfg.train
+        signalled, failed = self._agree([STOP_REQUEST.signum > 0, bool(self.writer.failure)])
+        if failed:
+            self._checkpoint_failed()
+        stop = signalled or step == c.stop_after
+        every = c.checkpoint_every > 0 and step % c.checkpoint_every == 0
+        if stop or every or (last and c.checkpoint_every > 0):
+            self._enter(step, "checkpoint copy")
+            training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+            self.writer.save(step, self.pm, manifest_fields(self.pm, training,
+                                                            self.cfg.to_dict()))
+            self._report_save()
+        return stop and not last
+
+    def _finish_saves(self, stopping: bool) -> None:
+        """Wait for the save in flight; a failure of it is handled as configured (a run
+        stopping for a checkpoint fails without one)."""
+        self.writer.wait()
+        self._report_save()
+        (failed,) = self._agree([bool(self.writer.failure)])
+        if failed:
+            self._checkpoint_failed(must_stop=stopping)
+
+    def _report_save(self) -> None:
+        """Log the newest finished save once (with async saves, during the next one)."""
+        report = self.writer.last
+        if report is None or report.folder is None or report.step == self._reported:
+            return
+        self._reported = report.step
+        self.logger.message(
+            f"checkpoint {report.folder.name}: complete {report.total_s:.2f} s after it "
+            f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0); training paused "
+            f"{report.copy_s:.3f} s for the copy")
+
+    def _checkpoint_failed(self, must_stop: bool = False) -> None:
+        message = self.writer.failure or "another rank could not write its part"
+        self.writer.failure = ""
+        if self.cfg.train.checkpoint_failure == "stop" or must_stop:
+            raise AgreedError(
+                f"a checkpoint could not be saved ({message}); earlier checkpoints are "
+                "intact. Free disk space or choose "
+                "another train.checkpoint_dir, then resume with --train.resume=auto; or set "
+                "train.checkpoint_failure=continue to keep training when a save fails."
+            )
+        self.logger.message(f"warning: a checkpoint could not be saved ({message}); "
+                            "training goes on (train.checkpoint_failure=continue) and "
+                            "earlier checkpoints are intact.")
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Flags or-ed over every rank, so that every rank takes the same branch."""
+        if self.mesh.world_size == 1:
+            return flags
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        t = torch.tensor([float(f) for f in flags], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
 
     def _healthy(self, result: StepResult) -> bool:
         if not math.isfinite(result.loss):

@@ -27,8 +27,9 @@ import time
 from collections import deque
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
-PHASES = ("setup", "forward and backward", "gradient reduction", "clipping", "loss average",
-          "optimizer step", "evaluation", "weight write")
+PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
+          "clipping", "loss average", "optimizer step", "evaluation", "checkpoint copy",
+          "checkpoint write", "weight write")
 BEAT_S = 0.25  # heartbeat period
 SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running
 

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
+from contextlib import contextmanager
 
 from partita.config import Config, config_from_toml, load_config
-from partita.errors import PEER_FAILURE_EXIT, AgreedError, PartitaError, PeerFailure
+from partita.errors import (
+    CHECKPOINT_STOP_EXIT,
+    PEER_FAILURE_EXIT,
+    AgreedError,
+    PartitaError,
+    PeerFailure,
+    Stopped,
+)
 from partita.launch import LaunchSpec, launch, launched_externally
 from partita.run_dir import prepare_out_dir, weight_bytes
 
@@ -28,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-id", default="", help="job id shared by every node (multi-node)")
     p.add_argument("--rdzv-timeout", type=float, default=120.0,
                    help="seconds the nodes wait for each other before the job stops (multi-node)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the workers this many times after a failure; each restart "
+                        "resumes from the newest checkpoint (set --train.checkpoint_every)")
     p.set_defaults(func=run, accepts_overrides=True)
 
 
@@ -68,12 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
-        train(cfg)
-        return 0
+        return _exit_status([train(cfg)])
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
         if value is not None and value < 1:
             raise PartitaError(f"{flag} {value} is out of range: give 1 or more processes "
                                "per node and 1 or more nodes.")
+    if args.max_restarts < 0:
+        raise PartitaError(f"--max-restarts {args.max_restarts} must be 0 or more.")
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     nproc = args.nproc or default_nproc()
@@ -83,9 +96,59 @@ def run(args: argparse.Namespace) -> int:
     if pick_device_name(cfg.train.device) == "cuda":
         check_one_gpu_per_process(nproc)
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_id=args.rdzv_id, join_timeout_s=args.rdzv_timeout)
-    launch(spec, _worker, cfg.to_toml())
-    return 0
+                      rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                      join_timeout_s=args.rdzv_timeout)
+    with forward_sigterm():
+        results = launch(spec, _worker, cfg.to_toml())
+    return _exit_status(results)
+
+
+def _exit_status(results: list[dict]) -> int:
+    """0 for a finished run; CHECKPOINT_STOP_EXIT when it stopped on request (SIGTERM,
+    train.stop_after) after writing a checkpoint."""
+    stopped = [r for r in results if isinstance(r, dict) and r.get("stopped")]
+    if not stopped:
+        return 0
+    print(f"partita: stopped after step {stopped[0]['steps']} with checkpoint "
+          f"{stopped[0]['checkpoint']}; continue with --train.resume=auto (any layout).",
+          file=sys.stderr, flush=True)
+    return CHECKPOINT_STOP_EXIT
+
+
+@contextmanager
+def forward_sigterm():
+    """While the workers run: a SIGTERM to this process (the launcher) is passed on to
+    them, each finishes its step and writes a checkpoint, and the job exits with
+    CHECKPOINT_STOP_EXIT; a second SIGTERM stops everything at once. (torch's agent
+    would stop the workers with SIGKILL a few seconds after passing it on, so it is
+    told to leave SIGTERM alone.)"""
+    import multiprocessing
+    import signal
+
+    seen = []
+
+    def handler(signum, _frame):
+        if seen:
+            raise Stopped(signum)
+        seen.append(signum)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+
+    previous_env = os.environ.get(AGENT_SIGNALS)
+    os.environ[AGENT_SIGNALS] = "SIGINT,SIGHUP,SIGQUIT"
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if previous_env is None:
+            os.environ.pop(AGENT_SIGNALS, None)
+        else:
+            os.environ[AGENT_SIGNALS] = previous_env
+
+
+# The signals torch's elastic agent turns into "stop every worker now".
+AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 def validate_before_launch(cfg: Config, world_size: int) -> None:
@@ -103,7 +166,28 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
 
 
 def prepare_run_dir(cfg: Config) -> None:
-    """Check and claim train.out_dir for this run (see partita.run_dir)."""
+    """Check and claim train.out_dir for this run (see partita.run_dir), and the
+    checkpoint to resume from: it must exist and be of this model."""
+    from partita.checkpoint import check_model, complete_checkpoints, read_manifest
+    from partita.trainer import checkpoint_root, resume_target
+
+    target = resume_target(cfg)
+    if target is not None:
+        check_model(read_manifest(target), cfg.model_config(), target)
+    root = checkpoint_root(cfg)
+    earlier = complete_checkpoints(root)
+    if target is None and earlier:
+        if not cfg.train.overwrite:
+            raise PartitaError(
+                f"{root} holds checkpoints of an earlier run (newest: {earlier[-1].name}); "
+                "continue it with --train.resume=auto, choose another train.out_dir (or "
+                "train.checkpoint_dir), or start over with --train.overwrite=true, which "
+                "deletes them."
+            )
+        for folder in earlier:
+            shutil.rmtree(folder)
+        (root / "latest").unlink(missing_ok=True)
     wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
     prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
-                    weight_bytes(cfg.model_config().num_params(), 8 if wide else 4))
+                    weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
+                    resuming=target is not None)

@@ -60,5 +60,10 @@ class ParallelDropout(nn.Module):
                                               generator=self.rng.generator(self.kind, x.device))
         return x * keep / (1.0 - self.p)
 
+    def checkpointed_generators(self, device: torch.device) -> dict[str, torch.Generator]:
+        """The random stream this module draws from, by a name that is the same on every
+        run of the layout (checkpoints save and restore it)."""
+        return {f"tp_dropout/{self.kind}": self.rng.generator(self.kind, device)}
+
     def extra_repr(self) -> str:
         return f"p={self.p}, masks {self.kind} over tp"

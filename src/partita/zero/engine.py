@@ -26,6 +26,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from partita.optim import (
     global_norm,
     squared_sum,
 )
-from partita.zero.flat import FlatBuffer, InitFn
+from partita.zero.flat import FlatBuffer, InitFn, Piece
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
 from partita.zero.policies import MixedPrecision, ZeroConfig
@@ -55,6 +56,21 @@ from partita.zero.units import (
     require_blocks,
     resolve_blocks,
 )
+
+
+@dataclass(frozen=True)
+class OwnedSlice:
+    """One bucket's flat range [lo, lo + len(param)) that this rank's optimizer updates:
+    the parameter pieces in it (`Piece.buf_start - lo` is a piece's offset in the
+    tensors below), the parameter values, the master copy (None when the parameters
+    are in the master dtype) and both AdamW moments."""
+
+    pieces: list[Piece]
+    lo: int
+    param: torch.Tensor
+    master: torch.Tensor | None
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -325,6 +341,36 @@ class DataParallel:
             out["gathered_now"] = self.gatherer.live_bytes
             out["gathered_peak"] = self.gatherer.peak_bytes
         return out
+
+    def owned_slices(self) -> list[OwnedSlice]:
+        """Per bucket, what this rank's optimizer updates: the flat range, the pieces of
+        parameters in it and the tensors holding their values and AdamW state (views of
+        the engine's own buffers). Checkpoints read and write training state here."""
+        self.wait_params()
+        out = []
+        for buf, slot in zip(self.buckets, self.slots):
+            lo, hi = self._owned_range(buf)
+            out.append(OwnedSlice(buf.pieces(lo, hi), lo, self._owned_param(buf), slot.master,
+                                  slot.exp_avg, slot.exp_avg_sq))
+        return out
+
+    def writes_piece(self, piece: Piece) -> bool:
+        """Whether this rank is the one, among the ranks holding identical copies of
+        `piece`'s state, that a checkpoint takes it from: index 0 of the data-parallel
+        group when optimizer states are replicated (stage 0), and of every group the
+        parameter is replicated over (a norm under tensor parallelism)."""
+        if not self.stage.shards_optimizer_states and self.comm.index != 0:
+            return False
+        return not any(p in self.mesh.ranks and self.mesh.index(p) != 0
+                       for p in piece.entry.info.replicated_over)
+
+    @torch.no_grad()
+    def owned_slices_loaded(self) -> None:
+        """The owned slices were written from outside (a checkpoint was loaded): bring
+        the full parameter buffers of stages 1-2 up to date from every rank's slice."""
+        if self.stage.gathers_parameters_after_step:
+            for buf in self.buckets:
+                self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
 
     def state_dict(self) -> dict:
         """Owned optimizer, master and parameter slices, with their layout metadata."""

@@ -1,0 +1,181 @@
+"""The checkpoint folder: its manifest, the `latest` pointer, finding and pruning.
+
+    CHECKPOINT_ROOT/                 train.checkpoint_dir (default OUT_DIR/checkpoints)
+      latest                         the newest complete checkpoint's folder name
+      step-00000400/
+        manifest.json                written last: what makes the folder a checkpoint
+        rank-00000-of-00004.safetensors
+        ...
+      step-00000500.3f9c2a.partial/  being written (or abandoned by a crash): never read
+
+A folder is a checkpoint only when its manifest is there, parses, and matches its own
+checksum; it is renamed from its `.partial` name only after that, so a reader never
+sees a half-written one under a checkpoint's name (docs/checkpoints.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+
+from partita.checkpoint.files import CheckpointFileError, fsync_dir
+
+FORMAT = "partita-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+PARTIAL = ".partial"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def manifest_checksum(manifest: dict) -> int:
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Write the manifest durably (a temporary name, fsync, rename, fsync the folder)."""
+    manifest = dict(manifest, crc32=manifest_checksum(manifest))
+    tmp = folder / (MANIFEST + PARTIAL)
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    fsync_dir(folder)
+
+
+def read_manifest(folder: Path) -> dict:
+    """The checkpoint's manifest, checked; CheckpointFileError saying what is wrong."""
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise CheckpointFileError(
+            f"checkpoint '{folder}' does not exist or is not a folder; give the folder of a "
+            "checkpoint (OUT_DIR/checkpoints/step-N), a run's out_dir, or train.resume=auto."
+        )
+    if not path.is_file():
+        raise CheckpointFileError(
+            f"'{folder}' holds no {MANIFEST}, so it is not a complete checkpoint (a save "
+            "that did not finish, or not a checkpoint at all); resume from another one."
+        )
+    try:
+        manifest = json.loads(path.read_text())
+        ok = isinstance(manifest, dict) and manifest.get("crc32") == manifest_checksum(manifest)
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        raise CheckpointFileError(
+            f"the manifest '{path}' is corrupt (it does not parse or does not match its "
+            "checksum); resume from another checkpoint or copy the folder again."
+        )
+    if manifest.get("format") != FORMAT:
+        raise CheckpointFileError(f"'{path}' is not a partita checkpoint manifest.")
+    if int(manifest.get("version", 0)) > VERSION:
+        raise CheckpointFileError(
+            f"checkpoint '{folder}' has format version {manifest['version']}, written by "
+            f"partita {manifest.get('partita_version', '?')}; this partita reads versions "
+            f"up to {VERSION}. Upgrade partita to load it."
+        )
+    return manifest
+
+
+def is_checkpoint(folder: Path) -> bool:
+    try:
+        read_manifest(folder)
+        return True
+    except CheckpointFileError:
+        return False
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := STEP_DIR.match(p.name)) and (p / MANIFEST).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`: the one `latest` names when it is
+    sound, else the newest folder whose manifest checks out; None when there is none."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if STEP_DIR.match(named.name) and is_checkpoint(named):
+            newer = [p for p in complete_checkpoints(root) if p.name > named.name]
+            if not newer:
+                return named
+    for folder in reversed(complete_checkpoints(root)):
+        if is_checkpoint(folder):
+            return folder
+    return None
+
+
+def resolve(path: Path) -> Path:
+    """What `train.resume=PATH` means: a checkpoint folder itself, or a folder of
+    checkpoints (its newest), or a run's out_dir (the newest in its checkpoints/)."""
+    if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
+        return path
+    for root in (path, path / "checkpoints"):
+        latest = find_latest(root)
+        if latest is not None:
+            return latest
+    if not path.exists():
+        raise CheckpointFileError(
+            f"train.resume='{path}' does not exist; give a checkpoint folder, a run's "
+            "out_dir, or train.resume=auto (the newest in this run's checkpoint folder)."
+        )
+    raise CheckpointFileError(
+        f"'{path}' holds no complete checkpoint (no step-N folder with a {MANIFEST}); give "
+        "a checkpoint folder, or start without train.resume."
+    )
+
+
+def write_latest(root: Path, name: str) -> None:
+    tmp = root / (LATEST + PARTIAL)
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / LATEST)
+    fsync_dir(root)
+
+
+def prune(root: Path, keep_last: int, protect: Path | None) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (0: keep all), never
+    `protect` (the one this run resumed from). Returns what was deleted."""
+    if keep_last <= 0:
+        return []
+    done = complete_checkpoints(root)
+    keep = set(done[-keep_last:])
+    kept = protect.resolve() if protect is not None else None
+    gone = []
+    for folder in done:
+        if folder in keep or folder.resolve() == kept:
+            continue
+        # Drop the manifest first: a deletion cut short never leaves a folder that
+        # still looks complete but lacks files.
+        (folder / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        gone.append(folder)
+    return gone
+
+
+def remove_partials(root: Path) -> None:
+    """Remove the folders of saves that never finished (a crash, a full disk)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.endswith(PARTIAL):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)

@@ -1,0 +1,201 @@
+"""Loading a checkpoint into any layout of the same model.
+
+Each rank walks the slices its own optimizer updates (`DataParallel.owned_slices`),
+describes each parameter piece in them as a `Region` of the global tensor, finds which
+saved pieces hold those elements (`RunIndex`), and reads exactly those byte ranges from
+the memory-mapped files, checking the checksum of every block it touches. Nothing else
+of the model is read on that rank. Precision may change between save and load: the
+weights come from the saved master copy when there is one (else the saved parameters),
+rounded to the new parameter dtype; the moments are cast to the new master dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from partita.checkpoint.files import FileReader, record_from_json
+from partita.checkpoint.manifest import read_manifest
+from partita.checkpoint.regions import Region, RunIndex
+from partita.checkpoint.state import (
+    EXP_AVG,
+    EXP_AVG_SQ,
+    MASTER,
+    WEIGHTS,
+    reseed_rng,
+    restore_rng,
+)
+from partita.errors import PartitaError
+from partita.layout import DEGREES
+
+# The model settings that decide what the saved numbers mean; a checkpoint loads only
+# into a model that agrees on all of them.
+ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                     "flavour", "tie_embeddings", "rope_theta", "norm_eps")
+
+
+class CheckpointMismatch(PartitaError):
+    """The checkpoint is sound but belongs to another model or optimizer."""
+
+
+@dataclass
+class Loaded:
+    """What a load restored, and what the caller restores itself."""
+
+    folder: Path
+    step: int
+    training: dict  # the run's own fields (sampler position, counters)
+    same_layout: bool  # random streams restored (else fresh ones, see reseed_rng)
+    bytes_read: int
+
+
+def model_fields(model_cfg) -> dict:
+    """The architecture of a ModelConfig, as a checkpoint records it."""
+    return {k: getattr(model_cfg, k) for k in ARCHITECTURE_KEYS if hasattr(model_cfg, k)}
+
+
+def check_model(manifest: dict, model_cfg, folder: Path) -> None:
+    """Refuse a checkpoint of another model, naming the settings that differ."""
+    saved, here = manifest.get("model", {}), model_fields(model_cfg)
+    diff = [f"{k}: checkpoint {saved[k]!r}, this run {here[k]!r}" for k in here
+            if k in saved and saved[k] != here[k]]
+    if diff:
+        raise CheckpointMismatch(
+            f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "
+            "Resume with the model settings it was written with (its manifest.json lists "
+            "them), or start a fresh run."
+        )
+
+
+class _Sources:
+    """The saved pieces of each parameter, indexed, and the files they live in."""
+
+    def __init__(self, folder: Path, manifest: dict) -> None:
+        self.folder = folder
+        self.records = [record_from_json(f) for f in manifest["files"]]
+        self.readers: dict[int, FileReader] = {}
+        self.pieces: dict[str, list[dict]] = {}
+        for p in manifest["pieces"]:
+            self.pieces.setdefault(p["name"], []).append(p)
+        self.shapes = {n: tuple(t["shape"]) for n, t in manifest["tensors"].items()}
+        self.index = {n: RunIndex(self.region(n, p) for p in ps)
+                      for n, ps in self.pieces.items()}
+        self.bytes_read = 0
+
+    def region(self, name: str, piece: dict) -> Region:
+        split = piece["split"] or (None, 0, 0)
+        return Region(self.shapes[name], split[0], split[1], split[2], *piece["flat"])
+
+    def reader(self, file_index: int) -> FileReader:
+        if file_index not in self.readers:
+            record = self.records[file_index]
+            self.readers[file_index] = FileReader(self.folder / record.name, record)
+        return self.readers[file_index]
+
+    def has(self, name: str, state: str) -> bool:
+        return all(state in p["keys"] for p in self.pieces.get(name, [{}]))
+
+    @torch.no_grad()
+    def fill(self, dst: torch.Tensor, name: str, state: str, wanted: Region) -> None:
+        """dst (1-D, wanted.numel elements) <- the saved `state` of `wanted`."""
+        found = self.index[name].find(wanted)
+        if sum(o.length for o in found) != wanted.numel:
+            raise PartitaError(
+                f"checkpoint '{self.folder}' lacks part of '{name}' ({state}): its pieces "
+                "do not cover the slice this rank needs. The checkpoint is incomplete; "
+                "resume from another one."
+            )
+        by_source: dict[int, list] = {}
+        for o in found:
+            by_source.setdefault(o.source, []).append(o)
+        for source, parts in by_source.items():
+            piece = self.pieces[name][source]
+            lo = min(o.src for o in parts)
+            hi = max(o.src + o.length for o in parts)
+            # One read (and one checksum pass) per saved piece: the span it must give.
+            span = self.reader(piece["file"]).read(piece["keys"][state], lo, hi)
+            self.bytes_read += span.numel() * span.element_size()
+            for o in parts:
+                dst[o.dst:o.dst + o.length].copy_(span[o.src - lo:o.src - lo + o.length])
+
+    def read_whole(self, file_index: int, key: str) -> torch.Tensor:
+        reader = self.reader(file_index)
+        return reader.read(key, 0, reader.tensors[key].numel).clone()
+
+    def close(self) -> None:
+        for r in self.readers.values():
+            r.close()
+
+
+def check_tensors(manifest: dict, pm, folder: Path) -> None:
+    """Every parameter this rank holds must be in the checkpoint with its global shape."""
+    saved = {n: tuple(t["shape"]) for n, t in manifest["tensors"].items()}
+    problems = []
+    for sl in pm.dp.owned_slices():
+        for pc in sl.pieces:
+            info = pc.entry.info
+            if info.name not in saved:
+                problems.append(f"'{info.name}' is not in it")
+            elif saved[info.name] != tuple(info.global_shape):
+                problems.append(f"'{info.name}' has shape {list(saved[info.name])} there, "
+                                f"{list(info.global_shape)} here")
+    if problems:
+        raise CheckpointMismatch(
+            f"checkpoint '{folder}' does not fit this model: {'; '.join(problems[:3])}"
+            f"{' and more' if len(problems) > 3 else ''}. Resume with the model it was "
+            "written for, or start a fresh run."
+        )
+
+
+@torch.no_grad()
+def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
+    """Load the checkpoint in `folder` into this rank's part of `pm` (every rank calls
+    it; collective only where stages 1-2 rebuild their full parameter buffers)."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    check_model(manifest, pm.model_cfg, folder)
+    check_tensors(manifest, pm, folder)
+    optimizer = manifest.get("optimizer", {})
+    if optimizer.get("name") != "adamw":
+        raise CheckpointMismatch(
+            f"checkpoint '{folder}' holds the state of optimizer "
+            f"'{optimizer.get('name')}', but partita trains with AdamW; it cannot continue "
+            "that optimizer's run."
+        )
+    sources = _Sources(folder, manifest)
+    try:
+        for sl in pm.dp.owned_slices():
+            for pc in sl.pieces:
+                info = pc.entry.info
+                wanted = Region(tuple(info.global_shape), info.dim, info.start, info.stop,
+                                pc.start, pc.stop)
+                offset = pc.buf_start - sl.lo
+                part = slice(offset, offset + wanted.numel)
+                best = MASTER if sources.has(info.name, MASTER) else WEIGHTS
+                same_dtype = manifest["precision"]["param_dtype"] == str(sl.param.dtype)
+                sources.fill(sl.param[part], info.name, WEIGHTS if same_dtype else best,
+                             wanted)
+                if sl.master is not None:
+                    sources.fill(sl.master[part], info.name, best, wanted)
+                sources.fill(sl.exp_avg[part], info.name, EXP_AVG, wanted)
+                sources.fill(sl.exp_avg_sq[part], info.name, EXP_AVG_SQ, wanted)
+        pm.dp.owned_slices_loaded()
+        pm.dp.step_count = int(optimizer["steps"])
+        pm.dp.scaler.load_state_dict(manifest["scaler"])
+        mesh = pm.mesh
+        saved = manifest.get("layout", {})
+        same_layout = (manifest["world_size"] == mesh.world_size
+                       and all(saved.get(k) == getattr(mesh.dims, k) for k in DEGREES))
+        if same_layout:
+            index = next(i for i, f in enumerate(manifest["files"]) if f["rank"] == mesh.rank)
+            restore_rng(pm.module, pm.device, manifest["files"][index]["rng"],
+                        lambda key: sources.read_whole(index, key))
+        else:
+            reseed_rng(pm.module, pm.device, seed, mesh.rank, manifest["step"])
+        return Loaded(folder, int(manifest["step"]), manifest.get("training", {}),
+                      same_layout, sources.bytes_read)
+    finally:
+        sources.close()
+

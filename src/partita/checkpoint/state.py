@@ -1,0 +1,140 @@
+"""What a rank contributes to a checkpoint, copied off its training buffers.
+
+`capture(pm)` returns a `RankState`: host copies of the pieces of parameters, master
+weights and AdamW moments this rank is the writer of (`DataParallel.writes_piece`: one
+rank per set of identical copies), each named by its global parameter and slice, plus
+every random stream of the rank. The copy is all the training loop waits for; writing
+happens afterwards, possibly on another thread, from these copies alone.
+
+Random streams: torch's default generator (CPU and, on a GPU run, CUDA), any module's
+own generators (`checkpointed_generators(device)`, e.g. tensor-parallel dropout), and
+Python's and numpy's global generators. They go back in only when the layout is
+unchanged (the same rank then plays the same part); see `restore_rng`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from partita.checkpoint.regions import Region
+
+# Training state per parameter element, as the manifest names it.
+WEIGHTS, MASTER, EXP_AVG, EXP_AVG_SQ = "param", "master", "exp_avg", "exp_avg_sq"
+STATES = (WEIGHTS, MASTER, EXP_AVG, EXP_AVG_SQ)
+RNG_PREFIX = "rng/"
+
+
+@dataclass
+class PieceState:
+    """One piece of one global parameter: its region and, per state, the key of the
+    tensor that holds it in this rank's file."""
+
+    name: str
+    region: Region
+    keys: dict[str, str]
+
+    def to_json(self) -> dict:
+        r = self.region
+        return {"name": self.name, "split": None if r.dim is None else [r.dim, r.start, r.stop],
+                "flat": [r.lo, r.hi], "keys": self.keys}
+
+
+@dataclass
+class RankState:
+    """A rank's share of a checkpoint, in host memory."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieces: list[PieceState] = field(default_factory=list)
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # global shape per name
+    rng: dict = field(default_factory=dict)  # the JSON part of the random streams
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def piece_key(name: str, state: str, region: Region) -> str:
+    split = "whole" if region.dim is None else f"d{region.dim}:{region.start}:{region.stop}"
+    return f"{name}|{state}|{split}|{region.lo}:{region.hi}"
+
+
+@torch.no_grad()
+def capture(pm) -> RankState:
+    """Copy this rank's share of the training state to host memory."""
+    out = RankState()
+    dp = pm.dp
+    for sl in dp.owned_slices():
+        mine = [pc for pc in sl.pieces if dp.writes_piece(pc)]
+        if not mine:
+            continue
+        held = {WEIGHTS: sl.param, MASTER: sl.master, EXP_AVG: sl.exp_avg,
+                EXP_AVG_SQ: sl.exp_avg_sq}
+        # One copy per slice and state (a few large copies, not one per parameter).
+        copies = {state: t.to("cpu", copy=True) for state, t in held.items() if t is not None}
+        for pc in mine:
+            info = pc.entry.info
+            region = Region(tuple(info.global_shape), info.dim, info.start, info.stop,
+                            pc.start, pc.stop)
+            offset = pc.buf_start - sl.lo
+            keys = {}
+            for state, copy in copies.items():
+                key = piece_key(info.name, state, region)
+                out.tensors[key] = copy[offset:offset + region.numel]
+                keys[state] = key
+            out.pieces.append(PieceState(info.name, region, keys))
+            out.shapes[info.name] = list(info.global_shape)
+    out.rng = _capture_rng(pm.module, pm.device, out.tensors)
+    return out
+
+
+def _module_generators(module: nn.Module, device: torch.device) -> dict[str, torch.Generator]:
+    gens: dict[str, torch.Generator] = {}
+    for m in module.modules():
+        own = getattr(m, "checkpointed_generators", None)
+        if own is not None:
+            gens.update(own(device))
+    return gens
+
+
+def _capture_rng(module: nn.Module, device: torch.device, tensors: dict) -> dict:
+    tensors[RNG_PREFIX + "torch"] = torch.get_rng_state()
+    if device.type == "cuda":
+        tensors[RNG_PREFIX + "cuda"] = torch.cuda.get_rng_state(device)
+    for name, gen in _module_generators(module, device).items():
+        tensors[RNG_PREFIX + name] = gen.get_state()
+    version, state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors[RNG_PREFIX + "numpy"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    return {"python": [version, list(state), gauss],
+            "numpy": [kind, int(pos), int(has_gauss), float(cached)]}
+
+
+def restore_rng(module: nn.Module, device: torch.device, rng: dict,
+                read: callable) -> None:
+    """Put the random streams back; `read(key)` gives a saved tensor of this rank."""
+    torch.set_rng_state(read(RNG_PREFIX + "torch").clone())
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(read(RNG_PREFIX + "cuda").clone(), device)
+    for name, gen in _module_generators(module, device).items():
+        gen.set_state(read(RNG_PREFIX + name).clone())
+    version, state, gauss = rng["python"]
+    random.setstate((version, tuple(state), gauss))
+    kind, pos, has_gauss, cached = rng["numpy"]
+    keys = read(RNG_PREFIX + "numpy").numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, pos, has_gauss, cached))
+
+
+def reseed_rng(module: nn.Module, device: torch.device, seed: int, rank: int,
+               step: int) -> None:
+    """A different layout cannot take the saved streams (rank r no longer plays the
+    same part): start fresh streams that depend on the step, so a resumed run does not
+    repeat the masks of its first steps."""
+    base = (seed * 1_000_003 + step) * 4099 + rank
+    torch.manual_seed(base)
+    for i, gen in enumerate(_module_generators(module, device).values()):
+        gen.manual_seed(gen.initial_seed() ^ (step * 0x9E3779B1 + i))
