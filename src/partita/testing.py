@@ -255,7 +255,7 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     out["ledger"] = dp.memory_ledger()
     if save_to:
         writer = CheckpointWriter(Path(save_to), rank, world, async_save=False)
-        writer.save(steps, pm, manifest_fields(pm, training={}))
+        writer.save(steps, pm, manifest_fields(pm, {}, cfg.to_dict(), cfg.layout(world)))
         if writer.failure:
             raise RuntimeError(writer.failure)
     if params:
@@ -290,12 +290,13 @@ class Case:
     model: ModelFn | None = None  # None: partita's own Transformer
     save_to: str = ""  # write a checkpoint of the final state into this folder
     resume_from: str = ""  # start from this checkpoint (train_layout)
+    steps: int = 0  # train this many steps instead of the run's (0: the run's)
 
 
 def _train_cases(rank: int, world: int, cases: list[Case], steps: int,
                  probe: Probe | None) -> list[dict]:
-    return [train_layout(rank, world, c.cfg, steps, c.grads_at, c.params, probe, c.model,
-                         c.save_to, c.resume_from)
+    return [train_layout(rank, world, c.cfg, c.steps or steps, c.grads_at, c.params, probe,
+                         c.model, c.save_to, c.resume_from)
             for c in cases]
 
 

@@ -365,8 +365,9 @@ class Trainer:
         if stop or every or (last and c.checkpoint_every > 0):
             self._enter(step, "checkpoint copy")
             training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
-            self.writer.save(step, self.pm, manifest_fields(self.pm, training,
-                                                            self.cfg.to_dict()))
+            fields = manifest_fields(self.pm, training, self.cfg.to_dict(),
+                                     self.cfg.layout(self.mesh.world_size))
+            self.writer.save(step, self.pm, fields)
             self._report_save()
         return stop and not last
 

@@ -69,7 +69,7 @@ def check_model(manifest: dict, model_cfg, folder: Path) -> None:
         )
 
 
-class _Sources:
+class SavedPieces:
     """The saved pieces of each parameter, indexed, and the files they live in."""
 
     def __init__(self, folder: Path, manifest: dict) -> None:
@@ -164,7 +164,7 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
             f"'{optimizer.get('name')}', but partita trains with AdamW; it cannot continue "
             "that optimizer's run."
         )
-    sources = _Sources(folder, manifest)
+    sources = SavedPieces(folder, manifest)
     try:
         for sl in pm.dp.owned_slices():
             for pc in sl.pieces:

@@ -167,10 +167,11 @@ class CheckpointWriter:
         return final, ""
 
 
-def manifest_fields(pm, training: dict, config: dict | None = None) -> dict:
-    """What a manifest records beside the tensors: format, versions, layout, model,
-    optimizer, precision, loss scaler, the run's own `training` fields (sampler
-    position, counters) and the resolved `config`."""
+def manifest_fields(pm, training: dict, config: dict | None = None, layout=None) -> dict:
+    """What a manifest records beside the tensors: format, versions, layout (`layout`,
+    a partita.layout.Layout, else the mesh's degrees), model, optimizer, precision,
+    loss scaler, the run's own `training` fields (sampler position, counters) and the
+    resolved `config`."""
     import dataclasses
 
     from partita import __version__
@@ -179,7 +180,7 @@ def manifest_fields(pm, training: dict, config: dict | None = None) -> dict:
     from partita.layout import DEGREES
 
     dp, dims = pm.dp, pm.mesh.dims
-    layout = (dataclasses.asdict(dims) if dataclasses.is_dataclass(dims) else {})
+    layout = dataclasses.asdict(layout) if layout is not None else {}
     layout.update({k: getattr(dims, k) for k in DEGREES})
     slices = dp.owned_slices()
     param_dtype = slices[0].param.dtype if slices else torch.float32

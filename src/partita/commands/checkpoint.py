@@ -1,0 +1,119 @@
+"""`partita checkpoint info|verify|export DIR`: look into, check and convert checkpoints.
+
+DIR is a checkpoint folder (OUT_DIR/checkpoints/step-N), a folder of checkpoints, or a
+run's out_dir (then its newest checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("checkpoint", help="inspect, verify or export a checkpoint")
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = sub.add_parser("info", help="layout, step, sizes and tensors of a checkpoint")
+    info.add_argument("dir", help="checkpoint folder, folder of checkpoints, or a run's out_dir")
+    info.add_argument("--tensors", action="store_true", help="list every tensor")
+    info.set_defaults(func=run_info)
+    verify = sub.add_parser("verify", help="read every byte and check every checksum")
+    verify.add_argument("dir")
+    verify.set_defaults(func=run_verify)
+    export = sub.add_parser("export", help="write full, unsharded weights (safetensors)")
+    export.add_argument("dir")
+    export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.set_defaults(func=run_export)
+
+
+def _folder(text: str) -> Path:
+    from partita.checkpoint import resolve
+
+    return resolve(Path(text))
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from partita.checkpoint import read_manifest
+
+    folder = _folder(args.dir)
+    m = read_manifest(folder)
+    sizes = {f["name"]: f["size"] for f in m["files"]}
+    layout = m.get("layout", {})
+    degrees = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in layout)
+    policies = ", ".join(f"{k}={layout[k]}" for k in ("zero_stage", "schedule", "virtual_stages",
+                                                      "sequence_parallel") if k in layout)
+    count = {}
+    for p in m["pieces"]:
+        count[p["name"]] = count.get(p["name"], 0) + 1
+    params = sum(_numel(t["shape"]) for t in m["tensors"].values())
+    print(f"checkpoint {folder}")
+    print(f"  step {m['step']} (optimizer steps {m['optimizer']['steps']}), written "
+          f"{m.get('created', '?')} by partita {m.get('partita_version', '?')}, torch "
+          f"{m.get('torch_version', '?')}, format version {m['version']}")
+    print(f"  layout: {m['world_size']} process(es), {degrees}" + (f"; {policies}" if policies
+                                                                    else ""))
+    print(f"  model: {', '.join(f'{k}={v}' for k, v in m['model'].items())}")
+    dtypes = {k: v.removeprefix("torch.") for k, v in m["precision"].items()}
+    print(f"  precision: parameters {dtypes['param_dtype']}, master and moments "
+          f"{dtypes['master_dtype']}")
+    print(f"  {len(m['tensors'])} tensors, {params:,} parameters; {len(sizes)} files, "
+          f"{sum(sizes.values()) / 2**20:,.1f} MiB")
+    for name, size in sizes.items():
+        print(f"    {name}  {size / 2**20:,.2f} MiB")
+    if args.tensors:
+        for name, t in m["tensors"].items():
+            print(f"    {name}  {list(t['shape'])}  in {count.get(name, 0)} piece(s)")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from partita.checkpoint import read_manifest
+    from partita.checkpoint.files import FileReader, record_from_json
+
+    folder = _folder(args.dir)
+    total = 0
+    for f in read_manifest(folder)["files"]:
+        reader = FileReader(folder / f["name"], record_from_json(f))
+        reader.verify_all()
+        reader.close()
+        total += f["size"]
+    print(f"{folder}: every checksum matches ({total / 2**20:,.1f} MiB read)")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from partita.checkpoint.export import full_tensors
+    from partita.checkpoint.files import write_file
+    from partita.errors import PartitaError
+    from partita.run_dir import PARTIAL_SUFFIX
+
+    folder = _folder(args.dir)
+    out = Path(args.out)
+    state = {}
+    for name, t in full_tensors(folder):
+        # As the end of a run writes its weights: float32, or float64 when trained so.
+        state[name] = t.to(torch.float32) if t.dtype not in (torch.float64,) else t
+    tmp = out.with_name(out.name + PARTIAL_SUFFIX)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.unlink(missing_ok=True)
+        write_file(tmp, state, {"format": "partita", "model": "transformer"})
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise PartitaError(f"writing '{out}' failed ({exc.strerror or exc}); nothing was left "
+                           "behind. Free disk space or choose another --out.") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {out}: {len(state)} tensors, "
+          f"{sum(t.numel() for t in state.values()):,} parameters from {folder}")
+    return 0
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,192 @@
+"""The checkpoint format's pure parts: regions, files with checksums, the manifest."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from partita.checkpoint.files import CRC_BLOCK, CheckpointFileError, FileReader, write_file
+from partita.checkpoint.manifest import (
+    LATEST,
+    find_latest,
+    prune,
+    read_manifest,
+    remove_partials,
+    resolve,
+    write_latest,
+    write_manifest,
+)
+from partita.checkpoint.regions import Region, RunIndex
+
+
+def _elements(region: Region) -> torch.Tensor:
+    """Global flat indices of the region's elements, the slow and obvious way."""
+    ids = torch.arange(math.prod(region.global_shape)).view(region.global_shape)
+    if region.dim is not None:
+        ids = ids.narrow(region.dim, region.start, region.stop - region.start)
+    return ids.reshape(-1)[region.lo:region.hi]
+
+
+def _from_runs(region: Region) -> torch.Tensor:
+    out = torch.full((region.numel,), -1)
+    for g0, g1, off in region.runs():
+        out[off:off + g1 - g0] = torch.arange(g0, g1)
+    return out
+
+
+SHAPES = [(12,), (6, 10), (4, 6, 5)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_runs_list_exactly_the_regions_elements(shape):
+    rng = random.Random(0)
+    for _ in range(200):
+        dim = rng.choice([None, *range(len(shape))])
+        start, stop = (0, 0) if dim is None else sorted(rng.sample(range(shape[dim] + 1), 2))
+        local = math.prod(shape) if dim is None else math.prod(shape) // shape[dim] * (stop - start)
+        lo, hi = sorted(rng.sample(range(local + 1), 2))
+        region = Region(shape, dim, start, stop, lo, hi)
+        assert torch.equal(_from_runs(region), _elements(region)), region
+        runs = region.runs()
+        assert all(a[1] < b[0] for a, b in zip(runs, runs[1:])), "runs increase, never touch"
+
+
+def _layout_pieces(shape, dim, parts, flat_parts):
+    """Pieces of a tensor cut `parts` ways along dim, each cut `flat_parts` ways flat."""
+    out = []
+    for p in range(parts):
+        start, stop = (0, 0) if dim is None else (shape[dim] * p // parts,
+                                                  shape[dim] * (p + 1) // parts)
+        local = math.prod(shape) if dim is None else math.prod(shape) // shape[dim] * (stop - start)
+        for f in range(flat_parts):
+            out.append(Region(shape, dim, start, stop, local * f // flat_parts,
+                              local * (f + 1) // flat_parts))
+    return out
+
+
+@pytest.mark.parametrize("saved,wanted", [((0, 2, 3), (1, 3, 2)), ((1, 4, 1), (None, 1, 5)),
+                                          ((None, 1, 4), (0, 2, 2)), ((1, 3, 2), (1, 2, 3))])
+def test_run_index_finds_every_element_of_another_layouts_piece(saved, wanted):
+    shape = (6, 12)
+    sources = _layout_pieces(shape, *saved)
+    index = RunIndex(sources)
+    values = [_elements(r) for r in sources]  # a piece's data: its global indices
+    for target in _layout_pieces(shape, *wanted):
+        got = torch.full((target.numel,), -1)
+        for o in index.find(target):
+            got[o.dst:o.dst + o.length] = values[o.source][o.src:o.src + o.length]
+        assert torch.equal(got, _elements(target)), target
+
+
+def test_a_gap_shows_as_missing_length():
+    shape = (8,)
+    index = RunIndex([Region(shape, None, 0, 0, 0, 3), Region(shape, None, 0, 0, 5, 8)])
+    assert sum(o.length for o in index.find(Region(shape, None, 0, 0, 0, 8))) == 6
+
+
+def _tensors():
+    return {"a": torch.randn(1000, dtype=torch.float64),
+            "b": torch.randn(3, 7).to(torch.bfloat16),
+            "big": torch.arange(CRC_BLOCK // 2, dtype=torch.float32),  # two blocks
+            "empty": torch.empty(0), "n": torch.tensor([1, 2, 3], dtype=torch.int64)}
+
+
+def test_files_round_trip_and_open_with_safetensors(tmp_path):
+    tensors = _tensors()
+    record = write_file(tmp_path / "f.safetensors", tensors, {"k": "v"})
+    reader = FileReader(tmp_path / "f.safetensors", record)
+    for key, t in tensors.items():
+        assert torch.equal(reader.read(key, 0, t.numel()).view(t.shape), t), key
+    assert torch.equal(reader.read("big", 1000, 1010), tensors["big"][1000:1010])
+    reader.verify_all()
+    reader.close()
+    with safe_open(str(tmp_path / "f.safetensors"), "pt") as f:  # the standard reader
+        assert set(f.keys()) == set(tensors)
+        assert torch.equal(f.get_tensor("b"), tensors["b"])
+        assert f.metadata() == {"k": "v"}
+
+
+def test_a_flipped_byte_is_caught_where_it_is_read(tmp_path):
+    path = tmp_path / "f.safetensors"
+    tensors = _tensors()
+    record = write_file(path, tensors)
+    big = next(t for t in record.tensors if t.key == "big")
+    data = bytearray(path.read_bytes())
+    data[big.offset + CRC_BLOCK + 10] ^= 0xFF  # inside big's second block
+    path.write_bytes(bytes(data))
+    reader = FileReader(path, record)
+    assert torch.equal(reader.read("big", 0, 100), tensors["big"][:100])  # first block fine
+    with pytest.raises(CheckpointFileError, match=r"f\.safetensors' is corrupt.*'big'"):
+        reader.read("big", CRC_BLOCK // 4, CRC_BLOCK // 4 + 10)
+    reader.close()
+
+
+def test_truncated_missing_and_bad_headers_name_the_file(tmp_path):
+    path = tmp_path / "f.safetensors"
+    record = write_file(path, _tensors())
+    data = path.read_bytes()
+    path.write_bytes(data[:-7])
+    with pytest.raises(CheckpointFileError, match="truncated"):
+        FileReader(path, record)
+    path.write_bytes(data[:20] + b"X" + data[21:])
+    with pytest.raises(CheckpointFileError, match="corrupt.*header"):
+        FileReader(path, record)
+    path.unlink()
+    with pytest.raises(CheckpointFileError, match="missing"):
+        FileReader(path, record)
+
+
+def _manifest(step: int) -> dict:
+    return {"format": "partita-checkpoint", "version": 1, "step": step}
+
+
+def _checkpoint(root, step):
+    folder = root / f"step-{step:08d}"
+    folder.mkdir(parents=True)
+    write_manifest(folder, _manifest(step))
+    return folder
+
+
+def test_manifest_checks(tmp_path):
+    folder = _checkpoint(tmp_path, 5)
+    assert read_manifest(folder)["step"] == 5
+    text = (folder / "manifest.json").read_text()
+    (folder / "manifest.json").write_text(text.replace('"step": 5', '"step": 6'))
+    with pytest.raises(CheckpointFileError, match="corrupt"):
+        read_manifest(folder)
+    newer = dict(_manifest(5), version=99, partita_version="9.0")
+    write_manifest(folder, newer)
+    with pytest.raises(CheckpointFileError, match="version 99.*Upgrade partita"):
+        read_manifest(folder)
+    (folder / "manifest.json").unlink()
+    with pytest.raises(CheckpointFileError, match="not a complete checkpoint"):
+        read_manifest(folder)
+    with pytest.raises(CheckpointFileError, match="does not exist"):
+        resolve(tmp_path / "nowhere")
+
+
+def test_latest_partials_and_pruning(tmp_path):
+    assert find_latest(tmp_path) is None
+    a, b = _checkpoint(tmp_path, 2), _checkpoint(tmp_path, 4)
+    partial = tmp_path / "step-00000006.abc.partial"
+    partial.mkdir()
+    (partial / "rank-00000-of-00001.safetensors").write_bytes(b"half")
+    broken = tmp_path / "step-00000008"  # a folder whose manifest never arrived
+    broken.mkdir()
+    assert find_latest(tmp_path) == b
+    write_latest(tmp_path, a.name)  # a stale pointer: the newer complete one wins
+    assert find_latest(tmp_path) == b
+    assert json.loads((b / "manifest.json").read_text())["step"] == 4
+    assert resolve(tmp_path) == b and resolve(b) == b
+    (tmp_path / LATEST).write_text("garbage")
+    assert find_latest(tmp_path) == b
+    remove_partials(tmp_path)
+    assert not partial.exists()
+    c = _checkpoint(tmp_path, 10)
+    assert prune(tmp_path, 1, protect=a) == [b]
+    assert a.exists() and c.exists() and not b.exists()
