@@ -16,6 +16,7 @@ import sys
 import traceback
 import uuid
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from partita.errors import PEER_FAILURE_EXIT, PartitaError, Stopped, stop_on_signals
@@ -33,6 +34,10 @@ class LaunchSpec:
     # How long the nodes of a multi-node job wait for each other before the job stops
     # with a message (torch's own default is 10 minutes of silence).
     join_timeout_s: float = 120.0
+    # SIGTERM to this process is passed on to the workers, which finish their step,
+    # write a checkpoint and return (partita train); a second SIGTERM stops at once.
+    # Otherwise torch's agent stops the workers itself (SIGTERM, then SIGKILL).
+    forward_sigterm: bool = False
 
 
 def launched_externally() -> bool:
@@ -54,6 +59,9 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             f"--nnodes {spec.nnodes} needs --rdzv-endpoint HOST:PORT (an address of one "
             "node that every node can reach) and the same --rdzv-id on every node."
         )
+    extra = {}
+    if spec.forward_sigterm and "signals_to_handle" in LaunchConfig.__dataclass_fields__:
+        extra["signals_to_handle"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is ours
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
         run_id=spec.rdzv_id or uuid.uuid4().hex[:12],
@@ -64,7 +72,7 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="spawn",
         # After one process fails, the others get this long to exit on SIGTERM before
         # SIGKILL (torch waits 30 s, which a SIGSTOPped process always uses up).
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S, **extra,
     )
     # The agent logs each failed child with a long record; the child has already printed
     # its own message (a one-paragraph PartitaError or a traceback), which is the one
@@ -72,7 +80,8 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     for name in ("torch.distributed.elastic", "torch.multiprocessing"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, _run_reporting_errors)(fn, *args)
+        with _sigterm_to_workers(spec.forward_sigterm and bool(extra)):
+            results = elastic_launch(config, _run_reporting_errors)(fn, *args)
     except RendezvousTimeoutError:
         others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
         count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
@@ -112,6 +121,31 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
             "processes were stopped."
         ) from None
     return [results[r] for r in sorted(results)]
+
+
+@contextmanager
+def _sigterm_to_workers(enabled: bool):
+    """While the workers run, pass a SIGTERM on to them instead of stopping them; a
+    second one stops everything at once (`Stopped`)."""
+    if not enabled:
+        yield
+        return
+    import multiprocessing
+
+    seen = []
+
+    def handler(signum, _frame):
+        if seen:
+            raise Stopped(signum)
+        seen.append(signum)
+        for child in multiprocessing.active_children():  # the spawned workers
+            os.kill(child.pid, signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _nodes_waiting(endpoint: str, run_id: str) -> int | None:

@@ -117,9 +117,23 @@ def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
     """Join the world torchrun (or our launcher) described in the environment."""
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
         return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if attempt == 0:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # A restarted job meets in the same key-value store as the attempt before it,
+        # where that attempt's addresses still stand (the new processes would read
+        # them and fail to connect): each attempt keeps to keys of its own.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              world, is_master=rank == 0 and not hosted, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -364,6 +378,10 @@ class Trainer:
         every = c.checkpoint_every > 0 and step % c.checkpoint_every == 0
         if stop or every or (last and c.checkpoint_every > 0):
             self._enter(step, "checkpoint copy")
+            self.writer.wait()  # the save before this one must have succeeded, or be handled
+            (failed,) = self._agree([bool(self.writer.failure)])
+            if failed:
+                self._checkpoint_failed(must_stop=stop)
             training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
             fields = manifest_fields(self.pm, training, self.cfg.to_dict(),
                                      self.cfg.layout(self.mesh.world_size))

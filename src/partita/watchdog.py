@@ -37,9 +37,12 @@ SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not runni
 def _store_client():
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                         is_master=False, timeout=datetime.timedelta(seconds=5),
-                         wait_for_workers=False)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=5),
+                          wait_for_workers=False)
+    # A restarted job (--max-restarts) must not read the previous attempt's records.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt-{attempt}", store)
 
 
 class Progress:

@@ -153,7 +153,10 @@ class FileReader:
 
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:  # a tensor read from it is still alive: its owner's now
+                pass
             self._map = None
 
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:

@@ -87,6 +87,24 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+def check_files(folder: Path, manifest: dict) -> None:
+    """Every file the manifest lists is there with its size (cheap: no data is read;
+    the checksums are checked as the data is read)."""
+    for f in manifest["files"]:
+        path = folder / f["name"]
+        if not path.is_file():
+            raise CheckpointFileError(
+                f"checkpoint file '{path}' is missing; the checkpoint is incomplete. Resume "
+                "from another checkpoint (train.resume=PATH) or copy the file again."
+            )
+        if path.stat().st_size != f["size"]:
+            raise CheckpointFileError(
+                f"checkpoint file '{path}' has {path.stat().st_size:,} bytes but its "
+                f"manifest says {f['size']:,}: it is truncated or was replaced. Resume from "
+                "another checkpoint (train.resume=PATH) or copy the file again."
+            )
+
+
 def is_checkpoint(folder: Path) -> bool:
     try:
         read_manifest(folder)

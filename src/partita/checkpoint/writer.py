@@ -116,22 +116,30 @@ class CheckpointWriter:
         mine = {"rank": self.rank, "error": error, "rng": state.rng, "shapes": state.shapes,
                 "pieces": [p.to_json() for p in state.pieces],
                 "file": record_to_json(record) if record is not None else None}
-        parts = [mine]
-        if self.group is not None:
-            parts = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(mine, parts, dst=0, group=self.group)
-        folder, error = None, error
-        if self.rank == 0:
-            folder, error = self._complete(step, tmp, parts, fields)
-        outcome = [error]
-        if self.group is not None:  # every rank learns whether the checkpoint exists
-            dist.broadcast_object_list(outcome, src=0, group=self.group)
-        error = outcome[0]
+        try:
+            error = self._agree_on_outcome(step, tmp, mine, fields)
+        except Exception as exc:  # noqa: BLE001 - a peer died mid-save: report, don't raise
+            error = f"the ranks lost each other while saving step {step}: {exc}"
         if error and not self.failure:
             self.failure = error
         nbytes = record.size if record is not None else 0
         self.last = SaveReport(step, None if error else self.root / step_dir_name(step),
                                copy_s, time.perf_counter() - start, nbytes, error)
+
+    def _agree_on_outcome(self, step: int, tmp: Path, mine: dict, fields: dict) -> str:
+        """Hand this rank's record to rank 0, which completes the checkpoint; every rank
+        learns the outcome ("" when the checkpoint exists)."""
+        parts = [mine]
+        if self.group is not None:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0, group=self.group)
+        error = mine["error"]
+        if self.rank == 0:
+            _, error = self._complete(step, tmp, parts, fields)
+        outcome = [error]
+        if self.group is not None:
+            dist.broadcast_object_list(outcome, src=0, group=self.group)
+        return outcome[0]
 
     def _complete(self, step: int, tmp: Path, parts: list[dict],
                   fields: dict) -> tuple[Path | None, str]:

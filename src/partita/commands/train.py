@@ -7,7 +7,6 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 
 from partita.config import Config, config_from_toml, load_config
 from partita.errors import (
@@ -16,7 +15,6 @@ from partita.errors import (
     AgreedError,
     PartitaError,
     PeerFailure,
-    Stopped,
 )
 from partita.launch import LaunchSpec, launch, launched_externally
 from partita.run_dir import prepare_out_dir, weight_bytes
@@ -97,9 +95,8 @@ def run(args: argparse.Namespace) -> int:
         check_one_gpu_per_process(nproc)
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                      join_timeout_s=args.rdzv_timeout)
-    with forward_sigterm():
-        results = launch(spec, _worker, cfg.to_toml())
+                      join_timeout_s=args.rdzv_timeout, forward_sigterm=True)
+    results = launch(spec, _worker, cfg.to_toml())
     return _exit_status(results)
 
 
@@ -114,41 +111,6 @@ def _exit_status(results: list[dict]) -> int:
           file=sys.stderr, flush=True)
     return CHECKPOINT_STOP_EXIT
 
-
-@contextmanager
-def forward_sigterm():
-    """While the workers run: a SIGTERM to this process (the launcher) is passed on to
-    them, each finishes its step and writes a checkpoint, and the job exits with
-    CHECKPOINT_STOP_EXIT; a second SIGTERM stops everything at once. (torch's agent
-    would stop the workers with SIGKILL a few seconds after passing it on, so it is
-    told to leave SIGTERM alone.)"""
-    import multiprocessing
-    import signal
-
-    seen = []
-
-    def handler(signum, _frame):
-        if seen:
-            raise Stopped(signum)
-        seen.append(signum)
-        for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGTERM)
-
-    previous_env = os.environ.get(AGENT_SIGNALS)
-    os.environ[AGENT_SIGNALS] = "SIGINT,SIGHUP,SIGQUIT"
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        if previous_env is None:
-            os.environ.pop(AGENT_SIGNALS, None)
-        else:
-            os.environ[AGENT_SIGNALS] = previous_env
-
-
-# The signals torch's elastic agent turns into "stop every worker now".
-AGENT_SIGNALS = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 def validate_before_launch(cfg: Config, world_size: int) -> None:
@@ -169,11 +131,14 @@ def prepare_run_dir(cfg: Config) -> None:
     """Check and claim train.out_dir for this run (see partita.run_dir), and the
     checkpoint to resume from: it must exist and be of this model."""
     from partita.checkpoint import check_model, complete_checkpoints, read_manifest
+    from partita.checkpoint.manifest import check_files
     from partita.trainer import checkpoint_root, resume_target
 
     target = resume_target(cfg)
     if target is not None:
-        check_model(read_manifest(target), cfg.model_config(), target)
+        manifest = read_manifest(target)
+        check_model(manifest, cfg.model_config(), target)
+        check_files(target, manifest)
     root = checkpoint_root(cfg)
     earlier = complete_checkpoints(root)
     if target is None and earlier:

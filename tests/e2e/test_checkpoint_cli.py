@@ -1,0 +1,190 @@
+"""Checkpoints from the command line: stop and resume anywhere, in any layout; survive
+SIGTERM, a killed worker (--max-restarts), a writer killed mid-save and a full disk.
+
+The runs train in float64 on the tiny model (8 steps, a checkpoint every 2), so a run
+that was interrupted and resumed must end on exactly the losses of one that was not:
+bitwise in the same layout, within 1e-10 relative after a reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from partita.errors import CHECKPOINT_STOP_EXIT
+from partita.testing import FLOAT64_TOL, relative_error
+
+pytestmark = pytest.mark.fault_suite("checkpoints")
+
+STEPS = 8
+F64 = ("--train.dtype=float64", f"--train.steps={STEPS}", "--train.checkpoint_every=2",
+       "--train.eval_every=100", "--train.collective_timeout_s=20")
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """step -> loss of a run's metrics (the last record wins: a resumed run rewrites)."""
+    out_losses = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record and "step" in record:
+            out_losses[record["step"]] = record["loss"]
+    return out_losses
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, cache) -> Path:
+    """A run that was not interrupted (its checkpoints serve the bad-input cases)."""
+    from tests.conftest import CLI
+
+    out = tmp_path_factory.mktemp("whole") / "run"
+    result = CLI(cache).train(out, "--nproc", "2", *F64)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(_losses(out)) == list(range(1, STEPS + 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(whole_run) -> dict[int, float]:
+    return _losses(whole_run)
+
+
+def _same(got: dict[int, float], want: dict[int, float], tol: float = 0.0) -> None:
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for step in want:
+        if tol == 0.0:
+            assert got[step] == want[step], (step, got[step], want[step])
+        else:
+            assert relative_error(got[step], want[step]) <= tol, (step, got[step], want[step])
+
+
+def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
+    result = cli.train(run_dir, "--nproc", "2", *F64, "--parallel.zero_stage=3",
+                       "--train.stop_after=3")
+    assert result.returncode == CHECKPOINT_STOP_EXIT, result.stderr[-2000:]
+    assert "stopped after step 3" in result.stderr and "--train.resume=auto" in result.stderr
+    assert not (run_dir / "model.safetensors").exists()
+    # a fresh run may not take over the folder of a run that can continue
+    again = cli.train(run_dir, "--nproc", "2", *F64)
+    assert again.returncode == 2 and "--train.resume=auto" in again.stderr
+    # 2 processes -> 1 (ZeRO-3 to none), to the end
+    result = cli.train(run_dir, "--nproc", "1", *F64, "--train.resume=auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "resharded into this layout" in result.stdout
+    _same(_losses(run_dir), uninterrupted, FLOAT64_TOL)
+    info = cli("checkpoint", "info", str(run_dir))
+    assert info.returncode == 0 and f"step {STEPS}" in info.stdout and "1 process" in info.stdout
+    exported = cli("checkpoint", "export", str(run_dir), "--out", str(run_dir / "w.safetensors"))
+    assert exported.returncode == 0, exported.stderr
+    assert (run_dir / "w.safetensors").stat().st_size > 0
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_75(run_dir, cli):
+    """SIGTERM lands whenever it lands; the ranks agree on the step to stop after."""
+    proc = subprocess.Popen([sys.executable, "-m", "partita.cli",
+                             *cli.train_args(run_dir, "--nproc", "2", *F64,
+                                             "--train.steps=100000", "--train.warmup_steps=2")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.monotonic() + 120
+    while not (run_dir / "checkpoints" / "latest").exists():  # training is under way
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == CHECKPOINT_STOP_EXIT, err[-2000:]
+    assert "Traceback" not in err
+    stopped = int(err.split("stopped after step ")[1].split()[0])
+    assert (run_dir / "checkpoints" / f"step-{stopped:08d}" / "manifest.json").exists()
+    verify = cli("checkpoint", "verify", str(run_dir))
+    assert verify.returncode == 0 and f"step-{stopped:08d}" in verify.stdout, verify.stderr
+
+
+def test_a_killed_worker_is_restarted_and_the_run_finishes_alike(run_dir, cli, uninterrupted):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": "rank=1,step=5,at=forward,do=kill"}
+    result = subprocess.run([sys.executable, "-m", "partita.cli",
+                             *cli.train_args(run_dir, "--nproc", "2", "--max-restarts", "1",
+                                             *F64)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout and "step-00000004" in result.stdout
+    _same(_losses(run_dir), uninterrupted)
+
+
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(run_dir, cli, uninterrupted):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": "rank=1,step=4,at=checkpoint_write,do=kill"}
+    result = subprocess.run([sys.executable, "-m", "partita.cli",
+                             *cli.train_args(run_dir, "--nproc", "2", *F64,
+                                             "--train.async_checkpoint=false")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0
+    root = run_dir / "checkpoints"
+    assert not (root / "step-00000004").exists()
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    verify = cli("checkpoint", "verify", str(root))
+    assert verify.returncode == 0 and "step-00000002" in verify.stdout, verify.stderr
+    result = cli.train(run_dir, "--nproc", "2", *F64, "--train.resume=auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not list(root.glob("*.partial"))
+    _same(_losses(run_dir), uninterrupted)
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_full_disk_keeps_the_previous_checkpoint(policy, run_dir, cli):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": "rank=0,step=4,at=checkpoint_write,do=enospc"}
+    result = subprocess.run([sys.executable, "-m", "partita.cli",
+                             *cli.train_args(run_dir, "--nproc", "2", *F64, "--train.steps=6",
+                                             f"--train.checkpoint_failure={policy}")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    root = run_dir / "checkpoints"
+    assert "No space left on device" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+    assert not list(root.glob("*.partial"))
+    assert not (root / "step-00000004").exists()
+    if policy == "stop":
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert "earlier checkpoints are intact" in result.stderr
+        assert (root / "latest").read_text().strip() == "step-00000002"
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (root / "latest").read_text().strip() == "step-00000006"
+
+
+def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
+    missing = cli.train(run_dir, "--nproc", "2", "--train.resume=/no/such/checkpoint")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    folder = whole_run / "checkpoints" / f"step-{STEPS:08d}"
+    other = cli.train(run_dir, "--nproc", "2", *F64, f"--train.resume={folder}",
+                      "--model.dim=64")
+    assert other.returncode == 2 and "another model" in other.stderr
+    assert "dim: checkpoint 32, this run 64" in other.stderr
+    # a damaged shard: named, and nothing is trained
+    copy = tmp_path / "damaged"
+    shutil.copytree(folder, copy)
+    shard = copy / "rank-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-20] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    longer = f"--train.steps={STEPS + 2}"
+    damaged = cli.train(tmp_path / "r2", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
+    assert damaged.returncode != 0 and "rank-00001-of-00002.safetensors' is corrupt" in \
+        damaged.stderr, damaged.stderr[-2000:]
+    assert "Traceback" not in damaged.stderr
+    assert not (tmp_path / "r2" / "model.safetensors").exists()
+    shard.write_bytes(bytes(data[:-100]))
+    cut = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
+    assert cut.returncode == 2 and "truncated" in cut.stderr, cut.stderr[-2000:]
+    shard.unlink()
+    gone = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
+    assert gone.returncode == 2 and "is missing" in gone.stderr, gone.stderr[-2000:]
