@@ -46,7 +46,7 @@ def register(subparsers) -> None:
                         "eager model, as measured; default for cpu)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
-                        "e.g. --set compute_efficiency=0.45")
+                        "e.g. --set gemm_peak_fraction=0.6")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--png", default=None, metavar="FILE",
