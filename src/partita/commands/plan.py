@@ -19,8 +19,12 @@ def register(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="catalog name (e.g. llama3-70b) or a TOML file with a [model] table")
+    p.add_argument("--model-shape", default=None, metavar="SHAPE",
+                   help="a model given by its shape instead of --model, e.g. "
+                        "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2 "
+                        "(also kv_heads, ffn, dropout, tie)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu-type", default="H100",
                    help="A100-40GB, A100-80GB, H100, H200, B200, cpu (measures this machine), "
@@ -33,6 +37,9 @@ def register(subparsers) -> None:
     p.add_argument("--layout", default=None,
                    help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
                         'microbatch_size=1"')
+    p.add_argument("--fix", default=None, metavar="NAME=VALUE,...",
+                   help="search only layouts with these values, e.g. tp=8,pp=8 or "
+                        "zero_stage=1,microbatch_size=1 (any layout field)")
     p.add_argument("--all-options", action="store_true",
                    help="also search context and expert parallelism, recomputation and "
                         "offload, which are modelled but not available yet in partita "
@@ -58,12 +65,28 @@ MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the plan; a closed pipe (`partita plan ... | head`) ends quietly."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        import os
+        import sys
+
+        # Python flushes stdout again at exit; point it at nothing so that is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from partita.layout import parse_layout
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
-    from partita.planner.api import make_request
+    from partita.planner.api import DEFAULT_BATCH_TOKENS, make_request
     from partita.planner.assumptions import Assumptions
     from partita.planner.evaluate import evaluate
+    from partita.planner.model_shape import parse_model_shape, resolve_model
     from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
     require_in_range("--gpus", args.gpus, 1, MAX_GPUS, "larger searches run for minutes")
@@ -71,43 +94,126 @@ def run(args: argparse.Namespace) -> int:
     require_in_range("--seq-len", args.seq_len, 2, 1 << 22)
     require_in_range("--global-batch", args.global_batch, 1, 1 << 24, "sequences per step")
     require_in_range("--top", args.top, 1, 10_000)
+    if (args.model is None) == (args.model_shape is None):
+        raise PartitaError("give the model with --model NAME_OR_TOML or --model-shape "
+                           "layers=...,hidden=...,heads=...,vocab=...,seq=... (one of them).")
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
+    defaults: list[str] = []  # every setting filled in for the user, printed with the plan
     if args.implementation == "partita":
         base = Assumptions.measured_cpu()
     elif args.implementation == "fused":
         base = Assumptions()
     else:
         base = Assumptions.for_device(args.gpu_type)
-    req = make_request(args.model, args.gpus, args.gpu_type, args.gpus_per_node,
+        defaults.append("--implementation " + ("partita" if args.gpu_type.lower() == "cpu"
+                                               else "fused"))
+    model = (parse_model_shape(args.model_shape) if args.model_shape
+             else resolve_model(args.model))
+    req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware)
+    if args.seq_len is None:
+        defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
+    if args.global_batch is None:
+        defaults.append(f"--global-batch {req.global_batch} (about "
+                        f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens)")
+    if args.gpus_per_node is None:
+        defaults.append(f"--gpus-per-node {req.cluster.gpus_per_node}")
     if args.layout is not None:
-        ev = evaluate(req, parse_layout(args.layout, args.gpus))
+        layout = parse_layout(args.layout, args.gpus)
+        defaults += _layout_defaults(args.layout, layout)
+        ev = evaluate(req, layout)
         advice = advise_layout(req, ev)
         if args.json:
-            print(report.to_json(req, ev=ev, advice=advice))
+            print(report.to_json(req, ev=ev, advice=advice, defaults=defaults))
         else:
             print(report.format_evaluation(req, ev))
             _print_advice(advice)
+            _print_defaults(defaults)
         if args.png and ev.memory:
             report.draw_memory([ev], args.png)
-        return 0 if ev.fits else 1
+        # --json: a plan was printed (its "fits" says whether it fits).
+        return 0 if ev.fits or args.json else 1
     space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
+    if args.fix:
+        fixed = _parse_fix(args.fix, args.gpus)
+        widen = {"recompute": "recompute", "offload": "offload", "schedule": "schedules",
+                 "zero_stage": "zero_stages"}
+        changes = {widen[k]: (v,) for k, v in fixed if k in widen}
+        if any(k == "cp" for k, _ in fixed):
+            changes["context_parallel"] = True
+        if any(k == "ep" for k, _ in fixed):
+            changes["expert_parallel"] = True
+        if any(k == "virtual_stages" for k, _ in fixed):
+            changes["max_virtual_stages"] = max(v for k, v in fixed if k == "virtual_stages")
+        if any(k == "microbatch_size" for k, _ in fixed):
+            changes["max_microbatch"] = max(v for k, v in fixed if k == "microbatch_size")
+        space = replace(space, fixed=fixed, **changes)
+    else:
+        defaults.append("sequence_parallel on whenever tp > 1")
     result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
     if args.json:
-        print(report.to_json(req, result=result, top=args.top, advice=advice))
+        print(report.to_json(req, result=result, top=args.top, advice=advice,
+                             defaults=defaults))
     else:
         print(report.format_search(result, args.top))
         _print_advice(advice, nothing_fits=not result.ranked)
+        _print_defaults(defaults)
     if args.png and result.ranked:
         report.draw_memory(result.ranked[:args.top], args.png)
-    return 0 if result.ranked else 1
+    return 0 if result.ranked or args.json else 1
+
+
+def _parse_fix(text: str, gpus: int) -> tuple[tuple[str, object], ...]:
+    """`tp=8,pp=8` -> (("tp", 8), ("pp", 8)), names and values read as `--layout` reads
+    them."""
+    from dataclasses import fields
+
+    from partita.errors import did_you_mean
+    from partita.layout import RENAMED, Layout
+    from partita.layout import _convert as convert
+
+    known = [f.name for f in fields(Layout)]
+    out: dict[str, object] = {}
+    for item in text.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        key = RENAMED.get(key.strip().lower(), key.strip().lower())
+        if not sep or key not in known:
+            raise PartitaError(f"--fix: cannot read '{item}'.{did_you_mean(key, known)} "
+                               f"Write NAME=VALUE pairs with names among {', '.join(known)}.")
+        value = convert(key, raw.strip(), text)
+        if key == "schedule":
+            from partita.layout import canonical_schedule
+
+            value = canonical_schedule(str(value))
+        out[key] = value
+    return tuple(out.items())
+
+
+def _layout_defaults(text: str, layout) -> list[str]:
+    """The layout fields `--layout` filled in that change the prediction."""
+    given = {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
+    out = []
+    if "dp" not in given:
+        out.append(f"dp={layout.dp} (what --gpus leaves)")
+    if "sequence_parallel" not in given and "sp" not in given and layout.tp > 1:
+        out.append("sequence_parallel=1 (on with tp > 1)")
+    for name in ("microbatch_size", "zero_stage", "recompute", "overlap_grad_reduce",
+                 "overlap_param_gather", "tp_comm_overlap"):
+        if name not in given:
+            out.append(f"{name}={getattr(layout, name)}")
+    return out
+
+
+def _print_defaults(defaults: list[str]) -> None:
+    if defaults:
+        print("Defaults filled in: " + "; ".join(defaults))
 
 
 def _print_advice(advice: list[str], nothing_fits: bool = False) -> None:
