@@ -105,7 +105,8 @@ def _run(args: argparse.Namespace) -> int:
         settings[name.strip()] = value.strip()
     defaults: list[str] = []  # every setting filled in for the user, printed with the plan
     if args.implementation == "partita":
-        base = Assumptions.measured_cpu()
+        base = (Assumptions.measured_cpu() if args.gpu_type.lower() == "cpu"
+                else Assumptions.partita_on_gpu())
     elif args.implementation == "fused":
         base = Assumptions()
     else:

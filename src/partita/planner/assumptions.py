@@ -165,15 +165,28 @@ class Assumptions:
         V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:
         SwiGLU keeps gate, silu(gate), up and their product; the loss (`partita.loss`)
         keeps one fp32 element per vocabulary entry, and while it runs the logits or
-        their gradient beside it (`loss_transients`). Also the preset of `partita plan
-        --implementation partita` on GPUs.
+        their gradient beside it (`loss_transients`). `partita_on_gpu()` is the same
+        with the GPU kernel constants.
+
+        Kernels: the profile's peak is itself a measured matmul rate and its bandwidth a
+        measured copy, so both are reached in full; a 1-thread fp32 sweep here (M = N =
+        512) ran at full rate down to K = 16 and at 58% at K = 8 (k_half ~ 8), with no
+        tile steps at N = 96-256 (docs/planner.md); eager PyTorch ops cost ~10 us each.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
-                   loss_token_bytes=6.0)
+                   loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
+                   gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0)
+
+    @classmethod
+    def partita_on_gpu(cls) -> Assumptions:
+        """partita's own model and engines (`measured_cpu()`'s memory accounting) on a
+        GPU: the preset of `partita plan --implementation partita`."""
+        gpu = cls()
+        return replace(cls.measured_cpu(), **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:
@@ -205,5 +218,9 @@ class Assumptions:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+
+# The fields that describe a device's kernels rather than what an implementation stores.
+KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "kernel_overhead_s",
+                 "memory_efficiency")
 
 DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument
