@@ -71,10 +71,13 @@ class Run:
 
 
 _MB = ("microbatch size not stated in the table: 1",
-       "pipeline schedule not stated: 1F1B without interleaving")
-# Megatron-LM of 2021-22 accumulates and all-reduces gradients in fp32 (main_grad) after
-# the backward pass; overlapping that reduction came later (--overlap-grad-reduce).
-_MEGATRON_2021 = dict(grad_bytes=4, overlap_grad_reduce=False)
+       "pipeline schedule not stated: 1F1B without interleaving",
+       "fp16 mixed precision (gradients reduced in fp16)")
+# Megatron-LM of 2021-22 all-reduces gradients after the backward pass (overlapping it
+# came later, --overlap-grad-reduce): in the training dtype under fp16 (SC21's runs),
+# in fp32 under bf16 (--accumulate-allreduce-grads-in-fp32, required for bf16).
+_MEGATRON_2021 = dict(grad_bytes=2, overlap_grad_reduce=False)
+_MEGATRON_2022 = dict(grad_bytes=4, overlap_grad_reduce=False)
 # DeepSpeed ZeRO-3 of 2021: parameters gathered on demand around each module, the
 # gradient reduce-scatter overlapping backward.
 _ZERO3_2021 = dict(overlap_param_gather=False)
@@ -107,7 +110,7 @@ RUNS: list[Run] = [
         global_batch=1536, zero_stage=3, measured=88, **_ZERO3_2021),
 ]
 
-_K = dict(source=KORTHIKANTI, vocab=51200, seq=2048, kind="step_s", **_MEGATRON_2021,
+_K = dict(source=KORTHIKANTI, vocab=51200, seq=2048, kind="step_s", **_MEGATRON_2022,
           assumed=("pipeline schedule not stated: 1F1B without interleaving",))
 for _name, _l, _h, _a, _pp, _gpus, _full, _sel in (
         ("22b", 48, 6144, 64, 1, 8, 1.42, 1.10), ("175b", 96, 12288, 96, 8, 64, 18.13, 13.75),

@@ -72,7 +72,7 @@ def gemm_fraction(gpu: GPUSpec, a: Assumptions) -> float:
 
 # What large bf16 GEMMs sustain in a training step, as a fraction of dense datasheet
 # peak (clocks under sustained load, cuBLAS kernels); see docs/planner.md for sources.
-GEMM_PEAK_FRACTION = {"A100": 0.86, "H100": 0.68, "H200": 0.70, "B200": 0.68,
+GEMM_PEAK_FRACTION = {"A100": 0.78, "H100": 0.68, "H200": 0.70, "B200": 0.68,
                       "default": 0.75}
 
 
