@@ -231,7 +231,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     param_hide = (a.zero3_overlap * (compute_s if param_per_mb else mb_s)
                   if layout.overlap_param_gather else 0.0)
     dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
-    optim_s = optimizer_time(local / (n if z >= 1 else 1), gpu, a)
+    # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
+    optim_s = 0.0 if layout.offload != "none" else optimizer_time(
+        local / (n if z >= 1 else 1), gpu, a)
 
     offload_s = 0.0
     if layout.offload != "none":
