@@ -26,9 +26,9 @@ def register(subparsers) -> None:
                         "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2 "
                         "(also kv_heads, ffn, dropout, tie)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu-type", default="H100",
+    p.add_argument("--gpu-type", default=None,
                    help="A100-40GB, A100-80GB, H100, H200, B200, cpu (measures this machine), "
-                        "or a name from --hardware")
+                        "or a name from --hardware; default: H100")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="default: the GPU type's node size (8 for DGX/HGX)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
@@ -44,7 +44,8 @@ def register(subparsers) -> None:
                    help="also search context and expert parallelism, recomputation and "
                         "offload, which are modelled but not available yet in partita "
                         "train (shown as rejected, never ranked)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
+                   help="default: bf16 (mixed, fp32 master weights)")
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
     p.add_argument("--implementation", default=None, choices=("fused", "partita"),
@@ -104,6 +105,12 @@ def _run(args: argparse.Namespace) -> int:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
     defaults: list[str] = []  # every setting filled in for the user, printed with the plan
+    if args.gpu_type is None:
+        args.gpu_type = "H100"
+        defaults.append("--gpu-type H100")
+    if args.precision is None:
+        args.precision = "bf16"
+        defaults.append("--precision bf16")
     if args.implementation == "partita":
         base = (Assumptions.measured_cpu() if args.gpu_type.lower() == "cpu"
                 else Assumptions.partita_on_gpu())
