@@ -79,8 +79,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from partita.layout import parse_layout
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
@@ -149,20 +147,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0 if ev.fits or args.json else 1
     space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
     if args.fix:
-        fixed = _parse_fix(args.fix, args.gpus)
-        widen = {"recompute": "recompute", "offload": "offload", "schedule": "schedules",
-                 "zero_stage": "zero_stages"}
-        changes = {widen[k]: (v,) for k, v in fixed if k in widen}
-        if any(k == "cp" for k, _ in fixed):
-            changes["context_parallel"] = True
-        if any(k == "ep" for k, _ in fixed):
-            changes["expert_parallel"] = True
-        if any(k == "virtual_stages" for k, _ in fixed):
-            changes["max_virtual_stages"] = max(v for k, v in fixed if k == "virtual_stages")
-        if any(k == "microbatch_size" for k, _ in fixed):
-            changes["max_microbatch"] = max(v for k, v in fixed if k == "microbatch_size")
-        space = replace(space, fixed=fixed, **changes)
-    else:
+        space = _pinned_space(space, _parse_fix(args.fix))
+    if not any(k == "sequence_parallel" for k, _ in space.fixed):
         defaults.append("sequence_parallel on whenever tp > 1")
     result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
@@ -178,7 +164,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.ranked or args.json else 1
 
 
-def _parse_fix(text: str, gpus: int) -> tuple[tuple[str, object], ...]:
+def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
+    """`space` searching only the pinned values, including options it would leave out
+    (a pinned recompute, cp or ep is searched even without --all-options)."""
+    from dataclasses import replace
+
+    pinned = dict(fixed)
+    widen = {"recompute": "recompute", "offload": "offload", "schedule": "schedules",
+             "zero_stage": "zero_stages"}
+    changes: dict[str, object] = {widen[k]: (v,) for k, v in pinned.items() if k in widen}
+    if "cp" in pinned:
+        changes["context_parallel"] = True
+    if "ep" in pinned:
+        changes["expert_parallel"] = True
+    if "virtual_stages" in pinned:
+        changes["max_virtual_stages"] = pinned["virtual_stages"]
+    if "microbatch_size" in pinned:
+        changes["max_microbatch"] = pinned["microbatch_size"]
+    return replace(space, fixed=fixed, **changes)
+
+
+def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     """`tp=8,pp=8` -> (("tp", 8), ("pp", 8)), names and values read as `--layout` reads
     them."""
     from dataclasses import fields

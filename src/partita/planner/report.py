@@ -81,6 +81,11 @@ def format_search(result: SearchResult, top: int = 10) -> str:
             out.append(f"The closest, {e.layout.describe()}, needs "
                        f"{e.memory['total'] / 1e9:.1f} GB per GPU; a "
                        f"{req.cluster.gpu.name} has {e.capacity / 1e9:.0f} GB.")
+    if result.modelled:
+        out.append("")
+        out.append(f"Modelled but not trainable by partita yet ({len(result.modelled)} would "
+                   "fit; options marked not available yet), fastest first:")
+        out.append(format_table(result.modelled[:top]))
     out.append("")
     out.append("Rejected: " + (", ".join(
         f"{n} {KIND_TITLES.get(k, k)}" for k, n in result.rejected.most_common()) or "none"))
@@ -155,6 +160,7 @@ def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | N
         data["fits"] = bool(result.ranked)
         data["ranked"] = [e.to_dict() for e in result.ranked[:top]]
         data["fitting"] = len(result.ranked)
+        data["modelled_not_available"] = [e.to_dict() for e in result.modelled[:top]]
         data["rejected"] = dict(result.rejected)
         data["rejected_examples"] = {k: [e.to_dict() for e in v]
                                      for k, v in result.examples.items()}

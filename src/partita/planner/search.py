@@ -78,6 +78,9 @@ DEFAULT_SPACE = SearchSpace()  # immutable, shared as a default argument
 class SearchResult:
     request: Request
     ranked: list[Evaluation]  # layouts that fit, fastest first
+    # Layouts that would fit but use options `partita train` does not run yet (recompute,
+    # offload, cp, ep, TP overlap), fastest first: the model's answer for such runs.
+    modelled: list[Evaluation] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)  # kind -> layouts
     examples: dict[str, list[Evaluation]] = field(default_factory=dict)  # kind -> a few
     searched: int = 0
@@ -143,7 +146,10 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                           **{k: v for k, v in space.fixed
                                              if k in OVERLAP_OPTIONS})
                             reasons = structural_reasons(req, base)
-                            if reasons:
+                            # Options partita cannot train yet are judged in full only
+                            # when pinned (--fix); otherwise counted here, unevaluated.
+                            if reasons and (not space.fixed or any(
+                                    k != UNAVAILABLE for k, _ in reasons)):
                                 kind = reasons[0][0]
                                 ev = Evaluation(base, reasons, capacity=req.cluster.gpu.memory_bytes)
                                 reject(kind, ev, size)
@@ -154,9 +160,10 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                 continue
                             _search_inner(req, space, base, inner, result, reject)
     # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
-    result.ranked.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
-                                      e.layout.cp, e.layout.ep, e.layout.pp,
-                                      e.layout.virtual_stages))
+    for evals in (result.ranked, result.modelled):
+        evals.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
+                                  e.layout.cp, e.layout.ep, e.layout.pp,
+                                  e.layout.virtual_stages))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -213,6 +220,8 @@ def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject)
                     continue
                 kind = ev.reasons[0][0]
                 if kind != MEMORY:
+                    if all(k == UNAVAILABLE for k, _ in ev.reasons):
+                        result.modelled.append(ev)
                     reject(kind, ev, 1)
                     continue
                 # More memory-hungry recompute choices overflow as well.
