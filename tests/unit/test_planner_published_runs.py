@@ -79,6 +79,26 @@ def test_error_per_row(capsys):
     assert max(errors) <= WORST_BOUND
 
 
+def test_rows_agree_with_their_papers_other_figures():
+    """Where a paper reports a run twice (time and FLOP rate), the transcribed row and the
+    other figure agree through the paper's own FLOP formula: a check on transcription."""
+    by_name = {r.name: r for r in RUNS}
+    # Korthikanti Table 5: MFU of selective + SP, model FLOPs 72 B s l h^2 (1 + s/6h + V/12lh).
+    for name, mfu in (("22b", 41.5), ("175b", 51.4), ("530b", 56.0), ("1t", 56.3)):
+        r = by_name[f"{name}-selective-sp"]
+        flops = 72 * r.layers * r.hidden**2 * r.seq * (
+            1 + r.seq / (6 * r.hidden) + r.vocab / (12 * r.layers * r.hidden))
+        got = flops * r.global_batch / r.measured / r.gpus / 312e12
+        assert got == pytest.approx(mfu / 100, abs=0.005), name
+    # MT-NLG: TFLOP/s per GPU, hardware FLOPs 96 B s l h^2 (1 + s/6h + V/16lh).
+    for nodes, tflops in ((280, 126), (350, 121), (420, 113)):
+        r = by_name[f"mt-nlg-530b-{nodes}nodes"]
+        flops = 96 * r.layers * r.hidden**2 * r.seq * (
+            1 + r.seq / (6 * r.hidden) + r.vocab / (16 * r.layers * r.hidden))
+        got = flops * r.global_batch / r.measured / r.gpus / 1e12
+        assert got == pytest.approx(tflops, abs=1.0), nodes
+
+
 def test_calibration_rows_and_held_out_rows():
     """The A100 GEMM rate (`compute.GEMM_PEAK_FRACTION`) is the one constant fitted to
     this table: on Korthikanti et al.'s Table 5 (median error ~0). The other sources are
