@@ -65,6 +65,9 @@ class Assumptions:
     # cut into chunks that run beside the GEMMs next to them; without it they sit on
     # the critical path (this fraction is then not used).
     tp_overlap: float = 0.9
+    # ... and the GEMMs running beside those chunks lose this fraction of their speed
+    # for as long as they share the GPU's SMs with the communication kernels.
+    tp_overlap_slowdown: float = 0.05
     cp_overlap: float = 0.9  # ring attention sends the next KV block while computing
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
     ep_overlap: float = 0.0  # dispatch/combine all-to-all waits for the router
@@ -151,7 +154,8 @@ class Assumptions:
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused' or 'eager'.")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith(("_overlap", "_efficiency", "_fraction", "fragmentation")) and not (
+            if f.name.endswith(("_overlap", "_efficiency", "_fraction", "_slowdown",
+                                "fragmentation")) and not (
                 0.0 <= value <= 1.0
             ):
                 raise PartitaError(f"{f.name}={value}: a fraction between 0 and 1.")

@@ -160,8 +160,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # TP overlap (userbuffers-style) hides collectives under the GEMMs beside them:
     # forward, backward (twice the forward's) and a recomputed forward.
     gemm_s = blk.gemm_fwd * (3 + (1 if layout.recompute == "full" else 0))
-    tp_hide = a.tp_overlap * gemm_s if layout.tp_comm_overlap else 0.0
-    exposed_layer = (tp_s - min(tp_s, tp_hide)
+    tp_hide = min(tp_s, a.tp_overlap * gemm_s) if layout.tp_comm_overlap else 0.0
+    exposed_layer = (tp_s - tp_hide + a.tp_overlap_slowdown * tp_hide
                      + cp_s - min(cp_s, a.cp_overlap * layer_s)
                      + ep_s - min(ep_s, a.ep_overlap * layer_s))
     layers = stage_layers(c.n_layers, pp)
