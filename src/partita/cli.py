@@ -25,13 +25,17 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """All commands, or only the command `only` (its module alone is imported, so a
+    light command such as `partita plan` does not pay for the others' imports)."""
     parser = argparse.ArgumentParser(
         prog="partita",
         description="Train transformer language models beyond one device.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for path in COMMANDS:
+        if only is not None and path.rsplit(".", 1)[1] != only:
+            continue
         try:
             module = importlib.import_module(path)
         except ModuleNotFoundError as exc:
@@ -43,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    names = {path.rsplit(".", 1)[1] for path in COMMANDS}
+    parser = build_parser(words[0] if words and words[0] in names else None)
+    args, extra = parser.parse_known_args(words)
     if args.command is None:
         parser.print_help()
         return 0

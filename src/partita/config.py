@@ -116,6 +116,12 @@ class ParallelSection:
     # A pipeline rank that waits longer than this for a peer's tensor stops with a message
     # naming the stage, action and microbatch, instead of hanging forever.
     pp_timeout_s: float = 300.0
+    # Communication overlap (partita.layout.Layout): gradient buckets reduce during
+    # backward; ZeRO parameter gathers run ahead of use; TP collectives chunked beside
+    # GEMMs (not available yet).
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
 
 
 @dataclass
@@ -186,7 +192,10 @@ class Config:
         return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero_stage=p.zero_stage,
                       schedule=schedule, virtual_stages=virtual,
                       microbatch_size=local // t.microbatches,
-                      sequence_parallel=p.sequence_parallel)
+                      sequence_parallel=p.sequence_parallel,
+                      tp_comm_overlap=p.tp_comm_overlap,
+                      overlap_grad_reduce=p.overlap_grad_reduce,
+                      overlap_param_gather=p.overlap_param_gather)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

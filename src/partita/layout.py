@@ -29,9 +29,13 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 # Other names a schedule has been written as; accepted with a deprecation warning.
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
                     "zbh1": "zb-h1"}
+# Other names of a ZeRO stage: Megatron's distributed optimizer shards optimizer states
+# (and master weights) over the data-parallel group, which is ZeRO-1.
+ZERO_STAGE_ALIASES = {"distributed-optimizer": 1, "distributed_optimizer": 1}
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
+OVERLAP_OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 # Kinds of problem, so that callers can sort them (the planner counts rejections by kind).
 DIVISIBILITY, CONSTRAINT, UNAVAILABLE = "divisibility", "constraint", "not available yet"
@@ -183,6 +187,12 @@ class Layout:
     sequence_parallel: bool = False  # shard norms and dropout over tp (needs tp > 1)
     recompute: str = "none"  # activation recomputation, one of RECOMPUTE
     offload: str = "none"  # what lives in host memory, one of OFFLOAD
+    # Communication overlap (Megatron's --tp-comm-overlap, --overlap-grad-reduce,
+    # --overlap-param-gather). partita reduces gradient buckets during backward and
+    # gathers ZeRO parameters ahead of use; it does not chunk TP collectives yet.
+    tp_comm_overlap: bool = False
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
         Degrees(**{k: getattr(self, k) for k in DEGREES})  # checks the degrees
@@ -198,6 +208,11 @@ class Layout:
                     f"layout {name}={getattr(self, name)!r} is unknown; choose one of "
                     f"{', '.join(options)}."
                 )
+        for name in OVERLAP_OPTIONS:
+            value = getattr(self, name)
+            if value not in (0, 1):  # True, False, 1, 0 (the text form gives integers)
+                raise PartitaError(f"layout {name}={value!r} is invalid: use true or false.")
+            object.__setattr__(self, name, bool(value))
 
     @property
     def degrees(self) -> Degrees:
@@ -309,7 +324,9 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
 def _convert(key: str, raw: str, text: str) -> object:
     if key in ("recompute", "offload", "schedule"):
         return raw.lower()
-    if key == "sequence_parallel":
+    if key == "zero_stage" and raw.lower() in ZERO_STAGE_ALIASES:
+        return ZERO_STAGE_ALIASES[raw.lower()]
+    if key in ("sequence_parallel", *OVERLAP_OPTIONS):
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
         if raw.lower() in ("0", "false", "no", "off"):
@@ -334,6 +351,10 @@ def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_le
     out += _tensor_parallel(lay, model, seq_len)
     out += _pipeline(lay, model)
     out += _batch(lay, global_batch)
+    if lay.tp_comm_overlap:
+        out.append(Problem(UNAVAILABLE, "tensor-parallel communication overlap "
+                                        "(tp_comm_overlap) is not available yet in partita "
+                                        "train; set tp_comm_overlap=false."))
     if lay.cp > 1 and seq_len % (2 * lay.cp):
         out.append(Problem(DIVISIBILITY, f"data.seq_len={seq_len} is not divisible by "
                                          f"2*cp={2 * lay.cp}: ring attention balances 2cp "

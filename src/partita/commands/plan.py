@@ -19,12 +19,16 @@ def register(subparsers) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", required=True,
+    p.add_argument("--model", default=None,
                    help="catalog name (e.g. llama3-70b) or a TOML file with a [model] table")
+    p.add_argument("--model-shape", default=None, metavar="SHAPE",
+                   help="a model given by its shape instead of --model, e.g. "
+                        "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2 "
+                        "(also kv_heads, ffn, dropout, tie)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
-    p.add_argument("--gpu-type", default="H100",
+    p.add_argument("--gpu-type", default=None,
                    help="A100-40GB, A100-80GB, H100, H200, B200, cpu (measures this machine), "
-                        "or a name from --hardware")
+                        "or a name from --hardware; default: H100")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="default: the GPU type's node size (8 for DGX/HGX)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
@@ -33,11 +37,15 @@ def register(subparsers) -> None:
     p.add_argument("--layout", default=None,
                    help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
                         'microbatch_size=1"')
+    p.add_argument("--fix", default=None, metavar="NAME=VALUE,...",
+                   help="search only layouts with these values, e.g. tp=8,pp=8 or "
+                        "zero_stage=1,microbatch_size=1 (any layout field)")
     p.add_argument("--all-options", action="store_true",
                    help="also search context and expert parallelism, recomputation and "
                         "offload, which are modelled but not available yet in partita "
                         "train (shown as rejected, never ranked)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
+                   help="default: bf16 (mixed, fp32 master weights)")
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
     p.add_argument("--implementation", default=None, choices=("fused", "partita"),
@@ -46,7 +54,7 @@ def register(subparsers) -> None:
                         "eager model, as measured; default for cpu)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
-                        "e.g. --set compute_efficiency=0.45")
+                        "e.g. --set gemm_peak_fraction=0.6")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--png", default=None, metavar="FILE",
@@ -58,12 +66,26 @@ MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the plan; a closed pipe (`partita plan ... | head`) ends quietly."""
+    try:
+        return _run(args)
+    except BrokenPipeError:
+        import os
+        import sys
+
+        # Python flushes stdout again at exit; point it at nothing so that is quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
     from partita.layout import parse_layout
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
-    from partita.planner.api import make_request
+    from partita.planner.api import DEFAULT_BATCH_TOKENS, make_request
     from partita.planner.assumptions import Assumptions
     from partita.planner.evaluate import evaluate
+    from partita.planner.model_shape import parse_model_shape, resolve_model
     from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
     require_in_range("--gpus", args.gpus, 1, MAX_GPUS, "larger searches run for minutes")
@@ -71,43 +93,141 @@ def run(args: argparse.Namespace) -> int:
     require_in_range("--seq-len", args.seq_len, 2, 1 << 22)
     require_in_range("--global-batch", args.global_batch, 1, 1 << 24, "sequences per step")
     require_in_range("--top", args.top, 1, 10_000)
+    if (args.model is None) == (args.model_shape is None):
+        raise PartitaError("give the model with --model NAME_OR_TOML or --model-shape "
+                           "layers=...,hidden=...,heads=...,vocab=...,seq=... (one of them).")
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
+    defaults: list[str] = []  # every setting filled in for the user, printed with the plan
+    if args.gpu_type is None:
+        args.gpu_type = "H100"
+        defaults.append("--gpu-type H100")
+    if args.precision is None:
+        args.precision = "bf16"
+        defaults.append("--precision bf16")
     if args.implementation == "partita":
-        base = Assumptions.measured_cpu()
+        base = (Assumptions.measured_cpu() if args.gpu_type.lower() == "cpu"
+                else Assumptions.partita_on_gpu())
     elif args.implementation == "fused":
         base = Assumptions()
     else:
         base = Assumptions.for_device(args.gpu_type)
-    req = make_request(args.model, args.gpus, args.gpu_type, args.gpus_per_node,
+        defaults.append("--implementation " + ("partita" if args.gpu_type.lower() == "cpu"
+                                               else "fused"))
+    model = (parse_model_shape(args.model_shape) if args.model_shape
+             else resolve_model(args.model))
+    req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware)
+    if args.seq_len is None:
+        defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
+    if args.global_batch is None:
+        defaults.append(f"--global-batch {req.global_batch} (about "
+                        f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens)")
+    if args.gpus_per_node is None:
+        defaults.append(f"--gpus-per-node {req.cluster.gpus_per_node}")
     if args.layout is not None:
-        ev = evaluate(req, parse_layout(args.layout, args.gpus))
+        layout = parse_layout(args.layout, args.gpus)
+        defaults += _layout_defaults(args.layout, layout)
+        ev = evaluate(req, layout)
         advice = advise_layout(req, ev)
         if args.json:
-            print(report.to_json(req, ev=ev, advice=advice))
+            print(report.to_json(req, ev=ev, advice=advice, defaults=defaults))
         else:
             print(report.format_evaluation(req, ev))
             _print_advice(advice)
+            _print_defaults(defaults)
         if args.png and ev.memory:
             report.draw_memory([ev], args.png)
-        return 0 if ev.fits else 1
+        # --json: a plan was printed (its "fits" says whether it fits).
+        return 0 if ev.fits or args.json else 1
     space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
+    if args.fix:
+        space = _pinned_space(space, _parse_fix(args.fix))
+    if not any(k == "sequence_parallel" for k, _ in space.fixed):
+        defaults.append("sequence_parallel on whenever tp > 1")
     result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
     if args.json:
-        print(report.to_json(req, result=result, top=args.top, advice=advice))
+        print(report.to_json(req, result=result, top=args.top, advice=advice,
+                             defaults=defaults))
     else:
         print(report.format_search(result, args.top))
         _print_advice(advice, nothing_fits=not result.ranked)
+        _print_defaults(defaults)
     if args.png and result.ranked:
         report.draw_memory(result.ranked[:args.top], args.png)
-    return 0 if result.ranked else 1
+    return 0 if result.ranked or args.json else 1
+
+
+def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
+    """`space` searching only the pinned values, including options it would leave out
+    (a pinned recompute, cp or ep is searched even without --all-options)."""
+    from dataclasses import replace
+
+    pinned = dict(fixed)
+    widen = {"recompute": "recompute", "offload": "offload", "schedule": "schedules",
+             "zero_stage": "zero_stages"}
+    changes: dict[str, object] = {widen[k]: (v,) for k, v in pinned.items() if k in widen}
+    if "cp" in pinned:
+        changes["context_parallel"] = True
+    if "ep" in pinned:
+        changes["expert_parallel"] = True
+    if "virtual_stages" in pinned:
+        changes["max_virtual_stages"] = pinned["virtual_stages"]
+    if "microbatch_size" in pinned:
+        changes["max_microbatch"] = pinned["microbatch_size"]
+    return replace(space, fixed=fixed, **changes)
+
+
+def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
+    """`tp=8,pp=8` -> (("tp", 8), ("pp", 8)), names and values read as `--layout` reads
+    them."""
+    from dataclasses import fields
+
+    from partita.errors import did_you_mean
+    from partita.layout import RENAMED, Layout
+    from partita.layout import _convert as convert
+
+    known = [f.name for f in fields(Layout)]
+    out: dict[str, object] = {}
+    for item in text.replace(",", " ").split():
+        key, sep, raw = item.partition("=")
+        key = RENAMED.get(key.strip().lower(), key.strip().lower())
+        if not sep or key not in known:
+            raise PartitaError(f"--fix: cannot read '{item}'.{did_you_mean(key, known)} "
+                               f"Write NAME=VALUE pairs with names among {', '.join(known)}.")
+        value = convert(key, raw.strip(), text)
+        if key == "schedule":
+            from partita.layout import canonical_schedule
+
+            value = canonical_schedule(str(value))
+        out[key] = value
+    return tuple(out.items())
+
+
+def _layout_defaults(text: str, layout) -> list[str]:
+    """The layout fields `--layout` filled in that change the prediction."""
+    given = {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
+    out = []
+    if "dp" not in given:
+        out.append(f"dp={layout.dp} (what --gpus leaves)")
+    if "sequence_parallel" not in given and "sp" not in given and layout.tp > 1:
+        out.append("sequence_parallel=1 (on with tp > 1)")
+    for name in ("microbatch_size", "zero_stage", "recompute", "overlap_grad_reduce",
+                 "overlap_param_gather", "tp_comm_overlap"):
+        if name not in given:
+            out.append(f"{name}={getattr(layout, name)}")
+    return out
+
+
+def _print_defaults(defaults: list[str]) -> None:
+    if defaults:
+        print("Defaults filled in: " + "; ".join(defaults))
 
 
 def _print_advice(advice: list[str], nothing_fits: bool = False) -> None:

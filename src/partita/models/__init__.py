@@ -1,9 +1,27 @@
-"""Single-device model code. Nothing in here imports parallel code."""
+"""Single-device model code. Nothing in here imports parallel code.
+
+The torch-backed names (`Transformer`, `build_model`, `ModelPlan`) load on first use,
+so reading a model's shape (`ModelConfig`, the catalog) does not import torch: the
+planner and `partita plan` start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
-from partita.models.plan import ModelPlan
-from partita.models.transformer import Transformer, build_model
+
+_LAZY = {"ModelPlan": "partita.models.plan", "Transformer": "partita.models.transformer",
+         "build_model": "partita.models.transformer"}
 
 __all__ = ["MODELS", "ModelConfig", "ModelPlan", "Transformer", "build_model",
            "get_model_config"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'partita.models' has no attribute {name!r}")

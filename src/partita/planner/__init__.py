@@ -4,8 +4,9 @@ hardware description alone (no process group, no GPU), and a search for the best
 Modules, one concept each: `layout` (a point of the space, precision), `assumptions`
 (every modelling constant), `hardware` (GPU catalog, clusters), `cpu_profile` (this
 machine), `model_shape` (parameter counts per rank), `activations` (saved-for-backward
-bytes per layer), `memory` (per-GPU breakdown), `timing` (step time), `evaluate` (one
-layout judged), `search` (all layouts ranked), `advice` (what would fit), `report`.
+bytes per layer), `memory` (per-GPU breakdown), `compute` (each kernel's time from its
+shape), `timing` (step time), `evaluate` (one layout judged), `search` (all layouts
+ranked), `advice` (what would fit), `report`.
 """
 
 from partita.layout import Layout, parse_layout
@@ -22,7 +23,7 @@ from partita.planner.memory import (
     model_state_bytes,
     zero_state_bytes,
 )
-from partita.planner.model_shape import MoEShape, PlanModel, resolve_model
+from partita.planner.model_shape import MoEShape, PlanModel, parse_model_shape, resolve_model
 from partita.planner.precision import Precision
 from partita.planner.search import SearchResult, SearchSpace, search
 from partita.planner.timing import step_time
@@ -32,6 +33,7 @@ __all__ = [
     "PlanModel", "Precision", "Request", "SearchResult", "SearchSpace", "activation_bytes",
     "advise_layout", "advise_search", "comm_buffer_bytes", "evaluate", "evaluate_layout",
     "get_gpu", "korthikanti_layer_bytes", "layer_activation_terms", "load_gpu_profiles",
-    "make_request", "memory_breakdown", "model_state_bytes", "parse_layout", "plan",
+    "make_request", "memory_breakdown", "model_state_bytes", "parse_layout",
+    "parse_model_shape", "plan",
     "resolve_model", "search", "step_time", "zero_state_bytes",
 ]

@@ -15,14 +15,36 @@ from partita.errors import PartitaError, did_you_mean
 @dataclass(frozen=True)
 class Assumptions:
     # --- compute -------------------------------------------------------------------
-    # Fraction of datasheet peak a large bf16 matmul reaches in a training step
-    # (well-tuned dense runs report 40-55% MFU on H100; kernels alone reach ~70%).
-    compute_efficiency: float = 0.55
-    # Small matmuls run below that rate. Efficiency is scaled by r/(r + half_rows) for
-    # the rows (tokens of one microbatch on one GPU) and c/(c + half_cols) for the
-    # narrowest sharded width; at these sizes a GEMM runs at half its large-size rate.
-    matmul_half_rows: float = 128.0
-    matmul_half_cols: float = 64.0
+    # Kernel-level compute model (`partita.planner.compute`, docs/planner.md).
+    # Fraction of datasheet peak large bf16 GEMMs sustain; 0: the GPU family's figure
+    # in `compute.GEMM_PEAK_FRACTION` (A100 0.86, H100 0.74, ...).
+    gemm_peak_fraction: float = 0.0
+    # Output tile edge of a GEMM kernel: dimensions are rounded up to whole tiles.
+    gemm_tile: int = 128
+    # Inner-dimension steps that a tile's prologue and epilogue cost: the rate of a
+    # GEMM with inner dimension K is scaled by K / (K + gemm_k_half).
+    gemm_k_half: float = 64.0
+    # Fixed cost of launching one kernel (CUDA launch, tail of the previous kernel).
+    kernel_overhead_s: float = 4e-6
+    # Fraction of datasheet memory bandwidth streaming kernels reach.
+    memory_efficiency: float = 0.8
+    # Flash attention's rate as a fraction of the GEMM rate at its head dimension
+    # (FlashAttention-2 reports ~70% of GEMM speed forward, less backward).
+    flash_fwd_fraction: float = 0.7
+    flash_bwd_fraction: float = 0.55
+    # Eager attention: bytes moved per score element by softmax (+ dropout) forward
+    # and backward (bf16 scores, probabilities, a byte of dropout mask).
+    eager_softmax_bytes_fwd: float = 9.0
+    eager_softmax_bytes_bwd: float = 11.0
+    # Bytes per element of the activations elementwise kernels read and write.
+    activation_elem_bytes: float = 2.0
+    # Memory-bound kernels per block forward (norms, activation, residual adds).
+    elementwise_kernels: int = 8
+    # Bytes the loss moves per logit (fp32 softmax forward and its gradient).
+    loss_bytes_per_logit: float = 16.0
+    # Bytes a fused Adam step moves per local parameter: fp32 master, two moments
+    # (read + write), the gradient read, the 16-bit parameter written.
+    optimizer_bytes_per_param: float = 32.0
     # Attention kernel: "flash" keeps no s x s score matrix (only a log-sum-exp per
     # row); "eager" saves softmax output (and dropout mask and output when dropout > 0).
     attention_kernel: str = "flash"
@@ -39,12 +61,21 @@ class Assumptions:
     inter_node_efficiency: float = 0.8
     # Overlap: the fraction of the compute a mechanism runs beside that can hide its
     # communication (hidden = min(comm, overlap * compute)).
-    tp_overlap: float = 0.0  # Megatron TP collectives sit on the critical path
+    # With `Layout.tp_comm_overlap` (Megatron's --tp-comm-overlap): TP collectives are
+    # cut into chunks that run beside the GEMMs next to them; without it they sit on
+    # the critical path (this fraction is then not used).
+    tp_overlap: float = 0.9
+    # ... and the GEMMs running beside those chunks lose this fraction of their speed
+    # for as long as they share the GPU's SMs with the communication kernels.
+    tp_overlap_slowdown: float = 0.05
     cp_overlap: float = 0.9  # ring attention sends the next KV block while computing
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
     ep_overlap: float = 0.0  # dispatch/combine all-to-all waits for the router
-    dp_overlap: float = 0.8  # gradient buckets reduce while backward continues
-    zero3_overlap: float = 0.8  # prefetched all-gathers run beside the previous block
+    # With `Layout.overlap_grad_reduce`: gradient buckets reduce while backward continues.
+    dp_overlap: float = 0.8
+    # With `Layout.overlap_param_gather`: ZeRO-3's prefetched all-gathers run beside the
+    # previous block; ZeRO-1/2's after-step all-gather beside the next forward.
+    zero3_overlap: float = 0.8
     # ZeRO-2/3 shard gradients, so with gradient accumulation they reduce-scatter after
     # every microbatch (a full local copy would defeat the sharding); ZeRO-0/1 reduce
     # once per step.
@@ -123,7 +154,8 @@ class Assumptions:
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused' or 'eager'.")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.endswith(("_overlap", "_efficiency", "fragmentation")) and not (
+            if f.name.endswith(("_overlap", "_efficiency", "_fraction", "_slowdown",
+                                "fragmentation")) and not (
                 0.0 <= value <= 1.0
             ):
                 raise PartitaError(f"{f.name}={value}: a fraction between 0 and 1.")
@@ -137,15 +169,28 @@ class Assumptions:
         V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:
         SwiGLU keeps gate, silu(gate), up and their product; the loss (`partita.loss`)
         keeps one fp32 element per vocabulary entry, and while it runs the logits or
-        their gradient beside it (`loss_transients`). Also the preset of `partita plan
-        --implementation partita` on GPUs.
+        their gradient beside it (`loss_transients`). `partita_on_gpu()` is the same
+        with the GPU kernel constants.
+
+        Kernels: the profile's peak is itself a measured matmul rate and its bandwidth a
+        measured copy, so both are reached in full; a 1-thread fp32 sweep here (M = N =
+        512) ran at full rate down to K = 16 and at 58% at K = 8 (k_half ~ 8), with no
+        tile steps at N = 96-256 (docs/planner.md); eager PyTorch ops cost ~10 us each.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
-                   loss_token_bytes=6.0)
+                   loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
+                   gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0)
+
+    @classmethod
+    def partita_on_gpu(cls) -> Assumptions:
+        """partita's own model and engines (`measured_cpu()`'s memory accounting) on a
+        GPU: the preset of `partita plan --implementation partita`."""
+        gpu = cls()
+        return replace(cls.measured_cpu(), **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:
@@ -177,5 +222,9 @@ class Assumptions:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+
+# The fields that describe a device's kernels rather than what an implementation stores.
+KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "kernel_overhead_s",
+                 "memory_efficiency")
 
 DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument

@@ -42,7 +42,9 @@ def get_gpu(name: str, extra: dict[str, GPUSpec] | None = None) -> GPUSpec:
     known = known_gpu_names(extra)
     raise PartitaError(
         f"unknown GPU type '{name}'.{did_you_mean(name, known)} Known GPU types: "
-        f"{', '.join(known)}; or describe yours in a TOML file (--hardware FILE)."
+        f"{', '.join(known)}; or describe yours in a TOML file given with --hardware "
+        f"FILE: a [gpu.NAME] table with {', '.join(REQUIRED)} (FLOP/s and bytes/s, "
+        "e.g. peak_flops = 989e12), or base = \"H100\" and the fields that differ."
     )
 
 

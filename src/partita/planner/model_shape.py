@@ -128,3 +128,53 @@ def _moe_from(table: dict, source: str) -> MoEShape:
             f"{did_you_mean(unknown[0], known)} Settings: {', '.join(sorted(known))}."
         )
     return MoEShape(**table)
+
+
+# `--model-shape` names: short ones first, then every ModelConfig field by its own name.
+SHAPE_NAMES = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads",
+               "kv_heads": "n_kv_heads", "vocab": "vocab_size", "seq": "max_seq_len",
+               "ffn": "ffn_dim", "tie": "tie_embeddings"}
+
+
+def parse_model_shape(text: str) -> PlanModel:
+    """`layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2` -> PlanModel.
+
+    layers, hidden, heads, vocab and seq are required (no silent defaults); the rest
+    (kv_heads, ffn, flavour, dropout, tie, num_experts, top_k, expert_ffn_dim) optional.
+    """
+    fields_ = set(ModelConfig.__dataclass_fields__)
+    moe_fields = set(MoEShape.__dataclass_fields__)
+    known = sorted(set(SHAPE_NAMES) | fields_ | moe_fields)
+    model: dict[str, object] = {}
+    moe: dict[str, object] = {}
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key = key.strip().lower()
+        name = SHAPE_NAMES.get(key, key)
+        if not sep or (name not in fields_ and name not in moe_fields):
+            raise PartitaError(
+                f"--model-shape: cannot read '{item}'.{did_you_mean(key, known)} Write "
+                f"name=value pairs among {', '.join(known)}."
+            )
+        raw = raw.strip()
+        if name in ("flavour",):
+            value: object = raw.lower()
+        elif name == "tie_embeddings":
+            value = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            try:
+                value = float(raw) if name in ("dropout", "rope_theta", "norm_eps",
+                                               "init_std") else int(raw)
+            except ValueError:
+                raise PartitaError(f"--model-shape: {key}={raw} is not a number.") from None
+        (moe if name in moe_fields else model)[name] = value
+    missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq")
+               if SHAPE_NAMES[k] not in model]
+    if missing:
+        raise PartitaError(f"--model-shape: give {', '.join(missing)} too (a shape has no "
+                           "defaults, so that none changes the answer unseen).")
+    model.setdefault("tie_embeddings", model.get("flavour") == "gpt2")
+    name = f"custom-{model['n_layers']}x{model['dim']}"
+    return PlanModel(name, ModelConfig(**model), MoEShape(**moe))

@@ -39,16 +39,28 @@ def format_table(evals: list[Evaluation]) -> str:
     width = max([len("layout")] + [len(s) for s in layouts])
     head = (f"{'#':>3}  {'layout':<{width}}  "
             + " ".join(f"{t:>7}" for t, _ in MEMORY_COLUMNS)
-            + f"  {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'bubble':>6} {'comm s':>7}")
+            + f"  {'step s':>8} {'tokens/s':>10} {'MFU':>5} {'HFU':>5} {'TFLOP/s':>7} "
+            f"{'bubble':>6} {'comm s':>7}")
     lines = [f"{'':>{width + 5}}  per-GPU memory in {unit} (peak pipeline stage)", head,
              "-" * len(head)]
     for i, (e, name) in enumerate(zip(evals, layouts), 1):
         mem = " ".join(f"{e.memory.get(k, 0.0) / scale:>7.2f}" for _, k in MEMORY_COLUMNS)
         t = e.time
         lines.append(f"{i:>3}  {name:<{width}}  {mem}  {t['step_s']:>8.3f} "
-                     f"{t['tokens_per_s']:>10.4g} {t['mfu']:>5.1%} "
+                     f"{t['tokens_per_s']:>10.4g} {t['mfu']:>5.1%} {t['hfu']:>5.1%} "
+                     f"{t['model_flops_per_gpu'] / 1e12:>7.1f} "
                      f"{t['bubble_fraction']:>6.1%} {t['comm_exposed_s']:>7.3f}")
+    lines.append("MFU: model FLOPs (6N + attention, no recompute) over peak; HFU: hardware "
+                 "FLOPs (recomputed forward included) over peak; TFLOP/s: model FLOP/s per GPU.")
     return "\n".join(lines)
+
+
+def overlap_text(layout) -> str:
+    """Which communication overlaps the prediction assumed."""
+    on = {True: "on", False: "off"}
+    return (f"overlap: tp communication {on[layout.tp_comm_overlap]}, gradient reduce "
+            f"{on[layout.overlap_grad_reduce]}, parameter gather "
+            f"{on[layout.overlap_param_gather]}")
 
 
 def format_search(result: SearchResult, top: int = 10) -> str:
@@ -58,10 +70,22 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(f"Best {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
                    "that fit, fastest first:")
         out.append(format_table(result.ranked[:top]))
+        out.append("Assumed " + overlap_text(result.ranked[0].layout) + ".")
         out.append("")
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
         out.append("No layout fits.")
+        closest = result.examples.get("memory", [])
+        if closest and closest[0].memory:
+            e = closest[0]
+            out.append(f"The closest, {e.layout.describe()}, needs "
+                       f"{e.memory['total'] / 1e9:.1f} GB per GPU; a "
+                       f"{req.cluster.gpu.name} has {e.capacity / 1e9:.0f} GB.")
+    if result.modelled:
+        out.append("")
+        out.append(f"Modelled but not trainable by partita yet ({len(result.modelled)} would "
+                   "fit; options marked not available yet), fastest first:")
+        out.append(format_table(result.modelled[:top]))
     out.append("")
     out.append("Rejected: " + (", ".join(
         f"{n} {KIND_TITLES.get(k, k)}" for k, n in result.rejected.most_common()) or "none"))
@@ -102,6 +126,9 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{t['bubble_s']:.3f} = {t['bubble_fraction']:.1%}, exposed communication "
                    f"{t['comm_exposed_s']:.3f}, offload {t['offload_s']:.3f}); "
                    f"{t['tokens_per_s']:.4g} tokens/s; MFU {t['mfu']:.1%}")
+        out.append(f"Per GPU: {t['model_flops_per_gpu'] / 1e12:.1f} model TFLOP/s, "
+                   f"{t['hardware_flops_per_gpu'] / 1e12:.1f} hardware TFLOP/s (with "
+                   f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}")
         out.append("Bytes sent per GPU per step: " + ", ".join(
             f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
                                                      "pp_bytes", "dp_bytes") if t[k]))
@@ -119,22 +146,28 @@ def _unit(largest: float) -> tuple[float, str]:
 
 
 def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | None = None,
-            top: int = 10, advice: list[str] | None = None) -> str:
+            top: int = 10, advice: list[str] | None = None,
+            defaults: list[str] | None = None) -> str:
     data: dict = {
         "model": req.model.name, "parameters": req.model.total_params(),
         "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
         "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "assumptions": req.assumptions.to_dict(),
     }
+    if defaults is not None:
+        data["defaults_filled_in"] = defaults
     if result is not None:
+        data["fits"] = bool(result.ranked)
         data["ranked"] = [e.to_dict() for e in result.ranked[:top]]
         data["fitting"] = len(result.ranked)
+        data["modelled_not_available"] = [e.to_dict() for e in result.modelled[:top]]
         data["rejected"] = dict(result.rejected)
         data["rejected_examples"] = {k: [e.to_dict() for e in v]
                                      for k, v in result.examples.items()}
         data["searched"] = result.searched
         data["search_seconds"] = result.seconds
     if ev is not None:
+        data["fits"] = ev.fits
         data["evaluation"] = ev.to_dict()
     if advice is not None:
         data["advice"] = advice

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from partita.layout import OFFLOAD, RECOMPUTE, Layout
+from partita.layout import OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout
 from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
@@ -54,6 +54,15 @@ class SearchSpace:
     expert_parallel: bool = False  # search ep > 1 (mixture-of-experts models)
     # Context-parallel chunks shorter than this are all latency: not worth searching.
     min_tokens_per_cp_rank: int = 512
+    # Layout fields pinned to one value (`partita plan --fix tp=8,pp=8`): only layouts
+    # with these values are searched. Pairs of (field name, value).
+    fixed: tuple[tuple[str, object], ...] = ()
+
+    def allows(self, name: str, value: object) -> bool:
+        return all(v == value for k, v in self.fixed if k == name)
+
+    def pinned(self, name: str, default: object) -> object:
+        return next((v for k, v in self.fixed if k == name), default)
 
     @classmethod
     def everything(cls) -> SearchSpace:
@@ -69,6 +78,9 @@ DEFAULT_SPACE = SearchSpace()  # immutable, shared as a default argument
 class SearchResult:
     request: Request
     ranked: list[Evaluation]  # layouts that fit, fastest first
+    # Layouts that would fit but use options `partita train` does not run yet (recompute,
+    # offload, cp, ep, TP overlap), fastest first: the model's answer for such runs.
+    modelled: list[Evaluation] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)  # kind -> layouts
     examples: dict[str, list[Evaluation]] = field(default_factory=dict)  # kind -> a few
     searched: int = 0
@@ -103,27 +115,41 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                 examples.append(ev)
 
     mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= space.max_microbatch]
+    mbs = [b for b in mbs if space.allows("microbatch_size", b)] or \
+        [int(space.pinned("microbatch_size", 1))]
     experts = req.model.moe.num_experts
-    for tp in divisors(n):
-        for cp in divisors(n // tp) if space.context_parallel else [1]:
-            if cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank:
+    ok = space.allows
+    any_cp = space.context_parallel or any(k == "cp" for k, _ in space.fixed)
+    any_ep = space.expert_parallel or any(k == "ep" for k, _ in space.fixed)
+    for tp in [d for d in divisors(n) if ok("tp", d)]:
+        for cp in divisors(n // tp) if any_cp else [1]:
+            if not ok("cp", cp) or (cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank
+                                    and not space.fixed):
                 continue
-            for pp in divisors(n // (tp * cp)):
+            for pp in [d for d in divisors(n // (tp * cp)) if ok("pp", d)]:
                 dp = n // (tp * cp * pp)
-                for ep in divisors(experts) if req.model.is_moe and space.expert_parallel else [1]:
-                    if (dp * cp) % ep:
+                if not ok("dp", dp):
+                    continue
+                for ep in divisors(experts) if req.model.is_moe and any_ep else [1]:
+                    if (dp * cp) % ep or not ok("ep", ep):
                         continue
                     inner = _inner_options(req, space, pp, dp, mbs)
                     size = len(inner) * len(space.recompute)
-                    for zero in space.zero_stages:
-                        if zero > 0 and dp * cp == 1:
+                    for zero in [z for z in space.zero_stages if ok("zero_stage", z)]:
+                        if zero > 0 and dp * cp == 1 and not space.fixed:
                             continue  # identical to zero=0: nothing to shard over
-                        for offload in space.offload:
+                        for offload in [o for o in space.offload if ok("offload", o)]:
                             # Sequence parallelism whenever tensor parallelism is on.
                             base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                                          offload=offload, sequence_parallel=tp > 1)
+                                          offload=offload, sequence_parallel=bool(
+                                              space.pinned("sequence_parallel", tp > 1)),
+                                          **{k: v for k, v in space.fixed
+                                             if k in OVERLAP_OPTIONS})
                             reasons = structural_reasons(req, base)
-                            if reasons:
+                            # Options partita cannot train yet are judged in full only
+                            # when pinned (--fix); otherwise counted here, unevaluated.
+                            if reasons and (not space.fixed or any(
+                                    k != UNAVAILABLE for k, _ in reasons)):
                                 kind = reasons[0][0]
                                 ev = Evaluation(base, reasons, capacity=req.cluster.gpu.memory_bytes)
                                 reject(kind, ev, size)
@@ -134,9 +160,10 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                 continue
                             _search_inner(req, space, base, inner, result, reject)
     # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
-    result.ranked.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
-                                      e.layout.cp, e.layout.ep, e.layout.pp,
-                                      e.layout.virtual_stages))
+    for evals in (result.ranked, result.modelled):
+        evals.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
+                                  e.layout.cp, e.layout.ep, e.layout.pp,
+                                  e.layout.virtual_stages))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -157,7 +184,8 @@ def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
                        for v in range(2, min(space.max_virtual_stages, fewest) + 1)
                        if fewest % v == 0]
     for vpp, sched in scheds:
-        options += [(vpp, sched, b) for b in valid_mbs]
+        if space.allows("virtual_stages", vpp) and space.allows("schedule", sched):
+            options += [(vpp, sched, b) for b in valid_mbs]
     return options
 
 
@@ -175,7 +203,8 @@ def _states_overflow(req: Request, layout: Layout) -> bool:
 def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject) -> None:
     # Recompute from most to least memory-saving: when the most saving overflows, the
     # others do too; microbatches ascending: when the smallest overflows, larger do too.
-    order = [r for r in ("full", "selective", "none") if r in space.recompute]
+    order = [r for r in ("full", "selective", "none")
+             if r in space.recompute and space.allows("recompute", r)]
     by_schedule: dict[tuple[int, str], list[int]] = {}
     for vpp, sched, mb in inner:
         by_schedule.setdefault((vpp, sched), []).append(mb)
@@ -191,6 +220,8 @@ def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject)
                     continue
                 kind = ev.reasons[0][0]
                 if kind != MEMORY:
+                    if all(k == UNAVAILABLE for k, _ in ev.reasons):
+                        result.modelled.append(ev)
                     reject(kind, ev, 1)
                     continue
                 # More memory-hungry recompute choices overflow as well.

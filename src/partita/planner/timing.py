@@ -1,6 +1,7 @@
 """Step time of a layout: compute, the pipeline bubble, and exposed communication.
 
-Compute is FLOPs over `peak * compute_efficiency`, scaled down for small matmuls.
+Compute is timed kernel by kernel from each GEMM's and attention's shape
+(`partita.planner.compute`: a roofline plus tile, inner-dimension and launch effects).
 Each parallel dimension's communication volume per GPU is computed from the standard
 collective costs (ring all-reduce moves 2(n-1)/n of the buffer per GPU, reduce-scatter
 and all-gather (n-1)/n each, all-to-all (n-1)/n) and timed on the link its group
@@ -19,6 +20,7 @@ import math
 from partita.layout import Layout
 from partita.planner.activation_memory import layer_input_bytes
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.compute import block_times, head_times, optimizer_time
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
     blocks_per_unit,
@@ -48,12 +50,15 @@ def head_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
     return 2 * model.config.vocab_size * model.config.dim * mb * seq_len
 
 
-def matmul_efficiency(model: PlanModel, layout: Layout, seq_len: int,
-                      assumptions: Assumptions) -> float:
-    rows = layout.microbatch_size * seq_len / layout.cp
-    cols = model.config.dim / layout.tp
-    return (assumptions.compute_efficiency * rows / (rows + assumptions.matmul_half_rows)
-            * cols / (cols + assumptions.matmul_half_cols))
+def recompute_flops_per_token(model: PlanModel, layout: Layout, seq_len: int) -> float:
+    """FLOPs per token that recomputation adds: the blocks' forward (full) or the
+    attention score and value products (selective); the output layer is not repeated."""
+    c = model.config
+    if layout.recompute == "full":
+        return c.n_layers * layer_forward_flops(model, seq_len, 1) / seq_len
+    if layout.recompute == "selective":
+        return c.n_layers * 4 * c.dim * seq_len
+    return 0.0
 
 
 def num_microbatches(layout: Layout, global_batch: int) -> int:
@@ -112,14 +117,14 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     a, c, gpu = assumptions, model.config, cluster.gpu
     m = num_microbatches(layout, global_batch)
     t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
-    eff = matmul_efficiency(model, layout, seq_len, a)
-    rate = gpu.peak_flops * eff
-    split = t * cp
-    fwd_layer = layer_forward_flops(model, seq_len, layout.microbatch_size) / split
-    attn_fwd = 4 * c.dim * seq_len * layout.microbatch_size * seq_len / split
-    passes = {"none": 3.0, "selective": 3.0, "full": 4.0}[layout.recompute]
-    layer_s = (passes * fwd_layer + (attn_fwd if layout.recompute == "selective" else 0)) / rate
-    head_s = 3 * head_forward_flops(model, seq_len, layout.microbatch_size) / split / rate
+    blk = block_times(model, layout, seq_len, gpu, a)
+    # One microbatch through one block, forward and backward, with recomputation:
+    # full repeats the whole forward, selective only the attention core.
+    recompute_s = {"none": 0.0, "selective": blk.attention_core_fwd, "full": blk.fwd}[
+        layout.recompute]
+    layer_s = blk.fwd + blk.bwd + recompute_s
+    head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a)
+    head_s = head_fwd + head_bwd
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
     def link_eff(span: int) -> tuple[tuple[float, float], float]:
@@ -152,14 +157,21 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     tp_edge_s = [_collective_time(vol, t, 6, link_eff(t)[0], link_eff(t)[1], a)
                  for vol in tp_edge]
 
-    exposed_layer = (tp_s - min(tp_s, a.tp_overlap * layer_s)
+    # TP overlap (userbuffers-style) hides collectives under the GEMMs beside them:
+    # forward, backward (twice the forward's) and a recomputed forward.
+    gemm_s = blk.gemm_fwd * (3 + (1 if layout.recompute == "full" else 0))
+    tp_hide = min(tp_s, a.tp_overlap * gemm_s) if layout.tp_comm_overlap else 0.0
+    exposed_layer = (tp_s - tp_hide + a.tp_overlap_slowdown * tp_hide
                      + cp_s - min(cp_s, a.cp_overlap * layer_s)
                      + ep_s - min(ep_s, a.ep_overlap * layer_s))
     layers = stage_layers(c.n_layers, pp)
     stage_s = [n * (layer_s + exposed_layer) + edge for n, edge in zip(layers, tp_edge_s)]
     stage_s[-1] += head_s
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
-    bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) / 3}.get(
+    # ZB-H1 fills two thirds of the 1F1B bubble with deferred weight-gradient passes,
+    # which needs microbatches to defer: with fewer than pp it fills proportionally less.
+    zb_fill = 2 / 3 * min(1.0, (m - 1) / (pp - 1)) if pp > 1 else 0.0
+    bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) * (1 - zb_fill)}.get(
         layout.schedule, pp - 1)
     compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0)
                         for i, n in enumerate(layers))
@@ -186,20 +198,22 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     frac = (n - 1) / n if n > 1 else 0.0
     every_mb = a.sharded_grads_reduce_every_microbatch
     z = layout.zero_stage
-    if z <= 1:
-        dp_vol = frac * (g_bytes + (p_bytes if z == 1 else g_bytes))
-        per_step, per_mb = dp_vol, 0.0
+    # Gradient reduction and parameter gathering, each hidden by its own overlap option.
+    param_per_mb = z == 3
+    grad_per_mb = z == 3 or (z == 2 and every_mb)
+    if z <= 1:  # all-reduce (= reduce-scatter + all-gather) or reduce-scatter + gather
+        grad_vol = frac * g_bytes * (2 if z == 0 else 1)
+        param_vol = frac * p_bytes if z == 1 else 0.0
     elif z == 2:
-        per_mb = frac * g_bytes * (m if every_mb else 1)
-        per_step = frac * p_bytes
-        dp_vol = per_mb + per_step
+        grad_vol = frac * g_bytes * (m if every_mb else 1)
+        param_vol = frac * p_bytes
     else:
-        per_mb = m * frac * (2 * p_bytes + g_bytes)
+        grad_vol = m * frac * g_bytes
+        param_vol = m * frac * 2 * p_bytes
         if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
             root = padded_dense_params(model, layout, precision, 0, a, root_only=True)
-            per_mb -= m * frac * precision.param * root
-        per_step = 0.0
-        dp_vol = per_mb
+            param_vol -= m * frac * precision.param * root
+    dp_vol = grad_vol + param_vol
     link, le = link_eff(t * cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
@@ -208,11 +222,18 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         messages += 3 * m * sum(-(-n_l // blocks_per_unit(block, n_l, a)) for n_l in layers
                                 if n_l) // pp
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
-    hide_step = a.dp_overlap * (mb_s if per_step else 0.0)
-    hide_mb = (a.zero3_overlap if z == 3 else a.dp_overlap) * compute_s
-    share_mb = per_mb / dp_vol if dp_vol else 0.0
-    dp_exposed = (dp_s * (1 - share_mb) - min(dp_s * (1 - share_mb), hide_step)
-                  + dp_s * share_mb - min(dp_s * share_mb, hide_mb))
+    grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
+    param_s = dp_s - grad_s
+    # Once-per-step collectives overlap one microbatch (the last backward, the first
+    # forward); per-microbatch ones the whole step's compute.
+    grad_hide = (a.dp_overlap * (compute_s if grad_per_mb else mb_s)
+                 if layout.overlap_grad_reduce else 0.0)
+    param_hide = (a.zero3_overlap * (compute_s if param_per_mb else mb_s)
+                  if layout.overlap_param_gather else 0.0)
+    dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
+    # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
+    optim_s = 0.0 if layout.offload != "none" else optimizer_time(
+        local / (n if z >= 1 else 1), gpu, a)
 
     offload_s = 0.0
     if layout.offload != "none":
@@ -221,8 +242,10 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
         offload_s *= 1 - a.offload_overlap
 
-    step = pipeline_s + pp_exposed + dp_exposed + offload_s
+    step = pipeline_s + pp_exposed + dp_exposed + offload_s + optim_s
     tokens = global_batch * seq_len
+    model_flops = model.flops_per_token(seq_len) * tokens
+    hw_flops = model_flops + recompute_flops_per_token(model, layout, seq_len) * tokens
     comm_exposed = (m * max(layers) * exposed_layer) + pp_exposed + dp_exposed
     return {
         "step_s": step,
@@ -232,8 +255,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "comm_exposed_s": comm_exposed,
         "offload_s": offload_s,
         "tokens_per_s": tokens / step,
-        "mfu": model.flops_per_token(seq_len) * tokens / step / (cluster.num_gpus
-                                                                   * gpu.peak_flops),
+        "optimizer_s": optim_s,
+        "mfu": model_flops / step / (cluster.num_gpus * gpu.peak_flops),
+        # The papers' figures: model FLOP/s per GPU (6N + attention, no recompute) and
+        # hardware FLOP/s per GPU (the recomputed forward counted too).
+        "model_flops_per_gpu": model_flops / step / cluster.num_gpus,
+        "hardware_flops_per_gpu": hw_flops / step / cluster.num_gpus,
+        "hfu": hw_flops / step / (cluster.num_gpus * gpu.peak_flops),
         "tp_bytes": (tp_vol * max(layers) + max(tp_edge)) * m,
         "cp_bytes": cp_vol * m * max(layers),
         "ep_bytes": ep_vol * m * max(layers) if model.is_moe else 0.0,

@@ -1,0 +1,169 @@
+"""Compute time of one transformer block: each GEMM, attention and the memory-bound rest.
+
+A single "efficiency" constant cannot explain why a 1T-parameter model reaches a higher
+MFU than a 2B one on the same GPUs. This module times every kernel of a block from its
+shape instead, with a roofline and a few named shape effects (docs/planner.md):
+
+* roofline: a kernel takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth);
+* tile quantisation: a GEMM computes whole `gemm_tile` x `gemm_tile` output tiles, so
+  a dimension of 100 costs as much as one of 128;
+* short inner dimension: each output tile's main loop runs over K; prologue and
+  epilogue cost about `gemm_k_half` steps of it, so the rate is scaled by K/(K + k_half)
+  (attention's inner dimension is the head dimension, so small heads run slower);
+* launch overhead: a fixed `kernel_overhead_s` per kernel;
+* memory-bound work (norms, activations, residual adds, dropout, softmax, the loss)
+  moves a fixed number of bytes per hidden element per token, at memory bandwidth.
+
+Why a wider model reaches a higher MFU: a block's GEMM FLOPs grow as h^2 per token while
+its memory-bound bytes grow as h (and its eager softmax as heads x seq), so the share
+of time spent at memory speed falls as 1/h; and the GEMMs' inner dimensions (h, ffn/tp)
+grow, so K/(K + k_half) approaches 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from partita.layout import Layout
+from partita.planner.assumptions import Assumptions
+from partita.planner.hardware import GPUSpec
+from partita.planner.model_shape import PlanModel
+
+
+@dataclass(frozen=True)
+class BlockTimes:
+    """Seconds of one block for one microbatch on one GPU, split the way recomputation
+    needs: `attention_core_fwd` is what selective recomputation repeats."""
+
+    fwd: float  # whole forward (GEMMs + attention + memory-bound)
+    bwd: float  # whole backward
+    attention_core_fwd: float  # score, softmax (+ dropout), value product, forward
+    gemm_fwd: float  # the four weight GEMMs of the forward (what TP overlap can hide under)
+
+
+def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, a: Assumptions,
+              batch: float = 1, elem_bytes: int = 2) -> float:
+    """Seconds of `batch` products (m x k) @ (k x n) in a 16-bit (or `elem_bytes`) dtype."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    tile = a.gemm_tile
+    if tile > 0:  # whole output tiles are computed
+        mm, nn = math.ceil(m / tile) * tile, math.ceil(n / tile) * tile
+    else:
+        mm, nn = m, n
+    flops = 2.0 * mm * nn * k * batch
+    rate = gpu.peak_flops * gemm_fraction(gpu, a) * k / (k + a.gemm_k_half)
+    moved = elem_bytes * batch * (m * k + k * n + m * n)
+    return max(flops / rate, moved / (gpu.memory_bandwidth * a.memory_efficiency)) \
+        + a.kernel_overhead_s
+
+
+def gemm_fraction(gpu: GPUSpec, a: Assumptions) -> float:
+    """Fraction of datasheet peak that large GEMMs sustain on `gpu` (assumption, or the
+    per-family default of `GEMM_PEAK_FRACTION`)."""
+    if a.gemm_peak_fraction > 0:
+        return a.gemm_peak_fraction
+    for family, frac in GEMM_PEAK_FRACTION.items():
+        if gpu.name.upper().startswith(family):
+            return frac
+    return GEMM_PEAK_FRACTION["default"]
+
+
+# What large bf16 GEMMs sustain in a training step, as a fraction of dense datasheet
+# peak (clocks under sustained load, cuBLAS kernels); see docs/planner.md for sources.
+GEMM_PEAK_FRACTION = {"A100": 0.78, "H100": 0.68, "H200": 0.70, "B200": 0.68,
+                      "default": 0.75}
+
+
+def memory_time(nbytes: float, gpu: GPUSpec, a: Assumptions, kernels: int = 1) -> float:
+    return nbytes / (gpu.memory_bandwidth * a.memory_efficiency) + kernels * a.kernel_overhead_s
+
+
+def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
+                   a: Assumptions) -> tuple[float, float]:
+    """(forward, backward) seconds of the score/softmax/value part for one microbatch.
+
+    Flash kernels skip the masked half of a causal score matrix and reach
+    `flash_fwd_fraction` / `flash_bwd_fraction` of the GEMM rate (the backward
+    recomputes the scores: 2.5x the forward's FLOPs). Eager attention runs two batched
+    GEMMs each way and moves the s x s scores through softmax (and dropout) in memory.
+    """
+    c = model.config
+    heads = c.n_heads / layout.tp
+    b, hd = layout.microbatch_size, c.head_dim
+    q = seq_len / layout.cp  # this rank's queries; keys: the whole sequence (ring)
+    kv = seq_len
+    if a.attention_kernel == "flash":
+        flops = 4.0 * b * heads * q * kv * hd * 0.5  # causal: masked tiles skipped
+        rate = gpu.peak_flops * gemm_fraction(gpu, a) * hd / (hd + a.gemm_k_half)
+        fwd = flops / (rate * a.flash_fwd_fraction) + a.kernel_overhead_s
+        bwd = 2.5 * flops / (rate * a.flash_bwd_fraction) + a.kernel_overhead_s
+        return fwd, bwd
+    bh = b * heads
+    scores = bh * q * kv
+    fwd = (gemm_time(q, kv, hd, gpu, a, bh) + gemm_time(q, hd, kv, gpu, a, bh)
+           + memory_time(a.eager_softmax_bytes_fwd * scores, gpu, a, 2))
+    bwd = (2 * gemm_time(q, kv, hd, gpu, a, bh) + 2 * gemm_time(q, hd, kv, gpu, a, bh)
+           + memory_time(a.eager_softmax_bytes_bwd * scores, gpu, a, 2))
+    return fwd, bwd
+
+
+def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
+                a: Assumptions) -> BlockTimes:
+    """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU."""
+    c = model.config
+    t, h = layout.tp, c.dim
+    tokens = layout.microbatch_size * seq_len / layout.cp
+    kv = c.kv_heads * c.head_dim
+    ffn = model.expert_ffn if model.is_moe else c.ffn_hidden
+    up = ffn * (2 if c.gated_mlp else 1)
+    # MoE: each token visits top_k experts; the expert GEMMs see tokens*top_k rows
+    # spread over the experts of this rank (fewer rows each: less efficient).
+    mlp_rows = tokens
+    mlp_count = 1.0
+    if model.is_moe:
+        local_experts = model.moe.num_experts / layout.ep
+        mlp_rows = tokens * model.moe.top_k * layout.ep / model.moe.num_experts
+        mlp_count = local_experts
+    kv_local = math.ceil(c.kv_heads / t) * c.head_dim if kv else 0
+    weights = [  # (m, n, k, count) of the forward GEMMs
+        (tokens, h / t + 2 * kv_local, h, 1.0),  # q, k, v projections
+        (tokens, h, h / t, 1.0),  # attention output projection
+        (mlp_rows, up / t, h, mlp_count),  # MLP up (and gate)
+        (mlp_rows, h, ffn / t, mlp_count),  # MLP down
+    ]
+    gemm_fwd = sum(n_ * gemm_time(m, n, k, gpu, a) for m, n, k, n_ in weights)
+    # Backward: the input gradient (m x k from m x n) and the weight gradient (k x n).
+    gemm_bwd = sum(n_ * (gemm_time(m, k, n, gpu, a) + gemm_time(k, n, m, gpu, a))
+                   for m, n, k, n_ in weights)
+    core_fwd, core_bwd = attention_core(model, layout, seq_len, gpu, a)
+    # Memory-bound elementwise work per token: two norms (read + write h each), two
+    # residual adds (read 2h, write h), the activation (read up, write ffn), dropout
+    # masks when the model has dropout; backward moves about twice the forward's bytes.
+    # Width-h work is split over tp only under sequence parallelism.
+    h_share = h / t if layout.sequence_parallel or t == 1 else h
+    h_elems = (2 * 2 + 2 * 3 + (2 * 1.5 if c.dropout > 0 else 0)) * h_share
+    f_elems = (up + ffn) / t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
+    elem_bytes = a.activation_elem_bytes * tokens * (h_elems + f_elems)
+    mem_fwd = memory_time(elem_bytes, gpu, a, a.elementwise_kernels)
+    mem_bwd = memory_time(2 * elem_bytes, gpu, a, a.elementwise_kernels)
+    return BlockTimes(fwd=gemm_fwd + core_fwd + mem_fwd, bwd=gemm_bwd + core_bwd + mem_bwd,
+                      attention_core_fwd=core_fwd, gemm_fwd=gemm_fwd)
+
+
+def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
+               a: Assumptions) -> tuple[float, float]:
+    """(forward, backward) seconds of the output layer and the loss for one microbatch."""
+    c = model.config
+    tokens = layout.microbatch_size * seq_len / layout.cp
+    v = c.vocab_size / layout.tp
+    fwd = gemm_time(tokens, v, c.dim, gpu, a)
+    bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
+    loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
+    return fwd + loss / 2, bwd + loss / 2
+
+
+def optimizer_time(local_params: float, gpu: GPUSpec, a: Assumptions) -> float:
+    """Seconds of the (fused, memory-bound) Adam update of `local_params` parameters."""
+    return memory_time(a.optimizer_bytes_per_param * local_params, gpu, a, 1)
