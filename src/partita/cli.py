@@ -21,6 +21,7 @@ COMMANDS = (
     "partita.commands.bench",
     "partita.commands.plan",
     "partita.commands.schedule",
+    "partita.commands.export",
 )
 
 

@@ -36,6 +36,16 @@ class ModelSection:
     tie_embeddings: bool | None = None
     dropout: float | None = None
     seed: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    rope_scaling: str | None = None  # "" none, "llama3" (see models.model_config)
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_len: int | None = None
+    # A Hugging Face Llama folder (config.json + safetensors): its shape replaces the
+    # catalog entry and its weights the random init, read slice by slice on every rank.
+    init_from: str = ""
 
 
 @dataclass
@@ -78,6 +88,7 @@ class TrainSection:
     # naming the ranks that are behind; 0 turns the watchdog off.
     stall_warning_factor: float = 20.0
     timeline_png: str = ""  # pipeline runs: draw the last step's measured timeline here
+    export: str = ""  # "hf": also write out_dir/hf, a Hugging Face folder (partita export)
 
 
 @dataclass
@@ -127,12 +138,24 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def model_config(self) -> ModelConfig:
-        base = get_model_config(self.model.name)
         changes = {
             f.name: getattr(self.model, f.name)
             for f in dataclasses.fields(self.model)
-            if f.name != "name" and getattr(self.model, f.name) is not None
+            if f.name not in ("name", "init_from") and getattr(self.model, f.name) is not None
         }
+        if self.model.init_from:
+            from partita.models.hf_config import model_config_from_hf
+
+            base = model_config_from_hf(self.model.init_from)
+            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len"})
+            if shape:
+                raise PartitaError(
+                    f"model.{shape[0]} cannot be set with model.init_from: the shape comes "
+                    f"from '{self.model.init_from}'. Remove model.{shape[0]}, or edit the "
+                    "folder's config.json."
+                )
+        else:
+            base = get_model_config(self.model.name)
         cfg = dataclasses.replace(base, **changes)
         if self.data.seq_len > cfg.max_seq_len:
             cfg = dataclasses.replace(cfg, max_seq_len=self.data.seq_len)

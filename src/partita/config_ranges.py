@@ -86,6 +86,13 @@ RANGES: dict[str, Rule] = {
     "model.flavour": _choice("llama", "gpt2"),
     "model.dropout": FRACTION,
     "model.seed": AT_LEAST_0,
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": POSITIVE,
+    "model.rope_scaling": _choice("", "llama3"),
+    "model.rope_factor": POSITIVE,
+    "model.rope_low_freq_factor": POSITIVE,
+    "model.rope_high_freq_factor": POSITIVE,
+    "model.rope_original_max_len": AT_LEAST_1,
     # [data]
     "data.seq_len": _num(2),  # a window needs an input and a next token
     "data.val_fraction": FRACTION,
@@ -112,6 +119,7 @@ RANGES: dict[str, Rule] = {
     "train.threads": AT_LEAST_0,
     "train.collective_timeout_s": POSITIVE,
     "train.stall_warning_factor": AT_LEAST_0,
+    "train.export": _choice("", "hf"),
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,

@@ -270,6 +270,11 @@ class Trainer:
         }
         self._enter(c.train.steps, "weight write", "weight_write")
         save_weights(self.pm, self.out_dir / "model.safetensors")
+        if c.train.export and self.is_logger:
+            from partita.export import export_run
+
+            export_run(self.out_dir, self.out_dir / c.train.export, c.train.export,
+                       overwrite=True)  # this run owns out_dir (checked at launch)
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
             self.pm.runner.save_timeline(c.train.timeline_png,
                                          f"{c.parallel.schedule}, last step, {self.mesh.dims}")
