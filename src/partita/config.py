@@ -56,6 +56,13 @@ class DataSection:
     val_fraction: float = 0.01
     max_bytes: int = 4_000_000  # budget of the built-in corpus
     seed: int = 0
+    # A tokenizer.json, or a Hugging Face model folder holding one; "" = bytes (vocab 256).
+    tokenizer: str = ""
+    text_field: str = "text"  # JSONL / Parquet / saved-dataset sources: the text field
+    bad_lines: str = "error"  # a JSONL line that is not JSON: "error", or "skip" (counted)
+    workers: int = 0  # tokenizer processes when preparing the cache; 0 = the CPU count
+    # Several sources by weight: "a.jsonl=0.7, b/=0.3" or a TOML table; replaces source.
+    mix: str = ""
 
 
 @dataclass
@@ -276,6 +283,8 @@ def _convert(dotted: str, raw: object, target: type) -> object:
             return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
         if target is float:
             return float(raw)
+        if isinstance(raw, dict):  # a TOML table given for a text setting (data.mix)
+            return ", ".join(f"{k}={v}" for k, v in raw.items())
         return str(raw)
     except (TypeError, ValueError):
         raise PartitaError(

@@ -98,6 +98,8 @@ RANGES: dict[str, Rule] = {
     "data.val_fraction": FRACTION,
     "data.max_bytes": AT_LEAST_1,
     "data.seed": AT_LEAST_0,
+    "data.bad_lines": _choice("error", "skip"),
+    "data.workers": AT_LEAST_0,
     # [train]
     "train.steps": AT_LEAST_1,
     "train.global_batch": AT_LEAST_1,

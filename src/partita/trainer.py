@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from partita.config import Config
-from partita.data import TokenDataset, load_dataset, num_windows
+from partita.data import TokenDataset, num_windows
+from partita.data.dataset import load_configured
 from partita.errors import AgreedError, PartitaError, PeerFailure
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
@@ -42,15 +43,14 @@ def open_dataset(cfg: Config) -> TokenDataset:
     """The run's dataset, tokenized into the cache on first use."""
     d = cfg.data
     cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
-    source = d.source or None
-    data = load_dataset(source, cache, d.seq_len, val_fraction=d.val_fraction,
-                        max_bytes=d.max_bytes if source is None else None)
+    data = load_configured(d, cache)
     model_vocab = cfg.model_config().vocab_size
     if data.vocab_size > model_vocab:
+        what = f"tokenizer '{d.tokenizer}'" if d.tokenizer else "the data"
         raise PartitaError(
-            f"the data uses {data.vocab_size} token ids but the model's vocabulary has "
+            f"{what} uses {data.vocab_size} token ids but the model's vocabulary has "
             f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
-            "tokenizer that fits the model."
+            "tokenizer that fits the model (with model.init_from: the model's own tokenizer)."
         )
     return data
 

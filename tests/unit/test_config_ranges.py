@@ -24,7 +24,7 @@ LAYOUT_OR_TEXT = {
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
     "parallel.zero_stage", "parallel.virtual_stages", "parallel.schedule",
     "model.name", "data.source", "data.cache_dir", "train.out_dir", "train.timeline_png",
-    "model.init_from",
+    "model.init_from", "data.tokenizer", "data.text_field", "data.mix",
 }
 
 
