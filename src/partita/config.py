@@ -60,7 +60,9 @@ class DataSection:
     tokenizer: str = ""
     text_field: str = "text"  # JSONL / Parquet / saved-dataset sources: the text field
     bad_lines: str = "error"  # a JSONL line that is not JSON: "error", or "skip" (counted)
-    workers: int = 0  # tokenizer processes when preparing the cache; 0 = the CPU count
+    # Tokenizer processes when preparing the cache; 0 or 1: this process, whose batch
+    # encoding already runs on every core (the tokenizers library's own threads).
+    workers: int = 0
     # Several sources by weight: "a.jsonl=0.7, b/=0.3" or a TOML table; replaces source.
     mix: str = ""
 

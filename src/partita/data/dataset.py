@@ -209,7 +209,7 @@ def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
         from partita.data.hf_tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(data.tokenizer)
-    workers = data.workers or os.cpu_count() or 1
+    workers = max(data.workers, 1)
     options = dict(val_fraction=data.val_fraction, tokenizer=tokenizer,
                    text_field=data.text_field, bad_lines=data.bad_lines, workers=workers)
     if data.mix:

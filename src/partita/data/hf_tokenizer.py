@@ -170,7 +170,10 @@ def encode_parallel(tokenizer: HFTokenizer, docs: Iterable[str], workers: int,
     """Each document framed by BOS/EOS, in order, encoded by `workers` processes.
 
     Documents stream through in batches of about `batch_bytes` characters: at most a few
-    batches per worker are in flight, never the whole source. workers <= 1 encodes here.
+    batches per worker are in flight, never the whole source. workers <= 1 encodes here,
+    where `encode_batch` already spreads a batch over every core (Rust threads). Worker
+    processes are spawned, so a script that calls this with workers > 1 needs the usual
+    `if __name__ == "__main__":` guard (`partita train` has it).
     """
     if workers <= 1:
         for batch in _batches(docs, batch_bytes):
