@@ -277,6 +277,9 @@ def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> Paral
     with torch.device("meta"):
         model = Transformer(model_cfg)
     plan = model.plan()
-    if cfg.model.init_from:
-        plan = dataclasses.replace(plan, init=HFWeights(cfg.model.init_from, model_cfg))
-    return parallelize(model, plan, cfg, mesh, device)
+    if not cfg.model.init_from:
+        return parallelize(model, plan, cfg, mesh, device)
+    weights = HFWeights(cfg.model.init_from, model_cfg)
+    pm = parallelize(model, dataclasses.replace(plan, init=weights), cfg, mesh, device)
+    weights.close()  # every parameter is materialised: unmap the files
+    return pm

@@ -83,8 +83,9 @@ def _hf_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
                                              tokens[:, 1:].reshape(-1)).item()
 
 
-def test_imported_llama_matches_transformers_at_every_layout(tmp_path):
-    folder = hf_models.save_random_llama(tmp_path / "llama")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_imported_llama_matches_transformers_at_every_layout(tmp_path, tied):
+    folder = hf_models.save_random_llama(tmp_path / "llama", tied=tied)
     tokens = token_batch(99, BATCH, SEQ, VOCAB)
     want_logits = hf_models.hf_logits(folder, tokens[:, :-1])
     want_loss = _hf_loss(want_logits, tokens)
@@ -95,13 +96,14 @@ def test_imported_llama_matches_transformers_at_every_layout(tmp_path):
             if got[name]["logits"] is not None:
                 actual["logits"], expected["logits"] = got[name]["logits"], want_logits
             assert_parity(actual, expected, FLOAT64_TOL, f"{name} rank {rank}")
-    # Exported back from the dp=2 load, transformers gives the same logits.
+    # Exported back from the pipeline's load (gathered from both stages), transformers
+    # gives the same logits.
     state = ranks[0]["pp2"]["state"]
     cfg = import_config(folder).model_config()
     out = export_hf(state, cfg, tmp_path / "exported")
     again = hf_models.hf_logits(out, tokens[:, :-1])
     assert_parity({"logits": again}, {"logits": want_logits}, FLOAT64_TOL, "exported")
-    # Every layout gathered identical full weights (the pipeline's from both stages).
+    # Every layout gathered identical full weights.
     for name in LAYOUTS:
         for key, value in state.items():
             assert torch.equal(ranks[0][name]["state"][key], value), (name, key)

@@ -4,6 +4,7 @@ unexpected keys, and the bad inputs (each a clear error, nothing written damaged
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -143,3 +144,18 @@ def test_export_refuses_a_non_empty_folder_and_leaves_it_alone(tmp_path):
         export_hf(bad, pm.model_cfg, tmp_path / "new")
     assert not (tmp_path / "new").exists() and not (tmp_path / "new.partial").exists()
     shutil.rmtree(target)
+
+
+def test_rope_and_norm_settings_reach_the_model():
+    cfg = load_config(None, ["--model.rope_theta=500000", "--model.norm_eps=1e-6",
+                             "--model.rope_scaling=llama3", "--model.rope_factor=4"]
+                      ).model_config()
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.rope_scaling, cfg.rope_factor) == (
+        500000.0, 1e-6, "llama3", 4.0)
+    plain = dataclasses.replace(cfg, rope_scaling="")
+    assert not torch.equal(rope_frequencies(cfg), rope_frequencies(plain))
+    # High frequencies are kept, the lowest divided by the factor.
+    assert rope_frequencies(cfg)[0] == rope_frequencies(plain)[0]
+    assert rope_frequencies(cfg)[-1] == pytest.approx(rope_frequencies(plain)[-1] / 4)
+    with pytest.raises(PartitaError, match="rope_scaling"):
+        load_config(None, ["--model.rope_scaling=yarn"])

@@ -122,6 +122,10 @@ class HFWeights:
         self._handles: dict[Path, object] = {}
         self._check()
 
+    def close(self) -> None:
+        """Drop the file handles (and their mappings); later reads reopen them."""
+        self._handles.clear()
+
     def __getstate__(self) -> dict:
         return {"folder": self.folder, "cfg": self.cfg, "files": self.files, "_handles": {}}
 
