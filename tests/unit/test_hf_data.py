@@ -151,3 +151,13 @@ def test_tokenizer_larger_than_the_model_is_refused(tmp_path):
     with pytest.raises(PartitaError, match="tokenizer '.*tok' uses 12[0-9] token ids but "
                                            "the model's vocabulary has 64"):
         open_dataset(cfg)
+
+
+def test_jsonl_streams_documents_before_reading_the_whole_file(tmp_path):
+    from partita.data.sources import JsonlCorpus
+
+    src = write_jsonl(tmp_path / "docs.jsonl", DOCS, bad={len(DOCS): "{broken"})
+    docs = JsonlCorpus(src, "text").documents()
+    assert next(docs) == DOCS[0]  # read before the bad line near the end is reached
+    with pytest.raises(PartitaError, match=f"line {len(DOCS)}: not JSON"):
+        list(docs)
