@@ -105,32 +105,41 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     return out
 
 
-def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
-               overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
-    """Export a finished run's weights (RUN_DIR/model.safetensors, written at the end of
-    `partita train`) with the model shape and tokenizer of RUN_DIR/config.toml."""
+def run_weights(run_dir: str | Path):
+    """(full state dict under partita's names, the run's Config) of a finished run:
+    RUN_DIR/model.safetensors, written at the end of `partita train`, and its config.toml.
+
+    The one place export reads weights from; another source of full weights (a
+    checkpoint assembled from its per-rank files) returns the same pair.
+    """
     from partita.config import load_config
     from partita.weights import load_weights
 
-    if fmt not in FORMATS:
-        raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
     run = Path(run_dir)
     config, weights = run / "config.toml", run / "model.safetensors"
     for path in (config, weights):
         if not path.is_file():
             raise PartitaError(f"'{path}' does not exist: '{run}' is not a finished run's "
                                "folder (train.out_dir of a run that completed).")
-    cfg = load_config(config)
+    return load_weights(weights), load_config(config)
+
+
+def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
+               overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Export a finished run's weights with the model shape and tokenizer of its config."""
+    if fmt not in FORMATS:
+        raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
+    state, cfg = run_weights(run_dir)
     bos = eos = None
     if cfg.model.init_from:
         from partita.models.hf_config import read_hf_config
 
         source = read_hf_config(cfg.model.init_from)
         bos, eos = source.get("bos_token_id"), source.get("eos_token_id")
-    tokenizer = getattr(cfg.data, "tokenizer", "") or None
+    tokenizer = cfg.data.tokenizer or None
     if tokenizer is not None:
         from partita.data.hf_tokenizer import special_token_ids
 
         bos, eos = special_token_ids(tokenizer, bos, eos)
-    return export_hf(load_weights(weights), cfg.model_config(), out, tokenizer=tokenizer,
-                     dtype=dtype, overwrite=overwrite, bos_token_id=bos, eos_token_id=eos)
+    return export_hf(state, cfg.model_config(), out, tokenizer=tokenizer, dtype=dtype,
+                     overwrite=overwrite, bos_token_id=bos, eos_token_id=eos)
