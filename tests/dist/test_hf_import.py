@@ -67,14 +67,17 @@ def _mean_loss(pm, tokens: torch.Tensor, train_steps: int = 0, lr: float = 0.0) 
     return total / comm.size
 
 
-def _import_each_layout(rank: int, world: int, folder: str, tokens: torch.Tensor) -> dict:
-    out = {}
-    for name, parallel in LAYOUTS.items():
-        cfg = import_config(folder, **parallel)
-        pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
-                                  torch.device("cpu"))
-        out[name] = {"logits": _logits(pm, tokens[:, :-1]), "loss": _mean_loss(pm, tokens),
-                     "state": full_state_dict(pm)}
+def _import_each_layout(rank: int, world: int, folders: list[str],
+                        tokens: torch.Tensor) -> list[dict]:
+    out = []
+    for folder in folders:
+        out.append({})
+        for name, parallel in LAYOUTS.items():
+            cfg = import_config(folder, **parallel)
+            pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
+                                      torch.device("cpu"))
+            out[-1][name] = {"logits": _logits(pm, tokens[:, :-1]),
+                             "loss": _mean_loss(pm, tokens), "state": full_state_dict(pm)}
     return out
 
 
@@ -83,30 +86,34 @@ def _hf_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
                                              tokens[:, 1:].reshape(-1)).item()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_imported_llama_matches_transformers_at_every_layout(tmp_path, tied):
-    folder = hf_models.save_random_llama(tmp_path / "llama", tied=tied)
+def test_imported_llama_matches_transformers_at_every_layout(tmp_path):
+    """Untied and tied embeddings, each at every layout, on one world."""
+    folders = [hf_models.save_random_llama(tmp_path / f"llama-{tied}", tied=tied)
+               for tied in (False, True)]
     tokens = token_batch(99, BATCH, SEQ, VOCAB)
-    want_logits = hf_models.hf_logits(folder, tokens[:, :-1])
-    want_loss = _hf_loss(want_logits, tokens)
-    ranks = run_distributed(_import_each_layout, 2, args=(str(folder), tokens), timeout=240)
-    for name in LAYOUTS:
-        for rank, got in enumerate(ranks):
-            actual, expected = {"loss": got[name]["loss"]}, {"loss": want_loss}
-            if got[name]["logits"] is not None:
-                actual["logits"], expected["logits"] = got[name]["logits"], want_logits
-            assert_parity(actual, expected, FLOAT64_TOL, f"{name} rank {rank}")
-    # Exported back from the pipeline's load (gathered from both stages), transformers
-    # gives the same logits.
-    state = ranks[0]["pp2"]["state"]
-    cfg = import_config(folder).model_config()
-    out = export_hf(state, cfg, tmp_path / "exported")
-    again = hf_models.hf_logits(out, tokens[:, :-1])
-    assert_parity({"logits": again}, {"logits": want_logits}, FLOAT64_TOL, "exported")
-    # Every layout gathered identical full weights.
-    for name in LAYOUTS:
-        for key, value in state.items():
-            assert torch.equal(ranks[0][name]["state"][key], value), (name, key)
+    runs = run_distributed(_import_each_layout, 2, args=([str(f) for f in folders], tokens),
+                           timeout=240)
+    for i, folder in enumerate(folders):
+        want_logits = hf_models.hf_logits(folder, tokens[:, :-1])
+        want_loss = _hf_loss(want_logits, tokens)
+        ranks = [run[i] for run in runs]
+        for name in LAYOUTS:
+            for rank, got in enumerate(ranks):
+                actual, expected = {"loss": got[name]["loss"]}, {"loss": want_loss}
+                if got[name]["logits"] is not None:
+                    actual["logits"], expected["logits"] = got[name]["logits"], want_logits
+                assert_parity(actual, expected, FLOAT64_TOL, f"{folder.name} {name} rank {rank}")
+        # Exported back from the pipeline's load (gathered from both stages),
+        # transformers gives the same logits.
+        state = ranks[0]["pp2"]["state"]
+        cfg = import_config(folder).model_config()
+        out = export_hf(state, cfg, tmp_path / f"exported-{i}")
+        again = hf_models.hf_logits(out, tokens[:, :-1])
+        assert_parity({"logits": again}, {"logits": want_logits}, FLOAT64_TOL, "exported")
+        # Every layout gathered identical full weights.
+        for name in LAYOUTS:
+            for key, value in state.items():
+                assert torch.equal(ranks[0][name]["state"][key], value), (name, key)
 
 
 def _train_and_export(rank: int, world: int, folder: str, out: str,
