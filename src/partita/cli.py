@@ -22,6 +22,7 @@ COMMANDS = (
     "partita.commands.plan",
     "partita.commands.schedule",
     "partita.commands.checkpoint",
+    "partita.commands.export",
 )
 
 

@@ -36,6 +36,16 @@ class ModelSection:
     tie_embeddings: bool | None = None
     dropout: float | None = None
     seed: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    rope_scaling: str | None = None  # "" none, "llama3" (see models.model_config)
+    rope_factor: float | None = None
+    rope_low_freq_factor: float | None = None
+    rope_high_freq_factor: float | None = None
+    rope_original_max_len: int | None = None
+    # A Hugging Face Llama folder (config.json + safetensors): its shape replaces the
+    # catalog entry and its weights the random init, read slice by slice on every rank.
+    init_from: str = ""
 
 
 @dataclass
@@ -46,6 +56,15 @@ class DataSection:
     val_fraction: float = 0.01
     max_bytes: int = 4_000_000  # budget of the built-in corpus
     seed: int = 0
+    # A tokenizer.json, or a Hugging Face model folder holding one; "" = bytes (vocab 256).
+    tokenizer: str = ""
+    text_field: str = "text"  # JSONL / Parquet / saved-dataset sources: the text field
+    bad_lines: str = "error"  # a JSONL line that is not JSON: "error", or "skip" (counted)
+    # Tokenizer processes when preparing the cache; 0 or 1: this process, whose batch
+    # encoding already runs on every core (the tokenizers library's own threads).
+    workers: int = 0
+    # Several sources by weight: "a.jsonl=0.7, b/=0.3" or a TOML table; replaces source.
+    mix: str = ""
 
 
 @dataclass
@@ -92,6 +111,7 @@ class TrainSection:
     # A save that fails (a full disk): "stop" the run, or "continue" training and try
     # again at the next checkpoint. The previous checkpoint is kept either way.
     checkpoint_failure: str = "stop"
+    export: str = ""  # "hf": also write out_dir/hf, a Hugging Face folder (partita export)
 
 
 @dataclass
@@ -147,12 +167,24 @@ class Config:
     metrics: MetricsSection = field(default_factory=MetricsSection)
 
     def model_config(self) -> ModelConfig:
-        base = get_model_config(self.model.name)
         changes = {
             f.name: getattr(self.model, f.name)
             for f in dataclasses.fields(self.model)
-            if f.name != "name" and getattr(self.model, f.name) is not None
+            if f.name not in ("name", "init_from") and getattr(self.model, f.name) is not None
         }
+        if self.model.init_from:
+            from partita.models.hf_config import model_config_from_hf
+
+            base = model_config_from_hf(self.model.init_from)
+            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len"})
+            if shape:
+                raise PartitaError(
+                    f"model.{shape[0]} cannot be set with model.init_from: the shape comes "
+                    f"from '{self.model.init_from}'. Remove model.{shape[0]}, or edit the "
+                    "folder's config.json."
+                )
+        else:
+            base = get_model_config(self.model.name)
         cfg = dataclasses.replace(base, **changes)
         if self.data.seq_len > cfg.max_seq_len:
             cfg = dataclasses.replace(cfg, max_seq_len=self.data.seq_len)
@@ -276,6 +308,8 @@ def _convert(dotted: str, raw: object, target: type) -> object:
             return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
         if target is float:
             return float(raw)
+        if isinstance(raw, dict):  # a TOML table given for a text setting (data.mix)
+            return ", ".join(f"{k}={v}" for k, v in raw.items())
         return str(raw)
     except (TypeError, ValueError):
         raise PartitaError(

@@ -86,11 +86,20 @@ RANGES: dict[str, Rule] = {
     "model.flavour": _choice("llama", "gpt2"),
     "model.dropout": FRACTION,
     "model.seed": AT_LEAST_0,
+    "model.rope_theta": POSITIVE,
+    "model.norm_eps": POSITIVE,
+    "model.rope_scaling": _choice("", "llama3"),
+    "model.rope_factor": POSITIVE,
+    "model.rope_low_freq_factor": POSITIVE,
+    "model.rope_high_freq_factor": POSITIVE,
+    "model.rope_original_max_len": AT_LEAST_1,
     # [data]
     "data.seq_len": _num(2),  # a window needs an input and a next token
     "data.val_fraction": FRACTION,
     "data.max_bytes": AT_LEAST_1,
     "data.seed": AT_LEAST_0,
+    "data.bad_lines": _choice("error", "skip"),
+    "data.workers": AT_LEAST_0,
     # [train]
     "train.steps": AT_LEAST_1,
     "train.global_batch": AT_LEAST_1,
@@ -116,6 +125,7 @@ RANGES: dict[str, Rule] = {
     "train.keep_last": AT_LEAST_0,
     "train.stop_after": AT_LEAST_0,
     "train.checkpoint_failure": _choice("stop", "continue"),
+    "train.export": _choice("", "hf"),
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,

@@ -24,6 +24,7 @@ function from one explicit object to the next:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -37,6 +38,7 @@ from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
 from partita.mesh import Mesh
+from partita.models.hf_weights import HFWeights
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
@@ -266,8 +268,18 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:
-    """`parallelize` partita's own Transformer, built on the meta device from `cfg`."""
+    """`parallelize` partita's own Transformer, built on the meta device from `cfg`.
+
+    With `model.init_from` (a Hugging Face Llama folder) the plan's init reads the
+    folder's weights instead of drawing random ones: each rank reads only its slices.
+    """
     model_cfg = cfg.model_config()
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    return parallelize(model, model.plan(), cfg, mesh, device)
+    plan = model.plan()
+    if not cfg.model.init_from:
+        return parallelize(model, plan, cfg, mesh, device)
+    weights = HFWeights(cfg.model.init_from, model_cfg)
+    pm = parallelize(model, dataclasses.replace(plan, init=weights), cfg, mesh, device)
+    weights.close()  # every parameter is materialised: unmap the files
+    return pm

@@ -62,7 +62,15 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
 
 def generate_text(run_dir: str | Path, prompt: str, new_tokens: int,
                   temperature: float = 0.8, top_k: int = 0, seed: int = 0) -> str:
-    model, _ = load_run_model(run_dir)
+    model, cfg = load_run_model(run_dir)
+    if cfg.data.tokenizer:  # the run's own tokenizer; documents start with its BOS
+        from partita.data.hf_tokenizer import HFTokenizer
+
+        tok = HFTokenizer(cfg.data.tokenizer)
+        start = [tok.bos_id] if tok.bos_id is not None else []
+        ids = generate(model, start + tok.encode(prompt).tolist(), new_tokens, temperature,
+                       top_k, seed)
+        return tok.decode(ids[len(start):])
     tok = ByteTokenizer()
     ids = generate(model, tok.encode(prompt).tolist() or [10], new_tokens, temperature,
                    top_k, seed)

@@ -255,7 +255,7 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     out["ledger"] = dp.memory_ledger()
     if save_to:
         writer = CheckpointWriter(Path(save_to), rank, world, async_save=False)
-        writer.save(steps, pm, manifest_fields(pm, {}, cfg.to_dict(), cfg.layout(world)))
+        writer.save(steps, pm, manifest_fields(pm, {}, cfg.to_toml(), cfg.layout(world)))
         if writer.failure:
             raise RuntimeError(writer.failure)
     if params:

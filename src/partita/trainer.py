@@ -27,7 +27,8 @@ from partita.checkpoint import (
     resolve,
 )
 from partita.config import Config
-from partita.data import TokenDataset, load_dataset, num_windows
+from partita.data import TokenDataset, num_windows
+from partita.data.dataset import load_configured
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
@@ -67,15 +68,14 @@ def open_dataset(cfg: Config) -> TokenDataset:
     """The run's dataset, tokenized into the cache on first use."""
     d = cfg.data
     cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
-    source = d.source or None
-    data = load_dataset(source, cache, d.seq_len, val_fraction=d.val_fraction,
-                        max_bytes=d.max_bytes if source is None else None)
+    data = load_configured(d, cache)
     model_vocab = cfg.model_config().vocab_size
     if data.vocab_size > model_vocab:
+        what = f"tokenizer '{d.tokenizer}'" if d.tokenizer else "the data"
         raise PartitaError(
-            f"the data uses {data.vocab_size} token ids but the model's vocabulary has "
+            f"{what} uses {data.vocab_size} token ids but the model's vocabulary has "
             f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
-            "tokenizer that fits the model."
+            "tokenizer that fits the model (with model.init_from: the model's own tokenizer)."
         )
     return data
 
@@ -349,6 +349,11 @@ class Trainer:
             return summary
         self._enter(c.train.steps, "weight write", "weight_write")
         save_weights(self.pm, self.out_dir / "model.safetensors")
+        if c.train.export and self.is_logger:
+            from partita.export import export_run
+
+            export_run(self.out_dir, self.out_dir / c.train.export, c.train.export,
+                       overwrite=True)  # this run owns out_dir (checked at launch)
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
             self.pm.runner.save_timeline(c.train.timeline_png,
                                          f"{c.parallel.schedule}, last step, {self.mesh.dims}")
@@ -383,7 +388,7 @@ class Trainer:
             if failed:
                 self._checkpoint_failed(must_stop=stop)
             training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
-            fields = manifest_fields(self.pm, training, self.cfg.to_dict(),
+            fields = manifest_fields(self.pm, training, self.cfg.to_toml(),
                                      self.cfg.layout(self.mesh.world_size))
             self.writer.save(step, self.pm, fields)
             self._report_save()

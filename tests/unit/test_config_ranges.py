@@ -25,6 +25,7 @@ LAYOUT_OR_TEXT = {
     "parallel.zero_stage", "parallel.virtual_stages", "parallel.schedule",
     "model.name", "data.source", "data.cache_dir", "train.out_dir", "train.timeline_png",
     "train.checkpoint_dir", "train.resume",
+    "model.init_from", "data.tokenizer", "data.text_field", "data.mix",
 }
 
 

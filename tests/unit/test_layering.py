@@ -45,7 +45,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline")),
     ("parallelize", ("partita.parallelize",)),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
-                  "partita.metrics", "partita.run_dir")),
+                  "partita.metrics", "partita.run_dir", "partita.export")),
     ("trainer", ("partita.trainer", "partita.launch", "partita.faults", "partita.watchdog")),
     ("bench", ("partita.bench",)),
     ("commands", ("partita.commands", "partita.cli")),

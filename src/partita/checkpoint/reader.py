@@ -33,7 +33,9 @@ from partita.layout import DEGREES
 # The model settings that decide what the saved numbers mean; a checkpoint loads only
 # into a model that agrees on all of them.
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                     "flavour", "tie_embeddings", "rope_theta", "norm_eps")
+                     "flavour", "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling",
+                     "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_len")
 
 
 class CheckpointMismatch(PartitaError):

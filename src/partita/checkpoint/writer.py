@@ -175,11 +175,11 @@ class CheckpointWriter:
         return final, ""
 
 
-def manifest_fields(pm, training: dict, config: dict | None = None, layout=None) -> dict:
+def manifest_fields(pm, training: dict, config: str = "", layout=None) -> dict:
     """What a manifest records beside the tensors: format, versions, layout (`layout`,
     a partita.layout.Layout, else the mesh's degrees), model, optimizer, precision,
     loss scaler, the run's own `training` fields (sampler position, counters) and the
-    resolved `config`."""
+    resolved run configuration (`config`, its TOML text)."""
     import dataclasses
 
     from partita import __version__
@@ -200,5 +200,5 @@ def manifest_fields(pm, training: dict, config: dict | None = None, layout=None)
         "optimizer": {"name": "adamw", "steps": dp.step_count, "betas": list(optim.betas),
                       "eps": optim.eps, "weight_decay": optim.weight_decay},
         "precision": {"param_dtype": str(param_dtype), "master_dtype": str(master)},
-        "scaler": dp.scaler.state_dict(), "training": training, "config": config or {},
+        "scaler": dp.scaler.state_dict(), "training": training, "config": config,
     }

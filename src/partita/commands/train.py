@@ -123,6 +123,10 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
     from partita.trainer import open_dataset
 
     check_layout(cfg, cfg.model_config(), cfg.layout(world_size), world_size)
+    if cfg.model.init_from:  # every tensor present with its shape (headers only)
+        from partita.models.hf_weights import HFWeights
+
+        HFWeights(cfg.model.init_from, cfg.model_config()).close()
     open_dataset(cfg)
     prepare_run_dir(cfg)
 

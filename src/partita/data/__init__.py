@@ -12,6 +12,7 @@ from partita.data.dataset import (
     TokenDataset,
     cache_path,
     load_dataset,
+    load_mixture,
     prepare_tokens,
     split_tokens,
 )
@@ -28,6 +29,6 @@ from partita.data.tokenizer import ByteTokenizer, Tokenizer
 __all__ = [
     "DEFAULT_STDLIB_BYTES", "BatchSampler", "ByteTokenizer", "Corpus", "TokenDataset",
     "TokenFileWriter", "Tokenizer", "cache_path", "dtype_for_vocab", "eval_batches",
-    "is_token_file", "load_dataset", "num_windows", "prepare_tokens", "read_token_file",
+    "is_token_file", "load_dataset", "load_mixture", "num_windows", "prepare_tokens", "read_token_file",
     "split_tokens", "stdlib_corpus", "text_corpus", "write_token_file",
 ]

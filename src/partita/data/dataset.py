@@ -41,20 +41,29 @@ def cache_path(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLik
     return Path(cache_dir) / f"{label}-{key}.tok"
 
 
-def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike) -> Path:
+def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike,
+                   workers: int = 1) -> Path:
     """Tokenize `corpus` into its cache file unless present; return the file's path.
 
     Idempotent and atomic (see the module docstring): safe to call from many
-    processes at once. Documents are concatenated with no separator token: the byte
-    tokenizer has none, and source files already end with a newline.
+    processes at once. With the byte tokenizer documents are concatenated with no
+    separator (it has none, and source files already end with a newline); a tokenizer
+    with BOS/EOS tokens (`encode_documents`) frames every document with them, encoded
+    by `workers` processes.
     """
     path = cache_path(corpus, tokenizer, cache_dir)
     if path.exists():
         return path
     try:
         with TokenFileWriter(path, tokenizer.vocab_size) as out:
-            for text in corpus.documents():
-                out.write(tokenizer.encode(text))
+            if hasattr(tokenizer, "encode_documents"):
+                from partita.data.hf_tokenizer import encode_parallel
+
+                for ids in encode_parallel(tokenizer, corpus.documents(), workers):
+                    out.write(ids)
+            else:
+                for text in corpus.documents():
+                    out.write(tokenizer.encode(text))
     except OSError as e:
         raise PartitaError(f"Cannot write the token cache '{path}': {e.strerror or e}. Pass a "
                            "cache folder that exists or can be created and is writable, "
@@ -72,6 +81,9 @@ class TokenDataset:
     vocab_size: int
     seq_len: int
     tokenizer: Tokenizer | None  # None for a supplied token file: its tokenizer is unknown
+    # The end-of-document token: a target that follows it (the next document's start)
+    # is not trained (ignore_index); None: documents are not marked.
+    boundary: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,12 +92,14 @@ class TokenDataset:
     def train_sampler(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                       seed: int = 0) -> BatchSampler:
         """The resumable sampler of training batches for one data-parallel replica."""
-        return BatchSampler(self.train, self.seq_len, global_batch, dp_rank, dp_size, seed)
+        return BatchSampler(self.train, self.seq_len, global_batch, dp_rank, dp_size, seed,
+                            boundary=self.boundary)
 
     def val_batches(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                     max_batches: int | None = None) -> list:
         """Fixed validation batches (the first windows of the tail, in order)."""
-        return eval_batches(self.val, self.seq_len, global_batch, dp_rank, dp_size, max_batches)
+        return eval_batches(self.val, self.seq_len, global_batch, dp_rank, dp_size, max_batches,
+                            boundary=self.boundary)
 
 
 def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float
@@ -108,12 +122,15 @@ def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float
 def load_dataset(source: str | os.PathLike | None, cache_dir: str | os.PathLike,
                  seq_len: int, *, val_fraction: float = 0.01,
                  tokenizer: Tokenizer | None = None,
-                 max_bytes: int | None = None) -> TokenDataset:
+                 max_bytes: int | None = None, text_field: str = "text",
+                 bad_lines: str = "error", workers: int = 1) -> TokenDataset:
     """Prepare (once) and open a dataset.
 
     source: None for the built-in standard-library corpus (capped at `max_bytes`,
     default 8 MiB); a text file or folder of text files (capped at `max_bytes` when
-    given); or a partita token file, used in place without copying.
+    given); JSONL or Parquet files or folders, or a dataset saved with `datasets`'
+    save_to_disk (the `text_field` of each record, see partita.data.sources); or a
+    partita token file, used in place without copying.
     tokenizer: defaults to the byte tokenizer; ignored for a token file.
     The dataset's `vocab_size` comes from the token file header.
     """
@@ -125,15 +142,78 @@ def load_dataset(source: str | os.PathLike | None, cache_dir: str | os.PathLike,
     if source is not None and is_token_file(source):
         path, tok = Path(source), None
     else:
-        if source is None:
-            corpus = stdlib_corpus(max_bytes if max_bytes is not None else DEFAULT_STDLIB_BYTES)
-        else:
-            corpus = text_corpus(source, max_bytes)
-        path = prepare_tokens(corpus, tok, cache_dir)
+        path = prepare_tokens(open_corpus(source, max_bytes, text_field, bad_lines), tok,
+                              cache_dir, workers)
     tokens, vocab_size = read_token_file(path)
     if tok is not None and vocab_size != tok.vocab_size:
         raise PartitaError(f"Token cache '{path}' has vocab size {vocab_size} but tokenizer "
                            f"'{tok.name}' has {tok.vocab_size}; the cache is stale or corrupt. "
                            "Delete it and run again.")
     train, val = split_tokens(tokens, seq_len, val_fraction)
-    return TokenDataset(path, train, val, vocab_size, seq_len, tok)
+    return TokenDataset(path, train, val, vocab_size, seq_len, tok, boundary_token(tok))
+
+
+def open_corpus(source: str | os.PathLike | None, max_bytes: int | None = None,
+                text_field: str = "text", bad_lines: str = "error"):
+    """The corpus of `source` (None: the built-in one) for `prepare_tokens`."""
+    if source is None:
+        return stdlib_corpus(max_bytes if max_bytes is not None else DEFAULT_STDLIB_BYTES)
+    from partita.data.sources import structured_corpus
+
+    corpus = structured_corpus(source, text_field, bad_lines)
+    return corpus if corpus is not None else text_corpus(source, max_bytes)
+
+
+def boundary_token(tokenizer: Tokenizer | None) -> int | None:
+    """The token that ends a document in streams `tokenizer` writes (None: unmarked)."""
+    return getattr(tokenizer, "eos_id", None)
+
+
+def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
+                 val_fraction: float = 0.01, tokenizer: Tokenizer | None = None,
+                 text_field: str = "text", bad_lines: str = "error",
+                 workers: int = 1) -> TokenDataset:
+    """Several sources mixed by weight (`data.mix`, see partita.data.mix)."""
+    from partita.data.mix import check_same_vocab, mix_plan, mixture_path, parse_mix, write_mixture
+
+    parts = parse_mix(mix)
+    tok = tokenizer if tokenizer is not None else ByteTokenizer()
+    prepared, trains, vals, vocabs = [], [], [], []
+    for part in parts:
+        if is_token_file(part.source):
+            path = Path(part.source)
+        else:
+            path = prepare_tokens(open_corpus(part.source, None, text_field, bad_lines), tok,
+                                  cache_dir, workers)
+        tokens, vocab = read_token_file(path)
+        train, val = split_tokens(tokens, seq_len, val_fraction)
+        prepared.append(path)
+        trains.append(train)
+        vals.append(val)
+        vocabs.append(vocab)
+    vocab = check_same_vocab(prepared, vocabs)
+    takes = mix_plan([len(t) for t in trains], [p.weight for p in parts])
+    path = mixture_path(cache_dir, prepared, [p.weight for p in parts], seq_len, val_fraction)
+    if not path.exists():
+        write_mixture(path, trains, vals, takes, vocab)
+    tokens, _ = read_token_file(path)
+    n_train = sum(takes)
+    return TokenDataset(path, tokens[:n_train], tokens[n_train:], vocab, seq_len, tok,
+                        boundary_token(tok))
+
+
+def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
+    """The dataset a run's `[data]` section describes (source or mix, tokenizer, fields)."""
+    tokenizer = None
+    if data.tokenizer:
+        from partita.data.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(data.tokenizer)
+    workers = max(data.workers, 1)
+    options = dict(val_fraction=data.val_fraction, tokenizer=tokenizer,
+                   text_field=data.text_field, bad_lines=data.bad_lines, workers=workers)
+    if data.mix:
+        return load_mixture(data.mix, cache_dir, data.seq_len, **options)
+    source = data.source or None
+    return load_dataset(source, cache_dir, data.seq_len,
+                        max_bytes=data.max_bytes if source is None else None, **options)

@@ -37,12 +37,24 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int) -> Batch:
-    """(inputs, targets) int64 tensors of shape (len(windows), seq_len)."""
+IGNORE_INDEX = -100  # partita.loss.cross_entropy's default: such targets are not trained
+
+
+def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int,
+                     boundary: int | None = None) -> Batch:
+    """(inputs, targets) int64 tensors of shape (len(windows), seq_len).
+
+    With `boundary` (an end-of-document token), a target whose input is that token --
+    the first token of the next packed document -- becomes IGNORE_INDEX: the loss never
+    asks the model to predict one document from another.
+    """
     offsets = np.asarray(windows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
     # Fancy indexing a memmap reads only the pages touched and returns a private copy.
     block = np.asarray(tokens[offsets], dtype=np.int64)
-    return torch.from_numpy(block[:, :-1].copy()), torch.from_numpy(block[:, 1:].copy())
+    inputs, targets = block[:, :-1].copy(), block[:, 1:].copy()
+    if boundary is not None:
+        targets[inputs == boundary] = IGNORE_INDEX
+    return torch.from_numpy(inputs), torch.from_numpy(targets)
 
 
 def _check_layout(global_batch: int, dp_rank: int, dp_size: int) -> None:
@@ -59,9 +71,11 @@ class BatchSampler:
     """Training batches for one data-parallel replica; iterate it or call `next(...)`."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int,
-                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0) -> None:
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 boundary: int | None = None) -> None:
         _check_layout(global_batch, dp_rank, dp_size)
         self.tokens = tokens
+        self.boundary = boundary  # end-of-document token (see windows_to_batch)
         self.seq_len = int(seq_len)
         self.global_batch = int(global_batch)
         self.dp_rank = int(dp_rank)
@@ -104,7 +118,8 @@ class BatchSampler:
         """This replica's (inputs, targets) at (epoch, step), shape (G/D, seq_len)."""
         rows = self.global_windows(epoch, step)
         lo = self.dp_rank * self.local_batch
-        return windows_to_batch(self.tokens, rows[lo: lo + self.local_batch], self.seq_len)
+        return windows_to_batch(self.tokens, rows[lo: lo + self.local_batch], self.seq_len,
+                                self.boundary)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -140,7 +155,8 @@ class BatchSampler:
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
-                 dp_size: int = 1, max_batches: int | None = None) -> Iterator[Batch]:
+                 dp_size: int = 1, max_batches: int | None = None,
+                 boundary: int | None = None) -> Iterator[Batch]:
     """Fixed evaluation batches: windows 0, 1, 2, ... in order, G per batch, split by
     replica like training batches; a remainder smaller than G is not used. Empty when
     `tokens` is empty (no validation split)."""
@@ -159,6 +175,6 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: i
     def generate() -> Iterator[Batch]:
         for b in range(count):
             start = b * global_batch + dp_rank * local
-            yield windows_to_batch(tokens, np.arange(start, start + local), seq_len)
+            yield windows_to_batch(tokens, np.arange(start, start + local), seq_len, boundary)
 
     return generate()

@@ -31,11 +31,14 @@ MODELS: dict[str, ModelConfig] = {
     "llama3-405b": ModelConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
                                n_kv_heads=8, ffn_dim=53248, max_seq_len=8192,
                                rope_theta=500000.0),
-    # Llama 3.2 1B's shape (tied embeddings); its RoPE frequency scaling is not modelled.
+    # Llama 3.2 1B's shape (tied embeddings, Llama 3 RoPE scaling as in its config.json).
     # One GPU trains it with room to spare: `partita bench gpu` uses it.
     "llama3.2-1b": ModelConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32,
                                n_kv_heads=8, ffn_dim=8192, max_seq_len=131072,
-                               rope_theta=500000.0, tie_embeddings=True),
+                               rope_theta=500000.0, tie_embeddings=True,
+                               rope_scaling="llama3", rope_factor=32.0,
+                               rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                               rope_original_max_len=8192),
     "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
                              ffn_dim=11008, max_seq_len=4096),
 }

@@ -29,12 +29,30 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     seed: int = 0  # initialisation seed; every parameter derives its own from its name
+    # RoPE frequency scaling: "" (none) or "llama3" (Llama 3.1's: low frequencies divided
+    # by rope_factor, high ones kept, a smooth ramp between; the wavelength bounds are
+    # rope_original_max_len / rope_low_freq_factor and / rope_high_freq_factor).
+    rope_scaling: str = ""
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     def __post_init__(self) -> None:
         if self.flavour not in ("llama", "gpt2"):
             raise PartitaError(
                 f"model.flavour='{self.flavour}' is unknown; use 'llama' (RMSNorm, rotary, "
                 "SwiGLU) or 'gpt2' (LayerNorm, learned positions, GELU)."
+            )
+        if self.rope_scaling not in ("", "llama3"):
+            raise PartitaError(
+                f"model.rope_scaling='{self.rope_scaling}' is unknown; use '' (no scaling) "
+                "or 'llama3' (Llama 3.1's frequency scaling)."
+            )
+        if self.rope_scaling and not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            raise PartitaError(
+                "model.rope_high_freq_factor must exceed model.rope_low_freq_factor (got "
+                f"{self.rope_high_freq_factor} and {self.rope_low_freq_factor})."
             )
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) <= 0:

@@ -40,10 +40,38 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return RMSNorm(cfg.dim, cfg.norm_eps)
 
 
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies (head_dim/2, float64), with cfg's RoPE scaling.
+
+    Llama 3.1's scaling keeps wavelengths shorter than original_max_len/high_freq_factor,
+    divides those longer than original_max_len/low_freq_factor by `factor`, and blends
+    the two linearly in 1/wavelength between (the published formula, computed in float64).
+    """
+    d = cfg.head_dim
+    # On the CPU even inside a meta-device build.
+    steps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
+    inv_freq = 1.0 / cfg.rope_theta ** (steps / d)
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_len
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
-                  offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+                  offset: int = 0, inv_freq: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len.
+
+    `inv_freq` (float64, see rope_frequencies) overrides the unscaled frequencies of theta.
+    """
+    if inv_freq is None:
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
@@ -63,6 +91,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.rotary = cfg.flavour == "llama"
         self.rope_theta = cfg.rope_theta
+        # A plain float64 CPU tensor, not a buffer: a constant of the config that meta
+        # builds, to_empty and dtype casts must not touch.
+        self.inv_freq = rope_frequencies(cfg) if self.rotary else None
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
@@ -77,7 +108,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rotary:
             cos, sin = rotary_tables(s, self.head_dim, self.rope_theta, x.device, q.dtype,
-                                     position_offset)
+                                     position_offset, self.inv_freq)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head

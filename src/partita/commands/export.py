@@ -1,0 +1,27 @@
+"""`partita export RUN_DIR --format hf --out DIR`: a run's weights for other tools."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export", help="write a finished run's weights in another format (hf: transformers)")
+    p.add_argument("run", help="the run's out_dir (holding config.toml and model.safetensors)")
+    p.add_argument("--format", default="hf", choices=("hf",),
+                   help="hf: a Hugging Face Llama folder (config.json, sharded safetensors)")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist)")
+    p.add_argument("--dtype", default="", help="cast the weights (float32, bfloat16, ...)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from partita.export import export_run
+    from partita.parallelize import parse_dtype
+
+    dtype = parse_dtype(args.dtype, "--dtype") if args.dtype else None
+    out = export_run(args.run, args.out, args.format, args.overwrite, dtype)
+    print(f"wrote {out} (load it with transformers.AutoModelForCausalLM.from_pretrained)")
+    return 0

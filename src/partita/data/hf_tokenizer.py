@@ -1,0 +1,195 @@
+"""A Hugging Face `tokenizers` tokenizer (a tokenizer.json, or a model folder holding one)
+as partita's `Tokenizer`, and parallel encoding of many documents.
+
+The tokenizer's `name` holds a hash of its tokenizer.json, so the token cache of a
+corpus is rebuilt when the tokenizer changes. Its `bos_id` / `eos_id` (from
+tokenizer_config.json, else the folder's config.json) mark document boundaries in the
+token stream: every document is written as BOS, its tokens, EOS (those it has).
+`tokenizers` is imported lazily (it ships with transformers; see pyproject's `hf` extra).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from partita.errors import PartitaError
+
+
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The tokenizer.json of `path` (the file itself or a folder holding one)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise PartitaError(
+            f"data.tokenizer='{path}' has no tokenizer.json; give a tokenizer.json file or a "
+            "Hugging Face model folder holding one (a tokenizer saved with the `tokenizers` "
+            "library or transformers' save_pretrained).")
+    return p
+
+
+def _special_tokens(folder: Path) -> dict[str, str]:
+    """bos_token / eos_token strings from tokenizer_config.json, when present."""
+    out = {}
+    config = folder / "tokenizer_config.json"
+    if config.is_file():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, json.JSONDecodeError):
+            return out
+        for key in ("bos_token", "eos_token"):
+            value = data.get(key)
+            if isinstance(value, dict):  # an AddedToken serialised with its options
+                value = value.get("content")
+            if isinstance(value, str):
+                out[key] = value
+    return out
+
+
+class HFTokenizer:
+    """partita's Tokenizer over a `tokenizers.Tokenizer` (picklable: reloads from path)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = tokenizer_file(path)
+        raw = self.path.read_bytes()
+        digest = hashlib.sha256(raw).hexdigest()[:16]
+        self.name = f"hf-{digest}"
+        self._tok = _load(self.path)
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        special = _special_tokens(self.path.parent)
+        self.bos_id = self._id(special.get("bos_token"))
+        self.eos_id = self._id(special.get("eos_token"))
+        if self.bos_id is None and self.eos_id is None:
+            self.bos_id, self.eos_id = _ids_from_model_config(self.path.parent)
+
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_tok"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._tok = _load(self.path)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint32) if self.vocab_size > 1 << 16 else np.dtype(np.uint16)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=self.dtype)
+
+    def encode_document(self, text: str) -> np.ndarray:
+        """BOS, the text's tokens, EOS (those this tokenizer has)."""
+        return self.frame(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
+        return [self.frame(e.ids) for e in
+                self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def frame(self, ids: list[int]) -> np.ndarray:
+        head = [self.bos_id] if self.bos_id is not None else []
+        tail = [self.eos_id] if self.eos_id is not None else []
+        return np.asarray(head + ids + tail, dtype=self.dtype)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer('{self.path}')"
+
+
+def _load(path: Path):
+    try:
+        from tokenizers import Tokenizer as RustTokenizer
+    except ImportError:
+        raise PartitaError("data.tokenizer needs the `tokenizers` package: pip install "
+                           "'partita[hf]' (or pip install tokenizers).") from None
+    try:
+        return RustTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a plain Exception on a bad file
+        raise PartitaError(f"'{path}' cannot be read as a tokenizer ({exc}); give a "
+                           "tokenizer.json written by the `tokenizers` library.") from None
+
+
+def _ids_from_model_config(folder: Path) -> tuple[int | None, int | None]:
+    config = folder / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return None, None
+    ids = [data.get("bos_token_id"), data.get("eos_token_id")]
+    return tuple(i if isinstance(i, int) else None for i in ids)  # type: ignore[return-value]
+
+
+def special_token_ids(path: str | os.PathLike, bos: int | None = None,
+                      eos: int | None = None) -> tuple[int | None, int | None]:
+    """(bos, eos) ids of the tokenizer at `path`, falling back to the given ones."""
+    tok = HFTokenizer(path)
+    return (tok.bos_id if tok.bos_id is not None else bos,
+            tok.eos_id if tok.eos_id is not None else eos)
+
+
+# Parallel encoding -------------------------------------------------------------------
+
+_WORKER_TOKENIZER: HFTokenizer | None = None
+
+
+def _init_worker(tokenizer: HFTokenizer) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
+    _WORKER_TOKENIZER = tokenizer
+
+
+def _encode_batch(texts: list[str]) -> list[np.ndarray]:
+    assert _WORKER_TOKENIZER is not None
+    return _WORKER_TOKENIZER.encode_documents(texts)
+
+
+def _batches(docs: Iterable[str], batch_bytes: int) -> Iterator[list[str]]:
+    batch, size = [], 0
+    for text in docs:
+        batch.append(text)
+        size += len(text)
+        if size >= batch_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def encode_parallel(tokenizer: HFTokenizer, docs: Iterable[str], workers: int,
+                    batch_bytes: int = 1 << 20) -> Iterator[np.ndarray]:
+    """Each document framed by BOS/EOS, in order, encoded by `workers` processes.
+
+    Documents stream through in batches of about `batch_bytes` characters: at most a few
+    batches per worker are in flight, never the whole source. workers <= 1 encodes here,
+    where `encode_batch` already spreads a batch over every core (Rust threads). Worker
+    processes are spawned, so a script that calls this with workers > 1 needs the usual
+    `if __name__ == "__main__":` guard (`partita train` has it).
+    """
+    if workers <= 1:
+        for batch in _batches(docs, batch_bytes):
+            yield from tokenizer.encode_documents(batch)
+        return
+    import multiprocessing as mp
+    from collections import deque
+
+    # spawn: the parent may hold threads (torch, tokenizers) that fork would copy mid-use.
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
+        # Pool.imap would read the whole input ahead; a bounded queue keeps memory flat.
+        pending: deque = deque()
+        for batch in _batches(docs, batch_bytes):
+            pending.append(pool.apply_async(_encode_batch, (batch,)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()

@@ -1,0 +1,159 @@
+"""Write a model in the Hugging Face format: config.json, sharded safetensors with
+`model.safetensors.index.json`, and the tokenizer files when the run used one.
+
+    export_hf(state, model_cfg, "out/hf", tokenizer="path/to/tokenizer.json")
+
+`state` is a full state dict under partita's names (a run's model.safetensors, or
+whatever a checkpoint reader assembles), so any source of full weights plugs in here.
+`transformers.AutoModelForCausalLM.from_pretrained(out)` then loads it as a
+LlamaForCausalLM with no missing or unexpected keys. The folder is written beside its
+destination under a temporary name and renamed into place when complete, so a failed
+export never leaves a half-written model, nor touches an existing one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from partita.errors import PartitaError
+from partita.models.hf_config import hf_config_from_model
+from partita.models.hf_weights import to_hf_state
+from partita.models.model_config import ModelConfig
+
+FORMATS = ("hf",)
+DEFAULT_SHARD_BYTES = 2 << 30
+INDEX = "model.safetensors.index.json"
+# The tokenizer files transformers and other tools read, copied when present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+
+
+def shard_names(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into files of at most `max_bytes` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def tokenizer_files(tokenizer: str | Path | None) -> list[Path]:
+    """The tokenizer files to copy: a tokenizer.json itself, or the known files of a folder."""
+    if not tokenizer:
+        return []
+    path = Path(tokenizer)
+    if path.is_file():
+        siblings = [path.parent / n for n in TOKENIZER_FILES[1:] if (path.parent / n).is_file()]
+        return [path, *siblings]
+    return [path / n for n in TOKENIZER_FILES if (path / n).is_file()]
+
+
+def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
+              tokenizer: str | Path | None = None, dtype: torch.dtype | None = None,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+              bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
+    """Write `state` (full weights, partita names) of model `cfg` as a Hugging Face
+    Llama folder at `out`; returns `out`. `dtype`: cast the floating tensors (None: keep)."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise PartitaError(f"'{out}' already exists and is not empty; choose another --out "
+                           "folder, or pass --overwrite to replace it.")
+    hf_state = to_hf_state(state, cfg)
+    if dtype is not None:
+        hf_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_state.items()}
+    first = next(iter(hf_state.values()))
+    dtype_name = str(first.dtype).removeprefix("torch.")
+    groups = shard_names(hf_state, max_shard_bytes)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        weight_map, total = {}, 0
+        for i, names in enumerate(groups):
+            file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            save_file({n: hf_state[n] for n in names}, str(tmp / file),
+                      metadata={"format": "pt"})
+            weight_map.update({n: file for n in names})
+            total += sum(hf_state[n].numel() * hf_state[n].element_size() for n in names)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config = hf_config_from_model(cfg, dtype_name, bos_token_id, eos_token_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for path in tokenizer_files(tokenizer):
+            shutil.copyfile(path, tmp / path.name)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except OSError as exc:
+        raise PartitaError(f"writing the export to '{out}' failed ({exc.strerror or exc}); "
+                           "nothing was left behind. Free disk space or choose another "
+                           "--out folder.") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def run_weights(run_dir: str | Path):
+    """(full state dict under partita's names, the run's Config) of a finished run:
+    RUN_DIR/model.safetensors, written at the end of `partita train`, and its config.toml.
+
+    The one place export reads weights from; another source of full weights (a
+    checkpoint assembled from its per-rank files) returns the same pair.
+    """
+    from partita.config import config_from_toml, load_config
+    from partita.weights import load_weights
+
+    run = Path(run_dir)
+    config, weights = run / "config.toml", run / "model.safetensors"
+    if not weights.is_file():
+        from partita.checkpoint import read_manifest, resolve
+        from partita.checkpoint.export import full_tensors
+
+        try:
+            folder = resolve(run)
+        except PartitaError:
+            folder = None
+        if folder is not None:  # a checkpoint: assembled from its per-rank files
+            manifest = read_manifest(folder)
+            state = {name: t if t.dtype == torch.float64 else t.to(torch.float32)
+                     for name, t in full_tensors(folder)}
+            return state, config_from_toml(manifest["config"])
+    for path in (config, weights):
+        if not path.is_file():
+            raise PartitaError(f"'{path}' does not exist: '{run}' is neither a finished "
+                               "run's folder (train.out_dir of a run that completed) nor a "
+                               "checkpoint.")
+    return load_weights(weights), load_config(config)
+
+
+def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
+               overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Export a finished run's weights with the model shape and tokenizer of its config."""
+    if fmt not in FORMATS:
+        raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
+    state, cfg = run_weights(run_dir)
+    bos = eos = None
+    if cfg.model.init_from:
+        from partita.models.hf_config import read_hf_config
+
+        source = read_hf_config(cfg.model.init_from)
+        bos, eos = source.get("bos_token_id"), source.get("eos_token_id")
+    tokenizer = cfg.data.tokenizer or None
+    if tokenizer is not None:
+        from partita.data.hf_tokenizer import special_token_ids
+
+        bos, eos = special_token_ids(tokenizer, bos, eos)
+    return export_hf(state, cfg.model_config(), out, tokenizer=tokenizer, dtype=dtype,
+                     overwrite=overwrite, bos_token_id=bos, eos_token_id=eos)

@@ -1,0 +1,146 @@
+"""A Hugging Face Llama `config.json` as partita's ModelConfig, and back.
+
+Torch-free: the run configuration reads a model folder's shape through this module
+before any process starts. Only what partita's transformer computes identically is
+accepted (the Llama family: RMSNorm, rotary positions, SwiGLU, no biases, grouped-query
+attention, tied or untied embeddings, Llama 3.1's RoPE scaling); anything else is an
+error that names the setting, so a model is never loaded into a network that would run
+it differently.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from partita.errors import PartitaError
+from partita.models.model_config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+
+def config_path(folder: str | Path) -> Path:
+    """The config.json of a model folder (or the file itself); an error when missing."""
+    path = Path(folder)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PartitaError(
+            f"model.init_from='{folder}' has no config.json; give the folder a Hugging Face "
+            "model was saved to (save_pretrained), holding config.json and *.safetensors."
+        )
+    return path
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = config_path(folder)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PartitaError(f"'{path}' cannot be read as JSON ({exc}); copy the model "
+                           "folder again.") from None
+    if not isinstance(data, dict):
+        raise PartitaError(f"'{path}' does not hold a JSON object; copy the model folder again.")
+    return data
+
+
+def rope_settings(data: dict[str, Any]) -> dict[str, Any]:
+    """RoPE theta and scaling, from either the current `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys."""
+    params = dict(data.get("rope_parameters") or {})
+    scaling = data.get("rope_scaling") or {}
+    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    source = params if params.get("rope_type", "default") != "default" else scaling
+    return {"theta": float(theta), "kind": kind, **source}
+
+
+def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
+    """The ModelConfig of the Hugging Face model in `folder`; PartitaError (naming the
+    file and the setting) for anything partita would compute differently."""
+    data = read_hf_config(folder)
+    path = config_path(folder)
+    archs = data.get("architectures") or []
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES or any(
+            a not in SUPPORTED_ARCHITECTURES for a in archs):
+        raise PartitaError(
+            f"'{path}' describes {', '.join(archs) or model_type!r} (model_type={model_type!r}); "
+            f"partita imports only {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)}). Convert the model, or train "
+            "a catalog model (model.name)."
+        )
+    need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads")
+    missing = [k for k in need if not isinstance(data.get(k), int)]
+    if missing:
+        raise PartitaError(f"'{path}' lacks integer {', '.join(missing)}; it is not a "
+                           "complete Llama config.")
+    problems = []
+    if data.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={data['hidden_act']!r} (partita's MLP is SwiGLU: 'silu')")
+    for key in ("attention_bias", "mlp_bias"):
+        if data.get(key):
+            problems.append(f"{key}=true (partita's Llama has no biases)")
+    heads, dim = data["num_attention_heads"], data["hidden_size"]
+    head_dim = data.get("head_dim")
+    if head_dim not in (None, dim // heads) or dim % heads:
+        problems.append(f"head_dim={head_dim} other than hidden_size / num_attention_heads")
+    rope = rope_settings(data)
+    if rope["kind"] not in ("default", "llama3"):
+        problems.append(f"RoPE scaling {rope['kind']!r} (supported: none, 'llama3')")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append("partial_rotary_factor other than 1")
+    if problems:
+        raise PartitaError(f"'{path}' uses " + "; ".join(problems) + ", which partita's "
+                           "transformer does not compute; it cannot be imported.")
+    scaling = {}
+    if rope["kind"] == "llama3":
+        scaling = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                       rope_low_freq_factor=float(rope["low_freq_factor"]),
+                       rope_high_freq_factor=float(rope["high_freq_factor"]),
+                       rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    try:
+        return ModelConfig(
+            vocab_size=data["vocab_size"], dim=dim, n_layers=data["num_hidden_layers"],
+            n_heads=heads, n_kv_heads=data.get("num_key_value_heads") or heads,
+            ffn_dim=data["intermediate_size"],
+            max_seq_len=int(data.get("max_position_embeddings", 2048)), flavour="llama",
+            tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            rope_theta=rope["theta"], norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+            init_std=float(data.get("initializer_range", 0.02)), seed=seed, **scaling)
+    except PartitaError as exc:
+        raise PartitaError(f"'{path}': {exc}") from None
+
+
+def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
+                         bos_token_id: int | None = None,
+                         eos_token_id: int | None = None) -> dict[str, Any]:
+    """The config.json of `cfg` as a transformers LlamaForCausalLM."""
+    if cfg.flavour != "llama":
+        raise PartitaError(
+            f"model.flavour='{cfg.flavour}' has no Hugging Face Llama equivalent; only "
+            "llama-flavoured models export to the 'hf' format."
+        )
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "llama3":
+        rope.update(rope_type="llama3", factor=cfg.rope_factor,
+                    low_freq_factor=cfg.rope_low_freq_factor,
+                    high_freq_factor=cfg.rope_high_freq_factor,
+                    original_max_position_embeddings=cfg.rope_original_max_len)
+    return {
+        "architectures": list(SUPPORTED_ARCHITECTURES), "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,
+        "rope_theta": cfg.rope_theta,  # read by tools that predate rope_parameters
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "initializer_range": cfg.init_std, "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id, "pad_token_id": None, "use_cache": True,
+        "dtype": dtype, "torch_dtype": dtype,
+    }

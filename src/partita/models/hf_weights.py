@@ -1,0 +1,220 @@
+"""Hugging Face Llama weights under partita's names: the name map, the rotary
+permutation, and a reader that serves any slice of any parameter from memory-mapped
+safetensors files.
+
+Two conventions differ. Names: `model.layers.3.self_attn.q_proj.weight` is partita's
+`blocks.3.attn.wq.weight` (see `hf_name`). Rotary pairs: partita rotates interleaved
+pairs (x[2i], x[2i+1]) of each head while transformers rotates halves (x[i],
+x[i + head_dim/2]), so the rows of every query and key head are permuted: partita's row
+2i+t of a head is Hugging Face's row i + t*head_dim/2. Without it the model runs almost
+right (loss equal to the third decimal) with logits visibly off.
+
+`HFWeights` has the methods of a plan's `ParamInit` (`flat_slice`, `slice`, `full`), so
+it replaces the random init in a model's plan: every rank then reads from the files only
+the rows (tensor parallelism), stages (pipeline) and flat ranges (ZeRO-3) it owns, via
+safetensors' `safe_open(...).get_slice`, never a whole file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from partita.errors import PartitaError
+from partita.models.model_config import ModelConfig
+
+_BLOCK = {
+    "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+    "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+    "mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
+}
+_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.weight")
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of partita parameter `name`."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLOCK_NAME.fullmatch(name)
+    if m is None or m.group(2) not in _BLOCK:
+        raise PartitaError(f"parameter '{name}' has no Hugging Face Llama equivalent.")
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.weight"
+
+
+def partita_names(cfg: ModelConfig) -> list[str]:
+    """Every parameter name of partita's llama transformer of `cfg`."""
+    names = ["tok_embeddings.weight"]
+    for i in range(cfg.n_layers):
+        names += [f"blocks.{i}.{part}.weight" for part in _BLOCK]
+    names.append("norm.weight")
+    if not cfg.tie_embeddings:
+        names.append("output.weight")
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, kv, f = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
+    block = {"attn.wq": (d, d), "attn.wk": (kv, d), "attn.wv": (kv, d), "attn.wo": (d, d),
+             "mlp.w_gate": (f, d), "mlp.w_up": (f, d), "mlp.w_down": (d, f),
+             "attn_norm": (d,), "mlp_norm": (d,)}
+    out = {"tok_embeddings.weight": (cfg.vocab_size, d), "norm.weight": (d,),
+           "output.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.n_layers):
+        out.update({f"blocks.{i}.{k}.weight": v for k, v in block.items()})
+    return {n: out[n] for n in partita_names(cfg)}
+
+
+def rotary_permuted(name: str) -> bool:
+    return name.endswith(("attn.wq.weight", "attn.wk.weight"))
+
+
+def to_partita_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Hugging Face (halves) row order of whole q/k heads -> partita's (interleaved)."""
+    rest = w.shape[1:]
+    return w.reshape(-1, 2, head_dim // 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """partita's (interleaved) row order of whole q/k heads -> Hugging Face's (halves)."""
+    rest = w.shape[1:]
+    return w.reshape(-1, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A full partita state dict as a transformers LlamaForCausalLM state dict."""
+    expected = expected_shapes(cfg)
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    if missing or extra:
+        raise PartitaError(
+            f"the weights do not match the model config: missing {missing[:3]}, unexpected "
+            f"{extra[:3]}; export the weights of the run whose config.toml sits beside them."
+        )
+    out = {}
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise PartitaError(f"'{name}' has shape {tuple(tensor.shape)} but the model "
+                               f"config gives {expected[name]}.")
+        t = to_hf_rows(tensor, cfg.head_dim) if rotary_permuted(name) else tensor
+        out[hf_name(name)] = t.contiguous()
+    return out
+
+
+class HFWeights:
+    """Slices of a Hugging Face Llama folder's weights under partita's names and layout.
+
+    Opening reads only the safetensors headers: every tensor the config implies must be
+    present with its shape (else PartitaError naming the file). Tensors are read lazily
+    per slice; file handles open on first use in each process (the object pickles as its
+    folder and config).
+    """
+
+    def __init__(self, folder: str | Path, cfg: ModelConfig) -> None:
+        self.folder, self.cfg = Path(folder), cfg
+        self.files = _weight_files(self.folder)
+        self._handles: dict[Path, object] = {}
+        self._check()
+
+    def close(self) -> None:
+        """Drop the file handles (and their mappings); later reads reopen them."""
+        self._handles.clear()
+
+    def __getstate__(self) -> dict:
+        return {"folder": self.folder, "cfg": self.cfg, "files": self.files, "_handles": {}}
+
+    def _open(self, path: Path):
+        if path not in self._handles:
+            from safetensors import safe_open
+
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except Exception as exc:  # safetensors' own error type, or OSError
+                raise PartitaError(f"the weights file '{path}' cannot be read ({exc}); it is "
+                                   "missing, truncated or corrupt. Copy the model folder "
+                                   "again.") from None
+        return self._handles[path]
+
+    def _check(self) -> None:
+        for name, shape in expected_shapes(self.cfg).items():
+            key = hf_name(name)
+            if key not in self.files:
+                raise PartitaError(
+                    f"'{self.folder}' has no tensor '{key}' (partita's '{name}'), which its "
+                    "config.json implies; the folder is incomplete or its config does not "
+                    "belong to these weights.")
+            got = tuple(self._open(self.files[key]).get_slice(key).get_shape())
+            if got != shape:
+                raise PartitaError(
+                    f"'{self.files[key]}' holds '{key}' of shape {got} but config.json "
+                    f"implies {shape}; the config does not belong to these weights.")
+
+    def _rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of parameter `name` in partita's row order (only those read)."""
+        key = hf_name(name)
+        part = self._open(self.files[key]).get_slice(key)
+        if not rotary_permuted(name):
+            return part[lo:hi]
+        # A partita row's source lies in the same head: read whole heads, permute, cut.
+        hd = self.cfg.head_dim
+        h_lo, h_hi = lo // hd * hd, -(-hi // hd) * hd
+        return to_partita_rows(part[h_lo:h_hi], hd)[lo - h_lo:hi - h_lo]
+
+    # The ParamInit interface (dtype: the values keep the file's precision; the caller casts).
+    def flat_slice(self, name: str, start: int, stop: int,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        shape = expected_shapes(self.cfg)[name]
+        row = math.prod(shape[1:])
+        lo, hi = start // row, -(-stop // row)
+        return self._rows(name, lo, hi).reshape(-1)[start - lo * row:stop - lo * row]
+
+    def slice(self, name: str, shape: tuple[int, ...], dim: int, start: int, stop: int,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if dim == 0:
+            return self._rows(name, start, stop)
+        key = hf_name(name)
+        part = self._open(self.files[key]).get_slice(key)
+        cols = part[:, start:stop]
+        return to_partita_rows(cols, self.cfg.head_dim) if rotary_permuted(name) else cols
+
+    def full(self, name: str, shape: tuple[int, ...],
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self._rows(name, 0, shape[0])
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it (index or a single file)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise PartitaError(f"'{index}' cannot be read ({exc}); copy the model folder "
+                               "again.") from None
+        files = {name: folder / file for name, file in weight_map.items()}
+        absent = sorted({str(p) for p in files.values() if not p.is_file()})
+        if absent:
+            raise PartitaError(
+                f"'{index}' names {len(absent)} shard file(s) that are missing, e.g. "
+                f"'{absent[0]}'; copy the whole model folder (every *.safetensors file).")
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise PartitaError(
+            f"'{folder}' has neither model.safetensors nor model.safetensors.index.json; "
+            "partita reads Hugging Face weights in the safetensors format only (convert "
+            "a pytorch_model.bin with transformers' save_pretrained(safe_serialization=True)).")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as exc:
+        raise PartitaError(f"the weights file '{single}' cannot be read ({exc}); it is "
+                           "truncated or corrupt. Copy the model folder again.") from None

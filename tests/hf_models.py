@@ -1,0 +1,82 @@
+"""Small random Hugging Face Llama folders for the import/export tests, and transformers
+patched to compute in float64 throughout.
+
+transformers computes its RMSNorm, rotary angles (from float32 inverse frequencies) and
+eager softmax in float32 even in a float64 model, which puts a floor of ~1e-7 under any
+comparison with it. `transformers_in_float64` replaces the norm's and the rotary
+embedding's forward with the same formulas in the input's dtype (the tests use the sdpa
+attention, which has no float32 step), so float64 logits can be compared at 1e-10. The
+formulas are transformers' own, rewritten without the casts; the rotary table uses the
+default (unscaled) frequencies, 1 / theta^(2i/d), so parity tests use unscaled RoPE and
+the Llama 3 scaling is checked against transformers' float32 frequencies separately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+transformers = __import__("pytest").importorskip("transformers")
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+
+def llama_config(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4,
+                 kv_heads: int = 2, ffn: int = 64, tied: bool = False, **extra):
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+        tie_word_embeddings=tied, rms_norm_eps=1e-5, attn_implementation="sdpa",
+        rope_theta=extra.pop("rope_theta", 1000.0), bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, **extra)
+
+
+def save_random_llama(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float64,
+                      max_shard_size: str = "20KB", **shape) -> Path:
+    """A random LlamaForCausalLM saved with save_pretrained (several shards)."""
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(llama_config(**shape)).to(dtype)
+    with torch.no_grad():  # norms away from 1 so a mixed-up norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    return folder
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+    dim = self.inv_freq.shape[0] * 2
+    theta = self.config.rope_parameters["rope_theta"]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq.to(x.device)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+@contextlib.contextmanager
+def transformers_in_float64():
+    """transformers' Llama norm and rotary embedding without their float32 casts."""
+    saved = (modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaRotaryEmbedding.forward)
+    modeling_llama.LlamaRMSNorm.forward = _norm_forward
+    modeling_llama.LlamaRotaryEmbedding.forward = _rotary_forward
+    try:
+        yield
+    finally:
+        modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaRotaryEmbedding.forward = saved
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor, float64: bool = True) -> torch.Tensor:
+    """transformers' logits for `tokens` from the model saved in `folder`."""
+    ctx = transformers_in_float64() if float64 else contextlib.nullcontext()
+    with ctx:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float64 if float64 else torch.float32,
+            attn_implementation="sdpa")
+        with torch.no_grad():
+            return model(tokens).logits

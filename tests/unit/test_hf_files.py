@@ -1,0 +1,161 @@
+"""Hugging Face Llama folders in and out, in one process: the config mapping, the Llama 3
+RoPE scaling, tied embeddings, transformers loading an export without missing or
+unexpected keys, and the bad inputs (each a clear error, nothing written damaged)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from partita.config import load_config
+from partita.errors import PartitaError
+from partita.export import export_hf
+from partita.layout import Layout
+from partita.mesh import Mesh
+from partita.models.hf_config import model_config_from_hf
+from partita.models.hf_weights import HFWeights, expected_shapes, hf_name, partita_names
+from partita.models.model_config import ModelConfig
+from partita.models.transformer import rope_frequencies
+from partita.parallelize import build_parallel_model
+from partita.testing import FLOAT64_TOL, assert_parity, relative_error, token_batch
+from partita.weights import full_state_dict
+
+hf_models = pytest.importorskip("tests.hf_models")
+transformers = hf_models.transformers
+
+TOKENS = token_batch(7, 2, 16, 64)
+
+
+def one_process(folder, *extra: str):
+    cfg = load_config(None, [f"--model.init_from={folder}", "--train.dtype=float64",
+                             "--data.seq_len=16", "--train.global_batch=2", *extra])
+    return build_parallel_model(cfg, Mesh(Layout(), 0, 1), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_gives_transformers_logits_and_export_loads_cleanly(tmp_path, tied):
+    folder = hf_models.save_random_llama(tmp_path / "llama", tied=tied)
+    pm = one_process(folder)
+    logits = pm.module(TOKENS)
+    want = hf_models.hf_logits(folder, TOKENS)
+    assert_parity({"logits": logits}, {"logits": want}, FLOAT64_TOL, f"tied={tied}")
+    out = export_hf(full_state_dict(pm), pm.model_cfg, tmp_path / "out")
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    assert model.config.tie_word_embeddings == tied
+    assert_parity({"logits": hf_models.hf_logits(out, TOKENS)}, {"logits": want},
+                  FLOAT64_TOL, "exported")
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    folder = hf_models.save_random_llama(tmp_path / "llama", dim=64, heads=2, kv_heads=1,
+                                         rope_theta=500000.0, rope_scaling=scaling)
+    cfg = model_config_from_hf(folder)
+    assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_original_max_len) == ("llama3", 8.0, 32)
+    hf_config = transformers.AutoConfig.from_pretrained(folder)
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+    ours = rope_frequencies(cfg)
+    # transformers computes them in float32; the scaling moves some by a factor of 8.
+    assert relative_error(ours, rotary.inv_freq.double()) < 1e-6
+    unscaled = rope_frequencies(model_config_from_hf(
+        hf_models.save_random_llama(tmp_path / "plain", dim=64, heads=2, kv_heads=1,
+                                    rope_theta=500000.0)))
+    assert relative_error(ours, unscaled) > 0.1
+    # The whole model against transformers' own (float32 rotary table: its floor).
+    logits = one_process(folder).module(TOKENS)
+    want = hf_models.hf_logits(folder, TOKENS, float64=False).double()
+    assert relative_error(logits, want) < 1e-5
+    # And exported back, the scaling survives.
+    zeros = {n: torch.zeros(s) for n, s in expected_shapes(cfg).items()}
+    out = export_hf(zeros, cfg, tmp_path / "o")
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "llama3"
+
+
+def test_names_map_one_to_one():
+    cfg = ModelConfig(n_layers=2)
+    names = [hf_name(n) for n in partita_names(cfg)]
+    assert len(set(names)) == len(names)
+    assert "model.layers.1.self_attn.q_proj.weight" in names and "lm_head.weight" in names
+
+
+# Bad input ---------------------------------------------------------------------------
+
+def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PartitaError, match="MistralForCausalLM.*LlamaForCausalLM"):
+        model_config_from_hf(folder)
+
+
+def test_unsupported_settings_are_named(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attention_bias": True,
+                                                    "hidden_act": "gelu"}))
+    with pytest.raises(PartitaError, match="hidden_act='gelu'.*attention_bias"):
+        model_config_from_hf(folder)
+
+
+def test_missing_shard_file_is_named(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    victim = sorted(folder.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(PartitaError, match=victim.name):
+        HFWeights(folder, model_config_from_hf(folder))
+
+
+def test_shape_that_disagrees_with_the_config_is_named(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(PartitaError, match=r"mlp.*\(64, 32\).*\(96, 32\)"):
+        HFWeights(folder, model_config_from_hf(folder))
+
+
+def test_missing_config_and_shape_overrides_are_refused(tmp_path):
+    with pytest.raises(PartitaError, match="no config.json"):
+        load_config(None, [f"--model.init_from={tmp_path}"]).model_config()
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    with pytest.raises(PartitaError, match="model.dim cannot be set with model.init_from"):
+        load_config(None, [f"--model.init_from={folder}", "--model.dim=64"]).model_config()
+
+
+def test_export_refuses_a_non_empty_folder_and_leaves_it_alone(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "llama")
+    pm = one_process(folder)
+    state = full_state_dict(pm)
+    target = tmp_path / "taken"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(PartitaError, match="not empty"):
+        export_hf(state, pm.model_cfg, target)
+    assert [p.name for p in target.iterdir()] == ["keep.txt"]
+    bad = {**state, "tok_embeddings.weight": state["tok_embeddings.weight"][:5]}
+    with pytest.raises(PartitaError, match="tok_embeddings.weight"):
+        export_hf(bad, pm.model_cfg, tmp_path / "new")
+    assert not (tmp_path / "new").exists() and not (tmp_path / "new.partial").exists()
+    shutil.rmtree(target)
+
+
+def test_rope_and_norm_settings_reach_the_model():
+    cfg = load_config(None, ["--model.rope_theta=500000", "--model.norm_eps=1e-6",
+                             "--model.rope_scaling=llama3", "--model.rope_factor=4"]
+                      ).model_config()
+    assert (cfg.rope_theta, cfg.norm_eps, cfg.rope_scaling, cfg.rope_factor) == (
+        500000.0, 1e-6, "llama3", 4.0)
+    plain = dataclasses.replace(cfg, rope_scaling="")
+    assert not torch.equal(rope_frequencies(cfg), rope_frequencies(plain))
+    # High frequencies are kept, the lowest divided by the factor.
+    assert rope_frequencies(cfg)[0] == rope_frequencies(plain)[0]
+    assert rope_frequencies(cfg)[-1] == pytest.approx(rope_frequencies(plain)[-1] / 4)
+    with pytest.raises(PartitaError, match="rope_scaling"):
+        load_config(None, ["--model.rope_scaling=yarn"])
