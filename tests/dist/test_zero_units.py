@@ -62,25 +62,6 @@ def test_bad_zero_config(bad: dict) -> None:
         ZeroConfig(**bad)
 
 
-def test_state_dict_round_trip_and_layout_mismatch() -> None:
-    prec = MixedPrecision(param_dtype=torch.float64)
-    dp = DataParallel(zp.make_model({}, torch.float64), _mesh(), zero=ZeroConfig(stage=1),
-                      precision=prec)
-    tokens = zp.batch(0)
-    dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
-    dp.step()
-    state = dp.state_dict()
-    other = DataParallel(zp.make_model({}, torch.float64), _mesh(),
-                         zero=ZeroConfig(stage=1), precision=prec)
-    other.load_state_dict(state)
-    for a, b in zip(dp.module.parameters(), other.module.parameters()):
-        assert torch.equal(a, b)
-    small = DataParallel(zp.make_model({}, torch.float64), _mesh(),
-                         zero=ZeroConfig(stage=1, bucket_mb=0.01), precision=prec)
-    with pytest.raises(PartitaError, match="same layout"):
-        small.load_state_dict(state)
-
-
 def test_second_backward_without_grad_sync_is_an_error_not_a_wrong_gradient() -> None:
     dp = DataParallel(zp.make_model({}, torch.float64), _mesh(),
                       precision=MixedPrecision(param_dtype=torch.float64))

@@ -372,42 +372,6 @@ class DataParallel:
             for buf in self.buckets:
                 self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
 
-    def state_dict(self) -> dict:
-        """Owned optimizer, master and parameter slices, with their layout metadata."""
-        self.wait_params()
-        return {
-            "stage": int(self.stage), "world": self.comm.size, "index": self.comm.index,
-            "step": self.step_count, "scaler": self.scaler.state_dict(),
-            "buckets": [
-                {"layout": buf.metadata(), "param": self._owned_param(buf).clone(),
-                 "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
-                for buf, s in zip(self.buckets, self.slots)
-            ],
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        self.wait_params()
-        mine = [b.metadata() for b in self.buckets]
-        if (state["stage"], state["world"]) != (int(self.stage), self.comm.size) or \
-                [b["layout"] for b in state["buckets"]] != mine:
-            raise PartitaError(
-                f"this optimizer state was saved with ZeRO stage {state['stage']} on "
-                f"{state['world']} data-parallel ranks and a different bucket layout; it "
-                f"loads only into the same layout (here stage {int(self.stage)}, "
-                f"{self.comm.size} ranks). Keep stage, bucket size and world size, or "
-                "resume from a full checkpoint, which reshards on load."
-            )
-        for buf, slot, saved in zip(self.buckets, self.slots, state["buckets"]):
-            self._owned_param(buf).copy_(saved["param"])
-            for name in ("master", "exp_avg", "exp_avg_sq"):
-                if getattr(slot, name) is not None:
-                    getattr(slot, name).copy_(saved[name])
-            if self.stage.gathers_parameters_after_step:
-                self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
-        self.step_count = state["step"]
-        self.scaler.load_state_dict(state["scaler"])
-
 
 def _check_nothing_left_on_meta(module: nn.Module) -> None:
     left = [n for n, p in module.named_parameters() if p.is_meta]

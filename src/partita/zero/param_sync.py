@@ -4,7 +4,7 @@ After the optimizer step each bucket's all-gather is launched in forward order (
 reverse of the gradient-bucket order) and not waited for. A forward pre-hook on every
 module that owns parameters waits for the gathers of its own buckets only, so the first
 layers compute while the last layers' parameters are still arriving. Anything else that
-reads parameters (the next optimizer step, gathered_parameters, state_dict) calls
+reads parameters (the next optimizer step, gathered_parameters, owned_slices) calls
 `wait_all()` first.
 
 Limitation, stated: a parameter must first be used in the forward of the module that
