@@ -238,7 +238,8 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     grads_at, clip = set(grads_at), cfg.train.grad_clip or None
     first = 0
     if resume_from:
-        first = load_checkpoint(pm, resolve(Path(resume_from)), cfg.data.seed).step
+        loaded = load_checkpoint(pm, resolve(Path(resume_from)), cfg.data.seed)
+        first, out["bytes_read"] = loaded.step, loaded.bytes_read
     for step in range(first, steps):
         tokens = mine(_step_batch(cfg, step))
         local = pm.runner.train(tokens[:, :-1], tokens[:, 1:], cfg.train.microbatches)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.checkpoint import load_checkpoint, resolve
+from partita.checkpoint import CheckpointMismatch, load_checkpoint, read_manifest, resolve
+from partita.checkpoint.manifest import write_manifest
 from partita.checkpoint.export import full_tensors
 from partita.mesh import Mesh
 from partita.parallelize import build_parallel_model, dims_from_config
@@ -136,6 +137,36 @@ def test_a_checkpoint_loads_into_another_layout(runs, pair):
     for rank, got in enumerate(runs[pair]):
         actual, expected = compare_to_reference(got, ref)
         assert_parity(actual, expected, FLOAT64_TOL, f"{pair} rank {rank}")
+    # Each rank read its share of the checkpoint, not all of it (ZeRO-0 ranks, which
+    # hold everything, read everything).
+    if pair in ("world 4->2 (zero1)", "zero0->3"):
+        total = sum(_saved_bytes(runs["root"] / RESHARD[pair][0]).values())
+        for rank, got in enumerate(runs[pair]):
+            assert 0 < got["bytes_read"] < 0.6 * total, (pair, rank, got["bytes_read"], total)
+
+
+def _saved_bytes(root: Path) -> dict[str, int]:
+    """Bytes of parameter state (not random streams) per rank file of a checkpoint."""
+    manifest = read_manifest(resolve(root))
+    out = {}
+    for f in manifest["files"]:
+        out[f["name"]] = sum(t["numel"] * (8 if t["dtype"] == "float64" else 4)
+                             for t in f["tensors"] if not t["key"].startswith("rng/"))
+    return out
+
+
+def test_another_optimizers_checkpoint_is_refused(runs, tmp_path):
+    import shutil
+
+    copy = tmp_path / "sgd"
+    shutil.copytree(resolve(runs["root"] / "zero3"), copy)
+    manifest = read_manifest(copy)
+    manifest["optimizer"]["name"] = "sgd"
+    write_manifest(copy, manifest)
+    cfg = parity_config(parallel=dict(zero_stage=3))
+    pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, 1), 0, 1), torch.device("cpu"))
+    with pytest.raises(CheckpointMismatch, match="optimizer 'sgd'"):
+        load_checkpoint(pm, copy)
 
 
 def test_precision_changes_on_load(runs):
