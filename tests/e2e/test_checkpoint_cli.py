@@ -71,6 +71,8 @@ def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
     assert result.returncode == CHECKPOINT_STOP_EXIT, result.stderr[-2000:]
     assert "stopped after step 3" in result.stderr and "--train.resume=auto" in result.stderr
     assert not (run_dir / "model.safetensors").exists()
+    hf = cli("export", str(run_dir), "--format", "hf", "--out", str(run_dir / "hf"))
+    assert hf.returncode == 0 and (run_dir / "hf" / "config.json").exists(), hf.stderr
     # a fresh run may not take over the folder of a run that can continue
     again = cli.train(run_dir, "--nproc", "2", *F64)
     assert again.returncode == 2 and "--train.resume=auto" in again.stderr
