@@ -102,6 +102,10 @@ class ParallelSection:
     # A pipeline rank that waits longer than this for a peer's tensor stops with a message
     # naming the stage, action and microbatch, instead of hanging forever.
     pp_timeout_s: float = 300.0
+    # Activation recomputation: none, selective (the attention core) or full (whole
+    # blocks); recompute_layers = K recomputes only the first K blocks of each stage.
+    recompute: str = "none"
+    recompute_layers: int = 0
 
 
 @dataclass
@@ -172,7 +176,8 @@ class Config:
         return Layout(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero_stage=p.zero_stage,
                       schedule=schedule, virtual_stages=virtual,
                       microbatch_size=local // t.microbatches,
-                      sequence_parallel=p.sequence_parallel)
+                      sequence_parallel=p.sequence_parallel,
+                      recompute=p.recompute, recompute_layers=p.recompute_layers)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,6 +212,9 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
                 f"--parallel.virtual_stages={layout.virtual_stages}"]
     out += [f"--parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
             f"--train.global_batch={global_batch}", f"--train.microbatches={m}"]
+    if layout.recompute != "none":
+        out += [f"--parallel.recompute={layout.recompute}",
+                f"--parallel.recompute_layers={layout.recompute_layers}"]
     return out
 
 

@@ -14,11 +14,15 @@ function from one explicit object to the next:
 3. `shard_tensor_parallel`: PipelineCut -> `ShardedModel`, planned modules swapped for
    their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
    and the loss that matches the (possibly vocabulary-sharded) logits;
-4. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
+4. `recompute`: the blocks (or attention cores) the layout's recompute policy names
+   rerun their forward in backward (`partita.memory.recompute`); after tensor
+   parallelism, so the rerun is the sharded forward, and before the engine, whose
+   hooks stay around the blocks;
+5. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
    gradients and steps the optimizer; it materialises each parameter from its global
    name with the plan's init rule, drawing only the local slice (for ZeRO-3 only its
    flat 1/N of that slice);
-5. `make_runner`: the `StepRunner` that runs a step's microbatches (a pipeline schedule
+6. `make_runner`: the `StepRunner` that runs a step's microbatches (a pipeline schedule
    or microbatches in turn).
 """
 
@@ -36,6 +40,7 @@ from partita.config import Config
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
+from partita.memory import RecomputePolicy, RecomputeReport, apply_recompute
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
@@ -197,10 +202,15 @@ def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_paralle
     return ShardedModel(staged.module, staged.plan, staged.pipeline, loss_fn, report)
 
 
+def recompute(sharded: ShardedModel, policy: RecomputePolicy) -> RecomputeReport:
+    """Step 3: activation recomputation of this rank's blocks, as `policy` says."""
+    return apply_recompute(sharded.module, sharded.plan, policy)
+
+
 def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
                        precision: MixedPrecision, optim: AdamWConfig,
                        device: torch.device) -> DataParallel:
-    """Step 3: the data-parallel / ZeRO engine, which materialises the meta parameters.
+    """Step 4: the data-parallel / ZeRO engine, which materialises the meta parameters.
 
     Values come from the plan's init rule by global name: the whole local tensor for
     ZeRO 0-2, only the owned flat slice for ZeRO-3, drawn in float32 exactly as a
@@ -226,7 +236,7 @@ def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
 
 def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
                 device: torch.device) -> StepRunner:
-    """Step 4: how a step's microbatches run on this rank."""
+    """Step 5: how a step's microbatches run on this rank."""
     if sharded.pipeline is not None:
         return sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
     return MicrobatchRunner(dp, sharded.loss_fn, device)
@@ -259,6 +269,7 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
+    recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
     dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device)
     runner = make_runner(sharded, dp, mesh, device)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,

@@ -43,6 +43,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
               "partita.saved_tensors")),
     ("optim", ("partita.optim",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline")),
+    ("memory", ("partita.memory",)),
     ("parallelize", ("partita.parallelize",)),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.metrics", "partita.run_dir")),

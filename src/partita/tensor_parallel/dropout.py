@@ -60,5 +60,9 @@ class ParallelDropout(nn.Module):
                                               generator=self.rng.generator(self.kind, x.device))
         return x * keep / (1.0 - self.p)
 
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator this dropout draws from on `device` (recomputation restores it)."""
+        return self.rng.generator(self.kind, device)
+
     def extra_repr(self) -> str:
         return f"p={self.p}, masks {self.kind} over tp"
