@@ -34,7 +34,7 @@ def register(subparsers) -> None:
                    help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
                         'microbatch_size=1"')
     p.add_argument("--all-options", action="store_true",
-                   help="also search context and expert parallelism, recomputation and "
+                   help="also search context and expert parallelism and "
                         "offload, which are modelled but not available yet in partita "
                         "train (shown as rejected, never ranked)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
