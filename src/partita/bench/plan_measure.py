@@ -61,6 +61,8 @@ class Case:
     schedule: str = "1f1b"  # 1f1b, gpipe, zb-h1, interleaved-1f1b
     vpp: int = 1  # virtual stages per rank (interleaved)
     shape: Shape = Shape()
+    recompute: str = "none"  # activation recomputation: none, selective, full
+    recompute_layers: int = 0  # recompute only the first K blocks of each stage
 
     @property
     def world(self) -> int:
@@ -70,7 +72,8 @@ class Case:
     def layout(self) -> Layout:
         return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero,
                       microbatch_size=self.mb, sequence_parallel=self.sp,
-                      schedule=self.schedule, virtual_stages=self.vpp)
+                      schedule=self.schedule, virtual_stages=self.vpp,
+                      recompute=self.recompute, recompute_layers=self.recompute_layers)
 
     @property
     def precision(self) -> Precision:
@@ -84,6 +87,9 @@ class Case:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
         kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
+        if self.recompute != "none":
+            kind += f" rc-{self.recompute}" + (f"{self.recompute_layers}"
+                                               if self.recompute_layers else "")
         return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
 
 
@@ -105,6 +111,8 @@ def run_config(case: Case):
     cfg.parallel.virtual_stages = case.vpp
     cfg.parallel.zero_stage = case.zero
     cfg.parallel.sequence_parallel = case.sp
+    cfg.parallel.recompute = case.recompute
+    cfg.parallel.recompute_layers = case.recompute_layers
     return cfg
 
 

@@ -18,6 +18,8 @@ from partita.layout import Layout
 from partita.planner.activation_memory import (
     inflight_chunks,
     layer_activation_bytes,
+    recompute_transient_bytes,
+    recomputed_layers,
     layer_activation_terms,
     layer_input_bytes,
     norm_bytes,
@@ -164,7 +166,12 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     ZB-H1 is walked action by action (`zero_bubble_peak`): a microbatch waiting for its
     deferred W holds only what W reads."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
-    per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
+    plain = layout.with_(recompute="none", recompute_layers=0)
+    k = recomputed_layers(layout, layers)
+    per_none = layer_activation_bytes(model, plain, seq_len, precision, assumptions)
+    # The first k layers keep what recompute keeps, the rest everything.
+    stage_bytes = (k * layer_activation_bytes(model, layout, seq_len, precision, assumptions)
+                   + (layers - k) * per_none)
     tokens = microbatch_tokens(layout, seq_len)
     ids = assumptions.token_id_bytes / 2 * tokens
     first, last = stage == 0, stage == layout.pp - 1
@@ -173,26 +180,59 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     loss_side = (logits_bytes(model, layout, seq_len, assumptions)
                  + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids
                  + assumptions.loss_token_bytes * tokens)
+    whole = stage_bytes + (ids if first else 0.0) + (loss_side if last else 0.0)
+    rerun = recompute_transient_bytes(model, layout, seq_len, precision, assumptions) if k else 0.0
     if layout.schedule == "zb-h1" and layout.pp > 1:
-        whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
                                                assumptions, layers, first, last)
         total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
+        if rerun:  # I keeps the microbatch's graph whole while a layer reruns
+            total = max(total, _zero_bubble_after_forward(layout.pp, num_microbatches,
+                                                          stage, whole, deferred) + rerun)
         if last:  # the step's sum of head weight gradients, formed right after each I
             total += precision.grad * head_weight_elements(model, layout)
-    else:
-        chunks = inflight_chunks(layout, stage, num_microbatches)
-        total = per_layer * layers * chunks / layout.virtual_stages
-        if first:
-            total += ids * chunks / layout.virtual_stages  # token ids of the embedding lookup
-        if last:
-            # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
-            total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
-    if layout.recompute == "full":
-        # Backward re-runs one layer's forward and holds its full activations meanwhile.
-        total += sum(layer_activation_terms(model, layout, seq_len, precision,
-                                            assumptions).values())
+        return total
+    chunks = inflight_chunks(layout, stage, num_microbatches)
+    total = stage_bytes * chunks / layout.virtual_stages
+    if first:
+        total += ids * chunks / layout.virtual_stages  # token ids of the embedding lookup
+    if last:
+        # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
+        total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
+    if rerun:
+        # A whole backward (B) reaches the last rerun layer after the loss and the later
+        # layers have released what they saved; then the rerun adds its working set.
+        at_b = (total - (loss_side if last else 0.0)
+                - (layers - k) * per_none / layout.virtual_stages
+                - _released_before_rerun(model, layout, seq_len, precision, assumptions)
+                + rerun)
+        # Every stage but the first runs its last backward split (I then W, see
+        # pipeline.schedules): I keeps that microbatch's graph whole while it reruns.
+        at_split = whole + rerun if layout.pp > 1 and stage > 0 else 0.0
+        total = max(total, at_b, at_split)
     return total
+
+
+def _released_before_rerun(model: PlanModel, layout: Layout, seq_len: int,
+                           precision: Precision, assumptions: Assumptions) -> float:
+    """Selective recompute reruns the attention core halfway through its layer's
+    backward: the MLP's tensors, the output projection's input and the second norm's
+    have been released by then. (Full recompute reruns first: nothing released.)"""
+    if layout.recompute != "selective":
+        return 0.0
+    t = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+    return (t["mlp_hidden"] + t["mlp_input"] + t["attention_output"] + t["norm_inputs"] / 2
+            + t["dropout_masks"])
+
+
+def _zero_bubble_after_forward(pp: int, num_microbatches: int, stage: int, whole: float,
+                               deferred: float) -> float:
+    """What a ZB-H1 stage holds after its fullest forward (see `zero_bubble_peak`)."""
+    m, r = num_microbatches, stage
+    w = min(pp - r - 1, m)
+    if m <= w:
+        return m * whole
+    return (w + 1) * whole + min(m - 1 - w, r) * deferred
 
 
 def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -207,8 +247,11 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     e, tokens = precision.activation, microbatch_tokens(layout, seq_len)
     h, sp_div = model.config.dim, layout.tp if layout.sequence_parallel else 1
     ids = assumptions.token_id_bytes / 2 * tokens
-    per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
-    total = per_layer * layers
+    k = recomputed_layers(layout, layers)
+    plain = layout.with_(recompute="none", recompute_layers=0)
+    total = (k * sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
+             + (layers - k) * sum(weight_pass_terms(model, plain, seq_len, precision,
+                                                    assumptions).values()))
     if first:
         total += ids + e * tokens * h / sp_div
     if last:
