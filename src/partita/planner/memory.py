@@ -18,12 +18,12 @@ from partita.layout import Layout
 from partita.planner.activation_memory import (
     inflight_chunks,
     layer_activation_bytes,
-    recompute_transient_bytes,
-    recomputed_layers,
     layer_activation_terms,
     layer_input_bytes,
     norm_bytes,
     norm_weight_pass_bytes,
+    recompute_transient_bytes,
+    recomputed_layers,
     weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
