@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from partita.layout import Layout
-from partita.planner.activation_memory import layer_input_bytes
+from partita.planner.activation_memory import layer_input_bytes, recomputed_layers
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
@@ -117,8 +117,15 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     split = t * cp
     fwd_layer = layer_forward_flops(model, seq_len, layout.microbatch_size) / split
     attn_fwd = 4 * c.dim * seq_len * layout.microbatch_size * seq_len / split
-    passes = {"none": 3.0, "selective": 3.0, "full": 4.0}[layout.recompute]
-    layer_s = (passes * fwd_layer + (attn_fwd if layout.recompute == "selective" else 0)) / rate
+    # The share of layers that rerun (recompute_layers = K of a stage's layers). Full
+    # reruns a layer's forward once more (4 passes for 3); a zero-bubble split reruns it
+    # in I and again in W (partita.memory.recompute), so 5. Selective reruns attention.
+    per_stage = max(1, c.n_layers // pp)
+    share = recomputed_layers(layout, per_stage) / per_stage
+    reruns = 2.0 if layout.schedule == "zb-h1" and pp > 1 else 1.0
+    passes = 3.0 + (share * reruns if layout.recompute == "full" else 0.0)
+    rerun_attn = share * reruns * attn_fwd if layout.recompute == "selective" else 0.0
+    layer_s = (passes * fwd_layer + rerun_attn) / rate
     head_s = 3 * head_forward_flops(model, seq_len, layout.microbatch_size) / split / rate
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
@@ -129,7 +136,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # Tensor parallel: 2 collectives forward, 2 backward (+2 when recomputing forward),
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
     act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
-    tp_colls = 4 + (2 if layout.recompute == "full" else 0)
+    tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
