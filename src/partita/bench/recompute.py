@@ -30,8 +30,8 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from partita.bench.paired import estimate_times, paired_rounds
 
@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         held = [_held(m, tokens) for m in (plain, ours, peer)]
         for m in (ours, peer):  # warm-up
             _step(m, tokens)
-        times = paired_rounds(lambda k: _step((ours, peer)[k], tokens), args.rounds,
+        sides = (ours, peer)
+        times = paired_rounds(lambda k, sides=sides: _step(sides[k], tokens), args.rounds,
                               args.max_rounds, threshold=1.0)
         est = estimate_times(times)
         worst = max(worst, est.median)
