@@ -106,6 +106,9 @@ class ParallelSection:
     # blocks); recompute_layers = K recomputes only the first K blocks of each stage.
     recompute: str = "none"
     recompute_layers: int = 0
+    # What lives in host memory: none, optimizer (master weights and Adam moments, the
+    # update on the CPU) or optimizer+params (ZeRO-3 parameter shards too).
+    offload: str = "none"
 
 
 @dataclass
@@ -177,7 +180,8 @@ class Config:
                       schedule=schedule, virtual_stages=virtual,
                       microbatch_size=local // t.microbatches,
                       sequence_parallel=p.sequence_parallel,
-                      recompute=p.recompute, recompute_layers=p.recompute_layers)
+                      recompute=p.recompute, recompute_layers=p.recompute_layers,
+                      offload=p.offload)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -215,6 +219,8 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
     if layout.recompute != "none":
         out += [f"--parallel.recompute={layout.recompute}",
                 f"--parallel.recompute_layers={layout.recompute_layers}"]
+    if layout.offload != "none":
+        out.append(f"--parallel.offload={layout.offload}")
     return out
 
 

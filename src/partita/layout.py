@@ -30,7 +30,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
                     "zbh1": "zb-h1"}
 RECOMPUTE = ("none", "selective", "full")
-OFFLOAD = ("none", "optimizer")
+OFFLOAD = ("none", "optimizer", "optimizer+params")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 
 # Kinds of problem, so that callers can sort them (the planner counts rejections by kind).
@@ -380,10 +380,6 @@ def _unavailable(lay: Layout) -> list[Problem]:
         if getattr(lay, name) > 1:
             out.append(Problem(UNAVAILABLE, f"{what} (parallel.{name}={getattr(lay, name)}) "
                                             f"is not available yet; set parallel.{name}=1."))
-    for name, what in (("offload", "offload"),):
-        if getattr(lay, name) != "none":
-            out.append(Problem(UNAVAILABLE, f"{what} ({name}={getattr(lay, name)}) is not "
-                                            f"available yet; use {name}=none."))
     return out
 
 
@@ -397,6 +393,11 @@ def _recompute(lay: Layout, model: ModelConfig) -> list[Problem]:
                                        "with recompute=none recomputes nothing; set "
                                        "parallel.recompute to full or selective, or "
                                        "recompute_layers=0."))
+    if lay.offload == "optimizer+params" and lay.zero_stage != 3:
+        out.append(Problem(CONSTRAINT, f"offload=optimizer+params keeps ZeRO-3's parameter "
+                                       f"shards in host memory, but zero_stage="
+                                       f"{lay.zero_stage} has none; use zero_stage=3, or "
+                                       "offload=optimizer."))
     per_stage = -(-model.n_layers // lay.pp)
     if lay.recompute_layers > per_stage:
         out.append(Problem(CONSTRAINT, f"parallel.recompute_layers={lay.recompute_layers} is "

@@ -40,7 +40,7 @@ from partita.config import Config
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
-from partita.memory import RecomputePolicy, RecomputeReport, apply_recompute
+from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
@@ -209,7 +209,8 @@ def recompute(sharded: ShardedModel, policy: RecomputePolicy) -> RecomputeReport
 
 def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
                        precision: MixedPrecision, optim: AdamWConfig,
-                       device: torch.device) -> DataParallel:
+                       device: torch.device,
+                       offload: OffloadPolicy | None = None) -> DataParallel:
     """Step 4: the data-parallel / ZeRO engine, which materialises the meta parameters.
 
     Values come from the plan's init rule by global name: the whole local tensor for
@@ -231,7 +232,7 @@ def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
     init_fn = model_init_fn(plan.init) if on_meta else None
     return DataParallel(model, mesh, zero=zero, precision=precision, optim=optim,
                         blocks=plan.block_names(model), init_fn=init_fn, device=device,
-                        bucket_key=bucket_key)
+                        bucket_key=bucket_key, offload=offload)
 
 
 def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
@@ -270,7 +271,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
     recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
-    dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device)
+    dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
+                            OffloadPolicy(layout.offload))
     runner = make_runner(sharded, dp, mesh, device)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
                          device=device, runner=runner, plan=plan)

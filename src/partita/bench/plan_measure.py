@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from partita.planner import Assumptions, Layout, PlanModel, Precision
 from partita.planner.hardware import Cluster, GPUSpec
-from partita.planner.memory import activation_bytes, model_state_bytes
+from partita.planner.memory import activation_bytes, host_state_bytes, model_state_bytes
 from partita.planner.timing import step_time
 
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
@@ -63,6 +63,7 @@ class Case:
     shape: Shape = Shape()
     recompute: str = "none"  # activation recomputation: none, selective, full
     recompute_layers: int = 0  # recompute only the first K blocks of each stage
+    offload: str = "none"  # model states in host memory: none, optimizer, optimizer+params
 
     @property
     def world(self) -> int:
@@ -73,7 +74,8 @@ class Case:
         return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero,
                       microbatch_size=self.mb, sequence_parallel=self.sp,
                       schedule=self.schedule, virtual_stages=self.vpp,
-                      recompute=self.recompute, recompute_layers=self.recompute_layers)
+                      recompute=self.recompute, recompute_layers=self.recompute_layers,
+                      offload=self.offload)
 
     @property
     def precision(self) -> Precision:
@@ -87,6 +89,8 @@ class Case:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
         kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
+        if self.offload != "none":
+            kind += f" off-{self.offload}"
         if self.recompute != "none":
             kind += f" rc-{self.recompute}" + (f"{self.recompute_layers}"
                                                if self.recompute_layers else "")
@@ -113,6 +117,7 @@ def run_config(case: Case):
     cfg.parallel.sequence_parallel = case.sp
     cfg.parallel.recompute = case.recompute
     cfg.parallel.recompute_layers = case.recompute_layers
+    cfg.parallel.offload = case.offload
     return cfg
 
 
@@ -129,6 +134,7 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    out["host_model_states"] = host_state_bytes(model, layout, prec, stage, a)
     out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
@@ -200,6 +206,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     _finish_step(dp)
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    out["host_model_states"] = dp.memory_ledger()["host_model_states"]
     out["activations"] = meter.peak_bytes
     out["stage"] = mesh.coord.pp
     out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})

@@ -40,7 +40,6 @@ from torch.autograd.graph import get_gradient_edge
 
 from partita.errors import PartitaError
 from partita.models import plan as roles
-from partita.tensor_parallel.dropout import ParallelDropout
 
 MODES = ("none", "selective", "full")
 
@@ -74,8 +73,10 @@ class _RNGState:
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.device = device
+        # A module that draws from a generator of its own (tensor parallelism's
+        # ParallelDropout) names it through `generator(device)`.
         self.generators = [m.generator(device) for m in module.modules()
-                           if isinstance(m, ParallelDropout)]
+                           if callable(getattr(m, "generator", None))]
         self.states = self.read()
 
     def read(self) -> list[torch.Tensor]:

@@ -71,8 +71,9 @@ def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
     (7.5e9 parameters on 64 GPUs, mixed precision: 120 / 31.4 / 16.6 / 1.88 GB.)"""
     z, g = zero_stage, shard_degree
     on_gpu = offload == "none"
+    params_on_gpu = offload != "optimizer+params"  # ZeRO-3 shards at rest on the host
     return {
-        "parameters": precision.param * num_params / (g if z >= 3 else 1),
+        "parameters": params_on_gpu * precision.param * num_params / (g if z >= 3 else 1),
         "gradients": precision.grad * num_params / (g if z >= 2 else 1),
         "master_weights": on_gpu * precision.master * num_params / (g if z >= 1 else 1),
         "optimizer_states": on_gpu * precision.optimizer * num_params / (g if z >= 1 else 1),
@@ -147,13 +148,21 @@ def blocks_per_unit(block_bytes: float, layers: int, assumptions: Assumptions) -
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                     stage: int = 0) -> float:
-    """CPU memory one GPU's offloaded master weights and optimizer states take."""
+                     stage: int = 0,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """CPU memory one GPU's offloaded states take: per element of its owned slice, the
+    master copy (one is kept even for fp32 parameters: the update runs on the host),
+    both moments, a staging copy of the gradient and, under "optimizer+params", the
+    parameter shard (partita.memory.offload). Padded like `model_state_bytes`."""
     if layout.offload == "none":
         return 0.0
-    counts = stage_param_counts(model, layout, stage)
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    if assumptions.flat_buffer_align:
+        counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
-    per = precision.master + precision.optimizer
+    per = (precision.master or precision.param) + precision.optimizer + precision.grad
+    if layout.offload == "optimizer+params":
+        per += precision.param
     return sum(per * n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
 
 
