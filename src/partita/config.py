@@ -107,8 +107,12 @@ class ParallelSection:
     recompute: str = "none"
     recompute_layers: int = 0
     # What lives in host memory: none, optimizer (master weights and Adam moments, the
-    # update on the CPU) or optimizer+params (ZeRO-3 parameter shards too).
+    # update on the CPU) or optimizer+params (ZeRO-3 parameter shards too);
+    # optimizer+disk keeps master weights and moments in files under offload_dir,
+    # streamed through host buffers of at most host_memory_budget_gb.
     offload: str = "none"
+    offload_dir: str = ""
+    host_memory_budget_gb: float = 1.0
 
 
 @dataclass

@@ -30,7 +30,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
                     "zbh1": "zb-h1"}
 RECOMPUTE = ("none", "selective", "full")
-OFFLOAD = ("none", "optimizer", "optimizer+params")
+OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 
 # Kinds of problem, so that callers can sort them (the planner counts rejections by kind).

@@ -41,6 +41,7 @@ from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
+from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan
@@ -157,9 +158,24 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
                  world_size: int | None = None) -> None:
     """Reject unsupported settings before any process waits on another: the engine's
     policies, then every rule of `partita.layout.validate` at once."""
-    engine_policies(cfg)  # constructing the policies validates them
+    _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
     validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
              seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
+    if layout.offload.endswith("+disk"):
+        policy = offload_policy(cfg, layout)
+        # Checked before launch: a budget too small for one sub-group, and the
+        # directory (exists, writable, room for this machine's ranks' files).
+        subgroup_elements(policy.budget_bytes, precision.master, precision.param_dtype)
+        owned = -(-model_cfg.num_params() // (layout.zero_group if layout.zero_stage else 1))
+        ranks = min(layout.world_size, torch.cuda.device_count() or layout.world_size)
+        check_offload_dir(policy.directory,
+                          ranks * disk_bytes_needed(owned, precision.master))
+
+
+def offload_policy(cfg: Config, layout: Layout) -> OffloadPolicy:
+    """Where the layout's offloaded states go (the directory and budget of disk modes)."""
+    return OffloadPolicy(layout.offload, cfg.parallel.offload_dir,
+                         int(cfg.parallel.host_memory_budget_gb * 1e9))
 
 
 @dataclass
@@ -272,7 +288,7 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
     recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
     dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
-                            OffloadPolicy(layout.offload))
+                            offload_policy(cfg, layout))
     runner = make_runner(sharded, dp, mesh, device)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
                          device=device, runner=runner, plan=plan)

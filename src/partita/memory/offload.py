@@ -32,14 +32,18 @@ import torch
 from partita.errors import PartitaError
 from partita.optim import AdamWConfig, AdamWState, adamw_, adamw_scratch
 
-MODES = ("none", "optimizer", "optimizer+params")
+MODES = ("none", "optimizer", "optimizer+params", "optimizer+disk")
 
 
 @dataclass(frozen=True)
 class OffloadPolicy:
-    """Which model states live in host memory (`mode`, one of MODES)."""
+    """Which model states live off the device (`mode`, one of MODES). Disk modes keep
+    the optimizer's states in files under `directory`, through host buffers of at most
+    `budget_bytes` (partita.memory.disk)."""
 
     mode: str = "none"
+    directory: str = ""
+    budget_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -55,6 +59,11 @@ class OffloadPolicy:
     def params(self) -> bool:
         """ZeRO-3 parameter shards at rest on the host."""
         return self.mode == "optimizer+params"
+
+    @property
+    def disk(self) -> bool:
+        """Master weights and moments in files, updated in sub-groups."""
+        return self.mode.endswith("+disk")
 
 
 def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from partita.errors import PartitaError
+from partita.memory.disk import DiskOptimizer
 from partita.memory.offload import HostOptimizer, OffloadPolicy, host_empty, stage_in
 from partita.mesh import Mesh
 from partita.optim import (
@@ -130,7 +131,14 @@ class DataParallel:
         # gradient norm counts on this rank.
         decay = [buf.decay_ranges(*self._owned_range(buf)) for buf in self.buckets]
         self.host: HostOptimizer | None = None
-        if offload.optimizer:  # master weights and moments in host memory (ZeRO-Offload)
+        self.disk: DiskOptimizer | None = None
+        if offload.disk:  # master weights and moments in files (ZeRO-Infinity)
+            self.disk = DiskOptimizer.create(
+                [self._owned_param(b) for b in self.buckets],
+                [self._owned_grad(b).dtype for b in self.buckets], decay, precision.master,
+                offload.directory, offload.budget_bytes, f"rank{mesh.rank}")
+            self.slots = []
+        elif offload.optimizer:  # master weights and moments in host memory (ZeRO-Offload)
             self.host = HostOptimizer.create([self._owned_param(b) for b in self.buckets],
                                              [self._owned_grad(b).dtype for b in self.buckets],
                                              decay, precision.master, device)
@@ -142,7 +150,8 @@ class DataParallel:
         # The optimizer casts gradients of another dtype than the master in chunks.
         cast = any(self._owned_grad(b).dtype != precision.master for b in self.buckets)
         largest = max((s.exp_avg.numel() for s in self.slots), default=1)
-        self.adam_scratch = adamw_scratch(largest if cast and self.host is None else 0,
+        on_device = self.host is None and self.disk is None
+        self.adam_scratch = adamw_scratch(largest if cast and on_device else 0,
                                           precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulates_in_full_buffer,
@@ -272,6 +281,14 @@ class DataParallel:
         # Forward order (last bucket first), so that the all-gathers of stages 1 and 2
         # arrive in the order the next forward needs them.
         order = list(reversed(range(len(self.buckets))))
+        if self.disk is not None:
+            self.disk.step(order, [self._owned_param(b) for b in self.buckets],
+                           [self._owned_grad(b) for b in self.buckets], self.step_count, lr,
+                           self.optim)
+            order = []  # updated; stages 1-2 still gather below
+            if self.param_sync is not None:
+                for b in reversed(range(len(self.buckets))):
+                    self.param_sync.launch(b)
         if self.host is not None:  # every gradient's copy to host first, then the updates
             self.host.stream_grads([self._owned_grad(b) for b in self.buckets], order)
         for b in order:
@@ -335,11 +352,16 @@ class DataParallel:
         the Adam moments "exp_avg" and "exp_avg_sq". Writing into them (then calling
         `gathered_parameters(writeback=...)` or `load_state_dict`) is how a checkpoint
         restores them; `state_dict` saves the same tensors."""
+        if self.disk is not None:  # read from the files, whole (a copy)
+            return [self.disk.read_states(b) for b in range(len(self.buckets))]
         return [{"master": s.master if s.master is not None else self._owned_param(buf),
                  "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
                 for buf, s in zip(self.buckets, self.slots)]
 
     def _refresh_master(self) -> None:
+        if self.disk is not None:
+            raise PartitaError("writing parameters back under disk offload is not supported "
+                               "yet; load a checkpoint into a run without disk offload.")
         for buf, slot in zip(self.buckets, self.slots):
             slot.load_param_(self._owned_param(buf))
 
@@ -355,6 +377,8 @@ class DataParallel:
                     + (0 if self.stage.shards_gradients else _nbytes(b.full_grad))
                     for b in self.buckets)
         host = self.host.bytes() if self.host is not None else {}
+        if self.disk is not None:  # the engine's bounded buffers; the states are on disk
+            host = {"optimizer_buffers": self.disk.buffer_bytes()}
         if self.offload.params:
             host["parameters"] = params
             params = 0
@@ -373,6 +397,9 @@ class DataParallel:
         for name in ("parameters", "gradients", "master_weights", "optimizer_states"):
             out[f"host_{name}"] = host.get(name, 0)
         out["host_model_states"] = sum(host.values())
+        if self.disk is not None:
+            out["host_optimizer_buffers"] = host["optimizer_buffers"]
+            out["disk_bytes"] = self.disk.disk_bytes()
         out["comm_buffers_peak"] = self.reducer.peak_bytes
         out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most one adamw chunk
         if self.gatherer is not None:
@@ -388,13 +415,17 @@ class DataParallel:
             "step": self.step_count, "scaler": self.scaler.state_dict(),
             "buckets": [
                 {"layout": buf.metadata(), "param": self._owned_param(buf).clone(),
-                 "master": s.master, "exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq}
-                for buf, s in zip(self.buckets, self.slots)
+                 "master": s["master"] if self.disk is not None or self.slots[b].master
+                 is not None else None, "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
+                for b, (buf, s) in enumerate(zip(self.buckets, self.optimizer_shards()))
             ],
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        if self.disk is not None:
+            raise PartitaError("loading optimizer state under disk offload is not supported "
+                               "yet; resume without disk offload.")
         self.wait_params()
         mine = [b.metadata() for b in self.buckets]
         if (state["stage"], state["world"]) != (int(self.stage), self.comm.size) or \
