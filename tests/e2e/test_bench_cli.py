@@ -1,6 +1,8 @@
 """`partita bench` end to end: a short `bench dp` run prints its table with the
 paired rounds' intervals (the statistics are unit-tested in unit/test_bench_paired.py);
-a tiny `bench recompute` compares both modes with torch's checkpoint."""
+a tiny `bench recompute` compares both modes with torch's checkpoint, and a tiny
+`bench offload` (without its DeepSpeed peer, which builds for minutes) runs partita's
+modes and measures the disk."""
 
 
 def test_bench_dp_prints_its_table_with_intervals(cli):
@@ -28,3 +30,14 @@ def test_bench_recompute_compares_both_modes_with_torch(cli):
     none, ours = (float(x.removesuffix("Mi")) for x in rows["full"][1:3])
     assert ours < none  # full recompute holds less than no recompute
     assert lines[-1].startswith("recompute: worst partita/peer step-time ratio ")
+
+
+def test_bench_offload_runs_partitas_modes_and_measures_the_disk(cli, tmp_path):
+    out = cli("bench", "offload", "--peer", "none", "--dim", "32", "--layers", "1", "--seq",
+              "16", "--batch", "2", "--steps", "2", "--budget-gb", "0.001", "--dir",
+              str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("tokens/s: in memory ") for line in lines), lines
+    assert lines[-1].startswith("offload: worst partita/peer step-time ratio nan; disk "
+                                "offload at "), lines

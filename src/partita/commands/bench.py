@@ -20,6 +20,7 @@ BENCHMARKS = {
     "pp": "partita.bench.pp",
     "pp-bubble": "partita.bench.pp_bubble",
     "recompute": "partita.bench.recompute",
+    "offload": "partita.bench.offload",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
 }

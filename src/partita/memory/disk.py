@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +121,7 @@ class DiskOptimizer:
         self.generation = 0
         self.copies: list[tuple[str, int, int]] = []  # ("read"|"adam"|"write", bucket, start)
         self.bytes_read = self.bytes_written = 0
+        self.seconds = 0.0  # wall time of the steps' read-update-write pipelines
 
     @classmethod
     def create(cls, owned_params: list[torch.Tensor], grad_dtypes: list[torch.dtype],
@@ -158,6 +160,7 @@ class DiskOptimizer:
              step: int, lr: float, cfg: AdamWConfig) -> None:
         """AdamW on every sub-group in `order`'s bucket order; updated master values are
         copied into `params` (each bucket's owned slice, device or host)."""
+        started = time.perf_counter()
         src, dst = self.generation, self.generation ^ 1
         readers = {b: os.open(self.paths[b][src], os.O_RDONLY) for b in order}
         writers = {b: os.open(self.paths[b][dst], os.O_WRONLY) for b in order}
@@ -232,6 +235,7 @@ class DiskOptimizer:
         self.bytes_read += moved // 2
         self.bytes_written += moved // 2
         self.generation = dst  # every sub-group is on disk: the new state is current
+        self.seconds += time.perf_counter() - started
 
     def read_states(self, b: int) -> dict[str, torch.Tensor]:
         """Bucket `b`'s current master weights and moments, read whole (checkpoints)."""
