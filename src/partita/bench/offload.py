@@ -117,31 +117,33 @@ def _deepspeed(args: argparse.Namespace):
     return step, f"deepspeed {deepspeed.__version__}"
 
 
-def sequential_bandwidth(directory: str, nbytes: int, cold: bool,
+def sequential_bandwidth(directory: str, nbytes: int, cold: bool, repeats: int = 3,
                          block: int = 8 << 20) -> float:
-    """Bytes/s of writing then reading `nbytes` in `block`-byte pieces. Buffered as the
-    disk engine does its I/O; `cold`: the writes synced and the page cache dropped
-    before the reads (the device itself, rather than the cache in front of it)."""
+    """Bytes/s of rewriting then reading back a file of `nbytes` in `block`-byte pieces,
+    the best of `repeats`. Warm (`cold=False`): buffered, the file written once before,
+    as the disk engine rewrites its files every step; cold: the writes synced and the
+    page cache dropped before the reads (the device itself, not the cache before it)."""
     buf = bytearray(os.urandom(block))
     path = os.path.join(directory, "bandwidth.probe")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    best = 0.0
     try:
-        start = time.perf_counter()
         for off in range(0, nbytes, block):
             os.pwrite(fd, buf, off)
-        if cold:
-            os.fsync(fd)
-        wrote = time.perf_counter() - start
-        if cold:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        start = time.perf_counter()
-        for off in range(0, nbytes, block):
-            os.preadv(fd, [buf], off)
-        read = time.perf_counter() - start
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for off in range(0, nbytes, block):
+                os.pwrite(fd, buf, off)
+            if cold:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            for off in range(0, nbytes, block):
+                os.preadv(fd, [buf], off)
+            best = max(best, 2 * nbytes / (time.perf_counter() - start))
     finally:
         os.close(fd)
         os.unlink(path)
-    return 2 * nbytes / (wrote + read)
+    return best
 
 
 def run(args: argparse.Namespace) -> int:
