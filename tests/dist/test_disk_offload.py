@@ -133,3 +133,14 @@ def test_bad_directory_or_budget_fails_before_training(tmp_path: Path, monkeypat
     with pytest.raises(PartitaError, match="sub-group"):  # the engine refuses it too
         build_parallel_model(_cfg(str(tmp_path), budget_gb=1e-6), Mesh(
             _cfg(str(tmp_path)).layout(1).degrees, 0, 1), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_buffers_stay_within_the_budget(tmp_path: Path, grad_dtype: torch.dtype) -> None:
+    """Buffer sets and, for gradients of another dtype, the cast's scratch."""
+    budget = 1_000_000
+    params = [torch.zeros(300_000)]
+    disk = DiskOptimizer.create(params, [grad_dtype], [[]], torch.float32, str(tmp_path),
+                                budget, "b")
+    assert disk.subgroup < params[0].numel()
+    assert budget - 64 * SETS < disk.buffer_bytes() <= budget

@@ -43,7 +43,8 @@ CASES = {
         Case(recompute="full"), Case(recompute="selective", dtype=BF16),
         Case(recompute="full", recompute_layers=1, dtype=BF16, shape=GPT2_TIED),
         # Offload: master weights, moments and gradient staging (and shards) on the host.
-        Case(offload="optimizer"), Case(offload="optimizer", dtype=BF16)],
+        Case(offload="optimizer"), Case(offload="optimizer", dtype=BF16),
+        Case(offload="optimizer+disk", dtype=BF16)],
     2: [Case(dp=2, zero=0), Case(dp=2, zero=1, dtype=BF16), Case(dp=2, zero=2),
         Case(dp=2, zero=3, dtype=BF16), Case(tp=2), Case(tp=2, sp=True, dtype=BF16),
         Case(pp=2, microbatches=4), Case(pp=2, microbatches=4, schedule="gpipe", dtype=BF16),
@@ -70,7 +71,7 @@ STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02
 
 def _check_memory(case: Case, measured: dict, stage: int = 0) -> None:
     predicted = predict(case, stage=stage)
-    for term in (*STATE_TERMS, "model_states", "host_model_states"):
+    for term in (*STATE_TERMS, "model_states", "host_model_states", "disk_bytes"):
         err = rel_error(predicted[term], measured[term])
         assert err <= STATES_TOL, (case.label, term, predicted[term], measured[term])
     err = rel_error(predicted["activations"], measured["activations"])

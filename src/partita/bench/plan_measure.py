@@ -19,17 +19,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from partita.planner import Assumptions, Layout, PlanModel, Precision
 from partita.planner.hardware import Cluster, GPUSpec
-from partita.planner.memory import activation_bytes, host_state_bytes, model_state_bytes
+from partita.planner.memory import (
+    activation_bytes,
+    disk_state_bytes,
+    host_state_bytes,
+    model_state_bytes,
+)
 from partita.planner.timing import step_time
 
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
+DISK_BUDGET_GB = 0.001  # disk-offload cases: a host budget far below their states
 # Mesh purposes whose bytes the planner predicts, and the planner's name for each.
 COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes"}
 
@@ -118,6 +124,11 @@ def run_config(case: Case):
     cfg.parallel.recompute = case.recompute
     cfg.parallel.recompute_layers = case.recompute_layers
     cfg.parallel.offload = case.offload
+    if case.offload.endswith("+disk"):
+        import tempfile
+
+        cfg.parallel.offload_dir = tempfile.mkdtemp(prefix="partita-plan-")
+        cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB
     return cfg
 
 
@@ -134,7 +145,10 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    if case.offload.endswith("+disk"):
+        a = replace(a, disk_host_budget_bytes=DISK_BUDGET_GB * 1e9)
     out["host_model_states"] = host_state_bytes(model, layout, prec, stage, a)
+    out["disk_bytes"] = disk_state_bytes(model, layout, prec, stage, a)
     out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
@@ -207,6 +221,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
     out["host_model_states"] = dp.memory_ledger()["host_model_states"]
+    out["disk_bytes"] = dp.memory_ledger().get("disk_bytes", 0)
     out["activations"] = meter.peak_bytes
     out["stage"] = mesh.coord.pp
     out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})

@@ -43,15 +43,18 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 
 def subgroup_elements(budget_bytes: int, master_dtype: torch.dtype,
                       grad_dtype: torch.dtype) -> int:
-    """The largest sub-group whose SETS buffer sets fit in `budget_bytes`; raises when
-    not even MIN_SUBGROUP elements fit."""
-    per = 3 * master_dtype.itemsize + grad_dtype.itemsize
-    n = int(budget_bytes // (SETS * per))
+    """The largest sub-group whose SETS buffer sets (and, when gradients are cast to the
+    master dtype, the cast's scratch) fit in `budget_bytes`; raises when not even
+    MIN_SUBGROUP elements fit."""
+    per = SETS * (3 * master_dtype.itemsize + grad_dtype.itemsize)
+    if grad_dtype != master_dtype:
+        per += master_dtype.itemsize  # adamw_'s cast scratch, at most a sub-group
+    n = int(budget_bytes // per)
     if n < MIN_SUBGROUP:
         raise PartitaError(
             f"parallel.host_memory_budget_gb={budget_bytes / 1e9:g} is smaller than one "
             f"disk-offload sub-group: {SETS} buffer sets of {MIN_SUBGROUP} elements need "
-            f"{SETS * per * MIN_SUBGROUP} bytes. Raise the budget.")
+            f"{per * MIN_SUBGROUP} bytes. Raise the budget.")
     return n
 
 

@@ -153,17 +153,39 @@ def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     """CPU memory one GPU's offloaded states take: per element of its owned slice, the
     master copy (one is kept even for fp32 parameters: the update runs on the host),
     both moments, a staging copy of the gradient and, under "optimizer+params", the
-    parameter shard (partita.memory.offload). Padded like `model_state_bytes`."""
+    parameter shard (partita.memory.offload). Padded like `model_state_bytes`. Disk
+    offload: the engine's buffers, at most its budget (partita.memory.disk)."""
     if layout.offload == "none":
         return 0.0
+    owned = owned_elements(model, layout, precision, stage, assumptions)
+    per = (precision.master or precision.param) + precision.optimizer + precision.grad
+    if layout.offload.endswith("+disk"):
+        return min(per * owned, assumptions.disk_host_budget_bytes)
+    if layout.offload == "optimizer+params":
+        per += precision.param
+    return per * owned
+
+
+def disk_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                     stage: int = 0,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Disk one GPU's offloaded states take: master weights and both moments of its
+    owned slice, twice (a step reads one generation and writes the other)."""
+    if not layout.offload.endswith("+disk"):
+        return 0.0
+    per = (precision.master or precision.param) + precision.optimizer
+    return 2 * per * owned_elements(model, layout, precision, stage, assumptions)
+
+
+def owned_elements(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                   stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Parameter elements whose optimizer state one GPU of `stage` keeps (padded like
+    `model_state_bytes` under `flat_buffer_align`)."""
     counts = stage_param_counts(model, layout, stage, assumptions)
     if assumptions.flat_buffer_align:
         counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
-    per = (precision.master or precision.param) + precision.optimizer + precision.grad
-    if layout.offload == "optimizer+params":
-        per += precision.param
-    return sum(per * n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
+    return sum(n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
 
 
 def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,

@@ -226,6 +226,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         shard = local / (n if z >= 1 else 1)
         moved = (precision.grad + precision.param) * shard
         offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
+        if layout.offload.endswith("+disk"):  # master and moments read and written back
+            states = (precision.master or precision.param) + precision.optimizer
+            offload_s += 2 * states * shard / a.disk_bandwidth
         offload_s *= 1 - a.offload_overlap
 
     step = pipeline_s + pp_exposed + dp_exposed + offload_s
