@@ -109,7 +109,8 @@ class ParallelSection:
     # What lives in host memory: none, optimizer (master weights and Adam moments, the
     # update on the CPU) or optimizer+params (ZeRO-3 parameter shards too);
     # optimizer+disk keeps master weights and moments in files under offload_dir,
-    # streamed through host buffers of at most host_memory_budget_gb.
+    # streamed through host buffers of at most host_memory_budget_gb;
+    # optimizer+params+disk also ZeRO-3's parameter shards.
     offload: str = "none"
     offload_dir: str = ""
     host_memory_budget_gb: float = 1.0

@@ -30,7 +30,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
                     "zbh1": "zb-h1"}
 RECOMPUTE = ("none", "selective", "full")
-OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk")
+OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk",
+           "optimizer+params+disk")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 
 # Kinds of problem, so that callers can sort them (the planner counts rejections by kind).
@@ -393,9 +394,9 @@ def _recompute(lay: Layout, model: ModelConfig) -> list[Problem]:
                                        "with recompute=none recomputes nothing; set "
                                        "parallel.recompute to full or selective, or "
                                        "recompute_layers=0."))
-    if lay.offload == "optimizer+params" and lay.zero_stage != 3:
-        out.append(Problem(CONSTRAINT, f"offload=optimizer+params keeps ZeRO-3's parameter "
-                                       f"shards in host memory, but zero_stage="
+    if "+params" in lay.offload and lay.zero_stage != 3:
+        out.append(Problem(CONSTRAINT, f"offload={lay.offload} keeps ZeRO-3's parameter "
+                                       f"shards off the device, but zero_stage="
                                        f"{lay.zero_stage} has none; use zero_stage=3, or "
                                        "offload=optimizer."))
     per_stage = -(-model.n_layers // lay.pp)

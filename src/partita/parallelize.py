@@ -165,11 +165,13 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
         policy = offload_policy(cfg, layout)
         # Checked before launch: a budget too small for one sub-group, and the
         # directory (exists, writable, room for this machine's ranks' files).
-        subgroup_elements(policy.budget_bytes, precision.master, precision.param_dtype)
+        shards = precision.param_dtype if policy.params else None  # in files too
+        subgroup_elements(policy.budget_bytes, precision.master, precision.param_dtype, shards)
         owned = -(-model_cfg.num_params() // (layout.zero_group if layout.zero_stage else 1))
         ranks = min(layout.world_size, torch.cuda.device_count() or layout.world_size)
-        check_offload_dir(policy.directory,
-                          ranks * disk_bytes_needed(owned, precision.master))
+        per_rank = disk_bytes_needed(owned, precision.master) + (
+            owned * shards.itemsize if shards is not None else 0)
+        check_offload_dir(policy.directory, ranks * per_rank)
 
 
 def offload_policy(cfg: Config, layout: Layout) -> OffloadPolicy:

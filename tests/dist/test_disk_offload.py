@@ -35,29 +35,38 @@ WIDER = dict(dim=64, vocab_size=256)  # 131k parameters: 3.1 MB of float64 state
 
 def _cfg(directory: str, budget_gb: float = BUDGET_GB, model: dict | None = None,
          **parallel):
+    parallel.setdefault("offload", "optimizer+disk")
+    parallel.setdefault("bucket_mb", 0.01)
     return parity_config(model=model or {},
-                         parallel=dict(bucket_mb=0.01, offload="optimizer+disk",
-                                       offload_dir=directory, host_memory_budget_gb=budget_gb,
-                                       **parallel))
+                         parallel=dict(offload_dir=directory,
+                                       host_memory_budget_gb=budget_gb, **parallel))
 
 
 def test_two_ranks_match_one_process(tmp_path: Path) -> None:
     cases = [Case("dp2-zero1-disk", _cfg(str(tmp_path), dp=2, zero_stage=1), params=True),
-             Case("dp2-zero3-disk", _cfg(str(tmp_path), dp=2, zero_stage=3), params=True)]
+             Case("dp2-zero3-params-disk", _cfg(str(tmp_path), dp=2, zero_stage=3,
+                                                offload="optimizer+params+disk"), params=True)]
     check_layouts(cases, 2, STEPS, skip_params=NOISE, timeout=200)
 
 
-def test_states_four_times_the_budget_train_as_in_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage,offload", [(1, "optimizer+disk"),
+                                           (3, "optimizer+params+disk")])
+def test_states_four_times_the_budget_train_as_in_memory(tmp_path: Path, stage: int,
+                                                         offload: str) -> None:
     """Optimizer states (master weights and two moments, float64) over 4x the budget:
-    the engine's host buffers stay within it, and the losses are the in-memory run's."""
-    cfg = _cfg(str(tmp_path), model=WIDER)
+    the engine's host buffers stay within it, and the losses are the in-memory run's.
+    With the parameters on disk too, no parameter is resident between gathers."""
+    cfg = _cfg(str(tmp_path), model=WIDER, zero_stage=stage, offload=offload, bucket_mb=1.0)
     disk = train_layout(0, 1, cfg, STEPS)
-    memory = train_layout(0, 1, parity_config(model=WIDER, parallel=dict(bucket_mb=0.01)),
-                          STEPS)
+    memory = train_layout(0, 1, parity_config(model=WIDER, parallel=dict(
+        bucket_mb=1.0, zero_stage=stage)), STEPS)
     assert disk["losses"] == memory["losses"] and disk["val"] == memory["val"]
     ledger = disk["ledger"]
-    # On disk, per generation: a float64 master copy and both moments of every element.
-    states = ledger["disk_bytes"] // 2
+    params = memory["ledger"]["parameters"] if "+params" in offload else 0
+    assert ledger["parameters"] == memory["ledger"]["parameters"] - params
+    # On disk, per generation: a float64 master copy and both moments of every element
+    # (and the parameter shards, one file rewritten in place).
+    states = (ledger["disk_bytes"] - params) // 2
     assert states == 3 * memory["ledger"]["optimizer_states"] // 2
     budget = BUDGET_GB * 1e9
     assert ledger["master_weights"] == ledger["optimizer_states"] == 0

@@ -47,16 +47,19 @@ def test_two_ranks_match_one_process() -> None:
     check_layouts(TWO, 2, STEPS, skip_params=NOISE, timeout=200)
 
 
-def test_mixed_precision_is_bitwise_the_run_without_offload() -> None:
-    """bf16 parameters, fp32 master weights: on the host or not, the same numbers."""
+def test_mixed_precision_is_bitwise_the_run_without_offload(tmp_path) -> None:
+    """bf16 parameters, fp32 master weights: on the host, on disk or not, the same
+    numbers (the disk case: partita.memory.disk, sub-groups of a 0.5 MB budget)."""
     def case(zero: int, off: str) -> Case:
-        cfg = parity_config(parallel=dict(dp=2, zero_stage=zero, offload=off, bucket_mb=0.01),
+        cfg = parity_config(parallel=dict(dp=2, zero_stage=zero, offload=off, bucket_mb=0.01,
+                                          offload_dir=str(tmp_path),
+                                          host_memory_budget_gb=0.0005),
                             train=dict(dtype="bfloat16"))
         return Case(f"z{zero}-{off}", cfg, params=True)
     cases = [case(2, "none"), case(2, "optimizer"), case(3, "none"),
-             case(3, "optimizer+params")]
+             case(3, "optimizer+params"), case(3, "optimizer+params+disk")]
     runs = run_layouts(cases, 2, STEPS, timeout=200)
-    for base, other in ((runs[0], runs[1]), (runs[2], runs[3])):
+    for base, other in ((runs[0], runs[1]), (runs[2], runs[3]), (runs[2], runs[4])):
         for rank in range(2):
             assert other[rank]["losses"] == base[rank]["losses"]
             assert other[rank]["norms"] == base[rank]["norms"]

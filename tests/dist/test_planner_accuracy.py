@@ -54,7 +54,8 @@ CASES = {
         Case(pp=2, microbatches=4, schedule="zb-h1", recompute="full"),
         Case(pp=2, microbatches=4, recompute="selective"),
         Case(dp=2, zero=1, offload="optimizer", dtype=BF16),
-        Case(dp=2, zero=3, offload="optimizer+params")],
+        Case(dp=2, zero=3, offload="optimizer+params"),
+        Case(dp=2, zero=3, offload="optimizer+params+disk", dtype=BF16)],
     # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
     4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),
         Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),

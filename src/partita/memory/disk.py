@@ -1,5 +1,5 @@
-"""ZeRO-Infinity's optimizer half: master weights and Adam moments in files, updated in
-sub-groups through a bounded set of host buffers.
+"""ZeRO-Infinity: master weights and Adam moments (and ZeRO-3 parameter shards) in files,
+updated in sub-groups through a bounded set of host buffers.
 
     disk = DiskOptimizer.create(owned_params, grad_dtypes, decay, master_dtype, device,
                                 directory, budget_bytes, tag="rank0")
@@ -42,11 +42,12 @@ STATES = ("master", "exp_avg", "exp_avg_sq")
 
 
 def subgroup_elements(budget_bytes: int, master_dtype: torch.dtype,
-                      grad_dtype: torch.dtype) -> int:
+                      grad_dtype: torch.dtype, param_dtype: torch.dtype | None = None) -> int:
     """The largest sub-group whose SETS buffer sets (and, when gradients are cast to the
     master dtype, the cast's scratch) fit in `budget_bytes`; raises when not even
     MIN_SUBGROUP elements fit."""
-    per = SETS * (3 * master_dtype.itemsize + grad_dtype.itemsize)
+    per = SETS * (3 * master_dtype.itemsize + grad_dtype.itemsize
+                  + (param_dtype.itemsize if param_dtype is not None else 0))
     if grad_dtype != master_dtype:
         per += master_dtype.itemsize  # adamw_'s cast scratch, at most a sub-group
     n = int(budget_bytes // per)
@@ -89,11 +90,12 @@ class _Set:
 
     states: list[torch.Tensor]
     grad: torch.Tensor
+    param: torch.Tensor | None = None  # the updated parameters, when they live on disk
     task: tuple[int, int, int] | None = None  # (bucket, start, stop)
 
 
 def _io(fn, fd: int, path: Path, tensor: torch.Tensor, offset: int, what: str) -> None:
-    view = memoryview(tensor.numpy()).cast("B")
+    view = memoryview(tensor.view(torch.uint8).numpy())  # any dtype, bf16 included
     try:
         done = fn(fd, [view], offset)
     except OSError as exc:
@@ -110,17 +112,23 @@ class DiskOptimizer:
 
     def __init__(self, sizes: list[int], decay: list[list[tuple[int, int]]],
                  master_dtype: torch.dtype, grad_dtype: torch.dtype, directory: Path,
-                 budget_bytes: int, tag: str) -> None:
+                 budget_bytes: int, tag: str, param_dtype: torch.dtype | None = None) -> None:
         self.sizes, self.decay, self.dtype = sizes, decay, master_dtype
-        self.subgroup = subgroup_elements(budget_bytes, master_dtype, grad_dtype)
+        self.param_dtype = param_dtype  # set: the parameter shards live in files too
+        self.subgroup = subgroup_elements(budget_bytes, master_dtype, grad_dtype, param_dtype)
         self.subgroup = min(self.subgroup, max(sizes, default=1))
         self.sets = [_Set([torch.empty(self.subgroup, dtype=master_dtype) for _ in STATES],
-                          torch.empty(self.subgroup, dtype=grad_dtype)) for _ in range(SETS)]
+                          torch.empty(self.subgroup, dtype=grad_dtype),
+                          None if param_dtype is None else
+                          torch.empty(self.subgroup, dtype=param_dtype))
+                     for _ in range(SETS)]
         self.scratch = adamw_scratch(self.subgroup if grad_dtype != master_dtype else 0,
                                      master_dtype, torch.device("cpu"))
         self.directory = Path(directory)
         self.paths = [[self.directory / f"{tag}.bucket{b}.gen{g}.bin" for g in (0, 1)]
                       for b in range(len(sizes))]
+        self.param_paths = ([self.directory / f"{tag}.params{b}.bin" for b in range(len(sizes))]
+                            if param_dtype is not None else [])
         self.generation = 0
         self.copies: list[tuple[str, int, int]] = []  # ("read"|"adam"|"write", bucket, start)
         self.bytes_read = self.bytes_written = 0
@@ -129,12 +137,23 @@ class DiskOptimizer:
     @classmethod
     def create(cls, owned_params: list[torch.Tensor], grad_dtypes: list[torch.dtype],
                decay: list[list[tuple[int, int]]], master_dtype: torch.dtype,
-               directory: str, budget_bytes: int, tag: str) -> DiskOptimizer:
+               directory: str, budget_bytes: int, tag: str,
+               params_on_disk: bool = False) -> DiskOptimizer:
+        """`params_on_disk`: the owned parameters go to files as well (ZeRO-3 shards);
+        read them back with `read_param`."""
         grad_dtype = max(grad_dtypes, key=lambda d: d.itemsize, default=master_dtype)
+        param_dtype = owned_params[0].dtype if params_on_disk and owned_params else None
         disk = cls([p.numel() for p in owned_params], decay, master_dtype, grad_dtype,
-                   Path(directory), budget_bytes, tag)
+                   Path(directory), budget_bytes, tag, param_dtype)
         disk._write_initial(owned_params)
         return disk
+
+    def read_param(self, b: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Bucket `b`'s owned parameters, read from their file (params on disk)."""
+        t = torch.empty(self.sizes[b], dtype=self.param_dtype)
+        with open(self.param_paths[b], "rb") as f:
+            _io(os.preadv, f.fileno(), self.param_paths[b], t, 0, "reading")
+        return t.to(device, non_blocking=True)
 
     # Files ---------------------------------------------------------------------------
     def _offset(self, b: int, state: int, start: int) -> int:
@@ -157,6 +176,10 @@ class DiskOptimizer:
                     _io(os.pwritev, fd, self.paths[b][0], buf[:n], self._offset(b, 0, a),
                         "writing")
             self.paths[b][1].touch()
+            if self.param_paths:
+                with open(self.param_paths[b], "wb") as f:
+                    value = param.detach().reshape(-1).cpu().contiguous()
+                    _io(os.pwritev, f.fileno(), self.param_paths[b], value, 0, "writing")
 
     # One step ------------------------------------------------------------------------
     def step(self, order: list[int], params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -167,6 +190,10 @@ class DiskOptimizer:
         src, dst = self.generation, self.generation ^ 1
         readers = {b: os.open(self.paths[b][src], os.O_RDONLY) for b in order}
         writers = {b: os.open(self.paths[b][dst], os.O_WRONLY) for b in order}
+        # Parameters on disk are overwritten in place: a failed step leaves some of them
+        # updated (their optimizer states are not: resume from a checkpoint).
+        pwriters = {b: os.open(self.param_paths[b], os.O_WRONLY) for b in order} \
+            if self.param_paths else {}
         tasks = self._tasks(order)
         free: queue.Queue = queue.Queue()
         ready: queue.Queue = queue.Queue()
@@ -199,6 +226,9 @@ class DiskOptimizer:
                         for k, t in enumerate(s.states):
                             _io(os.pwritev, writers[b], self.paths[b][dst], t[:e - a],
                                 self._offset(b, k, a), "writing")
+                        if s.param is not None:
+                            _io(os.pwritev, pwriters[b], self.param_paths[b], s.param[:e - a],
+                                a * s.param.element_size(), "writing")
                 except BaseException as exc:
                     errors.append(exc)
                 free.put(s)
@@ -222,7 +252,10 @@ class DiskOptimizer:
                 adamw_(master, s.grad[:n], exp_avg, exp_avg_sq, step, lr, cfg,
                        _clip(self.decay[b], a, e), self.scratch)
                 self.copies.append(("adam", b, a))
-                params[b][a:e].copy_(master)
+                if s.param is not None:
+                    s.param[:n].copy_(master)
+                else:
+                    params[b][a:e].copy_(master)
                 written.put(s)
                 self.copies.append(("write", b, a))
         finally:
@@ -230,7 +263,7 @@ class DiskOptimizer:
             writer.join()
             free.put(None)
             reader.join()
-            for fd in (*readers.values(), *writers.values()):
+            for fd in (*readers.values(), *writers.values(), *pwriters.values()):
                 os.close(fd)
         if errors:
             raise errors[0]
@@ -253,11 +286,14 @@ class DiskOptimizer:
 
     def buffer_bytes(self) -> int:
         """Host memory the engine holds: its buffer sets and scratch."""
-        return (sum(t.nbytes for s in self.sets for t in (*s.states, s.grad))
+        return (sum(t.nbytes for s in self.sets for t in (*s.states, s.grad)
+                    if t is not None)
+                + sum(s.param.nbytes for s in self.sets if s.param is not None)
                 + self.scratch.nbytes)
 
     def disk_bytes(self) -> int:
-        return sum(p.stat().st_size for pair in self.paths for p in pair if p.exists())
+        files = [p for pair in self.paths for p in pair] + self.param_paths
+        return sum(p.stat().st_size for p in files if p.exists())
 
 
 def _clip(ranges: list[tuple[int, int]], a: int, e: int) -> list[tuple[int, int]]:

@@ -32,7 +32,7 @@ import torch
 from partita.errors import PartitaError
 from partita.optim import AdamWConfig, AdamWState, adamw_, adamw_scratch
 
-MODES = ("none", "optimizer", "optimizer+params", "optimizer+disk")
+MODES = ("none", "optimizer", "optimizer+params", "optimizer+disk", "optimizer+params+disk")
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ class OffloadPolicy:
 
     @property
     def params(self) -> bool:
-        """ZeRO-3 parameter shards at rest on the host."""
-        return self.mode == "optimizer+params"
+        """ZeRO-3 parameter shards at rest off the device (host memory, or disk)."""
+        return "+params" in self.mode
 
     @property
     def disk(self) -> bool:

@@ -71,7 +71,7 @@ def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
     (7.5e9 parameters on 64 GPUs, mixed precision: 120 / 31.4 / 16.6 / 1.88 GB.)"""
     z, g = zero_stage, shard_degree
     on_gpu = offload == "none"
-    params_on_gpu = offload != "optimizer+params"  # ZeRO-3 shards at rest on the host
+    params_on_gpu = "+params" not in offload  # ZeRO-3 shards at rest on the host (or disk)
     return {
         "parameters": params_on_gpu * precision.param * num_params / (g if z >= 3 else 1),
         "gradients": precision.grad * num_params / (g if z >= 2 else 1),
@@ -160,6 +160,7 @@ def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     owned = owned_elements(model, layout, precision, stage, assumptions)
     per = (precision.master or precision.param) + precision.optimizer + precision.grad
     if layout.offload.endswith("+disk"):
+        per += precision.param if "+params" in layout.offload else 0
         return min(per * owned, assumptions.disk_host_budget_bytes)
     if layout.offload == "optimizer+params":
         per += precision.param
@@ -173,8 +174,10 @@ def disk_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     owned slice, twice (a step reads one generation and writes the other)."""
     if not layout.offload.endswith("+disk"):
         return 0.0
-    per = (precision.master or precision.param) + precision.optimizer
-    return 2 * per * owned_elements(model, layout, precision, stage, assumptions)
+    per = 2 * ((precision.master or precision.param) + precision.optimizer)
+    if "+params" in layout.offload:
+        per += precision.param  # the shard, one file rewritten in place
+    return per * owned_elements(model, layout, precision, stage, assumptions)
 
 
 def owned_elements(model: PlanModel, layout: Layout, precision: Precision = MIXED,

@@ -104,7 +104,7 @@ class DataParallel:
             self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
             for buf in self.buckets:
                 buf.materialize_shard(init_fn)
-            if offload.params:
+            if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
@@ -136,8 +136,12 @@ class DataParallel:
             self.disk = DiskOptimizer.create(
                 [self._owned_param(b) for b in self.buckets],
                 [self._owned_grad(b).dtype for b in self.buckets], decay, precision.master,
-                offload.directory, offload.budget_bytes, f"rank{mesh.rank}")
+                offload.directory, offload.budget_bytes, f"rank{mesh.rank}",
+                params_on_disk=offload.params)
             self.slots = []
+            if offload.params:  # the shards are in files now; read per gather
+                for buf in self.buckets:
+                    buf.shard = torch.empty(0, dtype=dtype, device=device)
         elif offload.optimizer:  # master weights and moments in host memory (ZeRO-Offload)
             self.host = HostOptimizer.create([self._owned_param(b) for b in self.buckets],
                                              [self._owned_grad(b).dtype for b in self.buckets],
@@ -325,6 +329,9 @@ class DataParallel:
         """Full parameters visible in dp.module inside the block (gathered in stage 3).
         With writeback=True, changes made there (identically on every rank) are kept:
         each rank copies its owned slice back into its shard and master weights."""
+        if writeback and self.disk is not None:
+            raise PartitaError("writing parameters back under disk offload is not supported "
+                               "yet; load a checkpoint into a run without disk offload.")
         with torch.no_grad():
             self.wait_params()
             if self.gatherer is None:
@@ -340,10 +347,21 @@ class DataParallel:
                     self._refresh_master()
 
     def _stage_in(self, buf: FlatBuffer) -> torch.Tensor:
-        """Stage 3 under "optimizer+params": a host shard onto the device to be gathered."""
+        """Stage 3 with parameters offloaded: the shard onto the device to be gathered,
+        from host memory or from its file."""
+        b = self.buckets.index(buf)
+        if self.disk is not None:
+            self.disk.copies.append(("param-in", b, 0))
+            return self.disk.read_param(b, self.device)
         assert self.host is not None
-        self.host.copies.append(("param-in", self.buckets.index(buf)))
+        self.host.copies.append(("param-in", b))
         return stage_in(buf.shard, self.device)
+
+    def _owned_param_value(self, b: int) -> torch.Tensor:
+        """A copy of bucket `b`'s owned parameters, wherever they live."""
+        if self.disk is not None and self.offload.params:
+            return self.disk.read_param(b, self.device)
+        return self._owned_param(self.buckets[b]).clone()
 
     def optimizer_shards(self) -> list[dict[str, torch.Tensor]]:
         """Per bucket, this rank's optimizer state as tensors wherever they live (host
@@ -379,7 +397,7 @@ class DataParallel:
         host = self.host.bytes() if self.host is not None else {}
         if self.disk is not None:  # the engine's bounded buffers; the states are on disk
             host = {"optimizer_buffers": self.disk.buffer_bytes()}
-        if self.offload.params:
+        if self.offload.params and self.disk is None:
             host["parameters"] = params
             params = 0
         on_device = self.host is None
@@ -414,7 +432,7 @@ class DataParallel:
             "stage": int(self.stage), "world": self.comm.size, "index": self.comm.index,
             "step": self.step_count, "scaler": self.scaler.state_dict(),
             "buckets": [
-                {"layout": buf.metadata(), "param": self._owned_param(buf).clone(),
+                {"layout": buf.metadata(), "param": self._owned_param_value(b),
                  "master": s["master"] if self.disk is not None or self.slots[b].master
                  is not None else None, "exp_avg": s["exp_avg"], "exp_avg_sq": s["exp_avg_sq"]}
                 for b, (buf, s) in enumerate(zip(self.buckets, self.optimizer_shards()))
