@@ -142,6 +142,18 @@ class ParallelSection:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    # Activation recomputation: none, selective (the attention core) or full (whole
+    # blocks); recompute_layers = K recomputes only the first K blocks of each stage.
+    recompute: str = "none"
+    recompute_layers: int = 0
+    # What lives in host memory: none, optimizer (master weights and Adam moments, the
+    # update on the CPU) or optimizer+params (ZeRO-3 parameter shards too);
+    # optimizer+disk keeps master weights and moments in files under offload_dir,
+    # streamed through host buffers of at most host_memory_budget_gb;
+    # optimizer+params+disk also ZeRO-3's parameter shards.
+    offload: str = "none"
+    offload_dir: str = ""
+    host_memory_budget_gb: float = 1.0
 
 
 @dataclass
@@ -225,7 +237,8 @@ class Config:
                       schedule=schedule, virtual_stages=virtual,
                       microbatch_size=local // t.microbatches,
                       sequence_parallel=p.sequence_parallel,
-                      tp_comm_overlap=p.tp_comm_overlap,
+                      recompute=p.recompute, recompute_layers=p.recompute_layers,
+                      offload=p.offload, tp_comm_overlap=p.tp_comm_overlap,
                       overlap_grad_reduce=p.overlap_grad_reduce,
                       overlap_param_gather=p.overlap_param_gather)
 
@@ -262,6 +275,11 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
                 f"--parallel.virtual_stages={layout.virtual_stages}"]
     out += [f"--parallel.sequence_parallel={'true' if layout.sequence_parallel else 'false'}",
             f"--train.global_batch={global_batch}", f"--train.microbatches={m}"]
+    if layout.recompute != "none":
+        out += [f"--parallel.recompute={layout.recompute}",
+                f"--parallel.recompute_layers={layout.recompute_layers}"]
+    if layout.offload != "none":
+        out.append(f"--parallel.offload={layout.offload}")
     return out
 
 

@@ -33,7 +33,8 @@ SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zb-h1",
 # (and master weights) over the data-parallel group, which is ZeRO-1.
 ZERO_STAGE_ALIASES = {"distributed-optimizer": 1, "distributed_optimizer": 1}
 RECOMPUTE = ("none", "selective", "full")
-OFFLOAD = ("none", "optimizer")
+OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk",
+           "optimizer+params+disk")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 OVERLAP_OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
@@ -186,6 +187,8 @@ class Layout:
     microbatch_size: int = 1
     sequence_parallel: bool = False  # shard norms and dropout over tp (needs tp > 1)
     recompute: str = "none"  # activation recomputation, one of RECOMPUTE
+    # Recompute only the first K blocks of each pipeline stage (0: every block).
+    recompute_layers: int = 0
     offload: str = "none"  # what lives in host memory, one of OFFLOAD
     # Communication overlap (Megatron's --tp-comm-overlap, --overlap-grad-reduce,
     # --overlap-param-gather). partita reduces gradient buckets during backward and
@@ -202,6 +205,10 @@ class Layout:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PartitaError(f"layout {name}={value!r} is invalid: use an integer >= 1.")
+        k = self.recompute_layers
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise PartitaError(f"parallel.recompute_layers={k!r} is invalid: use 0 (every "
+                               "block) or the number of blocks per stage to recompute.")
         for name, options in (("recompute", RECOMPUTE), ("offload", OFFLOAD)):
             if getattr(self, name) not in options:
                 raise PartitaError(
@@ -245,6 +252,8 @@ class Layout:
         for name in ("recompute", "offload"):
             if getattr(self, name) != "none":
                 parts.append(f"{name}={getattr(self, name)}")
+        if self.recompute_layers:
+            parts.append(f"recompute_layers={self.recompute_layers}")
         return " ".join(parts)
 
     def __str__(self) -> str:
@@ -348,6 +357,7 @@ def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_le
     if lay.world_size != world_size:
         out.append(Problem(DIVISIBILITY, world_size_message(lay.degrees, world_size)))
     out += _unavailable(lay)
+    out += _recompute(lay, model)
     out += _tensor_parallel(lay, model, seq_len)
     out += _pipeline(lay, model)
     out += _batch(lay, global_batch)
@@ -392,10 +402,31 @@ def _unavailable(lay: Layout) -> list[Problem]:
         if getattr(lay, name) > 1:
             out.append(Problem(UNAVAILABLE, f"{what} (parallel.{name}={getattr(lay, name)}) "
                                             f"is not available yet; set parallel.{name}=1."))
-    for name, what in (("recompute", "activation recomputation"), ("offload", "offload")):
-        if getattr(lay, name) != "none":
-            out.append(Problem(UNAVAILABLE, f"{what} ({name}={getattr(lay, name)}) is not "
-                                            f"available yet; use {name}=none."))
+    return out
+
+
+def _recompute(lay: Layout, model: ModelConfig) -> list[Problem]:
+    out = []
+    if lay.recompute != "none" and model.n_layers < 1:
+        out.append(Problem(CONSTRAINT, f"recompute={lay.recompute} reruns blocks in backward, "
+                                       "but the model has no blocks; use recompute=none."))
+    if lay.recompute_layers and lay.recompute == "none":
+        out.append(Problem(CONSTRAINT, f"parallel.recompute_layers={lay.recompute_layers} "
+                                       "with recompute=none recomputes nothing; set "
+                                       "parallel.recompute to full or selective, or "
+                                       "recompute_layers=0."))
+    if "+params" in lay.offload and lay.zero_stage != 3:
+        out.append(Problem(CONSTRAINT, f"offload={lay.offload} keeps ZeRO-3's parameter "
+                                       f"shards off the device, but zero_stage="
+                                       f"{lay.zero_stage} has none; use zero_stage=3, or "
+                                       "offload=optimizer."))
+    per_stage = -(-model.n_layers // lay.pp)
+    if lay.recompute_layers > per_stage:
+        out.append(Problem(CONSTRAINT, f"parallel.recompute_layers={lay.recompute_layers} is "
+                                       f"more than the {per_stage} blocks a pipeline stage "
+                                       f"holds at most ({model.n_layers} blocks over pp="
+                                       f"{lay.pp}); use at most {per_stage}, or 0 for every "
+                                       "block."))
     return out
 
 

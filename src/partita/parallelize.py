@@ -14,11 +14,15 @@ function from one explicit object to the next:
 3. `shard_tensor_parallel`: PipelineCut -> `ShardedModel`, planned modules swapped for
    their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
    and the loss that matches the (possibly vocabulary-sharded) logits;
-4. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
+4. `recompute`: the blocks (or attention cores) the layout's recompute policy names
+   rerun their forward in backward (`partita.memory.recompute`); after tensor
+   parallelism, so the rerun is the sharded forward, and before the engine, whose
+   hooks stay around the blocks;
+5. `wrap_data_parallel`: ShardedModel -> `DataParallel`, the engine that reduces
    gradients and steps the optimizer; it materialises each parameter from its global
    name with the plan's init rule, drawing only the local slice (for ZeRO-3 only its
    flat 1/N of that slice);
-5. `make_runner`: the `StepRunner` that runs a step's microbatches (a pipeline schedule
+6. `make_runner`: the `StepRunner` that runs a step's microbatches (a pipeline schedule
    or microbatches in turn).
 """
 
@@ -37,6 +41,8 @@ from partita.config import Config
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
+from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
+from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
 from partita.mesh import Mesh
 from partita.models.hf_weights import HFWeights
 from partita.models.model_config import ModelConfig
@@ -154,9 +160,26 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
                  world_size: int | None = None) -> None:
     """Reject unsupported settings before any process waits on another: the engine's
     policies, then every rule of `partita.layout.validate` at once."""
-    engine_policies(cfg)  # constructing the policies validates them
+    _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
     validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
              seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
+    if layout.offload.endswith("+disk"):
+        policy = offload_policy(cfg, layout)
+        # Checked before launch: a budget too small for one sub-group, and the
+        # directory (exists, writable, room for this machine's ranks' files).
+        shards = precision.param_dtype if policy.params else None  # in files too
+        subgroup_elements(policy.budget_bytes, precision.master, precision.param_dtype, shards)
+        owned = -(-model_cfg.num_params() // (layout.zero_group if layout.zero_stage else 1))
+        ranks = min(layout.world_size, torch.cuda.device_count() or layout.world_size)
+        per_rank = disk_bytes_needed(owned, precision.master) + (
+            owned * shards.itemsize if shards is not None else 0)
+        check_offload_dir(policy.directory, ranks * per_rank)
+
+
+def offload_policy(cfg: Config, layout: Layout) -> OffloadPolicy:
+    """Where the layout's offloaded states go (the directory and budget of disk modes)."""
+    return OffloadPolicy(layout.offload, cfg.parallel.offload_dir,
+                         int(cfg.parallel.host_memory_budget_gb * 1e9))
 
 
 @dataclass
@@ -199,10 +222,16 @@ def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_paralle
     return ShardedModel(staged.module, staged.plan, staged.pipeline, loss_fn, report)
 
 
+def recompute(sharded: ShardedModel, policy: RecomputePolicy) -> RecomputeReport:
+    """Step 3: activation recomputation of this rank's blocks, as `policy` says."""
+    return apply_recompute(sharded.module, sharded.plan, policy)
+
+
 def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
                        precision: MixedPrecision, optim: AdamWConfig,
-                       device: torch.device) -> DataParallel:
-    """Step 3: the data-parallel / ZeRO engine, which materialises the meta parameters.
+                       device: torch.device,
+                       offload: OffloadPolicy | None = None) -> DataParallel:
+    """Step 4: the data-parallel / ZeRO engine, which materialises the meta parameters.
 
     Values come from the plan's init rule by global name: the whole local tensor for
     ZeRO 0-2, only the owned flat slice for ZeRO-3, drawn in float32 exactly as a
@@ -223,12 +252,12 @@ def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
     init_fn = model_init_fn(plan.init) if on_meta else None
     return DataParallel(model, mesh, zero=zero, precision=precision, optim=optim,
                         blocks=plan.block_names(model), init_fn=init_fn, device=device,
-                        bucket_key=bucket_key)
+                        bucket_key=bucket_key, offload=offload)
 
 
 def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
                 device: torch.device) -> StepRunner:
-    """Step 4: how a step's microbatches run on this rank."""
+    """Step 5: how a step's microbatches run on this rank."""
     if sharded.pipeline is not None:
         return sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
     return MicrobatchRunner(dp, sharded.loss_fn, device)
@@ -261,7 +290,9 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
-    dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device)
+    recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
+    dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
+                            offload_policy(cfg, layout))
     runner = make_runner(sharded, dp, mesh, device)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
                          device=device, runner=runner, plan=plan)

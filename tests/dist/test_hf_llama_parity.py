@@ -53,6 +53,7 @@ LAYOUTS = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2-1f1b": dict(pp=2),
+    "dp2-zero3-recompute": dict(dp=2, zero_stage=3, recompute="full"),
 }
 
 

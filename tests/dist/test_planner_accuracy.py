@@ -7,7 +7,9 @@ equals the ZeRO engine's memory ledger within 2%, term by term. Activations: its
 estimate is within 2% of the most bytes autograd held saved for backward at once (per
 pipeline stage; with zero bubble, plus the gradients held for deferred weight passes;
 `partita bench plan-accuracy` reads at most 0.9% on these cases). Communication: within
-2% of the bytes the mesh counted. Cases share one spawned world per world size; dp=1
+2% of the bytes the mesh counted. Recompute (full, selective, the first block only)
+is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
+ledger's host_model_states) against the planner's host figure. Cases share one spawned world per world size; dp=1
 runs in this process.
 """
 
@@ -36,12 +38,24 @@ BF16 = "bfloat16"
 GPT2_TIED = Shape(flavour="gpt2", n_kv_heads=None, tie_embeddings=True)
 DEEP = Shape(n_layers=4)
 CASES = {
-    1: [Case(), Case(dtype=BF16, shape=GPT2_TIED)],
+    1: [Case(), Case(dtype=BF16, shape=GPT2_TIED),
+        # Recompute: what a layer keeps, and the rerun's working set in backward.
+        Case(recompute="full"), Case(recompute="selective", dtype=BF16),
+        Case(recompute="full", recompute_layers=1, dtype=BF16, shape=GPT2_TIED),
+        # Offload: master weights, moments and gradient staging (and shards) on the host.
+        Case(offload="optimizer"), Case(offload="optimizer", dtype=BF16),
+        Case(offload="optimizer+disk", dtype=BF16)],
     2: [Case(dp=2, zero=0), Case(dp=2, zero=1, dtype=BF16), Case(dp=2, zero=2),
         Case(dp=2, zero=3, dtype=BF16), Case(tp=2), Case(tp=2, sp=True, dtype=BF16),
         Case(pp=2, microbatches=4), Case(pp=2, microbatches=4, schedule="gpipe", dtype=BF16),
         Case(pp=2, microbatches=4, schedule="interleaved-1f1b", vpp=2, shape=DEEP),
-        Case(pp=2, microbatches=4, schedule="zb-h1")],
+        Case(pp=2, microbatches=4, schedule="zb-h1"),
+        Case(tp=2, sp=True, recompute="full"), Case(dp=2, zero=3, recompute="full"),
+        Case(pp=2, microbatches=4, schedule="zb-h1", recompute="full"),
+        Case(pp=2, microbatches=4, recompute="selective"),
+        Case(dp=2, zero=1, offload="optimizer", dtype=BF16),
+        Case(dp=2, zero=3, offload="optimizer+params"),
+        Case(dp=2, zero=3, offload="optimizer+params+disk", dtype=BF16)],
     # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
     4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),
         Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),
@@ -58,7 +72,7 @@ STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02
 
 def _check_memory(case: Case, measured: dict, stage: int = 0) -> None:
     predicted = predict(case, stage=stage)
-    for term in (*STATE_TERMS, "model_states"):
+    for term in (*STATE_TERMS, "model_states", "host_model_states", "disk_bytes"):
         err = rel_error(predicted[term], measured[term])
         assert err <= STATES_TOL, (case.label, term, predicted[term], measured[term])
     err = rel_error(predicted["activations"], measured["activations"])

@@ -1,5 +1,8 @@
 """`partita bench` end to end: a short `bench dp` run prints its table with the
-paired rounds' intervals (the statistics are unit-tested in unit/test_bench_paired.py)."""
+paired rounds' intervals (the statistics are unit-tested in unit/test_bench_paired.py);
+a tiny `bench recompute` compares both modes with torch's checkpoint, and a tiny
+`bench offload` (without its DeepSpeed peer, which builds for minutes) runs partita's
+modes and measures the disk."""
 
 
 def test_bench_dp_prints_its_table_with_intervals(cli):
@@ -13,3 +16,28 @@ def test_bench_dp_prints_its_table_with_intervals(cli):
     low, high = (float(x) for x in row[-2].split("-"))
     assert low <= float(row[-3]) <= high
     assert lines[-1].startswith("dp: partita/torch-ddp step-time ratio ")
+
+
+def test_bench_recompute_compares_both_modes_with_torch(cli):
+    out = cli("bench", "recompute", "--dim", "32", "--layers", "1", "--heads", "4", "--seq",
+              "32", "--batch", "2", "--rounds", "2", "--max-rounds", "2", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.startswith(("full ", "selective "))}
+    assert set(rows) == {"full", "selective"}, lines
+    for row in rows.values():
+        assert float(row[-1]) < 1e-5  # partita's gradients equal torch checkpoint's
+    none, ours = (float(x.removesuffix("Mi")) for x in rows["full"][1:3])
+    assert ours < none  # full recompute holds less than no recompute
+    assert lines[-1].startswith("recompute: worst partita/peer step-time ratio ")
+
+
+def test_bench_offload_runs_partitas_modes_and_measures_the_disk(cli, tmp_path):
+    out = cli("bench", "offload", "--peer", "none", "--dim", "32", "--layers", "1", "--seq",
+              "16", "--batch", "2", "--steps", "2", "--budget-gb", "0.001", "--dir",
+              str(tmp_path), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("tokens/s: in memory ") for line in lines), lines
+    assert lines[-1].startswith("offload: worst partita/peer step-time ratio nan; disk "
+                                "offload at "), lines

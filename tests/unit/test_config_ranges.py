@@ -23,6 +23,8 @@ pytestmark = pytest.mark.fault_suite("settings")
 LAYOUT_OR_TEXT = {
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
     "parallel.zero_stage", "parallel.virtual_stages", "parallel.schedule",
+    "parallel.recompute", "parallel.recompute_layers", "parallel.offload",
+    "parallel.offload_dir",
     "model.name", "data.source", "data.cache_dir", "train.out_dir", "train.timeline_png",
     "train.checkpoint_dir", "train.resume",
     "model.init_from", "data.tokenizer", "data.text_field", "data.mix",

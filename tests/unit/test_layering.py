@@ -42,6 +42,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("partita.comm", "partita.mesh", "partita.sharding", "partita.loss",
               "partita.saved_tensors")),
     ("optim", ("partita.optim",)),
+    ("memory", ("partita.memory",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline")),
     ("parallelize", ("partita.parallelize",)),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",

@@ -116,8 +116,8 @@ def test_a_good_layout_has_no_problems():
 @pytest.mark.parametrize("layout,kind,text", [
     (Layout(cp=2), UNAVAILABLE, "context parallelism"),
     (Layout(ep=2, dp=2), UNAVAILABLE, "expert parallelism"),
-    (Layout(recompute="full"), UNAVAILABLE, "recomputation"),
-    (Layout(offload="optimizer"), UNAVAILABLE, "offload"),
+    (Layout(recompute_layers=1), CONSTRAINT, "recomputes nothing"),
+    (Layout(offload="optimizer+params", zero_stage=2), CONSTRAINT, "has none"),
     (Layout(tp=3), DIVISIBILITY, "n_heads=4 is not divisible by tp=3"),
     (Layout(sequence_parallel=True), CONSTRAINT, "parallel.tp=1"),
     (Layout(pp=8), DIVISIBILITY, "every stage needs at least one block"),

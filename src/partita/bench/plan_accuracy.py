@@ -3,10 +3,11 @@
 For every layout the test suite runs on CPU (dp 1/2/4/8 x ZeRO 0-3 in fp32 and bf16
 with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp2 with
 ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
-ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2) one small model takes training steps on gloo
-ranks; memory is compared per pipeline stage. Memory: model states
-from the ZeRO engine's ledger, activations from the storages autograd saved for
-backward. Communication: bytes each rank sent, counted by the mesh (tp + dp). Step
+ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
+kinds of layout, host offload) one small model takes training steps on gloo
+ranks; memory is compared per pipeline stage. Memory: model states (and, under
+offload, the host's) from the ZeRO engine's ledger, activations from the storages
+autograd saved for backward. Communication: bytes each rank sent, counted by the mesh (tp + dp). Step
 time: the median of timed steps on rank 0, against the planner's step time on the
 `cpu` profile, calibrated here: a 1-thread matmul and copy rate measured at start, the
 gloo all-reduce latency and bandwidth measured in each world before its cases (the
@@ -63,6 +64,22 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                Case(dp=2, pp=2, zero=2, microbatches=4, shape=shape),
                Case(tp=2, sp=True, pp=2, microbatches=4, dtype="bfloat16", shape=shape)]
     out[8] += [Case(dp=2, tp=2, pp=2, zero=2, sp=True, microbatches=2, shape=shape)]
+    # Activation recomputation, each mode (and the first block only) under each kind of
+    # layout: what a layer keeps, and the rerun's working set in backward.
+    for rc in ("selective", "full"):
+        out[1] += [Case(recompute=rc, dtype=d, shape=shape) for d in DTYPES]
+        out[1] += [Case(recompute=rc, recompute_layers=1, shape=shape)]
+        out[2] += [Case(tp=2, sp=True, recompute=rc, shape=shape),
+                   Case(dp=2, zero=3, recompute=rc, shape=shape)]
+        out[2] += [Case(pp=2, microbatches=4, schedule=s, recompute=rc, shape=shape)
+                   for s in ("1f1b", "gpipe", "zb-h1")]
+        out[4] += [Case(dp=2, tp=2, zero=3, sp=True, recompute=rc, shape=shape),
+                   Case(pp=4, microbatches=8, schedule="zb-h1", recompute=rc, shape=deep)]
+    # Host offload: the host bytes (master, moments, gradient staging, shards) too.
+    out[1] += [Case(offload="optimizer", dtype=d, shape=shape) for d in DTYPES]
+    out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)
+               for z in (1, 2)]
+    out[2] += [Case(dp=2, zero=3, offload="optimizer+params", shape=shape)]
     return out
 
 
@@ -133,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             # Memory per pipeline stage; communication and time once per layout.
             for stage, m in worst_by_stage(results).items():
                 ps = predict(case, stage=stage)
-                errs = [rel_error(ps[k], m[k]) for k in ("model_states", "activations")]
+                errs = [rel_error(ps[k], m[k]) for k in ("model_states", "activations",
+                                                         "host_model_states")]
                 worst_mem = max(worst_mem, *errs)
                 label = case.label + (f" s{stage}" if case.pp > 1 else "")
                 row = (f"{label:<30} {ps['model_states']:>10,.0f} {m['model_states']:>10,} "

@@ -19,17 +19,23 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from partita.planner import Assumptions, Layout, PlanModel, Precision
 from partita.planner.hardware import Cluster, GPUSpec
-from partita.planner.memory import activation_bytes, model_state_bytes
+from partita.planner.memory import (
+    activation_bytes,
+    disk_state_bytes,
+    host_state_bytes,
+    model_state_bytes,
+)
 from partita.planner.timing import step_time
 
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
+DISK_BUDGET_GB = 0.001  # disk-offload cases: a host budget far below their states
 # Mesh purposes whose bytes the planner predicts, and the planner's name for each.
 COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes"}
 
@@ -61,6 +67,9 @@ class Case:
     schedule: str = "1f1b"  # 1f1b, gpipe, zb-h1, interleaved-1f1b
     vpp: int = 1  # virtual stages per rank (interleaved)
     shape: Shape = Shape()
+    recompute: str = "none"  # activation recomputation: none, selective, full
+    recompute_layers: int = 0  # recompute only the first K blocks of each stage
+    offload: str = "none"  # model states in host memory: none, optimizer, optimizer+params
 
     @property
     def world(self) -> int:
@@ -70,7 +79,9 @@ class Case:
     def layout(self) -> Layout:
         return Layout(dp=self.dp, tp=self.tp, pp=self.pp, zero_stage=self.zero,
                       microbatch_size=self.mb, sequence_parallel=self.sp,
-                      schedule=self.schedule, virtual_stages=self.vpp)
+                      schedule=self.schedule, virtual_stages=self.vpp,
+                      recompute=self.recompute, recompute_layers=self.recompute_layers,
+                      offload=self.offload)
 
     @property
     def precision(self) -> Precision:
@@ -84,6 +95,11 @@ class Case:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
         kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
+        if self.offload != "none":
+            kind += f" off-{self.offload}"
+        if self.recompute != "none":
+            kind += f" rc-{self.recompute}" + (f"{self.recompute_layers}"
+                                               if self.recompute_layers else "")
         return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
 
 
@@ -105,6 +121,14 @@ def run_config(case: Case):
     cfg.parallel.virtual_stages = case.vpp
     cfg.parallel.zero_stage = case.zero
     cfg.parallel.sequence_parallel = case.sp
+    cfg.parallel.recompute = case.recompute
+    cfg.parallel.recompute_layers = case.recompute_layers
+    cfg.parallel.offload = case.offload
+    if case.offload.endswith("+disk"):
+        import tempfile
+
+        cfg.parallel.offload_dir = tempfile.mkdtemp(prefix="partita-plan-")
+        cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB
     return cfg
 
 
@@ -121,6 +145,10 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    if case.offload.endswith("+disk"):
+        a = replace(a, disk_host_budget_bytes=DISK_BUDGET_GB * 1e9)
+    out["host_model_states"] = host_state_bytes(model, layout, prec, stage, a)
+    out["disk_bytes"] = disk_state_bytes(model, layout, prec, stage, a)
     out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
@@ -192,6 +220,8 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     _finish_step(dp)
     out = {k: v for k, v in dp.memory_ledger().items() if k in STATE_TERMS}
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
+    out["host_model_states"] = dp.memory_ledger()["host_model_states"]
+    out["disk_bytes"] = dp.memory_ledger().get("disk_bytes", 0)
     out["activations"] = meter.peak_bytes
     out["stage"] = mesh.coord.pp
     out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})

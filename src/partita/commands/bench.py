@@ -19,6 +19,8 @@ BENCHMARKS = {
     "tp-comm": "partita.bench.tp_comm",
     "pp": "partita.bench.pp",
     "pp-bubble": "partita.bench.pp_bubble",
+    "recompute": "partita.bench.recompute",
+    "offload": "partita.bench.offload",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
 }

@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                    help="search only layouts with these values, e.g. tp=8,pp=8 or "
                         "zero_stage=1,microbatch_size=1 (any layout field)")
     p.add_argument("--all-options", action="store_true",
-                   help="also search context and expert parallelism, recomputation and "
+                   help="also search context and expert parallelism and "
                         "offload, which are modelled but not available yet in partita "
                         "train (shown as rejected, never ranked)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),

@@ -84,6 +84,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class AttentionCore(nn.Module):
+    """Causal softmax(q k^T / sqrt(d)) v: the part of attention selective recompute reruns."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -98,6 +105,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         b, s, _ = x.shape
@@ -114,7 +122,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -206,6 +214,7 @@ def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
     table["tok_embeddings"] = roles.VOCAB_EMBEDDING
     if not cfg.tie_embeddings:
         table["output"] = roles.VOCAB_HEAD
+    table["blocks.*.attn.core"] = roles.ATTENTION_CORE
     table.update({"blocks.*.attn_norm": roles.NORM, "blocks.*.mlp_norm": roles.NORM,
                   "norm": roles.NORM})
     if cfg.flavour == "gpt2":

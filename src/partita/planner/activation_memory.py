@@ -192,10 +192,39 @@ def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
     }
     terms["norm_inputs"] = 2 * norm_weight_pass_bytes(model, s * b / sp_div, precision,
                                                       assumptions)
-    if layout.recompute == "full":  # W recomputes from the layer's input, as I did
-        terms["linear_inputs"] = layer_input_bytes(model, layout, seq_len, precision)
-        terms["norm_inputs"] = 0.0
+    if layout.recompute == "full":
+        # The layer is one node of the graph (partita.memory.recompute): W re-enters it
+        # with the gradient I recorded at its output and reruns it from its input.
+        return {"layer_input": layer_input_bytes(model, layout, seq_len, precision),
+                "layer_output_grad": e * s * b * h / sp_div}
     return terms
+
+
+def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                              precision: Precision = MIXED,
+                              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """What a rerun adds while one layer's backward runs, beyond what the layer kept.
+
+    Full: the layer's whole working set, less its input where a norm saves the input
+    itself (LayerNorm, a fused norm, or an eager RMSNorm whose fp32 copy of an fp32
+    input is the input). Selective: what the attention core saves when it runs with
+    autograd (its output and the scores or, for a flash kernel, the log-sum-exp)."""
+    if layout.recompute == "none":
+        return 0.0
+    terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+    if layout.recompute == "selective":
+        return terms["attention_scores"] + terms["attention_output"]
+    shares_input = (assumptions.norm_kernel == "fused" or model.config.flavour == "gpt2"
+                    or precision.activation >= 4)
+    return sum(terms.values()) - (layer_input_bytes(model, layout, seq_len, precision)
+                                  if shares_input else 0.0)
+
+
+def recomputed_layers(layout: Layout, layers: int) -> int:
+    """How many of a stage's `layers` layers rerun (the first `recompute_layers`)."""
+    if layout.recompute == "none":
+        return 0
+    return min(layout.recompute_layers, layers) if layout.recompute_layers else layers
 
 
 def norm_weight_pass_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,

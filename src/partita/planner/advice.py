@@ -3,7 +3,7 @@
 Candidate changes are tried from least to most disruptive: first knobs that cost only
 speed (ZeRO stage, a smaller microbatch), then changes to the training run (a shorter
 sequence), then to the cluster (more GPUs, a larger GPU). Only layouts `partita train`
-runs are suggested (recompute and offload are not available yet).
+runs are suggested (offload is not available yet; recomputation is).
 Each suggestion names the change and the layout that then fits.
 """
 
@@ -20,8 +20,8 @@ from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     """Changes to one layout that does not fit in memory: the fewest knobs changed first
-    (ZeRO stage, microbatch size; recompute and offload only where `partita train` runs
-    them), the fastest result among equals; then changes to the request."""
+    (ZeRO stage, microbatch size, recompute; offload only once `partita train` runs
+    it), the fastest result among equals; then changes to the request."""
     if ev.fits or any(k != MEMORY for k, _ in ev.reasons):
         return []
     lay = ev.layout
@@ -29,9 +29,10 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     mbs = [lay.microbatch_size >> i for i in range(lay.microbatch_size.bit_length())
            if lay.microbatch_size % (lay.microbatch_size >> i) == 0]
     found: list[tuple[int, float, str]] = []
-    names = ("zero_stage", "microbatch_size")
-    for z, mb in itertools.product(zeros, mbs):
-        trial = lay.with_(zero_stage=z, microbatch_size=mb)
+    names = ("zero_stage", "microbatch_size", "recompute")
+    recomputes = [lay.recompute] + [r for r in ("selective", "full") if r != lay.recompute]
+    for z, mb, rc in itertools.product(zeros, mbs, recomputes):
+        trial = lay.with_(zero_stage=z, microbatch_size=mb, recompute=rc)
         changes = [f"{k}={getattr(trial, k)}" for k in names
                    if getattr(trial, k) != getattr(lay, k)]
         if not changes:
@@ -44,7 +45,7 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     out = [text for _, _, text in found[:limit]]
     if len(out) < limit:
         # The request changes also try the layout with every memory-saving knob turned.
-        saving = lay.with_(zero_stage=zeros[-1], microbatch_size=1)
+        saving = lay.with_(zero_stage=zeros[-1], microbatch_size=1, recompute="full")
         out += _request_changes(req, lambda r: _fits_scaled(r, lay) or _fits_scaled(r, saving),
                                 limit - len(out))
     return out[:limit]

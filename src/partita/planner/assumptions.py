@@ -144,6 +144,10 @@ class Assumptions:
     # Adam update rate of the host CPU, parameters per second per GPU's share of cores.
     cpu_adam_params_per_s: float = 1.0e9
     offload_overlap: float = 0.0  # the CPU step runs after backward, before next forward
+    # Disk offload: read + write bandwidth of one GPU's share of its node's disks, and
+    # the host memory its engine may buffer through (parallel.host_memory_budget_gb).
+    disk_bandwidth: float = 1.0e9
+    disk_host_budget_bytes: float = 1.0e9
 
     def __post_init__(self) -> None:
         if self.attention_kernel not in ("flash", "eager"):

@@ -22,6 +22,8 @@ from partita.planner.activation_memory import (
     layer_input_bytes,
     norm_bytes,
     norm_weight_pass_bytes,
+    recompute_transient_bytes,
+    recomputed_layers,
     weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
@@ -69,8 +71,9 @@ def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
     (7.5e9 parameters on 64 GPUs, mixed precision: 120 / 31.4 / 16.6 / 1.88 GB.)"""
     z, g = zero_stage, shard_degree
     on_gpu = offload == "none"
+    params_on_gpu = "+params" not in offload  # ZeRO-3 shards at rest on the host (or disk)
     return {
-        "parameters": precision.param * num_params / (g if z >= 3 else 1),
+        "parameters": params_on_gpu * precision.param * num_params / (g if z >= 3 else 1),
         "gradients": precision.grad * num_params / (g if z >= 2 else 1),
         "master_weights": on_gpu * precision.master * num_params / (g if z >= 1 else 1),
         "optimizer_states": on_gpu * precision.optimizer * num_params / (g if z >= 1 else 1),
@@ -145,14 +148,47 @@ def blocks_per_unit(block_bytes: float, layers: int, assumptions: Assumptions) -
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                     stage: int = 0) -> float:
-    """CPU memory one GPU's offloaded master weights and optimizer states take."""
+                     stage: int = 0,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """CPU memory one GPU's offloaded states take: per element of its owned slice, the
+    master copy (one is kept even for fp32 parameters: the update runs on the host),
+    both moments, a staging copy of the gradient and, under "optimizer+params", the
+    parameter shard (partita.memory.offload). Padded like `model_state_bytes`. Disk
+    offload: the engine's buffers, at most its budget (partita.memory.disk)."""
     if layout.offload == "none":
         return 0.0
-    counts = stage_param_counts(model, layout, stage)
+    owned = owned_elements(model, layout, precision, stage, assumptions)
+    per = (precision.master or precision.param) + precision.optimizer + precision.grad
+    if layout.offload.endswith("+disk"):
+        per += precision.param if "+params" in layout.offload else 0
+        return min(per * owned, assumptions.disk_host_budget_bytes)
+    if layout.offload == "optimizer+params":
+        per += precision.param
+    return per * owned
+
+
+def disk_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                     stage: int = 0,
+                     assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Disk one GPU's offloaded states take: master weights and both moments of its
+    owned slice, twice (a step reads one generation and writes the other)."""
+    if not layout.offload.endswith("+disk"):
+        return 0.0
+    per = 2 * ((precision.master or precision.param) + precision.optimizer)
+    if "+params" in layout.offload:
+        per += precision.param  # the shard, one file rewritten in place
+    return per * owned_elements(model, layout, precision, stage, assumptions)
+
+
+def owned_elements(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                   stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """Parameter elements whose optimizer state one GPU of `stage` keeps (padded like
+    `model_state_bytes` under `flat_buffer_align`)."""
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    if assumptions.flat_buffer_align:
+        counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
-    per = precision.master + precision.optimizer
-    return sum(per * n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
+    return sum(n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
 
 
 def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
@@ -164,7 +200,12 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     ZB-H1 is walked action by action (`zero_bubble_peak`): a microbatch waiting for its
     deferred W holds only what W reads."""
     layers = stage_layers(model.config.n_layers, layout.pp)[stage]
-    per_layer = layer_activation_bytes(model, layout, seq_len, precision, assumptions)
+    plain = layout.with_(recompute="none", recompute_layers=0)
+    k = recomputed_layers(layout, layers)
+    per_none = layer_activation_bytes(model, plain, seq_len, precision, assumptions)
+    # The first k layers keep what recompute keeps, the rest everything.
+    stage_bytes = (k * layer_activation_bytes(model, layout, seq_len, precision, assumptions)
+                   + (layers - k) * per_none)
     tokens = microbatch_tokens(layout, seq_len)
     ids = assumptions.token_id_bytes / 2 * tokens
     first, last = stage == 0, stage == layout.pp - 1
@@ -173,26 +214,59 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     loss_side = (logits_bytes(model, layout, seq_len, assumptions)
                  + head_input_bytes(model, layout, seq_len, precision, assumptions) + ids
                  + assumptions.loss_token_bytes * tokens)
+    whole = stage_bytes + (ids if first else 0.0) + (loss_side if last else 0.0)
+    rerun = recompute_transient_bytes(model, layout, seq_len, precision, assumptions) if k else 0.0
     if layout.schedule == "zb-h1" and layout.pp > 1:
-        whole = per_layer * layers + (ids if first else 0.0) + (loss_side if last else 0.0)
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
                                                assumptions, layers, first, last)
         total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
+        if rerun:  # I keeps the microbatch's graph whole while a layer reruns
+            total = max(total, _zero_bubble_after_forward(layout.pp, num_microbatches,
+                                                          stage, whole, deferred) + rerun)
         if last:  # the step's sum of head weight gradients, formed right after each I
             total += precision.grad * head_weight_elements(model, layout)
-    else:
-        chunks = inflight_chunks(layout, stage, num_microbatches)
-        total = per_layer * layers * chunks / layout.virtual_stages
-        if first:
-            total += ids * chunks / layout.virtual_stages  # token ids of the embedding lookup
-        if last:
-            # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
-            total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
-    if layout.recompute == "full":
-        # Backward re-runs one layer's forward and holds its full activations meanwhile.
-        total += sum(layer_activation_terms(model, layout, seq_len, precision,
-                                            assumptions).values())
+        return total
+    chunks = inflight_chunks(layout, stage, num_microbatches)
+    total = stage_bytes * chunks / layout.virtual_stages
+    if first:
+        total += ids * chunks / layout.virtual_stages  # token ids of the embedding lookup
+    if last:
+        # 1F1B runs each microbatch's backward right after its loss; GPipe holds all.
+        total += (num_microbatches if layout.schedule == "gpipe" else 1) * loss_side
+    if rerun:
+        # A whole backward (B) reaches the last rerun layer after the loss and the later
+        # layers have released what they saved; then the rerun adds its working set.
+        at_b = (total - (loss_side if last else 0.0)
+                - (layers - k) * per_none / layout.virtual_stages
+                - _released_before_rerun(model, layout, seq_len, precision, assumptions)
+                + rerun)
+        # Every stage but the first runs its last backward split (I then W, see
+        # pipeline.schedules): I keeps that microbatch's graph whole while it reruns.
+        at_split = whole + rerun if layout.pp > 1 and stage > 0 else 0.0
+        total = max(total, at_b, at_split)
     return total
+
+
+def _released_before_rerun(model: PlanModel, layout: Layout, seq_len: int,
+                           precision: Precision, assumptions: Assumptions) -> float:
+    """Selective recompute reruns the attention core halfway through its layer's
+    backward: the MLP's tensors, the output projection's input and the second norm's
+    have been released by then. (Full recompute reruns first: nothing released.)"""
+    if layout.recompute != "selective":
+        return 0.0
+    t = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+    return (t["mlp_hidden"] + t["mlp_input"] + t["attention_output"] + t["norm_inputs"] / 2
+            + t["dropout_masks"])
+
+
+def _zero_bubble_after_forward(pp: int, num_microbatches: int, stage: int, whole: float,
+                               deferred: float) -> float:
+    """What a ZB-H1 stage holds after its fullest forward (see `zero_bubble_peak`)."""
+    m, r = num_microbatches, stage
+    w = min(pp - r - 1, m)
+    if m <= w:
+        return m * whole
+    return (w + 1) * whole + min(m - 1 - w, r) * deferred
 
 
 def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -207,8 +281,11 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     e, tokens = precision.activation, microbatch_tokens(layout, seq_len)
     h, sp_div = model.config.dim, layout.tp if layout.sequence_parallel else 1
     ids = assumptions.token_id_bytes / 2 * tokens
-    per_layer = sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
-    total = per_layer * layers
+    k = recomputed_layers(layout, layers)
+    plain = layout.with_(recompute="none", recompute_layers=0)
+    total = (k * sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
+             + (layers - k) * sum(weight_pass_terms(model, plain, seq_len, precision,
+                                                    assumptions).values()))
     if first:
         total += ids + e * tokens * h / sp_div
     if last:

@@ -38,14 +38,16 @@ from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
 class SearchSpace:
     """Which options the search tries (narrow it to pin a choice).
 
-    By default only what `partita train` runs: context and expert parallelism,
-    recomputation and offload are modelled but not built yet, so they are left out.
+    By default only what `partita train` runs: context and expert parallelism are
+    modelled but not built yet, so they are left out; offload runs but is searched only
+    by `SearchSpace.everything()` (it trades step time for memory the planner's
+    default answers do not need).
     `SearchSpace.everything()` adds them; they are then judged and shown as rejected,
     "not available yet", never ranked.
     """
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = ("none",)
+    recompute: tuple[str, ...] = RECOMPUTE
     offload: tuple[str, ...] = ("none",)
     schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b", "zb-h1")
     max_microbatch: int = 16

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from partita.layout import Layout
-from partita.planner.activation_memory import layer_input_bytes
+from partita.planner.activation_memory import layer_input_bytes, recomputed_layers
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.compute import block_times, head_times, optimizer_time
 from partita.planner.hardware import Cluster
@@ -118,11 +118,16 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     m = num_microbatches(layout, global_batch)
     t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
     blk = block_times(model, layout, seq_len, gpu, a)
-    # One microbatch through one block, forward and backward, with recomputation:
-    # full repeats the whole forward, selective only the attention core.
-    recompute_s = {"none": 0.0, "selective": blk.attention_core_fwd, "full": blk.fwd}[
+    # Recomputation reruns the forward of recompute_layers = K of a stage's layers (all
+    # of them by default): full the whole block (4 passes for 3), selective only the
+    # attention core; a zero-bubble split reruns it in I and again in W
+    # (partita.memory.recompute).
+    per_stage = max(1, c.n_layers // pp)
+    share = recomputed_layers(layout, per_stage) / per_stage
+    reruns = 2.0 if layout.schedule == "zb-h1" and pp > 1 else 1.0
+    rerun_s = {"none": 0.0, "selective": blk.attention_core_fwd, "full": blk.fwd}[
         layout.recompute]
-    layer_s = blk.fwd + blk.bwd + recompute_s
+    layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a)
     head_s = head_fwd + head_bwd
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
@@ -134,7 +139,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # Tensor parallel: 2 collectives forward, 2 backward (+2 when recomputing forward),
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
     act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
-    tp_colls = 4 + (2 if layout.recompute == "full" else 0)
+    tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
@@ -240,6 +245,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         shard = local / (n if z >= 1 else 1)
         moved = (precision.grad + precision.param) * shard
         offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
+        if layout.offload.endswith("+disk"):  # master and moments read and written back
+            states = (precision.master or precision.param) + precision.optimizer
+            offload_s += 2 * states * shard / a.disk_bandwidth
         offload_s *= 1 - a.offload_overlap
 
     step = pipeline_s + pp_exposed + dp_exposed + offload_s + optim_s

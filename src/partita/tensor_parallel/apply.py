@@ -119,6 +119,7 @@ def verify_tensor_parallel(model: nn.Module, plan: roles.ModelPlan,
         roles.VOCAB_HEAD: (VocabParallelHead,),
         roles.NORM: (SequenceParallelNorm,) if sequence_parallel else (nn.Module,),
         roles.POSITIONS: (SequenceShardedPositions,) if sequence_parallel else (nn.Embedding,),
+        roles.ATTENTION_CORE: (nn.Module,),  # parameter-free: computes on local heads as is
     }
     wrong = [f"{n} ({r}: {type(m).__name__})" for n, m in model.named_modules()
              if n and (r := plan.role_of(n)) is not None and not isinstance(m, expected[r])]

@@ -60,10 +60,14 @@ class ParallelDropout(nn.Module):
                                               generator=self.rng.generator(self.kind, x.device))
         return x * keep / (1.0 - self.p)
 
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The generator this dropout draws from on `device` (recomputation restores it)."""
+        return self.rng.generator(self.kind, device)
+
     def checkpointed_generators(self, device: torch.device) -> dict[str, torch.Generator]:
         """The random stream this module draws from, by a name that is the same on every
         run of the layout (checkpoints save and restore it)."""
-        return {f"tp_dropout/{self.kind}": self.rng.generator(self.kind, device)}
+        return {f"tp_dropout/{self.kind}": self.generator(device)}
 
     def extra_repr(self) -> str:
         return f"p={self.p}, masks {self.kind} over tp"

@@ -33,6 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from partita.errors import PartitaError
+from partita.memory.disk import DiskOptimizer
+from partita.memory.offload import HostOptimizer, OffloadPolicy, host_empty, stage_in
 from partita.mesh import Mesh
 from partita.optim import (
     AdamWConfig,
@@ -82,8 +84,15 @@ class DataParallel:
                  precision: MixedPrecision | None = None,
                  optim: AdamWConfig | None = None, blocks: BlockSpec = None,
                  init_fn: InitFn | None = None, device: torch.device | None = None,
-                 bucket_key: Callable[[str], object] | None = None) -> None:
+                 bucket_key: Callable[[str], object] | None = None,
+                 offload: OffloadPolicy | None = None) -> None:
         zero, precision = zero or ZeroConfig(), precision or MixedPrecision()
+        self.offload = offload = offload or OffloadPolicy()
+        if offload.params and not zero.stage.shards_parameters:
+            raise PartitaError(
+                f"parallel.offload={offload.mode} keeps parameter shards in host memory, "
+                f"but ZeRO stage {int(zero.stage)} has no parameter shards; use "
+                "parallel.zero_stage=3, or parallel.offload=optimizer.")
         optim = optim or AdamWConfig()
         self.module, self.mesh, self.zero = module, mesh, zero
         self.precision, self.optim = precision, optim
@@ -111,7 +120,11 @@ class DataParallel:
             self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
             for buf in self.buckets:
                 buf.materialize_shard(init_fn)
-            self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch)
+            if offload.params and not offload.disk:
+                for buf in self.buckets:  # at rest on the host; copied in per gather
+                    buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
+            self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
+                                          self._stage_in if offload.params else None)
         else:
             # A small first and last bucket buy overlap where collectives run beside the
             # backward (NCCL on its own streams). On CPU the reduction takes turns with
@@ -132,14 +145,34 @@ class DataParallel:
                                              device=device)
         # AdamW state of each bucket's owned slice, and the ranges of it that the global
         # gradient norm counts on this rank.
-        self.slots = [AdamWState.for_slice(self._owned_param(buf), precision.master,
-                                           buf.decay_ranges(*self._owned_range(buf)))
-                      for buf in self.buckets]
+        decay = [buf.decay_ranges(*self._owned_range(buf)) for buf in self.buckets]
+        self.host: HostOptimizer | None = None
+        self.disk: DiskOptimizer | None = None
+        if offload.disk:  # master weights and moments in files (ZeRO-Infinity)
+            self.disk = DiskOptimizer.create(
+                [self._owned_param(b) for b in self.buckets],
+                [self._owned_grad(b).dtype for b in self.buckets], decay, precision.master,
+                offload.directory, offload.budget_bytes, f"rank{mesh.rank}",
+                params_on_disk=offload.params)
+            self.slots = []
+            if offload.params:  # the shards are in files now; read per gather
+                for buf in self.buckets:
+                    buf.shard = torch.empty(0, dtype=dtype, device=device)
+        elif offload.optimizer:  # master weights and moments in host memory (ZeRO-Offload)
+            self.host = HostOptimizer.create([self._owned_param(b) for b in self.buckets],
+                                             [self._owned_grad(b).dtype for b in self.buckets],
+                                             decay, precision.master, device)
+            self.slots = self.host.slots
+        else:
+            self.slots = [AdamWState.for_slice(self._owned_param(buf), precision.master, d)
+                          for buf, d in zip(self.buckets, decay)]
         self.counted = [self._counted_ranges(buf) for buf in self.buckets]
         # The optimizer casts gradients of another dtype than the master in chunks.
         cast = any(self._owned_grad(b).dtype != precision.master for b in self.buckets)
         largest = max((s.exp_avg.numel() for s in self.slots), default=1)
-        self.adam_scratch = adamw_scratch(largest if cast else 0, precision.master, device)
+        on_device = self.host is None and self.disk is None
+        self.adam_scratch = adamw_scratch(largest if cast and on_device else 0,
+                                          precision.master, device)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulates_in_full_buffer,
                                    self.gatherer.done if self.gatherer else None)
@@ -267,10 +300,25 @@ class DataParallel:
         self.wait_params()
         # Forward order (last bucket first), so that the all-gathers of stages 1 and 2
         # arrive in the order the next forward needs them.
-        for b in reversed(range(len(self.buckets))):
+        order = list(reversed(range(len(self.buckets))))
+        if self.disk is not None:
+            self.disk.step(order, [self._owned_param(b) for b in self.buckets],
+                           [self._owned_grad(b) for b in self.buckets], self.step_count, lr,
+                           self.optim)
+            order = []  # updated; stages 1-2 still gather below
+            if self.param_sync is not None:
+                for b in reversed(range(len(self.buckets))):
+                    self.param_sync.launch(b)
+        if self.host is not None:  # every gradient's copy to host first, then the updates
+            self.host.stream_grads([self._owned_grad(b) for b in self.buckets], order)
+        for b in order:
             buf = self.buckets[b]
-            self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
-                                self.step_count, lr, self.optim, self.adam_scratch)
+            if self.host is not None:
+                self.host.step(b, self._owned_param(buf), self.step_count, lr, self.optim,
+                               host_shard=self.offload.params)
+            else:
+                self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
+                                    self.step_count, lr, self.optim, self.adam_scratch)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
@@ -297,6 +345,9 @@ class DataParallel:
         """Full parameters visible in dp.module inside the block (gathered in stage 3).
         With writeback=True, changes made there (identically on every rank) are kept:
         each rank copies its owned slice back into its shard and master weights."""
+        if writeback and self.disk is not None:
+            raise PartitaError("writing parameters back under disk offload is not supported "
+                               "yet; load a checkpoint into a run without disk offload.")
         with torch.no_grad():
             self.wait_params()
             if self.gatherer is None:
@@ -311,7 +362,21 @@ class DataParallel:
                         buf.shard.copy_(buf.full[buf.lo:buf.hi])
                     self._refresh_master()
 
+    def _stage_in(self, buf: FlatBuffer) -> torch.Tensor:
+        """Stage 3 with parameters offloaded: the shard onto the device to be gathered,
+        from host memory or from its file."""
+        b = self.buckets.index(buf)
+        if self.disk is not None:
+            self.disk.copies.append(("param-in", b, 0))
+            return self.disk.read_param(b, self.device)
+        assert self.host is not None
+        self.host.copies.append(("param-in", b))
+        return stage_in(buf.shard, self.device)
+
     def _refresh_master(self) -> None:
+        if self.disk is not None:
+            raise PartitaError("writing parameters back under disk offload is not supported "
+                               "yet; load a checkpoint into a run without disk offload.")
         for buf, slot in zip(self.buckets, self.slots):
             slot.load_param_(self._owned_param(buf))
 
@@ -326,15 +391,30 @@ class DataParallel:
         grads = sum(_nbytes(b.shard_grad)
                     + (0 if self.stage.shards_gradients else _nbytes(b.full_grad))
                     for b in self.buckets)
+        host = self.host.bytes() if self.host is not None else {}
+        if self.disk is not None:  # the engine's bounded buffers; the states are on disk
+            host = {"optimizer_buffers": self.disk.buffer_bytes()}
+        if self.offload.params and self.disk is None:
+            host["parameters"] = params
+            params = 0
+        on_device = self.host is None
         out = {
             "parameters": params,
             "gradients": grads,
-            "master_weights": sum(_nbytes(s.master) for s in self.slots),
-            "optimizer_states": sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq)
-                                    for s in self.slots),
+            "master_weights": on_device * sum(_nbytes(s.master) for s in self.slots),
+            "optimizer_states": on_device * sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq)
+                                                for s in self.slots),
             "comm_buffers": self.reducer.live_bytes,
         }
         out["model_states"] = sum(out.values())
+        # Host memory (offload): master weights, moments, the gradients' staging buffers
+        # and, under "optimizer+params", the parameter shards.
+        for name in ("parameters", "gradients", "master_weights", "optimizer_states"):
+            out[f"host_{name}"] = host.get(name, 0)
+        out["host_model_states"] = sum(host.values())
+        if self.disk is not None:
+            out["host_optimizer_buffers"] = host["optimizer_buffers"]
+            out["disk_bytes"] = self.disk.disk_bytes()
         out["comm_buffers_peak"] = self.reducer.peak_bytes
         out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most one adamw chunk
         if self.gatherer is not None:
@@ -345,7 +425,14 @@ class DataParallel:
     def owned_slices(self) -> list[OwnedSlice]:
         """Per bucket, what this rank's optimizer updates: the flat range, the pieces of
         parameters in it and the tensors holding their values and AdamW state (views of
-        the engine's own buffers). Checkpoints read and write training state here."""
+        the engine's own buffers; host memory under offload). Checkpoints read and
+        write training state here."""
+        if self.disk is not None:
+            raise PartitaError(
+                "checkpoints are not available under disk offload yet (the optimizer state "
+                "lives in files the checkpoint would have to copy); use "
+                "parallel.offload=optimizer or none to checkpoint this run."
+            )
         self.wait_params()
         out = []
         for buf, slot in zip(self.buckets, self.slots):

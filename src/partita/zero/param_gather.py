@@ -19,6 +19,7 @@ never on timing, so every rank issues the same all-gathers in the same order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -68,8 +69,13 @@ class ParamGatherer:
 
     def __init__(self, module: nn.Module, root: FlatBuffer | None,
                  blocks: list[tuple[tuple[nn.Module, ...], FlatBuffer]], comm: GroupComm,
-                 prefetch: int) -> None:
+                 prefetch: int,
+                 stage_in: Callable[[FlatBuffer], torch.Tensor] | None = None) -> None:
         self.root, self.blocks, self.comm, self.prefetch = root, blocks, comm, prefetch
+        # Shards at rest in host memory (offload): the device copy each gather reads,
+        # kept until that gather is done.
+        self.stage_in = stage_in
+        self.staged: dict[int, torch.Tensor] = {}
         self.pending: dict[int, object] = {}
         self.gathered: dict[int, FlatBuffer] = {}
         self.in_backward: set[int] = set()
@@ -88,8 +94,11 @@ class ParamGatherer:
         if id(buf) in self.gathered or id(buf) in self.pending:
             return
         buf.allocate_full()
+        shard = buf.shard
+        if self.stage_in is not None:
+            shard = self.staged[id(buf)] = self.stage_in(buf)
         # The collective writes every slot, this rank's own included, from the shard.
-        self.pending[id(buf)] = self.comm.all_gather_flat(buf.full, buf.shard, async_op=True)
+        self.pending[id(buf)] = self.comm.all_gather_flat(buf.full, shard, async_op=True)
         self.live_bytes += buf.full.numel() * buf.full.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
@@ -98,6 +107,7 @@ class ParamGatherer:
         work = self.pending.pop(id(buf), None)
         if work is not None:
             work.wait()
+            self.staged.pop(id(buf), None)
             buf.bind()
             self.gathered[id(buf)] = buf
 
@@ -105,6 +115,7 @@ class ParamGatherer:
         work = self.pending.pop(id(buf), None)
         if work is not None:  # never drop memory an in-flight gather writes into
             work.wait()
+            self.staged.pop(id(buf), None)
         if buf.full_allocated:
             self.live_bytes -= buf.full.numel() * buf.full.element_size()
             buf.free_full()

@@ -1,0 +1,229 @@
+"""Activation recomputation: keep less for backward, run forward again to get it back.
+
+    policy = RecomputePolicy("full", layers=0)       # or "selective"; layers=K: first K
+    report = apply_recompute(model, plan, policy)    # blocks of this rank's stage(s)
+
+Full: a block runs its forward without recording a graph and keeps only its input (and
+the random-number states its dropouts drew from); backward runs the forward again, this
+time recording, and differentiates that. Selective (Korthikanti et al. 2022): only the
+attention core (scores, softmax, dropout on them, the product with V) is rerun; the
+projections, norms and MLP keep what they saved. The model names its attention core in
+its plan (the `ATTENTION_CORE` role): a parameter-free module called as core(q, k, v).
+
+Both are one autograd function, `_Recomputed`, wrapped around a module's forward. Its
+inputs are the tensors of the call and the module's parameters, so the graph has an
+edge from it to every parameter. That is what makes it compose:
+
+- ZeRO-3 gathers a block around its forward and again when backward reaches its output
+  (`zero.param_gather`); the rerun happens inside that second gather, and the engine
+  frees the unit when the parameter gradients this function returns have arrived.
+- A zero-bubble pipeline splits backward into I (input gradient) and W (weight
+  gradients) along the graph (`pipeline.backward`): this function is the node on the
+  input path whose edges lead to the block's parameters, so I calls it asking for the
+  input gradient only and W re-enters it asking for the parameters only. Each pass
+  reruns the forward and computes only what the engine will use (autograd tells which
+  edges it executes); W reruns from the block's input, which is all it keeps.
+- Dropout: the states of every generator the module's dropouts draw from (torch's
+  default generators and tensor parallelism's region generators) are recorded before
+  the first forward and restored around each rerun, so the rerun draws the same masks;
+  the generators are put back afterwards, so later forwards draw what they would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
+
+from partita.errors import PartitaError
+from partita.models import plan as roles
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """What to recompute: `mode` one of MODES; `layers` K > 0: only the first K blocks
+    of each pipeline stage this rank holds (0: all of them)."""
+
+    mode: str = "none"
+    layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise PartitaError(f"recompute={self.mode!r} is unknown; choose one of "
+                               f"{', '.join(MODES)}.")
+        if self.layers < 0:
+            raise PartitaError(f"recompute_layers={self.layers} must be 0 or more.")
+
+
+@dataclass
+class RecomputeReport:
+    """Which modules rerun their forward in backward (names as in the model)."""
+
+    mode: str
+    modules: list[str]
+
+
+class _RNGState:
+    """The states of the generators a module's forward may draw from."""
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        self.device = device
+        # A module that draws from a generator of its own (tensor parallelism's
+        # ParallelDropout) names it through `generator(device)`.
+        self.generators = [m.generator(device) for m in module.modules()
+                           if callable(getattr(m, "generator", None))]
+        self.states = self.read()
+
+    def read(self) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(self.device))
+        return states + [g.get_state() for g in self.generators]
+
+    def write(self, states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(states[0])
+        rest = states[1:]
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(rest[0], self.device)
+            rest = rest[1:]
+        for g, s in zip(self.generators, rest):
+            g.set_state(s)
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    return t.view_as(t) if t.requires_grad else t
+
+
+def _node(t: torch.Tensor):
+    return get_gradient_edge(t).node if t.requires_grad else None
+
+
+class _Recomputed(torch.autograd.Function):
+    """forward(run, rng, params, n, *inputs, *edges) -> run(*inputs), keeping `inputs`.
+
+    `params` are the module's parameters, which the rerun differentiates; `edges` are
+    aliases of them (one view each), the function's inputs through which their
+    gradients leave. Aliases of the inputs and parameters, not the tensors themselves,
+    because autograd can say whether it will run a node of the graph but not, inside
+    `torch.autograd.grad`, whether it will capture a leaf's gradient."""
+
+    @staticmethod
+    def forward(ctx, run, rng: _RNGState, params: list[torch.Tensor], n_inputs: int,
+                *tensors):
+        inputs = tensors[:n_inputs]
+        ctx.run, ctx.rng, ctx.params, ctx.n_inputs = run, rng, params, n_inputs
+        ctx.save_for_backward(*inputs)
+        # Which of our edges autograd will run in a given backward (see `backward`).
+        ctx.nodes = [_node(t) for t in tensors]
+        with torch.no_grad():
+            out = run(*inputs)
+        ctx.is_tuple = isinstance(out, tuple)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        # I of a split backward asks for the input gradient only, W for the parameters'
+        # only; a whole backward for both. Compute just what this pass executes.
+        wanted = [node is not None and torch._C._will_engine_execute_node(node)
+                  for node in ctx.nodes]
+        skip = (None, None, None, None)
+        if not any(wanted):
+            return skip + (None,) * len(wanted)
+        now = ctx.rng.read()
+        ctx.rng.write(ctx.rng.states)
+        try:
+            with torch.enable_grad():
+                detached = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+                out = ctx.run(*detached)
+        finally:
+            ctx.rng.write(now)
+        outs = out if ctx.is_tuple else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads)
+                 if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        targets = [t for t, w in zip(list(detached) + list(ctx.params), wanted) if w]
+        found = iter(torch.autograd.grad([o for o, _ in pairs], targets,
+                                         [g for _, g in pairs], allow_unused=True)
+                     if pairs else [None] * len(targets))
+        return skip + tuple(next(found) if w else None for w in wanted)
+
+
+class RecomputedForward:
+    """Replaces `module.forward`: the original forward, under `_Recomputed` while
+    autograd records. Tensor positional arguments are differentiated; keyword arguments
+    and other positional ones are passed through as constants."""
+
+    def __init__(self, module: nn.Module, forward: Callable) -> None:
+        self.module, self.forward = module, forward
+
+    def __call__(self, *args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not torch.is_grad_enabled() or not tensors:
+            return self.forward(*args, **kwargs)
+        for v in kwargs.values():
+            if isinstance(v, torch.Tensor) and v.requires_grad:
+                raise PartitaError(
+                    f"recompute of {type(self.module).__name__}: keyword argument tensors "
+                    "that require gradients are not supported; pass them positionally.")
+        slots = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def run(*xs):
+            full = list(args)
+            for i, x in zip(slots, xs):
+                full[i] = x
+            return self.forward(*full, **kwargs)
+
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        rng = _RNGState(self.module, tensors[0].device)
+        edges = [_alias(t) for t in tensors] + [p.view_as(p) for p in params]
+        return _Recomputed.apply(run, rng, params, len(tensors), *edges)
+
+
+def recompute_module(module: nn.Module) -> None:
+    """Make `module` rerun its forward in backward (idempotent)."""
+    if isinstance(module.__dict__.get("forward"), RecomputedForward):
+        return
+    module.forward = RecomputedForward(module, module.forward)
+
+
+def _stage_blocks(model: nn.Module, plan: roles.ModelPlan) -> list[tuple[str, nn.Module]]:
+    container = model.get_submodule(plan.blocks)
+    return [(f"{plan.blocks}.{k}", m) for k, m in container.items()]
+
+
+def apply_recompute(model: nn.Module, plan: roles.ModelPlan,
+                    policy: RecomputePolicy) -> RecomputeReport:
+    """Wrap the blocks (full) or their attention cores (selective) that `policy` names.
+
+    `model` holds this rank's blocks only (after the pipeline cut), so "the first K
+    blocks of each stage" are its first K blocks."""
+    if policy.mode == "none":
+        return RecomputeReport("none", [])
+    blocks = _stage_blocks(model, plan)
+    if not blocks and not any(True for _ in model.get_submodule(plan.blocks).children()):
+        raise PartitaError(
+            f"recompute={policy.mode}: the model has no blocks under '{plan.blocks}' to "
+            "recompute; use recompute=none.")
+    if policy.layers:
+        blocks = blocks[:policy.layers]
+    chosen: list[tuple[str, nn.Module]] = []
+    if policy.mode == "full":
+        chosen = blocks
+    else:
+        for name, block in blocks:
+            cores = [(f"{name}.{n}", m) for n, m in block.named_modules()
+                     if n and plan.role_of(f"{name}.{n}") == roles.ATTENTION_CORE]
+            if not cores:
+                raise PartitaError(
+                    f"recompute=selective reruns the attention core, but the model's plan "
+                    f"names none in {name} (the '{roles.ATTENTION_CORE}' role). Add it to "
+                    "the plan, or use recompute=full.")
+            chosen += cores
+    for _, module in chosen:
+        recompute_module(module)
+    return RecomputeReport(policy.mode, [n for n, _ in chosen])

@@ -1,0 +1,155 @@
+"""Disk offload (`parallel.offload=optimizer+disk`, partita.memory.disk).
+
+Parity: float64, dp=2 ZeRO-1 and ZeRO-3 against one process within 1e-10, through
+sub-groups far smaller than a bucket. The budget: a model whose optimizer states are
+more than 4x the budget trains with the engine's host buffers within the budget and
+losses equal to the in-memory run's. The order of reads, updates and writes; the
+files' two generations; and bad input: a missing, unwritable or too small directory
+and a budget below one sub-group fail before training, a read that fails mid-run names
+the file and leaves the previous state whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from partita.errors import PartitaError
+from partita.memory.disk import MIN_SUBGROUP, SETS, DiskOptimizer
+from partita.mesh import Mesh
+from partita.optim import AdamWConfig
+from partita.parallelize import build_parallel_model, check_layout
+from partita.testing import Case, check_layouts, parity_config, train_layout
+
+STEPS = 3
+NOISE = ("attn.wk.bias",)  # zero in exact arithmetic (see test_pipeline_parity.py)
+BUDGET_GB = 0.0005  # 500 kB: 5208 float64 elements per sub-group
+
+
+WIDER = dict(dim=64, vocab_size=256)  # 131k parameters: 3.1 MB of float64 states
+
+
+def _cfg(directory: str, budget_gb: float = BUDGET_GB, model: dict | None = None,
+         **parallel):
+    parallel.setdefault("offload", "optimizer+disk")
+    parallel.setdefault("bucket_mb", 0.01)
+    return parity_config(model=model or {},
+                         parallel=dict(offload_dir=directory,
+                                       host_memory_budget_gb=budget_gb, **parallel))
+
+
+def test_two_ranks_match_one_process(tmp_path: Path) -> None:
+    cases = [Case("dp2-zero1-disk", _cfg(str(tmp_path), dp=2, zero_stage=1), params=True),
+             Case("dp2-zero3-params-disk", _cfg(str(tmp_path), dp=2, zero_stage=3,
+                                                offload="optimizer+params+disk"), params=True)]
+    check_layouts(cases, 2, STEPS, skip_params=NOISE, timeout=200)
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "optimizer+disk"),
+                                           (3, "optimizer+params+disk")])
+def test_states_four_times_the_budget_train_as_in_memory(tmp_path: Path, stage: int,
+                                                         offload: str) -> None:
+    """Optimizer states (master weights and two moments, float64) over 4x the budget:
+    the engine's host buffers stay within it, and the losses are the in-memory run's.
+    With the parameters on disk too, no parameter is resident between gathers."""
+    cfg = _cfg(str(tmp_path), model=WIDER, zero_stage=stage, offload=offload, bucket_mb=1.0)
+    disk = train_layout(0, 1, cfg, STEPS)
+    memory = train_layout(0, 1, parity_config(model=WIDER, parallel=dict(
+        bucket_mb=1.0, zero_stage=stage)), STEPS)
+    assert disk["losses"] == memory["losses"] and disk["val"] == memory["val"]
+    ledger = disk["ledger"]
+    params = memory["ledger"]["parameters"] if "+params" in offload else 0
+    assert ledger["parameters"] == memory["ledger"]["parameters"] - params
+    # On disk, per generation: a float64 master copy and both moments of every element
+    # (and the parameter shards, one file rewritten in place).
+    states = (ledger["disk_bytes"] - params) // 2
+    assert states == 3 * memory["ledger"]["optimizer_states"] // 2
+    budget = BUDGET_GB * 1e9
+    assert ledger["master_weights"] == ledger["optimizer_states"] == 0
+    assert states > 4 * budget
+    assert ledger["host_model_states"] == ledger["host_optimizer_buffers"] <= budget
+
+
+def _disk(tmp_path: Path, sizes: list[int], budget: int) -> tuple[DiskOptimizer, list]:
+    params = [torch.randn(n, dtype=torch.float64) for n in sizes]
+    decay = [[(0, n // 2)] for n in sizes]
+    disk = DiskOptimizer.create(params, [torch.float64] * len(sizes), decay, torch.float64,
+                                str(tmp_path), budget, "t")
+    return disk, params
+
+
+def test_sub_groups_are_read_updated_written_in_order(tmp_path: Path) -> None:
+    per_set = 4 * 8 * MIN_SUBGROUP
+    disk, params = _disk(tmp_path, [3 * MIN_SUBGROUP, MIN_SUBGROUP + 5], SETS * per_set)
+    assert disk.subgroup == MIN_SUBGROUP
+    grads = [torch.randn_like(p) for p in params]
+    expect = [p.clone() for p in params]
+    disk.step([1, 0], params, grads, 1, 1e-2, AdamWConfig())
+    tasks = [(1, 0), (1, MIN_SUBGROUP), (0, 0), (0, MIN_SUBGROUP), (0, 2 * MIN_SUBGROUP)]
+    assert disk.copies == [(k, b, a) for b, a in tasks for k in ("read", "adam", "write")]
+    assert disk.generation == 1
+    # The same update as AdamW over the whole slice in memory.
+    from partita.optim import adamw_, adamw_scratch
+
+    for b, p in enumerate(expect):
+        m, v = torch.zeros_like(p), torch.zeros_like(p)
+        adamw_(p, grads[b], m, v, 1, 1e-2, AdamWConfig(), [(0, p.numel() // 2)],
+               adamw_scratch(0, p.dtype, p.device))
+        assert torch.equal(params[b], p)
+        assert torch.equal(disk.read_states(b)["exp_avg"], m)
+
+
+def test_a_failed_read_names_the_file_and_keeps_the_last_state(tmp_path: Path) -> None:
+    disk, params = _disk(tmp_path, [2 * MIN_SUBGROUP], SETS * 4 * 8 * MIN_SUBGROUP)
+    grads = [torch.randn_like(params[0])]
+    disk.step([0], params, grads, 1, 1e-2, AdamWConfig())
+    kept = disk.read_states(0)
+    current = disk.paths[0][disk.generation]
+    saved = current.read_bytes()
+    os.truncate(current, 8 * MIN_SUBGROUP)  # the moments are gone from the file
+    with pytest.raises(PartitaError, match=str(current)):
+        disk.step([0], params, grads, 2, 1e-2, AdamWConfig())
+    assert disk.generation == 1  # not advanced: the failed step is not current
+    current.write_bytes(saved)  # (a restored file: the state read back is the last one)
+    assert all(torch.equal(disk.read_states(0)[k], kept[k]) for k in kept)
+
+
+def test_bad_directory_or_budget_fails_before_training(tmp_path: Path, monkeypatch) -> None:
+    def check(cfg) -> None:
+        check_layout(cfg, cfg.model_config(), cfg.layout(1), 1)
+
+    with pytest.raises(PartitaError, match="not an existing directory"):
+        check(_cfg(str(tmp_path / "missing")))
+    with pytest.raises(PartitaError, match="not an existing directory"):
+        check(_cfg(""))
+    with pytest.raises(PartitaError, match="smaller than one disk-offload sub-group"):
+        check(_cfg(str(tmp_path), budget_gb=1e-6))
+    free = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: free._replace(free=1000))
+    with pytest.raises(PartitaError, match="has 1,000 bytes free, but disk offload needs"):
+        check(_cfg(str(tmp_path)))
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(PartitaError, match="not writable"):
+            check(_cfg(str(locked)))
+    check(_cfg(str(tmp_path)))  # a good one passes
+    with pytest.raises(PartitaError, match="sub-group"):  # the engine refuses it too
+        build_parallel_model(_cfg(str(tmp_path), budget_gb=1e-6), Mesh(
+            _cfg(str(tmp_path)).layout(1).degrees, 0, 1), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_buffers_stay_within_the_budget(tmp_path: Path, grad_dtype: torch.dtype) -> None:
+    """Buffer sets and, for gradients of another dtype, the cast's scratch."""
+    budget = 1_000_000
+    params = [torch.zeros(300_000)]
+    disk = DiskOptimizer.create(params, [grad_dtype], [[]], torch.float32, str(tmp_path),
+                                budget, "b")
+    assert disk.subgroup < params[0].numel()
+    assert budget - 64 * SETS < disk.buffer_bytes() <= budget

@@ -1,0 +1,151 @@
+"""Offload of model states to host memory (partita.memory.offload in the ZeRO engine).
+
+On a CPU machine host and device are one memory, so what can be checked is: parity
+(float64 within 1e-10 of one process, and bitwise the same layout without offload,
+mixed precision included), the ledger (which bytes are "device" and which "host",
+exactly the owned slices), the order of the copies (every gradient to host before the
+updates, each bucket's update between its gradient's arrival and its parameters'
+return, in the order the next forward needs them; under optimizer+params each gather
+preceded by its shard's copy in), the checkpoint accessor, and bad settings.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partita.errors import PartitaError
+from partita.layout import Layout, validate
+from partita.mesh import Mesh
+from partita.memory import OffloadPolicy
+from partita.models.model_config import ModelConfig
+from partita.models.transformer import build_model
+from partita.parallelize import build_parallel_model
+from partita.testing import PARITY_MODEL, Case, check_layouts, parity_config, run_layouts
+from partita.zero import DataParallel, ZeroConfig
+from tests.dist.pipeline_cases import pipeline_config
+
+STEPS = 3
+NOISE = ("attn.wk.bias",)  # zero in exact arithmetic (see test_pipeline_parity.py)
+
+
+def _cfg(**parallel):
+    return parity_config(parallel=dict(bucket_mb=0.01, **parallel))
+
+
+TWO = [
+    Case("dp2-zero1-optimizer", _cfg(dp=2, zero_stage=1, offload="optimizer"), params=True),
+    Case("dp2-zero3-optimizer+params", _cfg(dp=2, zero_stage=3, offload="optimizer+params"),
+         params=True),
+    Case("tp2-optimizer", _cfg(tp=2, offload="optimizer"), params=True),
+    Case("pp2-zb-optimizer", pipeline_config(schedule="zb-h1", offload="optimizer"),
+         params=True),
+]
+
+
+def test_two_ranks_match_one_process() -> None:
+    check_layouts(TWO, 2, STEPS, skip_params=NOISE, timeout=200)
+
+
+def test_mixed_precision_is_bitwise_the_run_without_offload(tmp_path) -> None:
+    """bf16 parameters, fp32 master weights: on the host, on disk or not, the same
+    numbers (the disk case: partita.memory.disk, sub-groups of a 0.5 MB budget)."""
+    def case(zero: int, off: str) -> Case:
+        cfg = parity_config(parallel=dict(dp=2, zero_stage=zero, offload=off, bucket_mb=0.01,
+                                          offload_dir=str(tmp_path),
+                                          host_memory_budget_gb=0.0005),
+                            train=dict(dtype="bfloat16"))
+        return Case(f"z{zero}-{off}", cfg, params=True)
+    cases = [case(2, "none"), case(2, "optimizer"), case(3, "none"),
+             case(3, "optimizer+params"), case(3, "optimizer+params+disk")]
+    runs = run_layouts(cases, 2, STEPS, timeout=200)
+    for base, other in ((runs[0], runs[1]), (runs[2], runs[3]), (runs[2], runs[4])):
+        for rank in range(2):
+            assert other[rank]["losses"] == base[rank]["losses"]
+            assert other[rank]["norms"] == base[rank]["norms"]
+            for name, (_, value) in base[rank]["params"].items():
+                assert torch.equal(other[rank]["params"][name][1], value), name
+
+
+def _engine(stage: int, offload: str, dtype: str = "float64") -> DataParallel:
+    cfg = _cfg(zero_stage=stage, offload=offload)
+    cfg.train.dtype = dtype
+    return build_parallel_model(cfg, Mesh(cfg.layout(1).degrees, 0, 1), torch.device("cpu")).dp
+
+
+def _train_step(dp: DataParallel) -> None:
+    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(0))
+    logits = dp.module(tokens[:, :-1])
+    dp.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+    dp.finish_grad_sync()
+    dp.clip_grad_norm_(1.0)
+    dp.step()
+    dp.zero_grad()
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "optimizer"), (3, "optimizer+params")])
+def test_ledger_puts_offloaded_states_on_the_host(stage: int, offload: str) -> None:
+    plain, off = _engine(stage, "none", "bfloat16"), _engine(stage, offload, "bfloat16")
+    a, b = plain.memory_ledger(), off.memory_ledger()
+    owned = sum(s.exp_avg.numel() for s in off.slots)  # elements this rank updates
+    assert b["master_weights"] == b["optimizer_states"] == 0
+    assert b["host_master_weights"] == 4 * owned  # fp32 master of bf16 parameters
+    assert b["host_optimizer_states"] == a["optimizer_states"] == 8 * owned
+    assert b["host_gradients"] == 2 * owned  # staging for the bf16 gradients
+    assert b["gradients"] == a["gradients"]  # the reduced gradients stay on the device
+    if offload == "optimizer+params":
+        assert b["parameters"] == 0 and b["host_parameters"] == a["parameters"] == 2 * owned
+    else:
+        assert b["parameters"] == a["parameters"] and b["host_parameters"] == 0
+    assert b["host_model_states"] == sum(b[k] for k in b if k.startswith("host_")
+                                         and k != "host_model_states")
+    assert all(t.device.type == "cpu" for s in off.slots for t in (s.master, s.exp_avg))
+
+
+def test_copies_run_in_order() -> None:
+    dp = _engine(3, "optimizer+params")
+    buckets = len(dp.buckets)
+    assert buckets > 2  # several gather units: the order means something
+    _train_step(dp)
+    copies = dp.host.copies
+    gathers = [b for kind, b in copies if kind == "param-in"]
+    # Each unit's shard is copied in before each of its gathers: forward (the root group,
+    # the last bucket, first), then backward from the last block (the root stays).
+    blocks_forward = list(reversed(range(buckets - 1)))
+    assert gathers == [buckets - 1] + blocks_forward + blocks_forward[::-1]
+    step = [c for c in copies if c[0] != "param-in"]
+    order = list(reversed(range(buckets)))
+    assert step[:buckets] == [("d2h", b) for b in order]  # every gradient first
+    assert step[buckets:] == [(k, b) for b in order for k in ("adam", "shard")]
+    dp0 = _engine(1, "optimizer")
+    _train_step(dp0)
+    assert [k for k, _ in dp0.host.copies] == (["d2h"] * len(dp0.buckets)
+                                               + ["adam", "h2d"] * len(dp0.buckets))
+
+
+def test_checkpoint_accessor_returns_the_host_shards() -> None:
+    dp = _engine(2, "optimizer", "bfloat16")
+    _train_step(dp)
+    slices = dp.owned_slices()
+    assert len(slices) == len(dp.buckets)
+    for sl, slot in zip(slices, dp.slots):
+        assert sl.master is slot.master and sl.master.dtype == torch.float32
+        assert sl.master.device.type == "cpu"
+        assert sl.exp_avg is slot.exp_avg and sl.exp_avg.abs().sum() > 0
+    plain = _engine(0, "none")  # float64: no separate master, the parameters themselves
+    assert plain.owned_slices()[0].master is None
+    assert plain.owned_slices()[0].param.data_ptr() == plain.buckets[0].full.data_ptr()
+
+
+def test_bad_settings_fail_before_training() -> None:
+    model = ModelConfig(**PARITY_MODEL)
+    with pytest.raises(PartitaError, match="zero_stage=3"):
+        validate(Layout(zero_stage=1, offload="optimizer+params"), model, 1, seq_len=16,
+                 global_batch=8)
+    with pytest.raises(PartitaError, match="unknown"):
+        Layout(offload="gpu")
+    with pytest.raises(PartitaError, match="unknown"):
+        OffloadPolicy("params")
+    with pytest.raises(PartitaError, match="no parameter shards"):
+        DataParallel(build_model(model), Mesh(Layout().degrees, 0, 1),
+                     zero=ZeroConfig(stage=2), offload=OffloadPolicy("optimizer+params"))
