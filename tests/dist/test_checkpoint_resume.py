@@ -54,6 +54,8 @@ WORLD2 = {
     "tp2-fp32": parity_config(parallel=dict(tp=2), **F32),
     "bf16-zero1": parity_config(parallel=dict(zero_stage=1),
                                 precision=dict(param_dtype="bfloat16"), **F32),
+    "zero3-host-offload": parity_config(parallel=dict(zero_stage=3, offload="optimizer+params")),
+    "zero1-recompute": parity_config(parallel=dict(zero_stage=1, recompute="full")),
 }
 THREE_D = pipeline_config(dp=2, tp=2, zero_stage=1, sequence_parallel=True,
                           schedule="1f1b", microbatches=2)
@@ -66,6 +68,7 @@ RESHARD = {
     "tp2->1": ("tp2-sp", 2, parity_config(), 2),
     "tp1->2": ("dp2", 2, parity_config(parallel=dict(tp=2, sequence_parallel=True)), 2),
     "pp2->tp2": ("pp2-gpipe-2l", 2, parity_config(parallel=dict(tp=2)), 2),
+    "host offload->none": ("zero3-host-offload", 2, parity_config(parallel=dict(tp=2)), 2),
     "gpipe->interleaved": ("pp2-gpipe", 2,
                            pipeline_config(schedule="interleaved-1f1b", virtual_stages=2), 2),
 }

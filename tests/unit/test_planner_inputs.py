@@ -80,15 +80,14 @@ def test_papers_metrics_count_recompute():
 
 
 def test_pinned_unavailable_options_are_modelled_not_ranked():
-    """A run partita cannot train yet (recompute, cp) is still predicted: such layouts
-    are listed apart, fastest first, never ranked as trainable."""
+    """A run partita cannot train yet (tensor-parallel communication overlap) is still
+    predicted: such layouts are listed apart, fastest first, never ranked as trainable."""
     req = make_request("llama3-70b", 64, "H100", seq_len=8192, global_batch=64)
-    result = search(req, SearchSpace(recompute=("full",), fixed=(("tp", 8), ("recompute",
-                                                                             "full"))))
+    result = search(req, SearchSpace(fixed=(("tp", 8), ("tp_comm_overlap", True))))
     assert not result.ranked and result.modelled
     steps = [e.time["step_s"] for e in result.modelled]
     assert steps == sorted(steps)
-    assert all(e.layout.recompute == "full" and e.layout.tp == 8 for e in result.modelled)
+    assert all(e.layout.tp_comm_overlap and e.layout.tp == 8 for e in result.modelled)
     assert all(k == UNAVAILABLE for e in result.modelled for k, _ in e.reasons)
     cp = search(req, SearchSpace(context_parallel=True, fixed=(("cp", 2), ("tp", 4))))
     assert cp.modelled and all(e.layout.cp == 2 for e in cp.modelled)
