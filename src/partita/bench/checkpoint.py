@@ -21,8 +21,10 @@ their pages are clean and go), so that loads read the disk. Both sides alike.
 
 Per world also: the bytes of each checkpoint folder against the model-state formula
 (fp32 weights and two Adam moments, 12 bytes per parameter; 16 with a master copy), and
-partita's asynchronous save: how long `save` blocks training (the copy to host memory)
-against the synchronous save of the same round. After the loads of a world's own
+partita's asynchronous save: in every round, right after partita's synchronous save, an
+asynchronous one, timed until `save` returns (the stall: the copy to host memory that
+training waits for) and waited for before the round goes on; its stall over the
+synchronous save of the same round, median and interval as above. After the loads of a world's own
 checkpoint, every rank checks that each side restored exactly the state it saved.
 """
 
@@ -159,7 +161,7 @@ class Sides:
     def save_partita(self) -> float:
         from partita.checkpoint import manifest_fields
 
-        step = self._next("partita")
+        step = self._next()
         t0 = time.perf_counter()
         self.writer.save(step, self.pm, manifest_fields(self.pm, training={}))
         took = time.perf_counter() - t0
@@ -172,7 +174,7 @@ class Sides:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        folder = self.dirs["dcp"] / f"step-{self._next('dcp'):08d}"
+        folder = self.dirs["dcp"] / f"step-{self._next():08d}"
         t0 = time.perf_counter()
         msd, osd = get_state_dict(self.model, self.opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder)
@@ -184,7 +186,7 @@ class Sides:
         """Seconds `save` blocked, seconds until the checkpoint was complete."""
         from partita.checkpoint import manifest_fields
 
-        step = self._next("async")
+        step = self._next()
         t0 = time.perf_counter()
         self.async_writer.save(step, self.pm, manifest_fields(self.pm, training={}))
         stall = time.perf_counter() - t0
@@ -193,7 +195,7 @@ class Sides:
             raise RuntimeError(self.async_writer.failure)
         return stall, report.total_s
 
-    def _next(self, side: str) -> int:
+    def _next(self) -> int:
         """A new step number: every save writes a folder of its own."""
         self.saves += 1
         return self.saves
@@ -267,14 +269,10 @@ class Sides:
             t.fill_(0.5)
 
 
-def _slowest(seconds: float) -> float:
-    return paired.slowest_rank(seconds)
-
-
 def _timer(sides: tuple[Callable[[], float], Callable[[], float]]) -> Timer:
     def time_side(k: int) -> float:
         dist.barrier()
-        return _slowest(sides[k]())
+        return paired.slowest_rank(sides[k]())
     return time_side
 
 
@@ -296,7 +294,17 @@ def _worker(rank: int, world: int, setup: Setup, root: str,
                             "dcp": statistics.median(times[1]),
                             "estimate": paired.estimate_times(times)})
 
-    saves = _pair(_timer((sides.save_partita, sides.save_dcp)), setup)
+    stalls: list[tuple[float, float]] = []
+
+    def save_partita() -> float:
+        # Each synchronous save is followed by an asynchronous one (waited for before
+        # the round goes on): its stall is paired with the save of the same round.
+        took = sides.save_partita()
+        stall, total = sides.save_async()
+        stalls.append((paired.slowest_rank(stall), paired.slowest_rank(total)))
+        return took
+
+    saves = _pair(_timer((save_partita, sides.save_dcp)), setup)
     row("save", saves)
     expected = sides.snapshot()
     sides.scramble()
@@ -304,22 +312,18 @@ def _worker(rank: int, world: int, setup: Setup, root: str,
     row("load", _pair(_timer((lambda: sides.load_partita(ours),
                               lambda: sides.load_dcp(theirs))), setup))
     got = sides.snapshot()
-    out["restored"] = {k: _slowest(float(not all(
+    out["restored"] = {k: paired.slowest_rank(float(not all(
         torch.equal(a, b) for a, b in zip(expected[k], got[k], strict=True)))) == 0.0
         for k in expected}
     if reshard is not None:
         src, ours, theirs = reshard[0], Path(reshard[1]), Path(reshard[2])
         row(f"load {src}->{world}", _pair(_timer((lambda: sides.load_partita(ours),
                                                   lambda: sides.load_dcp(theirs))), setup))
-    stalls, totals = [], []
-    for _ in range(setup.warmup + len(saves[0])):
-        dist.barrier()
-        stall, total = sides.save_async()
-        stalls.append(_slowest(stall))
-        totals.append(_slowest(total))
-    stalls, totals = stalls[setup.warmup:], totals[setup.warmup:]
-    out["async"] = {"stall": statistics.median(stalls), "total": statistics.median(totals),
-                    "ratio": paired.estimate([s / t for s, t in zip(stalls, saves[0])])}
+    timed = stalls[setup.warmup:]
+    out["async"] = {"stall": statistics.median(s for s, _ in timed),
+                    "total": statistics.median(t for _, t in timed),
+                    "ratio": paired.estimate([s / t for (s, _), t in zip(timed, saves[0],
+                                                                         strict=True)])}
     if rank == 0:
         out["bytes"] = {k: folder_bytes(sides.latest[k]) for k in ("partita", "dcp")}
         out["folders"] = {k: str(sides.latest[k]) for k in ("partita", "dcp")}
@@ -427,7 +431,7 @@ def run(args: argparse.Namespace) -> int:
         worst_stall = max(worst_stall, est.median)
         print(f"{out['world']:>5} {b['partita']:>15,} {b['partita'] / formula - 1:>+10.2%} "
               f"{b['dcp']:>15,} {a['stall']:>13.3f} {sync:>11.3f} {est.median:>7.1%} "
-              f"{est.low:>6.1%}-{est.high:<6.1%} {a['total']:>13.3f}")
+              f"{f'{est.low:.1%}-{est.high:.1%}':>13} {a['total']:>13.3f}")
     print(f"checkpoint: worst partita/dcp time ratio {worst:.3f}; "
           f"async stall {worst_stall * 100:.1f}% of sync save")
     return 0
