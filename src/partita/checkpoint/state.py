@@ -64,8 +64,10 @@ def piece_key(name: str, state: str, region: Region) -> str:
 
 
 @torch.no_grad()
-def capture(pm) -> RankState:
-    """Copy this rank's share of the training state to host memory."""
+def capture(pm, own_copy: bool = True) -> RankState:
+    """Copy this rank's share of the training state to host memory. `own_copy=False`: views
+    of the training buffers where they already are on the host (a synchronous save
+    writes them before training touches them again)."""
     out = RankState()
     dp = pm.dp
     for sl in dp.owned_slices():
@@ -75,7 +77,7 @@ def capture(pm) -> RankState:
         held = {WEIGHTS: sl.param, MASTER: sl.master, EXP_AVG: sl.exp_avg,
                 EXP_AVG_SQ: sl.exp_avg_sq}
         # One copy per slice and state (a few large copies, not one per parameter).
-        copies = {state: t.to("cpu", copy=True) for state, t in held.items() if t is not None}
+        copies = {state: t.to("cpu", copy=own_copy) for state, t in held.items() if t is not None}
         for pc in mine:
             info = pc.entry.info
             region = Region(tuple(info.global_shape), info.dim, info.start, info.stop,

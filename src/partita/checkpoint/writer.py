@@ -82,7 +82,7 @@ class CheckpointWriter:
         written (sync). `fields`: what the manifest records beside the tensors."""
         self.wait()
         start = time.perf_counter()
-        state = capture(pm)
+        state = capture(pm, own_copy=self.async_save)  # a synchronous save needs no copy
         copy_s = time.perf_counter() - start
         if self.async_save:
             self._thread = threading.Thread(target=self._write, name="partita-checkpoint",

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "zero": "partita.bench.zero",
     "zero-memory": "partita.bench.zero_memory",
     "zero-comm": "partita.bench.zero_comm",
+    "checkpoint": "partita.bench.checkpoint",
     "tp": "partita.bench.tp",
     "tp-comm": "partita.bench.tp_comm",
     "pp": "partita.bench.pp",
