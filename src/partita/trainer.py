@@ -166,6 +166,7 @@ class Trainer:
                                                cfg.data.seed)
         self.bad_steps = 0
         self._reported = -1  # the step of the last save reported in the log
+        self.checkpoint_waited = 0.0  # seconds training waited for checkpoint copies
         restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
         self.progress.enter(0, "checkpoint load")
         self.resumed: Loaded | None = self._resume(resume_target(cfg, restarted))
@@ -222,6 +223,9 @@ class Trainer:
         healthy = math.isfinite(mean_loss) and (
             math.isfinite(grad_norm) or dp.precision.loss_scaling)
         self._enter(step, "optimizer step", "optimizer")
+        # An asynchronous checkpoint copies the state beside this step's forward and
+        # backward; the optimizer step is the first thing that changes it.
+        self.checkpoint_waited += self.writer.wait_for_copy()
         stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
         return StepResult(mean_loss, grad_norm, stepped)
@@ -390,7 +394,9 @@ class Trainer:
             training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
             fields = manifest_fields(self.pm, training, self.cfg.to_toml(),
                                      self.cfg.layout(self.mesh.world_size))
+            began = time.perf_counter()
             self.writer.save(step, self.pm, fields)
+            self.checkpoint_waited += time.perf_counter() - began
             self._report_save()
         return stop and not last
 
@@ -409,10 +415,12 @@ class Trainer:
         if report is None or report.folder is None or report.step == self._reported:
             return
         self._reported = report.step
+        how = ("copied beside training" if self.cfg.train.async_checkpoint
+               else "written while training waited")
         self.logger.message(
             f"checkpoint {report.folder.name}: complete {report.total_s:.2f} s after it "
-            f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0); training paused "
-            f"{report.copy_s:.3f} s for the copy")
+            f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0, {how}); training has "
+            f"waited {self.checkpoint_waited:.3f} s for checkpoints so far")
 
     def _checkpoint_failed(self, must_stop: bool = False) -> None:
         message = self.writer.failure or "another rank could not write its part"

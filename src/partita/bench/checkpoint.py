@@ -22,9 +22,11 @@ their pages are clean and go), so that loads read the disk. Both sides alike.
 Per world also: the bytes of each checkpoint folder against the model-state formula
 (fp32 weights and two Adam moments, 12 bytes per parameter; 16 with a master copy), and
 partita's asynchronous save: in every round, right after partita's synchronous save, an
-asynchronous one, timed until `save` returns (the stall: the copy to host memory that
-training waits for) and waited for before the round goes on; its stall over the
-synchronous save of the same round, median and interval as above. After the loads of a world's own
+asynchronous one followed by what training does next (the forward and backward of one
+batch, while the writer thread copies the state); the stall is the time training
+waited: `save` returning plus `wait_for_copy` before the optimizer step. The save is
+waited for before the round goes on; its stall over the synchronous save of the same
+round, median and interval as above. After the loads of a world's own
 checkpoint, every rank checks that each side restored exactly the state it saved (a
 CRC-32 of every tensor before and after).
 """
@@ -147,6 +149,7 @@ class Sides:
         from partita.checkpoint import CheckpointWriter
 
         tokens = _tokens(setup, rank, world)
+        self.tokens = tokens
         self.pm = _partita_model(setup, rank, world, tokens)
         self.model, self.opt = _fsdp2_model(setup, world, tokens)
         self.rank, self.world, self.setup = rank, world, setup
@@ -192,6 +195,12 @@ class Sides:
         t0 = time.perf_counter()
         self.async_writer.save(step, self.pm, manifest_fields(self.pm, training={}))
         stall = time.perf_counter() - t0
+        # What training does meanwhile: the next step's forward and backward; the
+        # optimizer step would then wait for the copy.
+        self.pm.runner.train(self.tokens[:, :-1], self.tokens[:, 1:], 1)
+        self.pm.dp.finish_grad_sync()
+        stall += self.async_writer.wait_for_copy()
+        self.pm.dp.zero_grad()
         report = self.async_writer.wait()
         if self.async_writer.failure:
             raise RuntimeError(self.async_writer.failure)

@@ -3,8 +3,10 @@
 `capture(pm)` returns a `RankState`: host copies of the pieces of parameters, master
 weights and AdamW moments this rank is the writer of (`DataParallel.writes_piece`: one
 rank per set of identical copies), each named by its global parameter and slice, plus
-every random stream of the rank. The copy is all the training loop waits for; writing
-happens afterwards, possibly on another thread, from these copies alone.
+every random stream of the rank. It comes in two parts so that an asynchronous save
+can copy beside training: `plan_capture` on the training thread (which pieces, the
+random streams), `copy_state` on the writer's thread; training waits for the copy only
+before its next optimizer step, the first thing that changes what is copied.
 
 Random streams: torch's default generator (CPU and, on a GPU run, CUDA), any module's
 own generators (`checkpointed_generators(device)`, e.g. tensor-parallel dropout), and
@@ -63,17 +65,38 @@ def piece_key(name: str, state: str, region: Region) -> str:
     return f"{name}|{state}|{split}|{region.lo}:{region.hi}"
 
 
-@torch.no_grad()
-def capture(pm, own_copy: bool = True) -> RankState:
-    """Copy this rank's share of the training state to host memory. `own_copy=False`: views
-    of the training buffers where they already are on the host (a synchronous save
-    writes them before training touches them again)."""
-    out = RankState()
+@dataclass
+class Capture:
+    """What a save will copy, decided on the training thread: the owned slices (views
+    of the engine's buffers) and the pieces of each this rank writes, and the random
+    streams (copied at once: the next forward advances them)."""
+
+    slices: list = field(default_factory=list)  # (OwnedSlice, pieces this rank writes)
+    rng_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    rng: dict = field(default_factory=dict)
+
+
+def plan_capture(pm) -> Capture:
+    """The training thread's part of a save: cheap, and the only part that reads the
+    engine's bookkeeping (`copy_state` then only reads tensors)."""
+    out = Capture()
     dp = pm.dp
     for sl in dp.owned_slices():
         mine = [pc for pc in sl.pieces if dp.writes_piece(pc)]
-        if not mine:
-            continue
+        if mine:
+            out.slices.append((sl, mine))
+    out.rng = _capture_rng(pm.module, pm.device, out.rng_tensors)
+    return out
+
+
+@torch.no_grad()
+def copy_state(plan: Capture, own_copy: bool = True) -> RankState:
+    """This rank's share of the training state in host memory. With `own_copy` the
+    tensors are copies (an asynchronous save: training goes on once they are done);
+    without, views of the training buffers where they already are on the host (a
+    synchronous save writes them before training touches them again)."""
+    out = RankState(tensors=dict(plan.rng_tensors), rng=plan.rng)
+    for sl, mine in plan.slices:
         held = {WEIGHTS: sl.param, MASTER: sl.master, EXP_AVG: sl.exp_avg,
                 EXP_AVG_SQ: sl.exp_avg_sq}
         # One copy per slice and state (a few large copies, not one per parameter).
@@ -90,8 +113,12 @@ def capture(pm, own_copy: bool = True) -> RankState:
                 keys[state] = key
             out.pieces.append(PieceState(info.name, region, keys))
             out.shapes[info.name] = list(info.global_shape)
-    out.rng = _capture_rng(pm.module, pm.device, out.tensors)
     return out
+
+
+def capture(pm, own_copy: bool = True) -> RankState:
+    """Both parts of a save's copy, here and now."""
+    return copy_state(plan_capture(pm), own_copy)
 
 
 def _module_generators(module: nn.Module, device: torch.device) -> dict[str, torch.Generator]:

@@ -38,14 +38,14 @@ from partita.checkpoint.manifest import (
     write_latest,
     write_manifest,
 )
-from partita.checkpoint.state import RankState, capture
+from partita.checkpoint.state import RankState, copy_state, plan_capture
 
 
 @dataclass
 class SaveReport:
     step: int
     folder: Path | None  # None: the save failed
-    copy_s: float  # training paused this long (the copy to host memory)
+    copy_s: float  # the copy to host memory (beside training when asynchronous)
     total_s: float  # from the start of the copy to the checkpoint being complete
     nbytes: int  # this rank's file
     error: str = ""
@@ -74,23 +74,45 @@ class CheckpointWriter:
             dist.broadcast_object_list(token, src=0, group=self.group)
         self.token = token[0]  # one per run attempt: this attempt's partial folders
         self._thread: threading.Thread | None = None
+        self._copied = threading.Event()
         self.last: SaveReport | None = None
         self.failure = ""  # the first failed save's message, until cleared
 
     def save(self, step: int, pm, fields: dict) -> None:
-        """Checkpoint after `step`: returns once this rank's state is copied (async) or
-        written (sync). `fields`: what the manifest records beside the tensors."""
+        """Checkpoint after `step`. Synchronous: returns once written. Asynchronous:
+        returns at once and copies the state on the writer thread; call `wait_for_copy`
+        before anything changes the parameters or optimizer state (the next optimizer
+        step). `fields`: what the manifest records beside the tensors."""
         self.wait()
         start = time.perf_counter()
-        state = capture(pm, own_copy=self.async_save)  # a synchronous save needs no copy
-        copy_s = time.perf_counter() - start
-        if self.async_save:
-            self._thread = threading.Thread(target=self._write, name="partita-checkpoint",
-                                            args=(step, state, fields, start, copy_s),
-                                            daemon=True)
-            self._thread.start()
-        else:
-            self._write(step, state, fields, start, copy_s)
+        plan = plan_capture(pm)
+        if not self.async_save:  # no copy: written before training touches it again
+            self._write(step, copy_state(plan, own_copy=False), fields, start, 0.0)
+            return
+        self._copied.clear()
+        self._thread = threading.Thread(target=self._copy_then_write, name="partita-checkpoint",
+                                        args=(step, plan, fields, start), daemon=True)
+        self._thread.start()
+
+    def wait_for_copy(self) -> float:
+        """Block until the save in flight holds its own copy of the state; seconds
+        waited (what training paused for, beside the copy's share of the cores)."""
+        if self._thread is None or self._copied.is_set():
+            return 0.0
+        start = time.perf_counter()
+        self._copied.wait()
+        return time.perf_counter() - start
+
+    def _copy_then_write(self, step: int, plan, fields: dict, start: float) -> None:
+        state, error = None, ""
+        try:
+            state = copy_state(plan, own_copy=True)
+        except Exception as exc:  # noqa: BLE001 - reported like a failed write
+            error = f"rank {self.rank} could not copy its state: {exc}"
+        finally:
+            copy_s = time.perf_counter() - start
+            self._copied.set()
+        self._write(step, state, fields, start, copy_s, error)
 
     def wait(self) -> SaveReport | None:
         """Wait for the save in flight; the report of the last save."""
@@ -99,16 +121,18 @@ class CheckpointWriter:
             self._thread = None
         return self.last
 
-    def _write(self, step: int, state: RankState, fields: dict, start: float,
-               copy_s: float) -> None:
+    def _write(self, step: int, state: RankState | None, fields: dict, start: float,
+               copy_s: float, error: str = "") -> None:
         tmp = self.root / f"{step_dir_name(step)}.{self.token}{PARTIAL}"
-        record, error = None, ""
+        record = None
+        state = state if state is not None else RankState()
         try:
-            if self.before_write is not None:
-                self.before_write(step)
-            tmp.mkdir(parents=True, exist_ok=True)
-            name = f"rank-{self.rank:05d}-of-{self.world:05d}.safetensors"
-            record = write_file(tmp / name, state.tensors, {"format": "partita-checkpoint"})
+            if not error:  # (an error here: the copy failed; report it like a write)
+                if self.before_write is not None:
+                    self.before_write(step)
+                tmp.mkdir(parents=True, exist_ok=True)
+                name = f"rank-{self.rank:05d}-of-{self.world:05d}.safetensors"
+                record = write_file(tmp / name, state.tensors, {"format": "partita-checkpoint"})
         except OSError as exc:
             error = f"rank {self.rank} could not write {tmp}: {exc.strerror or exc}"
         except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
