@@ -23,7 +23,10 @@ NORM = "norm"  # replicated; under sequence parallelism its input is sequence-sh
 # A learned position embedding called with positions (0..seq): replicated; under
 # sequence parallelism it returns only this rank's sequence slice.
 POSITIONS = "positions"
-ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS)
+# A parameter-free module called as core(q, k, v): attention scores, softmax (and any
+# dropout on them) and the product with V. Selective recomputation reruns it in backward.
+ATTENTION_CORE = "attention_core"
+ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS, ATTENTION_CORE)
 
 
 @dataclass(frozen=True)

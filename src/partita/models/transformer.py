@@ -64,15 +64,20 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
-                  offset: int = 0, inv_freq: torch.Tensor | None = None
+                  offset: int | torch.Tensor = 0, inv_freq: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len.
 
-    `inv_freq` (float64, see rope_frequencies) overrides the unscaled frequencies of theta.
+    `offset` may also be a tensor holding all seq_len positions: a context-parallel shard
+    holds chunks of the sequence that are not contiguous. `inv_freq` (float64, see
+    rope_frequencies) overrides the unscaled frequencies of theta.
     """
     if inv_freq is None:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to("cpu", torch.float64)
+    else:
+        pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
@@ -82,6 +87,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x[..., 0::2], x[..., 1::2]
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class AttentionCore(nn.Module):
+    """Causal softmax(q k^T / sqrt(d)) v: the part of attention selective recompute reruns."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -98,6 +110,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
+        self.core = AttentionCore()
 
     def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
         b, s, _ = x.shape
@@ -114,7 +127,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -206,6 +219,7 @@ def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
     table["tok_embeddings"] = roles.VOCAB_EMBEDDING
     if not cfg.tie_embeddings:
         table["output"] = roles.VOCAB_HEAD
+    table["blocks.*.attn.core"] = roles.ATTENTION_CORE
     table.update({"blocks.*.attn_norm": roles.NORM, "blocks.*.mlp_norm": roles.NORM,
                   "norm": roles.NORM})
     if cfg.flavour == "gpt2":
