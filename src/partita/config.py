@@ -142,6 +142,9 @@ class ParallelSection:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    # Context-parallel attention (cp > 1): "ring" passes keys and values round the
+    # group, "allgather" gathers them once per layer (docs/context_parallel.md).
+    cp_kind: str = "ring"
 
 
 @dataclass
