@@ -421,8 +421,7 @@ def _context_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Pro
                                        "(model flavour gpt2) is not available yet: only "
                                        "rotary positions follow the sharded tokens. Use a "
                                        "llama-flavoured model, or parallel.cp=1."))
-    for what, bad, fix in (("pipeline parallelism", lay.pp > 1, "parallel.pp=1"),
-                           ("expert parallelism", lay.ep > 1, "parallel.ep=1"),
+    for what, bad, fix in (("expert parallelism", lay.ep > 1, "parallel.ep=1"),
                            ("activation recomputation", lay.recompute != "none",
                             "recompute=none")):
         if bad:

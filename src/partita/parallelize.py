@@ -239,9 +239,11 @@ def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
 def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
                 device: torch.device) -> StepRunner:
     """Step 4: how a step's microbatches run on this rank."""
+    runner: StepRunner
     if sharded.pipeline is not None:
-        return sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
-    runner = MicrobatchRunner(dp, sharded.loss_fn, device)
+        runner = sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
+    else:
+        runner = MicrobatchRunner(dp, sharded.loss_fn, device)
     if mesh.size("context") > 1:  # each rank keeps its chunks of every sequence
         return ContextParallelRunner(runner, mesh.comm("context"))
     return runner

@@ -91,3 +91,24 @@ def test_sharding_round_trip_and_balance() -> None:
         # Causal work per rank (query-key pairs) is the same on every rank.
         work = {int((s[0][:, None] >= x[0][None, :]).sum()) for s in shards}
         assert len(work) == 1, (c, work)
+
+
+def test_a_plan_without_attention_cores_is_refused() -> None:
+    import dataclasses
+
+    from partita.comm import CommCounter, GroupComm
+    from partita.context_parallel import apply_context_parallel
+    from partita.errors import PartitaError
+    from partita.models import plan as roles
+    from partita.models.model_config import ModelConfig
+    from partita.models.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4))
+    plan = model.plan()
+    bare = dataclasses.replace(plan, roles={k: r for k, r in plan.roles.items()
+                                            if r != roles.ATTENTION_CORE})
+    comm = GroupComm(None, [0, 1], 0, "context", CommCounter())
+    with pytest.raises(PartitaError, match="names none"):
+        apply_context_parallel(model, bare, comm, "ring")
+    assert apply_context_parallel(model, plan, comm, "ring") == ["blocks.0.attn.core"]

@@ -1,8 +1,8 @@
 """Context parallelism against one process with the whole sequence, in float64: losses,
 gradient norms, validation loss, every gradient of the first steps and the final
 parameters within 1e-10, for cp = 2 and 4, both kinds, with and without grouped-query
-attention, and cp combined with data parallelism + ZeRO and with tensor + sequence
-parallelism."""
+attention, and cp combined with data parallelism + ZeRO, with tensor + sequence
+parallelism and with a pipeline."""
 
 from __future__ import annotations
 
@@ -37,4 +37,12 @@ def test_cp4_and_cp_with_dp_zero_and_tp_match_single_process() -> None:
               cp_kind="allgather"),
         _case("cp2-tp2-sp-ring-gqa", cp=2, tp=2, sequence_parallel=True),
         _case("cp2-tp2-allgather-mha", MHA, cp=2, tp=2, cp_kind="allgather"),
+        _case("cp2-pp2-ring-gqa", cp=2, pp=2),
     ], 4, STEPS, skip_params=NOISE)
+
+
+def test_cp_tp_sp_pp_on_8_processes_matches_single_process() -> None:
+    # Every dimension that shards the model or the sequence at once: the ring inside a
+    # pipeline stage, on heads split over tp, with the sequence split over tp as well.
+    check_layouts([_case("cp2-tp2-sp-pp2-ring-gqa", cp=2, tp=2, pp=2,
+                         sequence_parallel=True)], 8, 2, skip_params=NOISE, timeout=400)

@@ -115,7 +115,7 @@ def test_a_good_layout_has_no_problems():
 
 
 @pytest.mark.parametrize("layout,kind,text", [
-    (Layout(cp=2, pp=2), UNAVAILABLE, "with pipeline parallelism is not available"),
+    (Layout(cp=2, recompute="full"), UNAVAILABLE, "with activation recomputation is not"),
     (Layout(cp=3), DIVISIBILITY, "not divisible by 2*cp=6"),
     (Layout(cp=128), DIVISIBILITY, "use cp <= 64"),
     (Layout(cp=2, tp=3, sequence_parallel=True), DIVISIBILITY, "multiple of 12"),
@@ -156,7 +156,7 @@ def test_world_size_mismatch_says_how_many_to_start():
 
 def test_validate_raises_every_reason_at_once():
     with pytest.raises(PartitaError) as info:
-        validate(Layout(pp=2, zero_stage=3, cp=2, microbatch_size=3), TINY, 4, seq_len=128,
+        validate(Layout(pp=2, zero_stage=3, cp=2, microbatch_size=3), TINY, 4, seq_len=130,
                  global_batch=16)
     text = str(info.value)
     assert "3 reasons" in text
