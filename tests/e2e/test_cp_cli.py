@@ -32,3 +32,13 @@ def test_bad_cp_settings_are_refused_before_launch(args, message, run_dir, cli):
     assert result.returncode != 0
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_bench_cp_reports_activation_memory_falling_as_one_over_c(cli):
+    result = cli("bench", "cp", "--degrees", "2", "--seq", "64", "--steps", "1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("cp: worst partita/peer step-time ratio "), last
+    # Bytes saved for backward are deterministic (unlike step times): per rank 1/c of
+    # one process's, within 2%.
+    assert float(last.rsplit("within ", 1)[1].rstrip("%")) <= 2.0, last

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "tp-comm": "partita.bench.tp_comm",
     "pp": "partita.bench.pp",
     "pp-bubble": "partita.bench.pp_bubble",
+    "cp": "partita.bench.cp",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
 }
