@@ -112,3 +112,34 @@ def test_a_plan_without_attention_cores_is_refused() -> None:
     with pytest.raises(PartitaError, match="names none"):
         apply_context_parallel(model, bare, comm, "ring")
     assert apply_context_parallel(model, plan, comm, "ring") == ["blocks.0.attn.core"]
+
+
+def _model_bytes(rank: int, world: int) -> dict:
+    from partita.parallelize import build_parallel_model
+    from partita.testing import parity_config, token_batch
+
+    out = {}
+    for kind in KERNELS:
+        cfg = parity_config(parallel=dict(cp=world, cp_kind=kind), train=dict(microbatches=2))
+        mesh = Mesh(cfg.layout(world), rank, world)
+        pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+        tokens = token_batch(0, 8, 16, 64)
+        mesh.counter.reset()
+        pm.runner.train(tokens[:, :-1], tokens[:, 1:], 2)
+        train = mesh.counter.total("context")
+        pm.runner.evaluate(tokens[:, :-1], tokens[:, 1:])
+        out[kind] = {"train": train, "evaluate": mesh.counter.total("context") - train}
+    return out
+
+
+def test_a_training_step_sends_the_stated_bytes_per_layer_and_microbatch() -> None:
+    # The parity model: 2 layers, 2 kv heads of width 8, float64; 8 sequences of 16
+    # tokens in 2 microbatches of 4. One shard of keys and values: 2*b*(s/c)*h_kv*d*e.
+    c, layers, microbatches = 2, 2, 2
+    shard = 2 * 4 * (16 // c) * 2 * 8 * 8
+    per_layer = {"ring": (c - 1) + (2 * c - 1), "allgather": 3 * (c - 1)}
+    for ranks in run_distributed(_model_bytes, c):
+        for kind, got in ranks.items():
+            assert got["train"] == layers * microbatches * per_layer[kind] * shard, kind
+            # Validation: forward only, the whole batch at once (b = 8).
+            assert got["evaluate"] == layers * (c - 1) * 2 * shard, kind
