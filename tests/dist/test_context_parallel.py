@@ -55,6 +55,13 @@ def _kernels(rank: int, world: int) -> dict:
                 "forward_bytes": forward_bytes,
                 "backward_bytes": comm.counter.total("context") - forward_bytes,
             }
+        # 16-bit inputs: pieces compute in float32, results come back in bfloat16.
+        q, k, v, dout = (sharding.shard(t, rank, world, dim=2).to(torch.bfloat16)
+                         for t in _inputs(seq, 2))
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = fn(q, k, v, comm, D ** -0.5)
+        out.backward(dout)
+        results[kind, "bf16"] = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
     return results
 
 
@@ -63,6 +70,16 @@ def test_kernels_match_one_process_in_float64(world: int) -> None:
     ranks = run_distributed(_kernels, world)
     seq = 2 * world * CHUNK
     for (kind, kv_heads), _ in ranks[0].items():
+        if kv_heads == "bf16":
+            ref = _reference(seq, 2)
+            for rank in range(world):
+                got = ranks[rank][kind, "bf16"]
+                assert {t.dtype for t in got.values()} == {torch.bfloat16}
+                expected = {name: sharding.shard(t, rank, world, dim=2)
+                            for name, t in ref.items()}
+                # bfloat16 keeps 8 bits: its inputs alone are rounded by up to 2^-9.
+                assert_parity(got, expected, 2e-2, f"{kind} bf16 cp={world} rank {rank}")
+            continue
         ref = _reference(seq, kv_heads)
         for rank in range(world):
             expected = {name: sharding.shard(t, rank, world, dim=2) for name, t in ref.items()}

@@ -63,7 +63,7 @@ class AllGatherAttention(torch.autograd.Function):
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale = comm, scale
-        return out.reshape(q.shape)
+        return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -72,10 +72,12 @@ class AllGatherAttention(torch.autograd.Function):
         g, n = k.shape[1], q.shape[2] // 2
         full = _natural(_gather(torch.stack((k, v)), comm), n)
         qg = blocks.group_queries(q, g)
-        dout = blocks.group_queries(grad_out.contiguous(), g)
+        work = blocks.compute_dtype(q.dtype)
+        dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
         delta = (dout * out).sum(-1)
-        dq = torch.empty_like(qg)
-        dfull = torch.zeros_like(full)
+        dq = torch.empty(qg.shape, dtype=work, device=q.device)
+        # Gradients accumulate (and are reduce-scattered) in the compute dtype.
+        dfull = torch.zeros(full.shape, dtype=work, device=full.device)
         for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
             rows, keys = slice(qi * n, (qi + 1) * n), slice(0, (chunk + 1) * n)
             dq[..., rows, :], dk, dv = blocks.backward(
@@ -84,9 +86,10 @@ class AllGatherAttention(torch.autograd.Function):
                 lse[..., rows], delta[..., rows])
             dfull[0][..., keys, :] += dk
             dfull[1][..., keys, :] += dv
-        mine = torch.empty_like(torch.stack((k, v)))
+        mine = dfull.new_empty((2, *k.shape))
         comm.reduce_scatter_flat(mine, _to_ranks(dfull, comm.size, n))
-        return dq.reshape(q.shape), mine[0], mine[1], None, None
+        return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
+                None, None)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,

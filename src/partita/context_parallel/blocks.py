@@ -11,11 +11,18 @@ rule), so no piece's probabilities are kept between forward and backward.
 
 Grouped-query attention: queries are (b, g, r, s, d) for g kv heads of r query heads
 each, keys and values (b, g, s, d); a kv head is never repeated in memory.
+
+Pieces compute in at least float32 (`compute_dtype`): 16-bit scores and log-sum-exps
+would lose the precision the merges rely on. What travels keeps the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
@@ -28,6 +35,8 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (b, g, r, sq, d) against k, v (b, g, sk, d)."""
+    work = compute_dtype(q.dtype)
+    q, k, v = q.to(work), k.to(work), v.to(work)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
@@ -51,6 +60,8 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
              mask: torch.Tensor | None, grad_out: torch.Tensor, lse: torch.Tensor,
              delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one piece, given the final lse and delta = rowsum(dO * O)."""
+    work = compute_dtype(q.dtype)
+    q, k, v, grad_out = q.to(work), k.to(work), v.to(work), grad_out.to(work)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))

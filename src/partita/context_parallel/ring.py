@@ -91,7 +91,7 @@ class RingAttention(torch.autograd.Function):
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale = comm, scale
-        return out.reshape(q.shape)
+        return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -100,10 +100,11 @@ class RingAttention(torch.autograd.Function):
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
         qg = blocks.group_queries(q, g)
-        dout = blocks.group_queries(grad_out.contiguous(), g)
+        work = blocks.compute_dtype(q.dtype)
+        dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
         delta = (dout * out).sum(-1)
         mask = blocks.causal_mask(n, n, q.device)
-        dq = torch.zeros_like(qg)
+        dq = torch.zeros(qg.shape, dtype=work, device=q.device)
         halves = [slice(0, n), slice(n, 2 * n)]
         ring = RingExchange(comm)
         kv, acc = torch.stack((k, v)), None
@@ -111,7 +112,8 @@ class RingAttention(torch.autograd.Function):
             sends = ([kv] if step < degree - 1 else []) + ([acc] if acc is not None else [])
             pending = ring.start(sends)
             src = (rank - step) % degree
-            local = torch.zeros_like(kv)
+            # Gradients accumulate (and travel) in the compute dtype.
+            local = torch.zeros(kv.shape, dtype=work, device=kv.device)
             for qi, kj, causal in _pairs(rank, src, degree):
                 rows, piece = halves[qi], halves[kj]
                 dq_part, dk, dv = blocks.backward(
@@ -128,7 +130,8 @@ class RingAttention(torch.autograd.Function):
             if step < degree - 1:
                 kv = received[0]
         (acc,) = ring.start([acc]).wait()  # home: the accumulator of this rank's own pair
-        return dq.reshape(q.shape), acc[0], acc[1], None, None
+        return (dq.reshape(q.shape).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype),
+                None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
