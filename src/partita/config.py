@@ -154,6 +154,9 @@ class ParallelSection:
     offload: str = "none"
     offload_dir: str = ""
     host_memory_budget_gb: float = 1.0
+    # Context-parallel attention (cp > 1): "ring" passes keys and values round the
+    # group, "allgather" gathers them once per layer (docs/context_parallel.md).
+    cp_kind: str = "ring"
 
 
 @dataclass

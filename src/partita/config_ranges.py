@@ -133,6 +133,7 @@ RANGES: dict[str, Rule] = {
     "parallel.pp_balance": _choice("even", "params", "flops"),
     "parallel.pp_timeout_s": POSITIVE,
     "parallel.host_memory_budget_gb": POSITIVE,
+    "parallel.cp_kind": _choice("ring", "allgather"),
     # [precision]
     "precision.param_dtype": _dtype(optional=True),
     "precision.reduce_dtype": _dtype(optional=True),

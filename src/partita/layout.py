@@ -365,10 +365,7 @@ def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_le
         out.append(Problem(UNAVAILABLE, "tensor-parallel communication overlap "
                                         "(tp_comm_overlap) is not available yet in partita "
                                         "train; set tp_comm_overlap=false."))
-    if lay.cp > 1 and seq_len % (2 * lay.cp):
-        out.append(Problem(DIVISIBILITY, f"data.seq_len={seq_len} is not divisible by "
-                                         f"2*cp={2 * lay.cp}: ring attention balances 2cp "
-                                         "chunks of every sequence."))
+    out += _context_parallel(lay, model, seq_len)
     return out
 
 
@@ -398,7 +395,7 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
 def _unavailable(lay: Layout) -> list[Problem]:
     """Options the planner models but `partita train` does not run yet."""
     out = []
-    for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+    for name, what in (("ep", "expert parallelism"),):
         if getattr(lay, name) > 1:
             out.append(Problem(UNAVAILABLE, f"{what} (parallel.{name}={getattr(lay, name)}) "
                                             f"is not available yet; set parallel.{name}=1."))
@@ -427,6 +424,41 @@ def _recompute(lay: Layout, model: ModelConfig) -> list[Problem]:
                                        f"holds at most ({model.n_layers} blocks over pp="
                                        f"{lay.pp}); use at most {per_stage}, or 0 for every "
                                        "block."))
+    return out
+
+
+def _context_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Problem]:
+    """What context parallelism (cp > 1) needs, and the combinations it does not run yet."""
+    cp, out = lay.cp, []
+    if cp == 1:
+        return out
+    if seq_len < 2 * cp:
+        out.append(Problem(DIVISIBILITY, f"parallel.cp={cp} needs 2*cp={2 * cp} chunks of every "
+                                         f"sequence, but data.seq_len={seq_len} has fewer "
+                                         f"tokens; use cp <= {max(1, seq_len // 2)} or "
+                                         "longer sequences."))
+    elif seq_len % (2 * cp):
+        out.append(Problem(DIVISIBILITY, f"data.seq_len={seq_len} is not divisible by "
+                                         f"2*cp={2 * cp}: context parallelism cuts every "
+                                         f"sequence into 2*cp equal chunks (rank r holds "
+                                         f"chunks r and 2cp-1-r). Use a multiple of {2 * cp}."))
+    elif lay.sequence_parallel and (seq_len // cp) % lay.tp:
+        out.append(Problem(DIVISIBILITY, f"each context-parallel rank holds {seq_len // cp} "
+                                         f"tokens, not divisible by tp={lay.tp} for sequence "
+                                         f"parallelism; use a seq_len that is a multiple of "
+                                         f"{2 * cp * lay.tp}."))
+    if model.flavour == "gpt2":
+        out.append(Problem(CONSTRAINT, "context parallelism with learned position embeddings "
+                                       "(model flavour gpt2) is not available yet: only "
+                                       "rotary positions follow the sharded tokens. Use a "
+                                       "llama-flavoured model, or parallel.cp=1."))
+    for what, bad, fix in (("expert parallelism", lay.ep > 1, "parallel.ep=1"),
+                           ("activation recomputation", lay.recompute != "none",
+                            "recompute=none")):
+        if bad:
+            out.append(Problem(UNAVAILABLE, f"context parallelism (parallel.cp={cp}) with "
+                                            f"{what} is not available yet; set {fix}, or "
+                                            "parallel.cp=1."))
     return out
 
 

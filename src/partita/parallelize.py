@@ -13,7 +13,9 @@ function from one explicit object to the next:
    embedding and head of this rank's pipeline stages (block names stay global);
 3. `shard_tensor_parallel`: PipelineCut -> `ShardedModel`, planned modules swapped for
    their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
-   and the loss that matches the (possibly vocabulary-sharded) logits;
+   and the loss that matches the (possibly vocabulary-sharded) logits; with cp > 1,
+   `shard_context_parallel` then swaps the plan's attention cores for ring (or
+   all-gather) attention over the context group;
 4. `recompute`: the blocks (or attention cores) the layout's recompute policy names
    rerun their forward in backward (`partita.memory.recompute`); after tensor
    parallelism, so the rerun is the sharded forward, and before the engine, whose
@@ -38,6 +40,7 @@ import torch.nn as nn
 
 from partita.comm import GroupComm
 from partita.config import Config
+from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy  # the whole vocabulary on one rank
@@ -222,6 +225,13 @@ def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_paralle
     return ShardedModel(staged.module, staged.plan, staged.pipeline, loss_fn, report)
 
 
+def shard_context_parallel(sharded: ShardedModel, comm: GroupComm, kind: str) -> None:
+    """Step 2b (cp > 1): the plan's attention cores become ring or all-gather attention
+    over `comm`; after tensor parallelism, so they see the local heads."""
+    if comm.size > 1:
+        apply_context_parallel(sharded.module, sharded.plan, comm, kind)
+
+
 def recompute(sharded: ShardedModel, policy: RecomputePolicy) -> RecomputeReport:
     """Step 3: activation recomputation of this rank's blocks, as `policy` says."""
     return apply_recompute(sharded.module, sharded.plan, policy)
@@ -258,9 +268,14 @@ def wrap_data_parallel(sharded: ShardedModel, mesh: Mesh, zero: ZeroConfig,
 def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
                 device: torch.device) -> StepRunner:
     """Step 5: how a step's microbatches run on this rank."""
+    runner: StepRunner
     if sharded.pipeline is not None:
-        return sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
-    return MicrobatchRunner(dp, sharded.loss_fn, device)
+        runner = sharded.pipeline.runner(dp, sharded.loss_fn, device, mesh, sharded.plan)
+    else:
+        runner = MicrobatchRunner(dp, sharded.loss_fn, device)
+    if mesh.size("context") > 1:  # each rank keeps its chunks of every sequence
+        return ContextParallelRunner(runner, mesh.comm("context"))
+    return runner
 
 
 def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
@@ -290,6 +305,7 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
+    shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
     dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
                             offload_policy(cfg, layout))

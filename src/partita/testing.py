@@ -233,7 +233,10 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
         return total / loss_comm.size
 
     def mine(tokens: torch.Tensor) -> torch.Tensor:
-        return tokens.chunk(loss_comm.size)[loss_comm.index]
+        # Rows by replica; context-parallel ranks of a replica split the sequence (the
+        # runner keeps their chunks).
+        data = mesh.comm("data")
+        return tokens.chunk(data.size)[data.index]
 
     grads_at, clip = set(grads_at), cfg.train.grad_clip or None
     first = 0

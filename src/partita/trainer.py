@@ -161,7 +161,9 @@ class Trainer:
         self.faults = Faults(fault, rank)
         self._arm_backward_fault()
         self._arm_transfer_fault()
-        dp_size, dp_index = self.mesh.size("loss_average"), self.mesh.index("loss_average")
+        # Rows by replica; context-parallel ranks of a replica split every sequence
+        # (the runner keeps their chunks), so they read the same rows.
+        dp_size, dp_index = self.mesh.size("data"), self.mesh.index("data")
         self.sampler = self.data.train_sampler(cfg.train.global_batch, dp_index, dp_size,
                                                cfg.data.seed)
         self.bad_steps = 0
@@ -275,8 +277,8 @@ class Trainer:
         c = self.cfg
         if self.eval_batch == 0:
             return None
-        batches = self.data.val_batches(self.eval_batch, self.mesh.index("loss_average"),
-                                        self.mesh.size("loss_average"), c.train.eval_batches)
+        batches = self.data.val_batches(self.eval_batch, self.mesh.index("data"),
+                                        self.mesh.size("data"), c.train.eval_batches)
         losses = [self.pm.runner.evaluate(x, y) for x, y in batches]
         if not losses:
             return None

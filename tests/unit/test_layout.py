@@ -108,13 +108,17 @@ def test_a_good_layout_has_no_problems():
     for lay in (Layout(), Layout(dp=2, zero_stage=3), Layout(tp=4, sequence_parallel=True),
                 Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                        microbatch_size=8),
-                Layout(dp=2, tp=2, pp=2, zero_stage=2, schedule="zb-h1")):
+                Layout(dp=2, tp=2, pp=2, zero_stage=2, schedule="zb-h1"),
+                Layout(cp=4), Layout(dp=2, cp=2, tp=2, zero_stage=3, sequence_parallel=True)):
         assert _problems(lay) == [], lay
         validate(lay, TINY, lay.world_size, seq_len=128, global_batch=16)
 
 
 @pytest.mark.parametrize("layout,kind,text", [
-    (Layout(cp=2), UNAVAILABLE, "context parallelism"),
+    (Layout(cp=2, recompute="full"), UNAVAILABLE, "with activation recomputation is not"),
+    (Layout(cp=3), DIVISIBILITY, "not divisible by 2*cp=6"),
+    (Layout(cp=128), DIVISIBILITY, "use cp <= 64"),
+    (Layout(cp=2, tp=3, sequence_parallel=True), DIVISIBILITY, "multiple of 12"),
     (Layout(ep=2, dp=2), UNAVAILABLE, "expert parallelism"),
     (Layout(recompute_layers=1), CONSTRAINT, "recomputes nothing"),
     (Layout(offload="optimizer+params", zero_stage=2), CONSTRAINT, "has none"),
@@ -152,7 +156,7 @@ def test_world_size_mismatch_says_how_many_to_start():
 
 def test_validate_raises_every_reason_at_once():
     with pytest.raises(PartitaError) as info:
-        validate(Layout(pp=2, zero_stage=3, cp=2, microbatch_size=3), TINY, 4, seq_len=128,
+        validate(Layout(pp=2, zero_stage=3, cp=2, microbatch_size=3), TINY, 4, seq_len=130,
                  global_batch=16)
     text = str(info.value)
     assert "3 reasons" in text

@@ -22,6 +22,7 @@ BENCHMARKS = {
     "pp-bubble": "partita.bench.pp_bubble",
     "recompute": "partita.bench.recompute",
     "offload": "partita.bench.offload",
+    "cp": "partita.bench.cp",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
 }

@@ -64,15 +64,20 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
-                  offset: int = 0, inv_freq: torch.Tensor | None = None
+                  offset: int | torch.Tensor = 0, inv_freq: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len.
 
-    `inv_freq` (float64, see rope_frequencies) overrides the unscaled frequencies of theta.
+    `offset` may also be a tensor holding all seq_len positions: a context-parallel shard
+    holds chunks of the sequence that are not contiguous. `inv_freq` (float64, see
+    rope_frequencies) overrides the unscaled frequencies of theta.
     """
     if inv_freq is None:
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
+    if isinstance(offset, torch.Tensor):
+        pos = offset.to("cpu", torch.float64)
+    else:
+        pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)
     return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 

@@ -81,6 +81,8 @@ def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh, layout: Layout) ->
     sched = pipeline_schedule(layout, cfg.train.microbatches)
     stages = plan_stages(model_cfg, layout.pp, sched.n_virtual, cfg.parallel.pp_balance,
                          cfg.data.seq_len)
-    seq_divisor = layout.tp if layout.sequence_parallel else 1
+    # Stages pass each rank's share of the sequence: its context-parallel chunks, and of
+    # those its tensor-parallel slice under sequence parallelism.
+    seq_divisor = (layout.tp if layout.sequence_parallel else 1) * layout.cp
     return PipelineSetup(stages, sched, mesh.coord.pp, cfg.data.seq_len, model_cfg.dim,
                          seq_divisor, float(cfg.parallel.pp_timeout_s))

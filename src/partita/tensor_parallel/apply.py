@@ -122,7 +122,8 @@ def verify_tensor_parallel(model: nn.Module, plan: roles.ModelPlan,
         roles.ATTENTION_CORE: (nn.Module,),  # parameter-free: computes on local heads as is
     }
     wrong = [f"{n} ({r}: {type(m).__name__})" for n, m in model.named_modules()
-             if n and (r := plan.role_of(n)) is not None and not isinstance(m, expected[r])]
+             if n and (r := plan.role_of(n)) is not None
+             and not isinstance(m, expected.get(r, nn.Module))]
     if wrong:
         raise PartitaError(
             "tensor parallelism left these planned modules without a parallel type: "

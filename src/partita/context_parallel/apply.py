@@ -1,0 +1,117 @@
+"""Apply context parallelism to a model through its plan, and shard a step's batch.
+
+The plan names each attention core (role `attention_core`: a parameter-free module
+called as core(q, k, v) that computes causal attention). `apply_context_parallel` swaps
+every core for `ContextParallelAttention`, which runs the ring or all-gather kind over
+the "context" group, and gives the core's parent (the attention module, which applies
+the rotary embedding) the true positions of the rank's tokens through its
+`position_offset` argument. The model itself stays single-device code.
+
+`ContextParallelRunner` wraps a step runner: it keeps this rank's two chunks of every
+sequence (inputs and targets alike) before the runner sees them. The loss each rank
+returns is the mean over its own tokens; every rank holds as many tokens, so the mean
+over the data x context ranks (the "loss_average" group) is the mean over the global
+batch, and gradients averaged over the same ranks are its gradients.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from partita.comm import GroupComm
+from partita.context_parallel import sharding
+from partita.context_parallel.allgather import allgather_attention
+from partita.context_parallel.ring import ring_attention
+from partita.errors import PartitaError
+from partita.models import plan as roles
+
+KINDS = {"ring": ring_attention, "allgather": allgather_attention}
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's query chunks against the whole sequence's keys.
+
+    Takes what the model's core takes: q (b, h, s, d) and k, v with h heads (repeated
+    per grouped-query group, as the model's attention hands them) or with the kv heads
+    only. Repeated heads are dropped before anything travels: `kv_group` query heads
+    share each kv head.
+    """
+
+    def __init__(self, comm: GroupComm, kind: str, kv_group: int) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise PartitaError(f"parallel.cp_kind='{kind}' is unknown; use "
+                               f"{' or '.join(KINDS)}.")
+        self.comm, self.kind, self.kv_group = comm, kind, kv_group
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] == q.shape[1] and self.kv_group > 1:
+            k, v = k[:, ::self.kv_group], v[:, ::self.kv_group]
+        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]))
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, cp={self.comm.size}, kv_group={self.kv_group}"
+
+
+def apply_context_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm,
+                           kind: str) -> list[str]:
+    """Swap every planned attention core of `model` for its context-parallel version
+    over `comm`; the names of the swapped cores. Apply after tensor parallelism (the
+    cores then see the local heads, and the positions hook runs after the region's)."""
+    names = [n for n, _ in model.named_modules() if n and plan.role_of(n) == roles.ATTENTION_CORE]
+    if not names:
+        raise PartitaError(
+            "context parallelism needs the model's attention cores, but its plan names "
+            "none (role 'attention_core': the module computing softmax(q k^T) v). Add "
+            "them to the model's plan, or set parallel.cp=1."
+        )
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, ContextParallelAttention(comm, kind, _kv_group(parent, plan)))
+        parent.register_forward_pre_hook(_positions_hook(comm), with_kwargs=True)
+    return names
+
+
+def _kv_group(attention: nn.Module, plan: roles.ModelPlan) -> int:
+    """Query heads per kv head in this (possibly tensor-parallel) attention module."""
+    shape = plan.shape
+    if shape is None or shape.kv_heads == shape.n_heads:
+        return 1
+    wq, wk = getattr(attention, "wq", None), getattr(attention, "wk", None)
+    if wq is None or wk is None:
+        return shape.n_heads // shape.kv_heads
+    # The local widths: tensor parallelism may have split (or replicated) the kv heads.
+    return wq.weight.shape[0] // wk.weight.shape[0]
+
+
+def _positions_hook(comm: GroupComm):
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        x = args[0] if args else next(iter(kwargs.values()))
+        positions = sharding.positions(comm.index, comm.size, x.shape[1])
+        return args, {**kwargs, "position_offset": positions}
+
+    return hook
+
+
+class ContextParallelRunner:
+    """A step runner that hands its inner runner this rank's chunks of every sequence."""
+
+    def __init__(self, inner, comm: GroupComm) -> None:
+        self.inner, self.comm = inner, comm
+
+    def _mine(self, x: torch.Tensor) -> torch.Tensor:
+        return sharding.shard(x, self.comm.index, self.comm.size, dim=1)
+
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+        return self.inner.train(self._mine(inputs), self._mine(targets), microbatches)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        return self.inner.evaluate(self._mine(inputs), self._mine(targets))
+
+    def __getattr__(self, name: str):
+        # Anything else (timelines, transports) is the inner runner's.
+        return getattr(self.inner, name)
