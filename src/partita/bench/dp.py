@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from partita.bench import paired
+from partita.bench.models import CHOICES, bench_model, block_names
 from partita.local_world import run_distributed
-from partita.models.catalog import get_model_config
 
 LR = 1e-4
 Step = Callable[[torch.Tensor], None]
@@ -56,7 +56,8 @@ def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -
     from partita.zero import AdamWConfig, DataParallel, ZeroConfig
 
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, **zero),
-                      optim=AdamWConfig(lr=LR), blocks=blocks, precision=precision)
+                      optim=AdamWConfig(lr=LR), blocks=blocks or block_names(model),
+                      precision=precision)
 
     def step(tokens: torch.Tensor) -> None:
         dp.backward(_loss(dp.module(tokens[:, :-1]), tokens))
@@ -110,16 +111,16 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
 
     from partita.layout import Layout
     from partita.mesh import Mesh
-    from partita.models.transformer import build_model
 
     # The peers call collectives torch 2.13 deprecated; one warning per call and rank
     # would bury the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    cfg = get_model_config(setup.model)
     mesh = Mesh(Layout(dp=world), rank, world)
     device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+    # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
+    template, vocab = bench_model(setup.model, device)
     gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1),
+    batches = [torch.randint(0, vocab, (setup.batch, setup.seq + 1),
                              generator=gen).to(device) for _ in range(4)]
 
     def wait() -> None:  # a GPU runs behind the host: the clock waits for its queue
@@ -127,8 +128,6 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
-    template = build_model(cfg, device=device)
     out = []
     for ours, peer in pairs:
         steps = [build(name, copy.deepcopy(template), mesh) for name in (ours, peer)]
@@ -190,7 +189,9 @@ TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/st
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2, gloo)")
-    parser.add_argument("--model", default=Setup.model)
+    parser.add_argument("--model", default=Setup.model,
+                        help=f"{', '.join(CHOICES)} (a transformers LlamaForCausalLM) or any "
+                        f"catalog model (default {Setup.model})")
     parser.add_argument("--batch", type=int, default=Setup.batch, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=Setup.seq)
     parser.add_argument("--rounds", type=int, default=Setup.rounds,

@@ -27,6 +27,7 @@ import os
 import torch
 
 from partita.bench import dp as harness
+from partita.bench.models import blocks_of
 from partita.local_world import run_distributed
 
 
@@ -35,7 +36,7 @@ def _fsdp2_step(model, mesh, reshard: bool) -> harness.Step:
     from torch.distributed.fsdp import fully_shard
 
     device_mesh = init_device_mesh("cpu", (mesh.world_size,))
-    for block in model.blocks.values():
+    for block in blocks_of(model):
         fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
     return harness.torch_step(model, harness.torch_adamw(model.parameters()))
