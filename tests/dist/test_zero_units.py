@@ -159,7 +159,8 @@ def test_one_rank_accumulates_into_bound_buckets(stage: int) -> None:
                    for buf in dp.buckets for p in buf.params)
         dp.zero_grad()
         plain.zero_grad()
-        assert all(float(buf.full_grad.abs().sum()) == 0 for buf in dp.buckets)
+        # As torch's zero_grad: .grad is None; the next gradient overwrites the bucket.
+        assert all(p.grad is None for p in dp.module.parameters())
     # A .grad dropped by user code means "discard": the bucket reads zeros for it.
     dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
     first = next(dp.module.parameters())

@@ -1,9 +1,10 @@
 """Data parallelism: partita's stage 0 against torch DistributedDataParallel, one run.
 
 Both train the same model from the same weights on the same batches, with the same world
-size (gloo), one thread per rank and AdamW: the peers get torch's fastest, the fused
-kernel (`fused=True`, not torch's default: on CPU the default is a loop over parameters,
-foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket.
+size (gloo), one thread per rank, gradient clipping (`CLIP`) and AdamW: the peers get
+torch's fastest, the fused kernel (`fused=True`, not torch's default: on CPU the default
+is a loop over parameters, foreach on GPUs, both slower), which partita's engine also
+calls, once per flat bucket.
 After warm-up, rounds alternate ours and the peer, and which of the two goes first
 alternates too (A B, B A, A B, ...), so neither always runs right after the other's
 barrier; each round times a few steps between barriers (the slowest rank's time). The
@@ -30,6 +31,11 @@ from partita.bench.models import CHOICES, bench_model, block_names
 from partita.local_world import run_distributed
 
 LR = 1e-4
+# Every runner clips the global gradient norm to this, as `partita train` does by
+# default (train.grad_clip): clipping reads every gradient once more and writes it once,
+# which a benchmark without it does not see (it was partita's largest gap to DDP on a
+# 20M-parameter model, invisible on the tiny one).
+CLIP = 1.0
 Step = Callable[[torch.Tensor], None]
 
 
@@ -62,6 +68,7 @@ def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -
     def step(tokens: torch.Tensor) -> None:
         dp.backward(_loss(dp.module(tokens[:, :-1]), tokens))
         dp.finish_grad_sync()
+        dp.clip_grad_norm_(CLIP)
         dp.step()
         dp.zero_grad()
     step.engine = dp  # keeps it alive with the closure
@@ -80,6 +87,7 @@ def torch_adamw(params) -> torch.optim.Optimizer:
 def torch_step(model: torch.nn.Module, optimizer) -> Step:
     def step(tokens: torch.Tensor) -> None:
         _loss(model(tokens[:, :-1]), tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step

@@ -63,6 +63,7 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "gradient_clipping": harness.CLIP,
               "optimizer": {"type": "AdamW",
                             "params": {**harness.TORCH_ADAMW, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -291,7 +291,7 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        self.reducer.clear()  # stages 0-1: one memset per bucket
+        self.reducer.clear()  # every .grad None; no memset (reducer docstring)
         for buf in self.buckets:
             if buf.shard_grad is not None:
                 buf.shard_grad.zero_()
