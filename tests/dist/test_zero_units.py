@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partita.models.transformer import transformer_init
 from partita.bench import zero_memory
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.mesh import Mesh
+from partita.models.transformer import transformer_init
 from partita.testing import run_distributed
 from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
 from partita.zero.units import gather_units, resolve_blocks
