@@ -22,24 +22,29 @@ class ScalarGroup(Protocol):
     def all_reduce_scalars(self, values: list[float]) -> list[float]: ...
 
 
-# The norm of each row of this many elements is taken in the gradient's own precision
-# (float32 or float64), and the rows' squares added in float64. A whole-tensor reduction in
-# float32 drifted 1e-3 from the float64 sum over 20M elements; rows of 4096 keep each
-# partial sum short (2e-7 there). Asking the reduction itself to accumulate in float64
-# (`vector_norm(g, dtype=torch.float64)`) converts element by element on a CPU: 213 ms
-# for 20M float32 elements on one thread against 15 ms, the whole gap to torch's own
-# clipping on a 20M-parameter model.
+# On a CPU the norm of each row of this many elements is taken in the gradient's own
+# precision (float32 or float64), and the rows' squares added in float64. A whole-tensor
+# reduction in float32 drifted 1e-3 from the float64 sum over 20M elements; rows of 4096
+# keep each partial sum short (2e-7 there). Asking the reduction itself to accumulate in
+# float64 (`vector_norm(g, dtype=torch.float64)`) converts element by element on a CPU:
+# 213 ms for 20M float32 elements on one thread against 15 ms, the whole gap to torch's
+# own clipping on a 20M-parameter model. A GPU's reduction casts as it reads, at memory
+# speed, and keeps that simpler form.
 ROW = 4096
-# Gradients in a narrower dtype (bf16, fp16) are cast to float64 in chunks of this many
-# elements first: asking the reduction to cast ran 3-5x slower on a CPU, and a
+# On a CPU, gradients in a narrower dtype (bf16, fp16) are cast to float64 in chunks of
+# this many elements first: asking the reduction to cast ran 3-5x slower, and a
 # whole-gradient cast is a fresh allocation, page-faulted on every step.
-CPU_CAST_CHUNK = 1 << 18
-GPU_CAST_CHUNK = 1 << 26
+CAST_CHUNK = 1 << 18
 
 
 def squared_sum(pieces: Iterable[torch.Tensor], device: torch.device) -> float:
-    """Sum of the squares of every element of `pieces`, accumulated in float64 across
-    rows of ROW elements (see ROW)."""
+    """Sum of the squares of every element of `pieces`, accumulated in float64 (on a
+    CPU across rows of ROW elements, see ROW)."""
+    if torch.device(device).type != "cpu":
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in pieces:
+            total += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        return total.item()
     norms: list[torch.Tensor] = []
     scratch: torch.Tensor | None = None
     for g in pieces:
@@ -48,8 +53,7 @@ def squared_sum(pieces: Iterable[torch.Tensor], device: torch.device) -> float:
             norms += _row_norms(g)
             continue
         if scratch is None:
-            chunk = CPU_CAST_CHUNK if torch.device(device).type == "cpu" else GPU_CAST_CHUNK
-            scratch = torch.empty(chunk, dtype=torch.float64, device=device)
+            scratch = torch.empty(CAST_CHUNK, dtype=torch.float64, device=device)
         for lo in range(0, g.numel(), scratch.numel()):
             part = g[lo:lo + scratch.numel()]
             norms += _row_norms(scratch[:part.numel()].copy_(part))
