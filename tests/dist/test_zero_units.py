@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partita.models.transformer import transformer_init
 from partita.bench import zero_memory
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.mesh import Mesh
+from partita.models.transformer import transformer_init
 from partita.testing import run_distributed
 from partita.zero import ALIGN, DataParallel, FlatBuffer, MixedPrecision, ZeroConfig
 from partita.zero.units import gather_units, resolve_blocks
@@ -159,7 +159,8 @@ def test_one_rank_accumulates_into_bound_buckets(stage: int) -> None:
                    for buf in dp.buckets for p in buf.params)
         dp.zero_grad()
         plain.zero_grad()
-        assert all(float(buf.full_grad.abs().sum()) == 0 for buf in dp.buckets)
+        # As torch's zero_grad: .grad is None; the next gradient overwrites the bucket.
+        assert all(p.grad is None for p in dp.module.parameters())
     # A .grad dropped by user code means "discard": the bucket reads zeros for it.
     dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
     first = next(dp.module.parameters())

@@ -219,3 +219,15 @@ def test_zero_config_keeps_the_stage_as_a_policy(stage, accumulation, full_buffe
     cfg = ZeroConfig(stage=stage, accumulation=accumulation)
     assert cfg.stage == ZeroStage(stage)
     assert cfg.accumulates_in_full_buffer == full_buffer
+
+
+def test_squared_sum_is_close_to_the_float64_sum_in_rows_and_chunks() -> None:
+    """float32 rows with their squares added in float64; bf16 cast to float64 in chunks
+    (more elements than one chunk here): both close to the exact sum."""
+    gen = torch.Generator().manual_seed(3)
+    g = torch.rand(300_001, generator=gen)
+    exact = float((g.double() ** 2).sum())
+    assert squared_sum([g[:5], g[5:]], torch.device("cpu")) == pytest.approx(exact, rel=1e-6)
+    b = g.bfloat16()
+    assert squared_sum([b], torch.device("cpu")) == \
+        pytest.approx(float((b.double() ** 2).sum()), rel=1e-12)

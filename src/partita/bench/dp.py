@@ -1,9 +1,10 @@
 """Data parallelism: partita's stage 0 against torch DistributedDataParallel, one run.
 
 Both train the same model from the same weights on the same batches, with the same world
-size (gloo), one thread per rank and AdamW: the peers get torch's fastest, the fused
-kernel (`fused=True`, not torch's default: on CPU the default is a loop over parameters,
-foreach on GPUs, both slower), which partita's engine also calls, once per flat bucket.
+size (gloo), one thread per rank, gradient clipping (`CLIP`) and AdamW: the peers get
+torch's fastest, the fused kernel (`fused=True`, not torch's default: on CPU the default
+is a loop over parameters, foreach on GPUs, both slower), which partita's engine also
+calls, once per flat bucket.
 After warm-up, rounds alternate ours and the peer, and which of the two goes first
 alternates too (A B, B A, A B, ...), so neither always runs right after the other's
 barrier; each round times a few steps between barriers (the slowest rank's time). The
@@ -26,10 +27,15 @@ from dataclasses import dataclass
 import torch
 
 from partita.bench import paired
+from partita.bench.models import CHOICES, bench_model, block_names
 from partita.local_world import run_distributed
-from partita.models.catalog import get_model_config
 
 LR = 1e-4
+# Every runner clips the global gradient norm to this, as `partita train` does by
+# default (train.grad_clip): clipping reads every gradient once more and writes it once,
+# which a benchmark without it does not see (it was partita's largest gap to DDP on a
+# 20M-parameter model, invisible on the tiny one).
+CLIP = 1.0
 Step = Callable[[torch.Tensor], None]
 
 
@@ -56,11 +62,13 @@ def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -
     from partita.zero import AdamWConfig, DataParallel, ZeroConfig
 
     dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, **zero),
-                      optim=AdamWConfig(lr=LR), blocks=blocks, precision=precision)
+                      optim=AdamWConfig(lr=LR), blocks=blocks or block_names(model),
+                      precision=precision)
 
     def step(tokens: torch.Tensor) -> None:
         dp.backward(_loss(dp.module(tokens[:, :-1]), tokens))
         dp.finish_grad_sync()
+        dp.clip_grad_norm_(CLIP)
         dp.step()
         dp.zero_grad()
     step.engine = dp  # keeps it alive with the closure
@@ -79,6 +87,7 @@ def torch_adamw(params) -> torch.optim.Optimizer:
 def torch_step(model: torch.nn.Module, optimizer) -> Step:
     def step(tokens: torch.Tensor) -> None:
         _loss(model(tokens[:, :-1]), tokens).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
@@ -110,16 +119,16 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
 
     from partita.layout import Layout
     from partita.mesh import Mesh
-    from partita.models.transformer import build_model
 
     # The peers call collectives torch 2.13 deprecated; one warning per call and rank
     # would bury the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
-    cfg = get_model_config(setup.model)
     mesh = Mesh(Layout(dp=world), rank, world)
     device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+    # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
+    template, vocab = bench_model(setup.model, device)
     gen = torch.Generator().manual_seed(rank)
-    batches = [torch.randint(0, cfg.vocab_size, (setup.batch, setup.seq + 1),
+    batches = [torch.randint(0, vocab, (setup.batch, setup.seq + 1),
                              generator=gen).to(device) for _ in range(4)]
 
     def wait() -> None:  # a GPU runs behind the host: the clock waits for its queue
@@ -127,8 +136,6 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
-    template = build_model(cfg, device=device)
     out = []
     for ours, peer in pairs:
         steps = [build(name, copy.deepcopy(template), mesh) for name in (ours, peer)]
@@ -190,7 +197,9 @@ TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/st
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2, gloo)")
-    parser.add_argument("--model", default=Setup.model)
+    parser.add_argument("--model", default=Setup.model,
+                        help=f"{', '.join(CHOICES)} (a transformers LlamaForCausalLM) or any "
+                        f"catalog model (default {Setup.model})")
     parser.add_argument("--batch", type=int, default=Setup.batch, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=Setup.seq)
     parser.add_argument("--rounds", type=int, default=Setup.rounds,

@@ -27,6 +27,7 @@ import os
 import torch
 
 from partita.bench import dp as harness
+from partita.bench.models import blocks_of
 from partita.local_world import run_distributed
 
 
@@ -35,7 +36,7 @@ def _fsdp2_step(model, mesh, reshard: bool) -> harness.Step:
     from torch.distributed.fsdp import fully_shard
 
     device_mesh = init_device_mesh("cpu", (mesh.world_size,))
-    for block in model.blocks.values():
+    for block in blocks_of(model):
         fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard)
     return harness.torch_step(model, harness.torch_adamw(model.parameters()))
@@ -62,6 +63,7 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
     deepspeed.utils.logger.setLevel(logging.WARNING)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
               "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "gradient_clipping": harness.CLIP,
               "optimizer": {"type": "AdamW",
                             "params": {**harness.TORCH_ADAMW, "torch_adam": True}}}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -17,6 +17,12 @@ MODELS: dict[str, ModelConfig] = {
                              flavour="gpt2", tie_embeddings=True),
     "small": ModelConfig(vocab_size=256, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
                          max_seq_len=256),
+    # Benchmark sizes: a step-time ratio read on `tiny` (39 small tensors) need not hold
+    # where tensors are many and large. 21.2M and 97.6M parameters.
+    "llama-20m": ModelConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8,
+                             max_seq_len=2048),
+    "llama-100m": ModelConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12,
+                              max_seq_len=2048),
     # Published shapes.
     "gpt2-124m": ModelConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12,
                              max_seq_len=1024, flavour="gpt2", tie_embeddings=True),

@@ -57,29 +57,71 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     that get weight decay.
 
     The update itself is torch's fused AdamW kernel (the one behind
-    `torch.optim.AdamW(fused=True)`, on CPU and CUDA), called on the whole flat slice:
+    `torch.optim.AdamW(fused=True)`, on CPU and CUDA), called on whole flat ranges:
     one pass over memory instead of one per op (853K fp32 elements on one CPU thread:
     0.37 ms against 1.1 ms for the same update as five in-place ops in cache-sized
     chunks, and 2.8 ms for torch's foreach AdamW over the 39 separate parameters).
-    The kernel applies weight decay to all it is given, so decay is applied here, on
-    the decayed ranges only, and the kernel runs with none; decoupled decay first,
-    then the Adam update, is the order torch.optim.AdamW uses. `torch._fused_adamw_`
-    is private API (the same since its CPU kernel arrived in torch 2.4, where our
-    supported range starts); the parity tests compare this update with
-    torch.optim.AdamW in float64, so a change there fails them."""
-    if cfg.weight_decay:
-        for a, b in decay:
-            param[a:b].mul_(1 - lr * cfg.weight_decay)
+    Weight decay is the kernel's too (decoupled, before the Adam update, as
+    torch.optim.AdamW): one call takes the decayed ranges with the configured decay,
+    another the rest with none. Decaying with a separate `mul_` per range was one more
+    pass over nearly every parameter: on a 20M-parameter model it made the step 1.5x
+    torch's. `torch._fused_adamw_` is private API (the same since its CPU kernel arrived
+    in torch 2.4, where our supported range starts); the parity tests compare this
+    update with torch.optim.AdamW in float64, so a change there fails them."""
     beta1, beta2 = cfg.betas
     steps = torch.full((), float(step), dtype=torch.float32, device=param.device)
     cast = grad.dtype != param.dtype
     chunk = scratch.numel() if cast else param.numel()
-    for lo in range(0, param.numel(), max(chunk, 1)):
-        hi = min(lo + chunk, param.numel())
-        g = scratch[: hi - lo].copy_(grad[lo:hi]) if cast else grad[lo:hi]
-        torch._fused_adamw_([param[lo:hi]], [g], [exp_avg[lo:hi]], [exp_avg_sq[lo:hi]], [],
-                            [steps], lr=lr, beta1=beta1, beta2=beta2, weight_decay=0.0,
-                            eps=cfg.eps, amsgrad=False, maximize=False)
+    segments = _segments(param.numel(), decay if cfg.weight_decay else [])
+    for lo, hi, parts in _chunks(segments, max(chunk, 1)):
+        if cast:
+            g = scratch[: hi - lo].copy_(grad[lo:hi])
+            grads = [g[a - lo:b - lo] for a, b, _ in parts]
+        else:
+            grads = [grad[a:b] for a, b, _ in parts]
+        for decays in (True, False):
+            pick = [k for k, part in enumerate(parts) if part[2] == decays]
+            if not pick:
+                continue
+            torch._fused_adamw_(
+                [param[parts[k][0]:parts[k][1]] for k in pick], [grads[k] for k in pick],
+                [exp_avg[parts[k][0]:parts[k][1]] for k in pick],
+                [exp_avg_sq[parts[k][0]:parts[k][1]] for k in pick], [], [steps] * len(pick),
+                lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
+                amsgrad=False, maximize=False)
+
+
+Segment = tuple[int, int, bool]  # [a, b) and whether it gets weight decay
+
+
+def _segments(numel: int, decay: Ranges) -> list[Segment]:
+    """[0, numel) cut into consecutive ranges, each decayed or not."""
+    out, at = [], 0
+    for a, b in decay:
+        if at < a:
+            out.append((at, a, False))
+        out.append((a, b, True))
+        at = b
+    if at < numel:
+        out.append((at, numel, False))
+    return out
+
+
+def _chunks(segments: list[Segment], chunk: int):
+    """Consecutive [lo, hi) of at most `chunk` elements, each with the segments (cut at
+    its edges) that make it up."""
+    lo, parts = 0, []
+    for a, b, decays in segments:
+        while a < b:
+            cut = min(b, lo + chunk)
+            parts.append((a, cut, decays))
+            a = cut
+            if cut == lo + chunk:
+                yield lo, cut, parts
+                lo, parts = cut, []
+    if parts:
+        yield lo, parts[-1][1], parts
 
 
 @dataclass

@@ -207,8 +207,14 @@ class DataParallel:
             # counted by that group's index 0 only.
             dup = any(p in self.mesh.ranks and self.mesh.index(p) != 0
                       for p in pc.entry.info.replicated_over)
-            if not dup:
-                counted.append((pc.buf_start - lo, pc.buf_start - lo + pc.stop - pc.start))
+            if dup:
+                continue
+            a = pc.buf_start - lo
+            b = a + pc.stop - pc.start
+            if counted and counted[-1][1] == a:  # one norm call over adjacent pieces
+                counted[-1] = (counted[-1][0], b)
+            else:
+                counted.append((a, b))
         return counted
 
     # Backward --------------------------------------------------------------------------
@@ -333,7 +339,7 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
-        self.reducer.clear()  # stages 0-1: one memset per bucket
+        self.reducer.clear()  # every .grad None; no memset (reducer docstring)
         for buf in self.buckets:
             if buf.shard_grad is not None:
                 buf.shard_grad.zero_()

@@ -1,0 +1,58 @@
+"""The models the step-time benchmarks run: partita's catalog and a `transformers` Llama.
+
+    model, vocab = bench_model("hf-llama-20m", device)
+
+A name from partita's catalog (`partita.models.catalog`: the default `tiny`, the CPU
+presets `llama-20m` and `llama-100m`, or any other) builds partita's own Transformer; a
+name from `HF_MODELS` builds a `transformers` LlamaForCausalLM through partita's adapter
+(`partita.models.hf_llama`). The tiny model has 39 parameter tensors of 0.8M elements in
+all; a speed that holds there need not hold where there are many larger tensors, so the
+step-time ratios are worth reading on the larger ones too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+# transformers Llamas: (hidden, layers, heads, ffn, vocab). 21.2M parameters, the shape
+# of partita's `llama-20m`, which makes the two directly comparable.
+HF_MODELS: dict[str, tuple[int, int, int, int, int]] = {
+    "hf-llama-20m": (512, 4, 8, 1408, 8192),
+}
+
+# The names `--model` suggests (any catalog name is accepted too).
+CHOICES = ("tiny", "llama-20m", "llama-100m", *HF_MODELS)
+
+
+def bench_model(name: str, device: torch.device | str = "cpu") -> tuple[nn.Module, int]:
+    """(an initialised float32 model, its vocabulary size)."""
+    if name in HF_MODELS:
+        from transformers import LlamaConfig
+
+        from partita.models.hf_llama import llama_model
+
+        hidden, layers, heads, ffn, vocab = HF_MODELS[name]
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=heads,
+                             intermediate_size=ffn, max_position_embeddings=2048,
+                             tie_word_embeddings=False, pad_token_id=None,
+                             attn_implementation="sdpa")
+        return llama_model(config, device=device)[0], vocab
+    from partita.models.catalog import get_model_config
+    from partita.models.transformer import build_model
+
+    cfg = get_model_config(name)
+    return build_model(cfg, device=device), cfg.vocab_size
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks (what FSDP2 and ZeRO-3 gather one at a time)."""
+    holder = model.blocks if hasattr(model, "blocks") else model.layers
+    return list(holder.values())
+
+
+def block_names(model: nn.Module) -> list[str]:
+    """The blocks' module names, for partita's `DataParallel(blocks=...)`."""
+    attr = "blocks" if hasattr(model, "blocks") else "layers"
+    return [f"{attr}.{key}" for key in getattr(model, attr)]
