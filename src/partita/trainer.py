@@ -8,7 +8,6 @@ data-parallel replicas, so gradients equal those of the global-batch mean loss.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import time
@@ -18,14 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from partita.checkpoint import (
-    CheckpointWriter,
-    Loaded,
-    find_latest,
-    load_checkpoint,
-    manifest_fields,
-    resolve,
-)
+from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
+from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
@@ -36,6 +29,7 @@ from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
+from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
 from partita.watchdog import Progress
 from partita.weights import save_weights
 
@@ -45,23 +39,6 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
-
-
-def checkpoint_root(cfg: Config) -> Path:
-    """Where the run's checkpoints live: train.checkpoint_dir, else OUT_DIR/checkpoints."""
-    return Path(cfg.train.checkpoint_dir or Path(cfg.train.out_dir) / "checkpoints")
-
-
-def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
-    """The checkpoint this run starts from: train.resume resolved ("auto": the newest
-    complete one, or None for a fresh start). A worker restarted by the launcher
-    (--max-restarts) resumes as with "auto" when nothing else was asked."""
-    wanted = cfg.train.resume or ("auto" if restarted else "")
-    if not wanted:
-        return None
-    if wanted == "auto":
-        return find_latest(checkpoint_root(cfg))
-    return resolve(Path(wanted))
 
 
 def open_dataset(cfg: Config) -> TokenDataset:
@@ -78,63 +55,6 @@ def open_dataset(cfg: Config) -> TokenDataset:
             "tokenizer that fits the model (with model.init_from: the model's own tokenizer)."
         )
     return data
-
-
-def pick_device_name(name: str) -> str:
-    """train.device resolved: "auto" is cuda when a GPU is visible, else cpu."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PartitaError("train.device=cuda but no CUDA device is visible; use "
-                           "train.device=cpu or auto.")
-    return name
-
-
-def pick_device(name: str) -> torch.device:
-    name = pick_device_name(name)
-    if name == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        check_one_gpu_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", index + 1)))
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return torch.device(name)
-
-
-def check_one_gpu_per_process(local_processes: int) -> None:
-    """NCCL takes one process per GPU (two on one GPU fail inside NCCL's setup with
-    "Duplicate GPU detected"); say so before anything starts."""
-    gpus = torch.cuda.device_count()
-    if local_processes > gpus:
-        raise PartitaError(
-            f"{local_processes} processes on this node but {gpus} GPU(s) visible; NCCL "
-            f"runs one process per GPU. Use --nproc {gpus} (or fewer), make more GPUs "
-            "visible (CUDA_VISIBLE_DEVICES), or train on CPU processes with "
-            "--train.device=cpu."
-        )
-
-
-def init_distributed(device: torch.device, timeout_s: float) -> tuple[int, int]:
-    """Join the world torchrun (or our launcher) described in the environment."""
-    if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) == 1:
-        return 0, 1
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if attempt == 0:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        # A restarted job meets in the same key-value store as the attempt before it,
-        # where that attempt's addresses still stand (the new processes would read
-        # them and fail to connect): each attempt keeps to keys of its own.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              world, is_master=rank == 0 and not hosted, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
-    return dist.get_rank(), dist.get_world_size()
 
 
 # A stall is reported only after at least this long, however short the median step.
@@ -468,7 +388,7 @@ class Trainer:
 
 def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     """Run training on this process (its rank comes from the environment)."""
-    torch.set_num_threads(cfg.train.threads or _default_threads())
+    torch.set_num_threads(cfg.train.threads or default_threads())
     trainer = None
     try:
         trainer = Trainer(cfg, fault)
@@ -500,25 +420,3 @@ def _culprit_sentence(trainer: Trainer | None) -> str:
         return f"The process to look at: {late}"
     return ("Another process of the job stopped, died or stalled (the launcher names the "
             "one that failed first)")
-
-
-# What gloo and NCCL say when a peer is gone or late (their errors are RuntimeErrors
-# with these words rather than one exception type).
-_PEER_FAILURE_WORDS = ("timed out", "application timeout", "pair closure",
-                       "connection closed", "connection reset",
-                       "broken pipe", "connection refused", "read error", "peer",
-                       "nccl communicator was aborted")
-
-
-def is_peer_failure(exc: BaseException) -> bool:
-    """True when `exc` says a collective failed because another process did."""
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return any(word in text for word in _PEER_FAILURE_WORDS)
-
-
-def _default_threads() -> int:
-    """Share the machine's cores among the local ranks (at least one thread each)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, (os.cpu_count() or 1) // local)

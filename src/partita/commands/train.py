@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     nproc = args.nproc or default_nproc()
     validate_before_launch(cfg, nproc * args.nnodes)
-    from partita.trainer import check_one_gpu_per_process, pick_device_name
+    from partita.process_setup import check_one_gpu_per_process, pick_device_name
 
     if pick_device_name(cfg.train.device) == "cuda":
         check_one_gpu_per_process(nproc)
@@ -136,7 +136,7 @@ def prepare_run_dir(cfg: Config) -> None:
     checkpoint to resume from: it must exist and be of this model."""
     from partita.checkpoint import check_model, complete_checkpoints, read_manifest
     from partita.checkpoint.manifest import check_files
-    from partita.trainer import checkpoint_root, resume_target
+    from partita.checkpoint.resume import checkpoint_root, resume_target
 
     target = resume_target(cfg)
     if target is not None:
