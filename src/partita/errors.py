@@ -68,14 +68,20 @@ CHECKPOINT_STOP_EXIT = 75
 
 class StopRequest:
     """SIGTERM as a request: finish the step, write a checkpoint, exit (what schedulers
-    mean when they send it before pre-empting a job). A second SIGTERM stops at once.
+    mean when they send it before pre-empting a job). A second SIGTERM, more than
+    REPEAT_S later, stops at once.
 
     Signal handlers belong to the process, so there is one request per process
     (`STOP_REQUEST`); the trainer installs it and reads `signum` at each step's end.
     """
 
+    # SIGTERMs this close together are one request: a scheduler signals every process
+    # of the job and `partita train` also passes its own on to its workers.
+    REPEAT_S = 3.0
+
     def __init__(self) -> None:
         self.signum = 0
+        self.at = 0.0
 
     def install(self) -> None:
         import signal
@@ -85,9 +91,13 @@ class StopRequest:
             return  # only the main thread may set handlers; signals then stay as they are
 
         def handler(signum, _frame):
-            if self.signum:
+            import time
+
+            now = time.monotonic()
+            if self.signum and now - self.at > self.REPEAT_S:
                 raise Stopped(signum)
-            self.signum = signum
+            if not self.signum:
+                self.signum, self.at = signum, now
         signal.signal(signal.SIGTERM, handler)
 
 

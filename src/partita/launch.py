@@ -19,7 +19,13 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from partita.errors import PEER_FAILURE_EXIT, PartitaError, Stopped, stop_on_signals
+from partita.errors import (
+    PEER_FAILURE_EXIT,
+    STOP_REQUEST,
+    PartitaError,
+    Stopped,
+    stop_on_signals,
+)
 
 SHUTDOWN_TIMEOUT_S = 5
 
@@ -135,9 +141,13 @@ def _sigterm_to_workers(enabled: bool):
     seen = []
 
     def handler(signum, _frame):
-        if seen:
+        import time
+
+        if seen and time.monotonic() - seen[0] > STOP_REQUEST.REPEAT_S:
             raise Stopped(signum)
-        seen.append(signum)
+        if seen:
+            return
+        seen.append(time.monotonic())
         for child in multiprocessing.active_children():  # the spawned workers
             os.kill(child.pid, signal.SIGTERM)
 

@@ -51,11 +51,9 @@ WORLD2 = {
     "pp2-interleaved": pipeline_config(schedule="interleaved-1f1b", virtual_stages=2),
     "pp2-zb": pipeline_config(schedule="zb-h1"),
     "zero3-fp32": parity_config(parallel=dict(zero_stage=3), **F32),
-    "tp2-fp32": parity_config(parallel=dict(tp=2), **F32),
     "bf16-zero1": parity_config(parallel=dict(zero_stage=1),
                                 precision=dict(param_dtype="bfloat16"), **F32),
     "zero3-host-offload": parity_config(parallel=dict(zero_stage=3, offload="optimizer+params")),
-    "zero1-recompute": parity_config(parallel=dict(zero_stage=1, recompute="full")),
 }
 THREE_D = pipeline_config(dp=2, tp=2, zero_stage=1, sequence_parallel=True,
                           schedule="1f1b", microbatches=2)
