@@ -16,6 +16,9 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.fault_suite("process faults")
 
 TIMEOUT_S = 4  # collective and pipeline timeouts of these jobs
 BOUND_S = 150  # start-up of two processes on a loaded 2-core machine included
+CONCURRENT = 2  # jobs at once (see `outcomes`)
 
 LAYOUTS = {
     "dp": [],
@@ -49,24 +53,50 @@ def _cases() -> list[tuple[str, str, str, int]]:
     return cases
 
 
-@pytest.mark.parametrize(("layout", "kind", "point", "rank"), _cases(),
-                         ids=[f"{lay}-{k}-{p}-rank{r}" for lay, k, p, r in _cases()])
-def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, rank, tmp_path):
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int
+    stderr: str
+    elapsed: float
+    run: Path
+
+
+def _run_case(case: tuple[str, str, str, int], root: Path, cache: str) -> Outcome:
+    layout, kind, point, rank = case
     steps = 3
     step = steps if point == "weight_write" else 2
-    run = tmp_path / "run"
+    run = root / f"{layout}-{kind}-{point}-{rank}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PARTITA_FAULT": f"rank={rank},step={step},at={point},do={kind}"}
     start = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "partita.cli", "train", *SMALL, *LAYOUTS[layout], "--nproc", "2",
-         f"--train.steps={steps}", f"--data.cache_dir={tmp_path / 'cache'}",
-         f"--train.out_dir={run}"],
+         f"--train.steps={steps}", f"--data.cache_dir={cache}", f"--train.out_dir={run}"],
         capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
-    elapsed = time.monotonic() - start
+    return Outcome(result.returncode, result.stderr, time.monotonic() - start, run)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request, tmp_path_factory, cache) -> dict:
+    """Every selected case's job, run CONCURRENT at a time: most of a case is
+    process start-up and waiting out a timeout, so overlapping them keeps the suite
+    short; each case still runs its own job and is checked on its own."""
+    selected = [item.callspec.params for item in request.session.items
+                if item.originalname == "test_a_faulty_rank_ends_the_job_with_a_clear_message"]
+    cases = [(p["layout"], p["kind"], p["point"], p["rank"]) for p in selected]
+    root = tmp_path_factory.mktemp("faults")
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = {case: pool.submit(_run_case, case, root, cache) for case in cases}
+        return {case: future.result() for case, future in futures.items()}
+
+
+@pytest.mark.parametrize(("layout", "kind", "point", "rank"), _cases(),
+                         ids=[f"{lay}-{k}-{p}-rank{r}" for lay, k, p, r in _cases()])
+def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, rank, outcomes):
+    result = outcomes[(layout, kind, point, rank)]
     err = result.stderr
     assert result.returncode != 0, err[-3000:]
-    assert elapsed < BOUND_S, elapsed
+    assert result.elapsed < BOUND_S, result.elapsed
     assert "Traceback" not in err, err[-3000:]
     last = [line for line in err.splitlines() if line.startswith("partita:")][-1]
     assert last.startswith("partita: error: process "), last
@@ -74,11 +104,11 @@ def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, ra
         assert f"The process to look at: rank {rank} " in err, err[-3000:]
     if kind != "stop":  # the faulty process is the first to fail
         assert f"process {rank} of the job" in last, last
-    assert not (run / "model.safetensors").exists()
-    assert not list(run.glob("*.partial"))
+    assert not (result.run / "model.safetensors").exists()
+    assert not list(result.run.glob("*.partial"))
 
 
-def test_a_stalled_step_is_reported_before_the_timeout(tmp_path):
+def test_a_stalled_step_is_reported_before_the_timeout(tmp_path, cache):
     """Rank 0's watchdog names the stopped rank once the step runs stall_warning_factor
     times the median step time, seconds before the collective timeout ends the job."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
@@ -87,7 +117,7 @@ def test_a_stalled_step_is_reported_before_the_timeout(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "partita.cli", "train", *settings, "--nproc", "2",
          "--train.steps=6", "--train.collective_timeout_s=15", "--train.stall_warning_factor=3",
-         f"--data.cache_dir={tmp_path / 'cache'}", f"--train.out_dir={tmp_path / 'run'}"],
+         f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
     err = result.stderr
     assert result.returncode != 0
