@@ -71,12 +71,16 @@ class StepRunner(Protocol):
     """Runs one rank's share of a step; `MicrobatchRunner` and the pipeline's
     `PipelineRunner` both are one."""
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None) -> float:
         """Forward and backward of `microbatches` equal microbatches, gradients
-        accumulated as of mean loss / microbatches; this rank's summed loss."""
+        accumulated as of mean loss / microbatches; this rank's summed loss.
+        `segments` (like inputs): the document of every token when rows pack several
+        documents (partita.models.documents); attention then stays within each."""
         ...
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None) -> float:
         """The loss of one batch, no gradients."""
         ...
 
@@ -106,13 +110,15 @@ class MicrobatchRunner:
     def __init__(self, dp: DataParallel, loss_fn: LossFn, device: torch.device) -> None:
         self.dp, self.loss_fn, self.device = dp, loss_fn, device
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None) -> float:
         """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
         losses = []
         pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
-        for i, (x, y) in enumerate(pairs):
+        docs = [None] * len(pairs) if segments is None else segments.chunk(microbatches)
+        for i, ((x, y), s) in enumerate(zip(pairs, docs)):
             with self.dp.grad_sync(i == len(pairs) - 1):
-                loss = self.loss_fn(self.dp.module(x.to(self.device)), y.to(self.device))
+                loss = self.loss_fn(self._forward(x, s), y.to(self.device))
                 loss = loss / microbatches
                 self.dp.backward(loss)
             losses.append(loss.detach())
@@ -120,9 +126,14 @@ class MicrobatchRunner:
         return torch.stack(losses).sum().item()
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self.loss_fn(self.dp.module(inputs.to(self.device)),
-                            targets.to(self.device)).item()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None) -> float:
+        return self.loss_fn(self._forward(inputs, segments), targets.to(self.device)).item()
+
+    def _forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        if segments is None:  # models that know nothing of packed documents work too
+            return self.dp.module(x.to(self.device))
+        return self.dp.module(x.to(self.device), segments=segments.to(self.device))
 
 
 @dataclass

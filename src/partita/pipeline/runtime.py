@@ -76,6 +76,8 @@ class _Step:
     # after the next sends are posted, and the step's sum of their gradients.
     early: list[tuple[Action, WeightPass]] = field(default_factory=list)
     early_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per microbatch, the document of every token of packed rows (None: one per row).
+    segments: list[torch.Tensor] | None = None
 
 
 def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
@@ -115,6 +117,10 @@ class _RankRun:
     # Per action index, the receives to post just before it (`_early_receives`); None
     # where the transport posts receives only when reached (NCCL).
     early: list[tuple[Action, ...]] | None
+
+
+def _chunks(segments: torch.Tensor | None, m: int) -> list[torch.Tensor] | None:
+    return None if segments is None else list(segments.chunk(m))
 
 
 def final_backwards(actions: tuple[Action, ...]) -> dict[int, Action]:
@@ -219,20 +225,24 @@ class PipelineRunner:
         return self._train_runs[microbatches]
 
     # The two entry points ------------------------------------------------------------
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None) -> float:
         run = self._train_run(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True, deferred=run.deferred, split=run.split)
+                     microbatches, train=True, deferred=run.deferred, split=run.split,
+                     segments=_chunks(segments, microbatches))
         self._run(run, step)
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None) -> float:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
         if m not in self._eval_runs:
             # Its own proofs: interleaved sends forwards back to rank 0 too.
             self._eval_runs[m] = self._rank_run(forward_only(self.schedule(m)))
-        step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
+        step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False,
+                     segments=_chunks(segments, m))
         training_timeline = self.timeline  # `timeline` shows the last *training* step
         self._run(self._eval_runs[m], step)
         self.timeline = training_timeline
@@ -408,7 +418,8 @@ class PipelineRunner:
             # backward, stage 0's W, reads its own saved tensors).
             p.saves = ForwardSaves() if (a.stage, mb) in step.deferred else None
             with p.saves or contextlib.nullcontext():
-                out = st.run_blocks(self.module, self.plan, stage, p.x)
+                segments = None if step.segments is None else step.segments[mb].to(self.device)
+                out = st.run_blocks(self.module, self.plan, stage, p.x, segments)
                 if stage.last:
                     if self.tied is not None:
                         self.tied.wait_weight()
