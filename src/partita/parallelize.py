@@ -43,7 +43,7 @@ from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
-from partita.loss import cross_entropy  # the whole vocabulary on one rank
+from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
 from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
 from partita.mesh import Mesh
@@ -72,15 +72,20 @@ class StepRunner(Protocol):
     `PipelineRunner` both are one."""
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-              segments: torch.Tensor | None = None) -> float:
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         """Forward and backward of `microbatches` equal microbatches, gradients
         accumulated as of mean loss / microbatches; this rank's summed loss.
         `segments` (like inputs): the document of every token when rows pack several
-        documents (partita.models.documents); attention then stays within each."""
+        documents (partita.models.documents); attention then stays within each.
+        `targets_per_rank`: when some targets are not trained, the step's trained
+        targets over the ranks the loss is averaged on (partita.loss.microbatch_weight):
+        the step's loss is then their mean, at any layout."""
         ...
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 segments: torch.Tensor | None = None) -> float:
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
         """The loss of one batch, no gradients."""
         ...
 
@@ -111,7 +116,8 @@ class MicrobatchRunner:
         self.dp, self.loss_fn, self.device = dp, loss_fn, device
 
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-              segments: torch.Tensor | None = None) -> float:
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
         losses = []
         pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
@@ -119,7 +125,8 @@ class MicrobatchRunner:
         for i, ((x, y), s) in enumerate(zip(pairs, docs)):
             with self.dp.grad_sync(i == len(pairs) - 1):
                 loss = self.loss_fn(self._forward(x, s), y.to(self.device))
-                loss = loss / microbatches
+                # x 1.0 (every target trained, or no count given) is exact.
+                loss = loss * microbatch_weight(y, microbatches, targets_per_rank) / microbatches
                 self.dp.backward(loss)
             losses.append(loss.detach())
         # One device-to-host read per step, not one per microbatch (each is a sync).
@@ -127,8 +134,10 @@ class MicrobatchRunner:
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 segments: torch.Tensor | None = None) -> float:
-        return self.loss_fn(self._forward(inputs, segments), targets.to(self.device)).item()
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
+        loss = self.loss_fn(self._forward(inputs, segments), targets.to(self.device)).item()
+        return loss * microbatch_weight(targets, 1, targets_per_rank)
 
     def _forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
         if segments is None:  # models that know nothing of packed documents work too

@@ -1,14 +1,17 @@
-"""Packed documents masked in attention at every layout: dp with ZeRO-3, tp=2 with
-sequence parallelism and selective recompute, pp=2 (1F1B, two microbatches), and cp=2
-with the ring and all-gather kinds each train exactly like one process (losses,
-gradient norms, validation loss and final weights, float64 within 1e-10); and the
-mask changes the loss, so the comparison can fail."""
+"""Packed documents at every layout: attention masked to each document and the targets
+that start a document not trained (so ranks and microbatches hold unequal numbers of
+trained targets). dp with ZeRO-3 and two microbatches, tp=2 with sequence parallelism
+and selective recompute, pp=2 (1F1B, two microbatches), and cp=2 with the ring and
+all-gather kinds each train exactly like one process (losses, gradient norms,
+validation loss and final weights, float64 within 1e-10); the mask and the weighting
+each change the loss, so the comparison can fail."""
 
 from __future__ import annotations
 
 import torch
 
 from partita.config import load_config
+from partita.data.sampler import IGNORE_INDEX
 from partita.mesh import Mesh
 from partita.models.documents import document_ids
 from partita.parallelize import build_parallel_model, dims_from_config
@@ -17,7 +20,7 @@ from partita.weights import full_state_dict
 
 END, SEQ, BATCH, STEPS = 5, 16, 4, 2
 LAYOUTS = {
-    "dp2-zero3": dict(zero_stage=3, bucket_mb=0.001),
+    "dp2-zero3-m2": dict(zero_stage=3, bucket_mb=0.001),
     "tp2-sp-selective": dict(tp=2, sequence_parallel=True, recompute="selective"),
     "pp2": dict(pp=2),
     "cp2-ring": dict(cp=2, cp_kind="ring"),
@@ -42,8 +45,10 @@ def _batch(step: int) -> torch.Tensor:
     return tokens
 
 
-def _train(rank: int, world: int, parallel: dict, mask: bool = True) -> dict:
-    cfg = _config(parallel, microbatches=2 if parallel.get("pp", 1) > 1 else 1)
+def _train(rank: int, world: int, parallel: dict, mask: bool = True,
+           weigh: bool = True, microbatches: int = 0) -> dict:
+    two = parallel.get("pp", 1) > 1 or parallel.get("zero_stage", 0) > 0
+    cfg = _config(parallel, microbatches=microbatches or (2 if two else 1))
     mesh = Mesh(dims_from_config(cfg, world), rank, world)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     data, pipe = mesh.comm("loss_average"), mesh.comm("pipeline")
@@ -53,20 +58,25 @@ def _train(rank: int, world: int, parallel: dict, mask: bool = True) -> dict:
         return total / data.size
 
     def mine(step: int):
-        t = _batch(step).chunk(mesh.comm("data").size)[mesh.comm("data").index]
-        x, y = t[:, :-1], t[:, 1:]
-        return x, y, (document_ids(x, END) if mask else None)
+        t = _batch(step)
+        x, y = t[:, :-1], t[:, 1:].clone()
+        y[x == END] = IGNORE_INDEX  # as the sampler marks a document's first target
+        per_rank = int((y != IGNORE_INDEX).sum()) / data.size if weigh else None
+        rows = mesh.comm("data")
+        x, y = x.chunk(rows.size)[rows.index], y.chunk(rows.size)[rows.index]
+        return x, y, (document_ids(x, END) if mask else None), per_rank
 
     out = {"losses": [], "norms": []}
     for step in range(STEPS):
-        x, y, segments = mine(step)
-        out["losses"].append(mean(pm.runner.train(x, y, cfg.train.microbatches, segments)))
+        x, y, segments, per_rank = mine(step)
+        out["losses"].append(mean(pm.runner.train(x, y, cfg.train.microbatches, segments,
+                                                  per_rank)))
         pm.dp.finish_grad_sync()
         out["norms"].append(pm.dp.clip_grad_norm_(None))
         pm.dp.step(1e-2)
         pm.dp.zero_grad()
-    x, y, segments = mine(STEPS)
-    out["val"] = mean(pm.runner.evaluate(x, y, segments))
+    x, y, segments, per_rank = mine(STEPS)
+    out["val"] = mean(pm.runner.evaluate(x, y, segments, per_rank))
     out["state"] = full_state_dict(pm)
     return out
 
@@ -82,9 +92,12 @@ def test_document_mask_trains_alike_at_every_layout():
     try:
         ref = _train(0, 1, {})
         unmasked = _train(0, 1, {}, mask=False)
+        unweighted = _train(0, 1, {}, weigh=False, microbatches=2)
     finally:
         torch.set_num_threads(threads)
     assert abs(unmasked["losses"][0] - ref["losses"][0]) > 1e-4
+    # Without the weighting two microbatches average their own means: not the mean.
+    assert abs(unweighted["losses"][0] - ref["losses"][0]) > 1e-6
     want = {"loss": ref["losses"], "grad norm": ref["norms"], "val": ref["val"],
             **{f"param {k}": v for k, v in ref["state"].items()}}
     for name in LAYOUTS:

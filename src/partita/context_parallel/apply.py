@@ -115,13 +115,16 @@ class ContextParallelRunner:
     # Document numbers (`segments`) pass whole: the attention pieces index them by the
     # true positions of their queries and keys.
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-              segments: torch.Tensor | None = None) -> float:
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         return self.inner.train(self._mine(inputs), self._mine(targets), microbatches,
-                                segments)
+                                segments, targets_per_rank)
 
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 segments: torch.Tensor | None = None) -> float:
-        return self.inner.evaluate(self._mine(inputs), self._mine(targets), segments)
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
+        return self.inner.evaluate(self._mine(inputs), self._mine(targets), segments,
+                                   targets_per_rank)
 
     def __getattr__(self, name: str):
         # Anything else (timelines, transports) is the inner runner's.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from partita.loss import microbatch_weight
 from partita.mesh import Mesh
 from partita.models.plan import VOCAB_HEAD, ModelPlan
 from partita.pipeline import stage as st
@@ -78,6 +79,8 @@ class _Step:
     early_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # Per microbatch, the document of every token of packed rows (None: one per row).
     segments: list[torch.Tensor] | None = None
+    # The step's trained targets per loss-averaging rank (partita.loss.microbatch_weight).
+    targets_per_rank: float | None = None
 
 
 def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
@@ -226,23 +229,26 @@ class PipelineRunner:
 
     # The two entry points ------------------------------------------------------------
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
-              segments: torch.Tensor | None = None) -> float:
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         run = self._train_run(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
                      microbatches, train=True, deferred=run.deferred, split=run.split,
-                     segments=_chunks(segments, microbatches))
+                     segments=_chunks(segments, microbatches),
+                     targets_per_rank=targets_per_rank)
         self._run(run, step)
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
-                 segments: torch.Tensor | None = None) -> float:
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
         if m not in self._eval_runs:
             # Its own proofs: interleaved sends forwards back to rank 0 too.
             self._eval_runs[m] = self._rank_run(forward_only(self.schedule(m)))
         step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False,
-                     segments=_chunks(segments, m))
+                     segments=_chunks(segments, m), targets_per_rank=targets_per_rank)
         training_timeline = self.timeline  # `timeline` shows the last *training* step
         self._run(self._eval_runs[m], step)
         self.timeline = training_timeline
@@ -426,7 +432,9 @@ class PipelineRunner:
                     logits = st.head(self.module, out)
                     # Mean over this microbatch's tokens / number of microbatches: the
                     # sum over microbatches is the mean over the rank's batch.
-                    loss = self.loss_fn(logits, step.targets[mb].to(self.device)) / step.m
+                    y = step.targets[mb]
+                    loss = self.loss_fn(logits, y.to(self.device)) / step.m
+                    loss = loss * microbatch_weight(y, step.m, step.targets_per_rank)
                     step.losses.append(loss.detach())
                     scale = self.dp.loss_scale
                     p.root = loss * scale if scale != 1 else loss
