@@ -65,6 +65,9 @@ class Corpus:
         """Hex digest that changes when any file is added, removed, resized or touched."""
         desc = {"name": self.name, "max_bytes": self.max_bytes,
                 "files": [[str(f.path), f.size, f.mtime_ns, f.take] for f in self.files]}
+        if any(f.take > PIECE_BYTES for f in self.files):
+            # Read in pieces, a file tokenizes a little differently from whole.
+            desc["piece_bytes"] = PIECE_BYTES
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
     def documents(self) -> Iterator[str]:
