@@ -65,6 +65,9 @@ class DataSection:
     workers: int = 0
     # Several sources by weight: "a.jsonl=0.7, b/=0.3" or a TOML table; replaces source.
     mix: str = ""
+    # Packed documents (a tokenizer with an end-of-document token): attend only within
+    # one's own document (true), or across the whole packed row as plain causal (false).
+    document_mask: bool = True
 
 
 @dataclass

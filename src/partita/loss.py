@@ -91,6 +91,23 @@ def _fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     return total / (targets != ignore_index).sum().clamp(min=1)
 
 
+def microbatch_weight(targets: torch.Tensor, microbatches: int,
+                      targets_per_rank: float | None, ignore_index: int = -100) -> float:
+    """The factor on one microbatch's mean loss that makes a step's loss the mean over
+    all of the step's trained targets, however many of them each rank and microbatch
+    holds (targets equal to `ignore_index` are not trained: a document's start).
+
+    Runners divide each microbatch's mean by the number of microbatches and data
+    parallelism averages the ranks' results; both assume equal counts. Weighted by
+    (trained targets here) x microbatches / `targets_per_rank` (the step's trained
+    targets over the ranks the loss is averaged on), the sum of sums over the total
+    comes out instead. 1 when every target is trained; None: no weighting.
+    """
+    if targets_per_rank is None:
+        return 1.0
+    return int((targets != ignore_index).sum()) * microbatches / targets_per_rank
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm=None,
                   vocab_start: int = 0, vocab_size: int | None = None,
                   ignore_index: int = -100) -> torch.Tensor:

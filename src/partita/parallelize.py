@@ -43,7 +43,7 @@ from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
-from partita.loss import cross_entropy  # the whole vocabulary on one rank
+from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
 from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
 from partita.mesh import Mesh
@@ -71,12 +71,21 @@ class StepRunner(Protocol):
     """Runs one rank's share of a step; `MicrobatchRunner` and the pipeline's
     `PipelineRunner` both are one."""
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         """Forward and backward of `microbatches` equal microbatches, gradients
-        accumulated as of mean loss / microbatches; this rank's summed loss."""
+        accumulated as of mean loss / microbatches; this rank's summed loss.
+        `segments` (like inputs): the document of every token when rows pack several
+        documents (partita.models.documents); attention then stays within each.
+        `targets_per_rank`: when some targets are not trained, the step's trained
+        targets over the ranks the loss is averaged on (partita.loss.microbatch_weight):
+        the step's loss is then their mean, at any layout."""
         ...
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
         """The loss of one batch, no gradients."""
         ...
 
@@ -106,23 +115,34 @@ class MicrobatchRunner:
     def __init__(self, dp: DataParallel, loss_fn: LossFn, device: torch.device) -> None:
         self.dp, self.loss_fn, self.device = dp, loss_fn, device
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
         losses = []
         pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
-        for i, (x, y) in enumerate(pairs):
+        docs = [None] * len(pairs) if segments is None else segments.chunk(microbatches)
+        for i, ((x, y), s) in enumerate(zip(pairs, docs)):
             with self.dp.grad_sync(i == len(pairs) - 1):
-                loss = self.loss_fn(self.dp.module(x.to(self.device)), y.to(self.device))
-                loss = loss / microbatches
+                loss = self.loss_fn(self._forward(x, s), y.to(self.device))
+                # x 1.0 (every target trained, or no count given) is exact.
+                loss = loss * microbatch_weight(y, microbatches, targets_per_rank) / microbatches
                 self.dp.backward(loss)
             losses.append(loss.detach())
         # One device-to-host read per step, not one per microbatch (each is a sync).
         return torch.stack(losses).sum().item()
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self.loss_fn(self.dp.module(inputs.to(self.device)),
-                            targets.to(self.device)).item()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
+        loss = self.loss_fn(self._forward(inputs, segments), targets.to(self.device)).item()
+        return loss * microbatch_weight(targets, 1, targets_per_rank)
+
+    def _forward(self, x: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+        if segments is None:  # models that know nothing of packed documents work too
+            return self.dp.module(x.to(self.device))
+        return self.dp.module(x.to(self.device), segments=segments.to(self.device))
 
 
 @dataclass

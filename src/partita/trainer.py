@@ -22,11 +22,13 @@ from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
+from partita.data.sampler import IGNORE_INDEX
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from partita.models.documents import document_ids
 from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
 from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
@@ -133,7 +135,8 @@ class Trainer:
                    step: int = 0) -> StepResult:
         dp = self.pm.dp
         self._enter(step, "forward and backward", "forward")
-        local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches)
+        local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches,
+                                     self._segments(inputs), self._targets_per_rank(targets))
         self._enter(step, "gradient reduction", "reduction")
         dp.finish_grad_sync()
         self._enter(step, "clipping")
@@ -186,6 +189,22 @@ class Trainer:
         target.register_full_backward_pre_hook(
             lambda *_: self.faults.reach("backward", self.progress.step))
 
+    def _segments(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Documents of the packed rows, when the data marks them and the run masks them."""
+        end = self.data.boundary if self.cfg.data.document_mask else None
+        return None if end is None else document_ids(inputs, end)
+
+    def _targets_per_rank(self, targets: torch.Tensor) -> float | None:
+        """With documents marked some targets are not trained, unevenly over ranks: the
+        step's trained targets per loss-averaging rank, so the loss is their mean at any
+        layout (partita.loss.microbatch_weight). Context-parallel peers hold the same
+        rows, so the count is summed over the data-parallel group only."""
+        if self.data.boundary is None:
+            return None
+        trained = int((targets != IGNORE_INDEX).sum())
+        (total,) = self.mesh.comm("data").all_reduce_scalars([trained])
+        return total / self.loss_comm.size
+
     def _mean_loss(self, local: float) -> float:
         """Average over replicas; with a pipeline only the last stage has a loss."""
         (total,) = self.loss_comm.all_reduce_scalars([local])
@@ -199,7 +218,8 @@ class Trainer:
             return None
         batches = self.data.val_batches(self.eval_batch, self.mesh.index("data"),
                                         self.mesh.size("data"), c.train.eval_batches)
-        losses = [self.pm.runner.evaluate(x, y) for x, y in batches]
+        losses = [self.pm.runner.evaluate(x, y, self._segments(x), self._targets_per_rank(y))
+                  for x, y in batches]
         if not losses:
             return None
         return self._mean_loss(sum(losses) / len(losses))

@@ -20,3 +20,17 @@ def test_worker_processes_encode_like_one_process(tmp_path):
     assert len(one) == len(two) == len(docs)
     assert all(np.array_equal(a, b) for a, b in zip(one, two))
     assert one[0][0] == tok.bos_id and one[0][-1] == tok.eos_id
+
+
+def test_a_worker_process_imports_no_torch():
+    """A spawned worker imports the tokenizer's module to unpickle its task; importing
+    torch there cost each worker 8-12 s on a loaded 2-core machine, more than the
+    built-in corpus takes to encode."""
+    import subprocess
+    import sys
+
+    probe = "import sys, partita.data.hf_tokenizer; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

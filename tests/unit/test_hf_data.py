@@ -157,3 +157,35 @@ def test_jsonl_streams_documents_before_reading_the_whole_file(tmp_path):
     assert next(docs) == DOCS[0]  # read before the bad line near the end is reached
     with pytest.raises(PartitaError, match=f"line {len(DOCS)}: not JSON"):
         list(docs)
+
+
+def test_a_large_text_file_streams_in_pieces_as_one_document(tmp_path, monkeypatch):
+    """A text file above PIECE_BYTES is read piece by piece (never whole), cut after
+    newlines, and framed once: one BOS, one EOS, the same bytes as read whole."""
+    import pickle
+
+    from partita.data import corpus as corpus_module
+    from partita.data.dataset import open_corpus, prepare_tokens
+    from partita.data.tokenizer import ByteTokenizer
+
+    monkeypatch.setattr(corpus_module, "PIECE_BYTES", 64)
+    text = "".join(f"line {i}: caf\u00e9 \u2014 {'x' * (i % 7)}\n" for i in range(60)) + "no newline"
+    src = tmp_path / "big.txt"
+    src.write_text(text, encoding="utf-8")
+    pieces = list(open_corpus(str(src)).documents())
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert max(len(p.encode()) for p in pieces) <= 64 + 40  # a piece and a carried line
+    assert all(p.endswith("\n") for p in pieces[:-1])
+    assert [(p.opens, p.closes) for p in (pieces[0], pieces[1], pieces[-1])] == [
+        (True, False), (False, False), (False, True)]
+    again = pickle.loads(pickle.dumps(pieces[0]))  # as it travels to a worker process
+    assert again == pieces[0] and again.opens and not again.closes
+    byte_path = prepare_tokens(open_corpus(str(src)), ByteTokenizer(), tmp_path / "c0")
+    assert read_token_file(byte_path)[0].tobytes() == text.encode()
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    cfg = load_config(None, [f"--data.source={src}", f"--data.tokenizer={tok_dir}",
+                             "--data.seq_len=8", "--data.workers=2"])
+    data = load_configured(cfg.data, tmp_path / "c1")
+    tokens = read_token_file(data.path)[0]
+    assert (tokens == data.tokenizer.bos_id).sum() == 1 == (tokens == data.tokenizer.eos_id).sum()
+    assert tokens[0] == data.tokenizer.bos_id and tokens[-1] == data.tokenizer.eos_id

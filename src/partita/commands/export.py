@@ -1,4 +1,5 @@
-"""`partita export RUN_DIR --format hf --out DIR`: a run's weights for other tools."""
+"""`partita export RUN_OR_CHECKPOINT --format hf --out DIR`: a run's weights for other
+tools, from a finished run's folder or from a checkpoint written at any layout."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export", help="write a finished run's weights in another format (hf: transformers)")
-    p.add_argument("run", help="the run's out_dir (holding config.toml and model.safetensors)")
+    p.add_argument("run", help="a finished run's out_dir (config.toml, model.safetensors), or "
+                               "a checkpoint folder, folder of checkpoints or out_dir of a run "
+                               "that stopped (its newest checkpoint)")
     p.add_argument("--format", default="hf", choices=("hf",),
                    help="hf: a Hugging Face Llama folder (config.json, sharded safetensors)")
     p.add_argument("--out", required=True, help="the folder to write (must not exist)")

@@ -48,7 +48,7 @@ class AllGatherAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, scale: float):
+    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None):
         g, n = k.shape[1], q.shape[2] // 2
         full = _natural(_gather(torch.stack((k, v)), comm), n)
         qg = blocks.group_queries(q, g)
@@ -57,12 +57,12 @@ class AllGatherAttention(torch.autograd.Function):
             keys = slice(0, (chunk + 1) * n)
             out, lse = blocks.forward(qg[..., qi * n:(qi + 1) * n, :], full[0][..., keys, :],
                                       full[1][..., keys, :], scale,
-                                      blocks.causal_mask(n, (chunk + 1) * n, q.device))
+                                      _mask(segments, chunk, n, q.device))
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale = comm, scale
+        ctx.comm, ctx.scale, ctx.segments = comm, scale, segments
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
@@ -82,16 +82,24 @@ class AllGatherAttention(torch.autograd.Function):
             rows, keys = slice(qi * n, (qi + 1) * n), slice(0, (chunk + 1) * n)
             dq[..., rows, :], dk, dv = blocks.backward(
                 qg[..., rows, :], full[0][..., keys, :], full[1][..., keys, :], scale,
-                blocks.causal_mask(n, (chunk + 1) * n, q.device), dout[..., rows, :],
+                _mask(ctx.segments, chunk, n, q.device), dout[..., rows, :],
                 lse[..., rows], delta[..., rows])
             dfull[0][..., keys, :] += dk
             dfull[1][..., keys, :] += dv
         mine = dfull.new_empty((2, *k.shape))
         comm.reduce_scatter_flat(mine, _to_ranks(dfull, comm.size, n))
         return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
-                None, None)
+                None, None, None)
+
+
+def _mask(segments: torch.Tensor | None, chunk: int, n: int,
+          device: torch.device) -> torch.Tensor | None:
+    """What query chunk `chunk` hides of the key prefix it sees (positions 0..)."""
+    return blocks.within_documents(blocks.causal_mask(n, (chunk + 1) * n, device), segments,
+                                   chunk * n, n, 0, (chunk + 1) * n)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                        scale: float) -> torch.Tensor:
-    return AllGatherAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale)
+                        scale: float, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """`segments` (b, s): documents of the whole packed sequence (None: one per row)."""
+    return AllGatherAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments)

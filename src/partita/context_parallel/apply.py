@@ -47,10 +47,16 @@ class ContextParallelAttention(nn.Module):
                                f"{' or '.join(KINDS)}.")
         self.comm, self.kind, self.kv_group = comm, kind, kv_group
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments` (b, s): the documents of the whole sequence, not of this rank's
+        chunks (the runner hands the model the unsharded numbering), so every piece
+        knows the documents of its keys without communication."""
         if k.shape[1] == q.shape[1] and self.kv_group > 1:
             k, v = k[:, ::self.kv_group], v[:, ::self.kv_group]
-        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]))
+        if segments is not None:
+            segments = segments.to(q.device)
+        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]), segments)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, cp={self.comm.size}, kv_group={self.kv_group}"
@@ -106,11 +112,19 @@ class ContextParallelRunner:
     def _mine(self, x: torch.Tensor) -> torch.Tensor:
         return sharding.shard(x, self.comm.index, self.comm.size, dim=1)
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
-        return self.inner.train(self._mine(inputs), self._mine(targets), microbatches)
+    # Document numbers (`segments`) pass whole: the attention pieces index them by the
+    # true positions of their queries and keys.
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
+        return self.inner.train(self._mine(inputs), self._mine(targets), microbatches,
+                                segments, targets_per_rank)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self.inner.evaluate(self._mine(inputs), self._mine(targets))
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
+        return self.inner.evaluate(self._mine(inputs), self._mine(targets), segments,
+                                   targets_per_rank)
 
     def __getattr__(self, name: str):
         # Anything else (timelines, transports) is the inner runner's.

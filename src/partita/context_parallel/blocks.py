@@ -32,6 +32,25 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k_len, device=device)[None, :] > q_pos[:, None]
 
 
+def within_documents(mask: torch.Tensor | None, segments: torch.Tensor | None,
+                     q_start: int, q_len: int, k_start: int, k_len: int
+                     ) -> torch.Tensor | None:
+    """`mask` (True: hidden) with also every key of another document hidden, for the
+    queries at sequence positions q_start.. and keys at k_start.. of packed rows whose
+    documents `segments` (b, s: the whole sequence) numbers; None: one document a row."""
+    if segments is None:
+        return mask
+    sq = segments[:, q_start:q_start + q_len]
+    sk = segments[:, k_start:k_start + k_len]
+    other = (sq[:, :, None] != sk[:, None, :])[:, None, None]  # (b, 1, 1, sq, sk)
+    return other if mask is None else other | mask
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a query that sees no key of a piece) as 0, to subtract safely."""
+    return lse.masked_fill(lse == float("-inf"), 0.0)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of q (b, g, r, sq, d) against k, v (b, g, sk, d)."""
@@ -41,7 +60,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1))
+    # A query whose document has no key in this piece: lse -inf, output 0, and the merge
+    # gives the piece no weight.
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))
     return torch.matmul(probs, v.unsqueeze(2)), lse
 
 
@@ -51,8 +72,9 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
     if out is None or lse is None:
         return part_out, part_lse
     new_lse = torch.logaddexp(lse, part_lse)
-    out = (out * torch.exp(lse - new_lse).unsqueeze(-1)
-           + part_out * torch.exp(part_lse - new_lse).unsqueeze(-1))
+    ref = _finite(new_lse)
+    out = (out * torch.exp(lse - ref).unsqueeze(-1)
+           + part_out * torch.exp(part_lse - ref).unsqueeze(-1))
     return out, new_lse
 
 

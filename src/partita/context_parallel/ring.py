@@ -66,9 +66,10 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, scale: float):
+    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None):
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
+        mine = chunks_of(rank, degree)
         qg = blocks.group_queries(q, g)
         halves = (qg[..., :n, :], qg[..., n:, :])
         mask = blocks.causal_mask(n, n, q.device)
@@ -83,22 +84,24 @@ class RingAttention(torch.autograd.Function):
                 piece = slice(kj * n, (kj + 1) * n)
                 out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
                                           kv[1][..., piece, :], scale,
-                                          mask if causal else None)
+                                          _mask(mask, causal, segments, mine[qi],
+                                                chunks_of(src, degree)[kj], n))
                 outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
             if pending is not None:
                 (kv,) = pending.wait()
         out = torch.cat(outs, dim=-2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale = comm, scale
+        ctx.comm, ctx.scale, ctx.segments = comm, scale, segments
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale = ctx.comm, ctx.scale
+        comm, scale, segments = ctx.comm, ctx.scale, ctx.segments
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
+        mine = chunks_of(rank, degree)
         qg = blocks.group_queries(q, g)
         work = blocks.compute_dtype(q.dtype)
         dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
@@ -118,8 +121,8 @@ class RingAttention(torch.autograd.Function):
                 rows, piece = halves[qi], halves[kj]
                 dq_part, dk, dv = blocks.backward(
                     qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
-                    mask if causal else None, dout[..., rows, :], lse[..., rows],
-                    delta[..., rows])
+                    _mask(mask, causal, segments, mine[qi], chunks_of(src, degree)[kj], n),
+                    dout[..., rows, :], lse[..., rows], delta[..., rows])
                 dq[..., rows, :] += dq_part
                 local[0][..., piece, :] += dk
                 local[1][..., piece, :] += dv
@@ -131,9 +134,17 @@ class RingAttention(torch.autograd.Function):
                 kv = received[0]
         (acc,) = ring.start([acc]).wait()  # home: the accumulator of this rank's own pair
         return (dq.reshape(q.shape).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype),
-                None, None)
+                None, None, None)
+
+
+def _mask(causal_mask: torch.Tensor, causal: bool, segments: torch.Tensor | None,
+          q_chunk: int, k_chunk: int, n: int) -> torch.Tensor | None:
+    """What a piece of query chunk q_chunk against key chunk k_chunk hides."""
+    return blocks.within_documents(causal_mask if causal else None, segments,
+                                   q_chunk * n, n, k_chunk * n, n)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                   scale: float) -> torch.Tensor:
-    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale)
+                   scale: float, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """`segments` (b, s): documents of the whole packed sequence (None: one per row)."""
+    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments)

@@ -65,18 +65,79 @@ class Corpus:
         """Hex digest that changes when any file is added, removed, resized or touched."""
         desc = {"name": self.name, "max_bytes": self.max_bytes,
                 "files": [[str(f.path), f.size, f.mtime_ns, f.take] for f in self.files]}
+        if any(f.take > PIECE_BYTES for f in self.files):
+            # Read in pieces, a file tokenizes a little differently from whole.
+            desc["piece_bytes"] = PIECE_BYTES
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
     def documents(self) -> Iterator[str]:
         """The text of each file in order (files that vanished or became unreadable
-        since listing are skipped rather than aborting a long preparation)."""
+        since listing are skipped rather than aborting a long preparation).
+
+        A file of more than PIECE_BYTES comes in pieces (`Piece`, cut after a newline
+        where there is one), so a file larger than memory streams through: it stays one
+        document, framed once by a tokenizer's BOS and EOS.
+        """
         for f in self.files:
             try:
                 with open(f.path, "rb") as fh:
-                    raw = fh.read(f.take)
+                    if f.take <= PIECE_BYTES:
+                        yield fh.read(f.take).decode("utf-8", errors="replace")
+                    else:
+                        yield from _framed(_pieces(fh, f.take))
             except OSError:
                 continue
-            yield raw.decode("utf-8", errors="replace")
+
+
+# Files larger than this are read and tokenized in pieces of about this size.
+PIECE_BYTES = 16 << 20
+
+
+class Piece(str):
+    """Part of a document read in pieces: `opens` when it is the document's start,
+    `closes` when it is its end (a tokenizer frames with BOS / EOS accordingly)."""
+
+    opens: bool
+    closes: bool
+
+
+def _pieces(fh, take: int) -> Iterator[str]:
+    """The first `take` bytes of `fh` as text, PIECE_BYTES at a time, each piece cut
+    after its last newline (the rest starts the next), so a tokenizer sees whole lines."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    carry, left = "", take
+    while left > 0:
+        raw = fh.read(min(PIECE_BYTES, left))
+        if not raw:
+            break
+        left -= len(raw)
+        text = carry + decoder.decode(raw, final=left <= 0)
+        cut = text.rfind("\n") + 1 if left > 0 else len(text)
+        cut = cut or len(text)  # no newline at all: cut where the bytes ended
+        carry = text[cut:]
+        if cut:
+            yield text[:cut]
+    rest = carry + decoder.decode(b"", final=True)
+    if rest:
+        yield rest
+
+
+def _framed(pieces: Iterator[str]) -> Iterator[Piece]:
+    """Pieces marked as the document's first and last (one piece of lookahead)."""
+    previous, first = None, True
+    for text in pieces:
+        if previous is not None:
+            yield _piece(previous, first, False)
+            first = False
+        previous = text
+    if previous is not None:
+        yield _piece(previous, first, True)
+
+
+def _piece(text: str, opens: bool, closes: bool) -> Piece:
+    piece = Piece(text)
+    piece.opens, piece.closes = opens, closes
+    return piece
 
 
 def _looks_like_text(path: Path) -> bool:

@@ -91,12 +91,15 @@ class HFTokenizer:
         return self.frame(self._tok.encode(text, add_special_tokens=False).ids)
 
     def encode_documents(self, texts: list[str]) -> list[np.ndarray]:
-        return [self.frame(e.ids) for e in
-                self._tok.encode_batch(texts, add_special_tokens=False)]
+        """Each text framed; a piece of a longer document (partita.data.corpus.Piece)
+        gets BOS only if it opens the document and EOS only if it closes it."""
+        encoded = self._tok.encode_batch(texts, add_special_tokens=False)
+        return [self.frame(e.ids, getattr(t, "opens", True), getattr(t, "closes", True))
+                for t, e in zip(texts, encoded)]
 
-    def frame(self, ids: list[int]) -> np.ndarray:
-        head = [self.bos_id] if self.bos_id is not None else []
-        tail = [self.eos_id] if self.eos_id is not None else []
+    def frame(self, ids: list[int], opens: bool = True, closes: bool = True) -> np.ndarray:
+        head = [self.bos_id] if self.bos_id is not None and opens else []
+        tail = [self.eos_id] if self.eos_id is not None and closes else []
         return np.asarray(head + ids + tail, dtype=self.dtype)
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:

@@ -23,13 +23,18 @@ Resumption. The state is (epoch, step); `state_dict`/`load_state_dict` restore i
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from partita.errors import PartitaError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where batches are made, not with the module: tokenizer worker
+# processes import this package and need none of it (it takes seconds to import).
+Batch = tuple["torch.Tensor", "torch.Tensor"]
 
 
 def num_windows(num_tokens: int, seq_len: int) -> int:
@@ -48,6 +53,8 @@ def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int,
     the first token of the next packed document -- becomes IGNORE_INDEX: the loss never
     asks the model to predict one document from another.
     """
+    import torch
+
     offsets = np.asarray(windows, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
     # Fancy indexing a memmap reads only the pages touched and returns a private copy.
     block = np.asarray(tokens[offsets], dtype=np.int64)

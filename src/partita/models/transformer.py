@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from partita.models import plan as roles
+from partita.models.documents import attention_mask
 from partita.models.model_config import ModelConfig
 from partita.models.param_init import InitRule, ParamInit, init_parameters
 
@@ -90,10 +91,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class AttentionCore(nn.Module):
-    """Causal softmax(q k^T / sqrt(d)) v: the part of attention selective recompute reruns."""
+    """Causal softmax(q k^T / sqrt(d)) v: the part of attention selective recompute reruns.
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    With `segments` (batch, seq), the document number of every token of packed rows (see
+    partita.models.documents), a token attends only within its own document. That mask
+    is a tensor argument of scaled_dot_product_attention, which then uses its math or
+    memory-efficient kernel (the flash kernel takes no mask); without segments,
+    is_causal lets it use any kernel.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        if segments is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(segments))
 
 
 class Attention(nn.Module):
@@ -112,7 +123,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
         self.core = AttentionCore()
 
-    def forward(self, x: torch.Tensor, position_offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_offset: int = 0,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # Head counts come from the projections' widths, so a tensor-parallel shard that
         # holds fewer heads works unchanged.
@@ -127,7 +139,8 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = self.core(q, k, v)
+        # Passed only when given: a core swapped in by a parallel layout need not take it.
+        out = self.core(q, k, v) if segments is None else self.core(q, k, v, segments=segments)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -155,8 +168,11 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """`segments`: documents of packed rows (see AttentionCore), None: one per row."""
+        h = self.attn_norm(x)
+        a = self.attn(h) if segments is None else self.attn(h, segments=segments)
+        x = x + self.dropout(a)
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -178,12 +194,16 @@ class Transformer(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             init_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) -> logits (b, s, vocab); a pipeline stage maps hidden states."""
+    def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (b, s) -> logits (b, s, vocab); a pipeline stage maps hidden states.
+
+        `segments` (b, s): the document of every token when rows pack several (see
+        partita.models.documents); attention then stays within each document.
+        """
         if self.tok_embeddings is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if segments is None else block(x, segments=segments)
         return self.head(x) if self.has_head else x
 
     @property

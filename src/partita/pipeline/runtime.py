@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from partita.loss import microbatch_weight
 from partita.mesh import Mesh
 from partita.models.plan import VOCAB_HEAD, ModelPlan
 from partita.pipeline import stage as st
@@ -76,6 +77,10 @@ class _Step:
     # after the next sends are posted, and the step's sum of their gradients.
     early: list[tuple[Action, WeightPass]] = field(default_factory=list)
     early_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Per microbatch, the document of every token of packed rows (None: one per row).
+    segments: list[torch.Tensor] | None = None
+    # The step's trained targets per loss-averaging rank (partita.loss.microbatch_weight).
+    targets_per_rank: float | None = None
 
 
 def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
@@ -115,6 +120,10 @@ class _RankRun:
     # Per action index, the receives to post just before it (`_early_receives`); None
     # where the transport posts receives only when reached (NCCL).
     early: list[tuple[Action, ...]] | None
+
+
+def _chunks(segments: torch.Tensor | None, m: int) -> list[torch.Tensor] | None:
+    return None if segments is None else list(segments.chunk(m))
 
 
 def final_backwards(actions: tuple[Action, ...]) -> dict[int, Action]:
@@ -219,20 +228,27 @@ class PipelineRunner:
         return self._train_runs[microbatches]
 
     # The two entry points ------------------------------------------------------------
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         run = self._train_run(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
-                     microbatches, train=True, deferred=run.deferred, split=run.split)
+                     microbatches, train=True, deferred=run.deferred, split=run.split,
+                     segments=_chunks(segments, microbatches),
+                     targets_per_rank=targets_per_rank)
         self._run(run, step)
         return float(sum(loss.item() for loss in step.losses))
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
         m = self.microbatches if inputs.shape[0] % self.microbatches == 0 else 1
         if m not in self._eval_runs:
             # Its own proofs: interleaved sends forwards back to rank 0 too.
             self._eval_runs[m] = self._rank_run(forward_only(self.schedule(m)))
-        step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False)
+        step = _Step(list(inputs.chunk(m)), list(targets.chunk(m)), m, train=False,
+                     segments=_chunks(segments, m), targets_per_rank=targets_per_rank)
         training_timeline = self.timeline  # `timeline` shows the last *training* step
         self._run(self._eval_runs[m], step)
         self.timeline = training_timeline
@@ -408,14 +424,17 @@ class PipelineRunner:
             # backward, stage 0's W, reads its own saved tensors).
             p.saves = ForwardSaves() if (a.stage, mb) in step.deferred else None
             with p.saves or contextlib.nullcontext():
-                out = st.run_blocks(self.module, self.plan, stage, p.x)
+                segments = None if step.segments is None else step.segments[mb].to(self.device)
+                out = st.run_blocks(self.module, self.plan, stage, p.x, segments)
                 if stage.last:
                     if self.tied is not None:
                         self.tied.wait_weight()
                     logits = st.head(self.module, out)
                     # Mean over this microbatch's tokens / number of microbatches: the
                     # sum over microbatches is the mean over the rank's batch.
-                    loss = self.loss_fn(logits, step.targets[mb].to(self.device)) / step.m
+                    y = step.targets[mb]
+                    loss = self.loss_fn(logits, y.to(self.device)) / step.m
+                    loss = loss * microbatch_weight(y, step.m, step.targets_per_rank)
                     step.losses.append(loss.detach())
                     scale = self.dp.loss_scale
                     p.root = loss * scale if scale != 1 else loss

@@ -166,10 +166,11 @@ def embed(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def run_blocks(model: nn.Module, plan: ModelPlan, stage: LocalStage,
-               x: torch.Tensor) -> torch.Tensor:
+               x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """The stage's blocks; `segments`: documents of packed rows (None: one per row)."""
     container = model.get_submodule(plan.blocks)
     for key in stage.blocks:
-        x = container[key](x)
+        x = container[key](x) if segments is None else container[key](x, segments=segments)
     return x
 
 
