@@ -60,6 +60,9 @@ class Run:
     overlap_param_gather: bool = True
     grad_bytes: int = 2  # bytes per gradient element reduced over data parallelism
     attention: str = "eager"  # the kernel of the time: fused softmax (eager) or flash
+    # Network port per GPU (bytes/s) where the cluster is not a DGX with one HDR NIC per
+    # GPU (None: the catalog GPU's).
+    inter_node_bandwidth: float | None = None
     # measurement
     kind: str = "hw_tflops"
     measured: float = 0.0
@@ -123,13 +126,21 @@ for _name, _l, _h, _a, _pp, _gpus, _full, _sel in (
                     tp=8, pp=_pp, global_batch=4 if _pp == 1 else _gpus,
                     recompute="selective", sequence_parallel=True, measured=_sel, **_K))
 
+# Megatron-DeepSpeed: DeepSpeed's pipeline engine reduces gradients (ReduceGrads) and
+# takes the ZeRO-1 step, all-gather included, after the last microbatch of its schedule
+# (deepspeed/runtime/pipe/schedule.py, TrainSchedule): neither overlaps compute.
+_DEEPSPEED = dict(overlap_grad_reduce=False, overlap_param_gather=False)
 for _nodes, _secs in ((280, 60.1), (350, 50.2), (420, 44.4)):
     RUNS.append(Run(f"mt-nlg-530b-{_nodes}nodes", MTNLG, 105, 20480, 128, 51200, 2048,
                     gpus=8 * _nodes, tp=8, pp=35, global_batch=1920, zero_stage=1,
-                    kind="step_s", measured=_secs))
+                    kind="step_s", measured=_secs, assumed=_MB[:1], **_DEEPSPEED))
 
+# Jean Zay's A100 nodes: 4 Omni-Path 100 Gb/s links per 8-GPU node (BLOOM paper, sec.
+# 3.4.1), i.e. 50 Gb/s = 6.25 GB/s of network per GPU, a quarter of a DGX A100's. bf16
+# with gradients accumulated and reduced in fp32 (Megatron-DeepSpeed's BF16 optimizer).
 RUNS.append(Run("bloom-176b", BLOOM, 70, 14336, 112, 250880, 2048, gpus=384, tp=4, pp=12,
-                microbatch=2, global_batch=2048, zero_stage=1, measured=150,
+                microbatch=2, global_batch=2048, zero_stage=1, measured=150, grad_bytes=4,
+                inter_node_bandwidth=6.25e9, **_DEEPSPEED,
                 assumed=("full recomputation (activation checkpointing)",)))
 
 _L3 = dict(source=LLAMA3, layers=126, hidden=16384, heads=128, vocab=128256,

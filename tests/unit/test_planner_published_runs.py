@@ -8,6 +8,7 @@ largest error, and every published ordering of two layouts on the same hardware.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -39,6 +40,8 @@ def predict(run: Run) -> dict[str, float]:
                     overlap_param_gather=run.overlap_param_gather)
     a = Assumptions(attention_kernel=run.attention)
     gpu = get_gpu(run.gpu)
+    if run.inter_node_bandwidth is not None:
+        gpu = replace(gpu, inter_node_bandwidth=run.inter_node_bandwidth)
     return step_time(PlanModel(run.name, cfg), layout, Cluster(gpu, run.gpus, 8), run.seq,
                      run.global_batch, Precision(grad=run.grad_bytes), a)
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
+from partita.context_parallel.clock import IDLE
 from partita.context_parallel.sharding import chunks_of
 
 
@@ -66,7 +67,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, scale: float):
+    def forward(ctx, q, k, v, comm: GroupComm, scale: float, clock=IDLE):
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
         qg = blocks.group_queries(q, g)
@@ -79,24 +80,25 @@ class RingAttention(torch.autograd.Function):
         for step in range(degree):
             pending = ring.start([kv]) if step < degree - 1 else None
             src = (rank - step) % degree
-            for qi, kj, causal in _pairs(rank, src, degree):
-                piece = slice(kj * n, (kj + 1) * n)
-                out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
-                                          kv[1][..., piece, :], scale,
-                                          mask if causal else None)
-                outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
+            with clock.compute():
+                for qi, kj, causal in _pairs(rank, src, degree):
+                    piece = slice(kj * n, (kj + 1) * n)
+                    out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
+                                              kv[1][..., piece, :], scale,
+                                              mask if causal else None)
+                    outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
             if pending is not None:
                 (kv,) = pending.wait()
         out = torch.cat(outs, dim=-2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale = comm, scale
+        ctx.comm, ctx.scale, ctx.clock = comm, scale, clock
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale = ctx.comm, ctx.scale
+        comm, scale, clock = ctx.comm, ctx.scale, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
         qg = blocks.group_queries(q, g)
@@ -114,15 +116,16 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % degree
             # Gradients accumulate (and travel) in the compute dtype.
             local = torch.zeros(kv.shape, dtype=work, device=kv.device)
-            for qi, kj, causal in _pairs(rank, src, degree):
-                rows, piece = halves[qi], halves[kj]
-                dq_part, dk, dv = blocks.backward(
-                    qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
-                    mask if causal else None, dout[..., rows, :], lse[..., rows],
-                    delta[..., rows])
-                dq[..., rows, :] += dq_part
-                local[0][..., piece, :] += dk
-                local[1][..., piece, :] += dv
+            with clock.compute():
+                for qi, kj, causal in _pairs(rank, src, degree):
+                    rows, piece = halves[qi], halves[kj]
+                    dq_part, dk, dv = blocks.backward(
+                        qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
+                        mask if causal else None, dout[..., rows, :], lse[..., rows],
+                        delta[..., rows])
+                    dq[..., rows, :] += dq_part
+                    local[0][..., piece, :] += dk
+                    local[1][..., piece, :] += dv
             received = pending.wait()
             if acc is not None:  # the accumulator of the pair held at this step
                 local += received[-1]
@@ -131,9 +134,10 @@ class RingAttention(torch.autograd.Function):
                 kv = received[0]
         (acc,) = ring.start([acc]).wait()  # home: the accumulator of this rank's own pair
         return (dq.reshape(q.shape).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype),
-                None, None)
+                None, None, None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                   scale: float) -> torch.Tensor:
-    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale)
+                   scale: float, clock=IDLE) -> torch.Tensor:
+    """`clock` (an `AttentionClock`) adds up the seconds spent computing pieces."""
+    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, clock)

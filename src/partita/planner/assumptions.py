@@ -74,6 +74,10 @@ class Assumptions:
     # value gradients that accumulate and travel in it (planner.context_parallel).
     cp_eager_pieces: bool = False
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
+    # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
+    # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
+    # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.
+    pp_scatter_gather: bool = True
     ep_overlap: float = 0.0  # dispatch/combine all-to-all waits for the router
     # With `Layout.overlap_grad_reduce`: gradient buckets reduce while backward continues.
     dp_overlap: float = 0.8
@@ -192,7 +196,7 @@ class Assumptions:
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
                    gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,
-                   cp_eager_pieces=True)
+                   cp_eager_pieces=True, pp_scatter_gather=False)
 
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:

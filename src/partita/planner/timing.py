@@ -186,6 +186,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
 
     # Pipeline p2p: each microbatch crosses each of this rank's v chunks, forward and back.
     p2p = layer_input_bytes(model, layout, seq_len, precision)  # sharded over tp under sp
+    if a.pp_scatter_gather and not layout.sequence_parallel:
+        p2p /= t
     # Sends of the busiest rank: a middle stage sends activations on and gradients back
     # (2vm); with pp = 2 stage 0 never sends a gradient of its first chunk ((2v-1)m).
     pp_vol = (2 * v - (1 if pp == 2 else 0)) * m * p2p if pp > 1 else 0.0
