@@ -151,3 +151,15 @@ def test_bad_layout_text():
         parse_layout("dp:2")
     with pytest.raises(PartitaError, match="recompute"):
         parse_layout("recompute=some")
+
+
+def test_pinned_context_parallel_kind_is_searched_and_ranked():
+    space = SearchSpace(fixed=(("cp", 2), ("cp_kind", "allgather")))
+    result = plan("llama3-8b", 16, space=space, gpu_type="H100", seq_len=32768,
+                  global_batch=64)
+    assert result.ranked
+    assert all(e.layout.cp == 2 and e.layout.cp_kind == "allgather" for e in result.ranked)
+    ring = plan("llama3-8b", 16, space=SearchSpace(fixed=(("cp", 2),)), gpu_type="H100",
+                seq_len=32768, global_batch=64)
+    # At c = 2 the two kinds send the same forward bytes; the ring hides its hops.
+    assert ring.best.time["step_s"] <= result.best.time["step_s"]

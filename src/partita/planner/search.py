@@ -147,7 +147,7 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                           offload=offload, sequence_parallel=bool(
                                               space.pinned("sequence_parallel", tp > 1)),
                                           **{k: v for k, v in space.fixed
-                                             if k in OVERLAP_OPTIONS})
+                                             if k in (*OVERLAP_OPTIONS, "cp_kind")})
                             reasons = structural_reasons(req, base)
                             # Options partita cannot train yet are judged in full only
                             # when pinned (--fix); otherwise counted here, unevaluated.
