@@ -246,7 +246,7 @@ class Config:
                       recompute=p.recompute, recompute_layers=p.recompute_layers,
                       offload=p.offload, tp_comm_overlap=p.tp_comm_overlap,
                       overlap_grad_reduce=p.overlap_grad_reduce,
-                      overlap_param_gather=p.overlap_param_gather)
+                      overlap_param_gather=p.overlap_param_gather, cp_kind=p.cp_kind)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -36,6 +36,7 @@ RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk",
            "optimizer+params+disk")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
+CP_KINDS = ("ring", "allgather")
 OVERLAP_OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 # Kinds of problem, so that callers can sort them (the planner counts rejections by kind).
@@ -196,6 +197,7 @@ class Layout:
     tp_comm_overlap: bool = False
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
+    cp_kind: str = "ring"  # context-parallel attention: ring or allgather (CP_KINDS)
 
     def __post_init__(self) -> None:
         Degrees(**{k: getattr(self, k) for k in DEGREES})  # checks the degrees
@@ -209,7 +211,8 @@ class Layout:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise PartitaError(f"parallel.recompute_layers={k!r} is invalid: use 0 (every "
                                "block) or the number of blocks per stage to recompute.")
-        for name, options in (("recompute", RECOMPUTE), ("offload", OFFLOAD)):
+        for name, options in (("recompute", RECOMPUTE), ("offload", OFFLOAD),
+                              ("cp_kind", CP_KINDS)):
             if getattr(self, name) not in options:
                 raise PartitaError(
                     f"layout {name}={getattr(self, name)!r} is unknown; choose one of "
@@ -254,6 +257,8 @@ class Layout:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.recompute_layers:
             parts.append(f"recompute_layers={self.recompute_layers}")
+        if self.cp > 1 and self.cp_kind != "ring":
+            parts.append(f"cp_kind={self.cp_kind}")
         return " ".join(parts)
 
     def __str__(self) -> str:
@@ -331,7 +336,7 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
 
 
 def _convert(key: str, raw: str, text: str) -> object:
-    if key in ("recompute", "offload", "schedule"):
+    if key in ("recompute", "offload", "schedule", "cp_kind"):
         return raw.lower()
     if key == "zero_stage" and raw.lower() in ZERO_STAGE_ALIASES:
         return ZERO_STAGE_ALIASES[raw.lower()]

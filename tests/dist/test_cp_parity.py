@@ -47,6 +47,7 @@ def test_cp4_and_cp_with_dp_zero_and_tp_match_single_process() -> None:
         _case("dp2-cp2-zero3-ring", zero=True, dp=2, cp=2, zero_stage=3, bucket_mb=0.02),
         _case("dp2-cp2-zero1-allgather", zero=True, dp=2, cp=2, zero_stage=1,
               cp_kind="allgather"),
+        _case("dp2-cp2-zero2-ring", zero=True, dp=2, cp=2, zero_stage=2, bucket_mb=0.02),
         _case("cp2-tp2-sp-ring-gqa", cp=2, tp=2, sequence_parallel=True),
         _case("cp2-tp2-allgather-mha", MHA, cp=2, tp=2, cp_kind="allgather"),
         _case("cp2-pp2-ring-gqa", cp=2, pp=2),

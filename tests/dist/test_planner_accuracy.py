@@ -9,7 +9,9 @@ pipeline stage; with zero bubble, plus the gradients held for deferred weight pa
 `partita bench plan-accuracy` reads at most 0.9% on these cases). Communication: within
 2% of the bytes the mesh counted. Recompute (full, selective, the first block only)
 is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
-ledger's host_model_states) against the planner's host figure. Cases share one spawned world per world size; dp=1
+ledger's host_model_states) against the planner's host figure. Context parallelism
+(ring and all-gather, cp 2 and 4, with dp + ZeRO-1 and tp + sp): activations and the
+bytes the ring sends. Cases share one spawned world per world size; dp=1
 runs in this process.
 """
 
@@ -19,7 +21,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from partita.saved_tensors import SavedTensorMeter
 from partita.bench.plan_measure import (
     COMM,
     STATE_TERMS,
@@ -32,6 +33,7 @@ from partita.bench.plan_measure import (
     worst_rank,
 )
 from partita.planner import Assumptions
+from partita.saved_tensors import SavedTensorMeter
 from partita.testing import run_distributed
 
 BF16 = "bfloat16"
@@ -55,7 +57,9 @@ CASES = {
         Case(pp=2, microbatches=4, recompute="selective"),
         Case(dp=2, zero=1, offload="optimizer", dtype=BF16),
         Case(dp=2, zero=3, offload="optimizer+params"),
-        Case(dp=2, zero=3, offload="optimizer+params+disk", dtype=BF16)],
+        Case(dp=2, zero=3, offload="optimizer+params+disk", dtype=BF16),
+        # Context parallelism: activations 1/c, the ring's and the all-gather's bytes.
+        Case(cp=2), Case(cp=2, cp_kind="allgather", dtype=BF16)],
     # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
     4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),
         Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),
@@ -64,7 +68,8 @@ CASES = {
         # Zero bubble: stages 1-2 hold microbatches waiting for their deferred W.
         Case(pp=4, microbatches=8, schedule="zb-h1", shape=DEEP),
         Case(tp=2, sp=True, pp=2, microbatches=4, schedule="zb-h1", dtype=BF16),
-        Case(tp=2, sp=True, pp=2, microbatches=2, dtype=BF16)],
+        Case(tp=2, sp=True, pp=2, microbatches=2, dtype=BF16),
+        Case(cp=4, dtype=BF16), Case(dp=2, cp=2, zero=1), Case(tp=2, sp=True, cp=2)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

@@ -23,8 +23,9 @@ KORTHIKANTI = ("Korthikanti et al. 2022, Reducing Activation Recomputation in La
                "Transformer Models (MLSys 2023), Table 5 (end-to-end iteration time)")
 MTNLG = ("Smith et al. 2022, Using DeepSpeed and Megatron to Train Megatron-Turing NLG "
          "530B, system performance table (iteration time, TFLOP/s per GPU)")
-BLOOM = ("BigScience 2022, BLOOM (arXiv 2211.05100) sec. 3.4 and 'The Technology Behind "
-         "BLOOM Training' (Hugging Face blog): ~150 TFLOP/s per GPU on 384 A100-80GB")
+BLOOM = ("BigScience 2022, BLOOM (arXiv 2211.05100) sec. 3.4, and the run's training "
+         "README (bigscience-workshop/bigscience, train/tr11-176B-ml/README.md): 149.77 "
+         "TFLOP/s per GPU, 104.70 s per iteration on 384 A100-80GB")
 LLAMA3 = ("Dubey et al. 2024, The Llama 3 Herd of Models, Table 4 (405B on H100: "
           "TFLOPs/GPU)")
 
@@ -60,6 +61,12 @@ class Run:
     overlap_param_gather: bool = True
     grad_bytes: int = 2  # bytes per gradient element reduced over data parallelism
     attention: str = "eager"  # the kernel of the time: fused softmax (eager) or flash
+    # Network port per GPU (bytes/s) where the cluster is not a DGX with one HDR NIC per
+    # GPU (None: the catalog GPU's).
+    inter_node_bandwidth: float | None = None
+    # CUDA_LAUNCH_BLOCKING=1: every launch waits for the GPU, so pipeline sends and
+    # receives overlap no compute (Assumptions.pp_overlap = 0).
+    blocking_launches: bool = False
     # measurement
     kind: str = "hw_tflops"
     measured: float = 0.0
@@ -123,14 +130,26 @@ for _name, _l, _h, _a, _pp, _gpus, _full, _sel in (
                     tp=8, pp=_pp, global_batch=4 if _pp == 1 else _gpus,
                     recompute="selective", sequence_parallel=True, measured=_sel, **_K))
 
+# Megatron-DeepSpeed: DeepSpeed's pipeline engine reduces gradients (ReduceGrads) and
+# takes the ZeRO-1 step, all-gather included, after the last microbatch of its schedule
+# (deepspeed/runtime/pipe/schedule.py, TrainSchedule): neither overlaps compute.
+_DEEPSPEED = dict(overlap_grad_reduce=False, overlap_param_gather=False)
 for _nodes, _secs in ((280, 60.1), (350, 50.2), (420, 44.4)):
     RUNS.append(Run(f"mt-nlg-530b-{_nodes}nodes", MTNLG, 105, 20480, 128, 51200, 2048,
                     gpus=8 * _nodes, tp=8, pp=35, global_batch=1920, zero_stage=1,
-                    kind="step_s", measured=_secs))
+                    kind="step_s", measured=_secs, assumed=_MB[:1], **_DEEPSPEED))
 
+# BLOOM's run as its training README states it (bigscience-workshop/bigscience,
+# train/tr11-176B-ml/README.md): Jean Zay's A100 nodes with 4 Omni-Path 100 Gb/s links
+# per 8-GPU node, i.e. 50 Gb/s = 6.25 GB/s of network per GPU, a quarter of a DGX
+# A100's; bf16 with DeepSpeed's BF16 optimizer, which accumulates (and reduces)
+# gradients in fp32; DeepSpeed activation checkpointing (full recompute); dropout 0.1;
+# CUDA_LAUNCH_BLOCKING=1 (set against a hang at 40+ nodes). 104.70 s per iteration,
+# 149.77 TFLOP/s at GBS 2048 (the end of the first epoch, iteration 85376).
 RUNS.append(Run("bloom-176b", BLOOM, 70, 14336, 112, 250880, 2048, gpus=384, tp=4, pp=12,
-                microbatch=2, global_batch=2048, zero_stage=1, measured=150,
-                assumed=("full recomputation (activation checkpointing)",)))
+                microbatch=2, global_batch=2048, zero_stage=1, measured=149.77,
+                grad_bytes=4, inter_node_bandwidth=6.25e9, blocking_launches=True,
+                **_DEEPSPEED))
 
 _L3 = dict(source=LLAMA3, layers=126, hidden=16384, heads=128, vocab=128256,
            flavour="llama", kv_heads=8, ffn=53248, dropout=0.0, gpu="H100", tp=8, pp=16,

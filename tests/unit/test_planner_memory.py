@@ -298,3 +298,26 @@ def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
                  + loss_transient_bytes(model, layout, tokens, precision, cpu))
     assert meter.peak == pytest.approx(predicted, rel=0.01)
     assert loss_transient_bytes(model, layout, tokens, precision, Assumptions()) == 0.0
+
+
+def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_counted():
+    """Per rank, cp = c keeps s/c tokens' activations (scores replaced by a log-sum-exp
+    in partita's kernels: so exactly 1/c of a cp = 1 run that also keeps none); the
+    ring holds 2 K + 3 K_g of key/value buffers, the all-gather kind 2c (K + K_g)."""
+    from partita.planner.context_parallel import buffer_bytes, kv_shard_bytes
+    from partita.planner.memory import comm_buffer_bytes
+
+    cfg = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                      max_seq_len=4096)
+    model, a, prec = PlanModel("t", cfg), Assumptions.measured_cpu(), Precision.fp32()
+    one = layer_activation_bytes(model, Layout(), 4096, prec, a)
+    for c in (2, 4, 8):
+        got = layer_activation_bytes(model, Layout(cp=c), 4096, prec, a)
+        assert got == pytest.approx(one / c, rel=1e-9)
+        k = kv_shard_bytes(model, Layout(cp=c), 4096, prec)
+        assert k == 2 * 4096 / c * 2 * 16 * 4  # K and V, 2 kv heads of 16, fp32
+        ring = comm_buffer_bytes(model, Layout(cp=c), 4096, prec, 0, a)
+        assert ring["context_parallel_kv"] == 5 * k
+        gather = buffer_bytes(model, Layout(cp=c, cp_kind="allgather"), 4096, prec, a)
+        assert gather == 2 * c * 2 * k
+    assert comm_buffer_bytes(model, Layout(), 4096, prec, 0, a)["context_parallel_kv"] == 0

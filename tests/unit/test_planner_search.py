@@ -24,12 +24,15 @@ def test_405b_on_16384_gpus():
     assert result.searched > 100_000
     assert result.ranked
     best = result.best.layout
-    assert best.world_size == 16384 and best.tp == 8
+    assert best.world_size == 16384 and best.tp <= 8
     for ev in result.ranked:
         assert ev.memory["total"] <= 80e9
         assert not (ev.layout.zero_stage == 3 and ev.layout.pp > 1)
         assert ev.layout.tp <= 8
-        assert ev.layout.cp == ev.layout.ep == 1
+        assert ev.layout.ep == 1
+    # Context parallelism is modelled and checked against measurements: ranked. At 2048
+    # sequences it frees data-parallel ranks for more microbatches per pipeline.
+    assert any(ev.layout.cp > 1 for ev in result.ranked)
     steps = [e.time["step_s"] for e in result.ranked]
     assert all(a <= b * (1 + 1e-5) for a, b in zip(steps, steps[1:]))
     assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT, UNAVAILABLE}
@@ -148,3 +151,15 @@ def test_bad_layout_text():
         parse_layout("dp:2")
     with pytest.raises(PartitaError, match="recompute"):
         parse_layout("recompute=some")
+
+
+def test_pinned_context_parallel_kind_is_searched_and_ranked():
+    space = SearchSpace(fixed=(("cp", 2), ("cp_kind", "allgather")))
+    result = plan("llama3-8b", 16, space=space, gpu_type="H100", seq_len=32768,
+                  global_batch=64)
+    assert result.ranked
+    assert all(e.layout.cp == 2 and e.layout.cp_kind == "allgather" for e in result.ranked)
+    ring = plan("llama3-8b", 16, space=SearchSpace(fixed=(("cp", 2),)), gpu_type="H100",
+                seq_len=32768, global_batch=64)
+    # At c = 2 the two kinds send the same forward bytes; the ring hides its hops.
+    assert ring.best.time["step_s"] <= result.best.time["step_s"]

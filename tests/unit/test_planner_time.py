@@ -55,9 +55,23 @@ def test_tensor_and_pipeline_volumes():
 
 
 def test_context_parallel_ring_volume():
+    """Per layer and microbatch: (c-1) K forward, (c-1) K + c K of gradients backward
+    (docs/context_parallel.md); the all-gather kind (c-1) K each way plus (c-1) K."""
     t = _time(Layout(cp=4, dp=2), batch=16)
     kv = 2 * 2 * SEQ / 4 * 8 * 128  # this rank's K and V, bf16
-    assert t["cp_bytes"] == pytest.approx(3 * 3 * kv * MODEL.config.n_layers * 8)
+    assert t["cp_bytes"] == pytest.approx((3 + 3 + 4) * kv * MODEL.config.n_layers * 8)
+    g = _time(Layout(cp=4, dp=2, cp_kind="allgather"), batch=16)
+    assert g["cp_bytes"] == pytest.approx((3 + 3 + 3) * kv * MODEL.config.n_layers * 8)
+
+
+def test_context_parallel_time_overlaps_the_ring_not_the_gather():
+    """The ring hides each hop behind one step of attention pieces; the all-gather kind
+    waits for its collectives. So on a slow link (cp spread over nodes) the ring's
+    exposed time is below the all-gather's, and on a fast one both shrink."""
+    ring = _time(Layout(cp=4, dp=2), batch=16)
+    gather = _time(Layout(cp=4, dp=2, cp_kind="allgather"), batch=16)
+    assert ring["comm_exposed_s"] < gather["comm_exposed_s"]
+    assert ring["step_s"] < gather["step_s"]
 
 
 def test_single_gpu_compute_and_mfu():

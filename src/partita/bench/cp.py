@@ -4,24 +4,45 @@ There is no CPU peer to race (torch's `context_parallel` has no CPU sharding str
 for its attention operator), so the peer is one process running the whole sequence with
 c threads, against c ranks of one thread each: the same cores. Each side runs forward
 and backward of the same model on the same tokens (no optimizer, no gradient reduction
-on either side); the step time is the slowest rank's median over the timed steps.
+on either side).
+
+Step time: in one world of c ranks, partita's step (every rank, one thread each) and the
+peer's (rank 0 with c threads while the others wait at a barrier) alternate, round by
+round (`bench.paired`); a round's time is the slowest rank's. R is the median of the
+per-round ratios with its 99% interval; rounds double (up to --max-rounds) until the
+interval lies on one side of 1.0.
+
+Balance: each rank's `AttentionClock` adds up the time its attention pieces compute,
+forward and backward, without the waits on transfers. CPU time of the rank's thread
+(immune to other processes taking the core) and wall time are both kept; the figure is
+the slowest rank's CPU time over the mean, per timed step (median over the rounds).
+
 Activation memory per rank is what autograd saves (`SavedTensorMeter`), against the
 peer's divided by c.
 
-Last line: `cp: worst partita/peer step-time ratio R; activation memory per rank 1/c
-within E%`, R at c = 2 (the worse kind), E the worst over every c and kind.
+Last lines: `cp: attention balance ...` and `cp: worst partita/peer step-time ratio R;
+activation memory per rank 1/c within E%`, R at c = 2 (the worse kind), E the worst over
+every c and kind.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from partita.context_parallel import KINDS, apply_context_parallel, sharding
+from partita.bench import paired
+from partita.context_parallel import (
+    KINDS,
+    ContextParallelAttention,
+    apply_context_parallel,
+    sharding,
+)
+from partita.context_parallel.clock import AttentionClock
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.loss import cross_entropy
@@ -39,7 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="alternating rounds (ours, peer) per kind, before doubling")
+    parser.add_argument("--max-rounds", type=int, default=24,
+                        help="cap on rounds while the ratio's interval spans 1.0")
+    # Kept for older command lines: one round is one timed step of each side.
+    parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _model_cfg(args: dict) -> ModelConfig:
@@ -53,70 +79,153 @@ def _tokens(args: dict) -> torch.Tensor:
                          generator=torch.Generator().manual_seed(0))
 
 
-def _timed(model, x, y, steps: int, barrier) -> tuple[list[float], int]:
+def _step(model, x, y) -> None:
+    cross_entropy(model(x), y).backward()
+
+
+def _saved_bytes(model, x, y) -> int:
     meter = SavedTensorMeter(model)
     with meter:
         loss = cross_entropy(model(x), y)
-    loss.backward()
-    saved = meter.bytes
-    times = []
-    for _ in range(steps):
-        barrier()
-        start = time.perf_counter()
-        cross_entropy(model(x), y).backward()
-        barrier()
-        times.append(time.perf_counter() - start)
-    return times, saved
+    loss.backward()  # also the warm-up step
+    return meter.bytes
 
 
-def _rank(rank: int, world: int, args: dict, kind: str) -> tuple[list[float], int]:
-    mesh = Mesh(Layout(cp=world), rank, world)
-    model = build_model(_model_cfg(args))
-    apply_context_parallel(model, model.plan(), mesh.comm("context"), kind)
-    tokens = _tokens(args)
-    x, y = (sharding.shard(t, rank, world, dim=1) for t in (tokens[:, :-1], tokens[:, 1:]))
-    return _timed(model, x, y, args["steps"], dist.barrier)
+class _Peer:
+    """The whole sequence in one process (rank 0) with c threads."""
 
-
-def _peer(args: dict, threads: int) -> tuple[list[float], int]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    def __init__(self, args: dict, threads: int) -> None:
         tokens = _tokens(args)
         # The whole sequence: inputs row[:-1], targets row[1:], as the ranks' shards are.
-        return _timed(build_model(_model_cfg(args)), tokens[:, :-1], tokens[:, 1:],
-                      args["steps"], lambda: None)
-    finally:
-        torch.set_num_threads(before)
+        self.x, self.y = tokens[:, :-1], tokens[:, 1:]
+        self.model = build_model(_model_cfg(args))
+        self.threads = threads
+        self.saved = self._run(lambda: _saved_bytes(self.model, self.x, self.y))
+
+    def _run(self, fn):
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+
+    def step(self) -> None:
+        self._run(lambda: _step(self.model, self.x, self.y))
+
+
+def _rank(rank: int, world: int, args: dict, kinds: list[str], rounds: int,
+          max_rounds: int) -> dict:
+    mesh = Mesh(Layout(cp=world), rank, world)
+    tokens = _tokens(args)
+    x, y = (sharding.shard(t, rank, world, dim=1) for t in (tokens[:, :-1], tokens[:, 1:]))
+    peer = _Peer(args, world) if rank == 0 else None
+    out = {"peer_saved": peer.saved if peer else 0, "kinds": {}}
+    for kind in kinds:
+        out["kinds"][kind] = _race(mesh, kind, args, x, y, peer, rounds, max_rounds)
+    return out
+
+
+def _race(mesh: Mesh, kind: str, args: dict, x: torch.Tensor, y: torch.Tensor,
+          peer: _Peer | None, rounds: int, max_rounds: int) -> dict:
+    """One kind against the peer in alternating rounds, on every rank of the world."""
+    model = build_model(_model_cfg(args))
+    apply_context_parallel(model, model.plan(), mesh.comm("context"), kind)
+    clock = AttentionClock()
+    for core in model.modules():
+        if isinstance(core, ContextParallelAttention):
+            core.clock = clock
+    saved = _saved_bytes(model, x, y)
+    attention: list[tuple[float, float]] = []  # (cpu, wall) seconds per timed step
+
+    def time_side(k: int) -> float:
+        dist.barrier()  # every rank starts the round together
+        start = time.perf_counter()
+        if k == 0:
+            clock.reset()
+            _step(model, x, y)
+            attention.append((clock.cpu_seconds, clock.seconds))
+        elif peer is not None:
+            peer.step()
+        dist.barrier()
+        return paired.slowest_rank(time.perf_counter() - start)
+
+    times = paired.paired_rounds(time_side, rounds, max_rounds, 1.0)
+    return {"times": times, "saved": saved, "attention": attention}
+
+
+def _balance(per_rank: list[list[tuple[float, float]]]) -> tuple[float, float, list[float]]:
+    """(slowest over mean of CPU time, the same of wall time, each rank's median CPU
+    seconds): per timed step across ranks, then the median over steps."""
+    steps = len(per_rank[0])
+    cpu, wall = [], []
+    for i in range(steps):
+        c = [r[i][0] for r in per_rank]
+        w = [r[i][1] for r in per_rank]
+        cpu.append(max(c) / statistics.mean(c))
+        wall.append(max(w) / statistics.mean(w))
+    medians = [statistics.median(s[0] for s in r) for r in per_rank]
+    return statistics.median(cpu), statistics.median(wall), medians
 
 
 def run(args: argparse.Namespace) -> int:
     opts = dict(dim=args.dim, heads=args.heads, kv_heads=args.kv_heads, layers=args.layers,
-                seq=args.seq, batch=args.batch, steps=args.steps)
+                seq=args.seq, batch=args.batch)
     degrees = [int(c) for c in args.degrees.split(",")]
     for c in degrees:
         sharding.check_length(args.seq, c)
+    rounds = args.steps if args.steps is not None else args.rounds
+    max_rounds = max(rounds, args.max_rounds if args.steps is None else rounds)
     print(f"model dim={args.dim} heads={args.heads} kv_heads={args.kv_heads} "
-          f"layers={args.layers}, b={args.batch} s={args.seq}, fp32, forward+backward")
-    print(f"{'c':>3} {'kind':<10}{'ms/step':>10}{'peer ms':>10}{'ratio':>8}"
-          f"{'saved MiB/rank':>16}{'peer/c MiB':>12}{'mem err %':>10}")
-    ratio_at_2, worst_err = None, 0.0
+          f"layers={args.layers}, b={args.batch} s={args.seq}, fp32, forward+backward; "
+          f"ours: c ranks x 1 thread, peer: 1 process x c threads; alternating rounds "
+          f"({rounds}, doubling to {max_rounds} while the 99% interval spans 1.0)")
+    print(f"load average at start {_load()} on {os.cpu_count()} cores (shared machine: "
+          "R is a wall-time ratio; its interval says how far the load lets it be read)")
+    print(f"{'c':>3} {'kind':<10}{'ms/step':>9}{'peer ms':>9}{'R':>7}{'99% interval':>14}"
+          f"{'rounds':>7}{'attn max/mean':>14}{'saved MiB/rank':>16}{'peer/c MiB':>11}"
+          f"{'mem err %':>10}")
+    ratio_at_2, worst_err, worst_balance = None, 0.0, 0.0
+    est_at_2 = None
+    balance_rows = []
     for c in degrees:
-        peer_times, peer_saved = _peer(opts, c)
-        peer_ms = statistics.median(peer_times) * 1e3
+        ranks = run_distributed(_rank, c, args=(opts, list(KINDS), rounds, max_rounds),
+                                timeout=1800)
+        peer_saved = ranks[0]["peer_saved"]
         for kind in KINDS:
-            ranks = run_distributed(_rank, c, args=(opts, kind), timeout=600)
-            step_ms = statistics.median(max(r[0][i] for r in ranks)
-                                        for i in range(args.steps)) * 1e3
-            saved = max(r[1] for r in ranks)
+            res = [r["kinds"][kind] for r in ranks]
+            times = res[0]["times"]  # the same on every rank (slowest-rank round times)
+            est = paired.estimate_times(times)
+            saved = max(r["saved"] for r in res)
             err = abs(saved / (peer_saved / c) - 1) * 100
             worst_err = max(worst_err, err)
-            ratio = step_ms / peer_ms
-            if c == 2:
-                ratio_at_2 = max(ratio, ratio_at_2 or 0.0)
-            print(f"{c:>3} {kind:<10}{step_ms:>10.1f}{peer_ms:>10.1f}{ratio:>8.3f}"
-                  f"{saved / 2**20:>16.2f}{peer_saved / c / 2**20:>12.2f}{err:>10.2f}")
-    shown = "n/a (c=2 not run)" if ratio_at_2 is None else f"{ratio_at_2:.3f}"
+            cpu_bal, wall_bal, per_rank_cpu = _balance([r["attention"] for r in res])
+            worst_balance = max(worst_balance, cpu_bal)
+            balance_rows.append((c, kind, cpu_bal, wall_bal, per_rank_cpu))
+            if c == 2 and (ratio_at_2 is None or est.median > ratio_at_2):
+                ratio_at_2, est_at_2 = est.median, est
+            print(f"{c:>3} {kind:<10}{statistics.median(times[0]) * 1e3:>9.1f}"
+                  f"{statistics.median(times[1]) * 1e3:>9.1f}{est.median:>7.3f}"
+                  f"{est.span:>14}{est.rounds:>7}{cpu_bal:>14.3f}"
+                  f"{saved / 2**20:>16.2f}{peer_saved / c / 2**20:>11.2f}{err:>10.2f}")
+    print("attention compute per rank (CPU seconds of its thread per step, median; the "
+          "slowest over the mean, CPU and wall):")
+    for c, kind, cpu_bal, wall_bal, per_rank in balance_rows:
+        ms = " ".join(f"{s * 1e3:.1f}" for s in per_rank)
+        print(f"  c={c} {kind:<10} ranks [{ms}] ms; max/mean CPU {cpu_bal:.3f}, "
+              f"wall {wall_bal:.3f}")
+    print(f"cp: attention balance: the slowest rank's attention time is within "
+          f"{(worst_balance - 1) * 100:.1f}% of the mean (worst over c and kinds)")
+    print(f"load average at end {_load()}")
+    shown = "n/a (c=2 not run)" if est_at_2 is None else (
+        f"{ratio_at_2:.3f} (99% interval {est_at_2.span}, {est_at_2.rounds} rounds)")
     print(f"cp: worst partita/peer step-time ratio {shown}; activation memory per rank 1/c "
           f"within {worst_err:.2f}%")
     return 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"

@@ -4,10 +4,12 @@ For every layout the test suite runs on CPU (dp 1/2/4/8 x ZeRO 0-3 in fp32 and b
 with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp2 with
 ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
 ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
-kinds of layout, host offload) one small model takes training steps on gloo
+kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
+with dp + ZeRO-1, tp + sp, and dp2 x tp2 x cp2) one small model takes training steps on gloo
 ranks; memory is compared per pipeline stage. Memory: model states (and, under
 offload, the host's) from the ZeRO engine's ledger, activations from the storages
-autograd saved for backward. Communication: bytes each rank sent, counted by the mesh (tp + dp). Step
+autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
+(tp, dp, pp, cp). Step
 time: the median of timed steps on rank 0, against the planner's step time on the
 `cpu` profile, calibrated here: a 1-thread matmul and copy rate measured at start, the
 gloo all-reduce latency and bandwidth measured in each world before its cases (the
@@ -75,6 +77,13 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                    for s in ("1f1b", "gpipe", "zb-h1")]
         out[4] += [Case(dp=2, tp=2, zero=3, sp=True, recompute=rc, shape=shape),
                    Case(pp=4, microbatches=8, schedule="zb-h1", recompute=rc, shape=deep)]
+    # Context parallelism: activations 1/c, the ring's and the all-gather's bytes, the
+    # ZeRO group dp x cp.
+    out[2] += [Case(cp=2, shape=shape), Case(cp=2, cp_kind="allgather", dtype="bfloat16",
+                                             shape=shape)]
+    out[4] += [Case(cp=4, shape=shape), Case(cp=4, cp_kind="allgather", shape=shape),
+               Case(dp=2, cp=2, zero=1, shape=shape), Case(tp=2, sp=True, cp=2, shape=shape)]
+    out[8] += [Case(dp=2, tp=2, cp=2, zero=1, sp=True, shape=shape)]
     # Host offload: the host bytes (master, moments, gradient staging, shards) too.
     out[1] += [Case(offload="optimizer", dtype=d, shape=shape) for d in DTYPES]
     out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)

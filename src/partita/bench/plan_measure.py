@@ -37,7 +37,8 @@ from partita.planner.timing import step_time
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
 DISK_BUDGET_GB = 0.001  # disk-offload cases: a host budget far below their states
 # Mesh purposes whose bytes the planner predicts, and the planner's name for each.
-COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes"}
+COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes",
+        "context": "cp_bytes"}
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,12 @@ class Case:
     recompute: str = "none"  # activation recomputation: none, selective, full
     recompute_layers: int = 0  # recompute only the first K blocks of each stage
     offload: str = "none"  # model states in host memory: none, optimizer, optimizer+params
+    cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
+    cp_kind: str = "ring"  # ring or allgather
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def layout(self) -> Layout:
@@ -81,7 +84,7 @@ class Case:
                       microbatch_size=self.mb, sequence_parallel=self.sp,
                       schedule=self.schedule, virtual_stages=self.vpp,
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
-                      offload=self.offload)
+                      offload=self.offload, cp=self.cp, cp_kind=self.cp_kind)
 
     @property
     def precision(self) -> Precision:
@@ -91,6 +94,8 @@ class Case:
     def label(self) -> str:
         parts = [f"dp{self.dp}"] + ([f"tp{self.tp}" + ("sp" if self.sp else "")]
                                     if self.tp > 1 else [])
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}" + ("ag" if self.cp_kind == "allgather" else ""))
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
@@ -124,6 +129,7 @@ def run_config(case: Case):
     cfg.parallel.recompute = case.recompute
     cfg.parallel.recompute_layers = case.recompute_layers
     cfg.parallel.offload = case.offload
+    cfg.parallel.cp, cfg.parallel.cp_kind = case.cp, case.cp_kind
     if case.offload.endswith("+disk"):
         import tempfile
 
@@ -206,7 +212,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     cfg = run_config(case)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     dp, seq, m = pm.dp, case.shape.seq_len, case.microbatches
-    gen = torch.Generator().manual_seed(17 + mesh.index("loss_average"))
+    gen = torch.Generator().manual_seed(17 + mesh.index("data"))  # cp ranks: same rows
     tokens = torch.randint(case.shape.vocab_size, (case.mb * m, seq + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
 

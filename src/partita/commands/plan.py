@@ -222,6 +222,8 @@ def _layout_defaults(text: str, layout) -> list[str]:
                  "overlap_param_gather", "tp_comm_overlap"):
         if name not in given:
             out.append(f"{name}={getattr(layout, name)}")
+    if layout.cp > 1 and "cp_kind" not in given:
+        out.append(f"cp_kind={layout.cp_kind}")
     return out
 
 

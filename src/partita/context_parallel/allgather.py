@@ -16,6 +16,7 @@ import torch
 
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
+from partita.context_parallel.clock import IDLE
 from partita.context_parallel.sharding import chunks_of
 
 
@@ -48,21 +49,22 @@ class AllGatherAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None):
+    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None, clock=IDLE):
         g, n = k.shape[1], q.shape[2] // 2
         full = _natural(_gather(torch.stack((k, v)), comm), n)
         qg = blocks.group_queries(q, g)
         outs, lses = [], []
-        for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
-            keys = slice(0, (chunk + 1) * n)
-            out, lse = blocks.forward(qg[..., qi * n:(qi + 1) * n, :], full[0][..., keys, :],
-                                      full[1][..., keys, :], scale,
-                                      _mask(segments, chunk, n, q.device))
-            outs.append(out)
-            lses.append(lse)
+        with clock.compute():
+            for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
+                keys = slice(0, (chunk + 1) * n)
+                out, lse = blocks.forward(qg[..., qi * n:(qi + 1) * n, :], full[0][..., keys, :],
+                                          full[1][..., keys, :], scale,
+                                          _mask(segments, chunk, n, q.device))
+                outs.append(out)
+                lses.append(lse)
         out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale, ctx.segments = comm, scale, segments
+        ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
@@ -78,18 +80,19 @@ class AllGatherAttention(torch.autograd.Function):
         dq = torch.empty(qg.shape, dtype=work, device=q.device)
         # Gradients accumulate (and are reduce-scattered) in the compute dtype.
         dfull = torch.zeros(full.shape, dtype=work, device=full.device)
-        for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
-            rows, keys = slice(qi * n, (qi + 1) * n), slice(0, (chunk + 1) * n)
-            dq[..., rows, :], dk, dv = blocks.backward(
-                qg[..., rows, :], full[0][..., keys, :], full[1][..., keys, :], scale,
-                _mask(ctx.segments, chunk, n, q.device), dout[..., rows, :],
-                lse[..., rows], delta[..., rows])
-            dfull[0][..., keys, :] += dk
-            dfull[1][..., keys, :] += dv
+        with ctx.clock.compute():
+            for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
+                rows, keys = slice(qi * n, (qi + 1) * n), slice(0, (chunk + 1) * n)
+                dq[..., rows, :], dk, dv = blocks.backward(
+                    qg[..., rows, :], full[0][..., keys, :], full[1][..., keys, :], scale,
+                    _mask(ctx.segments, chunk, n, q.device), dout[..., rows, :],
+                    lse[..., rows], delta[..., rows])
+                dfull[0][..., keys, :] += dk
+                dfull[1][..., keys, :] += dv
         mine = dfull.new_empty((2, *k.shape))
         comm.reduce_scatter_flat(mine, _to_ranks(dfull, comm.size, n))
         return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def _mask(segments: torch.Tensor | None, chunk: int, n: int,
@@ -100,6 +103,9 @@ def _mask(segments: torch.Tensor | None, chunk: int, n: int,
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                        scale: float, segments: torch.Tensor | None = None) -> torch.Tensor:
-    """`segments` (b, s): documents of the whole packed sequence (None: one per row)."""
-    return AllGatherAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments)
+                        scale: float, segments: torch.Tensor | None = None,
+                        clock=IDLE) -> torch.Tensor:
+    """`segments` (b, s): documents of the whole packed sequence (None: one per row);
+    `clock` (an `AttentionClock`) adds up the seconds spent computing pieces."""
+    return AllGatherAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments,
+                                    clock)

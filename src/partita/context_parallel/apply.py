@@ -24,6 +24,7 @@ import torch.nn as nn
 from partita.comm import GroupComm
 from partita.context_parallel import sharding
 from partita.context_parallel.allgather import allgather_attention
+from partita.context_parallel.clock import IDLE, AttentionClock
 from partita.context_parallel.ring import ring_attention
 from partita.errors import PartitaError
 from partita.models import plan as roles
@@ -46,6 +47,8 @@ class ContextParallelAttention(nn.Module):
             raise PartitaError(f"parallel.cp_kind='{kind}' is unknown; use "
                                f"{' or '.join(KINDS)}.")
         self.comm, self.kind, self.kv_group = comm, kind, kv_group
+        # Set an `AttentionClock` to time this core's compute apart from its transfers.
+        self.clock: AttentionClock | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +59,8 @@ class ContextParallelAttention(nn.Module):
             k, v = k[:, ::self.kv_group], v[:, ::self.kv_group]
         if segments is not None:
             segments = segments.to(q.device)
-        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]), segments)
+        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]), segments,
+                                self.clock or IDLE)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, cp={self.comm.size}, kv_group={self.kv_group}"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
+from partita.context_parallel.clock import IDLE
 from partita.context_parallel.sharding import chunks_of
 
 
@@ -66,7 +67,7 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None):
+    def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None, clock=IDLE):
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
         mine = chunks_of(rank, degree)
@@ -80,25 +81,26 @@ class RingAttention(torch.autograd.Function):
         for step in range(degree):
             pending = ring.start([kv]) if step < degree - 1 else None
             src = (rank - step) % degree
-            for qi, kj, causal in _pairs(rank, src, degree):
-                piece = slice(kj * n, (kj + 1) * n)
-                out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
-                                          kv[1][..., piece, :], scale,
-                                          _mask(mask, causal, segments, mine[qi],
-                                                chunks_of(src, degree)[kj], n))
-                outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
+            with clock.compute():
+                for qi, kj, causal in _pairs(rank, src, degree):
+                    piece = slice(kj * n, (kj + 1) * n)
+                    out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
+                                              kv[1][..., piece, :], scale,
+                                              _mask(mask, causal, segments, mine[qi],
+                                                    chunks_of(src, degree)[kj], n))
+                    outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
             if pending is not None:
                 (kv,) = pending.wait()
         out = torch.cat(outs, dim=-2)
         lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.scale, ctx.segments = comm, scale, segments
+        ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
         return out.reshape(q.shape).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale, segments = ctx.comm, ctx.scale, ctx.segments
+        comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
         mine = chunks_of(rank, degree)
@@ -117,15 +119,16 @@ class RingAttention(torch.autograd.Function):
             src = (rank - step) % degree
             # Gradients accumulate (and travel) in the compute dtype.
             local = torch.zeros(kv.shape, dtype=work, device=kv.device)
-            for qi, kj, causal in _pairs(rank, src, degree):
-                rows, piece = halves[qi], halves[kj]
-                dq_part, dk, dv = blocks.backward(
-                    qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
-                    _mask(mask, causal, segments, mine[qi], chunks_of(src, degree)[kj], n),
-                    dout[..., rows, :], lse[..., rows], delta[..., rows])
-                dq[..., rows, :] += dq_part
-                local[0][..., piece, :] += dk
-                local[1][..., piece, :] += dv
+            with clock.compute():
+                for qi, kj, causal in _pairs(rank, src, degree):
+                    rows, piece = halves[qi], halves[kj]
+                    dq_part, dk, dv = blocks.backward(
+                        qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
+                        _mask(mask, causal, segments, mine[qi], chunks_of(src, degree)[kj], n),
+                        dout[..., rows, :], lse[..., rows], delta[..., rows])
+                    dq[..., rows, :] += dq_part
+                    local[0][..., piece, :] += dk
+                    local[1][..., piece, :] += dv
             received = pending.wait()
             if acc is not None:  # the accumulator of the pair held at this step
                 local += received[-1]
@@ -134,7 +137,7 @@ class RingAttention(torch.autograd.Function):
                 kv = received[0]
         (acc,) = ring.start([acc]).wait()  # home: the accumulator of this rank's own pair
         return (dq.reshape(q.shape).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def _mask(causal_mask: torch.Tensor, causal: bool, segments: torch.Tensor | None,
@@ -145,6 +148,9 @@ def _mask(causal_mask: torch.Tensor, causal: bool, segments: torch.Tensor | None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                   scale: float, segments: torch.Tensor | None = None) -> torch.Tensor:
-    """`segments` (b, s): documents of the whole packed sequence (None: one per row)."""
-    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments)
+                   scale: float, segments: torch.Tensor | None = None,
+                   clock=IDLE) -> torch.Tensor:
+    """`segments` (b, s): documents of the whole packed sequence (None: one per row);
+    `clock` (an `AttentionClock`) adds up the seconds spent computing pieces."""
+    return RingAttention.apply(q, k.contiguous(), v.contiguous(), comm, scale, segments,
+                               clock)

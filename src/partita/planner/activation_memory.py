@@ -78,6 +78,11 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
         "dropout_masks": (2 * s * b * h / sp_div) if dropout else 0.0,
         "mlp_hidden": mlp_hidden_bytes(model, layout, seq_len, precision, a),
     }
+    if layout.cp > 1 and a.cp_eager_pieces:
+        # Context-parallel attention keeps a log-sum-exp per head and query (no scores)
+        # and its merged output in the compute dtype beside the projection's input.
+        terms["attention_scores"] = 4.0 * c.n_heads / t * s * b
+        terms["cp_output"] = (max(e, 4) - e) * s * b * h / t
     if a.rotary_tables_saved and c.flavour == "llama":
         terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
     if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:

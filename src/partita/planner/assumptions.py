@@ -69,7 +69,15 @@ class Assumptions:
     # for as long as they share the GPU's SMs with the communication kernels.
     tp_overlap_slowdown: float = 0.05
     cp_overlap: float = 0.9  # ring attention sends the next KV block while computing
+    # Context-parallel attention as partita runs it: eager pieces in the compute dtype
+    # (>= float32; no s x s scores kept, the merged output kept in that dtype) and key/
+    # value gradients that accumulate and travel in it (planner.context_parallel).
+    cp_eager_pieces: bool = False
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
+    # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
+    # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
+    # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.
+    pp_scatter_gather: bool = True
     ep_overlap: float = 0.0  # dispatch/combine all-to-all waits for the router
     # With `Layout.overlap_grad_reduce`: gradient buckets reduce while backward continues.
     dp_overlap: float = 0.8
@@ -187,7 +195,8 @@ class Assumptions:
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
-                   gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0)
+                   gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,
+                   cp_eager_pieces=True, pp_scatter_gather=False)
 
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from partita.layout import Layout
 from partita.planner.assumptions import Assumptions
+from partita.planner.context_parallel import attention_pairs_fraction
 from partita.planner.hardware import GPUSpec
 from partita.planner.model_shape import PlanModel
 
@@ -39,6 +40,7 @@ class BlockTimes:
     fwd: float  # whole forward (GEMMs + attention + memory-bound)
     bwd: float  # whole backward
     attention_core_fwd: float  # score, softmax (+ dropout), value product, forward
+    attention_core_bwd: float  # ... and its backward
     gemm_fwd: float  # the four weight GEMMs of the forward (what TP overlap can hide under)
 
 
@@ -94,7 +96,11 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     b, hd = layout.microbatch_size, c.head_dim
     q = seq_len / layout.cp  # this rank's queries; keys: the whole sequence (ring)
     kv = seq_len
-    if a.attention_kernel == "flash":
+    if layout.cp > 1 and a.cp_eager_pieces:
+        # Eager pieces of (s/2c)^2 (planner.context_parallel): the rank's queries meet
+        # (2c+1)/(4c) of the sequence's keys on average, diagonal blocks computed whole.
+        kv = seq_len * attention_pairs_fraction(layout) * layout.cp
+    elif a.attention_kernel == "flash":
         flops = 4.0 * b * heads * q * kv * hd * 0.5  # causal: masked tiles skipped
         rate = gpu.peak_flops * gemm_fraction(gpu, a) * hd / (hd + a.gemm_k_half)
         fwd = flops / (rate * a.flash_fwd_fraction) + a.kernel_overhead_s
@@ -149,7 +155,8 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     mem_fwd = memory_time(elem_bytes, gpu, a, a.elementwise_kernels)
     mem_bwd = memory_time(2 * elem_bytes, gpu, a, a.elementwise_kernels)
     return BlockTimes(fwd=gemm_fwd + core_fwd + mem_fwd, bwd=gemm_bwd + core_bwd + mem_bwd,
-                      attention_core_fwd=core_fwd, gemm_fwd=gemm_fwd)
+                      attention_core_fwd=core_fwd, attention_core_bwd=core_bwd,
+                      gemm_fwd=gemm_fwd)
 
 
 def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,

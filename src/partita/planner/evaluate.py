@@ -83,12 +83,6 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     if c.flavour == "gpt2" and req.seq_len > c.max_seq_len:
         out.append((CONSTRAINT, f"seq_len={req.seq_len} exceeds the {c.max_seq_len} learned "
                                 "positions"))
-    if layout.cp > 1:
-        # partita trains cp, but the planner's figures for it (ring communication,
-        # overlap) are not yet checked against measurements: predicted, not ranked.
-        out.append((UNAVAILABLE, "the planner's context-parallel model is not validated "
-                                 "against measured runs yet; cp layouts are shown, not "
-                                 "ranked"))
     if layout.ep > 1:
         if not req.model.is_moe:
             out.append((CONSTRAINT, "ep > 1 needs a mixture-of-experts model"))

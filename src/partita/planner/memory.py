@@ -27,6 +27,7 @@ from partita.planner.activation_memory import (
     weight_pass_terms,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.context_parallel import buffer_bytes as cp_buffer_bytes
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
 
@@ -378,9 +379,12 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
                       precision: Precision = MIXED, stage: int = 0,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
     """Temporary communication buffers: gathered ZeRO-3 units (with prefetch) and the
-    unit's full gradients before reduce-scatter, gradient buckets, pipeline send/recv."""
+    unit's full gradients before reduce-scatter, gradient buckets, pipeline send/recv,
+    context-parallel key/value buffers."""
     c = model.config
-    out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0}
+    out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0,
+           "context_parallel_kv": cp_buffer_bytes(model, layout, seq_len, precision,
+                                                  assumptions)}
     if layout.zero_stage >= 3 and layout.zero_group > 1:
         block = gathered_block_elements(model, layout, assumptions)
         layers = stage_layers(c.n_layers, layout.pp)[stage]

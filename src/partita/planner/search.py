@@ -38,12 +38,13 @@ from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
 class SearchSpace:
     """Which options the search tries (narrow it to pin a choice).
 
-    By default only what `partita train` runs: context and expert parallelism are
-    modelled but not built yet, so they are left out; offload runs but is searched only
-    by `SearchSpace.everything()` (it trades step time for memory the planner's
-    default answers do not need).
-    `SearchSpace.everything()` adds them; they are then judged and shown as rejected,
-    "not available yet", never ranked.
+    By default only what `partita train` runs, less what a default answer rarely needs:
+    expert parallelism is modelled but not built yet; context parallelism runs and is
+    modelled (checked by `bench plan-accuracy`) but is searched only when asked for
+    (`--fix cp=N`, `SearchSpace.everything()`), as it pays off for long sequences;
+    offload runs but trades step time for memory the default answers do not need.
+    `SearchSpace.everything()` adds them; what partita cannot train yet is then judged
+    and shown as rejected, "not available yet", never ranked.
     """
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -146,7 +147,7 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                           offload=offload, sequence_parallel=bool(
                                               space.pinned("sequence_parallel", tp > 1)),
                                           **{k: v for k, v in space.fixed
-                                             if k in OVERLAP_OPTIONS})
+                                             if k in (*OVERLAP_OPTIONS, "cp_kind")})
                             reasons = structural_reasons(req, base)
                             # Options partita cannot train yet are judged in full only
                             # when pinned (--fix); otherwise counted here, unevaluated.

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 from partita.layout import Layout
+from partita.planner import context_parallel as cp_model
 from partita.planner.activation_memory import layer_input_bytes, recomputed_layers
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.compute import block_times, head_times, optimizer_time
@@ -143,13 +144,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
-    # Context parallel ring: cp-1 hops of this rank's K and V forward; backward passes K,
-    # V and their gradients (x2); + a forward again under full recompute.
-    kv = 2 * precision.activation * layout.microbatch_size * seq_len / cp * (-(-c.kv_heads // t)) * c.head_dim
-    cp_hops = (3 + (1 if layout.recompute == "full" else 0)) * (cp - 1)
-    cp_vol = cp_hops * kv
+    # Context parallel (planner.context_parallel): keys and values around the ring (or
+    # gathered), hidden behind the attention pieces they run beside; a forward again
+    # under full recompute.
     link, le = link_eff(t * cp)
-    cp_s = cp_vol / (link[0] * le) + cp_hops * link[1] if cp > 1 else 0.0
+    cp_fwd, cp_bwd = cp_model.exposed_time(model, layout, seq_len, blk.attention_core_fwd,
+                                           blk.attention_core_bwd, link, le, precision, a)
+    cp_s = cp_fwd * (2 if layout.recompute == "full" else 1) + cp_bwd
     # Expert parallel: dispatch + combine all-to-all forward and backward.
     ep_colls = 4 + (2 if layout.recompute == "full" else 0)
     ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act) if ep > 1 else 0.0
@@ -167,7 +168,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     gemm_s = blk.gemm_fwd * (3 + (1 if layout.recompute == "full" else 0))
     tp_hide = min(tp_s, a.tp_overlap * gemm_s) if layout.tp_comm_overlap else 0.0
     exposed_layer = (tp_s - tp_hide + a.tp_overlap_slowdown * tp_hide
-                     + cp_s - min(cp_s, a.cp_overlap * layer_s)
+                     + cp_s
                      + ep_s - min(ep_s, a.ep_overlap * layer_s))
     layers = stage_layers(c.n_layers, pp)
     stage_s = [n * (layer_s + exposed_layer) + edge for n, edge in zip(layers, tp_edge_s)]
@@ -185,6 +186,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
 
     # Pipeline p2p: each microbatch crosses each of this rank's v chunks, forward and back.
     p2p = layer_input_bytes(model, layout, seq_len, precision)  # sharded over tp under sp
+    if a.pp_scatter_gather and not layout.sequence_parallel:
+        p2p /= t
     # Sends of the busiest rank: a middle stage sends activations on and gradients back
     # (2vm); with pp = 2 stage 0 never sends a gradient of its first chunk ((2v-1)m).
     pp_vol = (2 * v - (1 if pp == 2 else 0)) * m * p2p if pp > 1 else 0.0
@@ -271,7 +274,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "hardware_flops_per_gpu": hw_flops / step / cluster.num_gpus,
         "hfu": hw_flops / step / (cluster.num_gpus * gpu.peak_flops),
         "tp_bytes": (tp_vol * max(layers) + max(tp_edge)) * m,
-        "cp_bytes": cp_vol * m * max(layers),
+        "cp_bytes": cp_model.step_bytes(model, layout, seq_len, max(layers), m, precision, a),
         "ep_bytes": ep_vol * m * max(layers) if model.is_moe else 0.0,
         "pp_bytes": pp_vol,
         "dp_bytes": dp_vol,
