@@ -9,6 +9,7 @@ replicates (norms, row-parallel biases) and what lives in experts.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,18 @@ class PlanModel:
     name: str
     config: ModelConfig
     moe: MoEShape = MoEShape()
+
+    def __post_init__(self) -> None:
+        # One description of the experts for both: an MoE catalog model (n_experts in its
+        # config) gives the [moe] shape; a [moe] table gives the config's experts (so
+        # the layout rules, which read the config, see them).
+        c = self.config
+        if c.n_experts and not self.is_moe:
+            object.__setattr__(self, "moe", MoEShape(c.n_experts, c.top_k, c.expert_ffn_dim))
+        elif self.is_moe and not c.n_experts:
+            object.__setattr__(self, "config", dataclasses.replace(
+                c, n_experts=self.moe.num_experts, top_k=self.moe.top_k,
+                expert_ffn_dim=self.moe.expert_ffn_dim))
 
     @property
     def is_moe(self) -> bool:
