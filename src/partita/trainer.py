@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from partita.config import Config
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
+from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
@@ -39,6 +40,7 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
+    moe: dict = field(default_factory=dict)  # MoE figures (experts.moe_step_stats)
 
 
 def open_dataset(cfg: Config) -> TokenDataset:
@@ -134,6 +136,7 @@ class Trainer:
         dp = self.pm.dp
         self._enter(step, "forward and backward", "forward")
         local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches)
+        moe = moe_step_stats(self.pm.module, self.mesh)
         self._enter(step, "gradient reduction", "reduction")
         dp.finish_grad_sync()
         self._enter(step, "clipping")
@@ -150,7 +153,7 @@ class Trainer:
         self.checkpoint_waited += self.writer.wait_for_copy()
         stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
-        return StepResult(mean_loss, grad_norm, stepped)
+        return StepResult(mean_loss, grad_norm, stepped, moe)
 
     def _enter(self, step: int, phase: str, fault_point: str | None = None) -> None:
         """Record where this rank is (for the watchdog and error messages); fire an
@@ -252,7 +255,7 @@ class Trainer:
                 self.logger.log(step + 1, {
                     "loss": result.loss, "val_loss": val_loss, "lr": lr,
                     "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                    "memory_gb": memory_bytes(self.device) / 1e9,
+                    "memory_gb": memory_bytes(self.device) / 1e9, **result.moe,
                 }, console=True)
                 val_loss = None if not last else val_loss
                 window_start, window_steps = time.perf_counter(), 0
