@@ -9,6 +9,9 @@ import json
 
 import pytest
 
+from partita.testing import relative_error
+from partita.weights import load_weights
+
 MOE = ["--model.name=tiny-moe", "--train.dtype=float64", "--train.steps=3",
        "--train.eval_every=3"]
 
@@ -25,6 +28,12 @@ def test_tiny_moe_ep2_gives_the_single_process_loss_curve(tmp_path, cli):
         record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
         assert len(record["tokens_per_expert"]) == 8 and record["imbalance"] >= 1.0
     assert runs["ep2"] == pytest.approx(runs["single"], rel=1e-10)
+    # The weights file holds every expert, whole, as one process trained them.
+    single, ep2 = (load_weights(tmp_path / n / "model.safetensors") for n in ("single", "ep2"))
+    assert single.keys() == ep2.keys()
+    assert single["blocks.1.mlp.experts.w_up"].shape[0] == 8
+    for name, value in single.items():
+        assert relative_error(ep2[name], value) < 1e-10, name
 
 
 def test_ep_on_a_dense_model_is_refused_before_launch(run_dir, cli):

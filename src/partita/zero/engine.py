@@ -469,7 +469,10 @@ class DataParallel:
         `piece`'s state, that a checkpoint takes it from: index 0 of the data-parallel
         group when optimizer states are replicated (stage 0), and of every group the
         parameter is replicated over (a norm under tensor parallelism)."""
-        if not self.stage.shards_optimizer_states and self.comm.index != 0:
+        # The group the piece's state is replicated over is its bucket's (experts: their
+        # expert-data-parallel group, whose index 0 differs from the dense one's).
+        comm = next((b.comm for b in self.buckets if piece.entry in b.entries), None)
+        if not self.stage.shards_optimizer_states and (comm or self.comm).index != 0:
             return False
         return not any(p in self.mesh.ranks and self.mesh.index(p) != 0
                        for p in piece.entry.info.replicated_over)
