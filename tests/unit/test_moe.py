@@ -107,3 +107,17 @@ def test_parameter_counts():
     active = mixtral.active_blocks_param_count() + 2 * mixtral.vocab_size * mixtral.dim
     assert active / 1e9 == pytest.approx(12.9, abs=0.05)
     assert isinstance(ModelConfig.from_dict(TINY_MOE.to_dict()), ModelConfig)
+
+
+def test_auxiliary_losses_reach_the_router_gradient():
+    """The aux and z losses join the gradient at the block's output, scaled like the
+    loss: weighted 0 the router gradient changes, and it scales with aux_grad_scale."""
+    x = torch.randn(2, 6, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for weights, scale in (((0.1, 0.01), 1.0), ((0.0, 0.0), 1.0), ((0.1, 0.01), 3.0)):
+        moe = _moe(aux_loss_weight=weights[0], z_loss_weight=weights[1])
+        moe.aux_grad_scale = scale
+        moe(x).sum().mul(scale).backward()
+        grads.append(moe.router.weight.grad.clone())
+    assert (grads[0] - grads[1]).abs().max() > 1e-6
+    assert torch.allclose(grads[2], 3 * grads[0], rtol=1e-12)
