@@ -4,7 +4,8 @@ Each case trains 10 steps; losses, gradient norms, the auxiliary losses (balance
 z-loss, as the log reports them), tokens per expert and every final parameter (each
 rank's experts against the same rows of the reference's stacked experts) must match
 within 1e-10. One spawned world of 4 ranks runs ep=2 and ep=4, top-1 and top-2,
-dropless and capacity, ZeRO-1 and ZeRO-3; a rank whose experts get no token (a
+dropless and capacity, ZeRO-1 and ZeRO-3, a checkpoint saved under ep=2 resumed under
+ep=4; a rank whose experts get no token (a
 router forced to send everything to expert 0) must still finish; a router forced to
 balance gives the documented all-to-all bytes. One world of 8 runs dp=2 x tp=2 x pp=2
 with ep=2: the tensor- and pipeline-parallel case.
@@ -129,12 +130,27 @@ def _check(cases: list[Case], runs: list[list[dict]]) -> list[str]:
     return failures
 
 
-def test_expert_parallel_matches_one_process() -> None:
-    cases = [*CASES, ONE_SIDED, BALANCED]
+def test_expert_parallel_matches_one_process(tmp_path) -> None:
+    # A checkpoint saved at step 5 under ep=2 (ZeRO-1) resumes under ep=4 (ZeRO-2):
+    # experts resharded, the last 5 steps as one process trains them.
+    save = Case("save-ep2", moe_cfg(dict(dp=4, ep=2, zero_stage=1)), steps=STEPS // 2,
+                save_to=str(tmp_path))
+    resume = Case("resume-ep4", moe_cfg(dict(dp=4, ep=4, zero_stage=2)), params=True,
+                  resume_from=str(tmp_path))
+    cases = [*CASES, ONE_SIDED, save, resume, BALANCED]
     runs = run_layouts(cases, 4, STEPS, probe=record_moe, timeout=300)
-    failures = _check(cases[:-1], runs[:-1])
+    failures = _check(cases[:-3], runs[:-3])  # through the one-sided case
+    ref = _reference(CASES[0])  # the same model and batches
+    for rank, got in enumerate(runs[-2]):
+        actual, expected = compare_to_reference(got, ref)
+        for key in ("loss", "grad norm"):
+            expected[key] = expected[key][STEPS // 2:]
+        try:
+            assert_parity(actual, expected, FLOAT64_TOL, f"resume-ep4 rank {rank}")
+        except AssertionError as exc:
+            failures.append(str(exc))
     # Routing really is spread: the one-sided run sent every token to one expert.
-    assert runs[-2][0]["probe"][0]["tokens"][1:] == [0.0] * 7
+    assert runs[-4][0]["probe"][0]["tokens"][1:] == [0.0] * 7
     # Bytes of the token all-to-alls per MoE layer and step (docs/expert_parallel.md):
     # tokens x k x hidden x bytes x 2 directions x 2 passes x (e-1)/e, balanced routing.
     cfg = BALANCED.cfg
