@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from partita.experts import moe_step_stats
+from partita.planner.memory import stage_param_counts
+from partita.planner.model_shape import PlanModel
 from partita.models.moe import moe_modules
 from partita.models.transformer import Transformer
 from partita.testing import (
@@ -149,6 +151,16 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
             assert_parity(actual, expected, FLOAT64_TOL, f"resume-ep4 rank {rank}")
         except AssertionError as exc:
             failures.append(str(exc))
+    # Expert parameters per rank: the engine's ledger, as the planner counts them (E/ep
+    # of each MoE block; stage 0 keeps them whole, ZeRO-3 a 1/(dp/ep) slice at rest).
+    for case, ranks in zip(CASES, runs):
+        layout = case.cfg.layout(4)
+        plan_model = PlanModel("moe", case.cfg.model_config())
+        expected = stage_param_counts(plan_model, layout)["expert"] * 8
+        if layout.zero_stage == 3:
+            expected /= layout.zero_group // layout.ep
+        for got in ranks:
+            assert got["ledger"]["expert_parameters"] == pytest.approx(expected, rel=0.01)
     # Routing really is spread: the one-sided run sent every token to one expert.
     assert runs[-4][0]["probe"][0]["tokens"][1:] == [0.0] * 7
     # Bytes of the token all-to-alls per MoE layer and step (docs/expert_parallel.md):

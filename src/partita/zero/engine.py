@@ -430,6 +430,10 @@ class DataParallel:
             "comm_buffers": self.reducer.live_bytes,
         }
         out["model_states"] = sum(out.values())
+        # Of the parameters, the experts this rank holds (E/ep of each MoE block; at rest).
+        out["expert_parameters"] = sum(
+            _nbytes(b.shard) + (0 if self.gatherer is not None else _nbytes(b.full))
+            for b in self.buckets if b.comm is not None)
         # Host memory (offload): master weights, moments, the gradients' staging buffers
         # and, under "optimizer+params", the parameter shards.
         for name in ("parameters", "gradients", "master_weights", "optimizer_states"):
