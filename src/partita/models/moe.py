@@ -70,9 +70,11 @@ class Experts(nn.Module):
         """x: rows grouped by local expert, counts[l] rows for expert l (0 allowed: the
         matmul still runs, so every expert's weights are in the graph on every rank)."""
         outs = []
-        for i, part in enumerate(x.split(counts)):
-            h = F.silu(part @ self.w_gate[i].t()) * (part @ self.w_up[i].t())
-            outs.append(h @ self.w_down[i].t())
+        # unbind, not w[i]: indexing's backward writes each expert's gradient into a
+        # zero tensor of the whole stack, n_local times over; unbind's stacks them once.
+        experts = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))
+        for part, (gate, up, down) in zip(x.split(counts), experts):
+            outs.append(F.linear(F.silu(F.linear(part, gate)) * F.linear(part, up), down))
         return torch.cat(outs) if outs else x[:0]
 
 
