@@ -136,13 +136,13 @@ class Trainer:
         dp = self.pm.dp
         self._enter(step, "forward and backward", "forward")
         local = self.pm.runner.train(inputs, targets, self.cfg.train.microbatches)
-        moe = moe_step_stats(self.pm.module, self.mesh)
         self._enter(step, "gradient reduction", "reduction")
         dp.finish_grad_sync()
         self._enter(step, "clipping")
         grad_norm = dp.clip_grad_norm_(self.cfg.train.grad_clip or None)
         self._enter(step, "loss average")
         mean_loss = self._mean_loss(local)
+        moe = moe_step_stats(self.pm.module, self.mesh)  # {} for a dense model
         # Every rank sees the same loss and norm, so all skip or all step together. An
         # infinite norm under fp16 loss scaling is an overflow the engine itself skips.
         healthy = math.isfinite(mean_loss) and (
