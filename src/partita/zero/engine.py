@@ -44,7 +44,7 @@ from partita.optim import (
     global_norm,
     squared_sum,
 )
-from partita.sharding import reduce_group
+from partita.zero.families import by_family, family_buffer, split_families, with_family_units
 from partita.zero.flat import FlatBuffer, InitFn, Piece
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
@@ -53,7 +53,6 @@ from partita.zero.reducer import GradReducer
 from partita.zero.scaler import LossScaler
 from partita.zero.units import (
     BlockSpec,
-    NamedParams,
     buckets_by_size,
     gather_units,
     partition,
@@ -112,14 +111,14 @@ class DataParallel:
             root_params, per_block = partition(module, names)
             # Parameters reduced over another group (experts) gather as units of their
             # own, one per owning submodule, right after their block's unit.
-            per_block, apart = _split_families(per_block)
+            per_block, apart = split_families(per_block)
             trained = [(nm, ps) for nm, ps in zip(names, per_block) if ps]
             units = gather_units([ps for _, ps in trained], zero.bucket_bytes, dtype.itemsize)
             block_bufs = [(tuple(module.get_submodule(trained[i][0]) for i in unit),
                            FlatBuffer([p for i in unit for p in trained[i][1]], n, index,
                                       dtype, device))
                           for unit in units]
-            block_bufs = _with_family_units(module, mesh, block_bufs, apart, dtype, device)
+            block_bufs = with_family_units(module, mesh, block_bufs, apart, dtype, device)
             root = FlatBuffer(root_params, n, index, dtype, device) if root_params else None
             # Reduction order = the order backward completes them: last block first, root
             # (embeddings are the last gradients of all) at the end.
@@ -139,8 +138,8 @@ class DataParallel:
             # bucket instead of three was 3.8% faster per step at 4 ranks and equal at 2.
             groups = buckets_by_size(module, zero.bucket_bytes, dtype.itemsize, bucket_key,
                                      overlap_caps=device.type != "cpu")
-            self.buckets = [_family_buffer(mesh, g, dtype, device)
-                            for g in _by_family(groups)]
+            self.buckets = [family_buffer(mesh, g, dtype, device)
+                            for g in by_family(groups)]
             for buf in self.buckets:
                 buf.materialize_full(init_fn)
         _check_nothing_left_on_meta(module)
@@ -488,56 +487,6 @@ class DataParallel:
         if self.stage.gathers_parameters_after_step:
             for buf in self.buckets:
                 (buf.comm or self.comm).all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
-
-
-def _by_family(groups: list[NamedParams]) -> list[NamedParams]:
-    """Each bucket cut into one per reduce group (dense first), none left empty."""
-    out = []
-    for g in groups:
-        families: dict[str, NamedParams] = {}
-        for name, p in g:
-            families.setdefault(reduce_group(p), []).append((name, p))
-        out += [families[k] for k in sorted(families, key=lambda k: k != "zero_shard")]
-    return out
-
-
-def _family_buffer(mesh: Mesh, params: NamedParams, dtype: torch.dtype,
-                   device: torch.device) -> FlatBuffer:
-    """A flat buffer sharded over its parameters' reduce group."""
-    purpose = reduce_group(params[0][1])
-    comm = mesh.comm(purpose)
-    buf = FlatBuffer(params, comm.size, comm.index, dtype, device)
-    if purpose != "zero_shard":
-        buf.comm = comm
-    return buf
-
-
-def _split_families(per_block: list[NamedParams]
-                    ) -> tuple[list[NamedParams], list[NamedParams]]:
-    """(each block's dense parameters, each block's others)."""
-    dense = [[(n, p) for n, p in ps if reduce_group(p) == "zero_shard"] for ps in per_block]
-    other = [[(n, p) for n, p in ps if reduce_group(p) != "zero_shard"] for ps in per_block]
-    return dense, other
-
-
-def _with_family_units(module: nn.Module, mesh: Mesh, block_bufs: list, apart: list,
-                       dtype: torch.dtype, device: torch.device) -> list:
-    """Stage 3: a gather unit per submodule owning non-dense parameters (an MoE's
-    experts), placed after the unit holding its block; the submodule's forward gathers
-    it."""
-    extra: list = []
-    for params in apart:
-        owners: dict[str, NamedParams] = {}
-        for name, p in params:
-            owners.setdefault(name.rpartition(".")[0], []).append((name, p))
-        extra += [((module.get_submodule(owner),), _family_buffer(mesh, ps, dtype, device))
-                  for owner, ps in owners.items()]
-    if not extra:
-        return block_bufs
-    # Forward order of the modules: gather units of blocks, each followed by its own.
-    order = {id(m): i for i, m in enumerate(module.modules())}
-    units = block_bufs + extra
-    return sorted(units, key=lambda u: order[id(u[0][0])])
 
 
 def _check_nothing_left_on_meta(module: nn.Module) -> None:
