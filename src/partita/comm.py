@@ -186,6 +186,19 @@ class GroupComm:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
         return _nbytes(full) if self.flat_by_all_to_all else 0
 
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_splits: list[int], input_splits: list[int],
+                          op: str = "all_to_all") -> None:
+        """Rows input_splits[j] of `input` to member j; output_splits[j] rows from it.
+        Counted: the rows sent to the other members (variable splits: expert dispatch)."""
+        if self.size == 1:
+            output.copy_(input)
+            return
+        row = input[:1].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        others = sum(input_splits) - input_splits[self.index]
+        self._count(op, others * row)
+        dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
+
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> None:
         if self.size == 1:
             return

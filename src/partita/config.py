@@ -43,6 +43,17 @@ class ModelSection:
     rope_low_freq_factor: float | None = None
     rope_high_freq_factor: float | None = None
     rope_original_max_len: int | None = None
+    # Mixture of experts (see partita.models.model_config); None keeps the catalog's.
+    n_experts: int | None = None
+    top_k: int | None = None
+    moe_every: int | None = None
+    expert_ffn_dim: int | None = None
+    capacity_factor: float | None = None  # unset: dropless
+    router_gating: str | None = None
+    router_norm_topk: bool | None = None
+    shared_experts: int | None = None
+    aux_loss_weight: float | None = None
+    z_loss_weight: float | None = None
     # A Hugging Face Llama folder (config.json + safetensors): its shape replaces the
     # catalog entry and its weights the random init, read slice by slice on every rank.
     init_from: str = ""

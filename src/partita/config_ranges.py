@@ -93,6 +93,15 @@ RANGES: dict[str, Rule] = {
     "model.rope_low_freq_factor": POSITIVE,
     "model.rope_high_freq_factor": POSITIVE,
     "model.rope_original_max_len": AT_LEAST_1,
+    "model.n_experts": AT_LEAST_0,
+    "model.top_k": AT_LEAST_1,
+    "model.moe_every": AT_LEAST_1,
+    "model.expert_ffn_dim": AT_LEAST_1,
+    "model.capacity_factor": POSITIVE,
+    "model.router_gating": _choice("softmax", "sigmoid"),
+    "model.shared_experts": AT_LEAST_0,
+    "model.aux_loss_weight": AT_LEAST_0,
+    "model.z_loss_weight": AT_LEAST_0,
     # [data]
     "data.seq_len": _num(2),  # a window needs an input and a next token
     "data.val_fraction": FRACTION,

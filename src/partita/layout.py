@@ -361,7 +361,7 @@ def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_le
     lay = layout
     if lay.world_size != world_size:
         out.append(Problem(DIVISIBILITY, world_size_message(lay.degrees, world_size)))
-    out += _unavailable(lay)
+    out += _experts(lay, model)
     out += _recompute(lay, model)
     out += _tensor_parallel(lay, model, seq_len)
     out += _pipeline(lay, model)
@@ -397,13 +397,31 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
             f"--parallel.dp={max(1, world_size // other)}).")
 
 
-def _unavailable(lay: Layout) -> list[Problem]:
-    """Options the planner models but `partita train` does not run yet."""
-    out = []
-    for name, what in (("ep", "expert parallelism"),):
-        if getattr(lay, name) > 1:
-            out.append(Problem(UNAVAILABLE, f"{what} (parallel.{name}={getattr(lay, name)}) "
-                                            f"is not available yet; set parallel.{name}=1."))
+def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
+    """Expert parallelism needs MoE blocks whose experts split evenly over ep; MoE blocks
+    do not run yet with sequence or context parallelism or with recomputation."""
+    out, ep, n_experts = [], lay.ep, getattr(model, "n_experts", 0)
+    if ep > 1 and not n_experts:
+        out.append(Problem(CONSTRAINT, f"parallel.ep={ep} spreads experts over ranks, but "
+                                       "the model has no MoE blocks; set parallel.ep=1, or "
+                                       "use an MoE model (model.n_experts > 0, e.g. "
+                                       "--model.name=tiny-moe)."))
+    elif ep > 1 and n_experts % ep:
+        ok = [d for d in _divisors(n_experts) if (lay.dp * lay.cp) % d == 0]
+        out.append(Problem(DIVISIBILITY, f"model.n_experts={n_experts} is not divisible by "
+                                         f"parallel.ep={ep}: every expert-parallel rank holds "
+                                         f"as many experts. Use ep among {ok}, or a number "
+                                         f"of experts divisible by {ep}."))
+    if not n_experts:
+        return out
+    for bad, what, fix in ((lay.sequence_parallel, "sequence parallelism",
+                            "parallel.sequence_parallel=false"),
+                           (lay.cp > 1 and ep == 1, "context parallelism", "parallel.cp=1"),
+                           (lay.recompute != "none", "activation recomputation",
+                            "parallel.recompute=none")):
+        if bad:
+            out.append(Problem(UNAVAILABLE, f"mixture-of-experts blocks with {what} are not "
+                                            f"available yet; set {fix}."))
     return out
 
 

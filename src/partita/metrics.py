@@ -132,7 +132,8 @@ def format_line(record: dict) -> str:
     parts = [f"step {record['step']:>5}"]
     formats = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "lr": "lr {:.2e}",
                "grad_norm": "gnorm {:.3f}", "tokens_per_s": "tok/s {:,.0f}",
-               "mfu": "mfu {:.1%}", "memory_gb": "mem {:.2f}GB"}
+               "mfu": "mfu {:.1%}", "memory_gb": "mem {:.2f}GB", "aux_loss": "aux {:.4f}",
+               "z_loss": "z {:.3f}", "imbalance": "imb {:.2f}"}
     for key, fmt in formats.items():
         if key in record and record[key] is not None:
             parts.append(fmt.format(record[key]))

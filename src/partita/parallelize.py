@@ -15,7 +15,8 @@ function from one explicit object to the next:
    their tensor-parallel versions (meta shards, each parameter tagged with ShardInfo),
    and the loss that matches the (possibly vocabulary-sharded) logits; with cp > 1,
    `shard_context_parallel` then swaps the plan's attention cores for ring (or
-   all-gather) attention over the context group;
+   all-gather) attention over the context group; `apply_expert_parallel` keeps each
+   MoE block's share of the experts (ep > 1) and sends tokens to them by all-to-all;
 4. `recompute`: the blocks (or attention cores) the layout's recompute policy names
    rerun their forward in backward (`partita.memory.recompute`); after tensor
    parallelism, so the rerun is the sharded forward, and before the engine, whose
@@ -42,6 +43,7 @@ from partita.comm import GroupComm
 from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
+from partita.experts import MoERunner, apply_expert_parallel
 from partita.layout import Layout, validate
 from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
@@ -326,10 +328,13 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
+    moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))
     recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
     dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
                             offload_policy(cfg, layout))
     runner = make_runner(sharded, dp, mesh, device)
+    if moe_layers or plan.shape.moe:  # auxiliary losses scaled like the main loss
+        runner = MoERunner(runner, dp.module, lambda: dp.loss_scale)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
                          device=device, runner=runner, plan=plan)
 

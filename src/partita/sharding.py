@@ -66,3 +66,18 @@ def init_shard(init: ParamInit, info: ShardInfo,
     if info.dim is None:
         return init.slice(info.name, info.global_shape, 0, 0, info.global_shape[0], dtype)
     return init.slice(info.name, info.global_shape, info.dim, info.start, info.stop, dtype)
+
+
+# A parameter whose gradient is reduced (and whose ZeRO state is sharded) over another
+# group than the dense parameters' zero_shard group: experts, held by one expert-parallel
+# rank and replicated over the expert-data-parallel group ("expert_grad_reduce").
+_GROUP_ATTR = "partita_reduce_group"
+
+
+def set_reduce_group(tensor: torch.Tensor, purpose: str) -> None:
+    setattr(tensor, _GROUP_ATTR, purpose)
+
+
+def reduce_group(tensor: torch.Tensor) -> str:
+    """The mesh purpose `tensor`'s gradient is reduced over ("zero_shard" unless set)."""
+    return getattr(tensor, _GROUP_ATTR, "zero_shard")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
+from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.mesh import Mesh
@@ -41,6 +42,7 @@ class StepResult:
     loss: float
     grad_norm: float
     stepped: bool
+    moe: dict = field(default_factory=dict)  # MoE figures (experts.moe_step_stats)
 
 
 def open_dataset(cfg: Config) -> TokenDataset:
@@ -143,6 +145,7 @@ class Trainer:
         grad_norm = dp.clip_grad_norm_(self.cfg.train.grad_clip or None)
         self._enter(step, "loss average")
         mean_loss = self._mean_loss(local)
+        moe = moe_step_stats(self.pm.module, self.mesh)  # {} for a dense model
         # Every rank sees the same loss and norm, so all skip or all step together. An
         # infinite norm under fp16 loss scaling is an overflow the engine itself skips.
         healthy = math.isfinite(mean_loss) and (
@@ -153,7 +156,7 @@ class Trainer:
         self.checkpoint_waited += self.writer.wait_for_copy()
         stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
-        return StepResult(mean_loss, grad_norm, stepped)
+        return StepResult(mean_loss, grad_norm, stepped, moe)
 
     def _enter(self, step: int, phase: str, fault_point: str | None = None) -> None:
         """Record where this rank is (for the watchdog and error messages); fire an
@@ -272,7 +275,7 @@ class Trainer:
                 self.logger.log(step + 1, {
                     "loss": result.loss, "val_loss": val_loss, "lr": lr,
                     "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                    "memory_gb": memory_bytes(self.device) / 1e9,
+                    "memory_gb": memory_bytes(self.device) / 1e9, **result.moe,
                 }, console=True)
                 val_loss = None if not last else val_loss
                 window_start, window_steps = time.perf_counter(), 0

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from partita.comm import gather_along
 from partita.errors import PartitaError
 from partita.run_dir import PARTIAL_SUFFIX
-from partita.sharding import shard_info
+from partita.sharding import reduce_group, shard_info
 
 
 def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
@@ -48,7 +48,9 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
     state: dict[str, torch.Tensor] = {}
     with dp.gathered_parameters():
         for name, param in dp.module.named_parameters():
-            full = gather_full(param, name, tp_comm)
+            # Experts are split over their expert group (and replicated over tp).
+            comm = tp_comm if reduce_group(param) == "zero_shard" else mesh.comm("expert")
+            full = gather_full(param, name, comm)
             state[name] = full.to("cpu", torch.float32 if full.is_floating_point() and
                                   full.dtype != torch.float64 else full.dtype)
     if mesh.dims.pp > 1:

@@ -44,7 +44,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("optim", ("partita.optim",)),
     ("memory", ("partita.memory",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline",
-                    "partita.context_parallel")),
+                    "partita.context_parallel", "partita.experts")),
     ("parallelize", ("partita.parallelize",)),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.metrics", "partita.run_dir", "partita.export")),

@@ -119,7 +119,7 @@ def test_a_good_layout_has_no_problems():
     (Layout(cp=3), DIVISIBILITY, "not divisible by 2*cp=6"),
     (Layout(cp=128), DIVISIBILITY, "use cp <= 64"),
     (Layout(cp=2, tp=3, sequence_parallel=True), DIVISIBILITY, "multiple of 12"),
-    (Layout(ep=2, dp=2), UNAVAILABLE, "expert parallelism"),
+    (Layout(ep=2, dp=2), CONSTRAINT, "has no MoE blocks"),
     (Layout(recompute_layers=1), CONSTRAINT, "recomputes nothing"),
     (Layout(offload="optimizer+params", zero_stage=2), CONSTRAINT, "has none"),
     (Layout(tp=3), DIVISIBILITY, "n_heads=4 is not divisible by tp=3"),

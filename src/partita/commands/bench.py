@@ -23,6 +23,7 @@ BENCHMARKS = {
     "recompute": "partita.bench.recompute",
     "offload": "partita.bench.offload",
     "cp": "partita.bench.cp",
+    "ep": "partita.bench.ep",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
 }

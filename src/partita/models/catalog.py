@@ -13,6 +13,9 @@ MODELS: dict[str, ModelConfig] = {
     # CPU presets. `tiny` is the default of `partita train`.
     "tiny": ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
                         max_seq_len=128),
+    # `tiny` with every second block a mixture of 8 experts, top-2 (expert parallelism).
+    "tiny-moe": ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                            max_seq_len=128, n_experts=8, top_k=2, moe_every=2),
     "tiny-gpt2": ModelConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=128,
                              flavour="gpt2", tie_embeddings=True),
     "small": ModelConfig(vocab_size=256, dim=256, n_layers=8, n_heads=8, n_kv_heads=4,
@@ -45,6 +48,17 @@ MODELS: dict[str, ModelConfig] = {
                                rope_scaling="llama3", rope_factor=32.0,
                                rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                                rope_original_max_len=8192),
+    # Mixtral 8x7B (its config.json): every block 8 experts, top-2, 46.7B parameters.
+    "mixtral-8x7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+                                rope_theta=1e6, n_experts=8, top_k=2),
+    # DeepSeek-V3's widths and routing (256 routed experts of 2048, top-8, one shared,
+    # sigmoid gating) on partita's block: grouped-query attention stands in for MLA and
+    # every block is MoE (V3 keeps its first three dense). For planning only.
+    "deepseek-v3-like": ModelConfig(vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
+                                    ffn_dim=18432, max_seq_len=4096, n_experts=256,
+                                    top_k=8, expert_ffn_dim=2048, shared_experts=1,
+                                    router_gating="sigmoid"),
     "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
                              ffn_dim=11008, max_seq_len=4096),
 }

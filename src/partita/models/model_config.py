@@ -37,8 +37,26 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    # Mixture of experts (see partita.models.moe): n_experts=0 keeps every block dense;
+    # otherwise every moe_every-th block (blocks moe_every-1, 2*moe_every-1, ...) routes
+    # each token to top_k of n_experts SwiGLU experts of width expert_ffn_dim (None: the
+    # dense ffn width). capacity_factor None is dropless; a number caps each expert at
+    # ceil(capacity_factor * seq_len * top_k / n_experts) tokens of every sequence.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
+    expert_ffn_dim: int | None = None
+    capacity_factor: float | None = None
+    router_gating: str = "softmax"  # "softmax" or "sigmoid" (DeepSeek-V3)
+    router_norm_topk: bool = True  # rescale the top-k gate weights to sum to one
+    shared_experts: int = 0  # experts every token runs through (one MLP of that many widths)
+    aux_loss_weight: float = 0.01  # Switch/GShard load-balancing loss
+    z_loss_weight: float = 0.001  # router z-loss (ST-MoE)
 
     def __post_init__(self) -> None:
+        from partita.models.moe_config import check_moe_config
+
+        check_moe_config(self)
         if self.flavour not in ("llama", "gpt2"):
             raise PartitaError(
                 f"model.flavour='{self.flavour}' is unknown; use 'llama' (RMSNorm, rotary, "
@@ -100,6 +118,47 @@ class ModelConfig:
         return self.flavour == "gpt2"
 
     # Counting (used by the planner and by MFU) ------------------------------------------
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` has a mixture-of-experts feed-forward."""
+        return self.moe and (index + 1) % self.moe_every == 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn_dim or self.ffn_hidden
+
+    def expert_param_count(self) -> int:
+        """One routed expert's parameters (a SwiGLU MLP)."""
+        return 3 * self.dim * self.expert_hidden
+
+    def moe_block_param_count(self) -> int:
+        """A block whose MLP is the router, every routed expert and the shared ones."""
+        dense_mlp = (3 if self.gated_mlp else 2) * self.dim * self.ffn_hidden
+        moe = (self.n_experts * self.dim + (self.n_experts + self.shared_experts)
+               * self.expert_param_count())
+        return self.block_param_count() - dense_mlp + moe
+
+    def layer_param_count(self, index: int) -> int:
+        return self.moe_block_param_count() if self.is_moe_layer(index) \
+            else self.block_param_count()
+
+    def blocks_param_count(self) -> int:
+        """Every block's parameters (all experts of every MoE block)."""
+        moe = self.n_moe_layers
+        return (self.n_layers - moe) * self.block_param_count() + moe * self.moe_block_param_count()
+
+    def active_blocks_param_count(self) -> int:
+        """The block parameters one token's forward multiplies with (top_k experts)."""
+        idle = (self.n_experts - self.top_k) * self.expert_param_count() if self.moe else 0
+        return self.blocks_param_count() - self.n_moe_layers * idle
+
     def block_param_count(self) -> int:
         d, kv = self.dim, self.kv_heads * self.head_dim
         attn = d * d + 2 * d * kv + d * d
@@ -120,7 +179,7 @@ class ModelConfig:
     def num_params(self) -> int:
         return (
             self.embedding_param_count()
-            + self.n_layers * self.block_param_count()
+            + self.blocks_param_count()
             + self.head_param_count()
         )
 
@@ -131,7 +190,7 @@ class ModelConfig:
         are excluded unless tied to the output head); the second term is attention's
         score and value matmuls (L layers, H heads, Q head dim, T sequence length).
         """
-        matmul_params = self.n_layers * self.block_param_count() + self.vocab_size * self.dim
+        matmul_params = self.active_blocks_param_count() + self.vocab_size * self.dim
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * matmul_params + attention
 

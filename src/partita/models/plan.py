@@ -26,7 +26,10 @@ POSITIONS = "positions"
 # A parameter-free module called as core(q, k, v): attention scores, softmax (and any
 # dropout on them) and the product with V. Selective recomputation reruns it in backward.
 ATTENTION_CORE = "attention_core"
-ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS, ATTENTION_CORE)
+# A mixture-of-experts feed-forward (partita.models.moe.MoE): expert parallelism spreads
+# its stacked experts over the expert group and swaps its token dispatch for all-to-all.
+MOE = "moe"
+ROLES = (COLWISE, ROWWISE, VOCAB_EMBEDDING, VOCAB_HEAD, NORM, POSITIONS, ATTENTION_CORE, MOE)
 
 
 @dataclass(frozen=True)

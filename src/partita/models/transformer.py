@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from partita.models import plan as roles
 from partita.models.documents import attention_mask
 from partita.models.model_config import ModelConfig
+from partita.models.moe import MoE
 from partita.models.param_init import InitRule, ParamInit, init_parameters
 
 
@@ -160,12 +161,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -184,7 +185,7 @@ class Transformer(nn.Module):
         self.pos_embeddings: nn.Module | None = (
             nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.flavour == "gpt2" else None
         )
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
         # Tied embeddings: logits use tok_embeddings.weight, there is no separate head.
         self.output: nn.Module | None = (
@@ -233,7 +234,9 @@ class Transformer(nn.Module):
 
 def transformer_plan(cfg: ModelConfig) -> roles.ModelPlan:
     mlp_col = ["blocks.*.mlp.w_up"] + (["blocks.*.mlp.w_gate"] if cfg.gated_mlp else [])
-    table = {f"blocks.*.attn.{n}": roles.COLWISE for n in ("wq", "wk", "wv")}
+    # MoE blocks first: their feed-forward is one unit (its experts are not colwise).
+    table = {f"blocks.{i}.mlp": roles.MOE for i in range(cfg.n_layers) if cfg.is_moe_layer(i)}
+    table.update({f"blocks.*.attn.{n}": roles.COLWISE for n in ("wq", "wk", "wv")})
     table.update({name: roles.COLWISE for name in mlp_col})
     table.update({"blocks.*.attn.wo": roles.ROWWISE, "blocks.*.mlp.w_down": roles.ROWWISE})
     table["tok_embeddings"] = roles.VOCAB_EMBEDDING
@@ -259,7 +262,8 @@ def init_rule(cfg: ModelConfig, name: str) -> InitRule:
         return InitRule("zeros")
     if "norm" in name.rsplit(".", 2)[-2]:
         return InitRule("ones")
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "experts.w_down",
+                      "shared.w_down.weight")):
         # Residual projections: scaled so the residual stream's variance does not grow
         # with depth (GPT-2's 1/sqrt(2 * layers)).
         return InitRule("normal", cfg.init_std / math.sqrt(2 * cfg.n_layers))

@@ -49,10 +49,14 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,
     tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
     c = model.config
-    layers = stage_layers(c.n_layers, layout.pp)[stage]
-    split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
-    dense = layers * (split["sharded"] + split["replicated"])
-    expert = layers * split["expert"] / layout.ep
+    per_stage = stage_layers(c.n_layers, layout.pp)
+    dense = expert = 0.0
+    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
+        # An MoE model's dense blocks (moe_every > 1) hold no experts.
+        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
+                                  moe=not c.moe or c.is_moe_layer(i))
+        dense += split["sharded"] + split["replicated"]
+        expert += split["expert"] / layout.ep
     vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
     first, last = stage == 0, stage == layout.pp - 1
     if first:

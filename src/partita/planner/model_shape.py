@@ -9,6 +9,7 @@ replicates (norms, row-parallel biases) and what lives in experts.
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,18 @@ class PlanModel:
     config: ModelConfig
     moe: MoEShape = MoEShape()
 
+    def __post_init__(self) -> None:
+        # One description of the experts for both: an MoE catalog model (n_experts in its
+        # config) gives the [moe] shape; a [moe] table gives the config's experts (so
+        # the layout rules, which read the config, see them).
+        c = self.config
+        if c.n_experts and not self.is_moe:
+            object.__setattr__(self, "moe", MoEShape(c.n_experts, c.top_k, c.expert_ffn_dim))
+        elif self.is_moe and not c.n_experts:
+            object.__setattr__(self, "config", dataclasses.replace(
+                c, n_experts=self.moe.num_experts, top_k=self.moe.top_k,
+                expert_ffn_dim=self.moe.expert_ffn_dim))
+
     @property
     def is_moe(self) -> bool:
         return self.moe.num_experts > 1
@@ -51,8 +64,12 @@ class PlanModel:
         c = self.config
         return (3 if c.gated_mlp else 2) * c.dim * ffn
 
-    def block_split(self, tp: int, whole_kv: bool = False) -> dict[str, float]:
+    def block_split(self, tp: int, whole_kv: bool = False, moe: bool = True
+                    ) -> dict[str, float]:
         """Parameters of one block on one tp rank: sharded, replicated, expert (all experts).
+
+        An MoE block (`moe`, on an MoE model) is replicated over tp except attention, as
+        partita's expert parallelism runs it: router, shared experts and experts whole.
 
         K/V projections with fewer kv heads than tp ranks are replicated so that each
         rank still holds the kv head its query heads use (`whole_kv`: every kv head, as
@@ -67,26 +84,29 @@ class PlanModel:
         col_bias = (d / tp + 2 * kv_per_rank) if c.has_bias else 0.0
         replicated = 2 * d * (2 if c.flavour == "gpt2" else 1)  # two norms (weight[, bias])
         replicated += 2 * d if c.has_bias else 0  # row-parallel biases: out-proj, fc2
-        if self.is_moe:
+        if self.is_moe and moe:
             router = d * self.moe.num_experts
+            shared = c.shared_experts * self.mlp_params(self.expert_ffn)
             expert = self.moe.num_experts * (self.mlp_params(self.expert_ffn)
-                                             + (self.expert_ffn if c.has_bias else 0)) / tp
-            return {"sharded": attn + col_bias, "replicated": replicated + router,
+                                             + (self.expert_ffn if c.has_bias else 0))
+            return {"sharded": attn + col_bias, "replicated": replicated + router + shared,
                     "expert": expert}
         mlp = self.mlp_params(c.ffn_hidden) / tp + (c.ffn_hidden / tp if c.has_bias else 0)
         return {"sharded": attn + col_bias + mlp, "replicated": replicated, "expert": 0.0}
 
     def total_params(self) -> float:
         c = self.config
-        b = self.block_split(1)
-        return (c.embedding_param_count() + c.head_param_count()
-                + c.n_layers * (b["sharded"] + b["replicated"] + b["expert"]))
+        blocks = 0.0
+        for i in range(c.n_layers):
+            b = self.block_split(1, moe=c.is_moe_layer(i) or not c.moe)
+            blocks += b["sharded"] + b["replicated"] + b["expert"]
+        return c.embedding_param_count() + c.head_param_count() + blocks
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, no recompute: 6 * matmul params + 12*L*H*Q*T."""
         c = self.config
         dense = c.flops_per_token(seq_len)
-        if not self.is_moe:
+        if not self.is_moe or c.moe:  # the config counts its own active experts
             return dense
         delta = c.n_layers * (self.moe.top_k * self.mlp_params(self.expert_ffn)
                               - self.mlp_params(c.ffn_hidden))

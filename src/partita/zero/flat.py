@@ -81,6 +81,9 @@ class FlatBuffer:
         self._full_grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] | None = None
         self.shard_grad: torch.Tensor | None = None
+        # The group this buffer is sharded and reduced over when it is not the engine's
+        # dense one (experts: their expert-data-parallel group); None: the engine's.
+        self.comm = None
 
     def __repr__(self) -> str:
         first, last = self.entries[0].name, self.entries[-1].name

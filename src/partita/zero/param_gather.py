@@ -98,7 +98,8 @@ class ParamGatherer:
         if self.stage_in is not None:
             shard = self.staged[id(buf)] = self.stage_in(buf)
         # The collective writes every slot, this rank's own included, from the shard.
-        self.pending[id(buf)] = self.comm.all_gather_flat(buf.full, shard, async_op=True)
+        comm = buf.comm or self.comm
+        self.pending[id(buf)] = comm.all_gather_flat(buf.full, shard, async_op=True)
         self.live_bytes += buf.full.numel() * buf.full.element_size()
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 

@@ -40,7 +40,7 @@ class ParamAllGather:
 
     def launch(self, b: int) -> None:
         buf = self.buckets[b]
-        self.pending[b] = self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi],
+        self.pending[b] = (buf.comm or self.comm).all_gather_flat(buf.full, buf.full[buf.lo:buf.hi],
                                                     async_op=True)
 
     def wait(self, b: int) -> None:

@@ -235,7 +235,7 @@ class GradReducer:
             self._track(send)
         if self.stage.all_reduces_gradients:
             out = send
-            work = self.comm.all_reduce(send, async_op=True)
+            work = (buf.comm or self.comm).all_reduce(send, async_op=True)
         else:
             # Stage 1 reduces in place: the full buffer stays (gradients are not sharded)
             # and its owned slice is the output.
@@ -243,8 +243,9 @@ class GradReducer:
             out = send[buf.lo:buf.hi] if in_place else send.new_empty(buf.shard_numel)
             if not in_place:
                 self._track(out)
-            work = self.comm.reduce_scatter_flat(out, send, async_op=True)
-            self._track(self.comm.reduce_scatter_scratch_bytes(send))
+            comm = buf.comm or self.comm
+            work = comm.reduce_scatter_flat(out, send, async_op=True)
+            self._track(comm.reduce_scatter_scratch_bytes(send))
         if not self.view_mode:
             buf.full_grad = None  # the pending entry keeps it alive until the wait
             self.written[b] = set()

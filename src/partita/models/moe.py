@@ -1,0 +1,235 @@
+"""A mixture-of-experts feed-forward: a router, E SwiGLU experts, optional shared experts.
+
+Single-device code. Each token's router scores pick its top_k experts; the token runs
+through them and their outputs are summed with the gate weights. The experts' weights
+are stacked, one (E, ...) tensor per matrix, so that expert parallelism can hand each
+rank a row block of them (experts first..first+n_local) and every expert runs as one
+matmul over its tokens, never a Python loop over tokens.
+
+How tokens reach the experts is the `dispatch` attribute: `LocalDispatch` (every expert
+here) by default; expert parallelism swaps in an all-to-all dispatcher
+(`partita.experts`) without touching this module.
+
+Auxiliary losses, both per sequence and averaged over the batch's sequences (as
+DeepSeek-V3's sequence-wise balance loss), so that the objective does not depend on how
+a layout cuts the batch into replicas and microbatches:
+
+- load balance (Switch/GShard): E * sum_e f_e * P_e, with f_e the share of the
+  sequence's top_k choices that picked expert e and P_e its mean router probability;
+- router z-loss (ST-MoE): the mean over tokens of logsumexp(router logits)^2.
+
+They enter the gradient through `_AddAuxGrad` at the block's output (weights
+`aux_loss_weight`, `z_loss_weight`), scaled like the main loss by `aux_grad_scale`
+(loss scale / microbatches; the step runner sets it), so no loss function and no
+pipeline stage needs to know about them. Capacity (`capacity_factor`) is counted per
+sequence too: expert e takes at most C = ceil(factor * seq_len * top_k / E) of each
+sequence's choices, first-choice slots before second-choice ones, earlier tokens first;
+the others are dropped (their share of the output is zero), the same decisions on any
+layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from partita.models.model_config import ModelConfig
+
+# forced_route(tokens, top_k, n_experts) -> (tokens, top_k) expert indices: replaces the
+# router's choice (tests: a balanced or a one-sided routing); gate weights still come
+# from the router's probabilities of the chosen experts.
+ForcedRoute = Callable[[int, int, int], torch.Tensor]
+
+
+@dataclass
+class Route:
+    """Where each of N tokens goes: its top_k experts, gate weights, and which of the
+    N x top_k choices are kept (None: dropless, all of them)."""
+
+    experts: torch.Tensor  # (N, k) int64
+    weights: torch.Tensor  # (N, k), the activations' dtype
+    keep: torch.Tensor | None  # (N, k) bool
+
+
+class Experts(nn.Module):
+    """`n_local` SwiGLU experts, global indices first..first+n_local-1, stacked."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.first, self.n_local = 0, n_experts
+        self.w_gate = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w_up = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: rows grouped by local expert, counts[l] rows for expert l (0 allowed: the
+        matmul still runs, so every expert's weights are in the graph on every rank)."""
+        outs = []
+        # unbind, not w[i]: indexing's backward writes each expert's gradient into a
+        # zero tensor of the whole stack, n_local times over; unbind's stacks them once.
+        experts = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))
+        for part, (gate, up, down) in zip(x.split(counts), experts):
+            outs.append(F.linear(F.silu(F.linear(part, gate)) * F.linear(part, up), down))
+        return torch.cat(outs) if outs else x[:0]
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class LocalDispatch:
+    """Every expert on this device: sort the kept choices by expert, run, scatter back."""
+
+    def __call__(self, x: torch.Tensor, route: Route, experts: Experts) -> torch.Tensor:
+        order, token, weight, counts = sort_by_expert(route, experts.n_local)
+        y = experts(x[token], counts.tolist())
+        return combine(y, token, weight, x)
+
+
+def sort_by_expert(route: Route, n_experts: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept choices grouped by expert (stable: token order within an expert):
+    (their order, their token index, their gate weight, count per expert)."""
+    n, k = route.experts.shape
+    expert = route.experts.reshape(-1)
+    token = torch.arange(n, device=expert.device).repeat_interleave(k)
+    weight = route.weights.reshape(-1)
+    if route.keep is not None:
+        kept = route.keep.reshape(-1)
+        expert, token, weight = expert[kept], token[kept], weight[kept]
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=n_experts)
+    return order, token[order], weight[order], counts
+
+
+def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
+            like: torch.Tensor) -> torch.Tensor:
+    """Sum each token's expert outputs, scaled by their gate weights."""
+    out = torch.zeros_like(like)
+    return out.index_add(0, token, y * weight.unsqueeze(1).to(y.dtype))
+
+
+class _AddAuxGrad(torch.autograd.Function):
+    """Identity on y; backward also gives `aux` the gradient `scale`, as if
+    scale * aux had been added to the loss."""
+
+    @staticmethod
+    def forward(ctx, y, aux, scale):
+        ctx.scale = scale
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float64, device=grad.device), None
+
+
+class MoEStats:
+    """Sums over the forwards of one step (detached): what the log reports."""
+
+    def __init__(self, n_experts: int) -> None:
+        self.n_experts = n_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.aux = 0.0  # sum over sequences of the balance loss
+        self.z = 0.0  # sum over tokens of the z-loss
+        self.sequences = 0
+        self.tokens = 0
+        self.dropped = 0
+        self.counts = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")
+
+    def add(self, aux_per_seq: torch.Tensor, z_per_token: torch.Tensor,
+            route: Route) -> None:
+        self.aux += float(aux_per_seq.detach().sum())
+        self.z += float(z_per_token.detach().sum())
+        self.sequences += aux_per_seq.numel()
+        self.tokens += z_per_token.numel()
+        counts = torch.bincount(route.experts.reshape(-1), minlength=self.n_experts)
+        self.counts += counts.to("cpu", torch.float64)
+        if route.keep is not None:
+            self.dropped += int((~route.keep).sum())
+
+
+class MoE(nn.Module):
+    """The feed-forward of an MoE block: (batch, seq, dim) -> (batch, seq, dim)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.dim, cfg.expert_hidden)
+        self.shared = (SwiGLU(cfg.dim, cfg.shared_experts * cfg.expert_hidden)
+                       if cfg.shared_experts else None)
+        self.dispatch: Callable[[torch.Tensor, Route, Experts], torch.Tensor] = LocalDispatch()
+        self.aux_grad_scale = 1.0
+        self.forced_route: ForcedRoute | None = None
+        self.stats = MoEStats(cfg.n_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        flat = x.reshape(b * s, d)
+        logits = self.router(flat)
+        route, aux, z = self.route(logits, b, s)
+        y = self.dispatch(flat, route, self.experts).view(b, s, d)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        if torch.is_grad_enabled():
+            self.stats.add(aux, z, route)
+            cfg = self.cfg
+            if cfg.aux_loss_weight or cfg.z_loss_weight:
+                total = cfg.aux_loss_weight * aux.mean() + cfg.z_loss_weight * z.mean()
+                y = _AddAuxGrad.apply(y, total.to(torch.float64), self.aux_grad_scale)
+        return y
+
+    def route(self, logits: torch.Tensor, b: int, s: int
+              ) -> tuple[Route, torch.Tensor, torch.Tensor]:
+        """The tokens' route, the balance loss per sequence (b,), z-loss per token."""
+        cfg, e, k = self.cfg, self.cfg.n_experts, self.cfg.top_k
+        lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if cfg.router_gating == "sigmoid":
+            scores = torch.sigmoid(lf)
+            probs = scores / scores.sum(-1, keepdim=True)
+        else:
+            scores = probs = torch.softmax(lf, dim=-1)
+        if self.forced_route is not None:
+            chosen = self.forced_route(b * s, k, e).to(logits.device)
+        else:
+            chosen = torch.topk(scores, k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if cfg.router_norm_topk and k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        keep = self._capacity(chosen, b, s) if cfg.capacity_factor is not None else None
+        # Balance loss per sequence: share of choices f (no gradient) times mean prob P.
+        counts = F.one_hot(chosen.view(b, s * k), e).sum(1).to(probs.dtype)  # (b, E)
+        share = counts / (s * k)
+        aux = e * (share * probs.view(b, s, e).mean(1)).sum(-1)
+        z = torch.logsumexp(lf, dim=-1).square()
+        return Route(chosen, weights.to(logits.dtype), keep), aux, z
+
+    def _capacity(self, chosen: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """Which choices fit their expert's per-sequence capacity (see module docstring)."""
+        e, k = self.cfg.n_experts, self.cfg.top_k
+        cap = math.ceil(self.cfg.capacity_factor * s * k / e)
+        # Priority order within a sequence: slot 0 of every token, then slot 1, ...
+        ranked = chosen.view(b, s, k).transpose(1, 2).reshape(b, k * s)
+        hot = F.one_hot(ranked, e)
+        position = (hot.cumsum(1) * hot).sum(-1) - 1  # place in its expert's queue
+        keep = position < cap
+        return keep.view(b, k, s).transpose(1, 2).reshape(b * s, k)
+
+
+def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
+    """Every MoE feed-forward of `model`, with its name."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
