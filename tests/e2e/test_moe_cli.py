@@ -1,39 +1,34 @@
 """Mixture of experts from the real command line: `tiny-moe` with expert parallelism
-(ep=2 on 4 processes) trains on the built-in data with the loss curve of one process
-(float64) and logs the auxiliary losses and the load imbalance; an MoE layout on a
+(ep=2 on 4 processes) trains on the built-in data, logs the auxiliary losses and the
+load imbalance and writes whole experts; an MoE layout on a
 dense model is refused before launch (the other bad settings: tests/unit/test_moe.py)."""
 
 from __future__ import annotations
 
 import json
+import math
 
-import pytest
-
-from partita.testing import relative_error
 from partita.weights import load_weights
 
 MOE = ["--model.name=tiny-moe", "--train.dtype=float64", "--train.steps=3",
        "--train.eval_every=3"]
 
 
-def test_tiny_moe_ep2_gives_the_single_process_loss_curve(tmp_path, cli):
-    runs = {}
-    for name, extra in {"single": ["--nproc", "1"],
-                        "ep2": ["--nproc", "4", "--parallel.ep=2"]}.items():
-        out = tmp_path / name
-        result = cli.train(out, *MOE, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "aux " in result.stdout and "imb " in result.stdout, result.stdout[-2000:]
-        runs[name] = cli.losses(out)
-        record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-        assert len(record["tokens_per_expert"]) == 8 and record["imbalance"] >= 1.0
-    assert runs["ep2"] == pytest.approx(runs["single"], rel=1e-10)
-    # The weights file holds every expert, whole, as one process trained them.
-    single, ep2 = (load_weights(tmp_path / n / "model.safetensors") for n in ("single", "ep2"))
-    assert single.keys() == ep2.keys()
-    assert single["blocks.1.mlp.experts.w_up"].shape[0] == 8
-    for name, value in single.items():
-        assert relative_error(ep2[name], value) < 1e-10, name
+def test_tiny_moe_ep2_trains_and_writes_every_expert_whole(tmp_path, cli):
+    # Parity of this layout with one process (losses, auxiliary losses, every parameter,
+    # 10 steps, 1e-10) is in dist/test_expert_parallel.py; here: the issue's command line.
+    out = tmp_path / "ep2"
+    result = cli.train(out, *MOE, "--nproc", "4", "--parallel.ep=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "aux " in result.stdout and "imb " in result.stdout, result.stdout[-2000:]
+    losses = cli.losses(out)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(record["tokens_per_expert"]) == 8 and record["imbalance"] >= 1.0
+    # The weights file holds every expert, whole: 8 of them in each MoE block.
+    weights = load_weights(out / "model.safetensors")
+    assert weights["blocks.1.mlp.experts.w_up"].shape[0] == 8
+    assert "blocks.0.mlp.experts.w_up" not in weights  # every second block is MoE
 
 
 def test_ep_on_a_dense_model_is_refused_before_launch(run_dir, cli):

@@ -53,14 +53,18 @@ class MoERunner:
     def __init__(self, runner, module: nn.Module, loss_scale) -> None:
         self.inner, self.module, self.loss_scale = runner, module, loss_scale
 
-    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int) -> float:
+    def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
+              segments: torch.Tensor | None = None,
+              targets_per_rank: float | None = None) -> float:
         scale = self.loss_scale() / microbatches
         for _, m in moe_modules(self.module):
             m.aux_grad_scale = scale
-        return self.inner.train(inputs, targets, microbatches)
+        return self.inner.train(inputs, targets, microbatches, segments, targets_per_rank)
 
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        return self.inner.evaluate(inputs, targets)
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 segments: torch.Tensor | None = None,
+                 targets_per_rank: float | None = None) -> float:
+        return self.inner.evaluate(inputs, targets, segments, targets_per_rank)
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
