@@ -148,12 +148,15 @@ def _compiled(fn: Callable) -> Callable:
 def compile_blocks(model: nn.Module, plan: ModelPlan) -> CompileReport:
     """Compile the forward of each block this rank holds (after tensor parallelism,
     before recomputation wraps it and the engine hooks it)."""
-    names = []
     container = model.get_submodule(plan.blocks)
-    for key, block in container.items():
+    compile_block_modules(list(container.values()))
+    return CompileReport("blocks", [f"{plan.blocks}.{key}" for key in container])
+
+
+def compile_block_modules(blocks: list[nn.Module]) -> None:
+    """Replace each block's `forward` (not its call: hooks stay eager) by a compiled one."""
+    for block in blocks:
         block.forward = _compiled(block.forward)
-        names.append(f"{plan.blocks}.{key}")
-    return CompileReport("blocks", names)
 
 
 def compile_model(model: nn.Module) -> CompileReport:

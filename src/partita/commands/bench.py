@@ -25,6 +25,7 @@ BENCHMARKS = {
     "cp": "partita.bench.cp",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
+    "compile": "partita.bench.compile",
 }
 
 
