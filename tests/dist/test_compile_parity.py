@@ -11,7 +11,8 @@ entry near zero into a difference of order lr in its weight).
 Compiling dominates this test's time (inductor's C++ backend: about 10-20 s per distinct
 block graph on 2 cores with a cold cache), so the model is the tiny parity model, the
 runs are short, and the float64 data-parallel and ZeRO-3 cases share one compiled
-block graph. Inductor's cache lives in pytest's cache folder, so a second run reuses
+block graph (recomputation reruns the same training graph, and its no-grad forward is
+the validation pass's graph). Inductor's cache lives in pytest's cache folder, so a second run reuses
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
 the validation pass need); the full run that follows, on a freshly built model, must
@@ -39,6 +40,8 @@ COMPILED_FP32_TOL = 1e-3
 CASES = [  # (id, parallel settings, train settings, compile mode, tolerance)
     ("dp2", dict(), dict(lr=1e-2), "blocks", FLOAT64_TOL),
     ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL),
+    ("dp2-zero3-recompute", dict(zero_stage=3, bucket_mb=0.02, recompute="full"),
+     dict(lr=1e-2), "blocks", FLOAT64_TOL),
     ("tp2-sp", dict(tp=2, sequence_parallel=True), dict(lr=1e-2, global_batch=2), "blocks",
      FLOAT64_TOL),
     ("dp2-zero1-model", dict(zero_stage=1), dict(lr=1e-2), "model", FLOAT64_TOL),
