@@ -9,13 +9,15 @@ optimizer step as they were. So the factor scales the compute part of a step
 (`compute_s`) and nothing else; the rates that follow from the step time (tokens/s,
 MFU, FLOP/s) are rescaled with it. `COMPILE_COMPUTE_FACTOR` is the steady-state step
 time of compiled blocks over eager blocks measured by `partita bench compile`
-(docs/benchmarks.md, 2026-12-01: tiny model, CPU, 1 and 2 ranks, the worse of the two);
-it is a CPU figure until a GPU measurement replaces it (docs/performance.md).
+(docs/benchmarks.md, 2026-12-01, CPU, fp32): the median of the three measured ratios
+(tiny model 0.890 at 1 rank and 1.028 at 2; llama-20m 0.972 at 1 rank), each with a
+99% interval spanning 1.0 on a loaded machine. It is a CPU figure, where the GEMMs that
+compiling does not touch dominate a step; a GPU measurement should replace it.
 """
 
 from __future__ import annotations
 
-COMPILE_COMPUTE_FACTOR = 1.0  # placeholder, set from the measurement below
+COMPILE_COMPUTE_FACTOR = 0.972
 RATES = ("tokens_per_s", "mfu", "model_flops_per_gpu", "hardware_flops_per_gpu", "hfu")
 
 
