@@ -227,6 +227,8 @@ def _nbytes(t: torch.Tensor) -> int:
 # Autograd-aware operators of tensor / sequence parallelism ------------------------------
 # Megatron's names: f = identity forward, all-reduce backward (enter a tp region);
 # g = all-reduce forward, identity backward (leave a tp region).
+# Their entry points are `torch.compiler.disable`d: a compiled block (partita.compile)
+# runs each eagerly between its compiled pieces instead of tracing into gloo or NCCL.
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -319,21 +321,26 @@ def _reduce_scatter_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return out.transpose(0, 1).contiguous()
 
 
+@torch.compiler.disable
 def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
 
 
+@torch.compiler.disable
 def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
 
 
+@torch.compiler.disable
 def gather_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _GatherSequence.apply(x, comm)
 
 
+@torch.compiler.disable
 def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceScatterSequence.apply(x, comm)
 
 
+@torch.compiler.disable
 def scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ScatterSequence.apply(x, comm)

@@ -126,6 +126,10 @@ class TrainSection:
     # again at the next checkpoint. The previous checkpoint is kept either way.
     checkpoint_failure: str = "stop"
     export: str = ""  # "hf": also write out_dir/hf, a Hugging Face folder (partita export)
+    # torch.compile: "none"; "blocks" each transformer block; "model" the whole local model
+    # (layouts without pipeline, ZeRO-3, cp or recompute); "auto" blocks when the compiler
+    # toolchain works, else eager with a message (docs/performance.md).
+    compile: str = "none"
 
 
 @dataclass

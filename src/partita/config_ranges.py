@@ -135,6 +135,7 @@ RANGES: dict[str, Rule] = {
     "train.stop_after": AT_LEAST_0,
     "train.checkpoint_failure": _choice("stop", "continue"),
     "train.export": _choice("", "hf"),
+    "train.compile": _choice("none", "blocks", "model", "auto"),
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,

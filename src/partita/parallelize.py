@@ -40,6 +40,16 @@ import torch
 import torch.nn as nn
 
 from partita.comm import GroupComm
+from partita.compile import (
+    CompilePolicy,
+    CompileReport,
+    blocks_refusal,
+    compile_blocks,
+    compile_model,
+    compiled_units,
+    model_refusal,
+    resolve_mode,
+)
 from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
@@ -158,6 +168,7 @@ class ParallelModel:
     device: torch.device
     runner: StepRunner
     plan: ModelPlan | None = None
+    compiled: CompileReport | None = None  # what runs under torch.compile (train.compile)
 
     @property
     def module(self) -> nn.Module:
@@ -186,6 +197,11 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
     """Reject unsupported settings before any process waits on another: the engine's
     policies, then every rule of `partita.layout.validate` at once."""
     _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
+    mode = CompilePolicy(cfg.train.compile).mode
+    refusal = (blocks_refusal(layout, model_cfg.moe)
+               or (model_refusal(layout) if mode == "model" else None))
+    if mode in ("blocks", "model") and refusal:
+        raise PartitaError(refusal)
     validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
              seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
     if layout.offload.endswith("+disk"):
@@ -329,14 +345,26 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))
+    mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device,
+                              moe=plan.shape.moe)
+    # Blocks compile before recomputation wraps them and the engine hooks them, so both
+    # stay outside the compiled code (partita.compile).
+    compiled = compile_blocks(sharded.module, plan) if mode == "blocks" else None
     recompute(sharded, RecomputePolicy(layout.recompute, layout.recompute_layers))
     dp = wrap_data_parallel(sharded, mesh, zero, precision, optim, device,
                             offload_policy(cfg, layout))
+    if mode == "model":
+        compiled = compile_model(dp.module)
+    if dp.param_sync is not None and mode != "none":
+        dp.param_sync.regroup(compiled_units(dp.module, plan, mode))
+    if compiled is None:
+        compiled = CompileReport("none")
+    compiled.note = note
     runner = make_runner(sharded, dp, mesh, device)
     if moe_layers or plan.shape.moe:  # auxiliary losses scaled like the main loss
         runner = MoERunner(runner, dp.module, lambda: dp.loss_scale)
     return ParallelModel(model_cfg=plan.shape, mesh=mesh, dp=dp, loss_fn=sharded.loss_fn,
-                         device=device, runner=runner, plan=plan)
+                         device=device, runner=runner, plan=plan, compiled=compiled)
 
 
 def build_parallel_model(cfg: Config, mesh: Mesh, device: torch.device) -> ParallelModel:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
 from partita.checkpoint.resume import checkpoint_root, resume_target
+from partita.compile import compile_summary
 from partita.config import Config
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
@@ -244,6 +245,8 @@ class Trainer:
                        else "resharded into this layout")
                 self.logger.message(f"resumed from {self.resumed.folder} at step {first} "
                                     f"({how})")
+            if self.pm.compiled is not None and self.pm.compiled.note:
+                self.logger.message(self.pm.compiled.note)
         # Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step.
         schedule = WarmupCosine(lr=c.train.lr, min_lr=c.train.min_lr,
                                 warmup_steps=c.train.warmup_steps, total_steps=c.train.steps)
@@ -257,6 +260,9 @@ class Trainer:
             lr = schedule(step)
             result = self.train_step(inputs, targets, lr, step + 1)
             window_steps += 1
+            if step == first and self.is_logger and self.pm.compiled is not None \
+                    and self.pm.compiled.mode != "none":  # once: what compiled, what broke
+                self.logger.message(compile_summary(self.pm.compiled))
             if not self._healthy(result):
                 self.bad_steps += 1
                 if self.bad_steps > c.train.max_bad_steps:

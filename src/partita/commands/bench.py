@@ -26,6 +26,7 @@ BENCHMARKS = {
     "ep": "partita.bench.ep",
     "plan-accuracy": "partita.bench.plan_accuracy",
     "gpu": "partita.bench.gpu",
+    "compile": "partita.bench.compile",
 }
 
 

@@ -22,12 +22,25 @@ from partita.zero.flat import FlatBuffer
 
 class ParamAllGather:
     def __init__(self, module: nn.Module, buckets: list[FlatBuffer], comm: GroupComm) -> None:
-        self.buckets, self.comm = buckets, comm
+        self.buckets, self.comm, self.module = buckets, comm, module
         self.pending: dict[int, object] = {}
-        where = {id(p): b for b, buf in enumerate(buckets) for p in buf.params}
+        self.where = {id(p): b for b, buf in enumerate(buckets) for p in buf.params}
+        self.handles: list = []
+        self.regroup([])
+
+    def regroup(self, units: list[nn.Module]) -> None:
+        """Wait once at each of `units` for every parameter inside it, instead of at each
+        module inside: a compiled unit would run those inner hooks in its compiled code,
+        where a wait breaks the graph. Modules outside the units keep their own waits."""
+        for handle in self.handles:
+            handle.remove()
+        inside = {id(m) for u in units for m in u.modules()}
+        owners = [(u, u.parameters()) for u in units]
+        owners += [(m, m.parameters(recurse=False)) for m in self.module.modules()
+                   if id(m) not in inside]
         self.handles = []
-        for m in module.modules():
-            mine = sorted({where[id(p)] for p in m.parameters(recurse=False) if id(p) in where})
+        for m, params in owners:
+            mine = sorted({self.where[id(p)] for p in params if id(p) in self.where})
             if mine:
                 self.handles.append(m.register_forward_pre_hook(self._waiter(mine)))
 

@@ -1,0 +1,125 @@
+"""Compiled training: partita eager vs compiled, and compiled partita vs compiled peers.
+
+Pairs, at each world size of --worlds (default 1 and 2 ranks, gloo, one thread each):
+
+    partita stage 0, compiled blocks  vs  partita stage 0, eager        -> C
+    partita stage 0, compiled blocks  vs  torch DDP, compiled blocks
+    partita stage 3, compiled blocks  vs  FSDP2 (fully_shard per block), compiled blocks
+
+Every compiled runner compiles the same thing, each transformer block's forward
+(`partita.compile`: what `train.compile=blocks` does; the peers as torchtitan does,
+blocks compiled before DDP or fully_shard wraps them), with inductor's C++ backend on
+CPU. The first step of each runner, which compiles, is timed on its own and reported
+as compile time; the steady-state step times come from alternating rounds after
+warm-up (`partita.bench.paired`, through the dp benchmark's harness). Last line:
+`compile: compiled/eager step-time ratio C; worst partita/peer compiled ratio R`, C the
+worst (largest) eager pair over the world sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import time
+
+import torch
+
+from partita.bench import dp as harness
+from partita.bench import paired
+from partita.bench.models import CHOICES, blocks_of
+from partita.local_world import run_distributed
+
+EAGER = "partita s0 eager"
+OURS0 = "partita s0 compiled"
+OURS3 = "partita s3 compiled"
+DDP = "torch DDP compiled"
+FSDP = "FSDP2 compiled"
+PAIRS = [(OURS0, EAGER), (OURS0, DDP), (OURS3, FSDP)]
+
+
+def _compile_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    from partita.compile import compile_block_modules
+
+    compile_block_modules(blocks_of(model))
+    return model
+
+
+def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
+    if name == EAGER:
+        return harness.partita_step(model, mesh, 0)
+    model = _compile_blocks(model)
+    if name == OURS0:
+        return harness.partita_step(model, mesh, 0)
+    if name == OURS3:
+        return harness.partita_step(model, mesh, 3)
+    if name == DDP:
+        return harness.ddp_step(model, mesh)
+    if name == FSDP:
+        from partita.bench.zero import _fsdp2_step
+
+        return _fsdp2_step(model, mesh, reshard=True)
+    raise ValueError(name)
+
+
+def _first_steps(rank: int, world: int, setup: harness.Setup) -> dict[str, float]:
+    """Seconds of each runner's first step (compiling) and of its second (compiled):
+    their difference is the compile time."""
+    from partita.layout import Layout
+    from partita.mesh import Mesh
+
+    mesh = Mesh(Layout(dp=world), rank, world)
+    template, vocab = harness.bench_model(setup.model, "cpu")
+    tokens = torch.randint(0, vocab, (setup.batch, setup.seq + 1),
+                           generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name in (OURS0, OURS3, DDP, FSDP):
+        step = build_step(name, copy.deepcopy(template), mesh)
+        took = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            step(tokens)
+            took.append(paired.slowest_rank(time.perf_counter() - t0))
+        out[name] = took[0] - took[1]
+        del step
+        gc.collect()
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
+    parser.add_argument("--model", default="tiny",
+                        help=f"{', '.join(CHOICES)} or any catalog model (default tiny)")
+    parser.add_argument("--batch", type=int, default=harness.Setup.batch)
+    parser.add_argument("--seq", type=int, default=harness.Setup.seq)
+    parser.add_argument("--rounds", type=int, default=12, help="timed rounds per pair")
+    parser.add_argument("--max-rounds", type=int, default=24,
+                        help="rounds a close pair may double up to (default 24)")
+
+
+def run(args: argparse.Namespace) -> int:
+    setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
+                          rounds=args.rounds, max_rounds=max(args.rounds, args.max_rounds),
+                          warmup=2)  # compiling happens before, in _first_steps
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(harness.describe("compile", setup, "0.8 (eager) and 1.0 (peers)"))
+    print("compile time: the first step's time minus the second's (slowest rank)")
+    c_worst, r_worst = 0.0, 0.0
+    for world in worlds:
+        compile_s = run_distributed(_first_steps, world, timeout=3600, args=(setup,))[0]
+        print(f"world {world}: compile time " + ", ".join(
+            f"{name} {s:.1f} s" for name, s in compile_s.items()))
+        thresholds = {(OURS0, EAGER): 0.8, (OURS0, DDP): 1.0, (OURS3, FSDP): 1.0}
+        rows = run_distributed(harness.time_pairs, world, timeout=3600,
+                               args=(setup, PAIRS, build_step, thresholds))[0]
+        print(harness.TABLE_HEAD)
+        harness.print_table(rows, world)
+        for r in rows:
+            ratio = r["estimate"].median
+            if r["peer"] == EAGER:
+                c_worst = max(c_worst, ratio)
+            else:
+                r_worst = max(r_worst, ratio)
+    print(f"compile: compiled/eager step-time ratio {c_worst:.3f}; "
+          f"worst partita/peer compiled ratio {r_worst:.3f}")
+    return 0

@@ -1,0 +1,229 @@
+"""Compiled training: `torch.compile` around the units the parallel layouts already cut.
+
+    policy = CompilePolicy("blocks")                 # train.compile: none|blocks|model|auto
+    mode = resolve_mode(policy, layout, device)      # "auto" -> "blocks" or "none"
+    report = compile_blocks(model, plan)             # before recompute and the engine
+    compile_model(dp.module, dp)                     # "model": after the engine
+
+`blocks` compiles the forward of every transformer block, the unit ZeRO-3 gathers and
+the pipeline cuts. Only `forward` is replaced, not the module's call, so the hooks the
+engine puts on a block (ZeRO-3's gather and free, the pre-backward gather) run eagerly
+around the compiled code and never break its graph. ZeRO 1-2 wait for the updated
+parameters at each module that owns some; those waits move to the compiled unit's edge
+(`ParamAllGather.regroup`). Tensor parallelism's collectives are autograd functions
+around gloo or NCCL calls that dynamo cannot trace: they are marked with
+`torch.compiler.disable`, so each is one deliberate graph break, compiled once, and a
+block is a few compiled pieces between its collectives (the reasons are reported once).
+Pipelines and context parallelism are refused for now (`blocks_refusal` says why).
+
+`model` compiles the whole local model in one piece, which needs a layout with nothing
+that communicates inside the model's forward: no pipeline (the schedule drives the
+stages), no ZeRO-3 (its gathers are hooks on every block), no context parallelism, no
+recomputation (an autograd function that reruns the forward). `model_refusal` says
+which of those stands in the way.
+
+Blocks of one shape share one compiled graph: dynamo inlines the block's submodules and
+takes their parameters as graph inputs, so the second block reuses the first one's code.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from partita.errors import PartitaError
+from partita.layout import Layout
+from partita.models.plan import ModelPlan
+
+MODES = ("none", "blocks", "model", "auto")
+
+
+@dataclass(frozen=True)
+class CompilePolicy:
+    """`train.compile`: what to compile (one of MODES)."""
+
+    mode: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise PartitaError(f"train.compile={self.mode!r} is unknown; choose one of "
+                               f"{', '.join(MODES)}.")
+
+
+@dataclass
+class CompileReport:
+    """What was compiled on this rank, and what the user should read once."""
+
+    mode: str  # the mode in effect: none, blocks or model
+    modules: list[str] = field(default_factory=list)
+    note: str = ""  # a fallback or a limitation, said once at start
+
+
+def blocks_refusal(layout: Layout, moe: bool = False) -> str | None:
+    """Why no compile mode can run this layout (of a mixture-of-experts model when `moe`)
+    yet (None: `blocks` can)."""
+    if moe:
+        # Dropless routing gives every expert a data-dependent number of tokens (and
+        # expert parallelism an all-to-all of data-dependent sizes) at every step.
+        return ("train.compile does not support mixture-of-experts models yet: the number "
+                "of tokens each expert receives changes every step. Use train.compile=none "
+                "with model.n_experts > 0.")
+    if layout.cp > 1:
+        # Ring attention posts asynchronous sends and receives inside the attention
+        # core; not yet kept out of the compiled code the way tp's collectives are.
+        return ("train.compile does not support context parallelism (cp > 1) yet: its "
+                "ring and all-gather attention communicate inside the block. Use "
+                "train.compile=none with cp > 1.")
+    if layout.pp > 1:
+        # Measured: compiled blocks on the last pipeline stage accumulate wrong weight
+        # gradients once a step has two or more microbatches (1f1b, gpipe and zb-h1
+        # alike), while the same blocks outside the pipeline match eager to 1e-16.
+        return ("train.compile does not support a pipeline (pp > 1) yet: compiled "
+                "blocks on the last stage do not yet reproduce eager gradients with "
+                "several microbatches. Use train.compile=none with pp > 1.")
+    return None
+
+
+def model_refusal(layout: Layout) -> str | None:
+    """Why `compile=model` cannot wrap this layout's model in one piece (None: it can)."""
+    reasons = []
+    if layout.pp > 1:
+        reasons.append("a pipeline (pp > 1) runs the model stage by stage")
+    if layout.zero_stage == 3:
+        reasons.append("ZeRO-3 gathers each block's parameters in hooks on the block")
+    if layout.cp > 1:
+        reasons.append("context parallelism exchanges keys and values inside attention")
+    if layout.recompute != "none":
+        reasons.append("recomputation reruns blocks from an autograd function")
+    if not reasons:
+        return None
+    return ("train.compile=model compiles the whole model in one piece, but "
+            + "; ".join(reasons) + ". Use train.compile=blocks, which compiles each "
+            "block and keeps that machinery outside the compiled code.")
+
+
+@functools.cache
+def toolchain_problem(device_type: str) -> str | None:
+    """Compile and run one tiny function with inductor on `device_type`; the error that
+    stopped it, or None when the toolchain works (checked once per process)."""
+    try:
+        def probe(x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(x) * 2 + 1
+
+        x = torch.arange(8.0, device=device_type)
+        got = torch.compile(probe, backend="inductor", fullgraph=True)(x)
+        if not torch.allclose(got, probe(x)):
+            return "the compiled probe computed a wrong result"
+    except Exception as exc:  # any failure of the toolchain counts, whatever its type
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return f"{type(exc).__name__}: {first[:300]}"
+    return None
+
+
+def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
+                 probe: Callable[[str], str | None] = toolchain_problem, *,
+                 moe: bool = False) -> tuple[str, str]:
+    """(mode in effect, note): `auto` becomes `blocks` when the toolchain works and
+    `none` (with the reason in the note) when it does not; `blocks` and `model` stop
+    with the reason instead. `model` on a layout that cannot take it stops too."""
+    if policy.mode == "none":
+        return "none", ""
+    refusal = blocks_refusal(layout, moe)
+    if refusal and policy.mode == "auto":
+        return "none", f"train.compile=auto: {refusal} Training eagerly."
+    if refusal:
+        raise PartitaError(refusal)
+    if policy.mode == "model":
+        refusal = model_refusal(layout)
+        if refusal:
+            raise PartitaError(refusal)
+    problem = probe(device.type)
+    if problem is None:
+        return ("blocks" if policy.mode == "auto" else policy.mode), ""
+    if policy.mode == "auto":
+        return "none", (f"train.compile=auto: torch.compile does not work here ({problem});"
+                        " training eagerly.")
+    raise PartitaError(
+        f"train.compile={policy.mode}: torch.compile does not work on this machine "
+        f"({problem}). Install a C++ compiler (CPU) or Triton (CUDA), or use "
+        "train.compile=auto to fall back to eager, or train.compile=none.")
+
+
+def _compiled(fn: Callable) -> Callable:
+    # Static shapes: a step's shapes never change; dynamic shapes would only add guards.
+    return torch.compile(fn, dynamic=False)
+
+
+def compile_blocks(model: nn.Module, plan: ModelPlan) -> CompileReport:
+    """Compile the forward of each block this rank holds (after tensor parallelism,
+    before recomputation wraps it and the engine hooks it)."""
+    container = model.get_submodule(plan.blocks)
+    compile_block_modules(list(container.values()))
+    return CompileReport("blocks", [f"{plan.blocks}.{key}" for key in container])
+
+
+def compile_block_modules(blocks: list[nn.Module]) -> None:
+    """Replace each block's `forward` (not its call: hooks stay eager) by a compiled one."""
+    for block in blocks:
+        block.forward = _compiled(block.forward)
+
+
+def compile_model(model: nn.Module) -> CompileReport:
+    """Compile the whole local model's forward (`compile=model`; see `model_refusal`)."""
+    model.forward = _compiled(model.forward)
+    return CompileReport("model", [""])
+
+
+def compiled_units(model: nn.Module, plan: ModelPlan, mode: str) -> list[nn.Module]:
+    """The modules whose forward runs compiled: where waits for parameters belong."""
+    if mode == "model":
+        return [model]
+    if mode == "blocks":
+        return list(model.get_submodule(plan.blocks).values())
+    return []
+
+
+# Reading what dynamo did --------------------------------------------------------------
+
+def compile_counts() -> dict[str, int]:
+    """Dynamo's process-wide counters: frames compiled, graphs, breaks, recompiles."""
+    from torch._dynamo.utils import counters
+
+    stats = counters["stats"]
+    return {"unique_graphs": int(stats.get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "recompiles": int(sum(counters["recompiles"].values()))}
+
+
+def break_reasons() -> list[str]:
+    """Every distinct graph-break reason dynamo recorded in this process, most frequent
+    first (reported once at the end of the first step, not per step)."""
+    from torch._dynamo.utils import counters
+
+    seen: Counter[str] = Counter()
+    for reason, n in counters["graph_break"].items():
+        lines = [x.strip() for x in str(reason).splitlines() if x.strip()]
+        # Dynamo's first line names the kind; the "Explanation" line names the call.
+        detail = next((x for x in lines if x.startswith("Explanation:")), "")
+        seen[" -- ".join(x for x in (lines[0] if lines else "", detail) if x)] += n
+    return [f"{reason} ({n}x)" for reason, n in seen.most_common()]
+
+
+def compile_summary(report: CompileReport) -> str:
+    """One message after the first step: what compiled, and every graph-break reason
+    once (a model that breaks in every block lists each reason once, with a count)."""
+    counts = compile_counts()
+    what = "each block" if report.mode == "blocks" else "the whole model"
+    line = (f"compile: {what} ({len(report.modules)} module(s)); {counts['unique_graphs']}"
+            f" graph(s), {counts['graph_breaks']} graph break(s), "
+            f"{counts['recompiles']} recompilation(s)")
+    reasons = break_reasons()
+    if reasons:
+        line += ". Graph breaks (each compiled around once, not per step):\n  " + \
+            "\n  ".join(reasons)
+    return line

@@ -1,0 +1,82 @@
+"""train.compile: which layouts each mode takes, and what happens without a toolchain.
+
+Nothing here compiles: the toolchain probe is replaced by a stand-in, so these checks
+run in milliseconds (the compiled runs themselves are in tests/dist/test_compile_parity).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partita.compile import (
+    CompilePolicy,
+    blocks_refusal,
+    model_refusal,
+    resolve_mode,
+)
+from partita.errors import PartitaError
+from partita.layout import Layout
+from partita.models.catalog import get_model_config
+from partita.parallelize import check_layout
+from partita.testing import parity_config
+
+CPU = torch.device("cpu")
+
+
+def works(_device: str) -> None:
+    return None
+
+
+def broken(_device: str) -> str:
+    return "CalledProcessError: g++ not found"
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(PartitaError, match="none, blocks, model, auto"):
+        CompilePolicy("fast")
+    with pytest.raises(PartitaError, match="train.compile"):
+        parity_config(train=dict(compile="fast"))
+
+
+def test_model_mode_names_what_stands_in_its_way():
+    assert model_refusal(Layout(dp=2, zero_stage=1)) is None
+    text = model_refusal(Layout(dp=2, zero_stage=3, recompute="full"))
+    assert "ZeRO-3" in text and "recomputation" in text and "compile=blocks" in text
+    assert "context parallelism" in model_refusal(Layout(cp=2))
+    with pytest.raises(PartitaError, match="ZeRO-3"):
+        resolve_mode(CompilePolicy("model"), Layout(dp=2, zero_stage=3), CPU, works)
+
+
+def test_blocks_take_every_layout_but_pipelines_and_context_parallelism():
+    for layout in (Layout(dp=2, zero_stage=3), Layout(tp=2, sequence_parallel=True),
+                   Layout(dp=2, recompute="full")):
+        assert blocks_refusal(layout) is None
+        assert resolve_mode(CompilePolicy("blocks"), layout, CPU, works) == ("blocks", "")
+    with pytest.raises(PartitaError, match="pipeline"):
+        resolve_mode(CompilePolicy("blocks"), Layout(pp=2), CPU, works)
+    with pytest.raises(PartitaError, match="context parallelism"):
+        resolve_mode(CompilePolicy("blocks"), Layout(cp=2), CPU, works)
+    mode, note = resolve_mode(CompilePolicy("auto"), Layout(pp=2), CPU, works)
+    assert mode == "none" and "pipeline" in note and "eagerly" in note
+
+
+def test_mixture_of_experts_models_are_refused_and_auto_trains_them_eagerly():
+    assert "mixture-of-experts" in blocks_refusal(Layout(dp=2), moe=True)
+    with pytest.raises(PartitaError, match="mixture-of-experts"):
+        resolve_mode(CompilePolicy("blocks"), Layout(dp=2), CPU, works, moe=True)
+    mode, note = resolve_mode(CompilePolicy("auto"), Layout(dp=2), CPU, works, moe=True)
+    assert mode == "none" and "mixture-of-experts" in note
+    cfg = parity_config(train=dict(compile="blocks"))
+    with pytest.raises(PartitaError, match="mixture-of-experts"):
+        check_layout(cfg, get_model_config("tiny-moe"), Layout())
+
+
+def test_without_a_toolchain_auto_falls_back_and_explicit_modes_stop():
+    mode, note = resolve_mode(CompilePolicy("auto"), Layout(dp=2), CPU, broken)
+    assert mode == "none" and "g++ not found" in note and "eagerly" in note
+    for explicit in ("blocks", "model"):
+        with pytest.raises(PartitaError, match="g[+][+] not found.*compile=auto"):
+            resolve_mode(CompilePolicy(explicit), Layout(dp=2), CPU, broken)
+    assert resolve_mode(CompilePolicy("none"), Layout(pp=2), CPU, broken) == ("none", "")
+    assert resolve_mode(CompilePolicy("auto"), Layout(dp=2), CPU, works) == ("blocks", "")
