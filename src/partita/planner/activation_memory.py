@@ -104,8 +104,9 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
 
     The dispatch and combine buffers are activations: the rows each rank's experts
     receive through the all-to-all (top_k per token when routing is balanced) are saved
-    as the experts' input, and the rows sent back as the gate product's input; both are
-    freed with the graph after backward, like every other saved tensor.
+    as the experts' input, the rows sent back as the gate product's input (and the
+    product for the scatter-add); all are freed with the graph after backward, like
+    every other saved tensor, so the model-state ledger does not list them.
     """
     k, n_e = model.moe.top_k, model.moe.num_experts
     e = precision.activation
