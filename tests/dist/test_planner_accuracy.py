@@ -11,7 +11,9 @@ pipeline stage; with zero bubble, plus the gradients held for deferred weight pa
 is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
 ledger's host_model_states) against the planner's host figure. Context parallelism
 (ring and all-gather, cp 2 and 4, with dp + ZeRO-1 and tp + sp): activations and the
-bytes the ring sends. Cases share one spawned world per world size; dp=1
+bytes the ring sends. Mixture of experts (ep 2 with tp 2 and with ZeRO-2 over dp 4, every
+second block MoE): expert parameters per rank, the dispatch and combine buffers among the
+activations, the all-to-all bytes. Cases share one spawned world per world size; dp=1
 runs in this process.
 """
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from partita.bench.plan_measure import (
-    COMM,
+    COMM_NAMES,
     STATE_TERMS,
     Case,
     Shape,
@@ -39,6 +41,8 @@ from partita.testing import run_distributed
 BF16 = "bfloat16"
 GPT2_TIED = Shape(flavour="gpt2", n_kv_heads=None, tie_embeddings=True)
 DEEP = Shape(n_layers=4)
+# Every second block MoE (4 experts, top-2); routing forced balanced, as the planner counts.
+MOE = Shape(n_experts=4, top_k=2, moe_every=2)
 CASES = {
     1: [Case(), Case(dtype=BF16, shape=GPT2_TIED),
         # Recompute: what a layer keeps, and the rerun's working set in backward.
@@ -69,7 +73,11 @@ CASES = {
         Case(pp=4, microbatches=8, schedule="zb-h1", shape=DEEP),
         Case(tp=2, sp=True, pp=2, microbatches=4, schedule="zb-h1", dtype=BF16),
         Case(tp=2, sp=True, pp=2, microbatches=2, dtype=BF16),
-        Case(cp=4, dtype=BF16), Case(dp=2, cp=2, zero=1), Case(tp=2, sp=True, cp=2)],
+        Case(cp=4, dtype=BF16), Case(dp=2, cp=2, zero=1), Case(tp=2, sp=True, cp=2),
+        # Expert parallelism: experts whole on each tp rank, their own ZeRO group (dp/ep),
+        # the all-to-alls' bytes and the dispatch and combine buffers.
+        Case(dp=2, tp=2, ep=2, zero=1, dtype=BF16, shape=MOE),
+        Case(dp=4, ep=2, zero=2, shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02
@@ -92,7 +100,7 @@ def _check_comm(case: Case, measured: dict) -> None:
 
     # Volumes do not depend on the device; a catalog entry avoids profiling the CPU.
     timed = predict(case, GPUS["H100"], Assumptions.measured_cpu())
-    for name in COMM.values():
+    for name in COMM_NAMES:
         err = rel_error(timed[name], measured[name])
         assert err <= COMM_TOL, (case.label, name, timed[name], measured[name])
 

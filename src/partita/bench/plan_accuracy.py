@@ -5,11 +5,12 @@ with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp
 ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
 ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
 kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
-with dp + ZeRO-1, tp + sp, and dp2 x tp2 x cp2) one small model takes training steps on gloo
+with dp + ZeRO-1, tp + sp, and dp2 x tp2 x cp2; expert parallelism at ep 2/4 with
+ZeRO-1/2, tp and pp, on a 4-expert top-2 variant) one small model takes training steps on gloo
 ranks; memory is compared per pipeline stage. Memory: model states (and, under
 offload, the host's) from the ZeRO engine's ledger, activations from the storages
 autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
-(tp, dp, pp, cp). Step
+(tp, dp, pp, cp, and ep: the all-to-alls). Step
 time: the median of timed steps on rank 0, against the planner's step time on the
 `cpu` profile, calibrated here: a 1-thread matmul and copy rate measured at start, the
 gloo all-reduce latency and bandwidth measured in each world before its cases (the
@@ -28,7 +29,7 @@ import os
 from dataclasses import replace
 
 from partita.bench.plan_measure import (
-    COMM,
+    COMM_NAMES,
     Case,
     Shape,
     measure_cases,
@@ -84,6 +85,16 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[4] += [Case(cp=4, shape=shape), Case(cp=4, cp_kind="allgather", shape=shape),
                Case(dp=2, cp=2, zero=1, shape=shape), Case(tp=2, sp=True, cp=2, shape=shape)]
     out[8] += [Case(dp=2, tp=2, cp=2, zero=1, sp=True, shape=shape)]
+    # Expert parallelism (routing forced balanced): expert parameters per rank over their
+    # own ZeRO group, dispatch and combine buffers, the all-to-alls' bytes; every block
+    # MoE, and every second one (MoE and dense blocks mixed).
+    moe = replace(shape, n_experts=4, top_k=2, moe_every=1)
+    half = replace(moe, moe_every=2)
+    out[2] += [Case(dp=2, ep=2, shape=half), Case(dp=2, ep=2, zero=1, dtype="bfloat16",
+                                                    shape=moe)]
+    out[4] += [Case(dp=4, ep=2, zero=2, shape=half), Case(dp=4, ep=4, zero=1, shape=moe),
+               Case(dp=2, tp=2, ep=2, zero=1, dtype="bfloat16", shape=half),
+               Case(dp=2, pp=2, ep=2, microbatches=2, shape=moe)]
     # Host offload: the host bytes (master, moments, gradient staging, shards) too.
     out[1] += [Case(offload="optimizer", dtype=d, shape=shape) for d in DTYPES]
     out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)
@@ -150,8 +161,8 @@ def run(args: argparse.Namespace) -> int:
         for i, case in enumerate(cases):
             results = [r[i] for r in per_rank]
             whole, p = worst_rank(results), predict(case, rank_gpu)
-            comm_p = sum(p[k] for k in COMM.values())
-            comm_m = sum(whole[k] for k in COMM.values())
+            comm_p = sum(p[k] for k in COMM_NAMES)
+            comm_m = sum(whole[k] for k in COMM_NAMES)
             comm_err = rel_error(comm_p, comm_m)
             time_err = rel_error(p["step_s"], results[0]["step_s"])
             worst_comm = max(worst_comm, comm_err)

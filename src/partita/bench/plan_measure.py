@@ -37,8 +37,11 @@ from partita.planner.timing import step_time
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
 DISK_BUDGET_GB = 0.001  # disk-offload cases: a host budget far below their states
 # Mesh purposes whose bytes the planner predicts, and the planner's name for each.
+# Expert parameters reduce (and, under ZeRO, gather) over their own group: data-parallel
+# bytes too. "expert" counts the all-to-alls (rows and their split sizes).
 COMM = {"tensor": "tp_bytes", "zero_shard": "dp_bytes", "pipeline": "pp_bytes",
-        "context": "cp_bytes"}
+        "context": "cp_bytes", "expert": "ep_bytes", "expert_grad_reduce": "dp_bytes"}
+COMM_NAMES = tuple(dict.fromkeys(COMM.values()))
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,10 @@ class Shape:
     seq_len: int = 32
     flavour: str = "llama"
     tie_embeddings: bool = False
+    # Mixture of experts (0: dense): SwiGLU experts, top_k, every moe_every-th block.
+    n_experts: int = 0
+    top_k: int = 2
+    moe_every: int = 1
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Case:
     offload: str = "none"  # model states in host memory: none, optimizer, optimizer+params
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_kind: str = "ring"  # ring or allgather
+    ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
 
     @property
     def world(self) -> int:
@@ -84,7 +92,7 @@ class Case:
                       microbatch_size=self.mb, sequence_parallel=self.sp,
                       schedule=self.schedule, virtual_stages=self.vpp,
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
-                      offload=self.offload, cp=self.cp, cp_kind=self.cp_kind)
+                      offload=self.offload, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep)
 
     @property
     def precision(self) -> Precision:
@@ -96,10 +104,15 @@ class Case:
                                     if self.tp > 1 else [])
         if self.cp > 1:
             parts.append(f"cp{self.cp}" + ("ag" if self.cp_kind == "allgather" else ""))
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
         kind = "" if self.shape.flavour == "llama" else f" {self.shape.flavour}"
+        if self.shape.n_experts:
+            s = self.shape
+            kind += f" moe{s.n_experts}k{s.top_k}" + (f"/{s.moe_every}" if s.moe_every > 1 else "")
         if self.offload != "none":
             kind += f" off-{self.offload}"
         if self.recompute != "none":
@@ -114,7 +127,7 @@ def run_config(case: Case):
 
     s, cfg = case.shape, Config()
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "flavour",
-                 "tie_embeddings"):
+                 "tie_embeddings", "n_experts", "top_k", "moe_every"):
         setattr(cfg.model, name, getattr(s, name))
     cfg.model.max_seq_len = s.seq_len
     cfg.data.seq_len = s.seq_len
@@ -130,6 +143,7 @@ def run_config(case: Case):
     cfg.parallel.recompute_layers = case.recompute_layers
     cfg.parallel.offload = case.offload
     cfg.parallel.cp, cfg.parallel.cp_kind = case.cp, case.cp_kind
+    cfg.parallel.ep = case.ep
     if case.offload.endswith("+disk"):
         import tempfile
 
@@ -159,7 +173,7 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
         t = step_time(model, layout, cluster, seq, case.dp * case.mb * m, prec, a)
-        out.update({k: t[k] for k in (*COMM.values(), "step_s")})
+        out.update({k: t[k] for k in (*COMM_NAMES, "step_s")})
     return out
 
 
@@ -211,6 +225,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
 
     cfg = run_config(case)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    _balance_routing(pm.module)
     dp, seq, m = pm.dp, case.shape.seq_len, case.microbatches
     gen = torch.Generator().manual_seed(17 + mesh.index("data"))  # cp ranks: same rows
     tokens = torch.randint(case.shape.vocab_size, (case.mb * m, seq + 1), generator=gen)
@@ -230,7 +245,8 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     out["disk_bytes"] = dp.memory_ledger().get("disk_bytes", 0)
     out["activations"] = meter.peak_bytes
     out["stage"] = mesh.coord.pp
-    out.update({name: mesh.counter.total(purpose) for purpose, name in COMM.items()})
+    for name in COMM_NAMES:
+        out[name] = sum(mesh.counter.total(p) for p, n in COMM.items() if n == name)
 
     times = []
     for _ in range(timed_steps + (1 if timed_steps else 0)):  # + one warm-up step
@@ -243,6 +259,19 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
     if times:
         out["step_s"] = statistics.median(times[1:])
     return out
+
+
+def _balanced_route(n: int, k: int, e: int) -> torch.Tensor:
+    return torch.arange(n * k).view(n, k) % e
+
+
+def _balance_routing(module) -> None:
+    """Choice j of token i to expert (i*k + j) mod E: the planner counts balanced
+    routing (each expert top_k/E of the tokens), so the measurement forces it."""
+    from partita.models.moe import moe_modules
+
+    for _, moe in moe_modules(module):
+        moe.forced_route = _balanced_route
 
 
 def _finish_step(dp) -> None:

@@ -93,9 +93,42 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
         # the K and V weights, and those copies are saved.
         terms["kv_weight_rows"] = 2 * precision.param * -(-c.kv_heads // t) * c.head_dim * h
     if model.is_moe:
-        # Tokens permuted to their experts: top_k copies of each, input of expert fc1.
-        terms["moe_dispatch"] = model.moe.top_k * e * s * b * h
+        terms.update(moe_terms(model, layout, seq_len, precision))
     return terms
+
+
+def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
+              precision: Precision = MIXED) -> dict[str, float]:
+    """What an MoE feed-forward saves besides its input (partita's `models.moe`, balanced
+    routing, dropless). Experts are replicated over tp, so nothing here divides by t.
+
+    The dispatch and combine buffers are activations: the rows each rank's experts
+    receive through the all-to-all (top_k per token when routing is balanced) are saved
+    as the experts' input, the rows sent back as the gate product's input (and the
+    product for the scatter-add); all are freed with the graph after backward, like
+    every other saved tensor, so the model-state ledger does not list them.
+    """
+    k, n_e = model.moe.top_k, model.moe.num_experts
+    e = precision.activation
+    n = seq_len / layout.cp * layout.microbatch_size  # tokens this rank routes
+    rows = k * n
+    b = layout.microbatch_size
+    return {
+        # Input of each expert's up and gate projections (after the all-to-all).
+        "moe_dispatch": e * rows * model.config.dim,
+        # Expert outputs back from the all-to-all: input of the gate-weight product, and
+        # that product, the source the scatter-add back to tokens keeps.
+        "moe_combine": 2 * e * rows * model.config.dim,
+        # Router, in fp32: softmax output, the logits the z-loss's log-sum-exp reads and
+        # its per-token output, each sequence's expert shares (balance loss).
+        "moe_router": 4 * (2 * n * n_e + n + b * n_e),
+        # Gate weights: the chosen scores (fp32), their per-token sum (top-k
+        # normalisation) and each row's weight; the int64 indices that route each row:
+        # chosen experts, sort order, token (and, under expert parallelism, the
+        # regrouping of received rows and its inverse).
+        "moe_gates": 4 * rows + 4 * n + e * rows,
+        "moe_indices": 8 * rows * (3 + (2 if layout.ep > 1 else 0)),
+    }
 
 
 def norm_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,
@@ -139,8 +172,8 @@ def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
     c = model.config
     s, b, e = seq_len / layout.cp, layout.microbatch_size, precision.activation
     tensors = assumptions.swiglu_saved_tensors if c.gated_mlp else 2
-    if model.is_moe:
-        return model.moe.top_k * tensors * e * s * b * model.expert_ffn / layout.tp
+    if model.is_moe:  # experts are whole on every tp rank
+        return model.moe.top_k * tensors * e * s * b * model.expert_ffn
     return tensors * e * s * b * c.ffn_hidden / layout.tp
 
 

@@ -128,7 +128,9 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     # spread over the experts of this rank (fewer rows each: less efficient).
     mlp_rows = tokens
     mlp_count = 1.0
+    mlp_t = t  # dense MLPs are tensor-parallel; partita replicates experts over tp
     if model.is_moe:
+        mlp_t = 1
         local_experts = model.moe.num_experts / layout.ep
         mlp_rows = tokens * model.moe.top_k * layout.ep / model.moe.num_experts
         mlp_count = local_experts
@@ -136,8 +138,8 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     weights = [  # (m, n, k, count) of the forward GEMMs
         (tokens, h / t + 2 * kv_local, h, 1.0),  # q, k, v projections
         (tokens, h, h / t, 1.0),  # attention output projection
-        (mlp_rows, up / t, h, mlp_count),  # MLP up (and gate)
-        (mlp_rows, h, ffn / t, mlp_count),  # MLP down
+        (mlp_rows, up / mlp_t, h, mlp_count),  # MLP up (and gate)
+        (mlp_rows, h, ffn / mlp_t, mlp_count),  # MLP down
     ]
     gemm_fwd = sum(n_ * gemm_time(m, n, k, gpu, a) for m, n, k, n_ in weights)
     # Backward: the input gradient (m x k from m x n) and the weight gradient (k x n).
@@ -150,7 +152,7 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     # Width-h work is split over tp only under sequence parallelism.
     h_share = h / t if layout.sequence_parallel or t == 1 else h
     h_elems = (2 * 2 + 2 * 3 + (2 * 1.5 if c.dropout > 0 else 0)) * h_share
-    f_elems = (up + ffn) / t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
+    f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
     elem_bytes = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     mem_fwd = memory_time(elem_bytes, gpu, a, a.elementwise_kernels)
     mem_bwd = memory_time(2 * elem_bytes, gpu, a, a.elementwise_kernels)

@@ -204,13 +204,24 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     last stage keeps for the loss and, under full recompute, one layer's working set.
     ZB-H1 is walked action by action (`zero_bubble_peak`): a microbatch waiting for its
     deferred W holds only what W reads."""
-    layers = stage_layers(model.config.n_layers, layout.pp)[stage]
+    counts = stage_layers(model.config.n_layers, layout.pp)
+    layers = counts[stage]
     plain = layout.with_(recompute="none", recompute_layers=0)
     k = recomputed_layers(layout, layers)
-    per_none = layer_activation_bytes(model, plain, seq_len, precision, assumptions)
+    # An MoE model's layers: its MoE blocks and (moe_every > 1) its dense ones, averaged.
+    n_moe = model.moe_layers(sum(counts[:stage]), layers)
+
+    def per_layer(lay: Layout) -> float:
+        moe = layer_activation_bytes(model, lay, seq_len, precision, assumptions)
+        if n_moe == layers:
+            return moe
+        dense = layer_activation_bytes(model.dense_blocks(), lay, seq_len, precision,
+                                       assumptions)
+        return (n_moe * moe + (layers - n_moe) * dense) / max(layers, 1)
+
+    per_none = per_layer(plain)
     # The first k layers keep what recompute keeps, the rest everything.
-    stage_bytes = (k * layer_activation_bytes(model, layout, seq_len, precision, assumptions)
-                   + (layers - k) * per_none)
+    stage_bytes = k * per_layer(layout) + (layers - k) * per_none
     tokens = microbatch_tokens(layout, seq_len)
     ids = assumptions.token_id_bytes / 2 * tokens
     first, last = stage == 0, stage == layout.pp - 1

@@ -59,6 +59,20 @@ class PlanModel:
     def expert_ffn(self) -> int:
         return self.moe.expert_ffn_dim or self.config.ffn_hidden
 
+    def dense_blocks(self) -> PlanModel:
+        """This model as its dense blocks see it (an MoE model with moe_every > 1 has
+        both kinds): the same shapes, no experts."""
+        if not self.is_moe:
+            return self
+        return PlanModel(self.name, dataclasses.replace(self.config, n_experts=0), MoEShape())
+
+    def moe_layers(self, first: int, count: int) -> int:
+        """How many of blocks first .. first+count-1 are MoE."""
+        if not self.is_moe:
+            return 0
+        c = self.config
+        return sum(1 for i in range(first, first + count) if not c.moe or c.is_moe_layer(i))
+
     # Per-block parameter counts, as one tensor-parallel rank holds them -------------
     def mlp_params(self, ffn: int) -> int:
         c = self.config

@@ -21,7 +21,7 @@ from partita.layout import Layout
 from partita.planner import context_parallel as cp_model
 from partita.planner.activation_memory import layer_input_bytes, recomputed_layers
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
-from partita.planner.compute import block_times, head_times, optimizer_time
+from partita.planner.compute import BlockTimes, block_times, head_times, optimizer_time
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
     blocks_per_unit,
@@ -118,7 +118,14 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     a, c, gpu = assumptions, model.config, cluster.gpu
     m = num_microbatches(layout, global_batch)
     t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
+    # An MoE model with moe_every > 1 alternates MoE and dense blocks: a layer's time
+    # (and its tp and ep traffic) is the mix of the two.
+    moe_frac = c.n_moe_layers / c.n_layers if model.is_moe and c.moe else float(model.is_moe)
     blk = block_times(model, layout, seq_len, gpu, a)
+    if 0 < moe_frac < 1:
+        dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a)
+        blk = BlockTimes(**{f: moe_frac * getattr(blk, f) + (1 - moe_frac) * getattr(dense, f)
+                            for f in BlockTimes.__dataclass_fields__})
     # Recomputation reruns the forward of recompute_layers = K of a stage's layers (all
     # of them by default): full the whole block (4 passes for 3), selective only the
     # attention core; a zero-bubble split reruns it in I and again in W
@@ -141,6 +148,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
     act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
     tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
+    tp_colls *= 1 - moe_frac / 2  # an MoE block's FFN is replicated: attention's only
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
@@ -155,7 +163,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     ep_colls = 4 + (2 if layout.recompute == "full" else 0)
     ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act) if ep > 1 else 0.0
     link, le = link_eff(t * ep)
-    ep_s = _collective_time(ep_vol, ep, ep_colls, link, le, a)
+    ep_s = moe_frac * _collective_time(ep_vol, ep, ep_colls, link, le, a)
 
     # Outside the layers: embedding, head and loss (first and last stage).
     tp_edge = [tp_boundary_bytes(model, layout, seq_len, precision, a, st)
@@ -201,9 +209,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     if a.flat_buffer_align:  # collectives move whole padded flat buffers
         counts["dense"] = padded_dense_params(model, layout, precision, 0, a)
     n = layout.zero_group
+    n_exp = max(1, n // layout.ep)  # experts reduce over their own group, dp*cp/ep
     local = counts["dense"] + counts["expert"]
-    g_bytes, p_bytes = precision.grad * local, precision.param * local
     frac = (n - 1) / n if n > 1 else 0.0
+    # Bytes moved per family, as if all in the dense group: (n-1)/n of each family
+    # over its own group (frac is applied below).
+    moved = counts["dense"] + (counts["expert"] * (n_exp - 1) / n_exp / frac if frac else 0.0)
+    g_bytes, p_bytes = precision.grad * moved, precision.param * moved
     every_mb = a.sharded_grads_reduce_every_microbatch
     z = layout.zero_stage
     # Gradient reduction and parameter gathering, each hidden by its own overlap option.
@@ -240,12 +252,11 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
                   if layout.overlap_param_gather else 0.0)
     dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
     # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
-    optim_s = 0.0 if layout.offload != "none" else optimizer_time(
-        local / (n if z >= 1 else 1), gpu, a)
+    shard = counts["dense"] / n + counts["expert"] / n_exp if z >= 1 else local
+    optim_s = 0.0 if layout.offload != "none" else optimizer_time(shard, gpu, a)
 
     offload_s = 0.0
     if layout.offload != "none":
-        shard = local / (n if z >= 1 else 1)
         moved = (precision.grad + precision.param) * shard
         offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
         if layout.offload.endswith("+disk"):  # master and moments read and written back
@@ -275,7 +286,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "hfu": hw_flops / step / (cluster.num_gpus * gpu.peak_flops),
         "tp_bytes": (tp_vol * max(layers) + max(tp_edge)) * m,
         "cp_bytes": cp_model.step_bytes(model, layout, seq_len, max(layers), m, precision, a),
-        "ep_bytes": ep_vol * m * max(layers) if model.is_moe else 0.0,
+        "ep_bytes": ep_vol * m * max(model.moe_layers(sum(layers[:i]), n)
+                                     for i, n in enumerate(layers)),
         "pp_bytes": pp_vol,
         "dp_bytes": dp_vol,
     }
