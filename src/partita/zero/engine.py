@@ -173,9 +173,12 @@ class DataParallel:
         on_device = self.host is None and self.disk is None
         self.adam_scratch = adamw_scratch(largest if cast and on_device else 0,
                                           precision.master, device)
+        # Host offload: each bucket's reduced gradient streams to host as it lands.
+        self.streamed = [False] * len(self.buckets)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulates_in_full_buffer,
-                                   self.gatherer.done if self.gatherer else None)
+                                   self.gatherer.done if self.gatherer else None,
+                                   self._grad_reduced if self.host is not None else None)
         self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
                            if self.stage.gathers_parameters_after_step else None)
         self.scaler = LossScaler(precision)
@@ -250,6 +253,24 @@ class DataParallel:
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.free_all()
+        if self.host is not None:  # what did not stream during backward goes now
+            for b, done in enumerate(self.streamed):
+                if not done:
+                    self._grad_reduced(b, True)
+
+    def _grad_reduced(self, b: int, final: bool) -> None:
+        """Host offload: bucket `b`'s reduced owned gradient is in; copy it to host
+        unless a later round of this step still adds to it."""
+        assert self.host is not None
+        if final:
+            self.host.stream_grad(b, self._owned_grad(self.buckets[b]))
+        self.streamed[b] = final
+
+    def _step_grad(self, buf: FlatBuffer) -> torch.Tensor:
+        """The gradient the optimizer reads: under host offload, the host copy."""
+        if self.host is not None:
+            return self.host.grads[self.buckets.index(buf)]
+        return self._owned_grad(buf)
 
     @torch.no_grad()
     def _prepare(self) -> bool:
@@ -257,6 +278,8 @@ class DataParallel:
         if self._overflow is not None:
             return self._overflow
         self.finish_grad_sync()
+        if self.host is not None:
+            self.host.wait_grads()
         overflow = False
         if self.scaler.enabled:
             bad = float(any(not torch.isfinite(self._owned_grad(b)).all() for b in self.buckets))
@@ -265,6 +288,8 @@ class DataParallel:
             if not overflow:
                 for b in self.buckets:
                     self._owned_grad(b).mul_(1.0 / self.scaler.scale)
+                    if self.host is not None:  # the copy the update reads
+                        self._step_grad(b).mul_(1.0 / self.scaler.scale)
         self._overflow = overflow
         return overflow
 
@@ -281,8 +306,8 @@ class DataParallel:
         norm = global_norm(squared_sum(self._counted_grads(), self.device), groups)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
-            for buf in self.buckets:
-                self._owned_grad(buf).mul_(coef)
+            for buf in self.buckets:  # under host offload the device copy is done with
+                self._step_grad(buf).mul_(coef)
         return norm
 
     def _counted_grads(self) -> Iterator[torch.Tensor]:
@@ -315,8 +340,6 @@ class DataParallel:
             if self.param_sync is not None:
                 for b in reversed(range(len(self.buckets))):
                     self.param_sync.launch(b)
-        if self.host is not None:  # every gradient's copy to host first, then the updates
-            self.host.stream_grads([self._owned_grad(b) for b in self.buckets], order)
         for b in order:
             buf = self.buckets[b]
             if self.host is not None:
@@ -328,6 +351,7 @@ class DataParallel:
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
+        self.streamed = [False] * len(self.buckets)  # the host copies are consumed
         self.scaler.update(False)
         return True
 
@@ -339,6 +363,7 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
+        self.streamed = [False] * len(self.buckets)
         self.reducer.clear()  # every .grad None; no memset (reducer docstring)
         for buf in self.buckets:
             if buf.shard_grad is not None:
