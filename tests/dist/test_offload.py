@@ -17,8 +17,8 @@ import torch
 
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
-from partita.mesh import Mesh
 from partita.memory import OffloadPolicy
+from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.parallelize import build_parallel_model

@@ -130,7 +130,7 @@ class HostOptimizer:
     def wait_grads(self) -> None:
         """Every gradient copy issued so far has landed (the device gradients may be
         written again, the host copies read)."""
-        for b, event in self._events.items():
+        for event in self._events.values():
             event.synchronize()
         self._events.clear()
 
