@@ -8,15 +8,18 @@ each step (forward, loss, backward, optimizer step):
   `cpu_adam` op with ninja on first use, a few minutes, cached afterwards): paired
   alternating rounds (partita.bench.paired), median ratio with its 99% interval;
 - partita without offload and with `offload=optimizer+disk` (partita.memory.disk, files
-  in `--dir`, host buffers within `--budget-gb`): tokens/s of each, and the bytes the
-  disk step moves per second of its pipeline of reads, updates and writes, against
-  this directory's sequential bandwidth measured here the same way (buffered
-  `pwrite`/`pread` of as many bytes in 8 MiB blocks); the synced, cold-cache figure is
-  printed beside it: the engine does not bypass or sync the page cache, so on a
-  machine with memory to spare its files are served from memory.
+  in `--dir`, host buffers within `--budget-gb`): tokens/s of each; and, in
+  alternating rounds, the bytes one disk step moves per second of its pipeline of
+  reads, updates and writes against this directory's sequential bandwidth measured
+  right after it: writing then reading back as many bytes in 8 MiB blocks, through
+  O_DIRECT as the engine's full records are (buffered where the file system refuses
+  it, as the engine then is). B is the median of the rounds' ratios, with its 99%
+  interval (the disk is shared; single readings swing by 2x).
 
-DeepSpeed's NVMe offload needs the libaio headers to build its `async_io` op; this
-benchmark does not install system packages, so that peer is reported as not run.
+DeepSpeed's NVMe offload needs the libaio headers to build its `async_io` op
+(`libaio-dev`); where they are missing it is reported as not run. This machine has
+no system package index (apt has no lists and no network to fetch them), so the
+headers cannot be installed here.
 
 Last line: `offload: worst partita/peer step-time ratio R; disk offload at B% of
 sequential disk bandwidth` (targets R <= 1.0, B >= 70%).
@@ -117,33 +120,31 @@ def _deepspeed(args: argparse.Namespace):
     return step, f"deepspeed {deepspeed.__version__}"
 
 
-def sequential_bandwidth(directory: str, nbytes: int, cold: bool, repeats: int = 3,
+def sequential_bandwidth(directory: str, nbytes: int, direct: bool,
                          block: int = 8 << 20) -> float:
-    """Bytes/s of rewriting then reading back a file of `nbytes` in `block`-byte pieces,
-    the best of `repeats`. Warm (`cold=False`): buffered, the file written once before,
-    as the disk engine rewrites its files every step; cold: the writes synced and the
-    page cache dropped before the reads (the device itself, not the cache before it)."""
-    buf = bytearray(os.urandom(block))
+    """Bytes/s of writing then reading back a file of `nbytes` in `block`-byte pieces,
+    through O_DIRECT when `direct` (the page cache bypassed, as the disk engine's
+    records), and with the writes synced either way."""
+    from partita.memory.disk import _aligned
+
+    buf = _aligned(block)
+    buf.copy_(torch.randint(256, (block,), dtype=torch.uint8))
+    view = memoryview(buf.numpy())
     path = os.path.join(directory, "bandwidth.probe")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    best = 0.0
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    nbytes = -(-nbytes // block) * block
     try:
+        start = time.perf_counter()
         for off in range(0, nbytes, block):
-            os.pwrite(fd, buf, off)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for off in range(0, nbytes, block):
-                os.pwrite(fd, buf, off)
-            if cold:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            for off in range(0, nbytes, block):
-                os.preadv(fd, [buf], off)
-            best = max(best, 2 * nbytes / (time.perf_counter() - start))
+            os.pwritev(fd, [view], off)
+        os.fsync(fd)
+        for off in range(0, nbytes, block):
+            os.preadv(fd, [view], off)
+        return 2 * nbytes / (time.perf_counter() - start)
     finally:
         os.close(fd)
         os.unlink(path)
-    return best
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,8 +179,7 @@ def _run(args: argparse.Namespace, directory: str) -> int:
         print(f"{'host offload':<22} partita {statistics.median(times[0]) * 1e3:8.1f} ms  "
               f"{peer_name} {statistics.median(times[1]) * 1e3:8.1f} ms  ratio "
               f"{est.median:.3f} ({est.span}, {est.rounds} rounds)")
-    print("DeepSpeed NVMe offload: not run (its async_io op needs the libaio headers, which "
-          "this benchmark does not install)")
+    print("DeepSpeed NVMe offload: not run")
     tokens_per_step = args.batch * args.seq
     rates = {}
     for mode in ("none", "optimizer", "optimizer+disk"):
@@ -187,22 +187,34 @@ def _run(args: argparse.Namespace, directory: str) -> int:
         step(tokens)
         took = [step(tokens) for _ in range(args.steps)]
         rates[mode] = tokens_per_step / statistics.median(took)
-        if mode == "optimizer+disk":
-            disk = pm.dp.disk
-            moved = disk.bytes_read + disk.bytes_written
-            disk_rate = moved / disk.seconds
-            per_step = moved / (args.steps + 1)
-    size = max(int(per_step), 64 << 20)
-    seq_bw = sequential_bandwidth(directory, size, cold=False)
-    cold_bw = sequential_bandwidth(directory, size, cold=True)
-    share = disk_rate / seq_bw
+    disk = pm.dp.disk
+    share, pipe, seq = _disk_share(args, disk, lambda: step(tokens), directory)
     print(f"tokens/s: in memory {rates['none']:,.0f}, host offload {rates['optimizer']:,.0f}, "
           f"disk offload {rates['optimizer+disk']:,.0f} "
           f"({rates['optimizer+disk'] / rates['none']:.2f} of in memory)")
-    print(f"disk offload moved {per_step / 1e6:.1f} MB per step at {disk_rate / 1e6:.0f} MB/s "
-          f"(reads + writes over the step's disk pipeline); sequential bandwidth here, "
-          f"buffered as the engine's I/O: {seq_bw / 1e6:.0f} MB/s (synced, cache dropped: "
-          f"{cold_bw / 1e6:.0f} MB/s; files this small stay in the page cache)")
+    print(f"disk offload ({'O_DIRECT' if disk.direct else 'buffered'} records of "
+          f"{disk.subgroup * 3 * disk.dtype.itemsize / 1e6:.1f} MB): moved "
+          f"{pipe[1] / 1e6:.1f} MB per step at median {pipe[0] / 1e6:.0f} MB/s over the "
+          f"step's read-update-write pipeline; sequential bandwidth here, measured after "
+          f"each step the same way: median {seq / 1e6:.0f} MB/s; pipeline/sequential "
+          f"{share.median:.3f} ({share.span}, {share.rounds} rounds)")
     print(f"offload: worst partita/peer step-time ratio {worst:.3f}; disk offload at "
-          f"{share * 100:.0f}% of sequential disk bandwidth")
+          f"{share.median * 100:.0f}% of sequential disk bandwidth")
     return 0
+
+
+def _disk_share(args: argparse.Namespace, disk, step, directory: str):
+    """Alternating rounds of one disk step and one sequential probe of as many bytes:
+    the estimate of the ratio of their rates, the pipeline's median rate and bytes per
+    step, and the probe's median rate."""
+    from partita.bench.paired import estimate
+
+    ratios, pipes, seqs = [], [], []
+    for _ in range(max(args.rounds, 2 * args.steps)):
+        moved, seconds = disk.bytes_read + disk.bytes_written, disk.seconds
+        step()
+        moved, seconds = disk.bytes_read + disk.bytes_written - moved, disk.seconds - seconds
+        pipes.append(moved / seconds)
+        seqs.append(sequential_bandwidth(directory, moved // 2, disk.direct))
+        ratios.append(pipes[-1] / seqs[-1])
+    return estimate(ratios), (statistics.median(pipes), moved), statistics.median(seqs)
