@@ -77,6 +77,24 @@ def test_states_four_times_the_budget_train_as_in_memory(tmp_path: Path, stage: 
     assert ledger["host_model_states"] == ledger["host_optimizer_buffers"] <= budget
 
 
+@pytest.mark.parametrize("stage,offload", [(1, "optimizer+disk"),
+                                           (3, "optimizer+params+disk")])
+def test_a_checkpoint_resumes_the_state_on_disk(tmp_path: Path, stage: int,
+                                                offload: str) -> None:
+    """A checkpoint saves the states (and parameter shards) from their files and a
+    resumed run writes them back: its losses are those of the run that went on."""
+    states, ckpt = tmp_path / "states", str(tmp_path / "ckpt")
+    states.mkdir()
+    cfg = _cfg(str(states), zero_stage=stage, offload=offload)
+    whole = train_layout(0, 1, cfg, STEPS, params=True)
+    train_layout(0, 1, cfg, STEPS - 1, save_to=ckpt)
+    resumed = train_layout(0, 1, cfg, STEPS, resume_from=ckpt, params=True)
+    assert resumed["losses"] == whole["losses"][STEPS - 1:]
+    assert resumed["val"] == whole["val"]
+    for name, (_, value) in whole["params"].items():
+        assert torch.equal(resumed["params"][name][1], value), name
+
+
 def _disk(tmp_path: Path, sizes: list[int], budget: int,
           direct: bool | None = None) -> tuple[DiskOptimizer, list]:
     params = [torch.randn(n, dtype=torch.float64) for n in sizes]

@@ -380,6 +380,25 @@ class DiskOptimizer:
             files.close()
         return out
 
+    def write_states(self, b: int, states: dict[str, torch.Tensor]) -> None:
+        """Bucket `b`'s master weights and moments, whole (a checkpoint loaded), into
+        the current generation's file."""
+        files = _Files(self.paths[b][self.generation], os.O_WRONLY, self.direct)
+        s = self.sets[0]
+        try:
+            for _, a, e in self._tasks([b]):
+                for name, t in zip(STATES, s.states):
+                    t[:e - a].copy_(states[name].reshape(-1)[a:e])
+                self._transfer(os.pwritev, files, s, a, e, "writing")
+        finally:
+            files.close()
+
+    def write_param(self, b: int, value: torch.Tensor) -> None:
+        """Bucket `b`'s owned parameters into their file (params on disk)."""
+        value = value.detach().reshape(-1).to("cpu", self.param_dtype).contiguous()
+        with open(self.param_paths[b], "r+b") as f:
+            _io(os.pwritev, f.fileno(), self.param_paths[b], [value], 0, "writing")
+
     def buffer_bytes(self) -> int:
         """Host memory the engine holds: its buffer sets (with their alignment slack)
         and scratch."""

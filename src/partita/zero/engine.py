@@ -148,6 +148,7 @@ class DataParallel:
         decay = [buf.decay_ranges(*self._owned_range(buf)) for buf in self.buckets]
         self.host: HostOptimizer | None = None
         self.disk: DiskOptimizer | None = None
+        self._disk_slices: list[OwnedSlice] | None = None  # read for a checkpoint
         if offload.disk:  # master weights and moments in files (ZeRO-Infinity)
             self.disk = DiskOptimizer.create(
                 [self._owned_param(b) for b in self.buckets],
@@ -457,19 +458,26 @@ class DataParallel:
         """Per bucket, what this rank's optimizer updates: the flat range, the pieces of
         parameters in it and the tensors holding their values and AdamW state (views of
         the engine's own buffers; host memory under offload). Checkpoints read and
-        write training state here."""
-        if self.disk is not None:
-            raise PartitaError(
-                "checkpoints are not available under disk offload yet (the optimizer state "
-                "lives in files the checkpoint would have to copy); use "
-                "parallel.offload=optimizer or none to checkpoint this run."
-            )
+        write training state here. Under disk offload the states (and, with the
+        parameters on disk, the parameters) are read from their files into host
+        tensors, the whole owned slice at once; after a load, `owned_slices_loaded`
+        writes the last such tensors back."""
         self.wait_params()
         out = []
-        for buf, slot in zip(self.buckets, self.slots):
+        for b, buf in enumerate(self.buckets):
             lo, hi = self._owned_range(buf)
+            if self.disk is not None:
+                st = self.disk.read_states(b)
+                param = (self.disk.read_param(b) if self.offload.params
+                         else self._owned_param(buf))
+                out.append(OwnedSlice(buf.pieces(lo, hi), lo, param, st["master"],
+                                      st["exp_avg"], st["exp_avg_sq"]))
+                continue
+            slot = self.slots[b]
             out.append(OwnedSlice(buf.pieces(lo, hi), lo, self._owned_param(buf), slot.master,
                                   slot.exp_avg, slot.exp_avg_sq))
+        if self.disk is not None:
+            self._disk_slices = out
         return out
 
     def writes_piece(self, piece: Piece) -> bool:
@@ -486,6 +494,13 @@ class DataParallel:
     def owned_slices_loaded(self) -> None:
         """The owned slices were written from outside (a checkpoint was loaded): bring
         the full parameter buffers of stages 1-2 up to date from every rank's slice."""
+        if self.disk is not None:  # the tensors `owned_slices` read go back to the files
+            for b, sl in enumerate(self._disk_slices or []):
+                self.disk.write_states(b, {"master": sl.master, "exp_avg": sl.exp_avg,
+                                           "exp_avg_sq": sl.exp_avg_sq})
+                if self.offload.params:
+                    self.disk.write_param(b, sl.param)
+            self._disk_slices = None
         if self.stage.gathers_parameters_after_step:
             for buf in self.buckets:
                 self.comm.all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
