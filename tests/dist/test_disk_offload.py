@@ -186,9 +186,14 @@ def test_buffers_stay_within_the_budget(tmp_path: Path, grad_dtype: torch.dtype)
 
 # A fresh process per run, so that its peak resident set (VmHWM) is its own: a model
 # of 2.5M float64 parameters, optimizer states (60 MB on disk per generation, 40 MB in
-# memory without a separate master) over 4x a 12 MB budget.
+# memory without a separate master) over 4x a 12 MB budget. glibc's mmap threshold is
+# fixed (large blocks mapped, and unmapped when freed) and the cycle collector off, so
+# that the resident set follows live memory: left to adjust itself, glibc keeps freed
+# blocks in a heap whose high-water mark then depends on the order of allocations
+# (peaks of the same run moved by up to 13 MB between processes).
 RSS_PROBE = """
-import json, sys, torch
+import gc, json, sys, torch
+gc.disable()  # no collection at a moment of its own choosing: the same peak every run
 torch.set_num_threads(1)
 from partita.testing import parity_config, train_layout
 offload, directory = sys.argv[1], sys.argv[2]
@@ -198,20 +203,22 @@ if offload != "none":
 cfg = parity_config(model=dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8192),
                     parallel=parallel)
 out = train_layout(0, 1, cfg, 2)
-hwm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status")
-           if line.startswith("VmHWM"))
-print(json.dumps(dict(peak=hwm, losses=out["losses"], ledger=out["ledger"])))
+status = {line.split(":")[0]: int(line.split()[1]) * 1024
+          for line in open("/proc/self/status") if line.split()[-1] == "kB"}
+print(json.dumps(dict(peak=status["VmHWM"], file=status["RssFile"], anon=status["RssAnon"],
+                      losses=out["losses"], ledger=out["ledger"])))
 """
 RSS_BUDGET_GB = 0.012
-# Run-to-run spread of the rest (interpreter, libraries, parameters, gradients,
-# activations) between two processes of the same run: measured 1.6-2.5 MB here.
-RSS_NOISE = 4 << 20
+# Beyond its buffers the disk engine holds its two I/O threads (stacks, per-thread
+# malloc arenas): measured 0.4-0.6 MB; peaks of the same run agree within 0.2 MB.
+RSS_NOISE = 2 << 20
 
 
 def _peak_run(offload: str, directory: Path) -> dict:
     out = subprocess.run([sys.executable, "-c", RSS_PROBE, offload, str(directory),
                           str(RSS_BUDGET_GB)], capture_output=True, text=True, check=True,
-                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                               MALLOC_MMAP_THRESHOLD_=str(128 << 10)))
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
