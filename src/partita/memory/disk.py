@@ -1,7 +1,7 @@
 """ZeRO-Infinity: master weights and Adam moments (and ZeRO-3 parameter shards) in files,
 updated in sub-groups through a bounded set of host buffers.
 
-    disk = DiskOptimizer.create(owned_params, grad_dtypes, decay, master_dtype, device,
+    disk = DiskOptimizer.create(owned_params, grad_dtypes, decay, master_dtype,
                                 directory, budget_bytes, tag="rank0")
     disk.step(order, owned_params, owned_grads, step, lr, cfg)
 
@@ -17,13 +17,13 @@ File layout and I/O: a bucket's file holds one record per sub-group, [master |
 exp_avg | exp_avg_sq] of that sub-group, back to back, so a sub-group is one
 sequential read and one sequential write: a single `os.preadv` / `os.pwritev` of three
 buffers straight into the tensors' memory (no copies; the GIL is released while they
-run). The sub-group is a multiple of `ALIGN` elements and the buffers are
+run). A sub-group's states are whole multiples of `ALIGN` bytes and the buffers are
 `ALIGN`-aligned, so every full record goes through `O_DIRECT`: the page cache is
 bypassed (it would hold the whole state, the memory the budget is there to bound, and
 copy every byte once more), and the reads and writes run at the disk's own rate. A
 bucket's last, shorter record, and any file system that refuses `O_DIRECT` (tmpfs),
 use ordinary buffered I/O on the same layout; the two never share a page (a tail
-starts at an aligned offset). Measured on this machine's virtual disk, one process,
+starts at an aligned offset). Measured on a shared 2-core machine's virtual disk, one process,
 the benchmark's 3.5M-parameter model (partita bench offload): buffered, with one
 read, update and write per state, the pipeline ran at 20-45% of the buffered
 sequential rate, its reads and writes contending with the update for two shared cores
