@@ -18,9 +18,12 @@ each step (forward, loss, backward, optimizer step):
 
 - partita ZeRO-3 `offload=optimizer+disk` against DeepSpeed ZeRO-3 with
   `offload_optimizer: nvme` (its files in the same directory), paired rounds. Its
-  `async_io` op JIT-builds against the libaio headers (`apt-get install libaio-dev`,
-  the benchmark's one system set-up step); where they are missing it is reported as
-  not run.
+  `async_io` op JIT-builds against the libaio headers, which the machine must have
+  (`apt-get install libaio-dev`; this benchmark installs no system packages itself);
+  where they are missing, or the build fails, that pair is reported as not run. The
+  build takes minutes (about 50 on a loaded 2-core machine) and is cached; a build
+  killed midway leaves a `lock` file in its torch_extensions folder that makes the
+  next one wait forever: delete it.
 
 Last line: `offload: worst partita/peer step-time ratio R; disk offload at B% of
 sequential disk bandwidth` (targets R <= 1.0, B >= 70%).
