@@ -84,7 +84,8 @@ class _SumOnWait:
         return True
 
     def is_completed(self) -> bool:
-        return self.done
+        """The all-to-all is done (wait() then only sums)."""
+        return self.done or self.work.is_completed()
 
 
 class _Holding:

@@ -3,10 +3,11 @@
 On a CPU machine host and device are one memory, so what can be checked is: parity
 (float64 within 1e-10 of one process, and bitwise the same layout without offload,
 mixed precision included), the ledger (which bytes are "device" and which "host",
-exactly the owned slices), the order of the copies (every gradient to host before the
-updates, each bucket's update between its gradient's arrival and its parameters'
-return, in the order the next forward needs them; under optimizer+params each gather
-preceded by its shard's copy in), the checkpoint accessor, and bad settings.
+exactly the owned slices), the order of the copies (each gradient to host as its
+bucket's reduction lands during backward, in reduction order; then each bucket's
+update and its parameters' return, in the order the next forward needs them; under
+optimizer+params each gather preceded by its shard's copy in), the checkpoint
+accessor, and bad settings.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 from partita.errors import PartitaError
 from partita.layout import Layout, validate
-from partita.mesh import Mesh
 from partita.memory import OffloadPolicy
+from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.parallelize import build_parallel_model
@@ -102,25 +103,60 @@ def test_ledger_puts_offloaded_states_on_the_host(stage: int, offload: str) -> N
     assert all(t.device.type == "cpu" for s in off.slots for t in (s.master, s.exp_avg))
 
 
-def test_copies_run_in_order() -> None:
-    dp = _engine(3, "optimizer+params")
+def _backward(dp: DataParallel, seed: int = 0) -> None:
+    tokens = torch.randint(64, (2, 17), generator=torch.Generator().manual_seed(seed))
+    logits = dp.module(tokens[:, :-1])
+    dp.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "optimizer"), (3, "optimizer+params")])
+def test_gradients_stream_to_host_during_backward(stage: int, offload: str) -> None:
+    """Each bucket's gradient is copied to host as its reduction lands, in reduction
+    order, while backward goes on; the updates and the parameters' return follow in the
+    order the next forward needs them."""
+    dp = _engine(stage, offload)
     buckets = len(dp.buckets)
-    assert buckets > 2  # several gather units: the order means something
-    _train_step(dp)
-    copies = dp.host.copies
-    gathers = [b for kind, b in copies if kind == "param-in"]
-    # Each unit's shard is copied in before each of its gathers: forward (the root group,
-    # the last bucket, first), then backward from the last block (the root stays).
-    blocks_forward = list(reversed(range(buckets - 1)))
-    assert gathers == [buckets - 1] + blocks_forward + blocks_forward[::-1]
-    step = [c for c in copies if c[0] != "param-in"]
+    assert buckets > 2  # several buckets: the order means something
+    _backward(dp)
+    during = list(dp.host.copies)
+    dp.finish_grad_sync()
+    reduced = [dp._owned_grad(buf).clone() for buf in dp.buckets]
+    dp.clip_grad_norm_(None)
+    dp.step()
+    copies, after = dp.host.copies, dp.host.copies[len(during):]
+    # Stages 0-1 launch the bucket of the first layers (no hooks) when backward is over.
+    last = buckets - 1 if stage < 2 else buckets
+    assert [b for kind, b in during if kind == "d2h"] == list(range(last))
+    assert [c for c in after if c[0] == "d2h"] == [("d2h", b) for b in range(last, buckets)]
+    back = "shard" if "+params" in offload else "h2d"
     order = list(reversed(range(buckets)))
-    assert step[:buckets] == [("d2h", b) for b in order]  # every gradient first
-    assert step[buckets:] == [(k, b) for b in order for k in ("adam", "shard")]
-    dp0 = _engine(1, "optimizer")
-    _train_step(dp0)
-    assert [k for k, _ in dp0.host.copies] == (["d2h"] * len(dp0.buckets)
-                                               + ["adam", "h2d"] * len(dp0.buckets))
+    assert [c for c in after if c[0] != "d2h"] == [(k, b) for b in order for k in ("adam", back)]
+    if stage == 3:
+        # Under ZeRO-3 each unit's gradient leaves after its backward gather (the root,
+        # gathered once in forward, stays gathered).
+        gathers = [b for kind, b in copies if kind == "param-in"]
+        blocks_forward = list(reversed(range(buckets - 1)))
+        assert gathers == [buckets - 1] + blocks_forward + blocks_forward[::-1]
+        for b in range(buckets):
+            last_gather = max(i for i, c in enumerate(copies) if c == ("param-in", b))
+            assert copies.index(("d2h", b)) > last_gather
+    # The update read the reduced gradients (the host copies are exactly those).
+    for b in range(buckets):
+        assert torch.equal(dp.host.grads[b], reduced[b])
+
+
+def test_accumulation_copies_each_gradient_once_when_final() -> None:
+    """ZeRO-3 reduces every microbatch; only the last round's results go to host."""
+    dp = _engine(3, "optimizer+params")
+    with dp.grad_sync(False):
+        _backward(dp, 0)
+    assert not [c for c in dp.host.copies if c[0] == "d2h"]
+    with dp.grad_sync(True):
+        _backward(dp, 1)
+    dp.finish_grad_sync()
+    assert [b for kind, b in dp.host.copies if kind == "d2h"] == list(range(len(dp.buckets)))
+    for b, buf in enumerate(dp.buckets):
+        assert torch.equal(dp.host.grads[b], dp._owned_grad(buf))
 
 
 def test_checkpoint_accessor_returns_the_host_shards() -> None:

@@ -8,15 +8,22 @@ each step (forward, loss, backward, optimizer step):
   `cpu_adam` op with ninja on first use, a few minutes, cached afterwards): paired
   alternating rounds (partita.bench.paired), median ratio with its 99% interval;
 - partita without offload and with `offload=optimizer+disk` (partita.memory.disk, files
-  in `--dir`, host buffers within `--budget-gb`): tokens/s of each, and the bytes the
-  disk step moves per second of its pipeline of reads, updates and writes, against
-  this directory's sequential bandwidth measured here the same way (buffered
-  `pwrite`/`pread` of as many bytes in 8 MiB blocks); the synced, cold-cache figure is
-  printed beside it: the engine does not bypass or sync the page cache, so on a
-  machine with memory to spare its files are served from memory.
+  in `--dir`, host buffers within `--budget-gb`): tokens/s of each; and, in
+  alternating rounds, the bytes one disk step moves per second of its pipeline of
+  reads, updates and writes against this directory's sequential bandwidth measured
+  right after it: writing then reading back as many bytes in 8 MiB blocks, through
+  O_DIRECT as the engine's full records are (buffered where the file system refuses
+  it, as the engine then is). B is the median of the rounds' ratios, with its 99%
+  interval (the disk is shared; single readings swing by 2x).
 
-DeepSpeed's NVMe offload needs the libaio headers to build its `async_io` op; this
-benchmark does not install system packages, so that peer is reported as not run.
+- partita ZeRO-3 `offload=optimizer+disk` against DeepSpeed ZeRO-3 with
+  `offload_optimizer: nvme` (its files in the same directory), paired rounds. Its
+  `async_io` op JIT-builds against the libaio headers, which the machine must have
+  (`apt-get install libaio-dev`; this benchmark installs no system packages itself);
+  where they are missing, or the build fails, that pair is reported as not run. The
+  build takes minutes (about 50 on a loaded 2-core machine) and is cached; a build
+  killed midway leaves a `lock` file in its torch_extensions folder that makes the
+  next one wait forever: delete it.
 
 Last line: `offload: worst partita/peer step-time ratio R; disk offload at B% of
 sequential disk bandwidth` (targets R <= 1.0, B >= 70%).
@@ -52,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="none: partita's own modes only (no DeepSpeed build)")
 
 
-def _config(args: argparse.Namespace, offload: str, directory: str):
+def _config(args: argparse.Namespace, offload: str, directory: str, stage: int = 2):
     from partita.config import Config
 
     cfg = Config()
@@ -61,16 +68,16 @@ def _config(args: argparse.Namespace, offload: str, directory: str):
     cfg.model.max_seq_len = cfg.data.seq_len = args.seq
     cfg.train.global_batch, cfg.train.microbatches = args.batch, 1
     cfg.train.dtype, cfg.train.lr = "float32", 1e-3
-    cfg.parallel.zero_stage, cfg.parallel.offload = 2, offload
+    cfg.parallel.zero_stage, cfg.parallel.offload = stage, offload
     cfg.parallel.offload_dir, cfg.parallel.host_memory_budget_gb = directory, args.budget_gb
     return cfg
 
 
-def _partita(args: argparse.Namespace, offload: str, directory: str):
+def _partita(args: argparse.Namespace, offload: str, directory: str, stage: int = 2):
     from partita.mesh import Mesh
     from partita.parallelize import build_parallel_model
 
-    cfg = _config(args, offload, directory)
+    cfg = _config(args, offload, directory, stage)
     pm = build_parallel_model(cfg, Mesh(cfg.layout(1).degrees, 0, 1), torch.device("cpu"))
 
     def step(tokens: torch.Tensor) -> float:
@@ -82,9 +89,10 @@ def _partita(args: argparse.Namespace, offload: str, directory: str):
     return pm, step
 
 
-def _deepspeed(args: argparse.Namespace):
-    """DeepSpeed ZeRO-2 with the optimizer on the CPU around the same model, or None
-    and the reason it could not run."""
+def _deepspeed(args: argparse.Namespace, nvme_dir: str = ""):
+    """DeepSpeed ZeRO-2 with the optimizer on the CPU around the same model (with
+    `nvme_dir`: ZeRO-3 with the optimizer's states in files there, its NVMe offload),
+    or None and the reason it could not run."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
@@ -103,6 +111,12 @@ def _deepspeed(args: argparse.Namespace):
                   "optimizer": {"type": "AdamW", "params": {
                       "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+        if nvme_dir:
+            from deepspeed.ops.op_builder.cpu.async_io import AsyncIOBuilder
+
+            AsyncIOBuilder().load()  # JIT-built once; needs the libaio headers
+            ds_cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {
+                "device": "nvme", "nvme_path": nvme_dir, "pin_memory": False}}
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds_cfg,
                                                model_parameters=model.parameters())
     except Exception as exc:  # report, do not fail the whole benchmark
@@ -117,33 +131,31 @@ def _deepspeed(args: argparse.Namespace):
     return step, f"deepspeed {deepspeed.__version__}"
 
 
-def sequential_bandwidth(directory: str, nbytes: int, cold: bool, repeats: int = 3,
+def sequential_bandwidth(directory: str, nbytes: int, direct: bool,
                          block: int = 8 << 20) -> float:
-    """Bytes/s of rewriting then reading back a file of `nbytes` in `block`-byte pieces,
-    the best of `repeats`. Warm (`cold=False`): buffered, the file written once before,
-    as the disk engine rewrites its files every step; cold: the writes synced and the
-    page cache dropped before the reads (the device itself, not the cache before it)."""
-    buf = bytearray(os.urandom(block))
+    """Bytes/s of writing then reading back a file of `nbytes` in `block`-byte pieces,
+    through O_DIRECT when `direct` (the page cache bypassed, as the disk engine's
+    records), and with the writes synced either way."""
+    from partita.memory.disk import _aligned
+
+    buf = _aligned(block)
+    buf.copy_(torch.randint(256, (block,), dtype=torch.uint8))
+    view = memoryview(buf.numpy())
     path = os.path.join(directory, "bandwidth.probe")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
-    best = 0.0
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+    fd = os.open(path, flags, 0o600)
+    nbytes = -(-nbytes // block) * block
     try:
+        start = time.perf_counter()
         for off in range(0, nbytes, block):
-            os.pwrite(fd, buf, off)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for off in range(0, nbytes, block):
-                os.pwrite(fd, buf, off)
-            if cold:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            for off in range(0, nbytes, block):
-                os.preadv(fd, [buf], off)
-            best = max(best, 2 * nbytes / (time.perf_counter() - start))
+            os.pwritev(fd, [view], off)
+        os.fsync(fd)
+        for off in range(0, nbytes, block):
+            os.preadv(fd, [view], off)
+        return 2 * nbytes / (time.perf_counter() - start)
     finally:
         os.close(fd)
         os.unlink(path)
-    return best
 
 
 def run(args: argparse.Namespace) -> int:
@@ -178,8 +190,10 @@ def _run(args: argparse.Namespace, directory: str) -> int:
         print(f"{'host offload':<22} partita {statistics.median(times[0]) * 1e3:8.1f} ms  "
               f"{peer_name} {statistics.median(times[1]) * 1e3:8.1f} ms  ratio "
               f"{est.median:.3f} ({est.span}, {est.rounds} rounds)")
-    print("DeepSpeed NVMe offload: not run (its async_io op needs the libaio headers, which "
-          "this benchmark does not install)")
+    if args.peer == "deepspeed":
+        worst = _against_nvme(args, directory, tokens, worst)
+    else:
+        print("DeepSpeed NVMe offload: not run (--peer none)")
     tokens_per_step = args.batch * args.seq
     rates = {}
     for mode in ("none", "optimizer", "optimizer+disk"):
@@ -187,22 +201,59 @@ def _run(args: argparse.Namespace, directory: str) -> int:
         step(tokens)
         took = [step(tokens) for _ in range(args.steps)]
         rates[mode] = tokens_per_step / statistics.median(took)
-        if mode == "optimizer+disk":
-            disk = pm.dp.disk
-            moved = disk.bytes_read + disk.bytes_written
-            disk_rate = moved / disk.seconds
-            per_step = moved / (args.steps + 1)
-    size = max(int(per_step), 64 << 20)
-    seq_bw = sequential_bandwidth(directory, size, cold=False)
-    cold_bw = sequential_bandwidth(directory, size, cold=True)
-    share = disk_rate / seq_bw
+    disk = pm.dp.disk
+    share, pipe, seq = _disk_share(args, disk, lambda: step(tokens), directory)
     print(f"tokens/s: in memory {rates['none']:,.0f}, host offload {rates['optimizer']:,.0f}, "
           f"disk offload {rates['optimizer+disk']:,.0f} "
           f"({rates['optimizer+disk'] / rates['none']:.2f} of in memory)")
-    print(f"disk offload moved {per_step / 1e6:.1f} MB per step at {disk_rate / 1e6:.0f} MB/s "
-          f"(reads + writes over the step's disk pipeline); sequential bandwidth here, "
-          f"buffered as the engine's I/O: {seq_bw / 1e6:.0f} MB/s (synced, cache dropped: "
-          f"{cold_bw / 1e6:.0f} MB/s; files this small stay in the page cache)")
+    print(f"disk offload ({'O_DIRECT' if disk.direct else 'buffered'} records of "
+          f"{disk.subgroup * 3 * disk.dtype.itemsize / 1e6:.1f} MB): moved "
+          f"{pipe[1] / 1e6:.1f} MB per step at median {pipe[0] / 1e6:.0f} MB/s over the "
+          f"step's read-update-write pipeline; sequential bandwidth here, measured after "
+          f"each step the same way: median {seq / 1e6:.0f} MB/s; pipeline/sequential "
+          f"{share.median:.3f} ({share.span}, {share.rounds} rounds)")
     print(f"offload: worst partita/peer step-time ratio {worst:.3f}; disk offload at "
-          f"{share * 100:.0f}% of sequential disk bandwidth")
+          f"{share.median * 100:.0f}% of sequential disk bandwidth")
     return 0
+
+
+def _against_nvme(args: argparse.Namespace, directory: str, tokens: torch.Tensor,
+                  worst: float) -> float:
+    """Ours, ZeRO-3 `optimizer+disk`, against DeepSpeed ZeRO-3 with its optimizer
+    offloaded to NVMe, files in the same directory: paired rounds; the worse ratio."""
+    nvme = os.path.join(directory, "deepspeed")
+    os.makedirs(nvme, exist_ok=True)
+    peer, name = _deepspeed(args, nvme)
+    if peer is None:
+        print(f"DeepSpeed NVMe offload could not run here: {name}")
+        return worst
+    ours_dir = os.path.join(directory, "partita")
+    os.makedirs(ours_dir, exist_ok=True)
+    _, ours = _partita(args, "optimizer+disk", ours_dir, stage=3)
+    sides = (ours, peer)
+    for side in sides:
+        side(tokens)  # warm-up
+    times = paired_rounds(lambda k: sides[k](tokens), args.rounds, args.max_rounds,
+                          threshold=1.0)
+    est = estimate_times(times)
+    print(f"{'disk offload (ZeRO-3)':<22} partita {statistics.median(times[0]) * 1e3:8.1f} ms  "
+          f"{name} NVMe {statistics.median(times[1]) * 1e3:8.1f} ms  ratio "
+          f"{est.median:.3f} ({est.span}, {est.rounds} rounds)")
+    return est.median if worst != worst else max(worst, est.median)
+
+
+def _disk_share(args: argparse.Namespace, disk, step, directory: str):
+    """Alternating rounds of one disk step and one sequential probe of as many bytes:
+    the estimate of the ratio of their rates, the pipeline's median rate and bytes per
+    step, and the probe's median rate."""
+    from partita.bench.paired import estimate
+
+    ratios, pipes, seqs = [], [], []
+    for _ in range(max(args.rounds, 2 * args.steps)):
+        moved, seconds = disk.bytes_read + disk.bytes_written, disk.seconds
+        step()
+        moved, seconds = disk.bytes_read + disk.bytes_written - moved, disk.seconds - seconds
+        pipes.append(moved / seconds)
+        seqs.append(sequential_bandwidth(directory, moved // 2, disk.direct))
+        ratios.append(pipes[-1] / seqs[-1])
+    return estimate(ratios), (statistics.median(pipes), moved), statistics.median(seqs)

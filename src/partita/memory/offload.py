@@ -13,14 +13,24 @@ What lives where, per flat bucket of the data-parallel engine (`partita.zero`):
   moments, a staging buffer the owned gradient is copied into, and under
   "optimizer+params" the owned parameter shard at rest.
 
-A step, bucket by bucket in the order the next forward needs them: the owned gradient
-is copied to host (every bucket's copy is issued first, so on a GPU they stream while
-the CPU updates earlier buckets), AdamW runs on the CPU over the flat slice
-(`partita.optim.adamw_`, torch's fused CPU kernel: one vectorised pass per slice), and
-the updated master is copied back into the device parameters, cast to their dtype
-(under "optimizer+params" into the host shard: ZeRO-3 copies a shard to the device
-when it gathers it, see `stage_in`). Every copy is recorded in `copies` (direction,
-bucket), so tests can check the order on a machine whose host and device are one.
+Gradients stream to host during backward: the data-parallel engine's reducer calls
+back as each bucket's reduction lands (`stream_grad`; on a GPU the copy runs on a side
+stream behind the reduction, into page-locked memory, while backward goes on with
+earlier layers), so only the buckets reduced last are copied after backward ends. A
+bucket a later microbatch still adds to is copied again when it is final; anything
+not streamed by the boundary is copied then. Scaling applied to the gradients after
+their copy (fp16 unscaling, clipping) is applied to the host copies, which are what
+the update reads.
+
+The step, bucket by bucket in the order the next forward needs them: AdamW runs on
+the CPU over the flat slice (`partita.optim.adamw_`, torch's fused CPU kernel: one
+vectorised pass per slice) and the updated master is copied back into the device
+parameters, cast to their dtype, while the CPU goes on to the next bucket (under
+"optimizer+params" into the host shard: ZeRO-3 copies a shard to the device, prefetched
+like the all-gathers, when it gathers it, see `stage_in`; under stages 1-2 each
+bucket's all-gather follows its copy and the next forward waits module by module).
+Every copy is recorded in `copies` (direction, bucket), so tests can check the order on
+a machine whose host and device are one.
 """
 
 from __future__ import annotations
@@ -81,7 +91,8 @@ class HostOptimizer:
     device: torch.device
     scratch: torch.Tensor
     copies: list[tuple[str, int]] = field(default_factory=list)  # ("d2h"|"adam"|"h2d", b)
-    _events: list = field(default_factory=list)
+    _events: dict = field(default_factory=dict)  # bucket -> its copy's CUDA event
+    _stream: object = None  # the side stream of the gradient copies (CUDA)
 
     @classmethod
     def create(cls, owned_params: list[torch.Tensor], grad_dtypes: list[torch.dtype],
@@ -100,23 +111,33 @@ class HostOptimizer:
         scratch = adamw_scratch(largest if cast else 0, master_dtype, torch.device("cpu"))
         return cls(slots, grads, torch.device(device), scratch)
 
-    def stream_grads(self, owned_grads: list[torch.Tensor], order: list[int]) -> None:
-        """Issue the device-to-host copy of every bucket's owned gradient, in `order`."""
-        self._events = [None] * len(owned_grads)
-        for b in order:
-            self.grads[b].copy_(owned_grads[b], non_blocking=True)
-            if self.device.type == "cuda":
+    def stream_grad(self, b: int, grad: torch.Tensor) -> None:
+        """Start copying bucket `b`'s reduced owned gradient to its host buffer (on a
+        GPU behind the work queued so far, on a side stream)."""
+        if self.device.type == "cuda":
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self.grads[b].copy_(grad, non_blocking=True)
                 event = torch.cuda.Event()
-                event.record()
-                self._events[b] = event
-            self.copies.append(("d2h", b))
+                event.record(self._stream)
+            self._events[b] = event
+        else:
+            self.grads[b].copy_(grad)
+        self.copies.append(("d2h", b))
+
+    def wait_grads(self) -> None:
+        """Every gradient copy issued so far has landed (the device gradients may be
+        written again, the host copies read)."""
+        for event in self._events.values():
+            event.synchronize()
+        self._events.clear()
 
     def step(self, b: int, param: torch.Tensor, step: int, lr: float, cfg: AdamWConfig,
              host_shard: bool = False) -> None:
         """AdamW on bucket `b`'s host states, then its updated values into `param`:
         the device slice ("h2d"), or under "optimizer+params" the host shard ("shard")."""
-        if self._events and self._events[b] is not None:
-            self._events[b].synchronize()  # its gradient has arrived
         slot = self.slots[b]
         adamw_(slot.master, self.grads[b], slot.exp_avg, slot.exp_avg_sq, step, lr, cfg,
                slot.decay, self.scratch)

@@ -154,6 +154,7 @@ class DataParallel:
         decay = [buf.decay_ranges(*self._owned_range(buf)) for buf in self.buckets]
         self.host: HostOptimizer | None = None
         self.disk: DiskOptimizer | None = None
+        self._disk_slices: list[OwnedSlice] | None = None  # read for a checkpoint
         if offload.disk:  # master weights and moments in files (ZeRO-Infinity)
             self.disk = DiskOptimizer.create(
                 [self._owned_param(b) for b in self.buckets],
@@ -179,9 +180,12 @@ class DataParallel:
         on_device = self.host is None and self.disk is None
         self.adam_scratch = adamw_scratch(largest if cast and on_device else 0,
                                           precision.master, device)
+        # Host offload: each bucket's reduced gradient streams to host as it lands.
+        self.streamed = [False] * len(self.buckets)
         self.reducer = GradReducer(self.buckets, self.comm, self.stage, precision.reduce,
                                    zero.accumulates_in_full_buffer,
-                                   self.gatherer.done if self.gatherer else None)
+                                   self.gatherer.done if self.gatherer else None,
+                                   self._grad_reduced if self.host is not None else None)
         self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
                            if self.stage.gathers_parameters_after_step else None)
         self.scaler = LossScaler(precision)
@@ -256,6 +260,24 @@ class DataParallel:
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.free_all()
+        if self.host is not None:  # what did not stream during backward goes now
+            for b, done in enumerate(self.streamed):
+                if not done:
+                    self._grad_reduced(b, True)
+
+    def _grad_reduced(self, b: int, final: bool) -> None:
+        """Host offload: bucket `b`'s reduced owned gradient is in; copy it to host
+        unless a later round of this step still adds to it."""
+        assert self.host is not None
+        if final:
+            self.host.stream_grad(b, self._owned_grad(self.buckets[b]))
+        self.streamed[b] = final
+
+    def _step_grad(self, buf: FlatBuffer) -> torch.Tensor:
+        """The gradient the optimizer reads: under host offload, the host copy."""
+        if self.host is not None:
+            return self.host.grads[self.buckets.index(buf)]
+        return self._owned_grad(buf)
 
     @torch.no_grad()
     def _prepare(self) -> bool:
@@ -263,6 +285,8 @@ class DataParallel:
         if self._overflow is not None:
             return self._overflow
         self.finish_grad_sync()
+        if self.host is not None:
+            self.host.wait_grads()
         overflow = False
         if self.scaler.enabled:
             bad = float(any(not torch.isfinite(self._owned_grad(b)).all() for b in self.buckets))
@@ -271,6 +295,8 @@ class DataParallel:
             if not overflow:
                 for b in self.buckets:
                     self._owned_grad(b).mul_(1.0 / self.scaler.scale)
+                    if self.host is not None:  # the copy the update reads
+                        self._step_grad(b).mul_(1.0 / self.scaler.scale)
         self._overflow = overflow
         return overflow
 
@@ -292,8 +318,8 @@ class DataParallel:
         norm = global_norm(local, groups)
         coef = clip_coefficient(norm, max_norm)
         if coef < 1.0:
-            for buf in self.buckets:
-                self._owned_grad(buf).mul_(coef)
+            for buf in self.buckets:  # under host offload the device copy is done with
+                self._step_grad(buf).mul_(coef)
         return norm
 
     def _expert_buckets(self) -> list[int]:
@@ -331,8 +357,6 @@ class DataParallel:
             if self.param_sync is not None:
                 for b in reversed(range(len(self.buckets))):
                     self.param_sync.launch(b)
-        if self.host is not None:  # every gradient's copy to host first, then the updates
-            self.host.stream_grads([self._owned_grad(b) for b in self.buckets], order)
         for b in order:
             buf = self.buckets[b]
             if self.host is not None:
@@ -344,6 +368,7 @@ class DataParallel:
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
+        self.streamed = [False] * len(self.buckets)  # the host copies are consumed
         self.scaler.update(False)
         return True
 
@@ -355,6 +380,7 @@ class DataParallel:
 
     @torch.no_grad()
     def zero_grad(self) -> None:
+        self.streamed = [False] * len(self.buckets)
         self.reducer.clear()  # every .grad None; no memset (reducer docstring)
         for buf in self.buckets:
             if buf.shard_grad is not None:
@@ -452,19 +478,26 @@ class DataParallel:
         """Per bucket, what this rank's optimizer updates: the flat range, the pieces of
         parameters in it and the tensors holding their values and AdamW state (views of
         the engine's own buffers; host memory under offload). Checkpoints read and
-        write training state here."""
-        if self.disk is not None:
-            raise PartitaError(
-                "checkpoints are not available under disk offload yet (the optimizer state "
-                "lives in files the checkpoint would have to copy); use "
-                "parallel.offload=optimizer or none to checkpoint this run."
-            )
+        write training state here. Under disk offload the states (and, with the
+        parameters on disk, the parameters) are read from their files into host
+        tensors, the whole owned slice at once; after a load, `owned_slices_loaded`
+        writes the last such tensors back."""
         self.wait_params()
         out = []
-        for buf, slot in zip(self.buckets, self.slots):
+        for b, buf in enumerate(self.buckets):
             lo, hi = self._owned_range(buf)
+            if self.disk is not None:
+                st = self.disk.read_states(b)
+                param = (self.disk.read_param(b) if self.offload.params
+                         else self._owned_param(buf))
+                out.append(OwnedSlice(buf.pieces(lo, hi), lo, param, st["master"],
+                                      st["exp_avg"], st["exp_avg_sq"]))
+                continue
+            slot = self.slots[b]
             out.append(OwnedSlice(buf.pieces(lo, hi), lo, self._owned_param(buf), slot.master,
                                   slot.exp_avg, slot.exp_avg_sq))
+        if self.disk is not None:
+            self._disk_slices = out
         return out
 
     def writes_piece(self, piece: Piece) -> bool:
@@ -484,6 +517,13 @@ class DataParallel:
     def owned_slices_loaded(self) -> None:
         """The owned slices were written from outside (a checkpoint was loaded): bring
         the full parameter buffers of stages 1-2 up to date from every rank's slice."""
+        if self.disk is not None:  # the tensors `owned_slices` read go back to the files
+            for b, sl in enumerate(self._disk_slices or []):
+                self.disk.write_states(b, {"master": sl.master, "exp_avg": sl.exp_avg,
+                                           "exp_avg_sq": sl.exp_avg_sq})
+                if self.offload.params:
+                    self.disk.write_param(b, sl.param)
+            self._disk_slices = None
         if self.stage.gathers_parameters_after_step:
             for buf in self.buckets:
                 (buf.comm or self.comm).all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])

@@ -36,6 +36,13 @@ reduces every bucket at its end, complete or not: a parameter that got no gradie
 (unused this step, on every rank alike) leaves its bucket incomplete, and it is
 launched by `flush` with that parameter's gradient zero.
 
+`on_reduced(b, final)`, when given (host offload), is called as each bucket's reduced
+result lands in its owned gradient, `final` when no later round of the step adds to
+it; a bucket in flight is completed as soon as its collective is (polled whenever
+another bucket launches), so the callback runs during backward for all but the
+buckets reduced last. With it, a group of one rank keeps its hooks, so that buckets
+complete one by one during backward there too.
+
 Stages 2 and 3 copy each gradient into a transient bucket already divided by the group
 size (one fused pass, as DDP does) and release autograd's own .grad right after. Both
 ways, the reduced bucket is the gradient of the mean over all ranks' losses (each rank's
@@ -57,7 +64,8 @@ from partita.zero.policies import ZeroStage
 class GradReducer:
     def __init__(self, buckets: list[FlatBuffer], comm: GroupComm, stage: ZeroStage,
                  reduce_dtype: torch.dtype, accumulate_in_full_buffer: bool,
-                 on_bucket_done: Callable[[FlatBuffer], None] | None = None) -> None:
+                 on_bucket_done: Callable[[FlatBuffer], None] | None = None,
+                 on_reduced: Callable[[int, bool], None] | None = None) -> None:
         self.buckets, self.comm, self.stage = buckets, comm, stage
         self.reduce_dtype = reduce_dtype
         # View mode: microbatches accumulate in the bucket's full buffer, which lives
@@ -68,17 +76,18 @@ class GradReducer:
         # Stages 2 ("reduce") and 3 communicate on every microbatch, sync or not.
         self.always_reduce = not self.view_mode
         self.on_bucket_done = on_bucket_done
+        self.on_reduced = on_reduced
         self.sync = True
         self.scale = 1.0 / comm.size
         self.written: list[set[int]] = [set() for _ in buckets]
-        self.pending: list[tuple[int, object, torch.Tensor, torch.Tensor]] = []
+        self.pending: list[tuple[int, object, torch.Tensor, torch.Tensor, bool]] = []
         self.live_bytes = 0
         self.peak_bytes = 0  # communication / staging buffers, high-water mark
         self._reset()
         # See the module docstring: .grad bound to the buckets (stages 0-1), and no hooks
         # at all when there is nobody to communicate with.
         self.bound = not stage.shards_gradients
-        self.hookless = self.bound and comm.size == 1
+        self.hookless = self.bound and comm.size == 1 and on_reduced is None
         # Bound mode: the buffers hold gradients reduced since the optimizer last used
         # them, so a second finish_grad_sync (step() calls it again) reduces nothing.
         self.reduced = False
@@ -208,6 +217,13 @@ class GradReducer:
         while self.cursor < len(self.order) and self.ready[self.order[self.cursor]]:
             self._launch(self.order[self.cursor])
             self.cursor += 1
+        if self.on_reduced is not None:
+            self._poll()
+
+    def _poll(self) -> None:
+        """Complete, in launch order, the buckets whose collectives are done."""
+        while self.pending and self.pending[0][1].is_completed():
+            self._complete(*self.pending.pop(0))
 
     def _zero_unwritten(self, b: int) -> None:
         """Parameters that got no gradient since the buffer was last cleared hold zeros."""
@@ -249,12 +265,14 @@ class GradReducer:
         if not self.view_mode:
             buf.full_grad = None  # the pending entry keeps it alive until the wait
             self.written[b] = set()
-        self.pending.append((b, work, send, out))
+        # Final: no later round of this step adds to the owned gradient.
+        self.pending.append((b, work, send, out, self.sync))
         self.launched[b] = True
 
     # Boundary --------------------------------------------------------------------------
     @torch.no_grad()
-    def _complete(self, b: int, work, send: torch.Tensor, out: torch.Tensor) -> None:
+    def _complete(self, b: int, work, send: torch.Tensor, out: torch.Tensor,
+                  final: bool) -> None:
         work.wait()
         buf = self.buckets[b]
         if self.stage.all_reduces_gradients:
@@ -268,6 +286,8 @@ class GradReducer:
             if self.view_mode:  # stage 2 "buffer": the full buffer lives until here
                 buf.full_grad = None
                 self.written[b] = set()
+        if self.on_reduced is not None:
+            self.on_reduced(b, final)
 
     def flush(self) -> None:
         """Launch every bucket not yet launched in a round that reduces (unused
