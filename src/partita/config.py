@@ -228,7 +228,7 @@ class Config:
 
         dp=0 becomes what the world leaves after tp*pp*cp; virtual_stages=0 the schedule's
         default; train.microbatches (a count) the microbatch size in sequences. Raises
-        only when those cannot be resolved; `partita.layout.validate` judges the rest.
+        only when those cannot be resolved; `partita.layout_rules.validate` judges the rest.
         """
         p, t = self.parallel, self.train
         other = p.tp * p.pp * p.cp

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
-from partita.layout import Degrees, Layout, world_size_message
+from partita.layout import Degrees, Layout
+from partita.layout_rules import world_size_message
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -54,7 +54,8 @@ from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
 from partita.experts import MoERunner, apply_expert_parallel
-from partita.layout import Layout, validate
+from partita.layout import Layout
+from partita.layout_rules import validate
 from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
 from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
@@ -195,7 +196,7 @@ def engine_policies(cfg: Config) -> tuple[ZeroConfig, MixedPrecision, AdamWConfi
 def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
                  world_size: int | None = None) -> None:
     """Reject unsupported settings before any process waits on another: the engine's
-    policies, then every rule of `partita.layout.validate` at once."""
+    policies, then every rule of `partita.layout_rules.validate` at once."""
     _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
     mode = CompilePolicy(cfg.train.compile).mode
     refusal = (blocks_refusal(layout, model_cfg.moe)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from partita.errors import PartitaError
-from partita.layout import Layout, validate
+from partita.layout import Layout
+from partita.layout_rules import validate
 from partita.memory import OffloadPolicy
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig

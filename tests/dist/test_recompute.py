@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from partita.errors import PartitaError
-from partita.layout import Layout, parse_layout, validate
+from partita.layout import Layout, parse_layout
+from partita.layout_rules import validate
 from partita.memory import RecomputePolicy, apply_recompute
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model

@@ -8,14 +8,13 @@ import pytest
 
 from partita.config import Config, layout_overrides, load_config
 from partita.errors import PartitaError
-from partita.layout import (
+from partita.layout import Layout, parse_layout
+from partita.layout_rules import (
     CONSTRAINT,
     DIVISIBILITY,
     UNAVAILABLE,
     ZERO3_PIPELINE_REASON,
-    Layout,
     find_problems,
-    parse_layout,
     validate,
 )
 from partita.models.catalog import get_model_config
@@ -30,8 +29,8 @@ def _problems(layout: Layout, world: int | None = None, model: ModelConfig = TIN
                          seq_len=seq_len, global_batch=global_batch)
 
 
-def test_layout_module_imports_no_torch():
-    code = "import sys, partita.layout; print('torch' in sys.modules)"
+def test_layout_modules_import_no_torch():
+    code = "import sys, partita.layout, partita.layout_rules; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "False"

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from partita.errors import PartitaError
-from partita.layout import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, Layout, find_problems
+from partita.layout import Layout
+from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.models.catalog import MODELS
 from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE

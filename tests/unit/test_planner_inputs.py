@@ -5,7 +5,8 @@ import pytest
 
 from partita.config import Config
 from partita.errors import PartitaError
-from partita.layout import UNAVAILABLE, Layout, find_problems, parse_layout
+from partita.layout import Layout, parse_layout
+from partita.layout_rules import UNAVAILABLE, find_problems
 from partita.planner import Cluster, get_gpu, make_request, resolve_model, search, step_time
 from partita.planner.model_shape import parse_model_shape
 from partita.planner.search import SearchSpace

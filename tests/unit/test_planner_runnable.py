@@ -3,7 +3,7 @@
 import pytest
 
 from partita.config import Config, layout_overrides, load_config
-from partita.layout import UNAVAILABLE, find_problems
+from partita.layout_rules import UNAVAILABLE, find_problems
 from partita.planner import make_request, search
 from partita.planner.search import SearchSpace
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.layout import Layout, find_problems
+from partita.layout import Layout
+from partita.layout_rules import find_problems
 from partita.mesh import Mesh
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model

@@ -8,7 +8,7 @@
     runner = setup.runner(dp, loss_fn, device, mesh, plan)  # gets the Schedule object
 
 What a user can get wrong (too few microbatches for the schedule, more stages than
-blocks, ZeRO-3) is a rule of `partita.layout.validate`, which runs before this. Here the
+blocks, ZeRO-3) is a rule of `partita.layout_rules.validate`, which runs before this. Here the
 schedule is built, proven free of deadlocks and handed on as an object: once per process.
 """
 
@@ -77,7 +77,7 @@ def pipeline_schedule(layout: Layout, microbatches: int) -> Schedule:
 
 def prepare_pipeline(cfg, model_cfg: ModelConfig, mesh: Mesh, layout: Layout) -> PipelineSetup:
     """This rank's part of the pipeline: the stage split and the schedule (no
-    communication). `layout` has passed `partita.layout.validate`."""
+    communication). `layout` has passed `partita.layout_rules.validate`."""
     sched = pipeline_schedule(layout, cfg.train.microbatches)
     stages = plan_stages(model_cfg, layout.pp, sched.n_virtual, cfg.parallel.pp_balance,
                          cfg.data.seq_len)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from partita.layout import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, Layout, find_problems
+from partita.layout import Layout
+from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
 from partita.planner.hardware import Cluster
 from partita.planner.memory import host_state_bytes, peak_memory, stage_layers
@@ -65,7 +66,7 @@ class Evaluation:
 
 def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     """Everything but memory: whether partita can train the layout at all (the rules of
-    `partita.layout.find_problems`, the trainer's own), then what the planner's model of
+    `partita.layout_rules.find_problems`, the trainer's own), then what the planner's model of
     a cluster adds (tensor parallelism within a node, learned positions, MoE experts)."""
     c = req.model.config
     out: list[tuple[str, str]] = list(find_problems(
