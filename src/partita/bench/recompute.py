@@ -95,7 +95,11 @@ def _torch_checkpoint(model: nn.Module, mode: str) -> None:
         if mode == "full":
             block.forward = functools.partial(checkpoint, forward, use_reentrant=False)
         else:
-            context = functools.partial(create_selective_checkpoint_contexts, policy)
+            # RMSNorm's CPU kernel adds eps in place to the saved mean; every op but
+            # attention is saved (not rerun), so replaying the saved, updated tensor is
+            # exact, and torch must be told the mutation is expected.
+            context = functools.partial(create_selective_checkpoint_contexts, policy,
+                                        allow_cache_entry_mutation=True)
             block.forward = functools.partial(checkpoint, forward, use_reentrant=False,
                                               context_fn=context)
 
