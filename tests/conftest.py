@@ -83,30 +83,36 @@ def cli(cache) -> CLI:
 
 # The fault-injection and bad-input suite: its files carry `pytestmark =
 # pytest.mark.fault_suite("CLASS")` (registered in pyproject.toml), and the run ends
-# with its count by class.
-FAULT_SUITE: dict[str, str] = {}  # test node id -> class
+# with its count by class. Each case's report carries its class (`user_properties`), so
+# the count also adds up when pytest-xdist runs the tests in worker processes.
+SUITE_PROPERTY = "fault_suite"
 
 
-def pytest_collection_finish(session) -> None:
-    for item in session.items:  # after deselection: the cases that run
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
         marker = item.get_closest_marker("fault_suite")
         if marker is not None:
-            FAULT_SUITE[item.nodeid] = marker.args[0]
+            item.user_properties.append((SUITE_PROPERTY, marker.args[0]))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if not FAULT_SUITE:
-        return
-    outcome = {}
+    kinds: dict[str, str] = {}  # test node id -> class
+    outcome: dict[str, str] = {}
     for status in ("passed", "failed", "skipped", "error"):
         for report in terminalreporter.stats.get(status, []):
-            if getattr(report, "nodeid", None) in FAULT_SUITE and report.when in ("call", "setup"):
+            kind = dict(getattr(report, "user_properties", ())).get(SUITE_PROPERTY)
+            if kind is None:
+                continue
+            kinds[report.nodeid] = kind
+            if report.when == "call" or status != "passed":
                 outcome[report.nodeid] = status
-    kinds: dict[str, int] = {}
-    for kind in FAULT_SUITE.values():
-        kinds[kind] = kinds.get(kind, 0) + 1
+    if not kinds:
+        return
+    count: dict[str, int] = {}
+    for kind in kinds.values():
+        count[kind] = count.get(kind, 0) + 1
     done = sum(1 for s in outcome.values() if s == "passed")
-    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+    by_kind = ", ".join(f"{k} {n}" for k, n in sorted(count.items()))
     terminalreporter.write_line(
-        f"fault-injection and bad-input suite: {len(FAULT_SUITE)} cases ({by_kind}); "
+        f"fault-injection and bad-input suite: {len(kinds)} cases ({by_kind}); "
         f"{done} passed")
