@@ -88,7 +88,23 @@ def cli(cache) -> CLI:
 SUITE_PROPERTY = "fault_suite"
 
 
+# The longest files (measured with --durations), started first: the two xdist workers take
+# whole files in this order, so a long file left for the end would run alone.
+LONGEST_FIRST = (
+    "tests/e2e/test_process_faults.py", "tests/dist/test_compile_parity.py",
+    "tests/e2e/test_planned_layouts_train.py", "tests/e2e/test_checkpoint_cli.py",
+    "tests/e2e/test_cli.py", "tests/dist/test_checkpoint_resume.py",
+    "tests/e2e/test_launch_faults.py", "tests/dist/test_pipeline_parity.py",
+)
+
+
+def _start_order(item) -> int:
+    path = item.nodeid.split("::")[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(items) -> None:
+    items.sort(key=_start_order)  # stable: the rest keep their order
     for item in items:
         marker = item.get_closest_marker("fault_suite")
         if marker is not None:

@@ -109,6 +109,11 @@ def stop_on_signals() -> None:
     import signal
 
     def handler(signum, _frame):
+        # The first signal stops the process; later ones (Ctrl-C reaches every process
+        # of the group, and the launcher forwards its own copy) must not interrupt the
+        # exit with a second exception and its traceback.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         raise Stopped(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):

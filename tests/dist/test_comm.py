@@ -27,10 +27,12 @@ def _worker(rank: int, world: int) -> list[str]:
         for async_op in (False, True):
             full = _full(rank, numel, dtype)
             before = full.clone()
-            shard = torch.empty(numel // world, dtype=dtype)
+            shard = torch.full((numel // world,), float("nan"), dtype=dtype)
             work = comm.reduce_scatter_flat(shard, full, async_op=async_op)
             if async_op:
-                assert work is not None and not work.is_completed()
+                # The transfer may already be done (is_completed may say so), but the
+                # slices are summed into the shard only by wait().
+                assert work is not None and shard.isnan().all()
                 work.wait()
                 assert work.is_completed()
                 work.wait()  # a second wait must not sum again

@@ -19,7 +19,6 @@ def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_pat
     runs = {}
     for name, extra in {"single": ["--nproc", "1"],
                         "dp2": ["--nproc", "2"],
-                        "dp2-accum": ["--nproc", "2", "--train.microbatches=2"],
                         "tp2-sp": ["--nproc", "2", "--parallel.tp=2",
                                    "--parallel.sequence_parallel"]}.items():
         out = tmp_path / name

@@ -21,9 +21,9 @@ RUN = ["--train.steps=2", "--train.log_every=1", "--train.eval_every=100",
 
 # (world, parallel dimensions above 1, ZeRO stage): every combination once, every ZeRO
 # stage at least once (stage 3 cannot go with a pipeline), one 8-rank run
-# (tp x pp alone is inside the 8-rank dp x tp x pp run.)
+# (tp x pp and dp x pp alone are inside the 8-rank dp x tp x pp run.)
 WANTED = [(2, ("dp",), 1), (2, ("tp",), 0), (2, ("pp",), 0), (4, ("dp", "tp"), 3),
-          (4, ("dp", "pp"), 0), (8, ("dp", "tp", "pp"), 2)]
+          (8, ("dp", "tp", "pp"), 2)]
 
 
 def _pick(world: int, dims: tuple[str, ...], zero: int) -> Layout:
