@@ -85,16 +85,14 @@ def test_kernels_match_one_process_in_float64(world: int) -> None:
             expected = {name: sharding.shard(t, rank, world, dim=2) for name, t in ref.items()}
             assert_parity(ranks[rank][kind, kv_heads]["got"], expected, FLOAT64_TOL,
                           f"{kind} cp={world} kv_heads={kv_heads} rank {rank}")
-        # Only kv heads travel: (c-1) steps of k and v forward for the ring; the
-        # backward sends them c-1 more times and their gradients c times.
+        # Only kv heads travel. Both kinds send (c-1) shards of k and v forward; the
+        # backward sends them c-1 more times (ring hops, or a second all-gather) and
+        # returns c-1 shards of their gradients (straight to the owners, or a
+        # reduce-scatter).
         shard_bytes = 2 * B * kv_heads * (seq // world) * D * 8
         got = ranks[0][kind, kv_heads]
-        if kind == "ring":
-            assert got["forward_bytes"] == (world - 1) * shard_bytes
-            assert got["backward_bytes"] == (2 * world - 1) * shard_bytes
-        else:  # all-gather forward; all-gather + reduce-scatter backward
-            assert got["forward_bytes"] == (world - 1) * shard_bytes
-            assert got["backward_bytes"] == 2 * (world - 1) * shard_bytes
+        assert got["forward_bytes"] == (world - 1) * shard_bytes, kind
+        assert got["backward_bytes"] == 2 * (world - 1) * shard_bytes, kind
 
 
 def test_sharding_round_trip_and_balance() -> None:
@@ -154,7 +152,7 @@ def test_a_training_step_sends_the_stated_bytes_per_layer_and_microbatch() -> No
     # tokens in 2 microbatches of 4. One shard of keys and values: 2*b*(s/c)*h_kv*d*e.
     c, layers, microbatches = 2, 2, 2
     shard = 2 * 4 * (16 // c) * 2 * 8 * 8
-    per_layer = {"ring": (c - 1) + (2 * c - 1), "allgather": 3 * (c - 1)}
+    per_layer = {"ring": 3 * (c - 1), "allgather": 3 * (c - 1)}
     for ranks in run_distributed(_model_bytes, c):
         for kind, got in ranks.items():
             assert got["train"] == layers * microbatches * per_layer[kind] * shard, kind

@@ -303,7 +303,9 @@ def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
 def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_counted():
     """Per rank, cp = c keeps s/c tokens' activations (scores replaced by a log-sum-exp
     in partita's kernels: so exactly 1/c of a cp = 1 run that also keeps none); the
-    ring holds 2 K + 3 K_g of key/value buffers, the all-gather kind 2c (K + K_g)."""
+    ring holds 2 K + 4 K_g of key/value buffers (the pair held and the one arriving; the
+    own pair's gradients, the contribution being computed, one leaving, one arriving),
+    the all-gather kind 2c (K + K_g)."""
     from partita.planner.context_parallel import buffer_bytes, kv_shard_bytes
     from partita.planner.memory import comm_buffer_bytes
 
@@ -317,7 +319,7 @@ def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_coun
         k = kv_shard_bytes(model, Layout(cp=c), 4096, prec)
         assert k == 2 * 4096 / c * 2 * 16 * 4  # K and V, 2 kv heads of 16, fp32
         ring = comm_buffer_bytes(model, Layout(cp=c), 4096, prec, 0, a)
-        assert ring["context_parallel_kv"] == 5 * k
+        assert ring["context_parallel_kv"] == 6 * k
         gather = buffer_bytes(model, Layout(cp=c, cp_kind="allgather"), 4096, prec, a)
         assert gather == 2 * c * 2 * k
     assert comm_buffer_bytes(model, Layout(), 4096, prec, 0, a)["context_parallel_kv"] == 0

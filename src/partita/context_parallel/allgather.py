@@ -1,10 +1,12 @@
 """All-gather attention over the context-parallel group, as one autograd Function.
 
 Every rank gathers the keys and values of the whole sequence once per layer (one
-all-gather of the packed pair), then attends each of its query chunks to the key
-prefix it may see. Backward gathers them again rather than keeping the whole sequence
-between forward and backward (saved activations stay those of the local shard), and
-returns key/value gradients to their owners with one reduce-scatter.
+all-gather of the packed pair) and attends its queries to its own pair while the
+gather runs, then to the other ranks' pairs in at most two calls of the kernel
+(`sharding.visible` says which rows see which chunks). Backward gathers them again
+rather than keeping the whole sequence between forward and backward (saved activations
+stay those of the local shard), and returns key/value gradients to their owners with
+one reduce-scatter, which runs beside the own pair's diagonal blocks.
 
 Keys and values travel packed in one tensor, through partita's own counted collectives;
 the backward has a float64 gradient test of its own (tests/dist/test_context_parallel.py).
@@ -17,32 +19,54 @@ import torch
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
 from partita.context_parallel.clock import IDLE
-from partita.context_parallel.sharding import chunks_of
+from partita.context_parallel.sharding import own_blocks, positions, visible
 
 
-def _gather(kv: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-    """(2, b, g, 2n, d) on each rank -> (c, 2, b, g, 2n, d) in rank order."""
+def _gather(kv: torch.Tensor, comm: GroupComm):
+    """Start gathering (2, b, g, 2n, d) from each rank: (the (c, 2, b, g, 2n, d) buffer in
+    rank order, the pending work)."""
     out = kv.new_empty((comm.size, *kv.shape))
-    comm.all_gather_flat(out, kv.contiguous())
-    return out
+    return out, comm.all_gather_flat(out, kv.contiguous(), async_op=True)
 
 
-def _natural(gathered: torch.Tensor, n: int) -> torch.Tensor:
-    """Rank-ordered shards -> (2, b, g, s, d) with the chunks in sequence order."""
-    degree = gathered.shape[0]
-    owner = {}
-    for rank in range(degree):
-        for half, chunk in enumerate(chunks_of(rank, degree)):
-            owner[chunk] = (rank, half)
-    return torch.cat([gathered[r][..., h * n:(h + 1) * n, :]
-                      for r, h in (owner[j] for j in range(2 * degree))], dim=-2)
+class _Piece:
+    """Local query rows against keys gathered from several ranks' pairs, all visible."""
+
+    def __init__(self, rows: slice, keys: list[tuple[int, slice]]) -> None:
+        self.rows, self.keys = rows, keys
+
+    def take(self, gathered: torch.Tensor) -> torch.Tensor:
+        """(2, b, g, keys, d): the piece's keys and values, side by side."""
+        parts = [gathered[src][..., cols, :] for src, cols in self.keys]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+
+    def give(self, grads: torch.Tensor, into: torch.Tensor) -> None:
+        """Add the piece's key/value gradients (2, b, g, keys, d) to their ranks' slots."""
+        start = 0
+        for src, cols in self.keys:
+            width = cols.stop - cols.start
+            into[src][..., cols, :] += grads[..., start:start + width, :]
+            start += width
+
+    def documents(self, segments: torch.Tensor | None, rank: int,
+                  degree: int) -> torch.Tensor | None:
+        if segments is None:
+            return None
+        local = segments.shape[1] // degree
+        keys = torch.cat([positions(src, degree, local)[cols] for src, cols in self.keys])
+        return blocks.document_mask(segments, positions(rank, degree, local)[self.rows], keys)
 
 
-def _to_ranks(natural: torch.Tensor, degree: int, n: int) -> torch.Tensor:
-    """The inverse of `_natural`: (2, b, g, s, d) -> (c, 2, b, g, 2n, d), contiguous."""
-    pieces = natural.split(n, dim=-2)
-    return torch.stack([torch.cat([pieces[j] for j in chunks_of(rank, degree)], dim=-2)
-                        for rank in range(degree)])
+def _others(rank: int, degree: int, n: int) -> list[_Piece]:
+    """The other ranks' pairs in at most two pieces, each one call of the kernel: every
+    earlier rank's first chunk against all local queries, every later rank's pair
+    against the second query chunk (`sharding.visible`)."""
+    pieces = []
+    for group in (range(rank), range(rank + 1, degree)):
+        if len(group):
+            rows = visible(rank, group[0], n)[0]
+            pieces.append(_Piece(rows, [(src, visible(rank, src, n)[1]) for src in group]))
+    return pieces
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -51,55 +75,74 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None, clock=IDLE):
         g, n = k.shape[1], q.shape[2] // 2
-        full = _natural(_gather(torch.stack((k, v)), comm), n)
+        rank, degree = comm.index, comm.size
+        own = torch.stack((k, v))
+        gathered, gathering = _gather(own, comm)
         qg = blocks.group_queries(q, g)
-        outs, lses = [], []
+        everything = slice(0, 2 * n)
+        with clock.compute():  # the own pair while the others arrive
+            out, lse = blocks.forward(qg, k, v, scale, True, blocks.pair_documents(
+                segments, rank, rank, degree, everything, everything))
+        gathering.wait()
         with clock.compute():
-            for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
-                keys = slice(0, (chunk + 1) * n)
-                out, lse = blocks.forward(qg[..., qi * n:(qi + 1) * n, :], full[0][..., keys, :],
-                                          full[1][..., keys, :], scale,
-                                          _mask(segments, chunk, n, q.device))
-                outs.append(out)
-                lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+            for piece in _others(rank, degree, n):
+                kv = piece.take(gathered)
+                part_out, part_lse = blocks.forward(qg[..., piece.rows, :], kv[0], kv[1],
+                                                    scale, False,
+                                                    piece.documents(segments, rank, degree))
+                out, lse = blocks.merge_rows(out, lse, part_out, part_lse, piece.rows)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
-        return out.reshape(q.shape).to(q.dtype)
+        # A tensor of its own (see ring.py): the saved bytes stay those of one process.
+        return out.reshape(q.shape).to(q.dtype).contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale = ctx.comm, ctx.scale
+        comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
-        full = _natural(_gather(torch.stack((k, v)), comm), n)
+        rank, degree = comm.index, comm.size
+        own = torch.stack((k, v))
+        gathered, gathering = _gather(own, comm)
         qg = blocks.group_queries(q, g)
         work = blocks.compute_dtype(q.dtype)
         dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
-        delta = (dout * out).sum(-1)
-        dq = torch.empty(qg.shape, dtype=work, device=q.device)
-        # Gradients accumulate (and are reduce-scattered) in the compute dtype.
-        dfull = torch.zeros(full.shape, dtype=work, device=full.device)
-        with ctx.clock.compute():
-            for qi, chunk in enumerate(chunks_of(comm.index, comm.size)):
-                rows, keys = slice(qi * n, (qi + 1) * n), slice(0, (chunk + 1) * n)
-                dq[..., rows, :], dk, dv = blocks.backward(
-                    qg[..., rows, :], full[0][..., keys, :], full[1][..., keys, :], scale,
-                    _mask(ctx.segments, chunk, n, q.device), dout[..., rows, :],
-                    lse[..., rows], delta[..., rows])
-                dfull[0][..., keys, :] += dk
-                dfull[1][..., keys, :] += dv
-        mine = dfull.new_empty((2, *k.shape))
-        comm.reduce_scatter_flat(mine, _to_ranks(dfull, comm.size, n))
+        dq = torch.zeros(qg.shape, dtype=work, device=q.device)
+
+        def piece(kv, rows: slice, causal: bool, documents, keys: slice = slice(None)):
+            dq_part, dk, dv = blocks.backward(
+                qg[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], scale, causal,
+                documents, dout[..., rows, :], out[..., rows, :], lse[..., rows])
+            dq[..., rows, :] += dq_part
+            return torch.stack((dk, dv))
+
+        # Gradients accumulate (and are reduce-scattered) in the compute dtype: the
+        # other ranks' in the gathered layout, so that each slot goes home with one
+        # reduce-scatter; the own pair's apart, its blocks split around the transfers.
+        mine = torch.zeros(own.shape, dtype=work, device=own.device)
+        theirs = torch.zeros(gathered.shape, dtype=work, device=gathered.device)
+        first, last = own_blocks(n)
+
+        def own_block(rows: slice, keys: slice, causal: bool) -> None:
+            mine[..., keys, :] += piece(own, rows, causal, blocks.pair_documents(
+                segments, rank, rank, degree, rows, keys), keys)
+
+        with clock.compute():
+            own_block(*first)
+        gathering.wait()
+        with clock.compute():
+            for other in _others(rank, degree, n):
+                other.give(piece(other.take(gathered), other.rows, False,
+                                 other.documents(segments, rank, degree)), theirs)
+        returned = own.new_empty(own.shape, dtype=work)
+        returning = comm.reduce_scatter_flat(returned, theirs, async_op=True)
+        with clock.compute():
+            for block in last:
+                own_block(*block)
+        returning.wait()
+        mine += returned
         return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
                 None, None, None, None)
-
-
-def _mask(segments: torch.Tensor | None, chunk: int, n: int,
-          device: torch.device) -> torch.Tensor | None:
-    """What query chunk `chunk` hides of the key prefix it sees (positions 0..)."""
-    return blocks.within_documents(blocks.causal_mask(n, (chunk + 1) * n, device), segments,
-                                   chunk * n, n, 0, (chunk + 1) * n)
 
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,

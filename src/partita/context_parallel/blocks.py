@@ -7,7 +7,8 @@ normalised output and the log-sum-exp of its scores, and pieces merge exactly:
     lse = logaddexp(lse_a, lse_b),  out = out_a e^(lse_a - lse) + out_b e^(lse_b - lse).
 
 The backward of a piece needs only the final output and log-sum-exp (flash attention's
-rule), so no piece's probabilities are kept between forward and backward.
+rule), so no piece's probabilities are kept between forward and backward. Pieces run
+torch's fused flash kernel where it exists (CPU) and no document mask applies.
 
 Grouped-query attention: queries are (b, g, r, s, d) for g kv heads of r query heads
 each, keys and values (b, g, s, d); a kv head is never repeated in memory.
@@ -19,6 +20,8 @@ would lose the precision the merges rely on. What travels keeps the model's dtyp
 from __future__ import annotations
 
 import torch
+
+from partita.context_parallel.sharding import positions
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -32,18 +35,34 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return torch.arange(k_len, device=device)[None, :] > q_pos[:, None]
 
 
-def within_documents(mask: torch.Tensor | None, segments: torch.Tensor | None,
-                     q_start: int, q_len: int, k_start: int, k_len: int
-                     ) -> torch.Tensor | None:
-    """`mask` (True: hidden) with also every key of another document hidden, for the
-    queries at sequence positions q_start.. and keys at k_start.. of packed rows whose
-    documents `segments` (b, s: the whole sequence) numbers; None: one document a row."""
+def document_mask(segments: torch.Tensor | None, q_positions: torch.Tensor,
+                  k_positions: torch.Tensor) -> torch.Tensor | None:
+    """True where a query may not see a key of another document, for queries and keys at
+    the given sequence positions of packed rows whose documents `segments` (b, s: the
+    whole sequence) numbers; None: one document a row."""
     if segments is None:
+        return None
+    sq, sk = segments[:, q_positions], segments[:, k_positions]
+    return (sq[:, :, None] != sk[:, None, :])[:, None, None]  # (b, 1, 1, sq, sk)
+
+
+def pair_documents(segments: torch.Tensor | None, rank: int, src: int, degree: int,
+                   rows: slice, keys: slice) -> torch.Tensor | None:
+    """`document_mask` of `rank`'s local query `rows` against `keys` of the pair `src`
+    holds (local rows of the load-balanced shards)."""
+    if segments is None:
+        return None
+    local = segments.shape[1] // degree  # segments number the whole sequence
+    return document_mask(segments, positions(rank, degree, local)[rows],
+                         positions(src, degree, local)[keys])
+
+
+def _hidden(q_len: int, k_len: int, causal: bool, documents: torch.Tensor | None,
+            device: torch.device) -> torch.Tensor | None:
+    mask = causal_mask(q_len, k_len, device) if causal else None
+    if documents is None:
         return mask
-    sq = segments[:, q_start:q_start + q_len]
-    sk = segments[:, k_start:k_start + k_len]
-    other = (sq[:, :, None] != sk[:, None, :])[:, None, None]  # (b, 1, 1, sq, sk)
-    return other if mask is None else other | mask
+    return documents if mask is None else documents | mask
 
 
 def _finite(lse: torch.Tensor) -> torch.Tensor:
@@ -51,12 +70,65 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
     return lse.masked_fill(lse == float("-inf"), 0.0)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of q (b, g, r, sq, d) against k, v (b, g, sk, d)."""
+# A piece with no document mask runs torch's fused flash kernel where one exists that
+# returns the log-sum-exp (CPU); it never materialises the scores, which is what lets
+# a rank's share of attention keep pace with one process running the whole sequence.
+# Elsewhere (and with document masks) the pieces compute the scores explicitly.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BACKWARD = getattr(torch.ops.aten,
+                              "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _fused(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
+    return documents is None and q.device.type == "cpu" and _CPU_FLASH_BACKWARD is not None
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Grouped q (b, g, r, sq, d), k, v (b, g, sk, d) -> (b, g*r, s, d) each: the fused
+    kernel wants one kv head per query head, so kv heads repeat here, in this rank's
+    memory only (what travels is never repeated)."""
+    b, g, r, sq, d = q.shape
+
+    def spread(t: torch.Tensor) -> torch.Tensor:
+        return t.unsqueeze(2).expand(b, g, r, t.shape[-2], d).reshape(b, g * r, -1, d)
+
+    return q.reshape(b, g * r, sq, d), spread(k), spread(v)
+
+
+def _flash_forward(q, k, v, scale: float, causal: bool):
+    b, g, r, sq, d = q.shape
+    out, lse = _CPU_FLASH(*_heads(q, k, v), 0.0, causal, scale=scale)
+    return out.reshape(q.shape), lse.reshape(b, g, r, sq)
+
+
+def _flash_backward(q, k, v, scale: float, causal: bool, grad_out, out, lse):
+    b, g, r, sq, d = q.shape
+    qf, kf, vf = _heads(q, k, v)
+    dq, dk, dv = _CPU_FLASH_BACKWARD(grad_out.reshape(qf.shape), qf, kf, vf,
+                                     out.reshape(qf.shape), lse.reshape(b, g * r, sq),
+                                     0.0, causal, scale=scale)
+    fold = (b, g, r, kf.shape[-2], d)
+    return dq.reshape(q.shape), dk.reshape(fold).sum(2), dv.reshape(fold).sum(2)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+            documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q (b, g, r, sq, d) against k, v (b, g, sk, d). `causal`: the last
+    query and the last key are the same position (the keys may start earlier);
+    `documents`: what `document_mask` hides besides."""
     work = compute_dtype(q.dtype)
     q, k, v = q.to(work), k.to(work), v.to(work)
+    sq, sk = q.shape[-2], k.shape[-2]
+    if _fused(q, documents):
+        if not causal or sk == sq:
+            return _flash_forward(q, k, v, scale, causal)
+        # Keys before the queries' first position are all visible: one plain piece for
+        # them and one causal square, merged.
+        p = sk - sq
+        out, lse = _flash_forward(q, k[..., :p, :], v[..., :p, :], scale, False)
+        return merge(out, lse, *_flash_forward(q, k[..., p:, :], v[..., p:, :], scale, True))
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    mask = _hidden(sq, sk, causal, documents, q.device)
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -78,13 +150,36 @@ def merge(out: torch.Tensor | None, lse: torch.Tensor | None, part_out: torch.Te
     return out, new_lse
 
 
-def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-             mask: torch.Tensor | None, grad_out: torch.Tensor, lse: torch.Tensor,
-             delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one piece, given the final lse and delta = rowsum(dO * O)."""
+def merge_rows(out, lse, part_out, part_lse, rows: slice):
+    """Merge a piece that covers `rows` of the local queries into the running (out, lse)
+    of all of them (None before step 0, whose piece covers every row)."""
+    if out is None:
+        return part_out, part_lse
+    out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows],
+                                                     part_out, part_lse)
+    return out, lse
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+             documents: torch.Tensor | None, grad_out: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one piece, given the final (merged) output and lse of its queries:
+    flash attention's rule, with delta = rowsum(dO * O) of the final output."""
     work = compute_dtype(q.dtype)
     q, k, v, grad_out = q.to(work), k.to(work), v.to(work), grad_out.to(work)
+    sq, sk = q.shape[-2], k.shape[-2]
+    if _fused(q, documents):
+        if not causal or sk == sq:
+            return _flash_backward(q, k, v, scale, causal, grad_out, out, lse)
+        p = sk - sq
+        dq, dk, dv = _flash_backward(q, k[..., :p, :], v[..., :p, :], scale, False,
+                                     grad_out, out, lse)
+        dq2, dk2, dv2 = _flash_backward(q, k[..., p:, :], v[..., p:, :], scale, True,
+                                        grad_out, out, lse)
+        return dq + dq2, torch.cat((dk, dk2), dim=-2), torch.cat((dv, dv2), dim=-2)
+    delta = (grad_out * out).sum(-1)
     scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    mask = _hidden(sq, sk, causal, documents, q.device)
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
     probs = torch.exp(scores - lse.unsqueeze(-1))

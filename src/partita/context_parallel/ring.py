@@ -3,15 +3,15 @@
 Each rank holds two chunks of queries, keys and values (see `sharding`). Forward: for
 c steps, the rank attends its query chunks to the key/value chunks it holds, while the
 next pair travels: it sends what it holds to the next rank and receives the previous
-rank's, posted before the step's compute and waited after it. Pieces merge by the
-log-sum-exp rule (`blocks.merge`); a key chunk entirely in a query chunk's future is
-skipped, a chunk at the same position is masked causally.
+rank's, posted before the step's compute and waited after it. Each step is one piece
+(`sharding.visible`: the queries and keys that see each other, causal only for the own pair) and
+pieces merge by the log-sum-exp rule (`blocks.merge`).
 
-Backward: keys and values go round the ring once more, each with an accumulator of its
-own gradient. A rank adds its queries' contribution to the accumulator of the pair it
-holds and passes the accumulator on with the pair; after c steps one last hop brings
-every accumulator home. Forward keeps nothing it received, so saved activations are
-those of the local shard only.
+Backward: keys and values go round the ring once more. At each step a rank computes its
+queries' contribution to the gradients of the pair it holds and sends it straight to the
+pair's owner, beside the next step's compute; the own pair's diagonal blocks come last,
+so the last contribution travels while they compute. Forward keeps nothing it received,
+so saved activations are those of the local shard only.
 
 Only the kv heads travel: under grouped-query attention the queries are grouped by kv
 head (`blocks.group_queries`) and a kv head is never repeated.
@@ -25,21 +25,22 @@ import torch.distributed as dist
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
 from partita.context_parallel.clock import IDLE
-from partita.context_parallel.sharding import chunks_of
+from partita.context_parallel.sharding import own_blocks, visible
 
 
 class RingExchange:
-    """Send tensors to the next rank of the group and receive as many from the previous."""
+    """Point-to-point exchanges within the group, by offset: every rank sends to the rank
+    `hops` ahead and receives from the rank `hops` behind (a ring step is hops=1)."""
 
     def __init__(self, comm: GroupComm) -> None:
         self.comm = comm
-        i, n = comm.index, comm.size
-        self.next, self.prev = comm.ranks[(i + 1) % n], comm.ranks[(i - 1) % n]
 
-    def start(self, tensors: list[torch.Tensor]) -> _Pending:
+    def start(self, tensors: list[torch.Tensor], hops: int = 1) -> _Pending:
+        i, n = self.comm.index, self.comm.size
+        to, source = self.comm.ranks[(i + hops) % n], self.comm.ranks[(i - hops) % n]
         received = [torch.empty_like(t) for t in tensors]
-        ops = [self.comm.p2p_op(True, t, self.next) for t in tensors]
-        ops += [self.comm.p2p_op(False, r, self.prev) for r in received]
+        ops = [self.comm.p2p_op(True, t, to) for t in tensors]
+        ops += [self.comm.p2p_op(False, r, source) for r in received]
         return _Pending(dist.batch_isend_irecv(ops) if ops else [], received, tensors)
 
 
@@ -55,14 +56,6 @@ class _Pending:
         return self.received
 
 
-def _pairs(rank: int, src: int, degree: int):
-    """(query half, key half, causal) for every piece rank computes against src's pair."""
-    for qi, q_chunk in enumerate(chunks_of(rank, degree)):
-        for kj, k_chunk in enumerate(chunks_of(src, degree)):
-            if k_chunk <= q_chunk:
-                yield qi, kj, k_chunk == q_chunk
-
-
 class RingAttention(torch.autograd.Function):
     """Causal attention of q (b, h, s, d) against k, v (b, g, s, d) sharded over `comm`."""
 
@@ -70,32 +63,27 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, comm: GroupComm, scale: float, segments=None, clock=IDLE):
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
-        mine = chunks_of(rank, degree)
         qg = blocks.group_queries(q, g)
-        halves = (qg[..., :n, :], qg[..., n:, :])
-        mask = blocks.causal_mask(n, n, q.device)
-        outs: list = [None, None]
-        lses: list = [None, None]
+        out = lse = None
         ring = RingExchange(comm)
         kv = torch.stack((k, v))
         for step in range(degree):
             pending = ring.start([kv]) if step < degree - 1 else None
             src = (rank - step) % degree
+            rows, keys, causal = visible(rank, src, n)
             with clock.compute():
-                for qi, kj, causal in _pairs(rank, src, degree):
-                    piece = slice(kj * n, (kj + 1) * n)
-                    out, lse = blocks.forward(halves[qi], kv[0][..., piece, :],
-                                              kv[1][..., piece, :], scale,
-                                              _mask(mask, causal, segments, mine[qi],
-                                                    chunks_of(src, degree)[kj], n))
-                    outs[qi], lses[qi] = blocks.merge(outs[qi], lses[qi], out, lse)
+                part_out, part_lse = blocks.forward(
+                    qg[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], scale, causal,
+                    blocks.pair_documents(segments, rank, src, degree, rows, keys))
+                out, lse = blocks.merge_rows(out, lse, part_out, part_lse, rows)
             if pending is not None:
                 (kv,) = pending.wait()
-        out = torch.cat(outs, dim=-2)
-        lse = torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
-        return out.reshape(q.shape).to(q.dtype)
+        # A tensor of its own: the fused kernel lays its output out like the queries, so
+        # the model's head-merging reshape would alias the saved output; a copy keeps the
+        # saved bytes those of one process's layer, which the planner counts.
+        return out.reshape(q.shape).to(q.dtype).contiguous()
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -103,48 +91,49 @@ class RingAttention(torch.autograd.Function):
         comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
         rank, degree = comm.index, comm.size
-        mine = chunks_of(rank, degree)
         qg = blocks.group_queries(q, g)
         work = blocks.compute_dtype(q.dtype)
         dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
-        delta = (dout * out).sum(-1)
-        mask = blocks.causal_mask(n, n, q.device)
         dq = torch.zeros(qg.shape, dtype=work, device=q.device)
-        halves = [slice(0, n), slice(n, 2 * n)]
+
+        def piece(held, src: int, rows: slice, keys: slice, causal: bool, into) -> None:
+            dq_part, dk, dv = blocks.backward(
+                qg[..., rows, :], held[0][..., keys, :], held[1][..., keys, :], scale, causal,
+                blocks.pair_documents(segments, rank, src, degree, rows, keys),
+                dout[..., rows, :], out[..., rows, :], lse[..., rows])
+            dq[..., rows, :] += dq_part
+            into[0][..., keys, :] += dk
+            into[1][..., keys, :] += dv
+
         ring = RingExchange(comm)
-        kv, acc = torch.stack((k, v)), None
-        for step in range(degree):
-            sends = ([kv] if step < degree - 1 else []) + ([acc] if acc is not None else [])
-            pending = ring.start(sends)
+        own = torch.stack((k, v))
+        # Gradients accumulate (and travel) in the compute dtype.
+        mine = torch.zeros(own.shape, dtype=work, device=own.device)
+        first, last = own_blocks(n)
+        moving = ring.start([own]) if degree > 1 else None
+        with clock.compute():
+            piece(own, rank, *first, mine)
+        returning = None
+        for step in range(1, degree):
+            (held,) = moving.wait()
+            moving = ring.start([held]) if step < degree - 1 else None
             src = (rank - step) % degree
-            # Gradients accumulate (and travel) in the compute dtype.
-            local = torch.zeros(kv.shape, dtype=work, device=kv.device)
+            theirs = torch.zeros(held.shape, dtype=work, device=held.device)
             with clock.compute():
-                for qi, kj, causal in _pairs(rank, src, degree):
-                    rows, piece = halves[qi], halves[kj]
-                    dq_part, dk, dv = blocks.backward(
-                        qg[..., rows, :], kv[0][..., piece, :], kv[1][..., piece, :], scale,
-                        _mask(mask, causal, segments, mine[qi], chunks_of(src, degree)[kj], n),
-                        dout[..., rows, :], lse[..., rows], delta[..., rows])
-                    dq[..., rows, :] += dq_part
-                    local[0][..., piece, :] += dk
-                    local[1][..., piece, :] += dv
-            received = pending.wait()
-            if acc is not None:  # the accumulator of the pair held at this step
-                local += received[-1]
-            acc = local
-            if step < degree - 1:
-                kv = received[0]
-        (acc,) = ring.start([acc]).wait()  # home: the accumulator of this rank's own pair
-        return (dq.reshape(q.shape).to(q.dtype), acc[0].to(k.dtype), acc[1].to(v.dtype),
+                piece(held, src, *visible(rank, src, n), theirs)
+            if returning is not None:
+                mine += returning.wait()[0]
+            # Straight back to the pair's owner, `step` ranks behind; what arrives is
+            # the contribution of the rank `step` ahead to this rank's pair.
+            returning = ring.start([theirs], hops=-step)
+        # The own pair's diagonal blocks last, hiding the last contribution's way home.
+        with clock.compute():
+            for block in last:
+                piece(own, rank, *block, mine)
+        if returning is not None:
+            mine += returning.wait()[0]
+        return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
                 None, None, None, None)
-
-
-def _mask(causal_mask: torch.Tensor, causal: bool, segments: torch.Tensor | None,
-          q_chunk: int, k_chunk: int, n: int) -> torch.Tensor | None:
-    """What a piece of query chunk q_chunk against key chunk k_chunk hides."""
-    return blocks.within_documents(causal_mask if causal else None, segments,
-                                   q_chunk * n, n, k_chunk * n, n)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,

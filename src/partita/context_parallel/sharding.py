@@ -22,6 +22,30 @@ def chunks_of(rank: int, degree: int) -> tuple[int, int]:
     return rank, 2 * degree - 1 - rank
 
 
+def visible(rank: int, src: int, n: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the one block where `rank`'s local queries see
+    the pair of n-token chunks that `src` holds; every other query and key of the two
+    pairs is hidden by the causal mask.
+
+    Own pair: local order is sequence order, so it is causal over the 2n local rows.
+    An earlier rank's pair: both query chunks see its first chunk, neither its second.
+    A later rank's pair: only the second query chunk sees it, and sees all of it."""
+    if src == rank:
+        return slice(0, 2 * n), slice(0, 2 * n), True
+    if src < rank:
+        return slice(0, 2 * n), slice(0, n), False
+    return slice(n, 2 * n), slice(0, 2 * n), False
+
+
+def own_blocks(n: int) -> tuple[tuple[slice, slice, bool], list[tuple[slice, slice, bool]]]:
+    """The own pair's causal block split in two, each part (query rows, key rows, causal):
+    the full block (second query chunk against first key chunk), then the two diagonal
+    blocks. A backward computes the first part while keys travel and the second while
+    gradients travel."""
+    first, second = slice(0, n), slice(n, 2 * n)
+    return (second, first, False), [(first, first, True), (second, second, True)]
+
+
 def check_length(seq_len: int, degree: int) -> None:
     if seq_len % (2 * degree):
         raise PartitaError(

@@ -73,6 +73,9 @@ class Assumptions:
     # (>= float32; no s x s scores kept, the merged output kept in that dtype) and key/
     # value gradients that accumulate and travel in it (planner.context_parallel).
     cp_eager_pieces: bool = False
+    # ... whose pieces run a fused flash kernel (torch's CPU one) rather than explicit
+    # scores: then a rank's attention costs what one process's costs, divided by c.
+    cp_fused_pieces: bool = False
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
@@ -196,7 +199,7 @@ class Assumptions:
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
                    gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,
-                   cp_eager_pieces=True, pp_scatter_gather=False)
+                   cp_eager_pieces=True, cp_fused_pieces=True, pp_scatter_gather=False)
 
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:
@@ -238,6 +241,6 @@ class Assumptions:
 
 # The fields that describe a device's kernels rather than what an implementation stores.
 KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "kernel_overhead_s",
-                 "memory_efficiency")
+                 "memory_efficiency", "cp_fused_pieces")
 
 DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument

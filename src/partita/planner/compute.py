@@ -96,9 +96,9 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     b, hd = layout.microbatch_size, c.head_dim
     q = seq_len / layout.cp  # this rank's queries; keys: the whole sequence (ring)
     kv = seq_len
-    if layout.cp > 1 and a.cp_eager_pieces:
-        # Eager pieces of (s/2c)^2 (planner.context_parallel): the rank's queries meet
-        # (2c+1)/(4c) of the sequence's keys on average, diagonal blocks computed whole.
+    if layout.cp > 1 and a.cp_eager_pieces and not a.cp_fused_pieces:
+        # Explicit-score pieces (planner.context_parallel): the rank's queries meet
+        # (2c+2)/(4c) of the sequence's keys on average, the own pair's block whole.
         kv = seq_len * attention_pairs_fraction(layout) * layout.cp
     elif a.attention_kernel == "flash":
         flops = 4.0 * b * heads * q * kv * hd * 0.5  # causal: masked tiles skipped

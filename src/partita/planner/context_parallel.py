@@ -12,7 +12,8 @@ Per layer and microbatch a rank sends (docs/context_parallel.md, measured exactl
 `bench plan-accuracy` and tests/dist/test_context_parallel.py):
 
     ring       forward (c-1) K;  backward (c-1) K + c K_g   (keys and values once more,
-               then their gradient accumulators, which travel with them and come home)
+               then their gradient accumulators, which travel with them and come home;
+               partita sends each contribution straight to its owner: (c-1) K_g)
     allgather  forward (c-1) K;  backward (c-1) K + (c-1) K_g   (gather again, then a
                reduce-scatter of the key/value gradients)
 
@@ -21,10 +22,12 @@ implementation accumulates them there (`Assumptions.cp_eager_pieces`, partita's 
 kernels), else the activation dtype. Full recomputation repeats the forward's bytes.
 
 Time: the ring posts step i+1's transfer before step i's compute and waits after it,
-so each of its c-1 (forward) and c (backward) transfers is hidden up to the compute of
-one ring step (`cp_overlap` of it); the all-gather kind waits for its collectives
-(Llama 3's choice at small c: one latency instead of c-1). The attention compute itself
-is `compute.attention_core` with this rank's queries against the keys they may see.
+so each transfer is hidden up to the compute of one ring step (`cp_overlap` of it); the
+all-gather kind waits for its collectives (Llama 3's choice at small c: one latency
+instead of c-1). partita's own kernels also run the own pair's blocks beside the
+all-gathers and the gradients' last way home (`_partita_exposed`). The attention
+compute itself is `compute.attention_core` with this rank's queries against the keys
+they may see.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def layer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     k = kv_shard_bytes(model, layout, seq_len, precision)
     k_g = kv_shard_bytes(model, layout, seq_len, precision,
                          grad_elem_bytes(precision, assumptions))
-    if layout.cp_kind == "allgather":
+    if layout.cp_kind == "allgather" or assumptions.cp_eager_pieces:
         return (c - 1) * k, (c - 1) * (k + k_g)
     return (c - 1) * k, (c - 1) * k + c * k_g
 
@@ -78,10 +81,11 @@ def buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
                  precision: Precision = MIXED,
                  assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Transient key/value buffers while one layer's attention runs (its backward, the
-    larger): ring: the pair held, the pair arriving, and two gradient accumulators (the
-    one travelling and the one being filled); all-gather: the whole sequence's keys and
-    values (gathered, then put in sequence order) and their gradients (in sequence order,
-    then per owner)."""
+    larger): ring: the pair held, the pair arriving, and gradients (partita: the own
+    pair's, the contribution being computed, one leaving and one arriving; else two
+    accumulators, the one travelling and the one being filled); all-gather: the whole
+    sequence's keys and values and their gradients, twice each (partita: gathered and
+    the pieces' copies, the gradients per owner and the reduce-scatter's scratch)."""
     c = layout.cp
     if c == 1:
         return 0.0
@@ -90,7 +94,7 @@ def buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
                          grad_elem_bytes(precision, assumptions))
     if layout.cp_kind == "allgather":
         return 2 * c * (k + k_g)
-    return 2 * k + 3 * k_g
+    return 2 * k + (4 if assumptions.cp_eager_pieces else 3) * k_g
 
 
 def exposed_time(model: PlanModel, layout: Layout, seq_len: int, core_fwd: float,
@@ -106,6 +110,9 @@ def exposed_time(model: PlanModel, layout: Layout, seq_len: int, core_fwd: float
     k = kv_shard_bytes(model, layout, seq_len, precision)
     k_g = kv_shard_bytes(model, layout, seq_len, precision,
                          grad_elem_bytes(precision, assumptions))
+    if assumptions.cp_eager_pieces:
+        return _partita_exposed(layout, k, k_g, core_fwd, core_bwd, link, efficiency,
+                                assumptions)
     if layout.cp_kind == "allgather":
         # Collectives wait: an all-gather forward, an all-gather + reduce-scatter back.
         fwd = (c - 1) * k / (bw * efficiency) + (c - 1) * alpha
@@ -124,8 +131,42 @@ def exposed_time(model: PlanModel, layout: Layout, seq_len: int, core_fwd: float
     return fwd, bwd
 
 
-def attention_pairs_fraction(layout: Layout) -> float:
-    """Query-key pairs one rank's eager pieces compute, as a fraction of s x s: 2c+1
-    blocks of (s/2c)^2 (the two diagonal blocks are computed whole, then masked)."""
+def _partita_exposed(layout: Layout, k: float, k_g: float, core_fwd: float,
+                     core_bwd: float, link: tuple[float, float], efficiency: float,
+                     assumptions: Assumptions) -> tuple[float, float]:
+    """partita's kernels (context_parallel/ring.py, allgather.py). Per rank, the own
+    pair's causal block is one c-th of the attention and each other pair's visible part
+    another. Ring: each hop runs beside one step; in backward the gradients' last way
+    home runs beside the own pair's diagonal blocks (half its block). All-gather: the
+    forward gather runs beside the own pair, the backward gather beside the own pair's
+    full block and the reduce-scatter beside its diagonal blocks."""
     c = layout.cp
-    return 1.0 if c == 1 else (2 * c + 1) / (4 * c * c)
+    bw, alpha = link
+    hide = assumptions.cp_overlap
+    step_fwd, step_bwd = core_fwd / c, core_bwd / c
+
+    def left(seconds: float, beside: float) -> float:
+        return max(0.0, seconds - hide * beside)
+
+    kv_s = (c - 1) * k / (bw * efficiency)
+    grad_s = (c - 1) * k_g / (bw * efficiency)
+    if layout.cp_kind == "allgather":
+        fwd = left(kv_s + (c - 1) * alpha, step_fwd)
+        bwd = (left(kv_s + (c - 1) * alpha, step_bwd / 2)
+               + left(grad_s + (c - 1) * alpha, step_bwd / 2))
+        return fwd, bwd
+    hop_k, hop_g = k / (bw * efficiency) + alpha, k_g / (bw * efficiency) + alpha
+    fwd = (c - 1) * left(hop_k, step_fwd)
+    # Step i's keys hop and step i-1's gradients run beside step i; the first keys hop
+    # beside the own pair's full block, the last gradients beside its diagonal blocks.
+    bwd = (left(hop_k, step_bwd / 2) + (c - 2) * left(hop_k + hop_g, step_bwd)
+           + left(hop_g, step_bwd / 2))
+    return fwd, bwd
+
+
+def attention_pairs_fraction(layout: Layout) -> float:
+    """Query-key pairs one rank's pieces compute without a fused kernel, as a fraction
+    of s x s: the own pair's 2n x 2n block whole (then masked) and n x 2n of each other
+    pair's, n = s/2c."""
+    c = layout.cp
+    return 1.0 if c == 1 else (2 * c + 2) / (4 * c * c)
