@@ -4,8 +4,8 @@ Each rank holds two chunks of queries, keys and values (see `sharding`). Forward
 c steps, the rank attends its query chunks to the key/value chunks it holds, while the
 next pair travels: it sends what it holds to the next rank and receives the previous
 rank's, posted before the step's compute and waited after it. Each step is one piece
-(`sharding.visible`: the queries and keys that see each other, causal only for the own pair) and
-pieces merge by the log-sum-exp rule (`blocks.merge`).
+(`sharding.visible`: the queries and keys that see each other, causal only for the own
+pair) and pieces merge by the log-sum-exp rule (`blocks.merge`).
 
 Backward: keys and values go round the ring once more. At each step a rank computes its
 queries' contribution to the gradients of the pair it holds and sends it straight to the
