@@ -128,8 +128,11 @@ class DataParallel:
             if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
+            # Under host offload every gather first waits for its bucket's update
+            # (`_stage_in`), which runs in the background after step().
+            staged = offload.params or (offload.optimizer and not offload.disk)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
-                                          self._stage_in if offload.params else None)
+                                          self._stage_in if staged else None)
         else:
             # A small first and last bucket buy overlap where collectives run beside the
             # backward (NCCL on its own streams). On CPU the reduction takes turns with
@@ -186,8 +189,13 @@ class DataParallel:
                                    zero.accumulates_in_full_buffer,
                                    self.gatherer.done if self.gatherer else None,
                                    self._grad_reduced if self.host is not None else None)
-        self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
-                           if self.stage.gathers_parameters_after_step else None)
+        # Stages 1-2 gather the updated slices in the next forward's pre-hooks; under
+        # host offload stages 0-2 also wait there for the background update.
+        gathers = self.stage.gathers_parameters_after_step
+        self.param_sync = (ParamAllGather(module, self.buckets, self.comm, gathers,
+                                          self.host.wait if self.host is not None else None)
+                           if gathers or (self.host is not None and self.gatherer is None)
+                           else None)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
@@ -286,6 +294,7 @@ class DataParallel:
             return self._overflow
         self.finish_grad_sync()
         if self.host is not None:
+            self.host.join()  # the previous update, if no forward waited for all of it
             self.host.wait_grads()
         overflow = False
         if self.scaler.enabled:
@@ -357,14 +366,19 @@ class DataParallel:
             if self.param_sync is not None:
                 for b in reversed(range(len(self.buckets))):
                     self.param_sync.launch(b)
+        if self.host is not None:
+            # On a background thread, so the next forward overlaps it: each module
+            # waits for its own buckets (param_sync's hooks; ZeRO-3: `_stage_in`).
+            self.host.start_step(order, [self._owned_param(buf) for buf in self.buckets],
+                                 self.step_count, lr, self.optim,
+                                 host_shard=self.offload.params)
+            if self.param_sync is not None:
+                self.param_sync.queue(order)
+            order = []
         for b in order:
             buf = self.buckets[b]
-            if self.host is not None:
-                self.host.step(b, self._owned_param(buf), self.step_count, lr, self.optim,
-                               host_shard=self.offload.params)
-            else:
-                self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
-                                    self.step_count, lr, self.optim, self.adam_scratch)
+            self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
+                                self.step_count, lr, self.optim, self.adam_scratch)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
@@ -373,10 +387,13 @@ class DataParallel:
         return True
 
     def wait_params(self) -> None:
-        """Stages 1-2: wait for the parameter all-gathers still in flight after step()
-        (forward waits by itself, module by module)."""
+        """Wait for what step() left running: the parameter all-gathers of stages 1-2
+        and, under host offload, the update on the CPU (forward waits by itself, module
+        by module). Call it before reading parameters or optimizer states otherwise."""
         if self.param_sync is not None:
             self.param_sync.wait_all()
+        if self.host is not None:
+            self.host.join()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -411,9 +428,13 @@ class DataParallel:
                     self._refresh_master()
 
     def _stage_in(self, buf: FlatBuffer) -> torch.Tensor:
-        """Stage 3 with parameters offloaded: the shard onto the device to be gathered,
-        from host memory or from its file."""
+        """Stage 3 under offload: the shard to be gathered, once its update is in; with
+        parameters offloaded, copied onto the device from host memory or its file."""
         b = self.buckets.index(buf)
+        if self.host is not None:
+            self.host.wait(b)  # its update, running since step()
+        if not self.offload.params:
+            return buf.shard
         if self.disk is not None:
             self.disk.copies.append(("param-in", b, 0))
             return self.disk.read_param(b, self.device)
