@@ -13,8 +13,8 @@ for its update and launches its gather, after those of the buckets queued before
 every rank still issues the same gathers in the same order, whatever the timing. At
 stage 0 (nothing to gather, `gathers=False`) the same hooks only wait for the updates.
 
-Limitation, stated: a parameter must first be used in the forward of the module that
-owns it (or of a module that runs after it). A model that uses module A's weight inside
+Limitation, stated (stages 1-2, and stage 0 under host offload): a parameter must
+first be used in the forward of the module that owns it (or of a module that runs after it). A model that uses module A's weight inside
 module B before A has run must call `dp.wait_params()` in B.
 """
 
