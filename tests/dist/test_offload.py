@@ -12,6 +12,8 @@ accessor, and bad settings.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -124,6 +126,7 @@ def test_gradients_stream_to_host_during_backward(stage: int, offload: str) -> N
     reduced = [dp._owned_grad(buf).clone() for buf in dp.buckets]
     dp.clip_grad_norm_(None)
     dp.step()
+    dp.wait_params()  # the update runs in the background
     copies, after = dp.host.copies, dp.host.copies[len(during):]
     # Stages 0-1 launch the bucket of the first layers (no hooks) when backward is over.
     last = buckets - 1 if stage < 2 else buckets
@@ -144,6 +147,65 @@ def test_gradients_stream_to_host_during_backward(stage: int, offload: str) -> N
     # The update read the reduced gradients (the host copies are exactly those).
     for b in range(buckets):
         assert torch.equal(dp.host.grads[b], reduced[b])
+
+
+def _hold_update(dp: DataParallel, bucket: int, until: threading.Event) -> None:
+    """Bucket `bucket`'s background update waits (at most 10 s) for `until`."""
+    inner = dp.host.step
+
+    def held(b, *args, **kwargs):
+        if b == bucket and not until.wait(10):
+            raise RuntimeError("the update was held and nothing released it")
+        inner(b, *args, **kwargs)
+    dp.host.step = held
+
+
+@pytest.mark.parametrize("stage,offload", [(0, "optimizer"), (2, "optimizer"),
+                                           (3, "optimizer+params")])
+def test_next_forward_overlaps_the_host_update(stage: int, offload: str) -> None:
+    """The update runs in the background in forward order: the first module's forward
+    starts while the last bucket's update is still held back (it is released from
+    inside that forward, so a forward that waited for the whole step would fail)."""
+    dp = _engine(stage, offload)
+    _backward(dp)
+    dp.clip_grad_norm_(None)
+    forward_began = threading.Event()
+    _hold_update(dp, 0, forward_began)  # bucket 0 (the last layers) is updated last
+
+    def began(module, args) -> None:
+        dp.host.copies.append(("forward", -1))
+        forward_began.set()
+    dp.module.tok_embeddings.register_forward_pre_hook(began)
+    dp.step()
+    _backward(dp, 1)  # waits module by module; raises if the held update failed
+    back = "shard" if "+params" in offload else "h2d"
+    copies = dp.host.copies
+    assert copies.index(("forward", -1)) < copies.index((back, 0))
+    assert copies.index((back, len(dp.buckets) - 1)) < copies.index(("forward", -1))
+
+
+def test_readers_join_the_update_and_its_errors_surface() -> None:
+    """Checkpoint reads wait for the whole background update; an error raised there is
+    raised in the training thread, by the next forward and by every later wait."""
+    dp = _engine(2, "optimizer")
+    _backward(dp)
+    release = threading.Event()
+    _hold_update(dp, 0, release)
+    dp.step()
+    threading.Timer(0.2, release.set).start()
+    dp.owned_slices()
+    assert ("h2d", 0) in dp.host.copies
+    _backward(dp, 1)
+    dp.clip_grad_norm_(None)
+
+    def fails(b, *args, **kwargs):
+        raise ValueError(f"bucket {b} broke")
+    dp.host.step = fails
+    dp.step()
+    with pytest.raises(PartitaError, match="bucket 14 broke"):
+        _backward(dp, 2)
+    with pytest.raises(PartitaError, match="host optimizer step failed"):
+        dp.wait_params()
 
 
 def test_accumulation_copies_each_gradient_once_when_final() -> None:

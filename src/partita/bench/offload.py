@@ -84,6 +84,7 @@ def _partita(args: argparse.Namespace, offload: str, directory: str, stage: int 
         start = time.perf_counter()
         pm.runner.train(tokens[:, :-1], tokens[:, 1:], 1)
         pm.dp.step()
+        pm.dp.wait_params()  # the update's tail, else it would run in the peer's turn
         pm.dp.zero_grad()
         return time.perf_counter() - start
     return pm, step

@@ -2,7 +2,8 @@
 
     policy = OffloadPolicy("optimizer")       # or "optimizer+params" (ZeRO-3 only)
     host = HostOptimizer(owned_params, decay_ranges, master_dtype, device)
-    host.step(b, owned_param, owned_grad, step, lr, cfg)   # per bucket, forward order
+    host.start_step(order, owned_params, step, lr, cfg)  # forward order, in the background
+    host.wait(b)                                          # bucket b updated (forward pre-hook)
 
 What lives where, per flat bucket of the data-parallel engine (`partita.zero`):
 
@@ -22,19 +23,26 @@ not streamed by the boundary is copied then. Scaling applied to the gradients af
 their copy (fp16 unscaling, clipping) is applied to the host copies, which are what
 the update reads.
 
-The step, bucket by bucket in the order the next forward needs them: AdamW runs on
-the CPU over the flat slice (`partita.optim.adamw_`, torch's fused CPU kernel: one
-vectorised pass per slice) and the updated master is copied back into the device
-parameters, cast to their dtype, while the CPU goes on to the next bucket (under
-"optimizer+params" into the host shard: ZeRO-3 copies a shard to the device, prefetched
-like the all-gathers, when it gathers it, see `stage_in`; under stages 1-2 each
-bucket's all-gather follows its copy and the next forward waits module by module).
+The step (`start_step`), bucket by bucket in the order the next forward needs them, on
+a background thread: AdamW runs on the CPU over the flat slice (`partita.optim.adamw_`,
+torch's fused CPU kernel: one vectorised pass per slice) and the updated master is
+copied back into the device parameters, cast to their dtype (under "optimizer+params"
+into the host shard), then the next bucket. The engine returns from its step at once,
+so the next forward overlaps the update: each module waits (`wait(b)`, from a forward
+pre-hook) only for the buckets its parameters live in; under stages 1-2 each bucket's
+all-gather is launched after its wait, in forward order; under ZeRO-3 each gather unit
+waits before it is gathered (`optimizer+params`: before its shard is copied to the
+device, see `stage_in`). Whatever else touches the states joins the whole step first
+(`join()`; `stream_grad` and `load_param_` do so themselves), and an error raised on
+the thread is raised again by every later wait or join.
 Every copy is recorded in `copies` (direction, bucket), so tests can check the order on
 a machine whose host and device are one.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -93,6 +101,11 @@ class HostOptimizer:
     copies: list[tuple[str, int]] = field(default_factory=list)  # ("d2h"|"adam"|"h2d", b)
     _events: dict = field(default_factory=dict)  # bucket -> its copy's CUDA event
     _stream: object = None  # the side stream of the gradient copies (CUDA)
+    # The step running in the background (`start_step`): its thread, one event per
+    # bucket set once that bucket's parameters hold their new values, its error.
+    _thread: threading.Thread | None = None
+    _ready: dict[int, threading.Event] = field(default_factory=dict)
+    _error: BaseException | None = None
 
     @classmethod
     def create(cls, owned_params: list[torch.Tensor], grad_dtypes: list[torch.dtype],
@@ -114,6 +127,7 @@ class HostOptimizer:
     def stream_grad(self, b: int, grad: torch.Tensor) -> None:
         """Start copying bucket `b`'s reduced owned gradient to its host buffer (on a
         GPU behind the work queued so far, on a side stream)."""
+        self.join()  # the previous step may still be reading this staging buffer
         if self.device.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(self.device)
@@ -145,8 +159,57 @@ class HostOptimizer:
         param.copy_(slot.master, non_blocking=not host_shard and self.device.type != "cpu")
         self.copies.append(("shard" if host_shard else "h2d", b))
 
+    def start_step(self, order: Sequence[int], params: Sequence[torch.Tensor], step: int,
+                   lr: float, cfg: AdamWConfig, host_shard: bool = False) -> None:
+        """`step` for every bucket of `order` (indices into `params`), in that order, on
+        a background thread, so that the next forward can begin with the first buckets
+        while the CPU updates the later ones. `wait(b)` waits for one bucket, `join()`
+        for all; an error raised there is raised again by both."""
+        self.join()
+        self._ready = {b: threading.Event() for b in order}
+        # The thread copies on the caller's stream, so the forward queued after a
+        # `wait` on that stream runs after the copy.
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        def run() -> None:
+            try:
+                with torch.no_grad(), torch.cuda.stream(stream):  # grad mode is per thread
+                    for b in order:
+                        self.step(b, params[b], step, lr, cfg, host_shard)
+                        self._ready[b].set()
+            except BaseException as err:  # raised again in the training thread
+                self._error = err
+            finally:
+                for event in self._ready.values():  # no waiter blocks on a failed step
+                    event.set()
+
+        self._thread = threading.Thread(target=run, name="partita-host-adamw", daemon=True)
+        self._thread.start()
+
+    def wait(self, b: int) -> None:
+        """Bucket `b`'s parameters hold their updated values (no-op outside a step)."""
+        event = self._ready.get(b)
+        if event is not None:
+            event.wait()
+        self._raise()
+
+    def join(self) -> None:
+        """The whole background step is over: every state may be read or written."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        # Sticky: after a failed step the states are half updated, so every later
+        # wait fails too rather than train on them.
+        if self._error is not None:
+            raise PartitaError(f"the host optimizer step failed: {self._error!r}") \
+                from self._error
+
     def load_param_(self, b: int, param: torch.Tensor) -> None:
         """`param` was written from outside: the host master follows it."""
+        self.join()
         self.slots[b].master.copy_(param)
 
     def bytes(self) -> dict[str, int]:

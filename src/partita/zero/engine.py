@@ -26,7 +26,6 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -46,6 +45,8 @@ from partita.optim import (
 )
 from partita.zero.families import by_family, family_buffer, split_families, with_family_units
 from partita.zero.flat import FlatBuffer, InitFn, Piece
+from partita.zero.ledger import memory_ledger
+from partita.zero.owned import OwnedSlice, owned_slices, owned_slices_loaded, writes_piece
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
 from partita.zero.policies import MixedPrecision, ZeroConfig
@@ -59,25 +60,6 @@ from partita.zero.units import (
     require_blocks,
     resolve_blocks,
 )
-
-
-@dataclass(frozen=True)
-class OwnedSlice:
-    """One bucket's flat range [lo, lo + len(param)) that this rank's optimizer updates:
-    the parameter pieces in it (`Piece.buf_start - lo` is a piece's offset in the
-    tensors below), the parameter values, the master copy (None when the parameters
-    are in the master dtype) and both AdamW moments."""
-
-    pieces: list[Piece]
-    lo: int
-    param: torch.Tensor
-    master: torch.Tensor | None
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 class DataParallel:
@@ -128,8 +110,11 @@ class DataParallel:
             if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
+            # Under host offload every gather first waits for its bucket's update
+            # (`_stage_in`), which runs in the background after step().
+            staged = offload.params or (offload.optimizer and not offload.disk)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
-                                          self._stage_in if offload.params else None)
+                                          self._stage_in if staged else None)
         else:
             # A small first and last bucket buy overlap where collectives run beside the
             # backward (NCCL on its own streams). On CPU the reduction takes turns with
@@ -186,8 +171,13 @@ class DataParallel:
                                    zero.accumulates_in_full_buffer,
                                    self.gatherer.done if self.gatherer else None,
                                    self._grad_reduced if self.host is not None else None)
-        self.param_sync = (ParamAllGather(module, self.buckets, self.comm)
-                           if self.stage.gathers_parameters_after_step else None)
+        # Stages 1-2 gather the updated slices in the next forward's pre-hooks; under
+        # host offload stages 0-2 also wait there for the background update.
+        gathers = self.stage.gathers_parameters_after_step
+        self.param_sync = (ParamAllGather(module, self.buckets, self.comm, gathers,
+                                          self.host.wait if self.host is not None else None)
+                           if gathers or (self.host is not None and self.gatherer is None)
+                           else None)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
@@ -286,6 +276,7 @@ class DataParallel:
             return self._overflow
         self.finish_grad_sync()
         if self.host is not None:
+            self.host.join()  # the previous update, if no forward waited for all of it
             self.host.wait_grads()
         overflow = False
         if self.scaler.enabled:
@@ -357,14 +348,19 @@ class DataParallel:
             if self.param_sync is not None:
                 for b in reversed(range(len(self.buckets))):
                     self.param_sync.launch(b)
+        if self.host is not None:
+            # On a background thread, so the next forward overlaps it: each module
+            # waits for its own buckets (param_sync's hooks; ZeRO-3: `_stage_in`).
+            self.host.start_step(order, [self._owned_param(buf) for buf in self.buckets],
+                                 self.step_count, lr, self.optim,
+                                 host_shard=self.offload.params)
+            if self.param_sync is not None:
+                self.param_sync.queue(order)
+            order = []
         for b in order:
             buf = self.buckets[b]
-            if self.host is not None:
-                self.host.step(b, self._owned_param(buf), self.step_count, lr, self.optim,
-                               host_shard=self.offload.params)
-            else:
-                self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
-                                    self.step_count, lr, self.optim, self.adam_scratch)
+            self.slots[b].step_(self._owned_param(buf), self._owned_grad(buf),
+                                self.step_count, lr, self.optim, self.adam_scratch)
             if self.param_sync is not None:  # stage 3 gathers lazily before its forward
                 self.param_sync.launch(b)
         self.reducer.used()
@@ -373,10 +369,13 @@ class DataParallel:
         return True
 
     def wait_params(self) -> None:
-        """Stages 1-2: wait for the parameter all-gathers still in flight after step()
-        (forward waits by itself, module by module)."""
+        """Wait for what step() left running: the parameter all-gathers of stages 1-2
+        and, under host offload, the update on the CPU (forward waits by itself, module
+        by module). Call it before reading parameters or optimizer states otherwise."""
         if self.param_sync is not None:
             self.param_sync.wait_all()
+        if self.host is not None:
+            self.host.join()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -411,9 +410,13 @@ class DataParallel:
                     self._refresh_master()
 
     def _stage_in(self, buf: FlatBuffer) -> torch.Tensor:
-        """Stage 3 with parameters offloaded: the shard onto the device to be gathered,
-        from host memory or from its file."""
+        """Stage 3 under offload: the shard to be gathered, once its update is in; with
+        parameters offloaded, copied onto the device from host memory or its file."""
         b = self.buckets.index(buf)
+        if self.host is not None:
+            self.host.wait(b)  # its update, running since step()
+        if not self.offload.params:
+            return buf.shard
         if self.disk is not None:
             self.disk.copies.append(("param-in", b, 0))
             return self.disk.read_param(b, self.device)
@@ -430,103 +433,21 @@ class DataParallel:
 
     # Reports and state -----------------------------------------------------------------
     def memory_ledger(self) -> dict[str, int]:
-        """Bytes this rank holds, counted from the actual tensors."""
-        params = sum(_nbytes(b.full) + _nbytes(b.shard) for b in self.buckets)
-        if self.gatherer is not None:  # at rest: shards only; gathered units separately
-            params = sum(_nbytes(b.shard) for b in self.buckets)
-        # A full gradient buffer is part of the model states where it lives for the
-        # whole run; a transient one (sharded gradients) is a communication buffer.
-        grads = sum(_nbytes(b.shard_grad)
-                    + (0 if self.stage.shards_gradients else _nbytes(b.full_grad))
-                    for b in self.buckets)
-        host = self.host.bytes() if self.host is not None else {}
-        if self.disk is not None:  # the engine's bounded buffers; the states are on disk
-            host = {"optimizer_buffers": self.disk.buffer_bytes()}
-        if self.offload.params and self.disk is None:
-            host["parameters"] = params
-            params = 0
-        on_device = self.host is None
-        out = {
-            "parameters": params,
-            "gradients": grads,
-            "master_weights": on_device * sum(_nbytes(s.master) for s in self.slots),
-            "optimizer_states": on_device * sum(_nbytes(s.exp_avg) + _nbytes(s.exp_avg_sq)
-                                                for s in self.slots),
-            "comm_buffers": self.reducer.live_bytes,
-        }
-        out["model_states"] = sum(out.values())
-        # Of the parameters, the experts this rank holds (E/ep of each MoE block; at rest).
-        out["expert_parameters"] = sum(
-            _nbytes(b.shard) + (0 if self.gatherer is not None else _nbytes(b.full))
-            for b in self.buckets if b.comm is not None)
-        # Host memory (offload): master weights, moments, the gradients' staging buffers
-        # and, under "optimizer+params", the parameter shards.
-        for name in ("parameters", "gradients", "master_weights", "optimizer_states"):
-            out[f"host_{name}"] = host.get(name, 0)
-        out["host_model_states"] = sum(host.values())
-        if self.disk is not None:
-            out["host_optimizer_buffers"] = host["optimizer_buffers"]
-            out["disk_bytes"] = self.disk.disk_bytes()
-        out["comm_buffers_peak"] = self.reducer.peak_bytes
-        out["optimizer_scratch"] = _nbytes(self.adam_scratch)  # at most one adamw chunk
-        if self.gatherer is not None:
-            out["gathered_now"] = self.gatherer.live_bytes
-            out["gathered_peak"] = self.gatherer.peak_bytes
-        return out
+        """Bytes this rank holds, counted from the actual tensors (partita.zero.ledger)."""
+        return memory_ledger(self)
 
+    # Checkpoint access (partita.zero.owned) --------------------------------------------
     def owned_slices(self) -> list[OwnedSlice]:
-        """Per bucket, what this rank's optimizer updates: the flat range, the pieces of
-        parameters in it and the tensors holding their values and AdamW state (views of
-        the engine's own buffers; host memory under offload). Checkpoints read and
-        write training state here. Under disk offload the states (and, with the
-        parameters on disk, the parameters) are read from their files into host
-        tensors, the whole owned slice at once; after a load, `owned_slices_loaded`
-        writes the last such tensors back."""
-        self.wait_params()
-        out = []
-        for b, buf in enumerate(self.buckets):
-            lo, hi = self._owned_range(buf)
-            if self.disk is not None:
-                st = self.disk.read_states(b)
-                param = (self.disk.read_param(b) if self.offload.params
-                         else self._owned_param(buf))
-                out.append(OwnedSlice(buf.pieces(lo, hi), lo, param, st["master"],
-                                      st["exp_avg"], st["exp_avg_sq"]))
-                continue
-            slot = self.slots[b]
-            out.append(OwnedSlice(buf.pieces(lo, hi), lo, self._owned_param(buf), slot.master,
-                                  slot.exp_avg, slot.exp_avg_sq))
-        if self.disk is not None:
-            self._disk_slices = out
-        return out
+        """Per bucket, what this rank's optimizer updates and where its state lives."""
+        return owned_slices(self)
 
     def writes_piece(self, piece: Piece) -> bool:
-        """Whether this rank is the one, among the ranks holding identical copies of
-        `piece`'s state, that a checkpoint takes it from: index 0 of the data-parallel
-        group when optimizer states are replicated (stage 0), and of every group the
-        parameter is replicated over (a norm under tensor parallelism)."""
-        # The group the piece's state is replicated over is its bucket's (experts: their
-        # expert-data-parallel group, whose index 0 differs from the dense one's).
-        comm = next((b.comm for b in self.buckets if piece.entry in b.entries), None)
-        if not self.stage.shards_optimizer_states and (comm or self.comm).index != 0:
-            return False
-        return not any(p in self.mesh.ranks and self.mesh.index(p) != 0
-                       for p in piece.entry.info.replicated_over)
+        """Whether a checkpoint takes `piece`'s state from this rank."""
+        return writes_piece(self, piece)
 
-    @torch.no_grad()
     def owned_slices_loaded(self) -> None:
-        """The owned slices were written from outside (a checkpoint was loaded): bring
-        the full parameter buffers of stages 1-2 up to date from every rank's slice."""
-        if self.disk is not None:  # the tensors `owned_slices` read go back to the files
-            for b, sl in enumerate(self._disk_slices or []):
-                self.disk.write_states(b, {"master": sl.master, "exp_avg": sl.exp_avg,
-                                           "exp_avg_sq": sl.exp_avg_sq})
-                if self.offload.params:
-                    self.disk.write_param(b, sl.param)
-            self._disk_slices = None
-        if self.stage.gathers_parameters_after_step:
-            for buf in self.buckets:
-                (buf.comm or self.comm).all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
+        """The owned slices were written from outside (a checkpoint was loaded)."""
+        owned_slices_loaded(self)
 
 
 def _check_nothing_left_on_meta(module: nn.Module) -> None:
