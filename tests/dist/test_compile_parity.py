@@ -12,7 +12,10 @@ Compiling dominates this test's time (inductor's C++ backend: about 10-20 s per 
 block graph on 2 cores with a cold cache), so the model is the tiny parity model, the
 runs are short, and the float64 data-parallel and ZeRO-3 cases share one compiled
 block graph (recomputation reruns the same training graph, and its no-grad forward is
-the validation pass's graph). Inductor's cache lives in pytest's cache folder, so a second run reuses
+the validation pass's graph). The pipeline cases (pp=2, two microbatches of the same
+shape) reuse that graph too, compiled first for a backward that runs once: the order in
+which a pipeline's split backward once read overwritten saved tensors
+(`partita.pipeline.backward.runs_whole`). Inductor's cache lives in pytest's cache folder, so a second run reuses
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
 the validation pass need); the full run that follows, on a freshly built model, must
@@ -42,6 +45,12 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance)
     ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL),
     ("dp2-zero3-recompute", dict(zero_stage=3, bucket_mb=0.02, recompute="full"),
      dict(lr=1e-2), "blocks", FLOAT64_TOL),
+    # After the data-parallel cases, on purpose: the block graph (same shapes) was first
+    # compiled there, for a backward that runs once, and the pipelines reuse it.
+    ("pp2-1f1b", dict(pp=2, schedule="1f1b"), dict(lr=1e-2, microbatches=2), "blocks",
+     FLOAT64_TOL),
+    ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), dict(lr=1e-2, microbatches=2), "blocks",
+     FLOAT64_TOL),
     ("tp2-sp", dict(tp=2, sequence_parallel=True), dict(lr=1e-2, global_batch=2), "blocks",
      FLOAT64_TOL),
     ("dp2-zero1-model", dict(zero_stage=1), dict(lr=1e-2), "model", FLOAT64_TOL),
@@ -66,9 +75,10 @@ def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
         cfg = parity_config(parallel=parallel, train=dict(train, compile=mode))
         train_layout(rank, world, cfg, 1)  # compiles the step's and evaluation's graphs
         before = compile_counts()
-        compiled = train_layout(rank, world, cfg, STEPS, params=True)
+        compiled = train_layout(rank, world, cfg, STEPS, params=True,
+                                probe=lambda pm, _: pm.compiled.mode)
         results.append(dict(eager=_quantities(eager), compiled=_quantities(compiled),
-                            before=before, after=compile_counts()))
+                            mode=compiled["probe"], before=before, after=compile_counts()))
     results.append(dict(reasons=break_reasons()))
     return results
 
@@ -81,7 +91,9 @@ def test_compiled_layouts_match_eager_and_never_recompile(
     ranks = run_distributed(_worker, 2, args=(str(cache),), timeout=900)
     failures = []
     for rank, got in enumerate(ranks):
-        for (name, _, _, _, tol), r in zip(CASES, got):
+        for (name, _, _, mode, tol), r in zip(CASES, got):
+            if r["mode"] != mode:
+                failures.append(f"{name} rank {rank}: ran {r['mode']!r}, not {mode!r}")
             try:
                 assert_parity(r["compiled"], r["eager"], tol, f"{name} rank {rank}")
             except AssertionError as exc:

@@ -50,6 +50,11 @@ class ContextParallelAttention(nn.Module):
         # Set an `AttentionClock` to time this core's compute apart from its transfers.
         self.clock: AttentionClock | None = None
 
+    # Kept out of compiled code: the ring posts asynchronous sends and receives that
+    # dynamo cannot trace, so a compiled block would run this core eagerly between two
+    # compiled pieces, as it does tensor parallelism's collectives (partita.compile
+    # still refuses cp > 1: see `blocks_refusal`).
+    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         """`segments` (b, s): the documents of the whole sequence, not of this rank's

@@ -14,7 +14,9 @@ W accumulates with `torch.autograd.backward(..., inputs=params)`, so `.grad` fil
 exactly as in an ordinary backward and post-accumulate hooks (the data-parallel
 engine's gradient reduction) fire. A parameter reached through several intermediates
 (a weight used twice) would be counted twice by that re-entry; its gradient is
-computed during I instead and accumulated during W.
+computed during I instead and accumulated during W. So are the parameters of a
+compiled region (`torch.compile`): its backward is one node for the whole region, which
+must run once (`runs_whole`).
 
 Keeping the graph alive from I to W would keep every tensor the forward saved, though W
 runs only the weight-gradient nodes (a linear layer's matmul: its input, and the
@@ -25,9 +27,11 @@ microbatch holds what the zero-bubble paper counts for W and nothing more.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch._functorch.config
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 Root = torch.Tensor | GradientEdge
@@ -323,18 +327,22 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
                 found.update(below[c])
         if found:
             entries.append((node, found))
-    for _, found in entries:
+    whole: set[int] = set()  # id(param) below a node whose backward runs only once
+    for entry, found in entries:
         for key in found:
             owners[key] = owners.get(key, 0) + 1
-    eager = [p for p in params if owners.get(id(p), 0) > 1]
+        if isinstance(entry, Node) and runs_whole(entry):
+            whole.update(found)
+    eager = [p for p in params if owners.get(id(p), 0) > 1 or id(p) in whole]
 
     captured: dict[Node, tuple] = {}
     handles = [node.register_prehook(_capture(captured, node))
                for node, _ in entries if isinstance(node, Node)]
     wanted = inputs + eager
     try:
-        result = (torch.autograd.grad(edges, wanted, grads, retain_graph=True,
-                                      allow_unused=True) if wanted else ())
+        with _once_per_compiled_node(bool(whole)):
+            result = (torch.autograd.grad(edges, wanted, grads, retain_graph=True,
+                                          allow_unused=True) if wanted else ())
     finally:
         for h in handles:
             h.remove()
@@ -344,7 +352,7 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
     groups = []
     root_grad = {id(e): g for e, g in zip(edges, grads)}
     for entry, found in entries:
-        mine = [p for key, p in found.items() if owners[key] == 1]
+        mine = [p for key, p in found.items() if owners[key] == 1 and key not in whole]
         if not mine:
             continue
         if isinstance(entry, GradientEdge):
@@ -360,6 +368,31 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
         saves.keep_only([n for n, _ in entries if isinstance(n, Node)]
                         + [n for n in order if not on_path[n]])
     return input_grads, WeightPass(groups, eager_grads)
+
+
+def runs_whole(node: Node) -> bool:
+    """A compiled region's backward node (`torch.compile`: AOTAutograd's one autograd
+    function per graph), which computes the input and the weight gradients of the whole
+    region in one call. Re-entering it for W would rerun all of it, and could read
+    saved tensors its first call overwrote: a backward compiled while its saved tensors
+    were to be used once (no `retain_graph`) reuses their memory ("donated buffers"),
+    and torch's caches (dynamo's per-code cache shared by every block of a class,
+    inductor's on-disk cache, whose key does not record donation) hand that compiled
+    backward to later graphs, pipelines included."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
+@contextlib.contextmanager
+def _once_per_compiled_node(active: bool) -> Iterator[None]:
+    """I keeps the graph for W (`retain_graph`), which AOTAutograd refuses for a backward
+    compiled with donated buffers, since a second call would read overwritten memory.
+    W never re-enters a compiled node (`runs_whole`), so each runs once: the check is
+    lifted for this call only."""
+    if not active:
+        yield
+        return
+    with torch._functorch.config.patch(donated_buffer=False):
+        yield
 
 
 def _capture(store: dict, node: Node):
