@@ -278,6 +278,9 @@ def _finish_step(dp) -> None:
     dp.finish_grad_sync()
     dp.clip_grad_norm_(1.0)
     dp.step()
+    # Under host offload the update and the stage 1-2 parameter gathers it queues run
+    # into the next forward; the figures are one whole step's, so wait for them here.
+    dp.wait_params()
     dp.zero_grad()
 
 
