@@ -1,14 +1,19 @@
 """Stacked SwiGLU experts run over row segments, with a hand-written backward.
 
 The rows come as consecutive segments, each for one expert of the stack; an expert may
-own several segments (under expert parallelism: one per sending rank). Autograd over
-per-segment `F.linear` calls would give each segment its own weight-gradient matrices,
-transposed ((x^T g)^T for a linear's weight), add them per expert and finally stack them
-into the (E, ...) gradients: a strided copy of every expert's three matrices per step,
-which measured as large as all the routing. Here each weight gradient is one matmul
-written in place into its row of the stacked gradient (`out=`, then `addmm_` for an
-expert's further segments), and the outputs and the input gradient are written into
-their segments of one buffer, so there is no cat, no add and no stack.
+own several segments (under expert parallelism: one per sending rank, as the rows
+arrive). Each expert computes once over all its rows: its segments are joined (a copy
+only when it has more than one), so that every matmul, the weight gradients' above all
+(whose inner dimension is the rows), runs at full length. The down projection writes
+its output straight into each segment's place, and the input gradient likewise, so the
+caller's row order is kept with no scatter.
+
+Autograd over per-expert `F.linear` calls would make each weight gradient a transposed
+matrix ((x^T g)^T for a linear's weight) and then stack them into the (E, ...)
+gradients: a strided copy of every expert's three matrices per step, which measured as
+large as all of the routing. Here each weight gradient is one matmul written into its
+row of the stacked gradient (`out=`). The input gradient is skipped when the rows need
+none (tokens that are leaves, as in a benchmark).
 
 Same arithmetic as the autograd version: h = silu(x Wg^T) * (x Wu^T), y = h Wd^T.
 """
@@ -19,53 +24,71 @@ import torch
 import torch.nn.functional as F
 
 
+def _segments_of(counts: list[int], experts: list[int], n_experts: int
+                 ) -> list[list[int]]:
+    """For each expert, the indices of its segments in order."""
+    owned: list[list[int]] = [[] for _ in range(n_experts)]
+    for i, e in enumerate(experts):
+        owned[e].append(i)
+    return owned
+
+
+def _join(parts: tuple[torch.Tensor, ...], idx: list[int]) -> torch.Tensor:
+    return parts[idx[0]] if len(idx) == 1 else torch.cat([parts[i] for i in idx])
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, counts, experts):
+        owned = _segments_of(counts, experts, w_gate.shape[0])
+        xs = x.split(counts)
         y = x.new_empty((x.shape[0], w_down.shape[1]))
+        ys = y.split(counts)
         saved = []
-        for part, out, e in zip(x.split(counts), y.split(counts), experts):
-            g = torch.mm(part, w_gate[e].t())
-            u = torch.mm(part, w_up[e].t())
+        for e, idx in enumerate(owned):
+            if not idx:
+                continue
+            rows = _join(xs, idx)
+            g = torch.mm(rows, w_gate[e].t())
+            u = torch.mm(rows, w_up[e].t())
             sg = F.silu(g)
             h = sg * u
-            torch.mm(h, w_down[e].t(), out=out)
-            saved += [g, u, sg, h]
-        ctx.save_for_backward(x, w_gate, w_up, w_down, *saved)
-        ctx.counts, ctx.experts = counts, experts
+            for i, hs in zip(idx, h.split([counts[i] for i in idx])):
+                torch.mm(hs, w_down[e].t(), out=ys[i])
+            saved += [rows, g, u, sg, h]
+        ctx.save_for_backward(w_gate, w_up, w_down, *saved)
+        ctx.counts, ctx.owned = counts, owned
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, w_gate, w_up, w_down, *saved = ctx.saved_tensors
-        counts, experts = ctx.counts, ctx.experts
-        want_x = ctx.needs_input_grad[0]  # not when the tokens are leaves (a benchmark)
-        grad_x = torch.empty_like(x) if want_x else None
+        w_gate, w_up, w_down, *saved = ctx.saved_tensors
+        counts, owned = ctx.counts, ctx.owned
+        want_x = ctx.needs_input_grad[0]
+        grad_x = grad_y.new_empty((sum(counts), w_gate.shape[2])) if want_x else None
+        gxs = grad_x.split(counts) if want_x else ()
+        gys = grad_y.contiguous().split(counts)
         grads = [torch.empty_like(w) for w in (w_gate, w_up, w_down)]
-        written: set[int] = set()
-        grad_y = grad_y.contiguous()
-        parts = zip(x.split(counts), grad_y.split(counts), experts)
-        grad_xs = grad_x.split(counts) if want_x else [None] * len(counts)
-        for i, ((part, gy, e), gx) in enumerate(zip(parts, grad_xs)):
-            g, u, sg, h = saved[4 * i: 4 * i + 4]
+        k = 0
+        for e, idx in enumerate(owned):
+            if not idx:  # no segment: no gradient
+                for grad in grads:
+                    grad[e].zero_()
+                continue
+            rows, g, u, sg, h = saved[5 * k: 5 * k + 5]
+            k += 1
+            gy = _join(gys, idx)
             grad_h = torch.mm(gy, w_down[e])
             grad_u = grad_h * sg
             grad_g = torch.ops.aten.silu_backward(grad_h * u, g)
-            if e in written:  # a further segment of this expert: accumulate in place
-                grads[2][e].addmm_(gy.t(), h)
-                grads[1][e].addmm_(grad_u.t(), part)
-                grads[0][e].addmm_(grad_g.t(), part)
-            else:
-                torch.mm(gy.t(), h, out=grads[2][e])
-                torch.mm(grad_u.t(), part, out=grads[1][e])
-                torch.mm(grad_g.t(), part, out=grads[0][e])
-                written.add(e)
+            torch.mm(gy.t(), h, out=grads[2][e])
+            torch.mm(grad_u.t(), rows, out=grads[1][e])
+            torch.mm(grad_g.t(), rows, out=grads[0][e])
             if want_x:
-                torch.mm(grad_g, w_gate[e], out=gx)
-                gx.addmm_(grad_u, w_up[e])
-        for e in set(range(w_gate.shape[0])) - written:  # no segment: no gradient
-            for grad in grads:
-                grad[e].zero_()
+                sizes = [counts[i] for i in idx]
+                for i, gg, gu in zip(idx, grad_g.split(sizes), grad_u.split(sizes)):
+                    torch.mm(gg, w_gate[e], out=gxs[i])
+                    gxs[i].addmm_(gu, w_up[e])
         return grad_x, *grads, None, None
 
 
