@@ -118,8 +118,9 @@ def sort_by_expert(route: Route, n_experts: int
 def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
             like: torch.Tensor) -> torch.Tensor:
     """Sum each token's expert outputs, scaled by their gate weights."""
+    # In place on a fresh buffer: the out-of-place index_add would copy the zeros first.
     out = torch.zeros_like(like)
-    return out.index_add(0, token, y * weight.unsqueeze(1).to(y.dtype))
+    return out.index_add_(0, token, y * weight.unsqueeze(1).to(y.dtype))
 
 
 class _AddAuxGrad(torch.autograd.Function):
