@@ -80,7 +80,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             gy = _join(gys, idx)
             grad_h = torch.mm(gy, w_down[e])
             grad_u = grad_h * sg
-            grad_g = torch.ops.aten.silu_backward(grad_h * u, g)
+            grad_g = torch.ops.aten.silu_backward(grad_h.mul_(u), g)  # grad_h is spent
             torch.mm(gy.t(), h, out=grads[2][e])
             torch.mm(grad_u.t(), rows, out=grads[1][e])
             torch.mm(grad_g.t(), rows, out=grads[0][e])
