@@ -8,11 +8,18 @@ deep-copied by DeepSpeed into each local expert), E experts, top-2, capacity fac
 on both sides (DeepSpeed drops by its own rule, over the rank's batch; partita per
 sequence); random token selection off. A step is forward and backward of
 mean(out^2) + the auxiliary loss on the same tokens (no optimizer, no gradient
-reduction on either side). Rounds alternate partita / DeepSpeed after a warm-up; a
-round's time is the median over its steps of the slowest rank; the ratio of a world is
-the median of its per-round ratios.
+reduction on either side).
 
-Last line: `ep: worst partita/peer step-time ratio R` (the worst world).
+Step time: after a warm-up, rounds alternate partita and DeepSpeed, which of the two
+goes first alternating too (`bench.paired`); a round times --steps steps, each between
+barriers, and keeps the median of their slowest-rank times. R of a world is the median
+of the per-round ratios with its 99% interval; rounds double (up to --max-rounds) while
+the interval spans 1.0. Each side's CPU time per step (the rank's thread, median over
+steps, the busiest rank) is printed too: the work done, which the load of other
+processes on a shared machine does not inflate the way it does wall time.
+
+Last line: `ep: worst partita/peer step-time ratio R (99% interval lo-hi, n rounds at
+world w)`, the world with the largest R.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from partita.bench import paired
 from partita.experts import apply_expert_parallel
 from partita.layout import Layout
 from partita.local_world import run_distributed
@@ -43,10 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ffn", type=int, default=512, help="each expert's hidden width")
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=128)
-    # 3 rounds of 3 steps read anywhere from 0.34 to 1.24 per round on a loaded 2-core
-    # machine; 9 of 5 (about 30 s for both worlds) give a steadier median.
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=8,
+                        help="alternating rounds (partita, DeepSpeed) before doubling")
+    parser.add_argument("--max-rounds", type=int, default=32,
+                        help="cap on rounds while the ratio's interval spans 1.0")
+    parser.add_argument("--steps", type=int, default=5,
+                        help="timed steps per round (the round keeps their median)")
 
 
 def _config(a: dict) -> ModelConfig:
@@ -85,55 +95,76 @@ def _step_deepspeed(layer: nn.Module, x: torch.Tensor) -> None:
     (out.square().mean() + 0.01 * aux).backward()
 
 
-def _timed(step, layer: nn.Module, x: torch.Tensor, steps: int) -> list[float]:
-    times = []
+def _side(step, layer: nn.Module, x: torch.Tensor, steps: int,
+          cpu: list[float]) -> float:
+    """One round of one side: the median over `steps` steps of the slowest rank's wall
+    seconds (the same on every rank); this rank's thread CPU seconds go to `cpu`."""
+    walls = []
     for _ in range(steps):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         step(layer, x)
         layer.zero_grad(set_to_none=True)
+        cpu.append(time.thread_time() - start_cpu)
         dist.barrier()
-        times.append(time.perf_counter() - start)
-    return times
+        walls.append(time.perf_counter() - start)
+    slowest = torch.tensor(walls, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist())
 
 
-def _rank(rank: int, world: int, a: dict) -> list[tuple[list[float], list[float]]]:
+def _rank(rank: int, world: int, a: dict) -> dict:
     os.environ.setdefault("DS_BUILD_OPS", "0")
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     mesh = Mesh(Layout(dp=world, ep=a["ep"]), rank, world)
-    ours, peer = _partita_layer(a, mesh), _deepspeed_layer(a)
+    sides = ((_step_partita, _partita_layer(a, mesh)), (_step_deepspeed, _deepspeed_layer(a)))
     x = torch.randn(a["batch"], a["seq"], a["dim"],
                     generator=torch.Generator().manual_seed(rank))
-    _timed(_step_partita, ours, x, 1)  # warm-up
-    _timed(_step_deepspeed, peer, x, 1)
-    rounds = []
-    for _ in range(a["rounds"]):
-        rounds.append((_timed(_step_partita, ours, x, a["steps"]),
-                       _timed(_step_deepspeed, peer, x, a["steps"])))
-    return rounds
+    cpu: tuple[list[float], list[float]] = ([], [])
+    for step, layer in sides:  # warm-up
+        _side(step, layer, x, 2, [])
+
+    def time_side(k: int) -> float:
+        return _side(*sides[k], x, a["steps"], cpu[k])
+
+    times = paired.paired_rounds(time_side, a["rounds"], a["max_rounds"], 1.0)
+    return {"times": times, "cpu": [statistics.median(c) for c in cpu]}
 
 
 def run(args: argparse.Namespace) -> int:
-    a = dict(ep=args.ep, experts=args.experts, dim=args.dim, ffn=args.ffn,
-             batch=args.batch, seq=args.seq, rounds=args.rounds, steps=args.steps)
+    a = dict(ep=args.ep, experts=args.experts, dim=args.dim, ffn=args.ffn, batch=args.batch,
+             seq=args.seq, rounds=args.rounds, max_rounds=max(args.rounds, args.max_rounds),
+             steps=args.steps)
     print(f"MoE layer: dim={args.dim} experts={args.experts} ffn={args.ffn} top-2 "
-          f"ep={args.ep}, {args.batch}x{args.seq} tokens per rank, fp32, forward+backward")
-    print(f"{'world':>6}{'round':>7}{'partita ms':>12}{'deepspeed ms':>14}{'ratio':>8}")
-    worst = 0.0
+          f"ep={args.ep}, {args.batch}x{args.seq} tokens per rank, fp32, forward+backward; "
+          f"alternating rounds of {args.steps} steps ({a['rounds']}, doubling to "
+          f"{a['max_rounds']} while the 99% interval spans 1.0)")
+    print(f"load average at start {_load()} on {os.cpu_count()} cores (shared machine: "
+          "R is a wall-time ratio; its interval says how far the load lets it be read)")
+    print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'99% interval':>14}"
+          f"{'rounds':>8}{'partita cpu ms':>16}{'deepspeed cpu ms':>18}")
+    worst = None
     for world in (int(w) for w in args.worlds.split(",")):
-        ranks = run_distributed(_rank, world, args=(a,), timeout=600)
-        ratios = []
-        for r in range(args.rounds):
-            ours = statistics.median(max(rk[r][0][i] for rk in ranks)
-                                     for i in range(args.steps)) * 1e3
-            peer = statistics.median(max(rk[r][1][i] for rk in ranks)
-                                     for i in range(args.steps)) * 1e3
-            ratios.append(ours / peer)
-            print(f"{world:>6}{r:>7}{ours:>12.2f}{peer:>14.2f}{ours / peer:>8.3f}")
-        ratio = statistics.median(ratios)
-        print(f"{world:>6} median ratio {ratio:.3f}")
-        worst = max(worst, ratio)
-    print(f"ep: worst partita/peer step-time ratio {worst:.3f}")
+        ranks = run_distributed(_rank, world, args=(a,), timeout=1800)
+        times = ranks[0]["times"]  # the same on every rank (slowest-rank round times)
+        est = paired.estimate_times(times)
+        cpu = [max(r["cpu"][k] for r in ranks) * 1e3 for k in (0, 1)]
+        print(f"{world:>6}{statistics.median(times[0]) * 1e3:>12.2f}"
+              f"{statistics.median(times[1]) * 1e3:>14.2f}{est.median:>8.3f}{est.span:>14}"
+              f"{est.rounds:>8}{cpu[0]:>16.2f}{cpu[1]:>18.2f}")
+        if worst is None or est.median > worst[1].median:
+            worst = (world, est)
+    print(f"load average at end {_load()}")
+    world, est = worst
+    print(f"ep: worst partita/peer step-time ratio {est.median:.3f} (99% interval "
+          f"{est.span}, {est.rounds} rounds at world {world})")
     return 0
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"

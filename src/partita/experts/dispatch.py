@@ -7,8 +7,8 @@ r*E/e .. (r+1)*E/e - 1. A forward of one MoE feed-forward on every rank of the g
 2. exchange the per-expert counts (one small all-to-all), so every rank knows how many
    rows it receives from each peer for each of its experts;
 3. all-to-all the rows (variable splits);
-4. regroup the received rows by local expert and run each expert once over its rows;
-5. undo the regrouping, all-to-all the outputs back (the splits reversed);
+4. run each local expert over the rows each peer sent it, where they lie;
+5. all-to-all the outputs back (the splits reversed);
 6. sum each token's outputs with its gate weights (`partita.models.moe.combine`).
 
 Both all-to-alls are autograd functions whose backward is the all-to-all with the splits
@@ -59,35 +59,16 @@ class ExpertParallelDispatch:
     def __call__(self, x: torch.Tensor, route: Route, experts: Experts) -> torch.Tensor:
         comm, n_local = self.comm, experts.n_local
         _, token, weight, counts = sort_by_expert(route, self.n_experts)
-        # Step 2: received[s, l] = rows peer s sends for local expert l.
+        # Step 2: received[s][l] = rows peer s sends for local expert l.
         received = torch.empty_like(counts)
         comm.all_to_all_single(received, counts, [n_local] * comm.size,
                                [n_local] * comm.size, SPLITS_OP)
-        sent = counts.view(comm.size, n_local).tolist()
-        received = received.view(comm.size, n_local).tolist()
+        sent, received = torch.stack((counts, received)).view(2, comm.size, n_local).tolist()
         in_splits, out_splits = [sum(r) for r in sent], [sum(r) for r in received]
-        rows = all_to_all(x[token], comm, out_splits, in_splits)
-        # Step 4: rows arrive by source rank, then expert; the experts want expert first.
-        regroup, per_expert = _by_expert(received, x.device)
-        y = experts(rows[regroup], per_expert)
-        back = torch.empty_like(regroup)
-        back[regroup] = torch.arange(regroup.numel(), device=x.device)
-        y = all_to_all(y[back], comm, in_splits, out_splits)
+        rows = all_to_all(x.index_select(0, token), comm, out_splits, in_splits)
+        # Step 4: rows arrive by source rank, then local expert; each (source, expert)
+        # segment runs where it lies, so the outputs are already in the order to send
+        # back (regrouping expert-major would cost a gather and a scatter each way).
+        y = experts(rows, [c for r in received for c in r], list(range(n_local)) * comm.size)
+        y = all_to_all(y, comm, in_splits, out_splits)
         return combine(y, token, weight, x)
-
-
-def _by_expert(received: list[list[int]], device: torch.device
-               ) -> tuple[torch.Tensor, list[int]]:
-    """Row indices that reorder source-major rows expert-major, and rows per expert."""
-    sources, n_local = len(received), len(received[0])
-    start, offsets = 0, []
-    for s in range(sources):
-        offsets.append([])
-        for count in received[s]:
-            offsets[s].append(start)
-            start += count
-    parts = [torch.arange(offsets[s][j], offsets[s][j] + received[s][j], device=device)
-             for j in range(n_local) for s in range(sources)]
-    per_expert = [sum(received[s][j] for s in range(sources)) for j in range(n_local)]
-    order = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-    return order, per_expert

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from partita.models.grouped_experts import grouped_swiglu
 from partita.models.model_config import ModelConfig
 
 # forced_route(tokens, top_k, n_experts) -> (tokens, top_k) expert indices: replaces the
@@ -66,16 +67,16 @@ class Experts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w_down = nn.Parameter(torch.empty(n_experts, dim, hidden))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: rows grouped by local expert, counts[l] rows for expert l (0 allowed: the
-        matmul still runs, so every expert's weights are in the graph on every rank)."""
-        outs = []
-        # unbind, not w[i]: indexing's backward writes each expert's gradient into a
-        # zero tensor of the whole stack, n_local times over; unbind's stacks them once.
-        experts = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))
-        for part, (gate, up, down) in zip(x.split(counts), experts):
-            outs.append(F.linear(F.silu(F.linear(part, gate)) * F.linear(part, up), down))
-        return torch.cat(outs) if outs else x[:0]
+    def forward(self, x: torch.Tensor, counts: list[int],
+                experts: list[int] | None = None) -> torch.Tensor:
+        """x: consecutive row segments, counts[i] rows for local expert experts[i]
+        (default: segment i for expert i). Every local expert must own a segment (0 rows
+        allowed: the matmul still runs, so every expert's weights are in the graph on
+        every rank). Expert parallelism passes segments by source rank, then expert,
+        as they arrive: no regrouping copy on the way in nor on the way out."""
+        if experts is None:
+            experts = list(range(len(counts)))
+        return grouped_swiglu(x, self.w_gate, self.w_up, self.w_down, counts, experts)
 
 
 class SwiGLU(nn.Module):
@@ -94,7 +95,7 @@ class LocalDispatch:
 
     def __call__(self, x: torch.Tensor, route: Route, experts: Experts) -> torch.Tensor:
         order, token, weight, counts = sort_by_expert(route, experts.n_local)
-        y = experts(x[token], counts.tolist())
+        y = experts(x.index_select(0, token), counts.tolist())
         return combine(y, token, weight, x)
 
 
@@ -117,8 +118,9 @@ def sort_by_expert(route: Route, n_experts: int
 def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor,
             like: torch.Tensor) -> torch.Tensor:
     """Sum each token's expert outputs, scaled by their gate weights."""
+    # In place on a fresh buffer: the out-of-place index_add would copy the zeros first.
     out = torch.zeros_like(like)
-    return out.index_add(0, token, y * weight.unsqueeze(1).to(y.dtype))
+    return out.index_add_(0, token, y * weight.unsqueeze(1).to(y.dtype))
 
 
 class _AddAuxGrad(torch.autograd.Function):

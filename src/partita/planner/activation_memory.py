@@ -124,10 +124,10 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
         "moe_router": 4 * (2 * n * n_e + n + b * n_e),
         # Gate weights: the chosen scores (fp32), their per-token sum (top-k
         # normalisation) and each row's weight; the int64 indices that route each row:
-        # chosen experts, sort order, token (and, under expert parallelism, the
-        # regrouping of received rows and its inverse).
+        # chosen experts, sort order, token (received rows are not regrouped under
+        # expert parallelism: each expert runs over them where they lie).
         "moe_gates": 4 * rows + 4 * n + e * rows,
-        "moe_indices": 8 * rows * (3 + (2 if layout.ep > 1 else 0)),
+        "moe_indices": 8 * rows * 3,
     }
 
 
