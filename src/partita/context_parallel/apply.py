@@ -41,6 +41,9 @@ class ContextParallelAttention(nn.Module):
     share each kv head.
     """
 
+    # The model may hand k and v with their kv heads only (no repeat per query head).
+    takes_kv_heads = True
+
     def __init__(self, comm: GroupComm, kind: str, kv_group: int) -> None:
         super().__init__()
         if kind not in KINDS:

@@ -138,7 +138,9 @@ class Attention(nn.Module):
                                      position_offset, self.inv_freq)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+        # Grouped-query attention: share each kv head, unless the core takes the kv heads
+        # as they are (context parallelism moves only those, so it skips the copies).
+        if k.shape[1] != q.shape[1] and not getattr(self.core, "takes_kv_heads", False):
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         # Passed only when given: a core swapped in by a parallel layout need not take it.
