@@ -54,7 +54,8 @@ from partita.saved_tensors import SavedTensorMeter
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--degrees", default="2,4", help="cp degrees, comma-separated")
-    parser.add_argument("--seq", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--seq", type=int, default=4096,
+                        help="tokens per sequence (long enough that attention dominates)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
