@@ -7,7 +7,10 @@ within 1e-10. One spawned world of 4 ranks runs ep=2 and ep=4, top-1 and top-2,
 dropless and capacity, ZeRO-1 and ZeRO-3, a checkpoint saved under ep=2 resumed under
 ep=4; a rank whose experts get no token (a
 router forced to send everything to expert 0) must still finish; a router forced to
-balance gives the documented all-to-all bytes. One world of 8 runs dp=2 x tp=2 x pp=2
+balance gives the documented all-to-all bytes. In the same world, activation
+recomputation: full (every rank reruns its MoE blocks, all-to-alls included, in
+backward; under a pipeline the last backward is split in two, so each rerun happens
+twice and the statistics must still count once) and selective. One world of 8 runs dp=2 x tp=2 x pp=2
 with ep=2: the tensor- and pipeline-parallel case.
 """
 
@@ -94,20 +97,34 @@ CASES = [
          params=True),
     Case("ep2-top1-zero3", moe_cfg(dict(dp=4, ep=2, zero_stage=3, bucket_mb=0.01),
                                    train=dict(microbatches=2), top_k=1), params=True),
+    Case("ep2-pp2-recompute-full", moe_cfg(dict(dp=2, pp=2, ep=2, recompute="full"),
+                                           train=dict(microbatches=2)), params=True),
+    Case("ep4-top1-capacity-recompute-selective",
+         moe_cfg(dict(dp=4, ep=4, zero_stage=1, recompute="selective"), top_k=1,
+                 capacity_factor=1.0), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,
                  model=all_to_expert_zero)
 BALANCED = Case("ep4-balanced", moe_cfg(dict(dp=4, ep=4)), model=balanced, steps=1)
 
 
+_REFERENCES: dict[tuple, dict] = {}
+
+
 def _reference(case: Case) -> dict:
+    # Layouts of one model share one reference (one process, one microbatch).
+    cfg = single_process(case.cfg)
+    key = (cfg.to_toml(), case.steps or STEPS, case.params, case.model)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_layout(0, 1, single_process(case.cfg), case.steps or STEPS,
-                            params=case.params, probe=record_moe, model=case.model)
+        _REFERENCES[key] = train_layout(0, 1, cfg, case.steps or STEPS, params=case.params,
+                                        probe=record_moe, model=case.model)
     finally:
         torch.set_num_threads(threads)
+    return _REFERENCES[key]
 
 
 def _check(cases: list[Case], runs: list[list[dict]]) -> list[str]:

@@ -41,6 +41,10 @@ class ContextParallelAttention(nn.Module):
     share each kv head.
     """
 
+    # No s x s scores are kept (only q, k, v, the merged output and a log-sum-exp per
+    # query), so selective recomputation leaves this core alone (memory.recompute).
+    saves_scores = False
+
     def __init__(self, comm: GroupComm, kind: str, kv_group: int) -> None:
         super().__init__()
         if kind not in KINDS:
