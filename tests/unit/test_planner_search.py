@@ -118,7 +118,8 @@ def test_shorter_sequence_advice():
 
 def test_unavailable_options_are_not_advised():
     req = make_request("llama3-8b", 2, gpu_type="A100-40GB", seq_len=131072, global_batch=8)
-    ev = evaluate(req, parse_layout("dp=1 cp=2 recompute=full offload=optimizer", 2))
+    ev = evaluate(req, parse_layout("tp=2 tp_comm_overlap=true recompute=full "
+                                    "offload=optimizer", 2))
     assert {k for k, _ in ev.reasons} >= {UNAVAILABLE, MEMORY}
     assert advise_layout(req, ev) == []
 

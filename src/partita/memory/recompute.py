@@ -43,7 +43,7 @@ edge from it to every parameter. That is what makes it compose:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -117,7 +117,7 @@ class _Passes:
                         if callable(getattr(m, "recompute_pass", None))]
 
     @contextmanager
-    def running(self, name: str):
+    def running(self, name: str) -> Iterator[None]:
         for m in self.modules:
             m.recompute_pass(name)
         try:
