@@ -35,7 +35,8 @@ def test_405b_on_16384_gpus():
     assert any(ev.layout.cp > 1 for ev in result.ranked)
     steps = [e.time["step_s"] for e in result.ranked]
     assert all(a <= b * (1 + 1e-5) for a, b in zip(steps, steps[1:]))
-    assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT, UNAVAILABLE}
+    # Nothing a dense model can use is unavailable (cp runs with recomputation).
+    assert set(result.rejected) == {MEMORY, DIVISIBILITY, CONSTRAINT}
     # Every enumerated layout is counted once: fitting or rejected.
     assert result.searched == len(result.ranked) + sum(result.rejected.values())
 
