@@ -88,7 +88,7 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
     """Expert parallelism needs MoE blocks whose experts split evenly over ep; MoE blocks
-    do not run yet with sequence or context parallelism or with recomputation."""
+    do not run yet with sequence parallelism, nor with context parallelism without ep."""
     out, ep, n_experts = [], lay.ep, getattr(model, "n_experts", 0)
     if ep > 1 and not n_experts:
         out.append(Problem(CONSTRAINT, f"parallel.ep={ep} spreads experts over ranks, but "
@@ -105,9 +105,7 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
         return out
     for bad, what, fix in ((lay.sequence_parallel, "sequence parallelism",
                             "parallel.sequence_parallel=false"),
-                           (lay.cp > 1 and ep == 1, "context parallelism", "parallel.cp=1"),
-                           (lay.recompute != "none", "activation recomputation",
-                            "parallel.recompute=none")):
+                           (lay.cp > 1 and ep == 1, "context parallelism", "parallel.cp=1")):
         if bad:
             out.append(Problem(UNAVAILABLE, f"mixture-of-experts blocks with {what} are not "
                                             f"available yet; set {fix}."))
@@ -164,13 +162,10 @@ def _context_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Pro
                                        "(model flavour gpt2) is not available yet: only "
                                        "rotary positions follow the sharded tokens. Use a "
                                        "llama-flavoured model, or parallel.cp=1."))
-    for what, bad, fix in (("expert parallelism", lay.ep > 1, "parallel.ep=1"),
-                           ("activation recomputation", lay.recompute != "none",
-                            "recompute=none")):
-        if bad:
-            out.append(Problem(UNAVAILABLE, f"context parallelism (parallel.cp={cp}) with "
-                                            f"{what} is not available yet; set {fix}, or "
-                                            "parallel.cp=1."))
+    if lay.ep > 1:
+        out.append(Problem(UNAVAILABLE, f"context parallelism (parallel.cp={cp}) with "
+                                        "expert parallelism is not available yet; set "
+                                        "parallel.ep=1, or parallel.cp=1."))
     return out
 
 

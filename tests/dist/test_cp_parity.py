@@ -2,7 +2,10 @@
 gradient norms, validation loss, every gradient of the first steps and the final
 parameters within 1e-10, for cp = 2 and 4, both kinds, with and without grouped-query
 attention, and cp combined with data parallelism + ZeRO, with tensor + sequence
-parallelism and with a pipeline; a cp checkpoint resumed in another layout."""
+parallelism and with a pipeline; a cp checkpoint resumed in another layout. With
+activation recomputation (full: the ring reruns in backward; selective: the cp core
+keeps no scores and is left alone) the same parity holds and the context group sends
+the bytes the planner states (full recompute repeats the forward's exchanges)."""
 
 from __future__ import annotations
 
@@ -10,6 +13,10 @@ import os
 
 import pytest
 
+from partita.planner import context_parallel as cp_model
+from partita.planner.assumptions import Assumptions
+from partita.planner.model_shape import PlanModel
+from partita.planner.precision import Precision
 from partita.testing import (
     FLOAT64_TOL,
     PARITY_MODEL,
@@ -33,13 +40,52 @@ def _case(name: str, model: dict = PARITY_MODEL, zero: bool = False, **parallel)
     return Case(name, cfg, grads_at=() if zero else (0, 1), params=True)
 
 
+class _ContextBytes:
+    """The step runner, recording the bytes the context group sent in each step."""
+
+    def __init__(self, pm, log: list) -> None:
+        self.inner, self.mesh, self.log = pm.runner, pm.mesh, log
+
+    def train(self, inputs, targets, microbatches):
+        before = self.mesh.counter.total("context")
+        loss = self.inner.train(inputs, targets, microbatches)
+        self.log.append(self.mesh.counter.total("context") - before)
+        return loss
+
+    def evaluate(self, inputs, targets):
+        return self.inner.evaluate(inputs, targets)
+
+
+def record_context_bytes(pm, cfg) -> list:
+    log: list = []
+    pm.runner = _ContextBytes(pm, log)
+    return log
+
+
 def test_cp2_ring_and_allgather_match_single_process() -> None:
-    check_layouts([
+    cases = [
         _case("cp2-ring-gqa", cp=2, cp_kind="ring"),
         _case("cp2-ring-mha", MHA, cp=2, cp_kind="ring"),
         _case("cp2-allgather-gqa", cp=2, cp_kind="allgather"),
         _case("cp2-allgather-mha", MHA, cp=2, cp_kind="allgather"),
-    ], 2, STEPS, skip_params=NOISE)
+        # Full recompute reruns each block's forward, ring exchanges included, in
+        # backward; selective leaves the cp core alone (it keeps no scores).
+        _case("cp2-ring-gqa-recompute-full", cp=2, cp_kind="ring", recompute="full"),
+        _case("cp2-allgather-mha-recompute-selective", MHA, cp=2, cp_kind="allgather",
+              recompute="selective"),
+    ]
+    runs = check_layouts(cases, 2, STEPS, probe=record_context_bytes, skip_params=NOISE)
+    # Bytes sent per step: the planner's figure (a forward's exchanges once more per
+    # recomputed layer), exactly: every shard has the same size.
+    fp64 = Precision(param=8, grad=8, master=0, optimizer=16, activation=8)
+    for case, (ranks, _) in zip(cases, runs):
+        cfg = case.cfg
+        layout = cfg.layout(2)
+        model = PlanModel("parity", cfg.model_config())
+        stated = cp_model.step_bytes(model, layout, cfg.data.seq_len, model.config.n_layers,
+                                     cfg.train.microbatches, fp64, Assumptions.measured_cpu())
+        for rank, got in enumerate(ranks):
+            assert got["probe"] == [stated] * STEPS, (case.id, rank, got["probe"], stated)
 
 
 def test_cp4_and_cp_with_dp_zero_and_tp_match_single_process() -> None:

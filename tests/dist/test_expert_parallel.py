@@ -7,7 +7,10 @@ within 1e-10. One spawned world of 4 ranks runs ep=2 and ep=4, top-1 and top-2,
 dropless and capacity, ZeRO-1 and ZeRO-3, a checkpoint saved under ep=2 resumed under
 ep=4; a rank whose experts get no token (a
 router forced to send everything to expert 0) must still finish; a router forced to
-balance gives the documented all-to-all bytes. One world of 8 runs dp=2 x tp=2 x pp=2
+balance gives the documented all-to-all bytes. In the same world, activation
+recomputation: full (every rank reruns its MoE blocks, all-to-alls included, in
+backward; under a pipeline the last backward is split in two, so each rerun happens
+twice and the statistics must still count once) and selective. One world of 8 runs dp=2 x tp=2 x pp=2
 with ep=2: the tensor- and pipeline-parallel case.
 """
 
@@ -94,20 +97,37 @@ CASES = [
          params=True),
     Case("ep2-top1-zero3", moe_cfg(dict(dp=4, ep=2, zero_stage=3, bucket_mb=0.01),
                                    train=dict(microbatches=2), top_k=1), params=True),
+    Case("ep2-pp2-recompute-full", moe_cfg(dict(dp=2, pp=2, ep=2, recompute="full"),
+                                           train=dict(microbatches=2)), params=True),
+    Case("ep4-top1-capacity-recompute-selective",
+         moe_cfg(dict(dp=4, ep=4, zero_stage=1, recompute="selective"), top_k=1,
+                 capacity_factor=1.0), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,
                  model=all_to_expert_zero)
 BALANCED = Case("ep4-balanced", moe_cfg(dict(dp=4, ep=4)), model=balanced, steps=1)
+# Full recompute reruns each forward's dispatch and return in backward: 3 passes, not 2.
+BALANCED_FULL = Case("ep4-balanced-recompute-full", moe_cfg(dict(dp=4, ep=4, recompute="full")),
+                     model=balanced, steps=1)
+
+
+_REFERENCES: dict[tuple, dict] = {}
 
 
 def _reference(case: Case) -> dict:
+    # Layouts of one model share one reference (one process, one microbatch).
+    cfg = single_process(case.cfg)
+    key = (cfg.to_toml(), case.steps or STEPS, case.params, case.model)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_layout(0, 1, single_process(case.cfg), case.steps or STEPS,
-                            params=case.params, probe=record_moe, model=case.model)
+        _REFERENCES[key] = train_layout(0, 1, cfg, case.steps or STEPS, params=case.params,
+                                        probe=record_moe, model=case.model)
     finally:
         torch.set_num_threads(threads)
+    return _REFERENCES[key]
 
 
 def _check(cases: list[Case], runs: list[list[dict]]) -> list[str]:
@@ -139,11 +159,12 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
                 save_to=str(tmp_path))
     resume = Case("resume-ep4", moe_cfg(dict(dp=4, ep=4, zero_stage=2)), params=True,
                   resume_from=str(tmp_path))
-    cases = [*CASES, ONE_SIDED, save, resume, BALANCED]
+    cases = [*CASES, ONE_SIDED, save, resume, BALANCED, BALANCED_FULL]
     runs = run_layouts(cases, 4, STEPS, probe=record_moe, timeout=300)
-    failures = _check(cases[:-3], runs[:-3])  # through the one-sided case
+    n = len(CASES) + 1
+    failures = _check(cases[:n], runs[:n])  # through the one-sided case
     ref = _reference(CASES[0])  # the same model and batches
-    for rank, got in enumerate(runs[-2]):
+    for rank, got in enumerate(runs[n + 1]):
         actual, expected = compare_to_reference(got, ref)
         for key in ("loss", "grad norm"):
             expected[key] = expected[key][STEPS // 2:]
@@ -162,17 +183,19 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
         for got in ranks:
             assert got["ledger"]["expert_parameters"] == pytest.approx(expected, rel=0.01)
     # Routing really is spread: the one-sided run sent every token to one expert.
-    assert runs[-4][0]["probe"][0]["tokens"][1:] == [0.0] * 7
+    assert runs[n - 1][0]["probe"][0]["tokens"][1:] == [0.0] * 7
     # Bytes of the token all-to-alls per MoE layer and step (docs/expert_parallel.md):
-    # tokens x k x hidden x bytes x 2 directions x 2 passes x (e-1)/e, balanced routing.
-    cfg = BALANCED.cfg
-    model, e = cfg.model_config(), 4
-    tokens = cfg.train.global_batch // 4 * cfg.data.seq_len
-    formula = tokens * model.top_k * model.dim * 8 * 2 * 2 * (e - 1) / e
-    for rank, got in enumerate(runs[-1]):
-        step = got["probe"][0]
-        measured = step["a2a_bytes"] / step["moe_layers"]
-        assert measured == pytest.approx(formula, rel=0.05), (rank, measured, formula)
+    # tokens x k x hidden x bytes x 2 directions x 2 passes x (e-1)/e, balanced routing;
+    # 3 passes under full recompute.
+    for case, ranks, passes in ((BALANCED, runs[-2], 2), (BALANCED_FULL, runs[-1], 3)):
+        cfg = case.cfg
+        model, e = cfg.model_config(), 4
+        tokens = cfg.train.global_batch // 4 * cfg.data.seq_len
+        formula = tokens * model.top_k * model.dim * 8 * 2 * passes * (e - 1) / e
+        for rank, got in enumerate(ranks):
+            step = got["probe"][0]
+            measured = step["a2a_bytes"] / step["moe_layers"]
+            assert measured == pytest.approx(formula, rel=0.05), (case.id, rank, measured)
     assert not failures, "\n".join(failures)
 
 

@@ -108,13 +108,14 @@ def test_a_good_layout_has_no_problems():
                 Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2,
                        microbatch_size=8),
                 Layout(dp=2, tp=2, pp=2, zero_stage=2, schedule="zb-h1"),
-                Layout(cp=4), Layout(dp=2, cp=2, tp=2, zero_stage=3, sequence_parallel=True)):
+                Layout(cp=4), Layout(dp=2, cp=2, tp=2, zero_stage=3, sequence_parallel=True),
+                Layout(cp=2, recompute="full"), Layout(cp=2, recompute="selective")):
         assert _problems(lay) == [], lay
         validate(lay, TINY, lay.world_size, seq_len=128, global_batch=16)
 
 
 @pytest.mark.parametrize("layout,kind,text", [
-    (Layout(cp=2, recompute="full"), UNAVAILABLE, "with activation recomputation is not"),
+    (Layout(tp=2, tp_comm_overlap=True), UNAVAILABLE, "is not available yet"),
     (Layout(cp=3), DIVISIBILITY, "not divisible by 2*cp=6"),
     (Layout(cp=128), DIVISIBILITY, "use cp <= 64"),
     (Layout(cp=2, tp=3, sequence_parallel=True), DIVISIBILITY, "multiple of 12"),

@@ -90,5 +90,9 @@ def test_pinned_unavailable_options_are_modelled_not_ranked():
     assert steps == sorted(steps)
     assert all(e.layout.tp_comm_overlap and e.layout.tp == 8 for e in result.modelled)
     assert all(k == UNAVAILABLE for e in result.modelled for k, _ in e.reasons)
+    # cp runs with every recompute mode: ranked, none of it merely modelled. Selective
+    # reruns nothing under cp, so it never ranks above none.
     cp = search(req, SearchSpace(context_parallel=True, fixed=(("cp", 2), ("tp", 4))))
-    assert cp.modelled and all(e.layout.cp == 2 for e in cp.modelled)
+    assert cp.ranked and not cp.modelled and all(e.layout.cp == 2 for e in cp.ranked)
+    assert {e.layout.recompute for e in cp.ranked} == {"none", "selective", "full"}
+    assert cp.best.layout.recompute != "selective"

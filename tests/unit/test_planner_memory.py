@@ -323,3 +323,12 @@ def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_coun
         gather = buffer_bytes(model, Layout(cp=c, cp_kind="allgather"), 4096, prec, a)
         assert gather == 2 * c * 2 * k
     assert comm_buffer_bytes(model, Layout(), 4096, prec, 0, a)["context_parallel_kv"] == 0
+    # Selective recompute leaves the cp core (no scores) alone: nothing dropped, nothing
+    # rerun; full keeps each layer's input, 1/c of it too.
+    for c in (2, 4):
+        plain = activation_bytes(model, Layout(cp=c), 4096, 1, 0, prec, a)
+        sel = activation_bytes(model, Layout(cp=c, recompute="selective"), 4096, 1, 0, prec, a)
+        assert sel == plain
+        full = layer_activation_bytes(model, Layout(cp=c, recompute="full"), 4096, prec, a)
+        assert full == pytest.approx(layer_activation_bytes(
+            model, Layout(recompute="full"), 4096, prec, a) / c, rel=1e-12)

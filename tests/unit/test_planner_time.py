@@ -64,6 +64,20 @@ def test_context_parallel_ring_volume():
     assert g["cp_bytes"] == pytest.approx((3 + 3 + 3) * kv * MODEL.config.n_layers * 8)
 
 
+def test_context_parallel_volume_under_recompute():
+    """Full recompute sends the forward's keys and values once more for each recomputed
+    layer (twice under ZB-H1: I and W each rerun); selective reruns no cp core."""
+    kv = 2 * 2 * SEQ / 4 * 8 * 128
+    layers, m = MODEL.config.n_layers, 8
+    full = _time(Layout(cp=4, dp=2, recompute="full"), batch=16)
+    assert full["cp_bytes"] == pytest.approx((3 + 3 + 3 + 4) * kv * layers * m)
+    first = _time(Layout(cp=4, dp=2, recompute="full", recompute_layers=1), batch=16)
+    assert first["cp_bytes"] == pytest.approx(((3 + 3 + 4) * layers + 3) * kv * m)
+    sel = _time(Layout(cp=4, dp=2, recompute="selective"), batch=16)
+    assert sel["cp_bytes"] == _time(Layout(cp=4, dp=2), batch=16)["cp_bytes"]
+    assert sel["step_s"] == _time(Layout(cp=4, dp=2), batch=16)["step_s"]
+
+
 def test_context_parallel_time_overlaps_the_ring_not_the_gather():
     """The ring hides each hop behind one step of attention pieces; the all-gather kind
     waits for its collectives. So on a slow link (cp spread over nodes) the ring's

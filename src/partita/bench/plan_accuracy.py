@@ -5,8 +5,9 @@ with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp
 ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
 ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
 kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
-with dp + ZeRO-1, tp + sp, and dp2 x tp2 x cp2; expert parallelism at ep 2/4 with
-ZeRO-1/2, tp and pp, on a 4-expert top-2 variant) one small model takes training steps on gloo
+with dp + ZeRO-1, tp + sp, dp2 x tp2 x cp2, and cp2 with full and selective recompute;
+expert parallelism at ep 2/4 with ZeRO-1/2, tp and pp, and ep2 with each recompute
+mode, on a 4-expert top-2 variant) one small model takes training steps on gloo
 ranks; memory is compared per pipeline stage. Memory: model states (and, under
 offload, the host's) from the ZeRO engine's ledger, activations from the storages
 autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
@@ -85,6 +86,9 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[4] += [Case(cp=4, shape=shape), Case(cp=4, cp_kind="allgather", shape=shape),
                Case(dp=2, cp=2, zero=1, shape=shape), Case(tp=2, sp=True, cp=2, shape=shape)]
     out[8] += [Case(dp=2, tp=2, cp=2, zero=1, sp=True, shape=shape)]
+    # With recomputation: full reruns the exchanges; selective leaves the cp core alone.
+    out[2] += [Case(cp=2, recompute="full", shape=shape),
+               Case(cp=2, cp_kind="allgather", recompute="selective", shape=shape)]
     # Expert parallelism (routing forced balanced): expert parameters per rank over their
     # own ZeRO group, dispatch and combine buffers, the all-to-alls' bytes; every block
     # MoE, and every second one (MoE and dense blocks mixed).
@@ -95,6 +99,7 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[4] += [Case(dp=4, ep=2, zero=2, shape=half), Case(dp=4, ep=4, zero=1, shape=moe),
                Case(dp=2, tp=2, ep=2, zero=1, dtype="bfloat16", shape=half),
                Case(dp=2, pp=2, ep=2, microbatches=2, shape=moe)]
+    out[2] += [Case(dp=2, ep=2, recompute=rc, shape=half) for rc in ("selective", "full")]
     # Host offload: the host bytes (master, moments, gradient staging, shards) too.
     out[1] += [Case(offload="optimizer", dtype=d, shape=shape) for d in DTYPES]
     out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)

@@ -43,6 +43,9 @@ class ContextParallelAttention(nn.Module):
 
     # The model may hand k and v with their kv heads only (no repeat per query head).
     takes_kv_heads = True
+    # No s x s scores are kept (only q, k, v, the merged output and a log-sum-exp per
+    # query), so selective recomputation leaves this core alone (memory.recompute).
+    saves_scores = False
 
     def __init__(self, comm: GroupComm, kind: str, kv_group: int) -> None:
         super().__init__()

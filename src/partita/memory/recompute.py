@@ -27,11 +27,24 @@ edge from it to every parameter. That is what makes it compose:
   default generators and tensor parallelism's region generators) are recorded before
   the first forward and restored around each rerun, so the rerun draws the same masks;
   the generators are put back afterwards, so later forwards draw what they would have.
+- Side effects: a module whose forward records something besides its output (an MoE
+  feed-forward sums its routing statistics and auxiliary losses for the log) has a
+  `recompute_pass(name)` method; it is told "forward" around the first forward (run
+  without a graph, but a training forward all the same) and "rerun" around each
+  rerun, then None, so it records once per forward however often backward reruns it
+  (a split backward reruns twice). Collectives inside the module (the ring of context
+  parallelism, the all-to-alls of expert parallelism) run again in each rerun, on
+  every rank of their group at the same point of the same backward.
+- Selective under context parallelism: context parallelism's core keeps no scores
+  (only its output and a log-sum-exp per query, see `context_parallel.blocks`), so it
+  says `saves_scores = False` and selective leaves it alone: rerunning it would repeat
+  the key/value exchange to drop one output-sized tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -95,6 +108,25 @@ class _RNGState:
             g.set_state(s)
 
 
+class _Passes:
+    """The modules of a recomputed module that want to know which pass runs (see the
+    module docstring: `recompute_pass`)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.modules = [m for m in module.modules()
+                        if callable(getattr(m, "recompute_pass", None))]
+
+    @contextmanager
+    def running(self, name: str) -> Iterator[None]:
+        for m in self.modules:
+            m.recompute_pass(name)
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.recompute_pass(None)
+
+
 def _alias(t: torch.Tensor) -> torch.Tensor:
     return t.view_as(t) if t.requires_grad else t
 
@@ -104,7 +136,8 @@ def _node(t: torch.Tensor):
 
 
 class _Recomputed(torch.autograd.Function):
-    """forward(run, rng, params, n, *inputs, *edges) -> run(*inputs), keeping `inputs`.
+    """forward(run, rng, passes, params, n, *inputs, *edges) -> run(*inputs), keeping
+    `inputs`.
 
     `params` are the module's parameters, which the rerun differentiates; `edges` are
     aliases of them (one view each), the function's inputs through which their
@@ -113,14 +146,14 @@ class _Recomputed(torch.autograd.Function):
     `torch.autograd.grad`, whether it will capture a leaf's gradient."""
 
     @staticmethod
-    def forward(ctx, run, rng: _RNGState, params: list[torch.Tensor], n_inputs: int,
-                *tensors):
+    def forward(ctx, run, rng: _RNGState, passes: _Passes, params: list[torch.Tensor],
+                n_inputs: int, *tensors):
         inputs = tensors[:n_inputs]
-        ctx.run, ctx.rng, ctx.params, ctx.n_inputs = run, rng, params, n_inputs
+        ctx.run, ctx.rng, ctx.passes, ctx.params = run, rng, passes, params
         ctx.save_for_backward(*inputs)
         # Which of our edges autograd will run in a given backward (see `backward`).
         ctx.nodes = [_node(t) for t in tensors]
-        with torch.no_grad():
+        with torch.no_grad(), passes.running("forward"):
             out = run(*inputs)
         ctx.is_tuple = isinstance(out, tuple)
         return out
@@ -132,13 +165,13 @@ class _Recomputed(torch.autograd.Function):
         # only; a whole backward for both. Compute just what this pass executes.
         wanted = [node is not None and torch._C._will_engine_execute_node(node)
                   for node in ctx.nodes]
-        skip = (None, None, None, None)
+        skip = (None,) * 5
         if not any(wanted):
             return skip + (None,) * len(wanted)
         now = ctx.rng.read()
         ctx.rng.write(ctx.rng.states)
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), ctx.passes.running("rerun"):
                 detached = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
                 out = ctx.run(*detached)
         finally:
@@ -181,7 +214,8 @@ class RecomputedForward:
         params = [p for p in self.module.parameters() if p.requires_grad]
         rng = _RNGState(self.module, tensors[0].device)
         edges = [_alias(t) for t in tensors] + [p.view_as(p) for p in params]
-        return _Recomputed.apply(run, rng, params, len(tensors), *edges)
+        return _Recomputed.apply(run, rng, _Passes(self.module), params, len(tensors),
+                                 *edges)
 
 
 def recompute_module(module: nn.Module) -> None:
@@ -223,7 +257,8 @@ def apply_recompute(model: nn.Module, plan: roles.ModelPlan,
                     f"recompute=selective reruns the attention core, but the model's plan "
                     f"names none in {name} (the '{roles.ATTENTION_CORE}' role). Add it to "
                     "the plan, or use recompute=full.")
-            chosen += cores
+            # A core that keeps no scores has nothing for selective to drop.
+            chosen += [(n, m) for n, m in cores if getattr(m, "saves_scores", True)]
     for _, module in chosen:
         recompute_module(module)
     return RecomputeReport(policy.mode, [n for n, _ in chosen])

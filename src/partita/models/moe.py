@@ -26,6 +26,11 @@ sequence too: expert e takes at most C = ceil(factor * seq_len * top_k / E) of e
 sequence's choices, first-choice slots before second-choice ones, earlier tokens first;
 the others are dropped (their share of the output is zero), the same decisions on any
 layout.
+
+Under activation recomputation the forward runs once without a graph and again in
+backward (`recompute_pass`): the statistics are summed in the first, the auxiliary
+gradient enters through the rerun's graph, and the rerun routes identically (same
+inputs, same weights, no randomness in routing or capacity).
 """
 
 from __future__ import annotations
@@ -178,6 +183,13 @@ class MoE(nn.Module):
         self.aux_grad_scale = 1.0
         self.forced_route: ForcedRoute | None = None
         self.stats = MoEStats(cfg.n_experts)
+        # Which pass activation recomputation runs (None: an ordinary forward).
+        self.pass_name: str | None = None
+
+    def recompute_pass(self, name: str | None) -> None:
+        """Told by activation recomputation which pass runs: "forward" (the training
+        forward, run without a graph), "rerun" (backward rebuilding it) or None."""
+        self.pass_name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
@@ -187,8 +199,12 @@ class MoE(nn.Module):
         y = self.dispatch(flat, route, self.experts).view(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        if torch.is_grad_enabled():
+        training = torch.is_grad_enabled()
+        # Statistics once per training forward: not in evaluation (no graph and no
+        # recomputation), nor again when backward reruns this forward.
+        if (training and self.pass_name is None) or self.pass_name == "forward":
             self.stats.add(aux, z, route)
+        if training:  # the graph that backward differentiates, first or rerun
             cfg = self.cfg
             if cfg.aux_loss_weight or cfg.z_loss_weight:
                 total = cfg.aux_loss_weight * aux.mean() + cfg.z_loss_weight * z.mean()

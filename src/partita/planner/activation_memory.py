@@ -191,9 +191,16 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if layout.recompute == "full":
         return layer_input_bytes(model, layout, seq_len, precision)
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
-    if layout.recompute == "selective":
+    if selective_reruns_core(layout):
         terms["attention_scores"] = 0.0  # recomputed from Q and K in backward
     return sum(terms.values())
+
+
+def selective_reruns_core(layout: Layout) -> bool:
+    """Whether selective recompute reruns the attention core. Not under context
+    parallelism: its core keeps no scores (a log-sum-exp per query and its output), so
+    partita leaves it alone rather than repeat the key/value exchange in backward."""
+    return layout.recompute == "selective" and layout.cp == 1
 
 
 def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
@@ -246,9 +253,12 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     Full: the layer's whole working set, less its input where a norm saves the input
     itself (LayerNorm, a fused norm, or an eager RMSNorm whose fp32 copy of an fp32
     input is the input). Selective: what the attention core saves when it runs with
-    autograd (its output and the scores or, for a flash kernel, the log-sum-exp)."""
+    autograd (its output and the scores or, for a flash kernel, the log-sum-exp); under
+    context parallelism nothing (`selective_reruns_core`)."""
     if layout.recompute == "none":
         return 0.0
+    if layout.recompute == "selective" and not selective_reruns_core(layout):
+        return 0.0  # context parallelism: nothing reruns
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if layout.recompute == "selective":
         return terms["attention_scores"] + terms["attention_output"]

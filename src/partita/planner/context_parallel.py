@@ -19,7 +19,9 @@ Per layer and microbatch a rank sends (docs/context_parallel.md, measured exactl
 
 K_g is K in the gradients' dtype: the compute dtype (at least float32) where the
 implementation accumulates them there (`Assumptions.cp_eager_pieces`, partita's own
-kernels), else the activation dtype. Full recomputation repeats the forward's bytes.
+kernels), else the activation dtype. Full recomputation repeats the forward's bytes of
+each recomputed layer (its rerun exchanges the keys and values again); selective
+recomputation leaves the context-parallel core alone, so it adds none.
 
 Time: the ring posts step i+1's transfer before step i's compute and waits after it,
 so each transfer is hidden up to the compute of one ring step (`cp_overlap` of it); the
@@ -33,6 +35,7 @@ they may see.
 from __future__ import annotations
 
 from partita.layout import Layout
+from partita.planner.activation_memory import recomputed_layers
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
@@ -71,10 +74,14 @@ def layer_bytes(model: PlanModel, layout: Layout, seq_len: int,
 def step_bytes(model: PlanModel, layout: Layout, seq_len: int, layers: int,
                microbatches: int, precision: Precision = MIXED,
                assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
-    """Bytes one rank of a stage with `layers` layers sends per optimizer step."""
+    """Bytes one rank of a stage with `layers` layers sends per optimizer step. Full
+    recompute reruns the forward of the first `recompute_layers` (0: all) in backward,
+    exchanges included; selective reruns no context-parallel core."""
     fwd, bwd = layer_bytes(model, layout, seq_len, precision, assumptions)
-    reruns = 1 if layout.recompute == "full" else 0
-    return (fwd * (1 + reruns) + bwd) * layers * microbatches
+    reruns = recomputed_layers(layout, layers) if layout.recompute == "full" else 0
+    if layout.schedule == "zb-h1" and layout.pp > 1:
+        reruns *= 2  # a split backward reruns in I and again in W
+    return ((fwd + bwd) * layers + fwd * reruns) * microbatches
 
 
 def buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,

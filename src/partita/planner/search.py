@@ -162,11 +162,12 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                 reject(MEMORY, ev, size)
                                 continue
                             _search_inner(req, space, base, inner, result, reject)
-    # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions.
+    # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions,
+    # and less recomputation (selective under cp reruns nothing: it ties with none).
     for evals in (result.ranked, result.modelled):
         evals.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
                                   e.layout.cp, e.layout.ep, e.layout.pp,
-                                  e.layout.virtual_stages))
+                                  e.layout.virtual_stages, RECOMPUTE.index(e.layout.recompute)))
     result.seconds = time.perf_counter() - start
     return result
 

@@ -19,7 +19,11 @@ import math
 
 from partita.layout import Layout
 from partita.planner import context_parallel as cp_model
-from partita.planner.activation_memory import layer_input_bytes, recomputed_layers
+from partita.planner.activation_memory import (
+    layer_input_bytes,
+    recomputed_layers,
+    selective_reruns_core,
+)
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.compute import BlockTimes, block_times, head_times, optimizer_time
 from partita.planner.hardware import Cluster
@@ -57,7 +61,7 @@ def recompute_flops_per_token(model: PlanModel, layout: Layout, seq_len: int) ->
     c = model.config
     if layout.recompute == "full":
         return c.n_layers * layer_forward_flops(model, seq_len, 1) / seq_len
-    if layout.recompute == "selective":
+    if selective_reruns_core(layout):
         return c.n_layers * 4 * c.dim * seq_len
     return 0.0
 
@@ -135,6 +139,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     reruns = 2.0 if layout.schedule == "zb-h1" and pp > 1 else 1.0
     rerun_s = {"none": 0.0, "selective": blk.attention_core_fwd, "full": blk.fwd}[
         layout.recompute]
+    if layout.recompute == "selective" and not selective_reruns_core(layout):
+        rerun_s = 0.0  # context parallelism's core is not rerun
     layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a)
     head_s = head_fwd + head_bwd
@@ -158,9 +164,11 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     link, le = link_eff(t * cp)
     cp_fwd, cp_bwd = cp_model.exposed_time(model, layout, seq_len, blk.attention_core_fwd,
                                            blk.attention_core_bwd, link, le, precision, a)
-    cp_s = cp_fwd * (2 if layout.recompute == "full" else 1) + cp_bwd
-    # Expert parallel: dispatch + combine all-to-all forward and backward.
-    ep_colls = 4 + (2 if layout.recompute == "full" else 0)
+    full_reruns = share * reruns if layout.recompute == "full" else 0.0
+    cp_s = cp_fwd * (1 + full_reruns) + cp_bwd
+    # Expert parallel: dispatch + combine all-to-all forward and backward, and the
+    # forward's again in each rerun (the rerun routes identically).
+    ep_colls = 4 + 2 * full_reruns
     ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act) if ep > 1 else 0.0
     link, le = link_eff(t * ep)
     ep_s = moe_frac * _collective_time(ep_vol, ep, ep_colls, link, le, a)
