@@ -28,7 +28,7 @@ from partita.pipeline.backward import (
 )
 from partita.pipeline.build import pipeline_schedule
 from partita.pipeline.p2p import check_transfer_order, delivery_proofs
-from partita.pipeline.runtime import forward_only
+from partita.pipeline.schedules import forward_only
 from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
 from partita.testing import run_distributed, token_batch, train_layout
 from tests.dist.pipeline_cases import pipeline_config

@@ -25,8 +25,10 @@ world w)`, the world with the largest R.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -134,6 +136,11 @@ def _rank(rank: int, world: int, a: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("deepspeed") is None:
+        print("partita bench ep races DeepSpeed's MoE layer, and deepspeed is not "
+              "installed here: pip install deepspeed (DS_BUILD_OPS=0 builds no CUDA ops).",
+              file=sys.stderr)
+        return 2
     a = dict(ep=args.ep, experts=args.experts, dim=args.dim, ffn=args.ffn, batch=args.batch,
              seq=args.seq, rounds=args.rounds, max_rounds=max(args.rounds, args.max_rounds),
              steps=args.steps)

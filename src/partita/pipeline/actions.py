@@ -176,3 +176,21 @@ class Schedule(StageGrid):
         ranks = list(self.ranks)
         ranks[rank] = tuple(actions)
         return Schedule(self.name, self.n_ranks, self.n_microbatches, self.n_virtual, tuple(ranks))
+
+
+def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
+    """(stage, microbatch) of every I in `actions` whose W is not the next compute pass
+    (zero bubble's deferred W; 1F1B's last backward runs I, its send, then W)."""
+    computes = [a for a in actions if a.kind.is_compute]
+    return frozenset((a.stage, a.microbatch) for a, after in zip(computes, computes[1:] + [None])
+                     if a.kind is Kind.I and after != Action(Kind.W, a.stage, a.microbatch))
+
+
+def split_backwards(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
+    """(stage, microbatch) of every backward in `actions` that runs as I then W."""
+    return frozenset((a.stage, a.microbatch) for a in actions if a.kind is Kind.I)
+
+
+def final_backwards(actions: tuple[Action, ...]) -> dict[int, Action]:
+    """Per local stage, its last parameter-gradient pass (B or W) of the step."""
+    return {a.stage: a for a in actions if a.kind in (Kind.B, Kind.W)}

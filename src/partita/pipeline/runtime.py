@@ -21,7 +21,14 @@ from partita.loss import microbatch_weight
 from partita.mesh import Mesh
 from partita.models.plan import VOCAB_HEAD, ModelPlan
 from partita.pipeline import stage as st
-from partita.pipeline.actions import Action, Kind, Schedule
+from partita.pipeline.actions import (
+    Action,
+    Kind,
+    Schedule,
+    deferred_weight_passes,
+    final_backwards,
+    split_backwards,
+)
 from partita.pipeline.backward import (
     ForwardSaves,
     WeightPass,
@@ -30,7 +37,8 @@ from partita.pipeline.backward import (
     full_backward,
 )
 from partita.pipeline.p2p import Transport, delivery_proofs, validated_schedule
-from partita.pipeline.simulate import Event, simulate
+from partita.pipeline.schedules import forward_only
+from partita.pipeline.simulate import Event
 from partita.pipeline.tied import TiedHead
 
 
@@ -83,29 +91,6 @@ class _Step:
     targets_per_rank: float | None = None
 
 
-def deferred_weight_passes(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
-    """(stage, microbatch) of every I in `actions` whose W is not the next compute pass
-    (zero bubble's deferred W; 1F1B's last backward runs I, its send, then W)."""
-    computes = [a for a in actions if a.kind.is_compute]
-    return frozenset((a.stage, a.microbatch) for a, after in zip(computes, computes[1:] + [None])
-                     if a.kind is Kind.I and after != Action(Kind.W, a.stage, a.microbatch))
-
-
-def split_backwards(actions: tuple[Action, ...]) -> frozenset[tuple[int, int]]:
-    """(stage, microbatch) of every backward in `actions` that runs as I then W."""
-    return frozenset((a.stage, a.microbatch) for a in actions if a.kind is Kind.I)
-
-
-def forward_only(sched: Schedule) -> Schedule:
-    """The schedule's forwards and their transfers only (evaluation); still ordered."""
-    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
-    ranks = tuple(tuple(a for a in acts if a.kind in keep) for acts in sched.ranks)
-    out = Schedule(sched.name + "-forward", sched.n_ranks, sched.n_microbatches,
-                   sched.n_virtual, ranks)
-    simulate(out)  # raises if it could deadlock
-    return out
-
-
 @dataclass(frozen=True)
 class _RankRun:
     """One schedule as this rank runs it, with what is worked out from it once (per
@@ -124,11 +109,6 @@ class _RankRun:
 
 def _chunks(segments: torch.Tensor | None, m: int) -> list[torch.Tensor] | None:
     return None if segments is None else list(segments.chunk(m))
-
-
-def final_backwards(actions: tuple[Action, ...]) -> dict[int, Action]:
-    """Per local stage, its last parameter-gradient pass (B or W) of the step."""
-    return {a.stage: a for a in actions if a.kind in (Kind.B, Kind.W)}
 
 
 class PipelineRunner:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from partita.errors import PartitaError, did_you_mean
 from partita.layout import SCHEDULE_ALIASES
 from partita.pipeline.actions import Action, Kind, Schedule
+from partita.pipeline.simulate import simulate
 
 Order = list[Action]  # one rank's compute passes, in order
 
@@ -229,3 +230,13 @@ def build_schedule(
         if not isinstance(value, int) or value < 1:
             raise PartitaError(f"--{what} must be a whole number of at least 1; got {value!r}.")
     return GENERATORS[key](stages, microbatches, virtual)
+
+
+def forward_only(sched: Schedule) -> Schedule:
+    """The schedule's forwards and their transfers only (evaluation); still ordered."""
+    keep = (Kind.F, Kind.SEND_F, Kind.RECV_F)
+    ranks = tuple(tuple(a for a in acts if a.kind in keep) for acts in sched.ranks)
+    out = Schedule(sched.name + "-forward", sched.n_ranks, sched.n_microbatches,
+                   sched.n_virtual, ranks)
+    simulate(out)  # raises if it could deadlock
+    return out
