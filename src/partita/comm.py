@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -228,8 +229,34 @@ def _nbytes(t: torch.Tensor) -> int:
 # Autograd-aware operators of tensor / sequence parallelism ------------------------------
 # Megatron's names: f = identity forward, all-reduce backward (enter a tp region);
 # g = all-reduce forward, identity backward (leave a tp region).
-# Their entry points are `torch.compiler.disable`d: a compiled block (partita.compile)
-# runs each eagerly between its compiled pieces instead of tracing into gloo or NCCL.
+# Their entry points are `EagerOnly`: a compiled block (partita.compile) runs each
+# eagerly between its compiled pieces instead of tracing into gloo or NCCL.
+
+
+class EagerOnly:
+    """A function compiled code must call rather than trace (it talks to gloo or NCCL).
+
+    It becomes `torch.compiler.disable`d only when `keep_out_of_compiled_graphs` runs
+    (partita.compile calls it before compiling anything): importing dynamo to mark it at
+    import time would cost every eager process about a second of start-up.
+    """
+
+    instances: list[EagerOnly] = []
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+        EagerOnly.instances.append(self)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Mark every `EagerOnly` function `torch.compiler.disable` (once)."""
+    for wrapped in EagerOnly.instances:
+        if not getattr(wrapped.fn, "_torchdynamo_disable", False):
+            wrapped.fn = torch.compiler.disable(wrapped.fn)
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -322,26 +349,26 @@ def _reduce_scatter_dim1(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return out.transpose(0, 1).contiguous()
 
 
-@torch.compiler.disable
+@EagerOnly
 def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
 
 
-@torch.compiler.disable
+@EagerOnly
 def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
 
 
-@torch.compiler.disable
+@EagerOnly
 def gather_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _GatherSequence.apply(x, comm)
 
 
-@torch.compiler.disable
+@EagerOnly
 def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceScatterSequence.apply(x, comm)
 
 
-@torch.compiler.disable
+@EagerOnly
 def scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ScatterSequence.apply(x, comm)

@@ -12,7 +12,7 @@ around the compiled code and never break its graph. ZeRO 1-2 wait for the update
 parameters at each module that owns some; those waits move to the compiled unit's edge
 (`ParamAllGather.regroup`). Tensor parallelism's collectives are autograd functions
 around gloo or NCCL calls that dynamo cannot trace: they are marked with
-`torch.compiler.disable`, so each is one deliberate graph break, compiled once, and a
+`torch.compiler.disable` (`partita.comm.EagerOnly`) before anything compiles, so each is one deliberate graph break, compiled once, and a
 block is a few compiled pieces between its collectives (the reasons are reported once).
 A pipeline runs compiled blocks unchanged: its split backward computes a compiled
 block's weight gradients together with its input gradient, since the block's backward
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from partita.comm import keep_out_of_compiled_graphs
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.models.plan import ModelPlan
@@ -77,7 +78,7 @@ def blocks_refusal(layout: Layout, moe: bool = False) -> str | None:
                 "of tokens each expert receives changes every step. Use train.compile=none "
                 "with model.n_experts > 0.")
     if layout.cp > 1:
-        # The attention core is kept out of the compiled code (a `torch.compiler.disable`
+        # The attention core is kept out of the compiled code (an `EagerOnly`
         # break, as tp's collectives), and a cp=2 run matched eager to 1e-12 with no
         # recompilation, but compiling its pieces takes about a minute on CI's machine,
         # more than its test budget allows: refused until a test covers it.
@@ -153,6 +154,7 @@ def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
 
 
 def _compiled(fn: Callable) -> Callable:
+    keep_out_of_compiled_graphs()  # collectives: deliberate breaks, never traced
     # Static shapes: a step's shapes never change; dynamic shapes would only add guards.
     return torch.compile(fn, dynamic=False)
 

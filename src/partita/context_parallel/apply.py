@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from partita.comm import GroupComm
+from partita.comm import EagerOnly, GroupComm
 from partita.context_parallel import sharding
 from partita.context_parallel.allgather import allgather_attention
 from partita.context_parallel.clock import IDLE, AttentionClock
@@ -56,25 +56,30 @@ class ContextParallelAttention(nn.Module):
         # Set an `AttentionClock` to time this core's compute apart from its transfers.
         self.clock: AttentionClock | None = None
 
-    # Kept out of compiled code: the ring posts asynchronous sends and receives that
-    # dynamo cannot trace, so a compiled block would run this core eagerly between two
-    # compiled pieces, as it does tensor parallelism's collectives (partita.compile
-    # still refuses cp > 1: see `blocks_refusal`).
-    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         """`segments` (b, s): the documents of the whole sequence, not of this rank's
         chunks (the runner hands the model the unsharded numbering), so every piece
         knows the documents of its keys without communication."""
-        if k.shape[1] == q.shape[1] and self.kv_group > 1:
-            k, v = k[:, ::self.kv_group], v[:, ::self.kv_group]
-        if segments is not None:
-            segments = segments.to(q.device)
-        return KINDS[self.kind](q, k, v, self.comm, 1.0 / math.sqrt(q.shape[-1]), segments,
-                                self.clock or IDLE)
+        return _attend(self, q, k, v, segments)
 
     def extra_repr(self) -> str:
         return f"kind={self.kind}, cp={self.comm.size}, kv_group={self.kv_group}"
+
+
+# Kept out of compiled code: the ring posts asynchronous sends and receives that dynamo
+# cannot trace, so a compiled block would run this core eagerly between two compiled
+# pieces, as it does tensor parallelism's collectives (partita.compile still refuses
+# cp > 1: see `blocks_refusal`).
+@EagerOnly
+def _attend(core: ContextParallelAttention, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
+    if k.shape[1] == q.shape[1] and core.kv_group > 1:
+        k, v = k[:, ::core.kv_group], v[:, ::core.kv_group]
+    if segments is not None:
+        segments = segments.to(q.device)
+    return KINDS[core.kind](q, k, v, core.comm, 1.0 / math.sqrt(q.shape[-1]), segments,
+                            core.clock or IDLE)
 
 
 def apply_context_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm,
