@@ -180,13 +180,20 @@ class Block(nn.Module):
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    # Uninitialised: `init_weights` fills every parameter. nn.Embedding's own normal_ on
+    # the meta device (where models are built) would import dynamo, about a second of
+    # every process's start-up.
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings: nn.Module | None = _embedding(cfg.vocab_size, cfg.dim)
         self.pos_embeddings: nn.Module | None = (
-            nn.Embedding(cfg.max_seq_len, cfg.dim) if cfg.flavour == "gpt2" else None
+            _embedding(cfg.max_seq_len, cfg.dim) if cfg.flavour == "gpt2" else None
         )
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = make_norm(cfg)
