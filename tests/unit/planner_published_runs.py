@@ -60,13 +60,17 @@ class Run:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     grad_bytes: int = 2  # bytes per gradient element reduced over data parallelism
+    # Bytes per local parameter an unfused gradient accumulation moves after every
+    # microbatch (Assumptions.grad_accum_bytes_per_param; 0: fused into the GEMM).
+    grad_accum_bytes: float = 0.0
     attention: str = "eager"  # the kernel of the time: fused softmax (eager) or flash
     # Network port per GPU (bytes/s) where the cluster is not a DGX with one HDR NIC per
     # GPU (None: the catalog GPU's).
     inter_node_bandwidth: float | None = None
-    # CUDA_LAUNCH_BLOCKING=1: every launch waits for the GPU, so pipeline sends and
-    # receives overlap no compute (Assumptions.pp_overlap = 0).
-    blocking_launches: bool = False
+    # Pipeline sends and receives overlap no compute (Assumptions.pp_overlap = 0):
+    # DeepSpeed's p2p is synchronous only (deepspeed/runtime/pipe/p2p.py asserts
+    # async_op == False), and CUDA_LAUNCH_BLOCKING=1 does the same to any framework.
+    blocking_p2p: bool = False
     # measurement
     kind: str = "hw_tflops"
     measured: float = 0.0
@@ -83,7 +87,14 @@ _MB = ("microbatch size not stated in the table: 1",
 # Megatron-LM of 2021-22 all-reduces gradients after the backward pass (overlapping it
 # came later, --overlap-grad-reduce): in the training dtype under fp16 (SC21's runs),
 # in fp32 under bf16 (--accumulate-allreduce-grads-in-fp32, required for bf16).
-_MEGATRON_2021 = dict(grad_bytes=2, overlap_grad_reduce=False)
+# Gradient accumulation: until Megatron-LM fused it into the weight-gradient GEMM
+# (commit 83b1e42f, "gradient accumulation fusion", Feb 2022; on by default, with
+# --no-gradient-accumulation-fusion to disable it), each microbatch's 16-bit gradients
+# were added into the accumulation buffer by a separate pass: `main_grad.add_(grad)`
+# (megatron/model/distributed.py, Mar 2021), or autograd's in-place `grad += new`,
+# 16-bit + 16-bit -> 16-bit under fp16: 6 bytes per parameter. SC21 (Apr 2021) ran
+# before the fusion, Korthikanti et al. (May 2022) after it.
+_MEGATRON_2021 = dict(grad_bytes=2, overlap_grad_reduce=False, grad_accum_bytes=6)
 _MEGATRON_2022 = dict(grad_bytes=4, overlap_grad_reduce=False)
 # DeepSpeed ZeRO-3 of 2021: parameters gathered on demand around each module, the
 # gradient reduce-scatter overlapping backward.
@@ -132,12 +143,25 @@ for _name, _l, _h, _a, _pp, _gpus, _full, _sel in (
 
 # Megatron-DeepSpeed: DeepSpeed's pipeline engine reduces gradients (ReduceGrads) and
 # takes the ZeRO-1 step, all-gather included, after the last microbatch of its schedule
-# (deepspeed/runtime/pipe/schedule.py, TrainSchedule): neither overlaps compute.
-_DEEPSPEED = dict(overlap_grad_reduce=False, overlap_param_gather=False)
+# (deepspeed/runtime/pipe/schedule.py, TrainSchedule): neither overlaps compute. Its
+# sends and receives are synchronous (deepspeed/runtime/pipe/p2p.py).
+_DEEPSPEED = dict(overlap_grad_reduce=False, overlap_param_gather=False, blocking_p2p=True)
+# MT-NLG trained in bf16 (the paper's hardware section, as bigscience-workshop/bigscience
+# train/tr8-104B-wide/chronicles.md and jasperzhong/read-papers-and-code#261 report it):
+# gradients accumulate and are reduced in fp32 under bf16 in both frameworks (Megatron-LM forces --accumulate-allreduce-grads-in-fp32 with
+# --bf16; DeepSpeed's BF16_Optimizer keeps fp32 gradients), and no public code of 2021
+# fused the accumulation into the GEMM. The code that trained MT-NLG is not public:
+# the row takes the least any unfused fp32 accumulation of bf16 gradients moves, one
+# mixed-dtype add (read 2 + 4, write 4 bytes: Megatron-LM's `main_grad.add_`);
+# DeepSpeed's own bf16 pipeline path (2022) moves 18 (see BLOOM).
+_MTNLG_ASSUMED = _MB[:1] + (
+    "fp32 gradient accumulation of bf16 gradients as one unfused add per microbatch "
+    "(10 bytes per parameter; the 2021 code is not public)",)
 for _nodes, _secs in ((280, 60.1), (350, 50.2), (420, 44.4)):
     RUNS.append(Run(f"mt-nlg-530b-{_nodes}nodes", MTNLG, 105, 20480, 128, 51200, 2048,
                     gpus=8 * _nodes, tp=8, pp=35, global_batch=1920, zero_stage=1,
-                    kind="step_s", measured=_secs, assumed=_MB[:1], **_DEEPSPEED))
+                    kind="step_s", measured=_secs, assumed=_MTNLG_ASSUMED, grad_bytes=4,
+                    grad_accum_bytes=10, **_DEEPSPEED))
 
 # BLOOM's run as its training README states it (bigscience-workshop/bigscience,
 # train/tr11-176B-ml/README.md): Jean Zay's A100 nodes with 4 Omni-Path 100 Gb/s links
@@ -146,9 +170,13 @@ for _nodes, _secs in ((280, 60.1), (350, 50.2), (420, 44.4)):
 # gradients in fp32; DeepSpeed activation checkpointing (full recompute); dropout 0.1;
 # CUDA_LAUNCH_BLOCKING=1 (set against a hang at 40+ nodes). 104.70 s per iteration,
 # 149.77 TFLOP/s at GBS 2048 (the end of the first epoch, iteration 85376).
+# The BF16_Optimizer's accumulation runs after every microbatch's backward
+# (deepspeed/runtime/pipe/engine.py, _exec_backward_pass -> update_hp_grads, from the
+# bf16 + pipeline commit 56c52238, Apr 2022): `hp_grad.add_(lp.grad.to(fp32))`, a cast
+# (read 2, write 4 bytes per parameter) and an add (read 4 + 4, write 4): 18 bytes.
 RUNS.append(Run("bloom-176b", BLOOM, 70, 14336, 112, 250880, 2048, gpus=384, tp=4, pp=12,
                 microbatch=2, global_batch=2048, zero_stage=1, measured=149.77,
-                grad_bytes=4, inter_node_bandwidth=6.25e9, blocking_launches=True,
+                grad_bytes=4, grad_accum_bytes=18, inter_node_bandwidth=6.25e9,
                 **_DEEPSPEED))
 
 _L3 = dict(source=LLAMA3, layers=126, hidden=16384, heads=128, vocab=128256,

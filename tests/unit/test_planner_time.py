@@ -143,3 +143,20 @@ def test_inter_node_links_are_slower():
     per_byte_intra = intra["comm_exposed_s"] / intra["dp_bytes"]
     per_byte_inter = inter["comm_exposed_s"] / inter["dp_bytes"]
     assert per_byte_inter > per_byte_intra
+
+
+def test_unfused_gradient_accumulation_costs_a_memory_pass_per_microbatch():
+    """`grad_accum_bytes_per_param` bytes per local parameter move after every
+    microbatch, at memory speed: per stage and microbatch, so m times per step."""
+    from partita.planner.memory import stage_param_counts
+
+    layout, batch, nbytes = Layout(pp=2, dp=2), 16, 18.0
+    base = _time(layout, batch=batch)
+    slow = _time(layout, batch=batch, grad_accum_bytes_per_param=nbytes)
+    a = Assumptions()
+    params = max(sum(stage_param_counts(MODEL, layout, st, a).values()) for st in range(2))
+    per_mb = nbytes * params / (H100.memory_bandwidth * a.memory_efficiency)
+    m = batch // 2
+    # The last stage (head and most parameters) paces all m + pp - 1 pipeline steps.
+    assert slow["step_s"] - base["step_s"] == pytest.approx((m + 1) * per_mb, rel=1e-9)
+    assert slow["compute_s"] - base["compute_s"] == pytest.approx(m * per_mb, rel=1e-9)

@@ -42,6 +42,14 @@ class Assumptions:
     elementwise_kernels: int = 8
     # Bytes the loss moves per logit (fp32 softmax forward and its gradient).
     loss_bytes_per_logit: float = 16.0
+    # Bytes per local parameter that an unfused gradient accumulation moves after every
+    # microbatch's backward, adding that microbatch's 16-bit weight gradients into the
+    # accumulation buffer (docs/planner.md, "Gradient accumulation between
+    # microbatches"). 0: the weight-gradient GEMM accumulates in place (Megatron-LM's
+    # gradient-accumulation fusion, 2022 on), or the pass is left out. Megatron-LM 2021
+    # `main_grad.add_(grad)`: 6 into a 16-bit buffer, 10 into fp32 (bf16); DeepSpeed's
+    # BF16_Optimizer `update_hp_grads`, a cast to fp32 then an add: 18.
+    grad_accum_bytes_per_param: float = 0.0
     # Bytes a fused Adam step moves per local parameter: fp32 master, two moments
     # (read + write), the gradient read, the 16-bit parameter written.
     optimizer_bytes_per_param: float = 32.0

@@ -25,7 +25,13 @@ from partita.planner.activation_memory import (
     selective_reruns_core,
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
-from partita.planner.compute import BlockTimes, block_times, head_times, optimizer_time
+from partita.planner.compute import (
+    BlockTimes,
+    block_times,
+    head_times,
+    memory_time,
+    optimizer_time,
+)
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
     blocks_per_unit,
@@ -187,7 +193,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
                      + cp_s
                      + ep_s - min(ep_s, a.ep_overlap * layer_s))
     layers = stage_layers(c.n_layers, pp)
-    stage_s = [n * (layer_s + exposed_layer) + edge for n, edge in zip(layers, tp_edge_s)]
+    # Unfused gradient accumulation: after each microbatch's backward every local
+    # parameter's gradient is added into the accumulation buffer, at memory speed.
+    accum_s = [memory_time(a.grad_accum_bytes_per_param
+                           * sum(stage_param_counts(model, layout, st, a).values()), gpu, a, 0)
+               if a.grad_accum_bytes_per_param else 0.0 for st in range(pp)]
+    stage_s = [n * (layer_s + exposed_layer) + edge + acc
+               for n, edge, acc in zip(layers, tp_edge_s, accum_s)]
     stage_s[-1] += head_s
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
     # ZB-H1 fills two thirds of the 1F1B bubble with deferred weight-gradient passes,
@@ -195,7 +207,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     zb_fill = 2 / 3 * min(1.0, (m - 1) / (pp - 1)) if pp > 1 else 0.0
     bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) * (1 - zb_fill)}.get(
         layout.schedule, pp - 1)
-    compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0)
+    compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0) + accum_s[i]
                         for i, n in enumerate(layers))
     bubble_s = bubble_units * mb_s
     pipeline_s = m * mb_s + bubble_s
