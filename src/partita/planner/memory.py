@@ -191,15 +191,6 @@ def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED
             "unit_experts": beside, "root": _pad(root, slots["dense"])}
 
 
-def zero3_gather_units(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                       stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
-                       ) -> list[float]:
-    """Elements one ZeRO-3 rank gathers per gather unit of `stage`, with its blocks'
-    experts (their own units when ep > 1, gathered right after it)."""
-    b = zero3_buffers(model, layout, precision, stage, assumptions)
-    return [u + e for u, e in zip(b["units"], b["unit_experts"])]
-
-
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
                      stage: int = 0,
                      assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
@@ -447,8 +438,9 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
            "context_parallel_kv": cp_buffer_bytes(model, layout, seq_len, precision,
                                                   assumptions)}
     if layout.zero_stage >= 3 and layout.zero_group > 1:
-        unit = max(zero3_gather_units(model, layout, precision, stage, assumptions),
-                   default=0.0)
+        # The largest gather unit with its blocks' experts (ep > 1: gathered right after).
+        b = zero3_buffers(model, layout, precision, stage, assumptions)
+        unit = max((u + e for u, e in zip(b["units"], b["unit_experts"])), default=0.0)
         if stage == 0 or stage == layout.pp - 1:
             unit = max(unit, c.vocab_size * c.dim / layout.tp)
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
