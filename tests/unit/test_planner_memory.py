@@ -1,5 +1,6 @@
 """Planner memory arithmetic against hand-computed cases (no processes, no GPU)."""
 
+import dataclasses
 import weakref
 
 import pytest
@@ -26,9 +27,11 @@ from partita.planner import (
 from partita.planner.activation_memory import inflight_chunks, layer_activation_bytes
 from partita.planner.memory import (
     activation_bytes,
+    padded_params,
     peak_stages,
     stage_layers,
     stage_param_counts,
+    zero3_buffers,
     zero_bubble_peak,
 )
 
@@ -332,3 +335,54 @@ def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_coun
         full = layer_activation_bytes(model, Layout(cp=c, recompute="full"), 4096, prec, a)
         assert full == pytest.approx(layer_activation_bytes(
             model, Layout(recompute="full"), 4096, prec, a) / c, rel=1e-12)
+
+
+
+@pytest.mark.parametrize("ep,stage", [(1, 3), (2, 3), (4, 3), (1, 2), (2, 1)])
+def test_zero_flat_buffers_match_the_engine(ep, stage):
+    """ZeRO's padded flat buffers as the planner counts them and as partita's engine
+    builds them (`zero.units`, `zero.families`; on the meta device): dense and MoE blocks
+    mixed, experts a family of their own under ep > 1, sizes that do not align."""
+    from types import SimpleNamespace
+
+    from partita.experts.apply import apply_expert_parallel
+    from partita.models import build_model
+    from partita.sharding import reduce_group
+    from partita.zero.families import by_family, split_families
+    from partita.zero.flat import FlatBuffer
+    from partita.zero.units import buckets_by_size, gather_units, partition, resolve_blocks
+
+    cfg = ModelConfig(dim=40, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=100,
+                      ffn_dim=70, n_experts=4, top_k=2, moe_every=2, expert_ffn_dim=50)
+    layout, prec = Layout(dp=8, ep=ep, zero_stage=stage), Precision()
+    model = build_model(cfg, "meta")
+    apply_expert_parallel(model, model.plan(), SimpleNamespace(size=ep, index=0))
+    groups = {"zero_shard": 8, "expert_grad_reduce": 8 // ep}
+
+    def padded(params) -> int:
+        return FlatBuffer(params, groups[reduce_group(params[0][1])], 0, torch.bfloat16,
+                          torch.device("meta")).padded
+
+    # Stage 3 gather units of about two blocks (a dense block is bigger than an MoE
+    # block's dense part); stages 0-2 one gradient bucket.
+    block = sum(p.numel() for p in model.blocks["0"].parameters()) * prec.param
+    a = dataclasses.replace(Assumptions.measured_cpu(),
+                            zero_bucket_bytes=2.5 * block if stage == 3 else 1e9)
+    engine = {"dense": 0, "expert": 0}
+    if stage == 3:
+        root, per_block = partition(model, resolve_blocks(model, None))
+        dense, apart = split_families(per_block)
+        units = [padded([p for i in u for p in dense[i]])
+                 for u in gather_units(dense, a.zero_bucket_bytes, prec.param)]
+        experts = [padded(ps) for ps in apart if ps]
+        got = zero3_buffers(PlanModel("t", cfg), layout, prec, 0, a)
+        assert (got["units"], got["experts"], got["root"]) == (units, experts, padded(root))
+        # Blocks merged into units (with ep = 1 an MoE block's experts fill one alone).
+        assert 1 < len(units) < (6 if ep == 1 else 4) and len(experts) == 2 * (ep > 1)
+        engine = {"dense": sum(units) + padded(root), "expert": sum(experts)}
+    else:
+        # On CPU the engine cuts buckets without the small first and last ones.
+        for b in by_family(buckets_by_size(model, a.zero_bucket_bytes, prec.param,
+                                           overlap_caps=False)):
+            engine["dense" if reduce_group(b[0][1]) == "zero_shard" else "expert"] += padded(b)
+    assert padded_params(PlanModel("t", cfg), layout, prec, 0, a) == engine

@@ -6,8 +6,8 @@ ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with
 ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
 kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
 with dp + ZeRO-1, tp + sp, dp2 x tp2 x cp2, and cp2 with full and selective recompute;
-expert parallelism at ep 2/4 with ZeRO-1/2, tp and pp, and ep2 with each recompute
-mode, on a 4-expert top-2 variant) one small model takes training steps on gloo
+expert parallelism at ep 2/4 with ZeRO-1/2/3, tp and pp, ZeRO-3 at ep 1, and ep2 with
+each recompute mode, on a 4-expert top-2 variant) one small model takes training steps on gloo
 ranks; memory is compared per pipeline stage. Memory: model states (and, under
 offload, the host's) from the ZeRO engine's ledger, activations from the storages
 autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
@@ -97,6 +97,10 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[2] += [Case(dp=2, ep=2, shape=half), Case(dp=2, ep=2, zero=1, dtype="bfloat16",
                                                     shape=moe)]
     out[4] += [Case(dp=4, ep=2, zero=2, shape=half), Case(dp=4, ep=4, zero=1, shape=moe),
+               # ZeRO-3: experts gathered over dp/ep apart from their block (ep 1: in it).
+               Case(dp=4, ep=2, zero=3, shape=half), Case(dp=4, ep=2, zero=3, shape=moe),
+               Case(dp=4, ep=4, zero=3, dtype="bfloat16", shape=half),
+               Case(dp=4, zero=3, shape=half),
                Case(dp=2, tp=2, ep=2, zero=1, dtype="bfloat16", shape=half),
                Case(dp=2, pp=2, ep=2, microbatches=2, shape=moe)]
     out[2] += [Case(dp=2, ep=2, recompute=rc, shape=half) for rc in ("selective", "full")]

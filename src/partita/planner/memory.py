@@ -91,11 +91,9 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
     """Bytes of parameters, gradients, fp32 master weights and optimizer states on one
     GPU of `stage` (on the GPU: offloaded states are in `host_state_bytes`).
 
-    With `assumptions.flat_buffer_align` the dense parameters are counted as partita's
-    ZeRO engine lays them out, padding included (see `padded_dense_params`)."""
-    counts = stage_param_counts(model, layout, stage, assumptions)
-    if assumptions.flat_buffer_align:
-        counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
+    With `assumptions.flat_buffer_align` the parameters are counted as partita's ZeRO
+    engine lays them out, padding included (see `padded_params`)."""
+    counts = zero_param_counts(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     out = dict.fromkeys(MODEL_STATE_TERMS, 0.0)
     for kind, n in counts.items():
@@ -105,51 +103,92 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
     return out
 
 
-def padded_dense_params(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                        stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-                        root_only: bool = False) -> float:
-    """Dense parameter elements of `stage` with the padding of partita's flat buffers.
+def zero_param_counts(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                      stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+                      ) -> dict[str, float]:
+    """Parameter elements of `stage` per ZeRO family (dense over dp*cp, expert over
+    dp*cp/ep): `stage_param_counts`, or `padded_params` under `flat_buffer_align`."""
+    if assumptions.flat_buffer_align:
+        return padded_params(model, layout, precision, stage, assumptions)
+    return stage_param_counts(model, layout, stage, assumptions)
 
-    Every buffer is padded to a multiple of zero_group x align elements, so that it cuts
-    into equal aligned slices, and every state (parameters, gradients, master weights,
-    moments) is a full or sharded copy of the padded buffers. Stage 3 keeps one buffer
-    per gather unit (consecutive blocks up to `zero_bucket_bytes`) and one for the rest
-    (embeddings, final norm, head): exact. Stages 0-2 cut
-    gradient buckets of `zero_bucket_bytes`: exact for one bucket, else each bucket is
-    taken to waste half a slot on average (where they are cut depends on tensor order).
-    `root_only`: stage 3's root buffer alone.
+
+def padded_params(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                  stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+                  ) -> dict[str, float]:
+    """Parameter elements of `stage` per family with the padding of partita's flat buffers.
+
+    Every buffer is padded to a multiple of its group x align elements (dp*cp for dense
+    parameters, dp*cp/ep for experts), so that it cuts into equal aligned slices, and
+    every state (parameters, gradients, master weights, moments) is a full or sharded
+    copy of the padded buffers. Experts are a family of their own only when ep > 1
+    (with ep = 1 they share their block's buffers). Stage 3: the buffers of
+    `zero3_buffers`, exact. Stages 0-2 cut gradient buckets of `zero_bucket_bytes`, then
+    each into its families: exact for one bucket, else each bucket is taken to waste half
+    a slot on average (where they are cut depends on tensor order).
     """
-    counts = stage_param_counts(model, layout, stage, assumptions)
-    unit = layout.zero_group * assumptions.flat_buffer_align
-
-    def pad(n: float) -> float:
-        return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
-
     if layout.zero_stage >= 3:
-        split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
-        block = split["sharded"] + split["replicated"]
-        layers = stage_layers(model.config.n_layers, layout.pp)[stage]
-        root = pad(counts["dense"] - layers * block)
-        per_unit = blocks_per_unit(block * precision.param, layers, assumptions)
-        full, rest = divmod(layers, per_unit)
-        return root if root_only else full * pad(per_unit * block) + pad(rest * block) + root
-    buckets = max(1, -(-counts["dense"] * precision.param // assumptions.zero_bucket_bytes))
+        b = zero3_buffers(model, layout, precision, stage, assumptions)
+        return {"dense": sum(b["units"]) + b["root"], "expert": sum(b["experts"])}
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    if layout.ep == 1:
+        counts = {"dense": counts["dense"] + counts["expert"], "expert": 0.0}
+    slots = _slots(layout, assumptions)
+    nbytes = precision.param * (counts["dense"] + counts["expert"])
+    buckets = max(1, -(-nbytes // assumptions.zero_bucket_bytes))
     if buckets == 1:
-        return pad(counts["dense"])
-    return counts["dense"] + buckets * unit / 2
+        return {k: _pad(n, slots[k]) for k, n in counts.items()}
+    return {k: n + buckets * slots[k] / 2 if n else 0.0 for k, n in counts.items()}
 
 
-def gathered_block_elements(model: PlanModel, layout: Layout,
-                            assumptions: Assumptions) -> float:
-    """Parameter elements one ZeRO-3 rank gathers per block: the tp shard, its experts."""
-    split = model.block_split(layout.tp, assumptions.whole_kv_replicas)
-    return split["sharded"] + split["replicated"] + split["expert"] / layout.ep
+def _slots(layout: Layout, assumptions: Assumptions) -> dict[str, int]:
+    """Elements a flat buffer of each family is padded to a multiple of."""
+    return {"dense": layout.zero_group * assumptions.flat_buffer_align,
+            "expert": max(1, layout.zero_group // layout.ep) * assumptions.flat_buffer_align}
 
 
-def blocks_per_unit(block_bytes: float, layers: int, assumptions: Assumptions) -> int:
-    """How many consecutive blocks stage 3 gathers as one unit: as many as fit in
-    `zero_bucket_bytes` (the engine's bucket_mb), at least one, at most the stage's."""
-    return max(1, min(layers, int(assumptions.zero_bucket_bytes // max(block_bytes, 1.0))))
+def _pad(n: float, unit: int) -> float:
+    return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
+
+
+def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                  stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+                  ) -> dict:
+    """ZeRO-3's flat buffers on one GPU of `stage`, as partita's engine builds them
+    (`zero.units.gather_units`, `zero.families`), padded under `flat_buffer_align`:
+    "units", the gather units' dense parameters (consecutive blocks up to
+    `zero_bucket_bytes`, a dense block and an MoE block each by its own size; with
+    ep = 1 a block's experts too); "experts", one unit per MoE block's experts (ep > 1,
+    gathered over dp*cp/ep); "unit_experts", the experts gathered beside each unit;
+    "root", the rest (embeddings, final norm, head)."""
+    c = model.config
+    slots = _slots(layout, assumptions) if assumptions.flat_buffer_align else \
+        {"dense": 0, "expert": 0}
+    per_stage = stage_layers(c.n_layers, layout.pp)
+    units: list[float] = []
+    beside: list[float] = []
+    experts: list[float] = []
+    size = in_blocks = 0.0
+    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
+        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
+                                  moe=not c.moe or c.is_moe_layer(i))
+        dense, expert = split["sharded"] + split["replicated"], split["expert"] / layout.ep
+        if layout.ep == 1:
+            dense, expert = dense + expert, 0.0
+        in_blocks += dense + expert
+        if not units or (size + dense) * precision.param > assumptions.zero_bucket_bytes:
+            units.append(0.0)
+            beside.append(0.0)
+            size = 0.0
+        units[-1] += dense
+        size += dense
+        if expert:
+            experts.append(_pad(expert, slots["expert"]))
+            beside[-1] += experts[-1]
+    counts = stage_param_counts(model, layout, stage, assumptions)
+    root = counts["dense"] + counts["expert"] - in_blocks
+    return {"units": [_pad(u, slots["dense"]) for u in units], "experts": experts,
+            "unit_experts": beside, "root": _pad(root, slots["dense"])}
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
@@ -189,9 +228,7 @@ def owned_elements(model: PlanModel, layout: Layout, precision: Precision = MIXE
                    stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Parameter elements whose optimizer state one GPU of `stage` keeps (padded like
     `model_state_bytes` under `flat_buffer_align`)."""
-    counts = stage_param_counts(model, layout, stage, assumptions)
-    if assumptions.flat_buffer_align:
-        counts["dense"] = padded_dense_params(model, layout, precision, stage, assumptions)
+    counts = zero_param_counts(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     return sum(n / (groups[k] if layout.zero_stage >= 1 else 1) for k, n in counts.items())
 
@@ -401,9 +438,9 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
            "context_parallel_kv": cp_buffer_bytes(model, layout, seq_len, precision,
                                                   assumptions)}
     if layout.zero_stage >= 3 and layout.zero_group > 1:
-        block = gathered_block_elements(model, layout, assumptions)
-        layers = stage_layers(c.n_layers, layout.pp)[stage]
-        unit = block * blocks_per_unit(block * precision.param, layers, assumptions)
+        # The largest gather unit with its blocks' experts (ep > 1: gathered right after).
+        b = zero3_buffers(model, layout, precision, stage, assumptions)
+        unit = max((u + e for u, e in zip(b["units"], b["unit_experts"])), default=0.0)
         if stage == 0 or stage == layout.pp - 1:
             unit = max(unit, c.vocab_size * c.dim / layout.tp)
         out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param

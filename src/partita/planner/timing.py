@@ -34,11 +34,9 @@ from partita.planner.compute import (
 )
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
-    blocks_per_unit,
-    gathered_block_elements,
-    padded_dense_params,
     stage_layers,
-    stage_param_counts,
+    zero3_buffers,
+    zero_param_counts,
 )
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
@@ -225,9 +223,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     pp_exposed = pp_s - min(pp_s, a.pp_overlap * compute_s)
 
     # Data parallel (over the ZeRO group dp*cp) per ZeRO stage.
-    counts = stage_param_counts(model, layout, 0, a)
-    if a.flat_buffer_align:  # collectives move whole padded flat buffers
-        counts["dense"] = padded_dense_params(model, layout, precision, 0, a)
+    # Collectives move whole flat buffers (padded under `flat_buffer_align`).
+    counts = zero_param_counts(model, layout, precision, 0, a)
     n = layout.zero_group
     n_exp = max(1, n // layout.ep)  # experts reduce over their own group, dp*cp/ep
     local = counts["dense"] + counts["expert"]
@@ -251,16 +248,16 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         grad_vol = m * frac * g_bytes
         param_vol = m * frac * 2 * p_bytes
         if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
-            root = padded_dense_params(model, layout, precision, 0, a, root_only=True)
+            root = zero3_buffers(model, layout, precision, 0, a)["root"]
             param_vol -= m * frac * precision.param * root
     dp_vol = grad_vol + param_vol
     link, le = link_eff(t * cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
-    if z == 3:  # per microbatch, each gather unit: gathered twice, reduce-scattered once
-        block = precision.param * gathered_block_elements(model, layout, a)
-        messages += 3 * m * sum(-(-n_l // blocks_per_unit(block, n_l, a)) for n_l in layers
-                                if n_l) // pp
+    if z == 3:  # per microbatch, each gather unit (and each MoE block's experts under
+        # ep > 1): gathered twice, reduce-scattered once
+        units = [zero3_buffers(model, layout, precision, st, a) for st in range(pp)]
+        messages += 3 * m * sum(len(u["units"]) + len(u["experts"]) for u in units) // pp
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
     param_s = dp_s - grad_s
