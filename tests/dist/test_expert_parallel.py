@@ -97,6 +97,9 @@ CASES = [
          params=True),
     Case("ep2-top1-zero3", moe_cfg(dict(dp=4, ep=2, zero_stage=3, bucket_mb=0.01),
                                    train=dict(microbatches=2), top_k=1), params=True),
+    # The recompute takes the experts' unit (inside the block's) as inputs at its start.
+    Case("ep2-zero3-recompute-full", moe_cfg(dict(dp=4, ep=2, zero_stage=3, bucket_mb=0.01,
+                                                  recompute="full")), params=True),
     Case("ep2-pp2-recompute-full", moe_cfg(dict(dp=2, pp=2, ep=2, recompute="full"),
                                            train=dict(microbatches=2)), params=True),
     Case("ep4-top1-capacity-recompute-selective",

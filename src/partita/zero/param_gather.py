@@ -83,6 +83,13 @@ class ParamGatherer:
         self.peak_bytes = 0  # high-water mark of gathered parameters during a step
         self.handles = [module.register_forward_pre_hook(self._root_pre),
                         module.register_forward_hook(self._root_post)]
+        # Units owned by a submodule of unit k's blocks (an MoE's experts): a recompute
+        # wrapped around the block takes its parameters as inputs before the block runs,
+        # so they must be gathered when the block starts.
+        inside = {id(sub): j for j, (mods, _) in enumerate(blocks) for sub in mods}
+        self.nested = [[inside[id(sub)] for m in mods for sub in m.modules()
+                        if id(sub) in inside and inside[id(sub)] != k]
+                       for k, (mods, _) in enumerate(blocks)]
         for k, (mods, _) in enumerate(blocks):
             for m in mods:
                 self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
@@ -172,13 +179,25 @@ class ParamGatherer:
 
     def _block_pre(self, k: int):
         def hook(module, args) -> None:
-            if id(self.blocks[k][1]) in self.in_backward:
+            buf = self.blocks[k][1]
+            if id(buf) in self.in_backward:
                 # A recompute inside backward: the unit is gathered already, and the next
                 # one's backward is over, so prefetching it would be a wasted gather.
                 return
-            self.start(self.blocks[k][1])
+            if torch._C._current_graph_task_id() != -1:
+                # A recompute reached a unit inside its block (an MoE's experts) before
+                # that unit's own backward: gather it for the backward about to run and
+                # keep it until its gradients are in; prefetch nothing (see above).
+                self.ensure(buf)
+                self.in_backward.add(id(buf))
+                return
+            self.start(buf)
             self._prefetch(range(k + 1, k + 1 + self.prefetch))
-            self.ensure(self.blocks[k][1])
+            for j in self.nested[k]:
+                self.start(self.blocks[j][1])
+            self.ensure(buf)
+            for j in self.nested[k]:
+                self.ensure(self.blocks[j][1])
         return hook
 
     def _block_post(self, k: int, frees: bool):
