@@ -35,6 +35,7 @@ from partita.planner.compute import (
 from partita.planner.hardware import Cluster
 from partita.planner.memory import (
     stage_layers,
+    stage_param_counts,
     zero3_buffers,
     zero_param_counts,
 )
