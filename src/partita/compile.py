@@ -12,8 +12,9 @@ around the compiled code and never break its graph. ZeRO 1-2 wait for the update
 parameters at each module that owns some; those waits move to the compiled unit's edge
 (`ParamAllGather.regroup`). Tensor parallelism's collectives are autograd functions
 around gloo or NCCL calls that dynamo cannot trace: they are marked with
-`torch.compiler.disable` (`partita.comm.EagerOnly`) before anything compiles, so each is one deliberate graph break, compiled once, and a
-block is a few compiled pieces between its collectives (the reasons are reported once).
+`torch.compiler.disable` (`partita.comm.EagerOnly`) before anything compiles, so each
+is one deliberate graph break, compiled once, and a block is a few compiled pieces
+between its collectives (the reasons are reported once).
 A pipeline runs compiled blocks unchanged: its split backward computes a compiled
 block's weight gradients together with its input gradient, since the block's backward
 is one node that must run once (`partita.pipeline.backward.runs_whole`). Context
