@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from partita.eager_only import EagerOnly
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -229,34 +230,8 @@ def _nbytes(t: torch.Tensor) -> int:
 # Autograd-aware operators of tensor / sequence parallelism ------------------------------
 # Megatron's names: f = identity forward, all-reduce backward (enter a tp region);
 # g = all-reduce forward, identity backward (leave a tp region).
-# Their entry points are `EagerOnly`: a compiled block (partita.compile) runs each
+# Their entry points are `EagerOnly` (partita.eager_only): a compiled block (partita.compile) runs each
 # eagerly between its compiled pieces instead of tracing into gloo or NCCL.
-
-
-class EagerOnly:
-    """A function compiled code must call rather than trace (it talks to gloo or NCCL).
-
-    It becomes `torch.compiler.disable`d only when `keep_out_of_compiled_graphs` runs
-    (partita.compile calls it before compiling anything): importing dynamo to mark it at
-    import time would cost every eager process about a second of start-up.
-    """
-
-    instances: list[EagerOnly] = []
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
-        EagerOnly.instances.append(self)
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-
-def keep_out_of_compiled_graphs() -> None:
-    """Mark every `EagerOnly` function `torch.compiler.disable` (once)."""
-    for wrapped in EagerOnly.instances:
-        if not getattr(wrapped.fn, "_torchdynamo_disable", False):
-            wrapped.fn = torch.compiler.disable(wrapped.fn)
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -12,13 +12,14 @@ around the compiled code and never break its graph. ZeRO 1-2 wait for the update
 parameters at each module that owns some; those waits move to the compiled unit's edge
 (`ParamAllGather.regroup`). Tensor parallelism's collectives are autograd functions
 around gloo or NCCL calls that dynamo cannot trace: they are marked with
-`torch.compiler.disable` (`partita.comm.EagerOnly`) before anything compiles, so each
+`torch.compiler.disable` (`partita.eager_only`) before anything compiles, so each
 is one deliberate graph break, compiled once, and a block is a few compiled pieces
 between its collectives (the reasons are reported once).
 A pipeline runs compiled blocks unchanged: its split backward computes a compiled
 block's weight gradients together with its input gradient, since the block's backward
-is one node that must run once (`partita.pipeline.backward.runs_whole`). Context
-parallelism is refused for now (`blocks_refusal` says why).
+is one node that must run once (`partita.pipeline.backward.runs_whole`). An MoE
+block's dispatch (data-dependent tokens per expert, the all-to-alls) is `EagerOnly`
+too. Context parallelism is refused for now (`blocks_refusal` says why).
 
 `model` compiles the whole local model in one piece, which needs a layout with nothing
 that communicates inside the model's forward: no pipeline (the schedule drives the
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from partita.comm import keep_out_of_compiled_graphs
+from partita.eager_only import keep_out_of_compiled_graphs
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.models.plan import ModelPlan
@@ -69,15 +70,8 @@ class CompileReport:
     note: str = ""  # a fallback or a limitation, said once at start
 
 
-def blocks_refusal(layout: Layout, moe: bool = False) -> str | None:
-    """Why no compile mode can run this layout (of a mixture-of-experts model when `moe`)
-    yet (None: `blocks` can)."""
-    if moe:
-        # Dropless routing gives every expert a data-dependent number of tokens (and
-        # expert parallelism an all-to-all of data-dependent sizes) at every step.
-        return ("train.compile does not support mixture-of-experts models yet: the number "
-                "of tokens each expert receives changes every step. Use train.compile=none "
-                "with model.n_experts > 0.")
+def blocks_refusal(layout: Layout) -> str | None:
+    """Why no compile mode can run this layout yet (None: `blocks` can)."""
     if layout.cp > 1:
         # The attention core is kept out of the compiled code (an `EagerOnly`
         # break, as tp's collectives), and a cp=2 run matched eager to 1e-12 with no
@@ -126,14 +120,14 @@ def toolchain_problem(device_type: str) -> str | None:
 
 
 def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
-                 probe: Callable[[str], str | None] = toolchain_problem, *,
-                 moe: bool = False) -> tuple[str, str]:
+                 probe: Callable[[str], str | None] = toolchain_problem
+                 ) -> tuple[str, str]:
     """(mode in effect, note): `auto` becomes `blocks` when the toolchain works and
     `none` (with the reason in the note) when it does not; `blocks` and `model` stop
     with the reason instead. `model` on a layout that cannot take it stops too."""
     if policy.mode == "none":
         return "none", ""
-    refusal = blocks_refusal(layout, moe)
+    refusal = blocks_refusal(layout)
     if refusal and policy.mode == "auto":
         return "none", f"train.compile=auto: {refusal} Training eagerly."
     if refusal:

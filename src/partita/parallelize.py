@@ -199,7 +199,7 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
     policies, then every rule of `partita.layout_rules.validate` at once."""
     _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
     mode = CompilePolicy(cfg.train.compile).mode
-    refusal = (blocks_refusal(layout, model_cfg.moe)
+    refusal = (blocks_refusal(layout)
                or (model_refusal(layout) if mode == "model" else None))
     if mode in ("blocks", "model") and refusal:
         raise PartitaError(refusal)
@@ -346,8 +346,7 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
                                     dropout_seed=cfg.data.seed + mesh.index("loss_average"))
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))
-    mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device,
-                              moe=plan.shape.moe)
+    mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device)
     # Blocks compile before recomputation wraps them and the engine hooks them, so both
     # stay outside the compiled code (partita.compile).
     compiled = compile_blocks(sharded.module, plan) if mode == "blocks" else None

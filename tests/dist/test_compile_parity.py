@@ -15,7 +15,8 @@ block graph (recomputation reruns the same training graph, and its no-grad forwa
 the validation pass's graph). The pipeline cases (pp=2, two microbatches of the same
 shape) reuse that graph too, compiled first for a backward that runs once: the order in
 which a pipeline's split backward once read overwritten saved tensors
-(`partita.pipeline.backward.runs_whole`). Inductor's cache lives in pytest's cache folder, so a second run reuses
+(`partita.pipeline.backward.runs_whole`). The mixture-of-experts case (dp=2 x ep=2,
+ZeRO-3) compiles its blocks around the eager dispatch. Inductor's cache lives in pytest's cache folder, so a second run reuses
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
 the validation pass need); the full run that follows, on a freshly built model, must
@@ -40,21 +41,25 @@ from partita.testing import (
 
 STEPS = 3
 COMPILED_FP32_TOL = 1e-3
-CASES = [  # (id, parallel settings, train settings, compile mode, tolerance)
-    ("dp2", dict(), dict(lr=1e-2), "blocks", FLOAT64_TOL),
-    ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL),
+MOE = dict(n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_weight=0.1, z_loss_weight=0.01)
+CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, model)
+    ("dp2", dict(), dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
+    ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
     ("dp2-zero3-recompute", dict(zero_stage=3, bucket_mb=0.02, recompute="full"),
-     dict(lr=1e-2), "blocks", FLOAT64_TOL),
+     dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
     # After the data-parallel cases, on purpose: the block graph (same shapes) was first
     # compiled there, for a backward that runs once, and the pipelines reuse it.
     ("pp2-1f1b", dict(pp=2, schedule="1f1b"), dict(lr=1e-2, microbatches=2), "blocks",
-     FLOAT64_TOL),
+     FLOAT64_TOL, {}),
     ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), dict(lr=1e-2, microbatches=2), "blocks",
-     FLOAT64_TOL),
+     FLOAT64_TOL, {}),
     ("tp2-sp", dict(tp=2, sequence_parallel=True), dict(lr=1e-2, global_batch=2), "blocks",
-     FLOAT64_TOL),
-    ("dp2-zero1-model", dict(zero_stage=1), dict(lr=1e-2), "model", FLOAT64_TOL),
-    ("dp2-fp32", dict(), dict(dtype="float32"), "blocks", COMPILED_FP32_TOL),
+     FLOAT64_TOL, {}),
+    # Experts on their own rank, the dispatch an eager piece between compiled ones.
+    ("dp2-ep2-moe-zero3", dict(ep=2, zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks",
+     FLOAT64_TOL, MOE),
+    ("dp2-zero1-model", dict(zero_stage=1), dict(lr=1e-2), "model", FLOAT64_TOL, {}),
+    ("dp2-fp32", dict(), dict(dtype="float32"), "blocks", COMPILED_FP32_TOL, {}),
 ]
 
 
@@ -69,10 +74,11 @@ def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
     # the spawned rank, is in time.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
     results = []
-    for _, parallel, train, mode, _ in CASES:
-        eager = train_layout(rank, world, parity_config(parallel=parallel, train=train),
+    for _, parallel, train, mode, _, model in CASES:
+        eager = train_layout(rank, world,
+                             parity_config(model=model, parallel=parallel, train=train),
                              STEPS, params=True)
-        cfg = parity_config(parallel=parallel, train=dict(train, compile=mode))
+        cfg = parity_config(model=model, parallel=parallel, train=dict(train, compile=mode))
         train_layout(rank, world, cfg, 1)  # compiles the step's and evaluation's graphs
         before = compile_counts()
         compiled = train_layout(rank, world, cfg, STEPS, params=True,
@@ -91,7 +97,7 @@ def test_compiled_layouts_match_eager_and_never_recompile(
     ranks = run_distributed(_worker, 2, args=(str(cache),), timeout=900)
     failures = []
     for rank, got in enumerate(ranks):
-        for (name, _, _, mode, tol), r in zip(CASES, got):
+        for (name, _, _, mode, tol, _), r in zip(CASES, got):
             if r["mode"] != mode:
                 failures.append(f"{name} rank {rank}: ran {r['mode']!r}, not {mode!r}")
             try:

@@ -62,15 +62,12 @@ def test_blocks_take_every_layout_but_context_parallelism():
     assert mode == "none" and "context parallelism" in note and "eagerly" in note
 
 
-def test_mixture_of_experts_models_are_refused_and_auto_trains_them_eagerly():
-    assert "mixture-of-experts" in blocks_refusal(Layout(dp=2), moe=True)
-    with pytest.raises(PartitaError, match="mixture-of-experts"):
-        resolve_mode(CompilePolicy("blocks"), Layout(dp=2), CPU, works, moe=True)
-    mode, note = resolve_mode(CompilePolicy("auto"), Layout(dp=2), CPU, works, moe=True)
-    assert mode == "none" and "mixture-of-experts" in note
-    cfg = parity_config(train=dict(compile="blocks"))
-    with pytest.raises(PartitaError, match="mixture-of-experts"):
-        check_layout(cfg, get_model_config("tiny-moe"), Layout())
+def test_mixture_of_experts_models_are_accepted():
+    """Their dispatch runs eagerly between compiled pieces (partita.eager_only)."""
+    assert blocks_refusal(Layout(dp=2, ep=2)) is None
+    assert resolve_mode(CompilePolicy("blocks"), Layout(dp=2, ep=2), CPU, works) == ("blocks", "")
+    check_layout(parity_config(train=dict(compile="blocks")), get_model_config("tiny-moe"),
+                 Layout())
 
 
 def test_without_a_toolchain_auto_falls_back_and_explicit_modes_stop():

@@ -35,7 +35,7 @@ import partita
 
 CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
-              "partita.local_world")),
+              "partita.local_world", "partita.eager_only")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules")),
     ("config", ("partita.config", "partita.config_ranges")),

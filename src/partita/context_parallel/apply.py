@@ -21,11 +21,12 @@ import math
 import torch
 import torch.nn as nn
 
-from partita.comm import EagerOnly, GroupComm
+from partita.comm import GroupComm
 from partita.context_parallel import sharding
 from partita.context_parallel.allgather import allgather_attention
 from partita.context_parallel.clock import IDLE, AttentionClock
 from partita.context_parallel.ring import ring_attention
+from partita.eager_only import EagerOnly
 from partita.errors import PartitaError
 from partita.models import plan as roles
 

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from partita.eager_only import EagerOnly
 from partita.models.grouped_experts import grouped_swiglu
 from partita.models.model_config import ModelConfig
 
@@ -158,15 +159,16 @@ class MoEStats:
         self.counts = torch.zeros(self.n_experts, dtype=torch.float64, device="cpu")
 
     def add(self, aux_per_seq: torch.Tensor, z_per_token: torch.Tensor,
-            route: Route) -> None:
+            chosen: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """One forward's losses and its route's choices (N, k) and kept choices."""
         self.aux += float(aux_per_seq.detach().sum())
         self.z += float(z_per_token.detach().sum())
         self.sequences += aux_per_seq.numel()
         self.tokens += z_per_token.numel()
-        counts = torch.bincount(route.experts.reshape(-1), minlength=self.n_experts)
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.n_experts)
         self.counts += counts.to("cpu", torch.float64)
-        if route.keep is not None:
-            self.dropped += int((~route.keep).sum())
+        if keep is not None:
+            self.dropped += int((~keep).sum())
 
 
 class MoE(nn.Module):
@@ -196,14 +198,15 @@ class MoE(nn.Module):
         flat = x.reshape(b * s, d)
         logits = self.router(flat)
         route, aux, z = self.route(logits, b, s)
-        y = self.dispatch(flat, route, self.experts).view(b, s, d)
+        y = _dispatch(self.dispatch, flat, route.experts, route.weights, route.keep,
+                      self.experts).view(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
         training = torch.is_grad_enabled()
         # Statistics once per training forward: not in evaluation (no graph and no
         # recomputation), nor again when backward reruns this forward.
         if (training and self.pass_name is None) or self.pass_name == "forward":
-            self.stats.add(aux, z, route)
+            _record(self.stats, aux, z, route.experts, route.keep)
         if training:  # the graph that backward differentiates, first or rerun
             cfg = self.cfg
             if cfg.aux_loss_weight or cfg.z_loss_weight:
@@ -246,6 +249,24 @@ class MoE(nn.Module):
         position = (hot.cumsum(1) * hot).sum(-1) - 1  # place in its expert's queue
         keep = position < cap
         return keep.view(b, k, s).transpose(1, 2).reshape(b * s, k)
+
+
+# A compiled MoE block (train.compile=blocks) runs these two eagerly between its compiled
+# pieces (router and gates before, shared expert and combine after): the tokens each
+# expert gets, so every shape inside the dispatch, change with the data, and the
+# statistics read tensors into Python numbers. Route's fields travel one by one: a
+# graph break hands plain tensors across.
+@EagerOnly
+def _dispatch(dispatch: Callable[[torch.Tensor, Route, Experts], torch.Tensor],
+              x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+              keep: torch.Tensor | None, experts: Experts) -> torch.Tensor:
+    return dispatch(x, Route(chosen, weights, keep), experts)
+
+
+@EagerOnly
+def _record(stats: MoEStats, aux: torch.Tensor, z: torch.Tensor, chosen: torch.Tensor,
+            keep: torch.Tensor | None) -> None:
+    stats.add(aux, z, chosen, keep)
 
 
 def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:

@@ -1,0 +1,42 @@
+"""Functions that compiled code calls rather than traces.
+
+Collectives (gloo and NCCL calls dynamo cannot trace) and code whose tensor shapes
+depend on the data (an MoE layer's tokens per expert) run eagerly between the compiled
+pieces of a block: each `EagerOnly` function is one deliberate graph break.
+
+    @EagerOnly
+    def all_reduce_into(x, comm): ...
+
+    keep_out_of_compiled_graphs()   # partita.compile, before anything compiles
+
+The functions become `torch.compiler.disable`d only then: importing dynamo to mark
+them at import time would cost every eager process about a second of start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class EagerOnly:
+    """A function compiled code must call, not trace (see the module docstring)."""
+
+    instances: list[EagerOnly] = []  # every one, for keep_out_of_compiled_graphs
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.__name__, self.__doc__ = fn.__name__, fn.__doc__
+        EagerOnly.instances.append(self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def keep_out_of_compiled_graphs() -> None:
+    """Mark every `EagerOnly` function `torch.compiler.disable` (once)."""
+    for wrapped in EagerOnly.instances:
+        if not getattr(wrapped.fn, "_torchdynamo_disable", False):
+            wrapped.fn = torch.compiler.disable(wrapped.fn)
