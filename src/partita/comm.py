@@ -230,8 +230,9 @@ def _nbytes(t: torch.Tensor) -> int:
 # Autograd-aware operators of tensor / sequence parallelism ------------------------------
 # Megatron's names: f = identity forward, all-reduce backward (enter a tp region);
 # g = all-reduce forward, identity backward (leave a tp region).
-# Their entry points are `EagerOnly` (partita.eager_only): a compiled block (partita.compile) runs each
-# eagerly between its compiled pieces instead of tracing into gloo or NCCL.
+# Their entry points are `EagerOnly` (partita.eager_only): a compiled block
+# (partita.compile) runs each eagerly between its compiled pieces instead of tracing
+# into gloo or NCCL.
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -246,19 +246,18 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         grad_vol = frac * g_bytes * (m if every_mb else 1)
         param_vol = frac * p_bytes
     else:
+        buffers = [zero3_buffers(model, layout, precision, st, a) for st in range(pp)]
         grad_vol = m * frac * g_bytes
         param_vol = m * frac * 2 * p_bytes
         if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
-            root = zero3_buffers(model, layout, precision, 0, a)["root"]
-            param_vol -= m * frac * precision.param * root
+            param_vol -= m * frac * precision.param * buffers[0]["root"]
     dp_vol = grad_vol + param_vol
     link, le = link_eff(t * cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
     if z == 3:  # per microbatch, each gather unit (and each MoE block's experts under
         # ep > 1): gathered twice, reduce-scattered once
-        units = [zero3_buffers(model, layout, precision, st, a) for st in range(pp)]
-        messages += 3 * m * sum(len(u["units"]) + len(u["experts"]) for u in units) // pp
+        messages += 3 * m * sum(len(b["units"]) + len(b["experts"]) for b in buffers) // pp
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
     param_s = dp_s - grad_s
