@@ -195,11 +195,12 @@ def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool
 
 @pytest.mark.parametrize("bucket_mb,recompute,gathers,reductions", [
     # Each ToyLayer is ~19 KB in float64: three units of one layer each. Forward gathers
-    # the root and the three units, backward the three units again (the root stays
-    # gathered); recomputing a layer inside backward gathers nothing more.
-    (0.001, False, 7, 4), (0.001, True, 7, 4),
-    # All three layers in one unit: root + unit in forward, the unit again in backward.
-    (1.0, False, 3, 2)])
+    # the root and the three units, backward the first two again (the root and the last
+    # unit stay gathered from forward into backward); recomputing a layer inside
+    # backward gathers nothing more.
+    (0.001, False, 6, 4), (0.001, True, 6, 4),
+    # All three layers in one unit: root + unit in forward only.
+    (1.0, False, 2, 2), (1.0, True, 2, 2)])
 def test_stage3_issues_one_gather_and_one_reduction_per_unit(
         bucket_mb: float, recompute: bool, gathers: int, reductions: int) -> None:
     calls = run_distributed(_stage3_collectives, 2, args=(bucket_mb, recompute))[0]

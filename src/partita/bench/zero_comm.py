@@ -4,7 +4,8 @@ Counted where the collectives are issued (partita.comm), as a ring sends them, t
 expressed as parameter elements over Psi (the parameter count) with the ring factor
 (N-1)/N taken out, as the ZeRO paper does: stages 0-2 move 2 Psi per step (all-reduce,
 or reduce-scatter + all-gather), stage 3 moves 3 Psi (all-gather for forward, again for
-backward, reduce-scatter of gradients).
+backward, reduce-scatter of gradients); partita's stage 3 less the root group and the
+last gather unit, which stay gathered from forward into backward.
 """
 
 from __future__ import annotations

@@ -246,18 +246,26 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         grad_vol = frac * g_bytes * (m if every_mb else 1)
         param_vol = frac * p_bytes
     else:
+        kept = 0  # units gathered once per microbatch instead of twice
         buffers = [zero3_buffers(model, layout, precision, st, a) for st in range(pp)]
         grad_vol = m * frac * g_bytes
         param_vol = m * frac * 2 * p_bytes
         if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
             param_vol -= m * frac * precision.param * buffers[0]["root"]
+        if a.zero3_keeps_last_unit and buffers[0]["units"]:  # so is the last unit
+            last, experts = buffers[0]["units"][-1], buffers[0]["unit_experts"][-1]
+            param_vol -= m * precision.param * (frac * last
+                                                + experts * (n_exp - 1) / n_exp)
+            # Its experts' units (under ep > 1) are of one size, an MoE block's experts.
+            kept = 1 + (round(experts / buffers[0]["experts"][-1]) if experts else 0)
     dp_vol = grad_vol + param_vol
     link, le = link_eff(t * cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
     if z == 3:  # per microbatch, each gather unit (and each MoE block's experts under
-        # ep > 1): gathered twice, reduce-scattered once
+        # ep > 1): gathered twice (the kept ones once), reduce-scattered once
         messages += 3 * m * sum(len(b["units"]) + len(b["experts"]) for b in buffers) // pp
+        messages -= m * kept
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
     param_s = dp_s - grad_s

@@ -5,9 +5,9 @@ flat buffer: one all-gather and one reduce-scatter each.
 Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
           head: parameters outside any block) and starts prefetching the first units;
           a block's pre-hook waits for its unit's gather and starts the next
-          `prefetch` units'; the unit's last block's post-hook frees it. The root stays
-          gathered until its gradients are in when forward records a graph (backward
-          begins with the head), and is freed at once otherwise.
+          `prefetch` units'; the unit's last block's post-hook frees it. The root and
+          the last unit stay gathered until their gradients are in when forward
+          records a graph (backward begins with them), and are freed at once otherwise.
 Backward: a tiny autograd function on each block's (and the root's) output fires when
           backward reaches it: it gathers that unit again and prefetches the
           `prefetch` units before it. When every parameter of a unit has its gradient
@@ -90,6 +90,11 @@ class ParamGatherer:
         self.nested = [[inside[id(sub)] for m in mods for sub in m.modules()
                         if id(sub) in inside and inside[id(sub)] != k]
                        for k, (mods, _) in enumerate(blocks)]
+        # The last unit forward runs (with the units nested in it) is the first that
+        # backward needs: kept gathered from its forward into its backward rather than
+        # freed and gathered again at once (Stage 3 so saves that unit's all-gather).
+        top = [k for k in range(len(blocks)) if not any(k in ns for ns in self.nested)]
+        self.kept = {top[-1], *self.nested[top[-1]]} if top else set()
         for k, (mods, _) in enumerate(blocks):
             for m in mods:
                 self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
@@ -163,10 +168,10 @@ class ParamGatherer:
             return out
         # Backward starts with the head, which is in the root group: keep the root
         # gathered until its gradients are in (as FSDP2 does for its root) instead of
-        # freeing it and gathering it again at once. Stage 3 so moves 3 Psi - Psi_root.
+        # freeing it and gathering it again at once (the last unit too, `_block_post`).
         self.in_backward.add(id(self.root))
-        # Backward needs the last blocks first: start gathering them now, so that the
-        # gathers overlap the loss and the head's backward.
+        # Backward needs the last blocks first: start gathering them now (the last is
+        # still gathered), so that the gathers overlap the loss and the head's backward.
         n = len(self.blocks)
         self._prefetch(range(n - 1, n - 1 - self.prefetch, -1))
         return _on_backward(out, self._root_backward)
@@ -212,7 +217,11 @@ class ParamGatherer:
             # A recompute (activation checkpointing) runs forward inside backward: keep
             # the parameters that backward is about to use.
             if frees and id(buf) not in self.in_backward:
-                self.free(buf)
+                if (k in self.kept and torch.is_grad_enabled()
+                        and torch._C._current_graph_task_id() == -1):
+                    self.in_backward.add(id(buf))
+                else:
+                    self.free(buf)
             return _on_backward(out, fire) if torch.is_grad_enabled() else out
         return hook
 
