@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from partita.experts import moe_step_stats
-from partita.planner.memory import stage_param_counts
+from partita.planner.stage_params import stage_param_counts
 from partita.planner.model_shape import PlanModel
 from partita.models.moe import moe_modules
 from partita.models.transformer import Transformer
