@@ -49,9 +49,9 @@ from partita.sharding import ShardInfo, shard_info
 
 __all__ = [
     "FLOAT32_TOL", "FLOAT64_TOL", "PARITY_FLOOR", "PARITY_MODEL", "Case", "assert_parity",
-    "check_layouts", "compare_to_reference", "free_port", "parity_config", "reference",
-    "relative_error", "run_distributed", "run_layouts", "single_process", "token_batch",
-    "train_layout",
+    "check_layouts", "compare_to_reference", "free_port", "parity_config", "record_steps",
+    "reference", "relative_error", "run_distributed", "run_layouts", "single_process",
+    "token_batch", "train_layout",
 ]
 
 FLOAT64_TOL = 1e-10
@@ -281,6 +281,34 @@ def _named(pm: ParallelModel, what: Callable) -> dict[str, tuple[ShardInfo, torc
     return out
 
 
+class _StepRecorder:
+    """`pm.runner`, plus a record taken around each training step (`record_steps`)."""
+
+    def __init__(self, runner: Any, after: Callable[[Any], Any],
+                 before: Callable[[], Any] | None, log: list) -> None:
+        self.inner, self.after, self.before, self.log = runner, after, before, log
+
+    def train(self, *args: Any, **kwargs: Any) -> float:
+        start = self.before() if self.before is not None else None
+        loss = self.inner.train(*args, **kwargs)
+        self.log.append(self.after(start))
+        return loss
+
+    def __getattr__(self, name: str) -> Any:  # evaluate and the rest: unrecorded
+        return getattr(self.inner, name)
+
+
+def record_steps(pm: ParallelModel, after: Callable[[Any], Any],
+                 before: Callable[[], Any] | None = None) -> list:
+    """A probe's per-step record: wraps `pm.runner` so that each training step (one
+    `train` call, all its microbatches) appends `after(before())` to the list returned,
+    `before()` taken just before the step (None without `before`). Evaluation passes
+    through unrecorded, and the reference can take the same probe (`reference`)."""
+    log: list = []
+    pm.runner = _StepRecorder(pm.runner, after, before, log)
+    return log
+
+
 @dataclass(frozen=True)
 class Case:
     """One layout to check against one process: a name, its config, its tolerance, and
@@ -317,17 +345,18 @@ _REFERENCES: dict[tuple, dict] = {}
 
 
 def reference(cfg: Config, steps: int, grads_at: Iterable[int] = (),
-              params: bool = False, model: ModelFn | None = None) -> dict[str, Any]:
+              params: bool = False, model: ModelFn | None = None,
+              probe: Probe | None = None) -> dict[str, Any]:
     """`train_layout` of `single_process(cfg)` in this process at world size 1 (cached)."""
     ref_cfg = single_process(cfg)
     key = (ref_cfg.to_toml(), steps, tuple(sorted(grads_at)), params,
-           None if model is None else f"{model.__module__}.{model.__qualname__}")
+           None if model is None else f"{model.__module__}.{model.__qualname__}", probe)
     if key not in _REFERENCES:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank runs; a tiny model gains nothing more
         try:
-            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params,
-                                            model=model)
+            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params, probe,
+                                            model)
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[key]
