@@ -49,9 +49,9 @@ from partita.sharding import ShardInfo, shard_info
 
 __all__ = [
     "FLOAT32_TOL", "FLOAT64_TOL", "PARITY_FLOOR", "PARITY_MODEL", "Case", "assert_parity",
-    "check_layouts", "compare_to_reference", "free_port", "parity_config", "record_steps",
-    "reference", "relative_error", "run_distributed", "run_layouts", "single_process",
-    "token_batch", "train_layout",
+    "check_layouts", "compare_to_reference", "free_port", "parity_config", "reference",
+    "relative_error", "run_distributed", "run_layouts", "single_process", "token_batch",
+    "train_layout",
 ]
 
 FLOAT64_TOL = 1e-10
@@ -279,34 +279,6 @@ def _named(pm: ParallelModel, what: Callable) -> dict[str, tuple[ShardInfo, torc
         # A copy: the engine reuses its buffers, and a view would pickle all of them.
         out[info.name] = (info, value.detach().clone())
     return out
-
-
-class _StepRecorder:
-    """`pm.runner`, plus a record taken around each training step (`record_steps`)."""
-
-    def __init__(self, runner: Any, after: Callable[[Any], Any],
-                 before: Callable[[], Any] | None, log: list) -> None:
-        self.inner, self.after, self.before, self.log = runner, after, before, log
-
-    def train(self, *args: Any, **kwargs: Any) -> float:
-        start = self.before() if self.before is not None else None
-        loss = self.inner.train(*args, **kwargs)
-        self.log.append(self.after(start))
-        return loss
-
-    def __getattr__(self, name: str) -> Any:  # evaluate and the rest: unrecorded
-        return getattr(self.inner, name)
-
-
-def record_steps(pm: ParallelModel, after: Callable[[Any], Any],
-                 before: Callable[[], Any] | None = None) -> list:
-    """A probe's per-step record: wraps `pm.runner` so that each training step (one
-    `train` call, all its microbatches) appends `after(before())` to the list returned,
-    `before()` taken just before the step (None without `before`). Evaluation passes
-    through unrecorded, and the reference can take the same probe (`reference`)."""
-    log: list = []
-    pm.runner = _StepRecorder(pm.runner, after, before, log)
-    return log
 
 
 @dataclass(frozen=True)

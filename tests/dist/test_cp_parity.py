@@ -25,10 +25,10 @@ from partita.testing import (
     check_layouts,
     compare_to_reference,
     parity_config,
-    record_steps,
     reference,
     run_layouts,
 )
+from tests.dist.step_probes import record_steps
 
 STEPS = 3
 MHA = {**PARITY_MODEL, "n_kv_heads": 4}  # the parity model has 2 kv heads for 4 heads

@@ -30,10 +30,10 @@ from partita.testing import (
     assert_parity,
     compare_to_reference,
     parity_config,
-    record_steps,
     reference,
     run_layouts,
 )
+from tests.dist.step_probes import record_steps
 
 STEPS = 10
 MOE = dict(n_experts=8, top_k=2, expert_ffn_dim=16, aux_loss_weight=0.1, z_loss_weight=0.01)
