@@ -317,17 +317,18 @@ _REFERENCES: dict[tuple, dict] = {}
 
 
 def reference(cfg: Config, steps: int, grads_at: Iterable[int] = (),
-              params: bool = False, model: ModelFn | None = None) -> dict[str, Any]:
+              params: bool = False, model: ModelFn | None = None,
+              probe: Probe | None = None) -> dict[str, Any]:
     """`train_layout` of `single_process(cfg)` in this process at world size 1 (cached)."""
     ref_cfg = single_process(cfg)
     key = (ref_cfg.to_toml(), steps, tuple(sorted(grads_at)), params,
-           None if model is None else f"{model.__module__}.{model.__qualname__}")
+           None if model is None else f"{model.__module__}.{model.__qualname__}", probe)
     if key not in _REFERENCES:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank runs; a tiny model gains nothing more
         try:
-            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params,
-                                            model=model)
+            _REFERENCES[key] = train_layout(0, 1, ref_cfg, steps, grads_at, params, probe,
+                                            model)
         finally:
             torch.set_num_threads(threads)
     return _REFERENCES[key]

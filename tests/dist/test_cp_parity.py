@@ -28,6 +28,7 @@ from partita.testing import (
     reference,
     run_layouts,
 )
+from tests.dist.step_probes import record_steps
 
 STEPS = 3
 MHA = {**PARITY_MODEL, "n_kv_heads": 4}  # the parity model has 2 kv heads for 4 heads
@@ -40,26 +41,12 @@ def _case(name: str, model: dict = PARITY_MODEL, zero: bool = False, **parallel)
     return Case(name, cfg, grads_at=() if zero else (0, 1), params=True)
 
 
-class _ContextBytes:
-    """The step runner, recording the bytes the context group sent in each step."""
-
-    def __init__(self, pm, log: list) -> None:
-        self.inner, self.mesh, self.log = pm.runner, pm.mesh, log
-
-    def train(self, inputs, targets, microbatches):
-        before = self.mesh.counter.total("context")
-        loss = self.inner.train(inputs, targets, microbatches)
-        self.log.append(self.mesh.counter.total("context") - before)
-        return loss
-
-    def evaluate(self, inputs, targets):
-        return self.inner.evaluate(inputs, targets)
-
-
 def record_context_bytes(pm, cfg) -> list:
-    log: list = []
-    pm.runner = _ContextBytes(pm, log)
-    return log
+    """The bytes the context group sent in each step."""
+    def sent() -> float:
+        return pm.mesh.counter.total("context")
+
+    return record_steps(pm, lambda before: sent() - before, sent)
 
 
 def test_cp2_ring_and_allgather_match_single_process() -> None:

@@ -20,20 +20,20 @@ import pytest
 import torch
 
 from partita.experts import moe_step_stats
-from partita.planner.memory import stage_param_counts
-from partita.planner.model_shape import PlanModel
 from partita.models.moe import moe_modules
 from partita.models.transformer import Transformer
+from partita.planner.model_shape import PlanModel
+from partita.planner.stage_params import stage_param_counts
 from partita.testing import (
     FLOAT64_TOL,
     Case,
     assert_parity,
     compare_to_reference,
     parity_config,
+    reference,
     run_layouts,
-    single_process,
-    train_layout,
 )
+from tests.dist.step_probes import record_steps
 
 STEPS = 10
 MOE = dict(n_experts=8, top_k=2, expert_ffn_dim=16, aux_loss_weight=0.1, z_loss_weight=0.01)
@@ -44,29 +44,16 @@ def moe_cfg(parallel: dict, train: dict | None = None, **model):
                          train={"lr": 1e-2, **(train or {})})
 
 
-class _Recorder:
-    """The step runner, plus the step's MoE figures and all-to-all bytes after it."""
-
-    def __init__(self, pm, log: list) -> None:
-        self.inner, self.pm, self.log = pm.runner, pm, log
-
-    def train(self, inputs, targets, microbatches):
-        loss = self.inner.train(inputs, targets, microbatches)
-        stats = moe_step_stats(self.pm.module, self.pm.mesh)
-        self.log.append({"aux": stats["aux_loss"], "z": stats["z_loss"],
-                         "tokens": stats["tokens_per_expert"],
-                         "a2a_bytes": self.pm.mesh.counter.total("expert", "all_to_all"),
-                         "moe_layers": len(moe_modules(self.pm.module))})
-        return loss
-
-    def evaluate(self, inputs, targets):
-        return self.inner.evaluate(inputs, targets)
-
-
 def record_moe(pm, cfg) -> list:
-    log: list = []
-    pm.runner = _Recorder(pm, log)
-    return log
+    """The step's MoE figures and all-to-all bytes after each step."""
+    def figures(_) -> dict:
+        stats = moe_step_stats(pm.module, pm.mesh)
+        return {"aux": stats["aux_loss"], "z": stats["z_loss"],
+                "tokens": stats["tokens_per_expert"],
+                "a2a_bytes": pm.mesh.counter.total("expert", "all_to_all"),
+                "moe_layers": len(moe_modules(pm.module))}
+
+    return record_steps(pm, figures)
 
 
 def _routed_model(route, top_k: int):
@@ -114,23 +101,10 @@ BALANCED_FULL = Case("ep4-balanced-recompute-full", moe_cfg(dict(dp=4, ep=4, rec
                      model=balanced, steps=1)
 
 
-_REFERENCES: dict[tuple, dict] = {}
-
-
 def _reference(case: Case) -> dict:
     # Layouts of one model share one reference (one process, one microbatch).
-    cfg = single_process(case.cfg)
-    key = (cfg.to_toml(), case.steps or STEPS, case.params, case.model)
-    if key in _REFERENCES:
-        return _REFERENCES[key]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _REFERENCES[key] = train_layout(0, 1, cfg, case.steps or STEPS, params=case.params,
-                                        probe=record_moe, model=case.model)
-    finally:
-        torch.set_num_threads(threads)
-    return _REFERENCES[key]
+    return reference(case.cfg, case.steps or STEPS, params=case.params, model=case.model,
+                     probe=record_moe)
 
 
 def _check(cases: list[Case], runs: list[list[dict]]) -> list[str]:

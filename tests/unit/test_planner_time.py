@@ -148,7 +148,7 @@ def test_inter_node_links_are_slower():
 def test_unfused_gradient_accumulation_costs_a_memory_pass_per_microbatch():
     """`grad_accum_bytes_per_param` bytes per local parameter move after every
     microbatch, at memory speed: per stage and microbatch, so m times per step."""
-    from partita.planner.memory import stage_param_counts
+    from partita.planner.stage_params import stage_param_counts
 
     layout, batch, nbytes = Layout(pp=2, dp=2), 16, 18.0
     base = _time(layout, batch=batch)

@@ -3,10 +3,11 @@ hardware description alone (no process group, no GPU), and a search for the best
 
 Modules, one concept each: `layout` (a point of the space, precision), `assumptions`
 (every modelling constant), `hardware` (GPU catalog, clusters), `cpu_profile` (this
-machine), `model_shape` (parameter counts per rank), `activations` (saved-for-backward
-bytes per layer), `memory` (per-GPU breakdown), `compute` (each kernel's time from its
-shape), `timing` (step time), `evaluate` (one layout judged), `search` (all layouts
-ranked), `advice` (what would fit), `report`.
+machine), `model_shape` (parameter counts per rank), `stage_params` (what a pipeline
+stage holds), `zero_buffers` (ZeRO's flat buffers and gather units), `activations`
+(saved-for-backward bytes per layer), `memory` (per-GPU breakdown), `compute` (each
+kernel's time from its shape), `timing` (step time), `evaluate` (one layout judged),
+`search` (all layouts ranked), `advice` (what would fit), `report`.
 """
 
 from partita.layout import Layout, parse_layout

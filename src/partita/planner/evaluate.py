@@ -14,9 +14,10 @@ from partita.layout import Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
 from partita.planner.hardware import Cluster
-from partita.planner.memory import host_state_bytes, peak_memory, stage_layers
+from partita.planner.memory import host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import Precision
+from partita.planner.stage_params import stage_layers
 from partita.planner.timing import num_microbatches, step_time
 
 MEMORY = "memory"

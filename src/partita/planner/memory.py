@@ -4,9 +4,8 @@ Model states follow the ZeRO paper's accounting (Rajbhandari et al. 2020) with t
 bytes per parameter of a `Precision` (default 2 + 2 + 4 + 8): stage 0 keeps all four
 states whole, stage 1 shards master weights and optimizer moments over the ZeRO group,
 stage 2 also gradients, stage 3 also parameters. The ZeRO group is dp * cp for dense
-parameters and dp * cp / ep for expert parameters. Tensor parallelism divides what it
-shards (not norms), pipeline stages own their layers, the first stage the embedding
-and the last the head (and, when tied and pp > 1, a copy of the embedding).
+parameters and dp * cp / ep for expert parameters. `stage_params` counts what a stage
+holds; `zero_buffers` lays it out in ZeRO's padded flat buffers.
 
 A stage's peak adds its activations (layers x microbatches held by the schedule) and
 temporary buffers; `memory_breakdown` returns them all as one dict of named bytes.
@@ -30,42 +29,10 @@ from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.context_parallel import buffer_bytes as cp_buffer_bytes
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
+from partita.planner.stage_params import head_weight_elements, stage_layers, vocab_rows
+from partita.planner.zero_buffers import zero3_buffers, zero_param_counts
 
 MODEL_STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
-
-
-def stage_layers(n_layers: int, pp: int) -> list[int]:
-    """Blocks per pipeline stage: an even split, remainder to the stages after the first
-    (the first stage holds the most in-flight microbatches and the embedding)."""
-    base, extra = divmod(n_layers, pp)
-    out = [base] * pp
-    for i in range(extra):
-        out[1 + i % (pp - 1) if pp > 1 else 0] += 1
-    return out
-
-
-def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
-                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
-    """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,
-    tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
-    c = model.config
-    per_stage = stage_layers(c.n_layers, layout.pp)
-    dense = expert = 0.0
-    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
-        # An MoE model's dense blocks (moe_every > 1) hold no experts.
-        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
-                                  moe=not c.moe or c.is_moe_layer(i))
-        dense += split["sharded"] + split["replicated"]
-        expert += split["expert"] / layout.ep
-    vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
-    first, last = stage == 0, stage == layout.pp - 1
-    if first:
-        dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
-    if last:
-        dense += c.head_param_count() - (0 if c.tie_embeddings else c.vocab_size * c.dim)
-        if not c.tie_embeddings or not first:
-            dense += vocab  # output projection (a tied copy when on another stage)
-    return {"dense": dense, "expert": expert}
 
 
 def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
@@ -92,7 +59,7 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
     GPU of `stage` (on the GPU: offloaded states are in `host_state_bytes`).
 
     With `assumptions.flat_buffer_align` the parameters are counted as partita's ZeRO
-    engine lays them out, padding included (see `padded_params`)."""
+    engine lays them out, padding included (see `zero_buffers.padded_params`)."""
     counts = zero_param_counts(model, layout, precision, stage, assumptions)
     groups = {"dense": layout.zero_group, "expert": max(1, layout.zero_group // layout.ep)}
     out = dict.fromkeys(MODEL_STATE_TERMS, 0.0)
@@ -101,94 +68,6 @@ def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = M
                                             layout.offload).items():
             out[term] += value
     return out
-
-
-def zero_param_counts(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                      stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
-                      ) -> dict[str, float]:
-    """Parameter elements of `stage` per ZeRO family (dense over dp*cp, expert over
-    dp*cp/ep): `stage_param_counts`, or `padded_params` under `flat_buffer_align`."""
-    if assumptions.flat_buffer_align:
-        return padded_params(model, layout, precision, stage, assumptions)
-    return stage_param_counts(model, layout, stage, assumptions)
-
-
-def padded_params(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                  stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
-                  ) -> dict[str, float]:
-    """Parameter elements of `stage` per family with the padding of partita's flat buffers.
-
-    Every buffer is padded to a multiple of its group x align elements (dp*cp for dense
-    parameters, dp*cp/ep for experts), so that it cuts into equal aligned slices, and
-    every state (parameters, gradients, master weights, moments) is a full or sharded
-    copy of the padded buffers. Experts are a family of their own only when ep > 1
-    (with ep = 1 they share their block's buffers). Stage 3: the buffers of
-    `zero3_buffers`, exact. Stages 0-2 cut gradient buckets of `zero_bucket_bytes`, then
-    each into its families: exact for one bucket, else each bucket is taken to waste half
-    a slot on average (where they are cut depends on tensor order).
-    """
-    if layout.zero_stage >= 3:
-        b = zero3_buffers(model, layout, precision, stage, assumptions)
-        return {"dense": sum(b["units"]) + b["root"], "expert": sum(b["experts"])}
-    counts = stage_param_counts(model, layout, stage, assumptions)
-    if layout.ep == 1:
-        counts = {"dense": counts["dense"] + counts["expert"], "expert": 0.0}
-    slots = _slots(layout, assumptions)
-    nbytes = precision.param * (counts["dense"] + counts["expert"])
-    buckets = max(1, -(-nbytes // assumptions.zero_bucket_bytes))
-    if buckets == 1:
-        return {k: _pad(n, slots[k]) for k, n in counts.items()}
-    return {k: n + buckets * slots[k] / 2 if n else 0.0 for k, n in counts.items()}
-
-
-def _slots(layout: Layout, assumptions: Assumptions) -> dict[str, int]:
-    """Elements a flat buffer of each family is padded to a multiple of."""
-    return {"dense": layout.zero_group * assumptions.flat_buffer_align,
-            "expert": max(1, layout.zero_group // layout.ep) * assumptions.flat_buffer_align}
-
-
-def _pad(n: float, unit: int) -> float:
-    return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
-
-
-def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED,
-                  stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
-                  ) -> dict:
-    """ZeRO-3's flat buffers on one GPU of `stage`, as partita's engine builds them
-    (`zero.units.gather_units`, `zero.families`), padded under `flat_buffer_align`:
-    "units", the gather units' dense parameters (consecutive blocks up to
-    `zero_bucket_bytes`, a dense block and an MoE block each by its own size; with
-    ep = 1 a block's experts too); "experts", one unit per MoE block's experts (ep > 1,
-    gathered over dp*cp/ep); "unit_experts", the experts gathered beside each unit;
-    "root", the rest (embeddings, final norm, head)."""
-    c = model.config
-    slots = _slots(layout, assumptions) if assumptions.flat_buffer_align else \
-        {"dense": 0, "expert": 0}
-    per_stage = stage_layers(c.n_layers, layout.pp)
-    units: list[float] = []
-    beside: list[float] = []
-    experts: list[float] = []
-    size = in_blocks = 0.0
-    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
-        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
-                                  moe=not c.moe or c.is_moe_layer(i))
-        dense, expert = split["sharded"] + split["replicated"], split["expert"] / layout.ep
-        if layout.ep == 1:
-            dense, expert = dense + expert, 0.0
-        in_blocks += dense + expert
-        if not units or (size + dense) * precision.param > assumptions.zero_bucket_bytes:
-            units.append(0.0)
-            beside.append(0.0)
-            size = 0.0
-        units[-1] += dense
-        size += dense
-        if expert:
-            experts.append(_pad(expert, slots["expert"]))
-            beside[-1] += experts[-1]
-    counts = stage_param_counts(model, layout, stage, assumptions)
-    root = counts["dense"] + counts["expert"] - in_blocks
-    return {"units": [_pad(u, slots["dense"]) for u in units], "experts": experts,
-            "unit_experts": beside, "root": _pad(root, slots["dense"])}
 
 
 def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
@@ -345,17 +224,6 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
         norm = norm_weight_pass_bytes(model, tokens / sp_div, precision, assumptions)
         total += norm + e * tokens * h / sp_div  # the norm's input and output gradient
     return total
-
-
-def vocab_rows(model: PlanModel, layout: Layout) -> int:
-    """Vocabulary rows on one GPU: the vocabulary is cut as if padded to a multiple of
-    tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored)."""
-    return -(-model.config.vocab_size // layout.tp)
-
-
-def head_weight_elements(model: PlanModel, layout: Layout) -> float:
-    """The output projection's (or embedding's) weight on one GPU."""
-    return vocab_rows(model, layout) * model.config.dim
 
 
 def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,

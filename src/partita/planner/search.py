@@ -31,7 +31,8 @@ from partita.planner.evaluate import (
     evaluate,
     structural_reasons,
 )
-from partita.planner.memory import model_state_bytes, peak_stages, stage_layers
+from partita.planner.memory import model_state_bytes, peak_stages
+from partita.planner.stage_params import stage_layers
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,10 @@ from partita.planner.compute import (
     optimizer_time,
 )
 from partita.planner.hardware import Cluster
-from partita.planner.memory import (
-    stage_layers,
-    stage_param_counts,
-    zero3_buffers,
-    zero_param_counts,
-)
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
+from partita.planner.stage_params import stage_layers, stage_param_counts
+from partita.planner.zero_buffers import zero3_buffers, zero_param_counts
 
 
 def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:

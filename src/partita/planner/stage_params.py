@@ -1,0 +1,59 @@
+"""Which blocks and how many parameters one GPU of a pipeline stage holds, before ZeRO.
+
+Pipeline stages own their blocks (an even split, `stage_layers`), the first stage the
+embedding and the last the head (and, when tied and pp > 1, a copy of the embedding).
+Tensor parallelism divides what it shards (not norms); the vocabulary is cut into
+`vocab_rows` per GPU. Parameters come in two ZeRO families: dense ones, sharded over
+dp * cp, and expert ones (already divided by ep), sharded over dp * cp / ep.
+"""
+
+from __future__ import annotations
+
+from partita.layout import Layout
+from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.model_shape import PlanModel
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Blocks per pipeline stage: an even split, remainder to the stages after the first
+    (the first stage holds the most in-flight microbatches and the embedding)."""
+    base, extra = divmod(n_layers, pp)
+    out = [base] * pp
+    for i in range(extra):
+        out[1 + i % (pp - 1) if pp > 1 else 0] += 1
+    return out
+
+
+def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
+                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
+    """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,
+    tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
+    c = model.config
+    per_stage = stage_layers(c.n_layers, layout.pp)
+    dense = expert = 0.0
+    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
+        # An MoE model's dense blocks (moe_every > 1) hold no experts.
+        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
+                                  moe=not c.moe or c.is_moe_layer(i))
+        dense += split["sharded"] + split["replicated"]
+        expert += split["expert"] / layout.ep
+    vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
+    first, last = stage == 0, stage == layout.pp - 1
+    if first:
+        dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
+    if last:
+        dense += c.head_param_count() - (0 if c.tie_embeddings else c.vocab_size * c.dim)
+        if not c.tie_embeddings or not first:
+            dense += vocab  # output projection (a tied copy when on another stage)
+    return {"dense": dense, "expert": expert}
+
+
+def vocab_rows(model: PlanModel, layout: Layout) -> int:
+    """Vocabulary rows on one GPU: the vocabulary is cut as if padded to a multiple of
+    tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored)."""
+    return -(-model.config.vocab_size // layout.tp)
+
+
+def head_weight_elements(model: PlanModel, layout: Layout) -> float:
+    """The output projection's (or embedding's) weight on one GPU."""
+    return vocab_rows(model, layout) * model.config.dim
