@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import time
 
 import torch
@@ -81,8 +80,8 @@ def _first_steps(rank: int, world: int, setup: harness.Setup) -> dict[str, float
             step(tokens)
             took.append(paired.slowest_rank(time.perf_counter() - t0))
         out[name] = took[0] - took[1]
+        harness.release([step])
         del step
-        gc.collect()
     return out
 
 
@@ -108,12 +107,12 @@ def run(args: argparse.Namespace) -> int:
     for world in worlds:
         compile_s = run_distributed(_first_steps, world, timeout=3600, args=(setup,))[0]
         print(f"world {world}: compile time " + ", ".join(
-            f"{name} {s:.1f} s" for name, s in compile_s.items()))
+            f"{name} {s:.1f} s" for name, s in compile_s.items()), flush=True)
         thresholds = {(OURS0, EAGER): 0.8, (OURS0, DDP): 1.0, (OURS3, FSDP): 1.0}
+        print(harness.TABLE_HEAD, flush=True)  # the ranks print the rows as they finish
         rows = run_distributed(harness.time_pairs, world, timeout=3600,
-                               args=(setup, PAIRS, build_step, thresholds))[0]
-        print(harness.TABLE_HEAD)
-        harness.print_table(rows, world)
+                               args=(setup, PAIRS, build_step, thresholds,
+                                     harness.RowPrinter(world)))[0]
         for r in rows:
             ratio = r["estimate"].median
             if r["peer"] == EAGER:
