@@ -94,11 +94,8 @@ def _release_partita(dp) -> None:
 def release(steps: list[Step]) -> None:
     """Free what the runners in `steps` hold (the caller drops its references after):
     a runner may carry a `release` callable for what dropping it does not free."""
-    for fn in steps:
-        done = getattr(fn, "release", None)
-        if done is not None:
-            done()
-    steps.clear()
+    while steps:
+        getattr(steps.pop(), "release", lambda: None)()  # no name left holding it
     gc.collect()
 
 
