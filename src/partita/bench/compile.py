@@ -14,6 +14,11 @@ as compile time; the steady-state step times come from alternating rounds after
 warm-up (`partita.bench.paired`, through the dp benchmark's harness). Last line:
 `compile: compiled/eager step-time ratio C; worst partita/peer compiled ratio R`, C the
 worst (largest) eager pair over the world sizes.
+
+`--model tiny-moe` runs all this on a mixture of experts (every expert on each rank):
+the routing statistics and the dispatch stay eager between a block's compiled pieces
+(`partita.eager_only`), and DDP needs no `find_unused_parameters`, since an expert
+that gets no token still enters the grouped matmul with zero rows.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ def _first_steps(rank: int, world: int, setup: harness.Setup) -> dict[str, float
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
     parser.add_argument("--model", default="tiny",
-                        help=f"{', '.join(CHOICES)} or any catalog model (default tiny)")
+                        help=f"{', '.join(CHOICES)} (tiny-moe: a mixture of experts) or any "
+                        "catalog model (default tiny)")
     parser.add_argument("--batch", type=int, default=harness.Setup.batch)
     parser.add_argument("--seq", type=int, default=harness.Setup.seq)
     parser.add_argument("--rounds", type=int, default=12, help="timed rounds per pair")
