@@ -22,5 +22,8 @@ def test_every_suggested_name_builds_and_an_unknown_one_is_refused() -> None:
     sizes = {name: sum(p.numel() for p in bench_model(name, "meta")[0].parameters())
              for name in CHOICES}
     assert sizes["tiny"] < 1e6 and 90e6 < sizes["llama-100m"] < 110e6
+    # A mixture of experts among them (`bench compile --model tiny-moe`), all on each rank.
+    moe = bench_model("tiny-moe", "meta")[0]
+    assert sum(".experts." in name for name, _ in moe.named_parameters()) == 6
     with pytest.raises(PartitaError, match="unknown model"):
         bench_model("llama-21m")

@@ -11,7 +11,11 @@ barrier; each round times a few steps between barriers (the slowest rank's time)
 verdict is the median of the per-round ratios with its 99% interval; against a peer,
 rounds double from --rounds until the interval lies on one side of 1.0 or
 --max-rounds is reached (`partita.bench.paired`). The timing harness here also serves
-`partita bench zero`.
+`partita bench zero` and `partita bench compile`.
+
+Each pair's row is printed by rank 0 as soon as the pair is done (a crash later in a
+long run keeps the rows before it), and each pair's runners are released before the
+next pair builds its own (`release`), so a run holds one pair's memory at a time.
 """
 
 from __future__ import annotations
@@ -72,7 +76,27 @@ def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -
         dp.step()
         dp.zero_grad()
     step.engine = dp  # keeps it alive with the closure
+    step.release = lambda: _release_partita(dp)
     return step
+
+
+def _release_partita(dp) -> None:
+    """Let a dropped engine be collected. Its hooks on the parameters' gradient
+    accumulators are held by autograd in C++, where Python's collector cannot see the
+    cycle parameter -> hook -> engine -> module -> parameter, so the engine (model,
+    buffers, optimizer state) outlived its pair until its hooks are removed."""
+    dp.wait_params()  # the gathers step() left running write into its buffers
+    for part in (dp.reducer, dp.gatherer, dp.param_sync):
+        for handle in getattr(part, "handles", None) or ():
+            handle.remove()
+
+
+def release(steps: list[Step]) -> None:
+    """Free what the runners in `steps` hold (the caller drops its references after):
+    a runner may carry a `release` callable for what dropping it does not free."""
+    while steps:
+        getattr(steps.pop(), "release", lambda: None)()  # no name left holding it
+    gc.collect()
 
 
 # The peers' optimizer settings: torch's AdamW with its fused kernel (see the docstring);
@@ -110,9 +134,11 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> Step:
 
 def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]],
                build: Callable[[str, torch.nn.Module, object], Step],
-               thresholds: dict[tuple[str, str], float] | None = None) -> list[dict]:
+               thresholds: dict[tuple[str, str], float] | None = None,
+               report: Callable[[dict], None] | None = None) -> list[dict]:
     """Per pair (ours, peer): per-round seconds per step of each, interleaved (see
-    `paired`: a pair with a threshold runs until its verdict is settled)."""
+    `paired`: a pair with a threshold runs until its verdict is settled). Rank 0 calls
+    `report(row)` as each pair finishes (`RowPrinter`)."""
     import warnings
 
     import torch.distributed as dist
@@ -139,16 +165,17 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
     out = []
     for ours, peer in pairs:
         steps = [build(name, copy.deepcopy(template), mesh) for name in (ours, peer)]
-        for fn in steps:
+        for k in range(2):
             for i in range(setup.warmup):
-                fn(batches[i % 4])
+                steps[k](batches[i % 4])
 
         times = _time_pair(steps, batches, setup, wait,
                            (thresholds or {}).get((ours, peer)))
+        release(steps)
         out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
                     "estimate": paired.estimate_times(times)})
-        del steps
-        gc.collect()
+        if report is not None and rank == 0:
+            report(out[-1])
     return out
 
 
@@ -167,13 +194,25 @@ def _time_pair(steps: list[Step], batches: list[torch.Tensor], setup: Setup,
     return paired.paired_rounds(time_side, setup.rounds, setup.max_rounds, threshold)
 
 
-def print_table(rows: list[dict], world: int, label: str = "") -> None:
-    for r in rows:
-        est = r["estimate"]
-        print(f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
-              f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
-              f"{est.median:>7.3f} {est.span:>13} {est.rounds:>6}"
-              + (f"  {label}" if label else ""))
+def table_row(r: dict, world: int, label: str = "") -> str:
+    est = r["estimate"]
+    return (f"{world:>5} {r['ours']:>18} {statistics.median(r['t_ours']) * 1e3:>9.1f} "
+            f"{r['peer']:>26} {statistics.median(r['t_peer']) * 1e3:>9.1f} "
+            f"{est.median:>7.3f} {est.span:>13} {est.rounds:>6}"
+            + (f"  {label}" if label else ""))
+
+
+@dataclass(frozen=True)
+class RowPrinter:
+    """`time_pairs`' report: prints a pair's table row the moment it is measured
+    (flushed: the parent's output and the ranks' share one file). Picklable, for the
+    worker processes; `labels` names the rows of some pairs."""
+    world: int
+    labels: tuple[tuple[tuple[str, str], str], ...] = ()
+
+    def __call__(self, row: dict) -> None:
+        label = dict(self.labels).get((row["ours"], row["peer"]), "")
+        print(table_row(row, self.world, label), flush=True)
 
 
 def is_peer(name: str) -> bool:
@@ -219,10 +258,10 @@ def setup_from(args: argparse.Namespace) -> Setup:
 def run(args: argparse.Namespace) -> int:
     setup = setup_from(args)
     pair = ("partita stage 0", "torch DDP")
-    rows = run_distributed(time_pairs, args.world, timeout=1800,
-                           args=(setup, [pair], build_step, {pair: 1.0}))[0]
     print(describe("dp", setup))
-    print(TABLE_HEAD)
-    print_table(rows, args.world)
+    print(TABLE_HEAD, flush=True)  # before the ranks print their rows
+    rows = run_distributed(time_pairs, args.world, timeout=1800,
+                           args=(setup, [pair], build_step, {pair: 1.0},
+                                 RowPrinter(args.world)))[0]
     print(f"dp: partita/torch-ddp step-time ratio {rows[0]['estimate'].median:.3f}")
     return 0

@@ -3,7 +3,9 @@
     model, vocab = bench_model("hf-llama-20m", device)
 
 A name from partita's catalog (`partita.models.catalog`: the default `tiny`, the CPU
-presets `llama-20m` and `llama-100m`, or any other) builds partita's own Transformer; a
+presets `llama-20m` and `llama-100m`, `tiny-moe` (tiny with a mixture of 8 experts,
+top-2, in every second block, all on each rank), or any other) builds partita's own
+Transformer; a
 name from `HF_MODELS` builds a `transformers` LlamaForCausalLM through partita's adapter
 (`partita.models.hf_llama`). The tiny model has 39 parameter tensors of 0.8M elements in
 all; a speed that holds there need not hold where there are many larger tensors, so the
@@ -22,7 +24,7 @@ HF_MODELS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 # The names `--model` suggests (any catalog name is accepted too).
-CHOICES = ("tiny", "llama-20m", "llama-100m", *HF_MODELS)
+CHOICES = ("tiny", "llama-20m", "llama-100m", "tiny-moe", *HF_MODELS)
 
 
 def bench_model(name: str, device: torch.device | str = "cpu") -> tuple[nn.Module, int]:

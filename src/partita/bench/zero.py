@@ -72,6 +72,10 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
     def step(tokens: torch.Tensor) -> None:
         engine.backward(harness._loss(engine(tokens[:, :-1]), tokens))
         engine.step()
+    # Removes the hooks DeepSpeed put on the parameters: held by autograd in C++, they
+    # kept every engine alive to the end of the run. (A ZeRO-3 engine still outlives
+    # its pair, held from outside Python's reach; `pairs` times it last.)
+    step.release = engine.destroy
     return step
 
 
@@ -95,9 +99,11 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
 _BATCH = [harness.Setup.batch]  # DeepSpeed's config needs it; set per worker in _worker
 
 
-def _worker(rank: int, world: int, setup: harness.Setup, pairs) -> list[dict]:
+def _worker(rank: int, world: int, setup: harness.Setup, pairs,
+            report: harness.RowPrinter | None = None) -> list[dict]:
     _BATCH[0] = setup.batch
-    return harness.time_pairs(rank, world, setup, pairs, build_step, thresholds(pairs))
+    return harness.time_pairs(rank, world, setup, pairs, build_step, thresholds(pairs),
+                              report)
 
 
 S_TARGET = 1.15
@@ -118,8 +124,8 @@ def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
            ("partita stage 3", "FSDP2 reshard True"),
            # Not peers: our stage 3 against our stage 2 (S), and stage 0 against itself.
            STAGE3_VS_STAGE2, PER_BLOCK_VS_STAGE2, SELF_PAIR,
-           # DeepSpeed last: its engines stay alive in the process after their pair (the
-           # S pair measured after them ran 4-9% slower on both sides).
+           # DeepSpeed last: its engines stayed alive in the process after their pair (the
+           # S pair measured after them ran 4-9% slower on both sides), ZeRO-3's still do.
            ("partita stage 1", "DeepSpeed ZeRO 1"), ("partita stage 2", "DeepSpeed ZeRO 2"),
            ("partita stage 3", "DeepSpeed ZeRO 3")]
     return [pair for pair in out if with_deepspeed or not pair[1].startswith("DeepSpeed")]
@@ -129,6 +135,9 @@ STAGE3_VS_STAGE2 = ("partita stage 3", "partita stage 2")
 PER_BLOCK = "stage 3 per block"
 PER_BLOCK_VS_STAGE2 = (PER_BLOCK, "partita stage 2")
 SELF_PAIR = ("partita stage 0", "partita stage 0")
+LABELS = ((STAGE3_VS_STAGE2, "(S)"),
+          (PER_BLOCK_VS_STAGE2, "(S with one gather unit per block)"),
+          (SELF_PAIR, "(noise: same run twice)"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,18 +158,14 @@ def run(args: argparse.Namespace) -> int:
     print(harness.describe("zero", setup, f"1.0, of S {S_TARGET}")
           + ("" if with_ds else "; DeepSpeed rows skipped ("
              + ("--no-deepspeed)" if installed else "not installed)")))
-    print(harness.TABLE_HEAD)
+    # Rows appear as their pairs finish, in the order of `pairs`.
+    print(harness.TABLE_HEAD, flush=True)
     worst, worst_s = 0.0, 0.0
     for world in args.worlds:
-        rows = run_distributed(_worker, world, args=(setup, pairs(with_ds)), timeout=3600)[0]
-        peers = [r for r in rows if harness.is_peer(r["peer"])]
-        harness.print_table(peers, world)
-        worst = max(worst, *(r["estimate"].median for r in peers))
+        rows = run_distributed(_worker, world, timeout=3600,
+                               args=(setup, pairs(with_ds), harness.RowPrinter(world, LABELS)))[0]
+        worst = max(worst, *(r["estimate"].median for r in rows if harness.is_peer(r["peer"])))
         by_pair = {(r["ours"], r["peer"]): r for r in rows}
-        for pair, label in ((STAGE3_VS_STAGE2, "(S)"),
-                            (PER_BLOCK_VS_STAGE2, "(S with one gather unit per block)"),
-                            (SELF_PAIR, "(noise: same run twice)")):
-            harness.print_table([by_pair[pair]], world, label)
         worst_s = max(worst_s, by_pair[STAGE3_VS_STAGE2]["estimate"].median)
     print(f"zero: worst partita/peer step-time ratio {worst:.3f}; "
           f"stage3/stage2 ratio {worst_s:.3f}")

@@ -1,0 +1,64 @@
+"""The benchmarks' pair harness (`partita.bench.dp.time_pairs`): each pair's row is
+reported as soon as the pair is done, and its runners are gone by then, so a long run
+keeps the rows before a crash and holds one pair's memory at a time."""
+
+from __future__ import annotations
+
+import importlib.util
+import weakref
+
+import pytest
+
+from partita.bench import dp as harness
+from partita.bench import zero
+from partita.testing import run_distributed
+
+SETUP = harness.Setup(batch=1, seq=16, warmup=1, rounds=1, max_rounds=1, steps=1)
+
+
+class _Tracker:
+    """`build` for time_pairs that keeps a weak reference to each runner's engine (the
+    object holding model, buffers and optimizer) and logs builds and reports in order."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.engines: list[tuple[str, weakref.ref]] = []
+
+    def build(self, name, model, mesh):
+        step = zero.build_step(name, model, mesh)
+        self.events.append(f"build {name}")
+        if hasattr(step, "engine"):
+            self.engines.append((name, weakref.ref(step.engine)))
+        else:  # a peer: the model (a DeepSpeed engine wraps it, and holds on to it)
+            self.engines.append((name, weakref.ref(model)))
+        return step
+
+    def report(self, row: dict) -> None:
+        alive = [name for name, ref in self.engines if ref() is not None]
+        self.events.append(f"report {row['ours']} / {row['peer']}, alive: {alive}")
+
+
+def _worker(rank: int, world: int, pairs: list[tuple[str, str]]) -> list[str]:
+    zero._BATCH[0] = SETUP.batch
+    tracker = _Tracker()
+    harness.time_pairs(rank, world, SETUP, pairs, tracker.build, None, tracker.report)
+    return tracker.events
+
+
+def test_each_pair_is_reported_when_done_and_its_runners_are_freed_first():
+    # Stage 3's gather hooks and stage 1's gradient hooks are what kept engines alive.
+    pairs = [("partita stage 3", "partita stage 1"), ("partita stage 0", "torch DDP")]
+    events = run_distributed(_worker, 1, args=(pairs,))[0]
+    assert events == ["build partita stage 3", "build partita stage 1",
+                      "report partita stage 3 / partita stage 1, alive: []",
+                      "build partita stage 0", "build torch DDP",
+                      "report partita stage 0 / torch DDP, alive: []"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (an optional extra)")
+def test_a_deepspeed_engine_is_freed_after_its_pair():
+    # ZeRO-2 (ZeRO-3's engines outlive their pair: see zero._release_deepspeed).
+    events = run_distributed(_worker, 1, args=([("partita stage 2", "DeepSpeed ZeRO 2")],),
+                             timeout=600)[0]
+    assert events[-1] == "report partita stage 2 / DeepSpeed ZeRO 2, alive: []", events
