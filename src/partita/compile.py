@@ -19,7 +19,9 @@ A pipeline runs compiled blocks unchanged: its split backward computes a compile
 block's weight gradients together with its input gradient, since the block's backward
 is one node that must run once (`partita.pipeline.backward.runs_whole`). An MoE
 block's dispatch (data-dependent tokens per expert, the all-to-alls) is `EagerOnly`
-too. Context parallelism is refused for now (`blocks_refusal` says why).
+too, and so is context parallelism's attention core (ring or all-gather: sends,
+receives and waits between chunked attention pieces): the projections, rotary
+embedding and everything after the core compile, the exchange runs eagerly between.
 
 `model` compiles the whole local model in one piece, which needs a layout with nothing
 that communicates inside the model's forward: no pipeline (the schedule drives the
@@ -71,15 +73,9 @@ class CompileReport:
 
 
 def blocks_refusal(layout: Layout) -> str | None:
-    """Why no compile mode can run this layout yet (None: `blocks` can)."""
-    if layout.cp > 1:
-        # The attention core is kept out of the compiled code (an `EagerOnly`
-        # break, as tp's collectives), and a cp=2 run matched eager to 1e-12 with no
-        # recompilation, but compiling its pieces takes about a minute on CI's machine,
-        # more than its test budget allows: refused until a test covers it.
-        return ("train.compile does not support context parallelism (cp > 1) yet: its "
-                "ring and all-gather attention communicate inside the block. Use "
-                "train.compile=none with cp > 1.")
+    """Why no compile mode can run this layout (None: `blocks` can). Every layout
+    compiles its blocks today (what cannot be traced runs as `EagerOnly` pieces); the
+    callers ask here so that a layout that cannot is refused before launch."""
     return None
 
 

@@ -16,7 +16,10 @@ the validation pass's graph). The pipeline cases (pp=2, two microbatches of the 
 shape) reuse that graph too, compiled first for a backward that runs once: the order in
 which a pipeline's split backward once read overwritten saved tensors
 (`partita.pipeline.backward.runs_whole`). The mixture-of-experts case (dp=2 x ep=2,
-ZeRO-3) compiles its blocks around the eager dispatch. Inductor's cache lives in pytest's cache folder, so a second run reuses
+ZeRO-3) compiles its blocks around the eager dispatch, and the context-parallel cases
+(cp=2, ring with ZeRO-3 over the cp ranks, then all-gather) around the eager attention
+core; the all-gather case reuses the ring case's graphs (about 27 s for both, cold, on
+2 cores). Inductor's cache lives in pytest's cache folder, so a second run reuses
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
 the validation pass need); the full run that follows, on a freshly built model, must
@@ -60,7 +63,18 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, mo
      FLOAT64_TOL, MOE),
     ("dp2-zero1-model", dict(zero_stage=1), dict(lr=1e-2), "model", FLOAT64_TOL, {}),
     ("dp2-fp32", dict(), dict(dtype="float32"), "blocks", COMPILED_FP32_TOL, {}),
+    # Context parallelism at dp=1: ZeRO-3 shards over the cp ranks. The all-gather kind
+    # reuses the ring's graphs: the attention core is an eager piece between them.
+    ("cp2-ring-zero3", dict(cp=2, zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks",
+     FLOAT64_TOL, {}),
+    ("cp2-allgather", dict(cp=2, cp_kind="allgather"), dict(lr=1e-2), "blocks",
+     FLOAT64_TOL, {}),
 ]
+# Dynamo keeps at most `recompile_limit` (8) graphs per code object and runs the frame
+# eagerly past it, which would pass parity without compiling anything. Every case adds
+# a training and an evaluation entry to the one `Block.forward`, so this world raises
+# the limit, and a case that still exceeds it fails (`_limit_hits`).
+RECOMPILE_LIMIT = 64
 
 
 def _quantities(record: dict) -> dict[str, Any]:
@@ -69,10 +83,21 @@ def _quantities(record: dict) -> dict[str, Any]:
     return out
 
 
+def _limit_hits() -> int:
+    """How many frames dynamo gave up compiling at its recompile limit."""
+    from torch._dynamo.utils import counters
+
+    return sum(n for reason, n in counters["unimplemented"].items()
+               if "recompile limit" in str(reason).lower())
+
+
 def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
     # Read by inductor when it first looks for a cached kernel, so setting it here, in
     # the spawned rank, is in time.
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     results = []
     for _, parallel, train, mode, _, model in CASES:
         eager = train_layout(rank, world,
@@ -85,7 +110,7 @@ def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
                                 probe=lambda pm, _: pm.compiled.mode)
         results.append(dict(eager=_quantities(eager), compiled=_quantities(compiled),
                             mode=compiled["probe"], before=before, after=compile_counts()))
-    results.append(dict(reasons=break_reasons()))
+    results.append(dict(reasons=break_reasons(), limit_hits=_limit_hits()))
     return results
 
 
@@ -107,8 +132,12 @@ def test_compiled_layouts_match_eager_and_never_recompile(
             if r["after"] != r["before"]:
                 failures.append(f"{name} rank {rank}: compiled again after the first "
                                 f"step: {r['before']} -> {r['after']}")
-        # The only graph breaks are tensor parallelism's collectives, kept out on purpose.
+        # The only graph breaks are the EagerOnly calls (tensor parallelism's collectives,
+        # the MoE dispatch, context parallelism's attention core), kept out on purpose.
         stray = [x for x in got[-1]["reasons"] if "torch.compiler.disable" not in x]
         if stray:
             failures.append(f"rank {rank}: unexpected graph breaks: {stray}")
+        if got[-1]["limit_hits"]:
+            failures.append(f"rank {rank}: {got[-1]['limit_hits']} frame(s) ran eagerly at "
+                            "dynamo's recompile limit: raise RECOMPILE_LIMIT")
     assert not failures, "\n".join(failures)

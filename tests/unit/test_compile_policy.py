@@ -48,18 +48,21 @@ def test_model_mode_names_what_stands_in_its_way():
         resolve_mode(CompilePolicy("model"), Layout(dp=2, zero_stage=3), CPU, works)
 
 
-def test_blocks_take_every_layout_but_context_parallelism():
+def test_blocks_take_every_layout():
     for layout in (Layout(dp=2, zero_stage=3), Layout(tp=2, sequence_parallel=True),
-                   Layout(dp=2, recompute="full"), Layout(pp=2, schedule="zb-h1")):
+                   Layout(dp=2, recompute="full"), Layout(pp=2, schedule="zb-h1"),
+                   Layout(cp=2), Layout(dp=2, cp=2, zero_stage=3),
+                   Layout(cp=2, cp_kind="allgather", tp=2, sequence_parallel=True)):
         assert blocks_refusal(layout) is None
         assert resolve_mode(CompilePolicy("blocks"), layout, CPU, works) == ("blocks", "")
     assert resolve_mode(CompilePolicy("auto"), Layout(pp=2), CPU, works) == ("blocks", "")
+    assert resolve_mode(CompilePolicy("auto"), Layout(cp=2), CPU, works) == ("blocks", "")
     with pytest.raises(PartitaError, match="pipeline"):  # `model` still cannot
         resolve_mode(CompilePolicy("model"), Layout(pp=2), CPU, works)
     with pytest.raises(PartitaError, match="context parallelism"):
-        resolve_mode(CompilePolicy("blocks"), Layout(cp=2), CPU, works)
-    mode, note = resolve_mode(CompilePolicy("auto"), Layout(cp=2), CPU, works)
-    assert mode == "none" and "context parallelism" in note and "eagerly" in note
+        resolve_mode(CompilePolicy("model"), Layout(cp=2), CPU, works)
+    check_layout(parity_config(parallel=dict(cp=2), train=dict(compile="blocks")),
+                 get_model_config("tiny"), Layout(cp=2))
 
 
 def test_mixture_of_experts_models_are_accepted():

@@ -69,9 +69,8 @@ class ContextParallelAttention(nn.Module):
 
 
 # Kept out of compiled code: the ring posts asynchronous sends and receives that dynamo
-# cannot trace, so a compiled block would run this core eagerly between two compiled
-# pieces, as it does tensor parallelism's collectives (partita.compile still refuses
-# cp > 1: see `blocks_refusal`).
+# cannot trace, so a compiled block runs this core eagerly between two compiled
+# pieces, as it does tensor parallelism's collectives.
 @EagerOnly
 def _attend(core: ContextParallelAttention, q: torch.Tensor, k: torch.Tensor,
             v: torch.Tensor, segments: torch.Tensor | None) -> torch.Tensor:
