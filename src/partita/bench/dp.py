@@ -76,19 +76,8 @@ def partita_step(model, mesh, stage: int, blocks=None, precision=None, **zero) -
         dp.step()
         dp.zero_grad()
     step.engine = dp  # keeps it alive with the closure
-    step.release = lambda: _release_partita(dp)
+    step.release = dp.close  # its hooks would keep the engine alive (DataParallel.close)
     return step
-
-
-def _release_partita(dp) -> None:
-    """Let a dropped engine be collected. Its hooks on the parameters' gradient
-    accumulators are held by autograd in C++, where Python's collector cannot see the
-    cycle parameter -> hook -> engine -> module -> parameter, so the engine (model,
-    buffers, optimizer state) outlived its pair until its hooks are removed."""
-    dp.wait_params()  # the gathers step() left running write into its buffers
-    for part in (dp.reducer, dp.gatherer, dp.param_sync):
-        for handle in getattr(part, "handles", None) or ():
-            handle.remove()
 
 
 def release(steps: list[Step]) -> None:

@@ -377,6 +377,19 @@ class DataParallel:
         if self.host is not None:
             self.host.join()
 
+    def close(self) -> None:
+        """Detach the engine from its module: wait for what step() left running and
+        remove every hook it put on the module and its parameters. Autograd holds the
+        gradient hooks in C++, where Python's collector cannot see the cycle parameter
+        -> hook -> engine -> module, so an engine dropped without `close` (and its
+        buffers and optimizer states) lives as long as its parameters."""
+        self.wait_params()
+        if self.gatherer is not None:
+            self.gatherer.free_all()
+        for part in (self.reducer, self.gatherer, self.param_sync):
+            for handle in getattr(part, "handles", None) or ():
+                handle.remove()
+
     @torch.no_grad()
     def zero_grad(self) -> None:
         self.streamed = [False] * len(self.buckets)
