@@ -26,8 +26,9 @@ embedding and everything after the core compile, the exchange runs eagerly betwe
 `model` compiles the whole local model in one piece, which needs a layout with nothing
 that communicates inside the model's forward: no pipeline (the schedule drives the
 stages), no ZeRO-3 (its gathers are hooks on every block), no context parallelism, no
-recomputation (an autograd function that reruns the forward). `model_refusal` says
-which of those stands in the way.
+recomputation (an autograd function that reruns the forward). `model_refusal`
+(`partita.compile_rules`, which the planner reads too) says which of those stands in
+the way.
 
 Blocks of one shape share one compiled graph: dynamo inlines the block's submodules and
 takes their parameters as graph inputs, so the second block reuses the first one's code.
@@ -43,12 +44,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from partita.compile_rules import MODES, blocks_refusal, model_refusal
 from partita.eager_only import keep_out_of_compiled_graphs
 from partita.errors import PartitaError
 from partita.layout import Layout
 from partita.models.plan import ModelPlan
-
-MODES = ("none", "blocks", "model", "auto")
 
 
 @dataclass(frozen=True)
@@ -70,31 +70,6 @@ class CompileReport:
     mode: str  # the mode in effect: none, blocks or model
     modules: list[str] = field(default_factory=list)
     note: str = ""  # a fallback or a limitation, said once at start
-
-
-def blocks_refusal(layout: Layout) -> str | None:
-    """Why no compile mode can run this layout (None: `blocks` can). Every layout
-    compiles its blocks today (what cannot be traced runs as `EagerOnly` pieces); the
-    callers ask here so that a layout that cannot is refused before launch."""
-    return None
-
-
-def model_refusal(layout: Layout) -> str | None:
-    """Why `compile=model` cannot wrap this layout's model in one piece (None: it can)."""
-    reasons = []
-    if layout.pp > 1:
-        reasons.append("a pipeline (pp > 1) runs the model stage by stage")
-    if layout.zero_stage == 3:
-        reasons.append("ZeRO-3 gathers each block's parameters in hooks on the block")
-    if layout.cp > 1:
-        reasons.append("context parallelism exchanges keys and values inside attention")
-    if layout.recompute != "none":
-        reasons.append("recomputation reruns blocks from an autograd function")
-    if not reasons:
-        return None
-    return ("train.compile=model compiles the whole model in one piece, but "
-            + "; ".join(reasons) + ". Use train.compile=blocks, which compiles each "
-            "block and keeps that machinery outside the compiled code.")
 
 
 @functools.cache

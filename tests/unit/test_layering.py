@@ -37,7 +37,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
               "partita.local_world", "partita.eager_only")),
     ("models", ("partita.models",)),
-    ("layout", ("partita.layout", "partita.layout_rules")),
+    ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges")),
     ("core", ("partita.comm", "partita.mesh", "partita.sharding", "partita.loss",
               "partita.saved_tensors")),

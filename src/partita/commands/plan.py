@@ -52,6 +52,9 @@ def register(subparsers) -> None:
                    help="what the activations and loss describe: fused (Megatron-style "
                         "fused GPU kernels; default on GPUs) or partita (partita's own "
                         "eager model, as measured; default for cpu)")
+    p.add_argument("--compile", default=None, choices=("none", "blocks", "model", "auto"),
+                   help="train.compile to predict for (default none; model falls back to "
+                   "blocks where a layout cannot be compiled whole)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
                         "e.g. --set gemm_peak_fraction=0.6")
@@ -118,11 +121,14 @@ def _run(args: argparse.Namespace) -> int:
         base = Assumptions.for_device(args.gpu_type)
         defaults.append("--implementation " + ("partita" if args.gpu_type.lower() == "cpu"
                                                else "fused"))
+    if args.compile is None:
+        args.compile = "none"
+        defaults.append("--compile none")
     model = (parse_model_shape(args.model_shape) if args.model_shape
              else resolve_model(args.model))
     req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
-                       base.override(settings), args.hardware)
+                       base.override(settings), args.hardware, args.compile)
     if args.seq_len is None:
         defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
     if args.global_batch is None:

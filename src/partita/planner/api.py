@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from partita.compile_rules import MODES
 from partita.errors import PartitaError
 from partita.layout import Layout, parse_layout
 from partita.planner.assumptions import Assumptions
@@ -25,8 +26,9 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
                  gpus_per_node: int | None = None, seq_len: int | None = None,
                  global_batch: int | None = None, precision: str | Precision = "bf16",
                  assumptions: Assumptions | None = None,
-                 hardware_file: str | None = None) -> Request:
-    """A `Request` from names: model catalog name or TOML path, GPU type or profile."""
+                 hardware_file: str | None = None, compile: str = "none") -> Request:
+    """A `Request` from names: model catalog name or TOML path, GPU type or profile;
+    `compile` is train.compile (none, blocks, model, auto)."""
     plan_model = resolve_model(model) if isinstance(model, str) else model
     extra = load_gpu_profiles(hardware_file) if hardware_file else None
     gpu = get_gpu(gpu_type, extra) if isinstance(gpu_type, str) else gpu_type
@@ -36,8 +38,10 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     batch = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq)
     prec = Precision.named(precision) if isinstance(precision, str) else precision
     cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)
+    if compile not in MODES:
+        raise PartitaError(f"--compile {compile}: choose one of {', '.join(MODES)}.")
     return Request(plan_model, cluster, seq, batch, prec,
-                   assumptions or Assumptions.for_device(gpu.name))
+                   assumptions or Assumptions.for_device(gpu.name), compile)
 
 
 def plan(model: str | PlanModel, gpus: int, space: SearchSpace = DEFAULT_SPACE,

@@ -1,33 +1,56 @@
-"""The effect of `train.compile` on the planner's step time: one measured factor.
+"""The effect of `train.compile` on the planner's step time: one measured factor per mode.
 
-    times = step_time(model, layout, cluster, seq_len, global_batch)
-    times = with_compile(times, "blocks")
+    mode = compile_in_effect("model", layout)       # "blocks" where `model` cannot run
+    times = with_compile(step_time(...), mode)
 
-Compiling the blocks fuses their memory-bound work (norms, rotary embedding, SwiGLU,
-residual adds) into fewer kernels; it leaves the GEMMs, the collectives and the
-optimizer step as they were. So the factor scales the compute part of a step
-(`compute_s`) and nothing else; the rates that follow from the step time (tokens/s,
-MFU, FLOP/s) are rescaled with it. `COMPILE_COMPUTE_FACTOR` is the steady-state step
-time of compiled blocks over eager blocks measured by `partita bench compile`
-(docs/benchmarks.md, 2026-12-01, CPU, fp32): the median of the three measured ratios
-(tiny model 0.890 at 1 rank and 1.028 at 2; llama-20m 0.972 at 1 rank), each with a
-99% interval spanning 1.0 on a loaded machine. It is a CPU figure, where the GEMMs that
-compiling does not touch dominate a step; a GPU measurement should replace it.
+Compiling fuses the memory-bound work (norms, rotary embedding, SwiGLU, residual adds;
+with `model` also the embedding, the final norm and the head's edges) into fewer
+kernels and removes the per-operation overhead of eager execution; it leaves the GEMMs,
+the collectives and the optimizer step as they were. So the factor scales the compute
+part of a step (`compute_s`) and nothing else; the rates that follow from the step time
+(tokens/s, MFU, FLOP/s) are rescaled with it.
+
+`COMPUTE_FACTORS` are forward + backward times, compiled over eager, of partita's stage
+0 in one CPU process (fp32, 4x128 tokens, one thread), measured by
+`tools/compile_phases.py` on 2026-12-02 (docs/benchmarks.md, "Compiled training on a
+quiet machine"): the median of six per-round ratios, three rounds each on the tiny model
+(dim 128) and `llama-20m` (dim 512), rounded. `model` read 0.768-0.805 on the tiny model
+and 0.786-0.965 on `llama-20m`; `blocks` 0.940-1.113 and 0.852-1.071, no gain this CPU
+can resolve (the wider the model, the larger the GEMMs' share, which compiling leaves to
+the same kernels). They are CPU figures; a GPU, where eager launch overhead and
+memory-bound kernels weigh differently, needs its own measurement.
 """
 
 from __future__ import annotations
 
-COMPILE_COMPUTE_FACTOR = 0.972
+from partita.compile_rules import MODES, model_refusal
+from partita.layout import Layout
+
+COMPUTE_FACTORS = {"blocks": 1.0, "model": 0.80}
 RATES = ("tokens_per_s", "mfu", "model_flops_per_gpu", "hardware_flops_per_gpu", "hfu")
 
 
+def compile_in_effect(mode: str, layout: Layout) -> str:
+    """The mode a run of `layout` compiles with when asked for `mode`: `auto` compiles
+    blocks (as the trainer resolves it where the toolchain works), and `model` falls back
+    to blocks on a layout that cannot be compiled in one piece (`model_refusal`: the
+    trainer refuses those, the planner shows what blocks would give)."""
+    if mode not in MODES:
+        raise ValueError(f"compile mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "auto" or (mode == "model" and model_refusal(layout)):
+        return "blocks"
+    return mode
+
+
 def with_compile(times: dict[str, float], mode: str,
-                 factor: float = COMPILE_COMPUTE_FACTOR) -> dict[str, float]:
-    """`step_time`'s result for a run with `train.compile = mode` (none: unchanged)."""
-    if mode not in ("none", "blocks", "model", "auto"):
-        raise ValueError(f"compile mode {mode!r} is not one of none, blocks, model, auto")
-    if mode == "none" or factor == 1.0:
+                 factor: float | None = None) -> dict[str, float]:
+    """`step_time`'s result for a run compiled with `mode` (a mode in effect: none,
+    blocks or model); `factor` overrides the mode's measured one."""
+    if mode not in MODES or mode == "auto":
+        raise ValueError(f"compile mode {mode!r} is not one of none, blocks, model")
+    if mode == "none":
         return dict(times)
+    factor = COMPUTE_FACTORS[mode] if factor is None else factor
     saved = (1.0 - factor) * times["compute_s"]
     out = dict(times, compute_s=times["compute_s"] - saved,
                step_s=max(times["step_s"] - saved, 1e-12))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from partita.layout import Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
+from partita.planner.compiled import compile_in_effect, with_compile
 from partita.planner.hardware import Cluster
 from partita.planner.memory import host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
@@ -35,6 +36,7 @@ class Request:
     global_batch: int  # sequences per optimizer step
     precision: Precision = Precision()
     assumptions: Assumptions = Assumptions()
+    compile: str = "none"  # train.compile asked for (`compile_in_effect` per layout)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class Evaluation:
     host_bytes_per_node: float = 0.0
     time: dict[str, float] = field(default_factory=dict)
     capacity: float = 0.0
+    compile: str = "none"  # the compile mode the time assumes
 
     @property
     def fits(self) -> bool:
@@ -62,6 +65,7 @@ class Evaluation:
             "capacity_bytes": self.capacity,
             "host_bytes_per_node": self.host_bytes_per_node,
             "time": self.time,
+            "compile": self.compile,
         }
 
 
@@ -106,8 +110,12 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
                                            req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
-    ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,
-                        req.precision, req.assumptions)
+    ev.compile = compile_in_effect(req.compile, layout)
+    # Compiling fuses what eager kernels leave apart; a preset of fused kernels
+    # (Megatron's, `norm_kernel="fused"`) has nothing left for it to gain.
+    gain = ev.compile if req.assumptions.norm_kernel == "eager" else "none"
+    ev.time = with_compile(step_time(req.model, layout, req.cluster, req.seq_len,
+                                     req.global_batch, req.precision, req.assumptions), gain)
     ev.reasons += memory_reasons(req, ev)
     return ev
 

@@ -63,6 +63,16 @@ def overlap_text(layout) -> str:
             f"{on[layout.overlap_param_gather]}")
 
 
+def compile_text(req: Request, ev: Evaluation) -> str:
+    """Which compile mode the prediction assumed (and why, when not the one asked)."""
+    notes = []
+    if ev.compile != req.compile and req.compile == "model":
+        notes.append("train.compile=model refuses this layout")
+    if ev.compile != "none" and req.assumptions.norm_kernel != "eager":
+        notes.append("no gain over the fused kernels assumed")
+    return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def format_search(result: SearchResult, top: int = 10) -> str:
     req = result.request
     out = [describe_request(req), ""]
@@ -70,7 +80,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(f"Best {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
                    "that fit, fastest first:")
         out.append(format_table(result.ranked[:top]))
-        out.append("Assumed " + overlap_text(result.ranked[0].layout) + ".")
+        out.append("Assumed " + overlap_text(result.ranked[0].layout) + "; "
+                   + compile_text(req, result.ranked[0]) + ".")
         out.append("")
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
@@ -102,6 +113,8 @@ def train_command(req: Request, ev: Evaluation) -> str:
     """The `partita train` settings of a ranked layout (the model and data settings are
     the user's own)."""
     args = layout_overrides(ev.layout, req.global_batch)
+    if ev.compile != "none":
+        args.append(f"--train.compile={ev.compile}")
     return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args)
 
 
@@ -128,7 +141,8 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{t['tokens_per_s']:.4g} tokens/s; MFU {t['mfu']:.1%}")
         out.append(f"Per GPU: {t['model_flops_per_gpu'] / 1e12:.1f} model TFLOP/s, "
                    f"{t['hardware_flops_per_gpu'] / 1e12:.1f} hardware TFLOP/s (with "
-                   f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}")
+                   f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
+                   f"{compile_text(req, ev)}")
         out.append("Bytes sent per GPU per step: " + ", ".join(
             f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
                                                      "pp_bytes", "dp_bytes") if t[k]))
@@ -153,6 +167,7 @@ def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | N
         "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
         "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "assumptions": req.assumptions.to_dict(),
+        "compile": req.compile,
     }
     if defaults is not None:
         data["defaults_filled_in"] = defaults
