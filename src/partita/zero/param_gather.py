@@ -170,17 +170,20 @@ class ParamGatherer:
         # gathered until its gradients are in (as FSDP2 does for its root) instead of
         # freeing it and gathering it again at once (the last unit too, `_block_post`).
         self.in_backward.add(id(self.root))
-        # Backward needs the last blocks first: start gathering them now (the last is
-        # still gathered), so that the gathers overlap the loss and the head's backward.
-        n = len(self.blocks)
-        self._prefetch(range(n - 1, n - 1 - self.prefetch, -1))
+        self._prefetch_for_backward()
         return _on_backward(out, self._root_backward)
 
     def _root_backward(self) -> None:
         self.ensure(self.root)
         self.in_backward.add(id(self.root))
+        self._prefetch_for_backward()
+
+    def _prefetch_for_backward(self) -> None:
+        # Backward needs the last units first, and the kept ones are still gathered:
+        # start gathering the `prefetch` units before them now, so that those gathers
+        # overlap the loss, the head's backward and the kept units' backward.
         n = len(self.blocks)
-        self._prefetch(range(n - 1, n - 1 - self.prefetch, -1))
+        self._prefetch(range(n - 1, n - 1 - self.prefetch - len(self.kept), -1))
 
     def _block_pre(self, k: int):
         def hook(module, args) -> None:
