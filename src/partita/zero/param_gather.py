@@ -92,7 +92,7 @@ class ParamGatherer:
                        for k, (mods, _) in enumerate(blocks)]
         # The last unit forward runs (with the units nested in it) is the first that
         # backward needs: kept gathered from its forward into its backward rather than
-        # freed and gathered again at once (Stage 3 so saves that unit's all-gather).
+        # freed and gathered again at once (one all-gather saved per microbatch).
         top = [k for k in range(len(blocks)) if not any(k in ns for ns in self.nested)]
         self.kept = {top[-1], *self.nested[top[-1]]} if top else set()
         for k, (mods, _) in enumerate(blocks):
