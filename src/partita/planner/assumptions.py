@@ -85,6 +85,10 @@ class Assumptions:
     # scores: then a rank's attention costs what one process's costs, divided by c.
     cp_fused_pieces: bool = False
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
+    # The compute model describes eager kernels where `train.compile`'s factors were
+    # measured (partita on CPU, `planner.compiled`): compiling gains them there. Fused
+    # kernels, or a GPU without a measurement yet, are assumed to gain nothing.
+    compile_gain: bool = False
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
     # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.
@@ -210,14 +214,16 @@ class Assumptions:
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
                    gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,
-                   cp_eager_pieces=True, cp_fused_pieces=True, pp_scatter_gather=False)
+                   cp_eager_pieces=True, cp_fused_pieces=True, pp_scatter_gather=False,
+                   compile_gain=True)
 
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:
         """partita's own model and engines (`measured_cpu()`'s memory accounting) on a
         GPU: the preset of `partita plan --implementation partita`."""
         gpu = cls()
-        return replace(cls.measured_cpu(), **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
+        return replace(cls.measured_cpu(), compile_gain=False,
+                       **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:

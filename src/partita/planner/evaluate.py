@@ -111,9 +111,7 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
     ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.compile = compile_in_effect(req.compile, layout)
-    # Compiling fuses what eager kernels leave apart; a preset of fused kernels
-    # (Megatron's, `norm_kernel="fused"`) has nothing left for it to gain.
-    gain = ev.compile if req.assumptions.norm_kernel == "eager" else "none"
+    gain = ev.compile if req.assumptions.compile_gain else "none"
     ev.time = with_compile(step_time(req.model, layout, req.cluster, req.seq_len,
                                      req.global_batch, req.precision, req.assumptions), gain)
     ev.reasons += memory_reasons(req, ev)

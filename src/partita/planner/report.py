@@ -68,8 +68,9 @@ def compile_text(req: Request, ev: Evaluation) -> str:
     notes = []
     if ev.compile != req.compile and req.compile == "model":
         notes.append("train.compile=model refuses this layout")
-    if ev.compile != "none" and req.assumptions.norm_kernel != "eager":
-        notes.append("no gain over the fused kernels assumed")
+    if ev.compile != "none" and not req.assumptions.compile_gain:
+        notes.append("no gain assumed: its factors are measured for partita's eager "
+                     "kernels on CPU only")
     return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
