@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from partita.compile_rules import MODES, blocks_refusal, model_refusal
+from partita.compile_rules import MODES, model_refusal
 from partita.eager_only import keep_out_of_compiled_graphs
 from partita.errors import PartitaError
 from partita.layout import Layout
@@ -98,11 +98,6 @@ def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
     with the reason instead. `model` on a layout that cannot take it stops too."""
     if policy.mode == "none":
         return "none", ""
-    refusal = blocks_refusal(layout)
-    if refusal and policy.mode == "auto":
-        return "none", f"train.compile=auto: {refusal} Training eagerly."
-    if refusal:
-        raise PartitaError(refusal)
     if policy.mode == "model":
         refusal = model_refusal(layout)
         if refusal:

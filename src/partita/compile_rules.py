@@ -11,13 +11,6 @@ from partita.layout import Layout
 MODES = ("none", "blocks", "model", "auto")
 
 
-def blocks_refusal(layout: Layout) -> str | None:
-    """Why no compile mode can run this layout (None: `blocks` can). Every layout
-    compiles its blocks today (what cannot be traced runs as `EagerOnly` pieces); the
-    callers ask here so that a layout that cannot is refused before launch."""
-    return None
-
-
 def model_refusal(layout: Layout) -> str | None:
     """Why `compile=model` cannot wrap this layout's model in one piece (None: it can)."""
     reasons = []

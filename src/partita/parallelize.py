@@ -43,7 +43,6 @@ from partita.comm import GroupComm
 from partita.compile import (
     CompilePolicy,
     CompileReport,
-    blocks_refusal,
     compile_blocks,
     compile_model,
     compiled_units,
@@ -199,9 +198,10 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
     policies, then every rule of `partita.layout_rules.validate` at once."""
     _, precision, _ = engine_policies(cfg)  # constructing the policies validates them
     mode = CompilePolicy(cfg.train.compile).mode
-    refusal = (blocks_refusal(layout)
-               or (model_refusal(layout) if mode == "model" else None))
-    if mode in ("blocks", "model") and refusal:
+    # Every layout compiles its blocks (what dynamo cannot trace runs as `EagerOnly`
+    # pieces); only `model` refuses some.
+    refusal = model_refusal(layout) if mode == "model" else None
+    if refusal:
         raise PartitaError(refusal)
     validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
              seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)

@@ -11,7 +11,6 @@ import torch
 
 from partita.compile import (
     CompilePolicy,
-    blocks_refusal,
     model_refusal,
     resolve_mode,
 )
@@ -53,7 +52,6 @@ def test_blocks_take_every_layout():
                    Layout(dp=2, recompute="full"), Layout(pp=2, schedule="zb-h1"),
                    Layout(cp=2), Layout(dp=2, cp=2, zero_stage=3),
                    Layout(cp=2, cp_kind="allgather", tp=2, sequence_parallel=True)):
-        assert blocks_refusal(layout) is None
         assert resolve_mode(CompilePolicy("blocks"), layout, CPU, works) == ("blocks", "")
     assert resolve_mode(CompilePolicy("auto"), Layout(pp=2), CPU, works) == ("blocks", "")
     assert resolve_mode(CompilePolicy("auto"), Layout(cp=2), CPU, works) == ("blocks", "")
@@ -67,7 +65,6 @@ def test_blocks_take_every_layout():
 
 def test_mixture_of_experts_models_are_accepted():
     """Their dispatch runs eagerly between compiled pieces (partita.eager_only)."""
-    assert blocks_refusal(Layout(dp=2, ep=2)) is None
     assert resolve_mode(CompilePolicy("blocks"), Layout(dp=2, ep=2), CPU, works) == ("blocks", "")
     check_layout(parity_config(train=dict(compile="blocks")), get_model_config("tiny-moe"),
                  Layout())
