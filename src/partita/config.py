@@ -144,6 +144,9 @@ class ParallelSection:
     # up to this size (docs/zero.md).
     bucket_mb: float = 25.0
     prefetch: int = 1  # ZeRO-3: gather units fetched ahead of the one computing
+    # ZeRO-3: the last gather units kept gathered from forward into backward (each one
+    # more costs its memory and saves its second all-gather per microbatch).
+    keep_gathered: int = 1
     # ZeRO-2 gradient accumulation: "reduce" reduce-scatters every microbatch (least
     # memory); "buffer" keeps a full-size gradient buffer and reduces once per step.
     accumulation: str = "reduce"

@@ -139,6 +139,7 @@ RANGES: dict[str, Rule] = {
     # [parallel] policies with a plain range (degrees and schedules: see the layout).
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,
+    "parallel.keep_gathered": AT_LEAST_0,
     "parallel.accumulation": _choice("reduce", "buffer"),
     "parallel.pp_balance": _choice("even", "params", "flops"),
     "parallel.pp_timeout_s": POSITIVE,

@@ -183,7 +183,8 @@ def engine_policies(cfg: Config) -> tuple[ZeroConfig, MixedPrecision, AdamWConfi
                                or cfg.train.dtype, "precision.reduce_dtype")
     master = torch.float64 if param_dtype == torch.float64 else torch.float32
     zero = ZeroConfig(stage=cfg.parallel.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
-                      prefetch=cfg.parallel.prefetch, accumulation=cfg.parallel.accumulation)
+                      prefetch=cfg.parallel.prefetch, keep_gathered=cfg.parallel.keep_gathered,
+                      accumulation=cfg.parallel.accumulation)
     precision = MixedPrecision(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype,
         master_dtype=master if cfg.precision.master_weights else param_dtype)

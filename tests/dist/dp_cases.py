@@ -91,7 +91,8 @@ def run_case(rank: int, world: int, mesh: Mesh, case: dict) -> dict | None:
     model = make_model(case, dtype, meta=meta)
     dp = DataParallel(model, mesh,
                       zero=ZeroConfig(stage=stage, bucket_mb=case.get("bucket_mb", 0.02),
-                                      prefetch=case.get("prefetch", 1)),
+                                      prefetch=case.get("prefetch", 1),
+                                      keep_gathered=case.get("keep_gathered", 1)),
                       precision=MixedPrecision(param_dtype=dtype), optim=OPTIM,
                       blocks=case.get("blocks"), init_fn=model_init_fn(transformer_init(CFG)) if meta else None)
     losses, norms = [], []

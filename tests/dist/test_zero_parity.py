@@ -42,7 +42,8 @@ def zero(stage: int, microbatches: int = 1, dtype: str = "float64", **parallel) 
 
 CASES = {
     2: [zero(s, m) for s in (1, 2, 3) for m in (1, 2)]
-       + [zero(2, 2, accumulation="buffer"), zero(3, 2, prefetch=2, bucket_mb=1.0)],
+       + [zero(2, 2, accumulation="buffer"), zero(3, 2, prefetch=2, bucket_mb=1.0),
+          zero(3, 2, keep_gathered=99, bucket_mb=0.01)],
     4: [zero(s, m) for s in (1, 2, 3) for m in (1, 2)] + [zero(3, 2, dtype="float32")],
     8: [zero(3, prefetch=2)],  # 8 ranks x 1 sequence: no room to accumulate
 }
@@ -61,6 +62,9 @@ TOY_CASES = [
     dict(stage=3, model="toy-shuffled", blocks=ToyLayer),
     dict(stage=3, model="toy-shuffled", blocks=ToyLayer, bucket_mb=1.0),
     dict(stage=3, model="toy-recompute", blocks=ToyLayer, bucket_mb=1.0, prefetch=0),
+    # Every unit kept from forward into backward, blocks in and out of order.
+    dict(stage=3, model="toy-recompute", blocks=ToyLayer, keep_gathered=3, accum=2),
+    dict(stage=3, model="toy-shuffled", blocks=ToyLayer, keep_gathered=2),
     dict(stage=2, model="toy", blocks="layers.*"),
     # A layer no rank runs: every bucket still reduced (it once was not, when no bucket
     # of a stage-0-2 model completed), its parameters decayed alike.

@@ -56,6 +56,7 @@ def test_meta_model_without_init_fn_is_refused() -> None:
 
 
 @pytest.mark.parametrize("bad", [dict(stage=4), dict(bucket_mb=0), dict(prefetch=-1),
+                                 dict(keep_gathered=-1), dict(keep_gathered=1.5),
                                  dict(accumulation="later")])
 def test_bad_zero_config(bad: dict) -> None:
     with pytest.raises(PartitaError):
@@ -177,11 +178,13 @@ def test_gather_units_merge_consecutive_blocks_up_to_the_bucket_size() -> None:
     assert gather_units(block, 2000, 4) == [[0, 1, 2, 3, 4]]
 
 
-def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool) -> dict:
+def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool,
+                        keep: int = 1) -> dict:
     mesh = Mesh(Layout(dp=world), rank, world)
     torch.manual_seed(0)
     toy = zp.Toy(recompute=recompute).double()
-    dp = DataParallel(toy, mesh, zero=ZeroConfig(stage=3, bucket_mb=bucket_mb),
+    dp = DataParallel(toy, mesh, zero=ZeroConfig(stage=3, bucket_mb=bucket_mb,
+                                                 keep_gathered=keep),
                       precision=MixedPrecision(param_dtype=torch.float64), blocks=zp.ToyLayer)
     tokens = zp.batch(rank)
     for _ in range(2):  # the second step is counted
@@ -190,6 +193,7 @@ def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool
         dp.finish_grad_sync()
         dp.step()
         dp.zero_grad()
+    assert dp.gatherer.live_bytes == 0  # kept or not, every unit is freed by its backward
     return {op: n for (purpose, op), n in mesh.counter.calls.items() if purpose == "zero_shard"}
 
 
@@ -205,6 +209,18 @@ def test_stage3_issues_one_gather_and_one_reduction_per_unit(
         bucket_mb: float, recompute: bool, gathers: int, reductions: int) -> None:
     calls = run_distributed(_stage3_collectives, 2, args=(bucket_mb, recompute))[0]
     assert calls == {"all_gather": gathers, "reduce_scatter": reductions}
+
+
+@pytest.mark.parametrize("keep,recompute,gathers", [
+    # Three one-layer units and the root (always kept): forward gathers four, backward
+    # gathers again each unit not kept.
+    (0, False, 7), (2, False, 5), (3, False, 4), (99, False, 4),
+    # A recomputed layer's forward inside backward frees nothing that is kept.
+    (3, True, 4)])
+def test_stage3_keeps_the_last_units_gathered_into_backward(keep: int, recompute: bool,
+                                                            gathers: int) -> None:
+    calls = run_distributed(_stage3_collectives, 2, args=(0.001, recompute, keep))[0]
+    assert calls == {"all_gather": gathers, "reduce_scatter": 4}
 
 
 def test_stage3_frees_parameters_that_autograd_saved_for_backward() -> None:

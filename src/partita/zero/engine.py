@@ -114,7 +114,8 @@ class DataParallel:
             # (`_stage_in`), which runs in the background after step().
             staged = offload.params or (offload.optimizer and not offload.disk)
             self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
-                                          self._stage_in if staged else None)
+                                          self._stage_in if staged else None,
+                                          keep=zero.keep_gathered)
         else:
             # A small first and last bucket buy overlap where collectives run beside the
             # backward (NCCL on its own streams). On CPU the reduction takes turns with

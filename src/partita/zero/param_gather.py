@@ -6,8 +6,9 @@ Forward:  the root module's pre-hook gathers the root group (embeddings, final n
           head: parameters outside any block) and starts prefetching the first units;
           a block's pre-hook waits for its unit's gather and starts the next
           `prefetch` units'; the unit's last block's post-hook frees it. The root and
-          the last unit stay gathered until their gradients are in when forward
-          records a graph (backward begins with them), and are freed at once otherwise.
+          the last `keep` units (1 by default) stay gathered until their gradients
+          are in when forward records a graph (backward begins with them), and are
+          freed at once otherwise.
 Backward: a tiny autograd function on each block's (and the root's) output fires when
           backward reaches it: it gathers that unit again and prefetches the
           `prefetch` units before it. When every parameter of a unit has its gradient
@@ -70,7 +71,8 @@ class ParamGatherer:
     def __init__(self, module: nn.Module, root: FlatBuffer | None,
                  blocks: list[tuple[tuple[nn.Module, ...], FlatBuffer]], comm: GroupComm,
                  prefetch: int,
-                 stage_in: Callable[[FlatBuffer], torch.Tensor] | None = None) -> None:
+                 stage_in: Callable[[FlatBuffer], torch.Tensor] | None = None,
+                 keep: int = 1) -> None:
         self.root, self.blocks, self.comm, self.prefetch = root, blocks, comm, prefetch
         # Shards at rest in host memory (offload): the device copy each gather reads,
         # kept until that gather is done.
@@ -90,11 +92,12 @@ class ParamGatherer:
         self.nested = [[inside[id(sub)] for m in mods for sub in m.modules()
                         if id(sub) in inside and inside[id(sub)] != k]
                        for k, (mods, _) in enumerate(blocks)]
-        # The last unit forward runs (with the units nested in it) is the first that
-        # backward needs: kept gathered from its forward into its backward rather than
-        # freed and gathered again at once (one all-gather saved per microbatch).
+        # The last units forward runs (with the units nested in them) are the first that
+        # backward needs: the last `keep` stay gathered from their forward into their
+        # backward rather than being freed and gathered again (one all-gather saved per
+        # unit and microbatch, its memory held meanwhile).
         top = [k for k in range(len(blocks)) if not any(k in ns for ns in self.nested)]
-        self.kept = {top[-1], *self.nested[top[-1]]} if top else set()
+        self.kept = {j for k in top[max(0, len(top) - keep):] for j in (k, *self.nested[k])}
         for k, (mods, _) in enumerate(blocks):
             for m in mods:
                 self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
@@ -182,8 +185,9 @@ class ParamGatherer:
         # Backward needs the last units first, and the kept ones are still gathered:
         # start gathering the `prefetch` units before them now, so that those gathers
         # overlap the loss, the head's backward and the kept units' backward.
-        n = len(self.blocks)
-        self._prefetch(range(n - 1, n - 1 - self.prefetch - len(self.kept), -1))
+        ahead = [k for k in reversed(range(len(self.blocks))) if k not in self.kept]
+        for k in ahead[:self.prefetch]:
+            self.start(self.blocks[k][1])
 
     def _block_pre(self, k: int):
         def hook(module, args) -> None:

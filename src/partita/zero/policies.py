@@ -33,6 +33,11 @@ class ZeroConfig:
     # the unit stays within it; a bigger block is a unit by itself.
     bucket_mb: float = 25.0
     prefetch: int = 1  # stage 3: gather units fetched ahead of the one computing
+    # Stage 3: the last units forward runs stay gathered until their backward (whose
+    # first units they are) instead of being freed and gathered again. 1 keeps the last
+    # unit only; more trade one unit's memory each for one all-gather of it per
+    # microbatch; a number >= the unit count is FSDP2's reshard_after_forward=False.
+    keep_gathered: int = 1
     accumulation: str = "reduce"  # stage 2 only, see ACCUMULATION_MODES
 
     def __post_init__(self) -> None:
@@ -46,6 +51,12 @@ class ZeroConfig:
             raise PartitaError(
                 f"parallel.prefetch={self.prefetch!r} must be an integer >= 0: the number of "
                 "blocks whose parameters stage 3 gathers ahead (1 is usual, 0 turns it off)."
+            )
+        if not isinstance(self.keep_gathered, int) or self.keep_gathered < 0:
+            raise PartitaError(
+                f"parallel.keep_gathered={self.keep_gathered!r} must be an integer >= 0: "
+                "the number of last gather units stage 3 keeps from forward into backward "
+                "(1 is the default; 0 frees every unit after its forward)."
             )
         if self.accumulation not in ACCUMULATION_MODES:
             raise PartitaError(
