@@ -2,7 +2,15 @@
 
 import pytest
 
-from partita.planner import Assumptions, Cluster, Layout, get_gpu, resolve_model, step_time
+from partita.planner import (
+    Assumptions,
+    Cluster,
+    Layout,
+    evaluate,
+    get_gpu,
+    resolve_model,
+    step_time,
+)
 from partita.planner.timing import layer_forward_flops
 
 H100 = get_gpu("H100")
@@ -160,3 +168,33 @@ def test_unfused_gradient_accumulation_costs_a_memory_pass_per_microbatch():
     # The last stage (head and most parameters) paces all m + pp - 1 pipeline steps.
     assert slow["step_s"] - base["step_s"] == pytest.approx((m + 1) * per_mb, rel=1e-9)
     assert slow["compute_s"] - base["compute_s"] == pytest.approx(m * per_mb, rel=1e-9)
+
+
+def test_zero3_kept_units_save_their_second_gather_and_hold_their_memory():
+    from partita.planner.memory import comm_buffer_bytes
+    from partita.planner.report import train_command
+    from partita.planner.zero_buffers import zero3_buffers
+
+    layout, m, p = Layout(dp=8, zero_stage=3), 64 // 8, 2  # bf16 parameters
+    units = zero3_buffers(MODEL, layout)["units"]
+    assert len(units) > 2
+    base = _time(layout, zero3_kept_units=0)
+    for k in (1, 2, len(units), 10 * len(units)):
+        kept = sum(units[-k:])
+        t = _time(layout, zero3_kept_units=k)
+        assert base["dp_bytes"] - t["dp_bytes"] == pytest.approx(m * 7 / 8 * p * kept)
+        gathered = comm_buffer_bytes(MODEL, layout, SEQ, assumptions=Assumptions(
+            zero3_kept_units=k))["zero3_gathered"]
+        one = comm_buffer_bytes(MODEL, layout, SEQ, assumptions=Assumptions(
+            zero3_kept_units=1))["zero3_gathered"]
+        # Held until backward: the kept units, where they outgrow the largest gathered
+        # at once otherwise (a unit, or the root's embedding on the first stage).
+        largest = max(max(units), MODEL.config.vocab_size * MODEL.config.dim)
+        assert gathered - one == pytest.approx(p * max(0.0, kept - largest))
+        if k >= len(units):
+            assert gathered > one
+    from partita.planner import make_request
+    req = make_request("llama3-8b", 8, assumptions=Assumptions(zero3_kept_units=3))
+    assert "--parallel.keep_gathered=3" in train_command(req, evaluate(req, layout))
+    req = make_request("llama3-8b", 8, assumptions=Assumptions(zero3_kept_units=1))
+    assert "keep_gathered" not in train_command(req, evaluate(req, layout))

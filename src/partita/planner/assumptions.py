@@ -138,8 +138,9 @@ class Assumptions:
     # ZeRO-3 keeps the root group (embeddings, final norm, head) gathered from the end
     # of forward until its gradients are in: 3 Psi - Psi_root per step, not 3 Psi.
     zero3_keeps_root: bool = False
-    # ... and the last gather unit (with its experts' units), which backward needs first.
-    zero3_keeps_last_unit: bool = False
+    # ... and the last this many gather units (with their experts' units), which
+    # backward needs first (partita's `parallel.keep_gathered`, 1 by default).
+    zero3_kept_units: int = 0
     # Eager rotary embedding saves its cos and sin tables (seq x head_dim/2 each, per
     # layer); a fused rope kernel recomputes them.
     rotary_tables_saved: bool = False
@@ -210,7 +211,7 @@ class Assumptions:
                    logits_bytes_per_element=4.0, gqa_expanded_kv=True,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
-                   zero3_keeps_last_unit=True,
+                   zero3_kept_units=1,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
                    gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,

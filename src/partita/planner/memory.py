@@ -308,11 +308,15 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if layout.zero_stage >= 3 and layout.zero_group > 1:
         # The largest gather unit with its blocks' experts (ep > 1: gathered right after).
         b = zero3_buffers(model, layout, precision, stage, assumptions)
-        unit = max((u + e for u, e in zip(b["units"], b["unit_experts"])), default=0.0)
+        sizes = [u + e for u, e in zip(b["units"], b["unit_experts"])]
+        unit = max(sizes, default=0.0)
         if stage == 0 or stage == layout.pp - 1:
             unit = max(unit, c.vocab_size * c.dim / layout.tp)
-        out["zero3_gathered"] = ((1 + assumptions.zero3_prefetch_depth) * precision.param
-                                 + precision.grad) * unit
+        # The unit computing and those prefetched; when backward starts, the kept
+        # units (still gathered from forward) and those prefetched before them.
+        kept = sum(sizes[len(sizes) - min(assumptions.zero3_kept_units, len(sizes)):])
+        gathered = max(unit, kept) + assumptions.zero3_prefetch_depth * unit
+        out["zero3_gathered"] = precision.param * gathered + precision.grad * unit
     elif layout.zero_group > 1:
         grads = model_state_bytes(model, layout, precision, stage, assumptions)["gradients"]
         out["grad_buckets"] = min(assumptions.grad_bucket_bytes, grads)

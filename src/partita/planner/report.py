@@ -116,6 +116,8 @@ def train_command(req: Request, ev: Evaluation) -> str:
     args = layout_overrides(ev.layout, req.global_batch)
     if ev.compile != "none":
         args.append(f"--train.compile={ev.compile}")
+    if ev.layout.zero_stage == 3 and req.assumptions.zero3_kept_units != 1:
+        args.append(f"--parallel.keep_gathered={req.assumptions.zero3_kept_units}")
     return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args)
 
 
