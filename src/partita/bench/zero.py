@@ -14,7 +14,9 @@ times our own stage 3 against our stage 2 the same way: the price of sharding
 parameters. A last pair times stage 0 against itself: how far from
 1.0 a ratio strays on this machine when nothing differs (the noise floor of the table).
 S is measured at the default unit size (bucket_mb: the tiny model's blocks make one
-gather unit) and, on its own row, with one gather unit per block.
+gather unit), on its own row with one gather unit per block, and on another with every
+unit kept gathered from forward into backward (`parallel.keep_gathered` at least the
+unit count: FSDP2's reshard_after_forward=False, more memory for no second gather).
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
         return harness.partita_step(model, mesh, int(arg))
     if name == PER_BLOCK:  # a unit size below any block: one gather unit per block
         return harness.partita_step(model, mesh, 3, bucket_mb=1e-6)
+    if name == KEEP_ALL:  # more kept units than any model here has
+        return harness.partita_step(model, mesh, 3, keep_gathered=1024)
     if name == "torch DDP":
         return harness.ddp_step(model, mesh)
     if name == "torch ZeroRedundancyOpt":
@@ -123,7 +127,7 @@ def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
            ("partita stage 2", "FSDP2 reshard False"),
            ("partita stage 3", "FSDP2 reshard True"),
            # Not peers: our stage 3 against our stage 2 (S), and stage 0 against itself.
-           STAGE3_VS_STAGE2, PER_BLOCK_VS_STAGE2, SELF_PAIR,
+           STAGE3_VS_STAGE2, PER_BLOCK_VS_STAGE2, KEEP_ALL_VS_STAGE2, SELF_PAIR,
            # DeepSpeed last: its engines stayed alive in the process after their pair (the
            # S pair measured after them ran 4-9% slower on both sides), ZeRO-3's still do.
            ("partita stage 1", "DeepSpeed ZeRO 1"), ("partita stage 2", "DeepSpeed ZeRO 2"),
@@ -134,9 +138,12 @@ def pairs(with_deepspeed: bool) -> list[tuple[str, str]]:
 STAGE3_VS_STAGE2 = ("partita stage 3", "partita stage 2")
 PER_BLOCK = "stage 3 per block"
 PER_BLOCK_VS_STAGE2 = (PER_BLOCK, "partita stage 2")
+KEEP_ALL = "stage 3 keep all"
+KEEP_ALL_VS_STAGE2 = (KEEP_ALL, "partita stage 2")
 SELF_PAIR = ("partita stage 0", "partita stage 0")
 LABELS = ((STAGE3_VS_STAGE2, "(S)"),
           (PER_BLOCK_VS_STAGE2, "(S with one gather unit per block)"),
+          (KEEP_ALL_VS_STAGE2, "(S with every unit kept gathered into backward)"),
           (SELF_PAIR, "(noise: same run twice)"))
 
 
