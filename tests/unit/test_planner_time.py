@@ -2,6 +2,7 @@
 
 import pytest
 
+from partita.errors import PartitaError
 from partita.planner import (
     Assumptions,
     Cluster,
@@ -194,7 +195,32 @@ def test_zero3_kept_units_save_their_second_gather_and_hold_their_memory():
         if k >= len(units):
             assert gathered > one
     from partita.planner import make_request
-    req = make_request("llama3-8b", 8, assumptions=Assumptions(zero3_kept_units=3))
-    assert "--parallel.keep_gathered=3" in train_command(req, evaluate(req, layout))
-    req = make_request("llama3-8b", 8, assumptions=Assumptions(zero3_kept_units=1))
-    assert "keep_gathered" not in train_command(req, evaluate(req, layout))
+    req = make_request("llama3-8b", 8, keep_gathered=3)
+    ev = evaluate(req, layout)
+    assert ev.kept_units == 3 and "--parallel.keep_gathered=3" in train_command(req, ev)
+    assert ev.time["dp_bytes"] < evaluate(make_request("llama3-8b", 8, keep_gathered=1),
+                                          layout).time["dp_bytes"]
+    for keep in (None, 1):
+        req = make_request("llama3-8b", 8, keep_gathered=keep)
+        assert "keep_gathered" not in train_command(req, evaluate(req, layout))
+    assert evaluate(req, Layout(dp=8, zero_stage=2)).kept_units is None  # ZeRO-3 only
+
+
+def test_keep_gathered_auto_keeps_the_most_units_that_fit():
+    from partita.planner import make_request
+    from partita.planner.zero_buffers import zero3_buffers
+
+    layout = Layout(dp=8, zero_stage=3)
+    n = len(zero3_buffers(MODEL, layout)["units"])
+    roomy = evaluate(make_request("llama3-8b", 8, gpu_type="H200", seq_len=1024,
+                                  global_batch=8, keep_gathered="auto"), layout)
+    assert roomy.fits and roomy.kept_units == n
+    # An H100 at a longer sequence: activations leave room for only some units.
+    req = make_request("llama3-8b", 8, seq_len=8192, global_batch=8, keep_gathered="auto")
+    tight = evaluate(req, layout)
+    assert 1 <= tight.kept_units < n
+    more = make_request("llama3-8b", 8, seq_len=8192, global_batch=8,
+                        keep_gathered=tight.kept_units + 1)
+    assert tight.fits and not evaluate(more, layout).fits
+    with pytest.raises(PartitaError):
+        make_request("llama3-8b", 8, keep_gathered=-1)

@@ -55,6 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--compile", default=None, choices=("none", "blocks", "model", "auto"),
                    help="train.compile to predict for (default none; model falls back to "
                    "blocks where a layout cannot be compiled whole)")
+    p.add_argument("--keep-gathered", default=None, metavar="N|auto",
+                   help="ZeRO-3 layouts: gather units kept from forward into backward "
+                        "(parallel.keep_gathered; auto: the most that fit; default: the "
+                        "implementation's, 1 for partita)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
                         "e.g. --set gemm_peak_fraction=0.6")
@@ -124,11 +128,20 @@ def _run(args: argparse.Namespace) -> int:
     if args.compile is None:
         args.compile = "none"
         defaults.append("--compile none")
+    keep = args.keep_gathered
+    if keep is not None and keep != "auto":
+        if not keep.isdigit():
+            raise PartitaError(f"--keep-gathered {keep}: give a number of gather units "
+                               ">= 0 or auto (the most that fit).")
+        keep = int(keep)
     model = (parse_model_shape(args.model_shape) if args.model_shape
              else resolve_model(args.model))
     req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
-                       base.override(settings), args.hardware, args.compile)
+                       base.override(settings), args.hardware, args.compile, keep)
+    if keep is None and "zero3_kept_units" not in settings:
+        defaults.append(f"--keep-gathered {req.assumptions.zero3_kept_units} (ZeRO-3 units "
+                        "kept into backward, as the implementation does)")
     if args.seq_len is None:
         defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
     if args.global_batch is None:

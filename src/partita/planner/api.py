@@ -26,9 +26,12 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
                  gpus_per_node: int | None = None, seq_len: int | None = None,
                  global_batch: int | None = None, precision: str | Precision = "bf16",
                  assumptions: Assumptions | None = None,
-                 hardware_file: str | None = None, compile: str = "none") -> Request:
+                 hardware_file: str | None = None, compile: str = "none",
+                 keep_gathered: int | str | None = None) -> Request:
     """A `Request` from names: model catalog name or TOML path, GPU type or profile;
-    `compile` is train.compile (none, blocks, model, auto)."""
+    `compile` is train.compile (none, blocks, model, auto); `keep_gathered` is ZeRO-3's
+    parallel.keep_gathered (a count, "auto": the most that fit, or None: the
+    assumptions' `zero3_kept_units`)."""
     plan_model = resolve_model(model) if isinstance(model, str) else model
     extra = load_gpu_profiles(hardware_file) if hardware_file else None
     gpu = get_gpu(gpu_type, extra) if isinstance(gpu_type, str) else gpu_type
@@ -40,8 +43,12 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)
     if compile not in MODES:
         raise PartitaError(f"--compile {compile}: choose one of {', '.join(MODES)}.")
+    if keep_gathered is not None and keep_gathered != "auto" and (
+            not isinstance(keep_gathered, int) or keep_gathered < 0):
+        raise PartitaError(f"--keep-gathered {keep_gathered}: give a number of gather "
+                           "units >= 0 or auto (the most that fit).")
     return Request(plan_model, cluster, seq, batch, prec,
-                   assumptions or Assumptions.for_device(gpu.name), compile)
+                   assumptions or Assumptions.for_device(gpu.name), compile, keep_gathered)
 
 
 def plan(model: str | PlanModel, gpus: int, space: SearchSpace = DEFAULT_SPACE,

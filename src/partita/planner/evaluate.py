@@ -8,7 +8,7 @@ the same the trainer checks; only memory and the cluster's shape are the planner
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from partita.layout import Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
@@ -20,6 +20,7 @@ from partita.planner.model_shape import PlanModel
 from partita.planner.precision import Precision
 from partita.planner.stage_params import stage_layers
 from partita.planner.timing import num_microbatches, step_time
+from partita.planner.zero_buffers import zero3_buffers
 
 MEMORY = "memory"
 __all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "UNAVAILABLE", "Evaluation", "Request",
@@ -37,6 +38,9 @@ class Request:
     precision: Precision = Precision()
     assumptions: Assumptions = Assumptions()
     compile: str = "none"  # train.compile asked for (`compile_in_effect` per layout)
+    # ZeRO-3's parallel.keep_gathered: a number, "auto" (the most units that fit, at
+    # least 1) or None (the assumptions' zero3_kept_units).
+    keep_gathered: int | str | None = None
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Evaluation:
     time: dict[str, float] = field(default_factory=dict)
     capacity: float = 0.0
     compile: str = "none"  # the compile mode the time assumes
+    kept_units: int | None = None  # ZeRO-3 units kept into backward, where asked for
 
     @property
     def fits(self) -> bool:
@@ -66,6 +71,7 @@ class Evaluation:
             "host_bytes_per_node": self.host_bytes_per_node,
             "time": self.time,
             "compile": self.compile,
+            "keep_gathered": self.kept_units,
         }
 
 
@@ -105,17 +111,38 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
     if any(k == DIVISIBILITY for k, _ in ev.reasons):
         return ev
     m = num_microbatches(layout, req.global_batch)
+    a = req.assumptions
+    if layout.zero_stage == 3 and req.keep_gathered is not None:
+        ev.kept_units = (most_kept_units(req, layout, m) if req.keep_gathered == "auto"
+                         else int(req.keep_gathered))
+        a = replace(a, zero3_kept_units=ev.kept_units)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
-                                           req.assumptions,
-                                           req.cluster.gpu.runtime_reserved_bytes)
+                                           a, req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.compile = compile_in_effect(req.compile, layout)
-    gain = ev.compile if req.assumptions.compile_gain else "none"
+    gain = ev.compile if a.compile_gain else "none"
     ev.time = with_compile(step_time(req.model, layout, req.cluster, req.seq_len,
-                                     req.global_batch, req.precision, req.assumptions), gain)
+                                     req.global_batch, req.precision, a), gain)
     ev.reasons += memory_reasons(req, ev)
     return ev
+
+
+def most_kept_units(req: Request, layout: Layout, m: int) -> int:
+    """The most ZeRO-3 units kept gathered into backward with which `layout` still fits
+    in memory (at least 1, the engine's default); memory grows with the count."""
+    def fits(k: int) -> bool:
+        a = replace(req.assumptions, zero3_kept_units=k)
+        total = peak_memory(req.model, layout, req.seq_len, m, req.precision, a,
+                            req.cluster.gpu.runtime_reserved_bytes)[1]["total"]
+        return total <= req.cluster.gpu.memory_bytes
+
+    lo, hi = 1, max(len(zero3_buffers(req.model, layout, req.precision, st, req.assumptions)
+                        ["units"]) for st in range(layout.pp))
+    while lo < hi:  # the largest k in [lo, hi] that fits (lo when none does)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def memory_reasons(req: Request, ev: Evaluation) -> list[tuple[str, str]]:

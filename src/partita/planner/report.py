@@ -71,7 +71,8 @@ def compile_text(req: Request, ev: Evaluation) -> str:
     if ev.compile != "none" and not req.assumptions.compile_gain:
         notes.append("no gain assumed: its factors are measured for partita's eager "
                      "kernels on CPU only")
-    return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "")
+    kept = f"; keep_gathered: {ev.kept_units}" if ev.kept_units is not None else ""
+    return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "") + kept
 
 
 def format_search(result: SearchResult, top: int = 10) -> str:
@@ -116,8 +117,8 @@ def train_command(req: Request, ev: Evaluation) -> str:
     args = layout_overrides(ev.layout, req.global_batch)
     if ev.compile != "none":
         args.append(f"--train.compile={ev.compile}")
-    if ev.layout.zero_stage == 3 and req.assumptions.zero3_kept_units != 1:
-        args.append(f"--parallel.keep_gathered={req.assumptions.zero3_kept_units}")
+    if ev.kept_units is not None and ev.kept_units != 1:
+        args.append(f"--parallel.keep_gathered={ev.kept_units}")
     return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args)
 
 
@@ -170,7 +171,7 @@ def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | N
         "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
         "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "assumptions": req.assumptions.to_dict(),
-        "compile": req.compile,
+        "compile": req.compile, "keep_gathered": req.keep_gathered,
     }
     if defaults is not None:
         data["defaults_filled_in"] = defaults
