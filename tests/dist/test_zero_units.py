@@ -194,6 +194,14 @@ def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool
         dp.step()
         dp.zero_grad()
     assert dp.gatherer.live_bytes == 0  # kept or not, every unit is freed by its backward
+    if keep != 1:  # the most gathered at once, in units beside the root (equal layers)
+        units = {b.padded * 8 for _, b in dp.gatherer.blocks}
+        assert len(units) == 1, units
+        peak = (dp.gatherer.peak_bytes - dp.gatherer.root.padded * 8) / units.pop()
+        n, k = len(dp.gatherer.blocks), min(keep, len(dp.gatherer.blocks))
+        # Forward: the unit computing and the one prefetched; backward's start: the kept
+        # units and the one prefetched before them (what the planner counts).
+        assert peak == max(2, k + min(1, n - k)), (keep, peak)
     return {op: n for (purpose, op), n in mesh.counter.calls.items() if purpose == "zero_shard"}
 
 

@@ -312,10 +312,12 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         unit = max(sizes, default=0.0)
         if stage == 0 or stage == layout.pp - 1:
             unit = max(unit, c.vocab_size * c.dim / layout.tp)
-        # The unit computing and those prefetched; when backward starts, the kept
-        # units (still gathered from forward) and those prefetched before them.
-        kept = sum(sizes[len(sizes) - min(assumptions.zero3_kept_units, len(sizes)):])
-        gathered = max(unit, kept) + assumptions.zero3_prefetch_depth * unit
+        # In forward the unit computing and those prefetched; when backward starts, the
+        # kept units (still gathered from forward) and those prefetched before them
+        # (none once every unit is kept).
+        k, ahead = min(assumptions.zero3_kept_units, len(sizes)), assumptions.zero3_prefetch_depth
+        kept = sum(sizes[len(sizes) - k:])
+        gathered = max((1 + ahead) * unit, kept + min(ahead, len(sizes) - k) * unit)
         out["zero3_gathered"] = precision.param * gathered + precision.grad * unit
     elif layout.zero_group > 1:
         grads = model_state_bytes(model, layout, precision, stage, assumptions)["gradients"]
