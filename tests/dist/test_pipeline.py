@@ -30,7 +30,7 @@ from partita.pipeline.build import pipeline_schedule
 from partita.pipeline.p2p import check_transfer_order, delivery_proofs
 from partita.pipeline.schedules import forward_only
 from partita.pipeline.stage import detach_tied_copy, keep_stages, plan_stages
-from partita.testing import run_distributed, token_batch, train_layout
+from partita.testing import FLOAT64_TOL, assert_parity, run_distributed, token_batch, train_layout
 from tests.dist.pipeline_cases import pipeline_config
 
 CFG = ModelConfig(vocab_size=64, dim=32, n_layers=8, n_heads=4, max_seq_len=16)
@@ -584,15 +584,16 @@ def _measured_step(pm, x: torch.Tensor, y: torch.Tensor, m: int) -> dict:
 def test_zero_bubble_forms_the_head_gradient_after_i_not_in_w(tied):
     """ZB-H1's last stage forms the output projection's weight gradient right after each
     I, so no deferred W keeps the logits' gradient (tokens x vocabulary): the gradients
-    are bitwise those of deferring it (the same sums in the same order), the stage holds
+    are those of deferring it (the same sums in the same order), the stage holds
     less by about the logits' gradients that were waiting, and nothing stays counted."""
     vocab, tokens_per_mb = 2048, 8 * 16  # batch 32 in 4 microbatches of 16 tokens
     got = run_distributed(_zero_bubble_head, 2, (vocab, tied), timeout=180)
     for rank, row in enumerate(got):
         early, deferred = row["early"], row["deferred"]
         assert early["grads"].keys() == deferred["grads"].keys()
-        for name, grad in early["grads"].items():
-            assert torch.equal(grad, deferred["grads"][name]), (rank, name)
+        # Equal up to float64 rounding: bitwise on some CPUs, not on others (AMD EPYC,
+        # AVX2, where the embedding and head gradients differ in their last bits).
+        assert_parity(early["grads"], deferred["grads"], FLOAT64_TOL, f"rank {rank}")
         assert early["left"] == deferred["left"] == 0
     logits_grad = tokens_per_mb * vocab * 8  # float64: 2 MiB
     head_sum = vocab * 32 * 8  # the step's sum of head gradients (dim 32): 0.5 MiB

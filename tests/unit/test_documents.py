@@ -46,7 +46,9 @@ def test_packed_row_under_the_mask_equals_each_document_alone():
     assert_parity({"logits": packed}, {"logits": alone}, FLOAT64_TOL, "packed vs alone")
     # Without the mask, later documents see earlier ones: the check above can fail.
     first = len(docs[0])
-    assert torch.equal(plain[:first], alone[:first])
+    # Equal up to rounding, not bitwise: the CPU's matmul kernels block a 26-row input
+    # differently from a shorter one on some machines (AMD EPYC, AVX2).
+    assert_parity({"logits": plain[:first]}, {"logits": alone[:first]}, FLOAT64_TOL, "first")
     assert (plain[first:] - alone[first:]).abs().max() > 1e-3
 
 
