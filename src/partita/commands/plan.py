@@ -128,12 +128,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.compile is None:
         args.compile = "none"
         defaults.append("--compile none")
-    keep = args.keep_gathered
-    if keep is not None and keep != "auto":
-        if not keep.isdigit():
-            raise PartitaError(f"--keep-gathered {keep}: give a number of gather units "
-                               ">= 0 or auto (the most that fit).")
-        keep = int(keep)
+    keep = args.keep_gathered  # make_request refuses what is neither a count nor auto
+    keep = int(keep) if keep is not None and keep.isdigit() else keep
     model = (parse_model_shape(args.model_shape) if args.model_shape
              else resolve_model(args.model))
     req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,

@@ -248,9 +248,9 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         param_vol = m * frac * 2 * p_bytes
         if a.zero3_keeps_root:  # the root group is gathered once per microbatch, not twice
             param_vol -= m * frac * precision.param * buffers[0]["root"]
-        for last, experts in list(zip(buffers[0]["units"],  # and so are the kept units
+        for unit, experts in list(zip(buffers[0]["units"],  # and so are the kept units
                                       buffers[0]["unit_experts"]))[::-1][:a.zero3_kept_units]:
-            param_vol -= m * precision.param * (frac * last
+            param_vol -= m * precision.param * (frac * unit
                                                 + experts * (n_exp - 1) / n_exp)
             # Its experts' units (under ep > 1) are of one size, an MoE block's experts.
             kept += 1 + (round(experts / buffers[0]["experts"][-1]) if experts else 0)
