@@ -16,7 +16,13 @@ from partita.errors import (
     PartitaError,
     PeerFailure,
 )
-from partita.launch import LaunchSpec, launch, launched_externally
+from partita.launch import (
+    LaunchSpec,
+    launch,
+    launched_externally,
+    start_worker_server,
+    stop_worker_server,
+)
 from partita.run_dir import prepare_out_dir, weight_bytes
 
 
@@ -42,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 VICTIM_GRACE_S = 1.0
+# What every worker imports before its first step.
+WORKER_IMPORTS = ("torch", "torch.distributed", "partita.trainer", "partita.faults")
 
 
 def _worker(config_toml: str) -> dict:
@@ -87,15 +95,22 @@ def run(args: argparse.Namespace) -> int:
         raise PartitaError(f"--max-restarts {args.max_restarts} must be 0 or more.")
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
-    nproc = args.nproc or default_nproc()
-    validate_before_launch(cfg, nproc * args.nnodes)
-    from partita.process_setup import check_one_gpu_per_process, pick_device_name
+    # The workers' imports (in the fork server) run while this process checks the job.
+    start_worker_server(WORKER_IMPORTS)
+    try:
+        nproc = args.nproc or default_nproc()
+        validate_before_launch(cfg, nproc * args.nnodes)
+        from partita.process_setup import check_one_gpu_per_process, pick_device_name
 
-    if pick_device_name(cfg.train.device) == "cuda":
-        check_one_gpu_per_process(nproc)
+        if pick_device_name(cfg.train.device) == "cuda":
+            check_one_gpu_per_process(nproc)
+    except BaseException:
+        stop_worker_server()  # refused: say so now, not after the server's imports
+        raise
     spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                       rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                      join_timeout_s=args.rdzv_timeout, forward_sigterm=True)
+                      join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
+                      preload=WORKER_IMPORTS)
     results = launch(spec, _worker, cfg.to_toml())
     return _exit_status(results)
 
