@@ -11,6 +11,7 @@ Pure data: no torch, no process group, so the planner and the launcher can use i
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -191,7 +192,9 @@ def _tensor_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Prob
     for n, what in ((model.ffn_hidden, "model ffn hidden width"),
                     (model.vocab_size, "model.vocab_size")):
         if not _padded_split_ok(n, tp):
-            ok = [t for t in range(1, min(n, 4096) + 1) if _padded_split_ok(n, t)]
+            # The first 12 valid degrees, and whether there are more.
+            ok = list(itertools.islice((t for t in range(1, min(n, 4096) + 1)
+                                        if _padded_split_ok(n, t)), 13))
             shown = str(ok) if len(ok) <= 12 else f"{ok[:12]} ..."
             out.append(Problem(DIVISIBILITY, f"{what}={n} cannot be split over tp={tp} ranks: "
                                              f"with padding to a multiple of {tp} the last rank "

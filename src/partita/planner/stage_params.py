@@ -30,13 +30,17 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
     c = model.config
     per_stage = stage_layers(c.n_layers, layout.pp)
+    layers = range(sum(per_stage[:stage]), sum(per_stage[:stage + 1]))
+    # An MoE model's dense blocks (moe_every > 1) hold no experts. Blocks of one kind are
+    # alike: one split per kind, not per block (the search calls this ~10^5 times).
+    moe_blocks = (sum(1 for i in layers if not c.moe or c.is_moe_layer(i))
+                  if model.is_moe else 0)
     dense = expert = 0.0
-    for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
-        # An MoE model's dense blocks (moe_every > 1) hold no experts.
-        split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
-                                  moe=not c.moe or c.is_moe_layer(i))
-        dense += split["sharded"] + split["replicated"]
-        expert += split["expert"] / layout.ep
+    for count, moe in ((moe_blocks, True), (len(layers) - moe_blocks, False)):
+        if count:
+            split = model.block_split(layout.tp, assumptions.whole_kv_replicas, moe=moe)
+            dense += count * (split["sharded"] + split["replicated"])
+            expert += count * split["expert"] / layout.ep
     vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
     first, last = stage == 0, stage == layout.pp - 1
     if first:
