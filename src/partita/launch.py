@@ -78,9 +78,10 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
 
 
 def stop_worker_server() -> None:
-    """Stop the fork server at once, when the job is refused before launch. Left alone
-    it would finish its imports first, holding this process's stdout and stderr open
-    for seconds after the message, for whatever reads them to the end (a pipe, `tee`).
+    """Stop the fork server at once, once its workers have exited or the job was refused
+    before launch. Left alone it exits by itself after this process, but only after
+    finishing its imports or unloading torch (1-4 s), and it holds this process's stdout
+    and stderr open until then, for whatever reads them to the end (a pipe, `tee`).
     (multiprocessing has no public call for it: the server's pid is read where the
     standard library keeps it, and nothing happens where it is not found.)"""
     from multiprocessing import forkserver

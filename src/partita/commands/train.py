@@ -104,14 +104,13 @@ def run(args: argparse.Namespace) -> int:
 
         if pick_device_name(cfg.train.device) == "cuda":
             check_one_gpu_per_process(nproc)
-    except BaseException:
-        stop_worker_server()  # refused: say so now, not after the server's imports
-        raise
-    spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
-                      rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
-                      join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
-                      preload=WORKER_IMPORTS)
-    results = launch(spec, _worker, cfg.to_toml())
+        spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
+                          rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
+                          join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
+                          preload=WORKER_IMPORTS)
+        results = launch(spec, _worker, cfg.to_toml())
+    finally:
+        stop_worker_server()  # the workers are gone, or were never started
     return _exit_status(results)
 
 
