@@ -88,13 +88,16 @@ def cli(cache) -> CLI:
 SUITE_PROPERTY = "fault_suite"
 
 
-# The longest files (measured with --durations), started first: the two xdist workers take
-# whole files in this order, so a long file left for the end would run alone.
+# The longest files (measured with --durations=0, summed per file), started first: the two
+# xdist workers take whole files in this order (`--no-loadscope-reorder` in pyproject.toml),
+# so a long file left for the end would run alone.
 LONGEST_FIRST = (
-    "tests/e2e/test_process_faults.py", "tests/dist/test_compile_parity.py",
-    "tests/e2e/test_planned_layouts_train.py", "tests/e2e/test_checkpoint_cli.py",
-    "tests/e2e/test_cli.py", "tests/dist/test_checkpoint_resume.py",
-    "tests/e2e/test_launch_faults.py", "tests/dist/test_pipeline_parity.py",
+    "tests/dist/test_compile_parity.py",  # 4.5 min with a cold inductor cache, as in CI
+    "tests/e2e/test_process_faults.py", "tests/e2e/test_checkpoint_cli.py",
+    "tests/e2e/test_cli.py", "tests/e2e/test_launch_faults.py",
+    "tests/dist/test_pipeline_parity.py", "tests/e2e/test_bench_cli.py",
+    "tests/e2e/test_planned_layouts_train.py", "tests/e2e/test_cp_cli.py",
+    "tests/dist/test_pipeline.py", "tests/dist/test_expert_parallel.py",
 )
 
 
