@@ -33,8 +33,7 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     layers = range(sum(per_stage[:stage]), sum(per_stage[:stage + 1]))
     # An MoE model's dense blocks (moe_every > 1) hold no experts. Blocks of one kind are
     # alike: one split per kind, not per block (the search calls this ~10^5 times).
-    moe_blocks = (sum(1 for i in layers if not c.moe or c.is_moe_layer(i))
-                  if model.is_moe else 0)
+    moe_blocks = model.moe_layers(layers.start, len(layers))
     dense = expert = 0.0
     for count, moe in ((moe_blocks, True), (len(layers) - moe_blocks, False)):
         if count:
