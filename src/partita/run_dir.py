@@ -28,10 +28,7 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
                     resuming: bool = False) -> Path:
     """Create and check `out_dir` for a new run (or, `resuming`, for the continuation
     of the run whose results are there); raise PartitaError saying what to fix."""
-    path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise PartitaError(f"train.out_dir '{path}' is a file, not a folder; give the path "
-                           "of a folder (it is created when missing).")
+    path = check_out_dir(out_dir, overwrite, resuming)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".partita-write-test-{os.getpid()}"
@@ -43,15 +40,8 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
             "folder on a writable disk, or fix its permissions."
         ) from None
     remove_partial_files(path)
-    found = [] if resuming else [name for name in RESULT_FILES if (path / name).exists()]
-    if found and not overwrite:
-        raise PartitaError(
-            f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
-            "choose a new folder with --train.out_dir=PATH, continue that run with "
-            "--train.resume=auto, or replace them with --train.overwrite=true."
-        )
-    if found:
-        for name in found:
+    if not resuming:
+        for name in _results(path):
             (path / name).unlink()
         for events in path.glob("events.out.tfevents.*"):
             events.unlink()
@@ -63,6 +53,27 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
             "and metrics); free some space or choose a folder on another disk."
         )
     return path
+
+
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = False) -> Path:
+    """The checks of `prepare_out_dir` that change nothing: `out_dir` is not a file, and
+    holds no other run's results unless `overwrite` (or `resuming` that run)."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise PartitaError(f"train.out_dir '{path}' is a file, not a folder; give the path "
+                           "of a folder (it is created when missing).")
+    found = [] if resuming or not path.is_dir() else _results(path)
+    if found and not overwrite:
+        raise PartitaError(
+            f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
+            "choose a new folder with --train.out_dir=PATH, continue that run with "
+            "--train.resume=auto, or replace them with --train.overwrite=true."
+        )
+    return path
+
+
+def _results(path: Path) -> list[str]:
+    return [name for name in RESULT_FILES if (path / name).exists()]
 
 
 def remove_partial_files(path: Path) -> None:

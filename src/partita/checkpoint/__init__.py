@@ -6,21 +6,41 @@
 
 The format is documented in docs/checkpoints.md: a folder per step with one
 safetensors file per rank and a JSON manifest written last.
+
+Finding, reading and checking a manifest needs no torch (`partita train` refuses a
+wrong checkpoint before it imports torch); the names that read or write tensors load
+on first use.
 """
 
-from partita.checkpoint.files import CheckpointFileError
+from __future__ import annotations
+
+import importlib
+
 from partita.checkpoint.manifest import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    check_model,
     complete_checkpoints,
     find_latest,
     read_manifest,
     resolve,
     step_dir_name,
 )
-from partita.checkpoint.reader import CheckpointMismatch, Loaded, check_model, load_checkpoint
-from partita.checkpoint.writer import CheckpointWriter, SaveReport, manifest_fields
+
+_LAZY = {"Loaded": "partita.checkpoint.reader", "load_checkpoint": "partita.checkpoint.reader",
+         "CheckpointWriter": "partita.checkpoint.writer", "SaveReport": "partita.checkpoint.writer",
+         "manifest_fields": "partita.checkpoint.writer"}
 
 __all__ = [
     "CheckpointFileError", "CheckpointMismatch", "CheckpointWriter", "Loaded", "SaveReport",
     "check_model", "complete_checkpoints", "find_latest", "load_checkpoint",
     "manifest_fields", "read_manifest", "resolve", "step_dir_name",
 ]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    raise AttributeError(f"module 'partita.checkpoint' has no attribute {name!r}")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from partita.errors import PartitaError
+from partita.checkpoint.manifest import CheckpointFileError
 
 CRC_BLOCK = 4 << 20  # bytes per checksum block
 _WRITE_CHUNK = 16 << 20  # bytes per write call
@@ -34,10 +34,6 @@ DTYPE_CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in DTYPE_CODES}
 DTYPES_BY_NAME = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-
-
-class CheckpointFileError(PartitaError):
-    """A checkpoint file is missing, truncated or corrupt (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -115,15 +111,6 @@ def _write_all(fd: int, data: memoryview) -> None:
         chunk = data[lo:lo + _WRITE_CHUNK]
         while len(chunk):
             chunk = chunk[os.write(fd, chunk):]
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class FileReader:

@@ -22,7 +22,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-from partita.checkpoint.files import CheckpointFileError, fsync_dir
+from partita.errors import PartitaError
 
 FORMAT = "partita-checkpoint"
 VERSION = 1
@@ -30,6 +30,48 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")
 PARTIAL = ".partial"
+
+# The model settings that decide what the saved numbers mean; a checkpoint loads only
+# into a model that agrees on all of them.
+ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                     "flavour", "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling",
+                     "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                     "rope_original_max_len")
+
+
+class CheckpointFileError(PartitaError):
+    """A checkpoint file is missing, truncated or corrupt (the message names it)."""
+
+
+class CheckpointMismatch(PartitaError):
+    """The checkpoint is sound but belongs to another model or optimizer."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def model_fields(model_cfg) -> dict:
+    """The architecture of a ModelConfig, as a checkpoint records it."""
+    return {k: getattr(model_cfg, k) for k in ARCHITECTURE_KEYS if hasattr(model_cfg, k)}
+
+
+def check_model(manifest: dict, model_cfg, folder: Path) -> None:
+    """Refuse a checkpoint of another model, naming the settings that differ."""
+    saved, here = manifest.get("model", {}), model_fields(model_cfg)
+    diff = [f"{k}: checkpoint {saved[k]!r}, this run {here[k]!r}" for k in here
+            if k in saved and saved[k] != here[k]]
+    if diff:
+        raise CheckpointMismatch(
+            f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "
+            "Resume with the model settings it was written with (its manifest.json lists "
+            "them), or start a fresh run."
+        )
 
 
 def step_dir_name(step: int) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from partita.checkpoint.files import FileReader, record_from_json
-from partita.checkpoint.manifest import read_manifest
+from partita.checkpoint.manifest import CheckpointMismatch, check_model, read_manifest
 from partita.checkpoint.regions import Region, RunIndex
 from partita.checkpoint.state import (
     EXP_AVG,
@@ -30,17 +30,6 @@ from partita.checkpoint.state import (
 from partita.errors import PartitaError
 from partita.layout import DEGREES
 
-# The model settings that decide what the saved numbers mean; a checkpoint loads only
-# into a model that agrees on all of them.
-ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                     "flavour", "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling",
-                     "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_original_max_len")
-
-
-class CheckpointMismatch(PartitaError):
-    """The checkpoint is sound but belongs to another model or optimizer."""
-
 
 @dataclass
 class Loaded:
@@ -51,24 +40,6 @@ class Loaded:
     training: dict  # the run's own fields (sampler position, counters)
     same_layout: bool  # random streams restored (else fresh ones, see reseed_rng)
     bytes_read: int
-
-
-def model_fields(model_cfg) -> dict:
-    """The architecture of a ModelConfig, as a checkpoint records it."""
-    return {k: getattr(model_cfg, k) for k in ARCHITECTURE_KEYS if hasattr(model_cfg, k)}
-
-
-def check_model(manifest: dict, model_cfg, folder: Path) -> None:
-    """Refuse a checkpoint of another model, naming the settings that differ."""
-    saved, here = manifest.get("model", {}), model_fields(model_cfg)
-    diff = [f"{k}: checkpoint {saved[k]!r}, this run {here[k]!r}" for k in here
-            if k in saved and saved[k] != here[k]]
-    if diff:
-        raise CheckpointMismatch(
-            f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "
-            "Resume with the model settings it was written with (its manifest.json lists "
-            "them), or start a fresh run."
-        )
 
 
 class SavedPieces:

@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from partita.checkpoint.files import fsync_dir, record_to_json, write_file
+from partita.checkpoint.files import record_to_json, write_file
 from partita.checkpoint.manifest import (
     PARTIAL,
+    fsync_dir,
+    model_fields,
     prune,
     remove_partials,
     step_dir_name,
@@ -208,7 +210,6 @@ def manifest_fields(pm, training: dict, config: str = "", layout=None) -> dict:
 
     from partita import __version__
     from partita.checkpoint.manifest import FORMAT, VERSION
-    from partita.checkpoint.reader import model_fields
     from partita.layout import DEGREES
 
     dp, dims = pm.dp, pm.mesh.dims

@@ -7,7 +7,11 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
+from partita.checkpoint import check_model, complete_checkpoints, read_manifest
+from partita.checkpoint.manifest import check_files
+from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config, config_from_toml, load_config
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
@@ -23,7 +27,8 @@ from partita.launch import (
     start_worker_server,
     stop_worker_server,
 )
-from partita.run_dir import prepare_out_dir, weight_bytes
+from partita.layout_rules import validate
+from partita.run_dir import check_out_dir, prepare_out_dir, weight_bytes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -95,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         raise PartitaError(f"--max-restarts {args.max_restarts} must be 0 or more.")
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
-    # The workers' imports (in the fork server) run while this process checks the job.
+    check_before_torch(cfg, args.nproc * args.nnodes if args.nproc else None)
+    # The workers' imports (in the fork server) run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
         nproc = args.nproc or default_nproc()
@@ -127,6 +133,17 @@ def _exit_status(results: list[dict]) -> int:
 
 
 
+def check_before_torch(cfg: Config, world_size: int | None) -> None:
+    """The checks that need no torch, run before anything imports it: a job refused for
+    its layout (when the world size is known without asking torch for GPUs), its
+    checkpoint or its output folder ends in a fraction of a second instead of several.
+    `validate_before_launch` repeats them with the rest."""
+    if world_size is not None:
+        validate(cfg.layout(world_size), cfg.model_config(), world_size,
+                 seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
+    check_run_dir(cfg)
+
+
 def validate_before_launch(cfg: Config, world_size: int) -> None:
     """Catch layout and data mistakes here, once, instead of in every process.
 
@@ -145,29 +162,34 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
     prepare_run_dir(cfg)
 
 
-def prepare_run_dir(cfg: Config) -> None:
-    """Check and claim train.out_dir for this run (see partita.run_dir), and the
-    checkpoint to resume from: it must exist and be of this model."""
-    from partita.checkpoint import check_model, complete_checkpoints, read_manifest
-    from partita.checkpoint.manifest import check_files
-    from partita.checkpoint.resume import checkpoint_root, resume_target
-
+def check_run_dir(cfg: Config) -> Path | None:
+    """Check, changing nothing, the checkpoint to resume from (it must exist, be whole
+    and be of this model) and that train.out_dir and the checkpoint folder hold no
+    earlier run's results unless train.overwrite; the checkpoint, or None."""
     target = resume_target(cfg)
     if target is not None:
         manifest = read_manifest(target)
         check_model(manifest, cfg.model_config(), target)
         check_files(target, manifest)
+    earlier = [] if target is not None else complete_checkpoints(checkpoint_root(cfg))
+    if earlier and not cfg.train.overwrite:
+        raise PartitaError(
+            f"{checkpoint_root(cfg)} holds checkpoints of an earlier run (newest: "
+            f"{earlier[-1].name}); continue it with --train.resume=auto, choose another "
+            "train.out_dir (or train.checkpoint_dir), or start over with "
+            "--train.overwrite=true, which deletes them."
+        )
+    check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=target is not None)
+    return target
+
+
+def prepare_run_dir(cfg: Config) -> None:
+    """Check and claim train.out_dir for this run (see partita.run_dir): `check_run_dir`,
+    then, with train.overwrite, remove the earlier run's checkpoints and results."""
+    target = check_run_dir(cfg)
     root = checkpoint_root(cfg)
-    earlier = complete_checkpoints(root)
-    if target is None and earlier:
-        if not cfg.train.overwrite:
-            raise PartitaError(
-                f"{root} holds checkpoints of an earlier run (newest: {earlier[-1].name}); "
-                "continue it with --train.resume=auto, choose another train.out_dir (or "
-                "train.checkpoint_dir), or start over with --train.overwrite=true, which "
-                "deletes them."
-            )
-        for folder in earlier:
+    if target is None:
+        for folder in complete_checkpoints(root):
             shutil.rmtree(folder)
         (root / "latest").unlink(missing_ok=True)
     wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
