@@ -3,7 +3,7 @@ functions, under TYPE_CHECKING) must point down the table below or stay in its l
 
 Layers, lowest first (docs/architecture.md explains each):
 
-    base         partita (the package), errors, device_specs, host_memory, local_world
+    base         partita (the package), errors, device_specs, host_memory, local_world, lazy
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges   the typed run configuration and its valid ranges
@@ -35,7 +35,7 @@ import partita
 
 CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
-              "partita.local_world", "partita.eager_only")),
+              "partita.local_world", "partita.eager_only", "partita.lazy")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges")),

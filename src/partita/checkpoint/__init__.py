@@ -14,8 +14,6 @@ on first use.
 
 from __future__ import annotations
 
-import importlib
-
 from partita.checkpoint.manifest import (
     CheckpointFileError,
     CheckpointMismatch,
@@ -26,6 +24,7 @@ from partita.checkpoint.manifest import (
     resolve,
     step_dir_name,
 )
+from partita.lazy import lazy_names
 
 _LAZY = {"Loaded": "partita.checkpoint.reader", "load_checkpoint": "partita.checkpoint.reader",
          "CheckpointWriter": "partita.checkpoint.writer", "SaveReport": "partita.checkpoint.writer",
@@ -37,10 +36,4 @@ __all__ = [
     "manifest_fields", "read_manifest", "resolve", "step_dir_name",
 ]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this hook
-        return value
-    raise AttributeError(f"module 'partita.checkpoint' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)

@@ -7,8 +7,7 @@ planner and `partita plan` start in a fraction of a second.
 
 from __future__ import annotations
 
-import importlib
-
+from partita.lazy import lazy_names
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
 
@@ -18,10 +17,4 @@ _LAZY = {"ModelPlan": "partita.models.plan", "Transformer": "partita.models.tran
 __all__ = ["MODELS", "ModelConfig", "ModelPlan", "Transformer", "build_model",
            "get_model_config"]
 
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value  # later lookups skip this hook
-        return value
-    raise AttributeError(f"module 'partita.models' has no attribute {name!r}")
+__getattr__ = lazy_names(__name__, _LAZY)
