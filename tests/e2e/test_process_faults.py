@@ -114,9 +114,11 @@ def test_a_stalled_step_is_reported_before_the_timeout(tmp_path, cache):
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PARTITA_FAULT": "rank=1,step=4,at=forward,do=stop"}
     settings = [s for s in SMALL if "timeout_s" not in s]
+    # The warning comes after max(3 x median step, 2 s) and the 1.5 s silence probe,
+    # about 4 s into the stall; a 10 s timeout leaves room on a loaded machine.
     result = subprocess.run(
         [sys.executable, "-m", "partita.cli", "train", *settings, "--nproc", "2",
-         "--train.steps=6", "--train.collective_timeout_s=15", "--train.stall_warning_factor=3",
+         "--train.steps=6", "--train.collective_timeout_s=10", "--train.stall_warning_factor=3",
          f"--data.cache_dir={cache}", f"--train.out_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
     err = result.stderr
