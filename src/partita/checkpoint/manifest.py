@@ -1,4 +1,5 @@
-"""The checkpoint folder: its manifest, the `latest` pointer, finding and pruning.
+"""The checkpoint folder: its manifest, the `latest` pointer, finding and pruning, and
+the checks a manifest allows (files present, the model it was written for). No torch.
 
     CHECKPOINT_ROOT/                 train.checkpoint_dir (default OUT_DIR/checkpoints)
       latest                         the newest complete checkpoint's folder name
