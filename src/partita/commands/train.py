@@ -132,7 +132,6 @@ def _exit_status(results: list[dict]) -> int:
     return CHECKPOINT_STOP_EXIT
 
 
-
 def check_before_torch(cfg: Config, world_size: int | None) -> None:
     """The checks that need no torch, run before anything imports it: a job refused for
     its layout (when the world size is known without asking torch for GPUs), its
