@@ -1,6 +1,6 @@
 """Forward + backward time of partita's stage 0, eager against each compile mode.
 
-    PYTHONPATH=src python tools/compile_phases.py tiny [--rounds 3] [--steps 20]
+    PYTHONPATH=src python tools/compile_phases.py tiny [--rounds 3] [--steps 20] [--world 2]
 
 One process per mode and round (eager, `train.compile=blocks`, `train.compile=model`;
 one thread, fp32, 4x128 tokens); each times `--steps` steps cut into forward + loss,
@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("model", help="a bench model (tiny, llama-20m, ...)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--world", type=int, default=1,
+                        help="ranks (gloo, one thread each; rank 0's times are printed)")
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
@@ -73,7 +75,7 @@ def main() -> None:
     for r in range(args.rounds):
         fb = {}
         for mode in MODES:
-            ms = run_distributed(_worker, 1, args=(args.model, mode, args.steps),
+            ms = run_distributed(_worker, args.world, args=(args.model, mode, args.steps),
                                  timeout=3600)[0]
             fb[mode] = ms["forward"] + ms["backward"]
             print(f"round {r}: {mode:<6} forward {ms['forward']:8.2f} ms, backward "

@@ -9,8 +9,15 @@ pieces of a block: each `EagerOnly` function is one deliberate graph break.
 
     keep_out_of_compiled_graphs()   # partita.compile, before anything compiles
 
-The functions become `torch.compiler.disable`d only then: importing dynamo to mark
-them at import time would cost every eager process about a second of start-up.
+A `trace_time_constant` function is the other kind compiled code calls rather than
+traces: dynamo calls it once while tracing and bakes its result into the graph as a
+constant (`torch.compiler.assume_constant_result`). Its arguments must be plain Python
+values, which dynamo guards on, so a call with other arguments traces again instead of
+reusing a stale constant. The rotary tables are one: traced, their float64 cos and sin
+were fused into every kernel that reads them and recomputed per element.
+
+The functions become `torch.compiler.disable`d (or constant) only then: importing dynamo
+to mark them at import time would cost every eager process about a second of start-up.
 """
 
 from __future__ import annotations
@@ -35,8 +42,20 @@ class EagerOnly:
         return self.fn(*args, **kwargs)
 
 
+_TRACE_TIME_CONSTANTS: list[Callable] = []
+
+
+def trace_time_constant(fn: Callable) -> Callable:
+    """Register `fn` (plain-value arguments, no side effects) as a trace-time constant."""
+    _TRACE_TIME_CONSTANTS.append(fn)
+    return fn
+
+
 def keep_out_of_compiled_graphs() -> None:
-    """Mark every `EagerOnly` function `torch.compiler.disable` (once)."""
+    """Mark every `EagerOnly` function `torch.compiler.disable` and every trace-time
+    constant `torch.compiler.assume_constant_result` (once)."""
     for wrapped in EagerOnly.instances:
         if not getattr(wrapped.fn, "_torchdynamo_disable", False):
             wrapped.fn = torch.compiler.disable(wrapped.fn)
+    for fn in _TRACE_TIME_CONSTANTS:
+        torch.compiler.assume_constant_result(fn)  # marks fn itself
