@@ -12,13 +12,15 @@ part of a step (`compute_s`) and nothing else; the rates that follow from the st
 
 `COMPUTE_FACTORS` are forward + backward times, compiled over eager, of partita's stage
 0 in one CPU process (fp32, 4x128 tokens, one thread), measured by
-`tools/compile_phases.py` on 2026-12-02 (docs/benchmarks.md, "Compiled training on a
-quiet machine"): the median of six per-round ratios, three rounds each on the tiny model
-(dim 128) and `llama-20m` (dim 512), rounded. `model` read 0.768-0.805 on the tiny model
-and 0.786-0.965 on `llama-20m`; `blocks` 0.940-1.113 and 0.852-1.071, no gain this CPU
-can resolve (the wider the model, the larger the GEMMs' share, which compiling leaves to
-the same kernels). They are CPU figures; a GPU, where eager launch overhead and
-memory-bound kernels weigh differently, needs its own measurement.
+`tools/compile_phases.py` on 2026-12-03 at commit b74c7b5 (docs/benchmarks.md,
+"Compiled training on a quiet machine"): the median of six per-round ratios, three
+rounds each on the tiny model (dim 128) and `llama-20m` (dim 512), rounded. `model`
+read 0.792-0.814 on the tiny model and 0.930-0.971 on `llama-20m`; `blocks` 0.811-0.846
+and 0.947-0.953 (the wider the model, the larger the GEMMs' share, which compiling
+leaves to the same kernels). Before the rotary tables became constants of the compiled
+graphs (b74c7b5), `blocks` gained nothing this CPU could resolve. They are CPU figures;
+a GPU, where eager launch overhead and memory-bound kernels weigh differently, needs its
+own measurement.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 from partita.compile_rules import MODES, model_refusal
 from partita.layout import Layout
 
-COMPUTE_FACTORS = {"blocks": 1.0, "model": 0.80}
+COMPUTE_FACTORS = {"blocks": 0.90, "model": 0.87}
 RATES = ("tokens_per_s", "mfu", "model_flops_per_gpu", "hardware_flops_per_gpu", "hfu")
 
 
