@@ -13,7 +13,7 @@ part of a step (`compute_s`) and nothing else; the rates that follow from the st
 `COMPUTE_FACTORS` are forward + backward times, compiled over eager, of partita's stage
 0 in one CPU process (fp32, 4x128 tokens, one thread), measured by
 `tools/compile_phases.py` on 2026-12-03 at commit b74c7b5 (docs/benchmarks.md,
-"Compiled training on a quiet machine"): the median of six per-round ratios, three
+"Rotary tables as graph constants"): the median of six per-round ratios, three
 rounds each on the tiny model (dim 128) and `llama-20m` (dim 512), rounded. `model`
 read 0.792-0.814 on the tiny model and 0.930-0.971 on `llama-20m`; `blocks` 0.811-0.846
 and 0.947-0.953 (the wider the model, the larger the GEMMs' share, which compiling
