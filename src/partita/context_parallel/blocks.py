@@ -83,32 +83,26 @@ def _fused(q: torch.Tensor, documents: torch.Tensor | None) -> bool:
     return documents is None and q.device.type == "cpu" and _CPU_FLASH_BACKWARD is not None
 
 
-def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """Grouped q (b, g, r, sq, d), k, v (b, g, sk, d) -> (b, g*r, s, d) each: the fused
-    kernel wants one kv head per query head, so kv heads repeat here, in this rank's
-    memory only (what travels is never repeated)."""
+def _heads(q: torch.Tensor) -> torch.Tensor:
+    """Grouped q (b, g, r, sq, d) -> (b, g*r, sq, d): the fused kernel reads query head
+    i's kv head i // r from k, v (b, g, sk, d) in place, so no kv head is repeated."""
     b, g, r, sq, d = q.shape
-
-    def spread(t: torch.Tensor) -> torch.Tensor:
-        return t.unsqueeze(2).expand(b, g, r, t.shape[-2], d).reshape(b, g * r, -1, d)
-
-    return q.reshape(b, g * r, sq, d), spread(k), spread(v)
+    return q.reshape(b, g * r, sq, d)
 
 
 def _flash_forward(q, k, v, scale: float, causal: bool):
     b, g, r, sq, d = q.shape
-    out, lse = _CPU_FLASH(*_heads(q, k, v), 0.0, causal, scale=scale)
+    out, lse = _CPU_FLASH(_heads(q), k, v, 0.0, causal, scale=scale)
     return out.reshape(q.shape), lse.reshape(b, g, r, sq)
 
 
 def _flash_backward(q, k, v, scale: float, causal: bool, grad_out, out, lse):
     b, g, r, sq, d = q.shape
-    qf, kf, vf = _heads(q, k, v)
-    dq, dk, dv = _CPU_FLASH_BACKWARD(grad_out.reshape(qf.shape), qf, kf, vf,
+    qf = _heads(q)
+    dq, dk, dv = _CPU_FLASH_BACKWARD(grad_out.reshape(qf.shape), qf, k, v,
                                      out.reshape(qf.shape), lse.reshape(b, g * r, sq),
                                      0.0, causal, scale=scale)
-    fold = (b, g, r, kf.shape[-2], d)
-    return dq.reshape(q.shape), dk.reshape(fold).sum(2), dv.reshape(fold).sum(2)
+    return dq.reshape(q.shape), dk, dv
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,

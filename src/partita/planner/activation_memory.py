@@ -80,15 +80,16 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     }
     if layout.cp > 1 and a.cp_eager_pieces:
         # Context-parallel attention keeps a log-sum-exp per head and query (no scores)
-        # and its merged output in the compute dtype beside the projection's input.
+        # and its merged output, in the compute dtype and a storage of its own, beside
+        # the projection's input (in one process the two are one tensor).
         terms["attention_scores"] = 4.0 * c.n_heads / t * s * b
-        terms["cp_output"] = (max(e, 4) - e) * s * b * h / t
+        terms["cp_output"] = max(e, 4) * s * b * h / t
     if a.rotary_tables_saved and c.flavour == "llama":
         terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
     if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:
         # Sequence-parallel norms use a clone of their weight (and bias), kept for backward.
         terms["norm_weight_copies"] = 2 * (2 if c.flavour == "gpt2" else 1) * precision.param * h
-    if a.gqa_expanded_kv and t > 1 and c.kv_heads % t:
+    if a.whole_kv_replicas and t > 1 and c.kv_heads % t:
         # kv heads replicated over tp: the rows this rank reads are index-selected from
         # the K and V weights, and those copies are saved.
         terms["kv_weight_rows"] = 2 * precision.param * -(-c.kv_heads // t) * c.head_dim * h

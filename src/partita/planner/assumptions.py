@@ -126,8 +126,9 @@ class Assumptions:
     # model: RMSNorm saves an fp32 copy of its input, its normalised output and an fp32
     # rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd.
     norm_kernel: str = "fused"
-    # partita's attention repeats grouped kv heads to the query heads before the kernel,
-    # which then saves full-width K and V (kernels with native GQA keep the kv heads).
+    # partita's attention on CUDA repeats grouped kv heads to the query heads before the
+    # kernel, which then saves full-width K and V (kernels with native GQA keep the kv
+    # heads, as torch's CPU flash kernel does for partita on CPU).
     gqa_expanded_kv: bool = False
     # tp above the kv heads: partita keeps every kv head's K and V projections on each
     # rank (Megatron keeps only the head its query heads read).
@@ -196,7 +197,8 @@ class Assumptions:
         preset for the `cpu` device profile, checked by tests/dist/test_planner_accuracy.py.
 
         torch's CPU scaled-dot-product attention is a flash-style kernel (it saves Q, K,
-        V, the output and an fp32 log-sum-exp, no s x s scores); everything else eager:
+        V, the output and an fp32 log-sum-exp, no s x s scores) that reads grouped kv
+        heads in place (K and V keep the kv heads' width); everything else eager:
         SwiGLU keeps gate, silu(gate), up and their product; the loss (`partita.loss`)
         keeps one fp32 element per vocabulary entry, and while it runs the logits or
         their gradient beside it (`loss_transients`). `partita_on_gpu()` is the same
@@ -208,7 +210,7 @@ class Assumptions:
         tile steps at N = 96-256 (docs/planner.md); eager PyTorch ops cost ~10 us each.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
-                   logits_bytes_per_element=4.0, gqa_expanded_kv=True,
+                   logits_bytes_per_element=4.0, gqa_expanded_kv=False,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    zero3_kept_units=1,
@@ -221,9 +223,10 @@ class Assumptions:
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:
         """partita's own model and engines (`measured_cpu()`'s memory accounting) on a
-        GPU: the preset of `partita plan --implementation partita`."""
+        GPU: the preset of `partita plan --implementation partita`. There, grouped kv
+        heads are repeated before the attention kernel (`models.transformer.AttentionCore`)."""
         gpu = cls()
-        return replace(cls.measured_cpu(), compile_gain=False,
+        return replace(cls.measured_cpu(), compile_gain=False, gqa_expanded_kv=True,
                        **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
