@@ -299,9 +299,7 @@ def test_loss_peak_is_saved_logits_plus_transients(tp, fp32):
 
 def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_counted():
     """Per rank, cp = c keeps s/c tokens' activations (scores replaced by a log-sum-exp
-    in partita's kernels, as in a cp = 1 run that keeps none), plus the core's merged
-    output, a storage apart from the output projection's input: 1/c of a cp = 1 run
-    with one more fp32 (s, h) tensor per layer; the
+    in partita's kernels: so exactly 1/c of a cp = 1 run that also keeps none); the
     ring holds 2 K + 4 K_g of key/value buffers (the pair held and the one arriving; the
     own pair's gradients, the contribution being computed, one leaving, one arriving),
     the all-gather kind 2c (K + K_g)."""
@@ -314,7 +312,7 @@ def test_context_parallel_activations_fall_as_one_over_c_and_kv_buffers_are_coun
     one = layer_activation_bytes(model, Layout(), 4096, prec, a)
     for c in (2, 4, 8):
         got = layer_activation_bytes(model, Layout(cp=c), 4096, prec, a)
-        assert got == pytest.approx((one + 4 * 4096 * 64) / c, rel=1e-9)
+        assert got == pytest.approx(one / c, rel=1e-9)
         k = kv_shard_bytes(model, Layout(cp=c), 4096, prec)
         assert k == 2 * 4096 / c * 2 * 16 * 4  # K and V, 2 kv heads of 16, fp32
         ring = comm_buffer_bytes(model, Layout(cp=c), 4096, prec, 0, a)

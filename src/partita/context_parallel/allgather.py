@@ -91,16 +91,17 @@ class AllGatherAttention(torch.autograd.Function):
                                                     scale, False,
                                                     piece.documents(segments, rank, degree))
                 out, lse = blocks.merge_rows(out, lse, part_out, part_lse, piece.rows)
-        ctx.save_for_backward(q, k, v, out, lse)
+        returned, saved = blocks.merged_output(out, q)
+        ctx.save_for_backward(q, k, v, saved, lse)
         ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
-        # A tensor of its own (see ring.py): the saved bytes stay those of one process.
-        return out.reshape(q.shape).to(q.dtype).contiguous()
+        return returned
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
+        out = blocks.group_queries(out, g)
         rank, degree = comm.index, comm.size
         own = torch.stack((k, v))
         gathered, gathering = _gather(own, comm)

@@ -189,3 +189,17 @@ def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(b, h, s, d) -> (b, g, h/g, s, d): query heads grouped by the kv head they read."""
     b, h, s, d = q.shape
     return q.reshape(b, kv_heads, h // kv_heads, s, d)
+
+
+def merged_output(out: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(returned, saved) for a core's merged output `out` (b, g, r, s, d), in the compute
+    dtype. The returned tensor has q's shape (b, h, s, d) and dtype and lies in memory as
+    (b, s, h, d), as one process's flash output does, so the model's head merge before
+    the output projection is a view of it; where the compute dtype is q's, it is also
+    the tensor saved for backward: one storage for both, as in one process (16-bit
+    models save the fp32 output beside it). `saved` is (b, h, s, d) either way."""
+    b, h, s, d = q.shape
+    merged = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+    merged.copy_(out.reshape(q.shape).transpose(1, 2))
+    returned = merged.transpose(1, 2)
+    return returned, (returned if out.dtype == q.dtype else out.reshape(q.shape))

@@ -78,18 +78,17 @@ class RingAttention(torch.autograd.Function):
                 out, lse = blocks.merge_rows(out, lse, part_out, part_lse, rows)
             if pending is not None:
                 (kv,) = pending.wait()
-        ctx.save_for_backward(q, k, v, out, lse)
+        returned, saved = blocks.merged_output(out, q)
+        ctx.save_for_backward(q, k, v, saved, lse)
         ctx.comm, ctx.scale, ctx.segments, ctx.clock = comm, scale, segments, clock
-        # A tensor of its own: the fused kernel lays its output out like the queries, so
-        # the model's head-merging reshape would alias the saved output; a copy keeps the
-        # saved bytes those of one process's layer, which the planner counts.
-        return out.reshape(q.shape).to(q.dtype).contiguous()
+        return returned
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
         g, n = k.shape[1], q.shape[2] // 2
+        out = blocks.group_queries(out, g)
         rank, degree = comm.index, comm.size
         qg = blocks.group_queries(q, g)
         work = blocks.compute_dtype(q.dtype)

@@ -80,10 +80,11 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     }
     if layout.cp > 1 and a.cp_eager_pieces:
         # Context-parallel attention keeps a log-sum-exp per head and query (no scores)
-        # and its merged output, in the compute dtype and a storage of its own, beside
-        # the projection's input (in one process the two are one tensor).
+        # and its merged output in the compute dtype: the projection's input itself in
+        # fp32 and fp64 (as one process's flash output is), an fp32 tensor beside it
+        # under 16-bit training (`context_parallel.blocks.merged_output`).
         terms["attention_scores"] = 4.0 * c.n_heads / t * s * b
-        terms["cp_output"] = max(e, 4) * s * b * h / t
+        terms["cp_output"] = (4.0 if e < 4 else 0.0) * s * b * h / t
     if a.rotary_tables_saved and c.flavour == "llama":
         terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
     if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:
