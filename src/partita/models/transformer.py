@@ -111,9 +111,9 @@ class AttentionCore(nn.Module):
 
     With `segments` (batch, seq), the document number of every token of packed rows (see
     partita.models.documents), a token attends only within its own document. That mask
-    is a tensor argument of scaled_dot_product_attention, which then uses its math or
-    memory-efficient kernel (the flash kernel takes no mask); without segments,
-    is_causal lets it use any kernel.
+    is a tensor argument of scaled_dot_product_attention, which on CUDA then uses its
+    math or memory-efficient kernel (the CUDA flash kernel takes no mask; the CPU one
+    does); without segments, is_causal lets it use any kernel.
 
     Grouped-query attention: k and v come with their own (fewer) heads. torch's CPU
     flash kernel reads a query head's kv head in place (`enable_gqa`), masked or not, so
