@@ -6,11 +6,14 @@
 #   3. `partita bench zero` and `partita bench pp` with one free core per rank (the
 #      machine has 16), against the 2-core CI box where 4 ranks share 2 cores;
 #   4. tools/loss_check.py: partita's loss against torch's cross-entropy, time and
-#      peak memory at 8,192 tokens x 128K vocabulary.
+#      peak memory at 8,192 tokens x 128K vocabulary;
+#   5. `partita bench gpu --compile`: each compile mode against eager at ZeRO 0 and 3
+#      (Llama 3.2 1B, bf16) with MFU, and the top kernels of a compiled step.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
-# Arguments pick parts (gpu train zero pp loss); none runs them all.
+# Arguments pick parts (compile gpu train zero pp loss); none runs them all, which takes
+# longer than one device call allows: pick two or three per call.
 set -u
-PARTS=${*:-gpu train zero pp loss}
+PARTS=${*:-compile gpu train zero pp loss}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT"
@@ -24,6 +27,10 @@ fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
 nproc
+
+want compile && echo "== [$SECONDS s] bench gpu --compile" &&
+timeout 480 partita bench gpu --compile --rounds 6 --profile "partita stage 0 model" 2>&1 \
+    | grep -v Warning | tee "$OUT/bench_gpu_compile.log"
 
 want gpu && echo "== [$SECONDS s] bench gpu" &&
 timeout 300 partita bench gpu 2>&1 | grep -v Warning | tee "$OUT/bench_gpu.log"

@@ -62,3 +62,26 @@ def test_a_deepspeed_engine_is_freed_after_its_pair():
     events = run_distributed(_worker, 1, args=([("partita stage 2", "DeepSpeed ZeRO 2")],),
                              timeout=600)[0]
     assert events[-1] == "report partita stage 2 / DeepSpeed ZeRO 2, alive: []", events
+
+
+def _gpu_compile_pairs(rank: int, world: int) -> tuple[list[dict], str]:
+    from partita.bench import gpu
+
+    setup = harness.Setup(batch=1, seq=16, warmup=1, rounds=1, max_rounds=1, steps=1)
+    rows, _, kernels = gpu._worker(rank, world, setup, gpu.COMPILE_PAIRS,
+                                   "partita stage 0 model")
+    return rows, kernels
+
+
+def test_the_gpu_bench_compile_runners_and_profile_run_on_cpu():
+    """`partita bench gpu --compile --profile ...` (the device script's compile part) on
+    CPU: every compile runner builds and steps in bf16 next to its eager stage, and the
+    profile lists the runner's kernels, the matmuls among them. A GPU run is then only
+    the device."""
+    from partita.bench import gpu
+
+    rows, kernels = run_distributed(_gpu_compile_pairs, 1, timeout=900)[0]
+    assert [(r["ours"], r["peer"]) for r in rows] == gpu.COMPILE_PAIRS
+    for r in rows:
+        assert 0 < r["estimate"].median < 10, r
+    assert "aten::mm" in kernels and "Self CPU" in kernels, kernels

@@ -15,6 +15,11 @@ Both sides keep fp32 master weights and AdamW states, compute in bf16 and reduce
 gradients in fp32 (FSDP2's MixedPrecisionPolicy(bf16, fp32)); the loss is computed on
 fp32 logits everywhere. MFU counts 6N + attention FLOPs per token
 (`ModelConfig.flops_per_token`) against the GPU's dense bf16 datasheet peak.
+
+`--compile` times partita's compile modes against the same stage eager instead
+(`COMPILE_PAIRS`: stage 0 blocks and model, stage 3 blocks); `--profile RUNNER` then
+profiles one runner and prints its top kernels by device time (the CPU test of both
+paths: tests/dist/test_bench_harness.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import torch
 
 from partita.bench import dp as harness
+from partita.bench.models import blocks_of
 from partita.local_world import run_distributed
 
 BF16 = torch.bfloat16
@@ -69,9 +75,21 @@ def _fsdp2(model, mesh, reshard: bool) -> harness.Step:
 
 
 def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
+    """`partita stage N` (eager), `partita stage N blocks` (each block compiled, before
+    the engine, as `train.compile=blocks` does), `partita stage 0 model` (the whole
+    model compiled after the engine), or one of the peers."""
+    words = name.split()
+    if words[:2] == ["partita", "stage"]:
+        from partita.compile import compile_block_modules, compile_model
+
+        mode = words[3] if len(words) > 3 else "none"
+        if mode == "blocks":
+            compile_block_modules(blocks_of(model))
+        step = _partita(model, mesh, int(words[2]))
+        if mode == "model":
+            compile_model(step.engine.module)
+        return step
     kind, _, arg = name.rpartition(" ")
-    if kind == "partita stage":
-        return _partita(model, mesh, int(arg))
     if name == "DDP autocast bf16":
         return _ddp_autocast(model, mesh)
     if kind == "FSDP2 reshard":
@@ -83,11 +101,48 @@ PAIRS = [("partita stage 0", "DDP autocast bf16"),
          ("partita stage 2", "FSDP2 reshard False"),
          ("partita stage 3", "FSDP2 reshard True"),
          ("partita stage 0", "partita stage 0")]
+# `--compile`: each compile mode against the same stage eager (`train.compile`).
+COMPILE_PAIRS = [("partita stage 0 blocks", "partita stage 0"),
+                 ("partita stage 0 model", "partita stage 0"),
+                 ("partita stage 3 blocks", "partita stage 3")]
 
 
-def _worker(rank: int, world: int, setup: harness.Setup) -> tuple[list[dict], int]:
-    rows = harness.time_pairs(rank, world, setup, PAIRS, build_step)
-    return rows, torch.cuda.max_memory_allocated()
+def _worker(rank: int, world: int, setup: harness.Setup, pairs: list[tuple[str, str]],
+            profile: str) -> tuple[list[dict], int, str]:
+    rows = harness.time_pairs(rank, world, setup, pairs, build_step)
+    memory = torch.cuda.max_memory_allocated() if setup.device == "cuda" else 0
+    return rows, memory, (top_kernels(rank, world, setup, profile) if profile else "")
+
+
+def top_kernels(rank: int, world: int, setup: harness.Setup, name: str,
+                steps: int = 5, rows: int = 15) -> str:
+    """The runner `name`'s kernels by their own device time over `steps` steps (after
+    three unprofiled ones, which compile), as torch.profiler's table: where a step's
+    time goes, and so what stands between its MFU and the GPU's peak."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from partita.layout import Layout
+    from partita.mesh import Mesh
+
+    device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+    model, vocab = harness.bench_model(setup.model, device)
+    step = build_step(name, model, Mesh(Layout(dp=world), rank, world))
+    tokens = torch.randint(0, vocab, (setup.batch, setup.seq + 1),
+                           generator=torch.Generator().manual_seed(rank)).to(device)
+    for _ in range(3):
+        step(tokens)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step(tokens)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    harness.release([step])
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +152,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--compile", action="store_true",
+                        help="time the compile modes against eager (ZeRO 0 and 3) instead "
+                        "of the peers")
+    parser.add_argument("--profile", default="", metavar="RUNNER",
+                        help="after the table, profile one runner (e.g. 'partita stage 0 "
+                        "model') and print its top kernels by device time")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,8 +182,9 @@ def run(args: argparse.Namespace) -> int:
           f"{setup.batch}x{setup.seq} tokens per rank, {setup.rounds} interleaved rounds "
           f"of {setup.steps} steps after {setup.warmup} warm-up steps; torch "
           f"{torch.__version__}; MFU against {peak / 1e12:.0f} TFLOP/s")
-    rows, memory = run_distributed(_worker, world, args=(setup,), timeout=1800,
-                                   backend="nccl")[0]
+    pairs = COMPILE_PAIRS if args.compile else PAIRS
+    rows, memory, kernels = run_distributed(_worker, world, timeout=1800, backend="nccl",
+                                            args=(setup, pairs, args.profile))[0]
 
     # MFU of a median step (0 where the GPU's peak is unknown, see partita.metrics).
     def mfu(seconds: float) -> float:
@@ -138,8 +200,15 @@ def run(args: argparse.Namespace) -> int:
               f"{est.span:>13}")
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
-    worst = max(r["estimate"].median for r in rows if harness.is_peer(r["peer"]))
     best_mfu = max(mfu(statistics.median(r["t_ours"])) for r in rows)
+    if kernels:
+        print(f"top kernels of {args.profile} ({world} rank(s), rank 0):\n{kernels}")
+    if args.compile:
+        worst = max(r["estimate"].median for r in rows)
+        print(f"gpu: worst compiled/eager step-time ratio {worst:.3f}; best partita MFU "
+              f"{best_mfu:.1%}")
+        return 0
+    worst = max(r["estimate"].median for r in rows if harness.is_peer(r["peer"]))
     print(f"gpu: worst partita/peer step-time ratio {worst:.3f}; best partita MFU "
           f"{best_mfu:.1%}")
     return 0
