@@ -66,3 +66,11 @@ def test_bench_checkpoint_quick_prints_both_tables(cli, tmp_path):
     assert re.fullmatch(r"checkpoint: worst partita/dcp time ratio \d+\.\d{3}; "
                         r"async stall \d+\.\d% of sync save", lines[-1]), lines[-1]
     assert len(lines) == 13, lines
+
+
+def test_bench_gpu_names_the_runners_when_profile_names_none(cli):
+    """A mistyped --profile runner stops before anything is built (on a GPU the timing
+    before the profile takes minutes), listing the runners it can profile."""
+    out = cli("bench", "gpu", "--compile", "--profile", "stage 0", timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr[-2000:]
+    assert "'partita stage 0 model'" in out.stdout and "'stage 0'" in out.stdout

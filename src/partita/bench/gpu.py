@@ -164,6 +164,12 @@ def run(args: argparse.Namespace) -> int:
     from partita.metrics import device_peak_flops
     from partita.models.catalog import get_model_config
 
+    pairs = COMPILE_PAIRS if args.compile else PAIRS
+    runners = list(dict.fromkeys(name for pair in pairs for name in pair))
+    if args.profile and args.profile not in runners:
+        print(f"gpu: --profile {args.profile!r} is not a runner of this run; choose one of "
+              f"{', '.join(repr(n) for n in runners)}")
+        return 2
     if not torch.cuda.is_available():
         print("gpu: no CUDA device visible; this benchmark needs at least one GPU")
         return 1
@@ -182,7 +188,6 @@ def run(args: argparse.Namespace) -> int:
           f"{setup.batch}x{setup.seq} tokens per rank, {setup.rounds} interleaved rounds "
           f"of {setup.steps} steps after {setup.warmup} warm-up steps; torch "
           f"{torch.__version__}; MFU against {peak / 1e12:.0f} TFLOP/s")
-    pairs = COMPILE_PAIRS if args.compile else PAIRS
     rows, memory, kernels = run_distributed(_worker, world, timeout=1800, backend="nccl",
                                             args=(setup, pairs, args.profile))[0]
 
