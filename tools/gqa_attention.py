@@ -17,6 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from partita.models.transformer import repeat_kv_heads
+
 SHAPES = [(4, 4, 2, 128, 32), (4, 8, 2, 128, 32), (1, 32, 8, 256, 64)]
 
 
@@ -31,9 +33,7 @@ def time_attention(native: bool, shape: tuple[int, ...], steps: int) -> float:
         if native:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
-            r = h // g
-            out = F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1),
-                                                 v.repeat_interleave(r, 1), is_causal=True)
+            out = F.scaled_dot_product_attention(q, *repeat_kv_heads(k, v, h), is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad_out)
 
     for _ in range(5):

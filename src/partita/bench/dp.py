@@ -54,6 +54,10 @@ class Setup:
     steps: int = 2  # steps per timed round
     device: str = "cpu"  # "cuda": rank r on GPU r (`partita bench gpu`)
 
+    def rank_device(self, rank: int) -> torch.device:
+        """Where rank `rank` computes: GPU `rank` under "cuda", else the CPU."""
+        return torch.device("cuda", rank) if self.device == "cuda" else torch.device("cpu")
+
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     import torch.nn.functional as F
@@ -139,7 +143,7 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
     # would bury the table.
     warnings.filterwarnings("ignore", category=FutureWarning)
     mesh = Mesh(Layout(dp=world), rank, world)
-    device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+    device = setup.rank_device(rank)
     # Drawn once: the per-name init costs seconds per billion parameters; copies are cheap.
     template, vocab = bench_model(setup.model, device)
     gen = torch.Generator().manual_seed(rank)

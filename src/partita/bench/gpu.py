@@ -124,7 +124,7 @@ def top_kernels(rank: int, world: int, setup: harness.Setup, name: str,
     from partita.layout import Layout
     from partita.mesh import Mesh
 
-    device = torch.device("cuda", rank) if setup.device == "cuda" else torch.device("cpu")
+    device = setup.rank_device(rank)
     model, vocab = harness.bench_model(setup.model, device)
     step = build_step(name, model, Mesh(Layout(dp=world), rank, world))
     tokens = torch.randint(0, vocab, (setup.batch, setup.seq + 1),
