@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
           f"layers={args.layers}, b={args.batch} s={args.seq}, fp32, forward+backward; "
           f"ours: c ranks x 1 thread, peer: 1 process x c threads; alternating rounds "
           f"({rounds}, doubling to {max_rounds} while the 99% interval spans 1.0)")
-    print(f"load average at start {_load()} on {os.cpu_count()} cores (shared machine: "
+    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores (shared machine: "
           "R is a wall-time ratio; its interval says how far the load lets it be read)")
     print(f"{'c':>3} {'kind':<10}{'ms/step':>9}{'peer ms':>9}{'R':>7}{'99% interval':>14}"
           f"{'rounds':>7}{'attn max/mean':>14}{'saved MiB/rank':>16}{'peer/c MiB':>11}"
@@ -217,16 +217,9 @@ def run(args: argparse.Namespace) -> int:
               f"wall {wall_bal:.3f}")
     print(f"cp: attention balance: the slowest rank's attention time is within "
           f"{(worst_balance - 1) * 100:.1f}% of the mean (worst over c and kinds)")
-    print(f"load average at end {_load()}")
+    print(f"load average at end {paired.load_average()}")
     shown = "n/a (c=2 not run)" if est_at_2 is None else (
         f"{ratio_at_2:.3f} (99% interval {est_at_2.span}, {est_at_2.rounds} rounds)")
     print(f"cp: worst partita/peer step-time ratio {shown}; activation memory per rank 1/c "
           f"within {worst_err:.2f}%")
     return 0
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"

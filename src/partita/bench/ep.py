@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
           f"ep={args.ep}, {args.batch}x{args.seq} tokens per rank, fp32, forward+backward; "
           f"alternating rounds of {args.steps} steps ({a['rounds']}, doubling to "
           f"{a['max_rounds']} while the 99% interval spans 1.0)")
-    print(f"load average at start {_load()} on {os.cpu_count()} cores (shared machine: "
+    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores (shared machine: "
           "R is a wall-time ratio; its interval says how far the load lets it be read)")
     print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'99% interval':>14}"
           f"{'rounds':>8}{'partita cpu ms':>16}{'deepspeed cpu ms':>18}")
@@ -163,15 +163,8 @@ def run(args: argparse.Namespace) -> int:
               f"{est.rounds:>8}{cpu[0]:>16.2f}{cpu[1]:>18.2f}")
         if worst is None or est.median > worst[1].median:
             worst = (world, est)
-    print(f"load average at end {_load()}")
+    print(f"load average at end {paired.load_average()}")
     world, est = worst
     print(f"ep: worst partita/peer step-time ratio {est.median:.3f} (99% interval "
           f"{est.span}, {est.rounds} rounds at world {world})")
     return 0
-
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"

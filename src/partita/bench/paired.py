@@ -16,6 +16,7 @@ which keeps that chance at a few percent over all looks.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -90,3 +91,12 @@ def paired_rounds(time_side: Callable[[int], float], rounds: int, max_rounds: in
                 estimate_times(times).settled(threshold):
             return times
         target = min(2 * target, max_rounds)
+
+
+def load_average() -> str:
+    """The machine's 1, 5 and 15 minute load averages, printed beside a benchmark's
+    figures: on a shared machine they say how much else was running."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"

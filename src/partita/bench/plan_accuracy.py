@@ -29,6 +29,7 @@ import argparse
 import os
 from dataclasses import replace
 
+from partita.bench import paired
 from partita.bench.plan_measure import (
     COMM_NAMES,
     Case,
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
           f"cpu profile {gpu.peak_flops / 1e9:.1f} GFLOP/s, "
           f"{gpu.memory_bandwidth / 1e9:.1f} GB/s per rank ({os.cpu_count()} cores)")
     print("bytes per rank (the fullest rank); step time: median of "
-          f"{args.steps} steps on rank 0; load average at start {_load()} (shared machine)")
+          f"{args.steps} steps on rank 0; load average at start {paired.load_average()} (shared machine)")
     head = (f"{'layout':<30} {'states':>10} {'measured':>10} {'err':>6} "
             f"{'activ pred':>10} {'measured':>10} {'err':>6} {'comm pred':>10} "
             f"{'counted':>10} {'err':>6} {'step pred':>9} {'measured':>9} {'err':>6}")
@@ -192,18 +193,12 @@ def run(args: argparse.Namespace) -> int:
                             f"{p['step_s'] * 1e3:>7.2f}ms {results[0]['step_s'] * 1e3:>7.2f}ms "
                             f"{_pct(time_err)}")
                 print(row)
-    print(f"load average at end {_load()}")
+    print(f"load average at end {paired.load_average()}")
     print(f"worst communication error {worst_comm * 100:.2f}%")
     print(f"plan-accuracy: worst memory error {worst_mem * 100:.2f}%, "
           f"worst step-time error {worst_time * 100:.0f}%")
     return 0
 
-
-def _load() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
 
 
 def _pct(err: float) -> str:
