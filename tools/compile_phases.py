@@ -3,7 +3,7 @@
     PYTHONPATH=src python tools/compile_phases.py tiny [--rounds 3] [--steps 20] [--world 2]
 
 One process per mode and round (eager, `train.compile=blocks`, `train.compile=model`;
-one thread, fp32, 4x128 tokens); each times `--steps` steps cut into forward + loss,
+one thread, fp32, --batch x --seq tokens, default 4x128); each times `--steps` steps cut into forward + loss,
 backward, and the rest (gradient sync, clipping, optimizer step, zero_grad), and
 reports the median of the steps after the first three (compiling). Rounds alternate the
 modes, so a slow spell of a shared machine falls on all of them; printed per round:
@@ -27,7 +27,8 @@ MODES = ("eager", "blocks", "model")
 WARMUP = 3
 
 
-def _worker(rank: int, world: int, name: str, mode: str, steps: int) -> dict[str, float]:
+def _worker(rank: int, world: int, name: str, mode: str, steps: int, batch: int,
+            seq: int) -> dict[str, float]:
     from partita.bench.models import blocks_of
     from partita.compile import compile_block_modules, compile_model
     from partita.layout import Layout
@@ -41,7 +42,7 @@ def _worker(rank: int, world: int, name: str, mode: str, steps: int) -> dict[str
     dp = step.engine
     if mode == "model":  # as parallelize does: after the engine
         compile_model(dp.module)
-    tokens = torch.randint(0, vocab, (4, 129), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "rest": []}
     for i in range(steps):
         t0 = time.perf_counter()
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("model", help="a bench model (tiny, llama-20m, ...)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4, help="sequences (default 4)")
+    parser.add_argument("--seq", type=int, default=128, help="tokens each (default 128)")
     parser.add_argument("--world", type=int, default=1,
                         help="ranks (gloo, one thread each; rank 0's times are printed)")
     args = parser.parse_args()
@@ -75,7 +78,8 @@ def main() -> None:
     for r in range(args.rounds):
         fb = {}
         for mode in MODES:
-            ms = run_distributed(_worker, args.world, args=(args.model, mode, args.steps),
+            ms = run_distributed(_worker, args.world, args=(args.model, mode, args.steps,
+                                                         args.batch, args.seq),
                                  timeout=3600)[0]
             fb[mode] = ms["forward"] + ms["backward"]
             print(f"round {r}: {mode:<6} forward {ms['forward']:8.2f} ms, backward "

@@ -8,12 +8,14 @@
 #   4. tools/loss_check.py: partita's loss against torch's cross-entropy, time and
 #      peak memory at 8,192 tokens x 128K vocabulary;
 #   5. `partita bench gpu --compile`: each compile mode against eager at ZeRO 0 and 3
-#      (Llama 3.2 1B, bf16) with MFU, and the top kernels of a compiled step.
+#      (Llama 3.2 1B, bf16) with MFU, and the top kernels of a compiled step;
+#   6. tools/gqa_attention.py: which SDPA backends take grouped kv heads in place on
+#      CUDA (bf16), and their time against repeating the heads first.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
-# Arguments pick parts (compile gpu train zero pp loss); none runs them all, which takes
+# Arguments pick parts (compile gpu train zero pp loss gqa); none runs them all, which takes
 # longer than one device call allows: pick two or three per call.
 set -u
-PARTS=${*:-compile gpu train zero pp loss}
+PARTS=${*:-compile gpu train zero pp loss gqa}
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT"
@@ -53,4 +55,7 @@ want pp && echo "== [$SECONDS s] CPU: bench pp, one core per rank" &&
 timeout 240 partita bench pp 2>&1 | tee "$OUT/bench_pp.log"
 want loss && echo "== [$SECONDS s] loss" &&
 timeout 120 python3 tools/loss_check.py 2>&1 | tee "$OUT/loss.log"
+want gqa && echo "== [$SECONDS s] grouped kv heads on CUDA" &&
+timeout 120 python3 tools/gqa_attention.py --device cuda --dtype bfloat16 --steps 20 2>&1 \
+    | tee "$OUT/gqa.log"
 echo "== [$SECONDS s] done"
