@@ -181,8 +181,9 @@ def run(args: argparse.Namespace) -> int:
           f"layers={args.layers}, b={args.batch} s={args.seq}, fp32, forward+backward; "
           f"ours: c ranks x 1 thread, peer: 1 process x c threads; alternating rounds "
           f"({rounds}, doubling to {max_rounds} while the 99% interval spans 1.0)")
-    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores (shared machine: "
-          "R is a wall-time ratio; its interval says how far the load lets it be read)")
+    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores "
+          "(shared machine: R is a wall-time ratio; its interval says how far the load "
+          "lets it be read)")
     print(f"{'c':>3} {'kind':<10}{'ms/step':>9}{'peer ms':>9}{'R':>7}{'99% interval':>14}"
           f"{'rounds':>7}{'attn max/mean':>14}{'saved MiB/rank':>16}{'peer/c MiB':>11}"
           f"{'mem err %':>10}")

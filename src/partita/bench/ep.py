@@ -148,8 +148,9 @@ def run(args: argparse.Namespace) -> int:
           f"ep={args.ep}, {args.batch}x{args.seq} tokens per rank, fp32, forward+backward; "
           f"alternating rounds of {args.steps} steps ({a['rounds']}, doubling to "
           f"{a['max_rounds']} while the 99% interval spans 1.0)")
-    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores (shared machine: "
-          "R is a wall-time ratio; its interval says how far the load lets it be read)")
+    print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores "
+          "(shared machine: R is a wall-time ratio; its interval says how far the load "
+          "lets it be read)")
     print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'99% interval':>14}"
           f"{'rounds':>8}{'partita cpu ms':>16}{'deepspeed cpu ms':>18}")
     worst = None

@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
           f"cpu profile {gpu.peak_flops / 1e9:.1f} GFLOP/s, "
           f"{gpu.memory_bandwidth / 1e9:.1f} GB/s per rank ({os.cpu_count()} cores)")
     print("bytes per rank (the fullest rank); step time: median of "
-          f"{args.steps} steps on rank 0; load average at start {paired.load_average()} (shared machine)")
+          f"{args.steps} steps on rank 0; load average at start {paired.load_average()} "
+          "(shared machine)")
     head = (f"{'layout':<30} {'states':>10} {'measured':>10} {'err':>6} "
             f"{'activ pred':>10} {'measured':>10} {'err':>6} {'comm pred':>10} "
             f"{'counted':>10} {'err':>6} {'step pred':>9} {'measured':>9} {'err':>6}")
