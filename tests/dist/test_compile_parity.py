@@ -118,10 +118,14 @@ def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
 
 
 def test_compiled_layouts_match_eager_and_never_recompile(
-        request: pytest.FixtureRequest) -> None:
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
     from partita.testing import run_distributed
 
-    cache = Path(request.config.cache.mkdir("inductor"))
+    # pytest's cache folder keeps inductor's cache between runs; without the cache
+    # plugin (`-p no:cacheprovider`) a fresh folder does, compiling cold.
+    store = getattr(request.config, "cache", None)
+    cache = (Path(store.mkdir("inductor")) if store is not None
+             else tmp_path_factory.mktemp("inductor"))
     ranks = run_distributed(_worker, 2, args=(str(cache),), timeout=900)
     failures = []
     for rank, got in enumerate(ranks):
