@@ -1,10 +1,11 @@
 """Forward + backward time of partita's stage 0, eager against each compile mode.
 
     PYTHONPATH=src python tools/compile_phases.py tiny [--rounds 3] [--steps 20] [--world 2]
+        [--batch 4] [--seq 128]
 
 One process per mode and round (eager, `train.compile=blocks`, `train.compile=model`;
-one thread, fp32, --batch x --seq tokens, default 4x128); each times `--steps` steps cut into forward + loss,
-backward, and the rest (gradient sync, clipping, optimizer step, zero_grad), and
+one thread, fp32, --batch x --seq tokens); each times `--steps` steps cut into forward +
+loss, backward, and the rest (gradient sync, clipping, optimizer step, zero_grad), and
 reports the median of the steps after the first three (compiling). Rounds alternate the
 modes, so a slow spell of a shared machine falls on all of them; printed per round:
 the compiled/eager ratios of forward + backward, which the planner's compile factors
@@ -42,7 +43,8 @@ def _worker(rank: int, world: int, name: str, mode: str, steps: int, batch: int,
     dp = step.engine
     if mode == "model":  # as parallelize does: after the engine
         compile_model(dp.module)
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(0, vocab, (batch, seq + 1),
+                           generator=torch.Generator().manual_seed(rank))
     times: dict[str, list[float]] = {"forward": [], "backward": [], "rest": []}
     for i in range(steps):
         t0 = time.perf_counter()

@@ -44,7 +44,8 @@ def _worker(rank: int, world: int, name: str, batch: int, seq: int, rounds: int)
                                                harness.torch_adamw(compiled.parameters())),
              "partita eager": build_step(EAGER, copy.deepcopy(template), mesh),
              "partita model": build_step(OURS0_MODEL, copy.deepcopy(template), mesh)}
-    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, vocab, (batch, seq + 1),
+                           generator=torch.Generator().manual_seed(0))
     for step in steps.values():  # the first compiles
         for _ in range(4):
             step(tokens)
