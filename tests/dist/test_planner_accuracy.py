@@ -81,7 +81,10 @@ CASES = {
         Case(dp=4, ep=2, zero=2, shape=MOE),
         # ZeRO-3: dense and MoE blocks gathered by their own sizes, experts as units of
         # their own over dp/ep (ep 4: one rank each, never gathered).
-        Case(dp=4, ep=2, zero=3, shape=MOE), Case(dp=4, ep=4, zero=3, dtype=BF16, shape=MOE)],
+        Case(dp=4, ep=2, zero=3, shape=MOE), Case(dp=4, ep=4, zero=3, dtype=BF16, shape=MOE),
+        # Full recompute runs the experts' forward with autograd off: the kept experts'
+        # unit must still stay gathered into backward (one all-gather, not two).
+        Case(dp=4, ep=2, zero=3, recompute="full", shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

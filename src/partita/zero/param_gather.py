@@ -98,6 +98,12 @@ class ParamGatherer:
         # unit and microbatch, its memory held meanwhile).
         top = [k for k in range(len(blocks)) if not any(k in ns for ns in self.nested)]
         self.kept = {j for k in top[max(0, len(top) - keep):] for j in (k, *self.nested[k])}
+        # A kept unit nested in a block leaves its free-or-keep decision to the unit
+        # around it: under full recompute its own forward runs with autograd off (inside
+        # the block's recompute function) and cannot tell a training forward from an
+        # evaluation one, while the enclosing block's hooks run outside and can.
+        self.deferred = {j: k for k in range(len(blocks)) for j in self.nested[k]
+                         if j in self.kept}
         for k, (mods, _) in enumerate(blocks):
             for m in mods:
                 self.handles.append(m.register_forward_pre_hook(self._block_pre(k)))
@@ -223,12 +229,16 @@ class ParamGatherer:
         def hook(module, args, out):
             # A recompute (activation checkpointing) runs forward inside backward: keep
             # the parameters that backward is about to use.
-            if frees and id(buf) not in self.in_backward:
-                if (k in self.kept and torch.is_grad_enabled()
-                        and torch._C._current_graph_task_id() == -1):
-                    self.in_backward.add(id(buf))
-                else:
-                    self.free(buf)
+            forward_pass = torch._C._current_graph_task_id() == -1
+            if frees and id(buf) not in self.in_backward and not (
+                    k in self.deferred and forward_pass):
+                keep = k in self.kept and torch.is_grad_enabled() and forward_pass
+                for j in [k, *(j for j in self.nested[k] if j in self.deferred)]:
+                    b = self.blocks[j][1]
+                    if keep:
+                        self.in_backward.add(id(b))
+                    elif id(b) not in self.in_backward:
+                        self.free(b)
             return _on_backward(out, fire) if torch.is_grad_enabled() else out
         return hook
 
