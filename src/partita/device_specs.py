@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GB = 1e9
 
@@ -27,7 +27,7 @@ GB = 1e9
 @dataclass(frozen=True)
 class GPUSpec:
     name: str
-    peak_flops: float  # dense bf16 FLOP/s (no structured sparsity)
+    peak_flops: float  # dense bf16 FLOP/s (no structured sparsity); a CPU's: fp32
     memory_bytes: float  # device memory capacity
     memory_bandwidth: float  # device memory, bytes/s
     intra_node_bandwidth: float  # NVLink (or equivalent) per GPU, per direction, bytes/s
@@ -40,7 +40,21 @@ class GPUSpec:
     # Device memory outside the framework's allocator: CUDA context, cuBLAS and NCCL
     # workspaces (about 0.5-1 GB on recent NVIDIA drivers; not a datasheet figure).
     runtime_reserved_bytes: float = 1.0 * GB
+    # Host time of one eager PyTorch operation (dispatch, autograd bookkeeping,
+    # allocation). A CPU pays it in line with the work; a GPU's launches run ahead of
+    # its kernels, which hides it, so the catalog leaves it 0. Measured for `cpu`.
+    eager_op_s: float = 0.0
+    # The 16-bit matmul rate where it is not `peak_flops`: a CPU profile's peak is its
+    # float32 rate, and a CPU without bf16 units runs bf16 far slower. 0: peak_flops.
+    bf16_flops: float = 0.0
     source: str = ""
+
+    def for_dtype_bytes(self, elem_bytes: int) -> GPUSpec:
+        """This device as a run in `elem_bytes`-wide parameters sees it: its 16-bit
+        matmul rate as the peak where one is given separately (`bf16_flops`)."""
+        if elem_bytes == 2 and self.bf16_flops > 0:
+            return replace(self, peak_flops=self.bf16_flops)
+        return self
 
 
 # Every figure below is from the vendor datasheet named in `source`. Network: one

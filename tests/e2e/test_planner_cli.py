@@ -105,6 +105,8 @@ def test_catalog_entries_cite_sources():
 def test_local_cpu_profile():
     cpu = measure_local_cpu(budget_s=0.05, size=64)
     assert cpu.peak_flops > 1e8 and cpu.memory_bytes > 1e8 and cpu.gpus_per_node >= 1
+    # One eager operation costs microseconds, not nothing and not milliseconds.
+    assert 1e-7 < cpu.eager_op_s < 1e-3 and cpu.bf16_flops > 1e6
 
 
 def test_png(tmp_path, capsys):

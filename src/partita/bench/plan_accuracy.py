@@ -13,14 +13,17 @@ offload, the host's) from the ZeRO engine's ledger, activations from the storage
 autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
 (tp, dp, pp, cp, and ep: the all-to-alls). Step
 time: the median of timed steps on rank 0, against the planner's step time on the
-`cpu` profile, calibrated here: a 1-thread matmul and copy rate measured at start, the
-gloo all-reduce latency and bandwidth measured in each world before its cases (the
-profile's loopback figures are nominal), and a world with more ranks than cores gives
-each rank cores/ranks of one core, so compute and copy rates are scaled by that share.
+`cpu` profile, calibrated here: 1-thread fp32 and bf16 matmul rates, a copy rate and
+the cost of one eager operation measured at start, the gloo all-reduce latency and
+bandwidth measured in each world before its cases (the profile's loopback figures are
+nominal), and a world with more ranks than cores gives each rank cores/ranks of one
+core, so rates are scaled by that share and the operation cost by its inverse.
 
 Memory and communication should agree to a fraction of a percent. Step time is
-indicative: the planner counts FLOPs and bytes; eager PyTorch, Python and gloo add
-fixed costs per operation that dominate models this small, and this machine is shared.
+indicative: the planner counts FLOPs, bytes and partita's eager operations
+(`planner.eager_ops`), which dominate models this small; gloo's own threads and the
+other tenants of a shared machine it cannot know, and they move a median by tens of
+percent from one minute to the next.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ def device_share(gpu: GPUSpec, world: int, link: tuple[float, float],
     if world == 1:
         latency, bandwidth = gpu.intra_node_latency, gpu.intra_node_bandwidth
     return replace(gpu, peak_flops=gpu.peak_flops * share,
+                   bf16_flops=gpu.bf16_flops * share, eager_op_s=gpu.eager_op_s / share,
                    memory_bandwidth=gpu.memory_bandwidth * share,
                    intra_node_latency=latency, intra_node_bandwidth=bandwidth / efficiency)
 

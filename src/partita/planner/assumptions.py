@@ -11,6 +11,12 @@ from dataclasses import dataclass, fields, replace
 
 from partita.errors import PartitaError, did_you_mean
 
+# torch's CPU flash-attention kernel as a fraction of the GEMM rate at its head
+# dimension, forward and backward: 0.22-0.32 over (batch, heads, seq, head_dim) =
+# (4, 4, 128, 32), (4, 8, 128, 64), (1, 8, 512, 64), one thread
+# (`tools/cpu_step_model.py attention`, docs/planner.md).
+CPU_FLASH = (0.28, 0.28)
+
 
 @dataclass(frozen=True)
 class Assumptions:
@@ -40,6 +46,9 @@ class Assumptions:
     activation_elem_bytes: float = 2.0
     # Memory-bound kernels per block forward (norms, activation, residual adds).
     elementwise_kernels: int = 8
+    # Count the bytes partita's eager elementwise operations move (`planner.eager_ops`,
+    # counted on the model: 3-6x the fused kernels' bytes) instead of fused kernels'.
+    eager_elementwise: bool = False
     # Bytes the loss moves per logit (fp32 softmax forward and its gradient).
     loss_bytes_per_logit: float = 16.0
     # Bytes per local parameter that an unfused gradient accumulation moves after every
@@ -204,10 +213,16 @@ class Assumptions:
         their gradient beside it (`loss_transients`). `partita_on_gpu()` is the same
         with the GPU kernel constants.
 
-        Kernels: the profile's peak is itself a measured matmul rate and its bandwidth a
-        measured copy, so both are reached in full; a 1-thread fp32 sweep here (M = N =
-        512) ran at full rate down to K = 16 and at 58% at K = 8 (k_half ~ 8), with no
-        tile steps at N = 96-256 (docs/planner.md); eager PyTorch ops cost ~10 us each.
+        Kernels: the profile's peak is itself a measured matmul rate (the best of
+        repeated products on warm caches) and its bandwidth a measured copy. Inside a
+        training step the GEMMs reach 0.8 of that rate (the tiny model at 4x128 tokens:
+        2.52 GFLOP of `aten::mm` in 34.3 ms, 73 GFLOP/s, against 88-93 alone); a
+        1-thread fp32 sweep here (M = N = 512) ran at full rate down to K = 16 and at
+        58% at K = 8 (k_half ~ 8), with no tile steps at N = 96-256 (docs/planner.md).
+        torch's CPU flash kernel runs at `CPU_FLASH` of the GEMM rate. Elementwise work
+        is what partita's eager operations move (`eager_elementwise`), and there is no
+        fixed cost per kernel: the profile's `eager_op_s` (~5-10 us here) prices every
+        eager operation the model runs (`planner.eager_ops`), the GEMMs' among them.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=False,
@@ -215,10 +230,11 @@ class Assumptions:
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    zero3_kept_units=1,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
-                   loss_token_bytes=6.0, gemm_peak_fraction=1.0, gemm_tile=0,
-                   gemm_k_half=8.0, kernel_overhead_s=10e-6, memory_efficiency=1.0,
+                   loss_token_bytes=6.0, gemm_peak_fraction=0.8, gemm_tile=0,
+                   gemm_k_half=8.0, kernel_overhead_s=0.0, memory_efficiency=1.0,
                    cp_eager_pieces=True, cp_fused_pieces=True, pp_scatter_gather=False,
-                   compile_gain=True)
+                   compile_gain=True, eager_elementwise=True,
+                   flash_fwd_fraction=CPU_FLASH[0], flash_bwd_fraction=CPU_FLASH[1])
 
     @classmethod
     def partita_on_gpu(cls) -> Assumptions:

@@ -12,7 +12,10 @@ shape instead, with a roofline and a few named shape effects (docs/planner.md):
   (attention's inner dimension is the head dimension, so small heads run slower);
 * launch overhead: a fixed `kernel_overhead_s` per kernel;
 * memory-bound work (norms, activations, residual adds, dropout, softmax, the loss)
-  moves a fixed number of bytes per hidden element per token, at memory bandwidth.
+  moves a fixed number of bytes per hidden element per token, at memory bandwidth;
+* eager operations: on a device whose profile gives `eager_op_s` (a CPU), every
+  operation of partita's eager model costs that much besides its work
+  (`planner.eager_ops` counts them).
 
 Why a wider model reaches a higher MFU: a block's GEMM FLOPs grow as h^2 per token while
 its memory-bound bytes grow as h (and its eager softmax as heads x seq), so the share
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from partita.layout import Layout
 from partita.planner.assumptions import Assumptions
 from partita.planner.context_parallel import attention_pairs_fraction
+from partita.planner.eager_ops import block_bytes, block_ops, edge_ops, step_ops
 from partita.planner.hardware import GPUSpec
 from partita.planner.model_shape import PlanModel
 
@@ -116,8 +120,10 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 
 
 def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-                a: Assumptions) -> BlockTimes:
-    """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU."""
+                a: Assumptions, elem_bytes: int = 2) -> BlockTimes:
+    """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU,
+    `elem_bytes`-wide parameters (what partita's eager elementwise operations move,
+    `Assumptions.eager_elementwise`)."""
     c = model.config
     t, h = layout.tp, c.dim
     tokens = layout.microbatch_size * seq_len / layout.cp
@@ -153,9 +159,15 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     h_share = h / t if layout.sequence_parallel or t == 1 else h
     h_elems = (2 * 2 + 2 * 3 + (2 * 1.5 if c.dropout > 0 else 0)) * h_share
     f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
-    elem_bytes = a.activation_elem_bytes * tokens * (h_elems + f_elems)
-    mem_fwd = memory_time(elem_bytes, gpu, a, a.elementwise_kernels)
-    mem_bwd = memory_time(2 * elem_bytes, gpu, a, a.elementwise_kernels)
+    moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
+    moved_bwd = 2 * moved_fwd
+    if a.eager_elementwise:  # partita's eager operations, counted (planner.eager_ops)
+        moved_fwd, moved_bwd = (tokens * b for b in block_bytes(model, layout, elem_bytes))
+    mem_fwd = memory_time(moved_fwd, gpu, a, a.elementwise_kernels)
+    mem_bwd = memory_time(moved_bwd, gpu, a, a.elementwise_kernels)
+    ops_fwd, ops_bwd = block_ops(model, layout)
+    mem_fwd += ops_fwd * gpu.eager_op_s
+    mem_bwd += ops_bwd * gpu.eager_op_s
     return BlockTimes(fwd=gemm_fwd + core_fwd + mem_fwd, bwd=gemm_bwd + core_bwd + mem_bwd,
                       attention_core_fwd=core_fwd, attention_core_bwd=core_bwd,
                       gemm_fwd=gemm_fwd)
@@ -170,9 +182,16 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
-    return fwd + loss / 2, bwd + loss / 2
+    ops_fwd, ops_bwd = edge_ops(model)
+    return (fwd + loss / 2 + ops_fwd * gpu.eager_op_s,
+            bwd + loss / 2 + ops_bwd * gpu.eager_op_s)
 
 
-def optimizer_time(local_params: float, gpu: GPUSpec, a: Assumptions) -> float:
-    """Seconds of the (fused, memory-bound) Adam update of `local_params` parameters."""
-    return memory_time(a.optimizer_bytes_per_param * local_params, gpu, a, 1)
+def optimizer_time(local_params: float, gpu: GPUSpec, a: Assumptions,
+                   model: PlanModel | None = None, blocks: int = 0) -> float:
+    """Seconds of the (fused, memory-bound) Adam update of `local_params` parameters,
+    with clipping's and the step's eager operations for a rank of `model` holding
+    `blocks` blocks."""
+    ops = step_ops(model, blocks) if model is not None else 0.0
+    return (memory_time(a.optimizer_bytes_per_param * local_params, gpu, a, 1)
+            + ops * gpu.eager_op_s)

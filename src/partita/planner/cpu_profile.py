@@ -3,7 +3,10 @@
 Our tests and `partita bench` run one process per core with one thread each, talking
 over gloo on loopback; this profile describes one such process as a "device", so the
 planner can predict what those runs measure. The matmul and copy loops each stop
-after a fixed time budget (well under two seconds together).
+after a fixed time budget (well under two seconds together), and so does the eager-op
+loop: a few training steps of partita's own model at a size where the kernels' work is
+negligible, whose time over the operations they dispatch is what one eager operation
+costs here (`planner.eager_ops` counts a step's operations).
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
     torch.set_num_threads(1)  # what every test rank uses; restored below
     try:
         flops = matmul_rate(size, budget_s)
+        half = size // 2  # bf16 without hardware support is slow: a smaller product
+        bf16 = bf16_matmul_rate(half, budget_s / 4)
         n = 1 << 22  # 16 MiB of float32: beyond the caches
         src, dst = torch.randn(n), torch.empty(n)
         copy_rate = best_rate(lambda a, b: b.copy_(a), src, dst, 2.0 * 4 * n, budget_s / 2)
+        op_s = eager_op_cost(budget_s / 2)
     finally:
         torch.set_num_threads(threads)
     cores = os.cpu_count() or 1
@@ -48,9 +54,71 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         host_memory_per_node=ram,
         gpus_per_node=cores,
         runtime_reserved_bytes=0.0,  # no device context: counted in process RSS instead
-        source=f"measured on this machine: {size}^3 fp32 matmul on 1 thread, "
-               f"copy bandwidth, /proc/meminfo",
+        eager_op_s=op_s,
+        bf16_flops=bf16,
+        source=f"measured on this machine: {size}^3 fp32 and {half}^3 bf16 matmuls on 1 "
+               f"thread, copy bandwidth, eager steps of a tiny model, /proc/meminfo",
     )
+
+
+def bf16_matmul_rate(size: int, budget_s: float) -> float:
+    """bf16 FLOP/s of `size`^3 products, averaged over the two operand layouts a linear
+    layer's GEMMs use (the weight transposed in forward, as it is in backward's input
+    gradient): on a CPU without bf16 units their rates differ up to threefold."""
+    import torch
+
+    a, b = (torch.randn(size, size, dtype=torch.bfloat16) for _ in range(2))
+    work = 2.0 * size**3
+    plain = best_rate(lambda x, y: torch.mm(x, y), a, b, work, budget_s / 2)
+    transposed = best_rate(lambda x, y: torch.mm(x, y.t()), a, b, work, budget_s / 2)
+    return 2 * work / (work / plain + work / transposed)
+
+
+def eager_op_cost(budget_s: float = 0.3) -> float:
+    """Seconds per eager operation: forward, loss (torch's) and backward of partita's model at
+    dim 16 and 8 tokens, where nearly all the time is the operations' own cost, divided
+    by the operations they dispatch; the median pass within `budget_s`. (torch's
+    optimizer is left out: its Python bookkeeping is not partita's step.) The caller
+    sets the thread count."""
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from partita.models.model_config import ModelConfig
+    from partita.models.transformer import Transformer
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.random.fork_rng():  # leave the caller's random stream alone
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                          max_seq_len=8)
+        model = Transformer(cfg)
+        tokens = torch.randint(cfg.vocab_size, (1, 9))
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up: first allocations
+    counter = Count()
+    with counter:
+        step()
+    times = []
+    deadline = time.perf_counter() + budget_s
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[len(times) // 2] / counter.ops
 
 
 def _physical_memory() -> float:

@@ -120,15 +120,16 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
               global_batch: int, precision: Precision = MIXED,
               assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
     """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension."""
-    a, c, gpu = assumptions, model.config, cluster.gpu
+    a, c = assumptions, model.config
+    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
     m = num_microbatches(layout, global_batch)
     t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
     # An MoE model with moe_every > 1 alternates MoE and dense blocks: a layer's time
     # (and its tp and ep traffic) is the mix of the two.
     moe_frac = c.n_moe_layers / c.n_layers if model.is_moe and c.moe else float(model.is_moe)
-    blk = block_times(model, layout, seq_len, gpu, a)
+    blk = block_times(model, layout, seq_len, gpu, a, precision.param)
     if 0 < moe_frac < 1:
-        dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a)
+        dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a, precision.param)
         blk = BlockTimes(**{f: moe_frac * getattr(blk, f) + (1 - moe_frac) * getattr(dense, f)
                             for f in BlockTimes.__dataclass_fields__})
     # Recomputation reruns the forward of recompute_layers = K of a stage's layers (all
@@ -274,7 +275,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
     # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
     shard = counts["dense"] / n + counts["expert"] / n_exp if z >= 1 else local
-    optim_s = 0.0 if layout.offload != "none" else optimizer_time(shard, gpu, a)
+    optim_s = (0.0 if layout.offload != "none"
+               else optimizer_time(shard, gpu, a, model, max(layers)))
 
     offload_s = 0.0
     if layout.offload != "none":

@@ -1,0 +1,104 @@
+"""How many eager PyTorch operations partita's own model runs: the host-side cost of a step.
+
+    fwd, bwd = block_ops(model, layout)      # one block, one microbatch
+    fwd, bwd = edge_ops(model)                # embedding, final norm, head and loss
+    fwd, bwd = block_bytes(model, layout, 4)  # bytes per token its elementwise ops move
+    ops = step_ops(model, blocks)             # clipping and the AdamW step of a rank
+
+On a CPU every operation costs its dispatch, autograd bookkeeping and allocation in
+line with its work (`GPUSpec.eager_op_s`, ~5 us here), and a small model's step is
+mostly that: the plan-accuracy model (dim 64, 64 tokens per step) runs ~620 operations
+and ~1.6 ms of kernel work in ~5 ms. A GPU launches ahead of its kernels, so there the
+cost is hidden and its profiles leave `eager_op_s` at 0.
+
+The counts are aten operations as a `TorchDispatchMode` sees them (views included),
+taken from partita's `Transformer` and `partita.loss.cross_entropy`, forward with
+autograd recording and backward, at one and two blocks (the difference is a block);
+tests/unit/test_eager_ops.py counts them again and fails when the model drifts from
+this table. Layout-specific operations (tensor-parallel f/g, collectives, pipeline
+sends) are left out: communication is timed on its own.
+"""
+
+from __future__ import annotations
+
+from partita.layout import Layout
+from partita.planner.model_shape import PlanModel
+
+# (forward, backward) operations of one dense block, per flavour: llama (RMSNorm,
+# rotary embedding, grouped-query attention, SwiGLU) and gpt2 (LayerNorm, biases, GELU).
+BLOCK_OPS = {"llama": (94, 143), "gpt2": (39, 93)}
+# An MoE block without its experts (router, top-k, dispatch and combine), and each
+# expert this rank holds (its tokens' gather, three GEMMs, SwiGLU, scatter-add).
+MOE_BLOCK_OPS = (145, 181)
+EXPERT_OPS = (12, 20)
+# Dropout > 0: a mask and its product after attention and after the MLP.
+DROPOUT_BLOCK_OPS = (8, 2)
+DROPOUT_EDGE_OPS = (4, 1)
+# Embedding, final norm, output layer and the loss.
+EDGE_OPS = {"llama": (26, 35), "gpt2": (23, 24)}
+# Bytes per token that a block's elementwise operations (everything but GEMMs, the
+# attention kernel and views) read and write, forward and backward, as c_h * h + c_f *
+# ffn, per flavour and parameter width (bf16 norms compute in fp32): eager PyTorch
+# moves 3-6x what fused kernels would (llama: RMSNorm's six passes, the rotary
+# embedding's strided halves and stack, SwiGLU's saved products).
+BLOCK_BYTES = {("llama", 4): ((141, 20), (340, 36)), ("llama", 2): ((117, 10), (267, 18)),
+               ("gpt2", 4): ((41, 8), (94, 16)), ("gpt2", 2): ((20.5, 4), (47, 8))}
+# What the byte count leaves out (aten names): GEMMs and attention, timed on their own;
+# views and allocations, which move no data.
+NOT_ELEMENTWISE = frozenset({
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "view", "t", "transpose", "_unsafe_view", "unsqueeze", "detach", "slice", "expand",
+    "as_strided", "select", "permute", "squeeze", "alias", "split", "unbind",
+    "_reshape_alias", "reshape", "lift_fresh", "arange", "empty", "zeros", "full"})
+# Gradient clipping and partita's AdamW step: a fixed part, and per block the slices
+# of the flat buffers for each run of decayed or undecayed parameters (4 tensors each;
+# gpt2's biases cut its linear weights into more runs).
+STEP_OPS = {"llama": (30, 16), "gpt2": (26, 48)}
+
+
+def _flavour(model: PlanModel) -> str:
+    return "gpt2" if model.config.flavour == "gpt2" else "llama"
+
+
+def block_ops(model: PlanModel, layout: Layout) -> tuple[float, float]:
+    """(forward, backward) operations of one block of `model` for one microbatch; an
+    MoE model's blocks are MoE blocks (`PlanModel.dense_blocks` gives the dense ones)."""
+    if model.is_moe:
+        experts = model.moe.num_experts / layout.ep
+        fwd = MOE_BLOCK_OPS[0] + experts * EXPERT_OPS[0]
+        bwd = MOE_BLOCK_OPS[1] + experts * EXPERT_OPS[1]
+    else:
+        fwd, bwd = BLOCK_OPS[_flavour(model)]
+    if model.config.dropout > 0:
+        fwd, bwd = fwd + DROPOUT_BLOCK_OPS[0], bwd + DROPOUT_BLOCK_OPS[1]
+    return float(fwd), float(bwd)
+
+
+def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[float, float]:
+    """(forward, backward) bytes per token a block's elementwise operations move on one
+    rank, with `elem_bytes`-wide parameters: width-h work is split over tp only under
+    sequence parallelism, the MLP's over tp (an MoE's tokens visit top_k experts)."""
+    c = model.config
+    (fh, ff), (bh, bf) = BLOCK_BYTES[_flavour(model), 2 if elem_bytes <= 2 else 4]
+    t = layout.tp
+    h = c.dim / t if layout.sequence_parallel or t == 1 else c.dim
+    ffn = (model.expert_ffn * model.moe.top_k if model.is_moe else c.ffn_hidden / t)
+    return fh * h + ff * ffn, bh * h + bf * ffn
+
+
+def edge_ops(model: PlanModel) -> tuple[float, float]:
+    """(forward, backward) operations outside the blocks for one microbatch."""
+    fwd, bwd = EDGE_OPS[_flavour(model)]
+    if model.config.dropout > 0:
+        fwd, bwd = fwd + DROPOUT_EDGE_OPS[0], bwd + DROPOUT_EDGE_OPS[1]
+    return float(fwd), float(bwd)
+
+
+def step_ops(model: PlanModel, blocks: int) -> float:
+    """Operations of clipping and the optimizer step on a rank holding `blocks` blocks."""
+    fixed, per_block = STEP_OPS[_flavour(model)]
+    return float(fixed + per_block * blocks)
