@@ -8,8 +8,8 @@ one thread, fp32, --batch x --seq tokens); each times `--steps` steps cut into f
 loss, backward, and the rest (gradient sync, clipping, optimizer step, zero_grad), and
 reports the median of the steps after the first three (compiling). Rounds alternate the
 modes, so a slow spell of a shared machine falls on all of them; printed per round:
-the compiled/eager ratios of forward + backward, which the planner's compile factors
-(`partita.planner.compiled`) are the median of. A diagnostic, not a benchmark: `partita
+the compiled/eager ratios of forward + backward, which the planner's compile model
+(`partita.planner.compiled`) is checked against. A diagnostic, not a benchmark: `partita
 bench compile` times whole steps, pairs alternating within one run.
 """
 

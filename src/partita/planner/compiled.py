@@ -1,35 +1,28 @@
-"""The effect of `train.compile` on the planner's step time: one measured factor per mode.
+"""The effect of `train.compile` on the planner's step time: which mode a layout runs.
 
     mode = compile_in_effect("model", layout)       # "blocks" where `model` cannot run
-    times = with_compile(step_time(...), mode)
+    times = step_time(..., compile=mode)
 
-Compiling fuses the memory-bound work (norms, rotary embedding, SwiGLU, residual adds;
-with `model` also the embedding, the final norm and the head's edges) into fewer
-kernels and removes the per-operation overhead of eager execution; it leaves the GEMMs,
-the collectives and the optimizer step as they were. So the factor scales the compute
-part of a step (`compute_s`) and nothing else; the rates that follow from the step time
-(tokens/s, MFU, FLOP/s) are rescaled with it.
+What compiling changes is modelled kernel by kernel (`planner.compute`, counts in
+`planner.eager_ops`): a compiled block's elementwise operations (norms, rotary
+embedding, SwiGLU, residual adds) become a few generated kernels that move the fused
+bytes, instead of ~240 eager operations moving 3-6x as much; its GEMMs, the attention
+kernel, the collectives and the optimizer step stay as they are. Under `model` the
+embedding, final norm and head are compiled too, and only the loss stays eager. So the
+gain follows the model and the tokens per step: large where per-operation cost and
+elementwise traffic are a large share of the step (few tokens, narrow models), small
+where the GEMMs dominate.
 
-`COMPUTE_FACTORS` are forward + backward times, compiled over eager, of partita's stage
-0 in one CPU process (fp32, 4x128 tokens, one thread), measured by
-`tools/compile_phases.py` on 2026-12-03 at commit b74c7b5 (docs/benchmarks.md,
-"Rotary tables as graph constants"): the median of six per-round ratios, three
-rounds each on the tiny model (dim 128) and `llama-20m` (dim 512), rounded. `model`
-read 0.792-0.814 on the tiny model and 0.930-0.971 on `llama-20m`; `blocks` 0.811-0.846
-and 0.947-0.953 (the wider the model, the larger the GEMMs' share, which compiling
-leaves to the same kernels). Before the rotary tables became constants of the compiled
-graphs (b74c7b5), `blocks` gained nothing this CPU could resolve. They are CPU figures;
-a GPU, where eager launch overhead and memory-bound kernels weigh differently, needs its
-own measurement.
+Only a preset whose kernels are partita's eager ones gains (`Assumptions.compile_gain`:
+the `cpu` preset, checked against measurements of compiled and eager steps in
+docs/planner.md); the fused preset already models fused kernels, and partita's model on
+a GPU has no measurement yet.
 """
 
 from __future__ import annotations
 
 from partita.compile_rules import MODES, model_refusal
 from partita.layout import Layout
-
-COMPUTE_FACTORS = {"blocks": 0.90, "model": 0.87}
-RATES = ("tokens_per_s", "mfu", "model_flops_per_gpu", "hardware_flops_per_gpu", "hfu")
 
 
 def compile_in_effect(mode: str, layout: Layout) -> str:
@@ -42,22 +35,3 @@ def compile_in_effect(mode: str, layout: Layout) -> str:
     if mode == "auto" or (mode == "model" and model_refusal(layout)):
         return "blocks"
     return mode
-
-
-def with_compile(times: dict[str, float], mode: str,
-                 factor: float | None = None) -> dict[str, float]:
-    """`step_time`'s result for a run compiled with `mode` (a mode in effect: none,
-    blocks or model); `factor` overrides the mode's measured one."""
-    if mode not in MODES or mode == "auto":
-        raise ValueError(f"compile mode {mode!r} is not one of none, blocks, model")
-    if mode == "none":
-        return dict(times)
-    factor = COMPUTE_FACTORS[mode] if factor is None else factor
-    saved = (1.0 - factor) * times["compute_s"]
-    out = dict(times, compute_s=times["compute_s"] - saved,
-               step_s=max(times["step_s"] - saved, 1e-12))
-    speedup = times["step_s"] / out["step_s"]
-    for key in RATES:
-        if key in out:
-            out[key] = times[key] * speedup
-    return out

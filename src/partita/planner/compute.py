@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from partita.layout import Layout
 from partita.planner.assumptions import Assumptions
 from partita.planner.context_parallel import attention_pairs_fraction
-from partita.planner.eager_ops import block_bytes, block_ops, edge_ops, step_ops
+from partita.planner.eager_ops import (
+    COMPILED_EDGE_OPS,
+    block_bytes,
+    block_ops,
+    compiled_block_ops,
+    edge_ops,
+    step_ops,
+)
 from partita.planner.hardware import GPUSpec
 from partita.planner.model_shape import PlanModel
 
@@ -120,10 +127,12 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 
 
 def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-                a: Assumptions, elem_bytes: int = 2) -> BlockTimes:
+                a: Assumptions, elem_bytes: int = 2, compiled: bool = False) -> BlockTimes:
     """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU,
     `elem_bytes`-wide parameters (what partita's eager elementwise operations move,
-    `Assumptions.eager_elementwise`)."""
+    `Assumptions.eager_elementwise`). `compiled`: the block runs compiled, its
+    elementwise operations fused into a few kernels (a dense block of partita's eager
+    model; an MoE block's routing stays as it is)."""
     c = model.config
     t, h = layout.tp, c.dim
     tokens = layout.microbatch_size * seq_len / layout.cp
@@ -161,11 +170,16 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
     moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     moved_bwd = 2 * moved_fwd
-    if a.eager_elementwise:  # partita's eager operations, counted (planner.eager_ops)
+    ops_fwd, ops_bwd = block_ops(model, layout)
+    if compiled and a.eager_elementwise and not model.is_moe:
+        # Fused by the compiler: the fused bytes at the run's width, few kernel calls.
+        moved_fwd = elem_bytes * tokens * (h_elems + f_elems)
+        moved_bwd = 2 * moved_fwd
+        ops_fwd, ops_bwd = compiled_block_ops(model)
+    elif a.eager_elementwise:  # partita's eager operations, counted (planner.eager_ops)
         moved_fwd, moved_bwd = (tokens * b for b in block_bytes(model, layout, elem_bytes))
     mem_fwd = memory_time(moved_fwd, gpu, a, a.elementwise_kernels)
     mem_bwd = memory_time(moved_bwd, gpu, a, a.elementwise_kernels)
-    ops_fwd, ops_bwd = block_ops(model, layout)
     mem_fwd += ops_fwd * gpu.eager_op_s
     mem_bwd += ops_bwd * gpu.eager_op_s
     return BlockTimes(fwd=gemm_fwd + core_fwd + mem_fwd, bwd=gemm_bwd + core_bwd + mem_bwd,
@@ -174,15 +188,16 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 
 
 def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-               a: Assumptions) -> tuple[float, float]:
-    """(forward, backward) seconds of the output layer and the loss for one microbatch."""
+               a: Assumptions, compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the output layer and the loss for one microbatch;
+    `compiled`: the embedding, final norm and head compiled with the blocks."""
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
     v = c.vocab_size / layout.tp
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
-    ops_fwd, ops_bwd = edge_ops(model)
+    ops_fwd, ops_bwd = COMPILED_EDGE_OPS if compiled else edge_ops(model)
     return (fwd + loss / 2 + ops_fwd * gpu.eager_op_s,
             bwd + loss / 2 + ops_bwd * gpu.eager_op_s)
 

@@ -36,6 +36,13 @@ DROPOUT_BLOCK_OPS = (8, 2)
 DROPOUT_EDGE_OPS = (4, 1)
 # Embedding, final norm, output layer and the loss.
 EDGE_OPS = {"llama": (26, 35), "gpt2": (23, 24)}
+# Compiled (`train.compile`, inductor): a block's elementwise operations become a few
+# generated kernels that move the fused bytes (4 forward and 6 backward per llama block
+# in inductor's output for the tiny model: 17 and 26 over 4 blocks and the head); the
+# GEMMs and the attention kernel stay calls of their own. Under `model` the embedding,
+# final norm and head are compiled too and only the loss (10 and 8) stays eager.
+COMPILED_BLOCK_KERNELS = (4, 6)
+COMPILED_EDGE_OPS = (13, 13)
 # Bytes per token that a block's elementwise operations (everything but GEMMs, the
 # attention kernel and views) read and write, forward and backward, as c_h * h + c_f *
 # ffn, per flavour and parameter width (bf16 norms compute in fp32): eager PyTorch
@@ -76,6 +83,14 @@ def block_ops(model: PlanModel, layout: Layout) -> tuple[float, float]:
     if model.config.dropout > 0:
         fwd, bwd = fwd + DROPOUT_BLOCK_OPS[0], bwd + DROPOUT_BLOCK_OPS[1]
     return float(fwd), float(bwd)
+
+
+def compiled_block_ops(model: PlanModel) -> tuple[float, float]:
+    """(forward, backward) kernel calls of one compiled dense block: each linear layer's
+    GEMM (two in backward), the attention kernel, and the generated kernels."""
+    linears = 4 + (3 if model.config.gated_mlp else 2)
+    fused_fwd, fused_bwd = COMPILED_BLOCK_KERNELS
+    return float(linears + 1 + fused_fwd), float(2 * linears + 1 + fused_bwd)
 
 
 def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[float, float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from partita.layout import Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
-from partita.planner.compiled import compile_in_effect, with_compile
+from partita.planner.compiled import compile_in_effect
 from partita.planner.hardware import Cluster
 from partita.planner.memory import host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
@@ -121,9 +121,8 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
     ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.compile = compile_in_effect(req.compile, layout)
-    gain = ev.compile if a.compile_gain else "none"
-    ev.time = with_compile(step_time(req.model, layout, req.cluster, req.seq_len,
-                                     req.global_batch, req.precision, a), gain)
+    ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,
+                        req.precision, a, compile=ev.compile)
     ev.reasons += memory_reasons(req, ev)
     return ev
 

@@ -69,7 +69,7 @@ def compile_text(req: Request, ev: Evaluation) -> str:
     if ev.compile != req.compile and req.compile == "model":
         notes.append("train.compile=model refuses this layout")
     if ev.compile != "none" and not req.assumptions.compile_gain:
-        notes.append("no gain assumed: its factors are measured for partita's eager "
+        notes.append("no gain assumed: compiling is modelled for partita's eager "
                      "kernels on CPU only")
     kept = f"; keep_gathered: {ev.kept_units}" if ev.kept_units is not None else ""
     return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "") + kept

@@ -118,8 +118,10 @@ def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
 
 def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
               global_batch: int, precision: Precision = MIXED,
-              assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
-    """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension."""
+              assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+              compile: str = "none") -> dict[str, float]:
+    """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension.
+    `compile`: the `train.compile` mode in effect (none, blocks or model)."""
     a, c = assumptions, model.config
     gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
     m = num_microbatches(layout, global_batch)
@@ -127,9 +129,15 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # An MoE model with moe_every > 1 alternates MoE and dense blocks: a layer's time
     # (and its tp and ep traffic) is the mix of the two.
     moe_frac = c.n_moe_layers / c.n_layers if model.is_moe and c.moe else float(model.is_moe)
-    blk = block_times(model, layout, seq_len, gpu, a, precision.param)
+    # Compiled (a mode in effect, `planner.compiled`): where the preset's kernels are
+    # partita's eager ones, blocks (and under `model` the edges) run fused.
+    if compile not in ("none", "blocks", "model"):
+        raise ValueError(f"compile mode {compile!r} is not one of none, blocks, model")
+    compiled = compile != "none" and a.compile_gain
+    blk = block_times(model, layout, seq_len, gpu, a, precision.param, compiled)
     if 0 < moe_frac < 1:
-        dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a, precision.param)
+        dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a, precision.param,
+                            compiled)
         blk = BlockTimes(**{f: moe_frac * getattr(blk, f) + (1 - moe_frac) * getattr(dense, f)
                             for f in BlockTimes.__dataclass_fields__})
     # Recomputation reruns the forward of recompute_layers = K of a stage's layers (all
@@ -144,7 +152,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     if layout.recompute == "selective" and not selective_reruns_core(layout):
         rerun_s = 0.0  # context parallelism's core is not rerun
     layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
-    head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a)
+    head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
+                                    compiled and compile == "model")
     head_s = head_fwd + head_bwd
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
