@@ -73,14 +73,15 @@ FLAVOURS = {"llama": dict(n_kv_heads=2), "gpt2": dict(flavour="gpt2", tie_embedd
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_block_and_edge_operations_match_the_model(flavour):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_and_edge_operations_match_the_model(flavour, dtype):
     cfg = ModelConfig(n_layers=1, **BASE, **FLAVOURS[flavour])
-    block, edges = _per_block(cfg)
+    block, edges = _per_block(cfg, dtype=dtype)
     model = PlanModel("t", cfg)
-    fwd, bwd = eager_ops.block_ops(model, Layout())
+    fwd, bwd = eager_ops.block_ops(model, Layout(), dtype.itemsize)
     assert block["fwd_ops"] == pytest.approx(fwd, rel=TOL)
     assert block["bwd_ops"] == pytest.approx(bwd, rel=TOL)
-    fwd, bwd = eager_ops.edge_ops(model)
+    fwd, bwd = eager_ops.edge_ops(model, dtype.itemsize)
     assert edges["fwd_ops"] == pytest.approx(fwd, rel=TOL, abs=2)
     assert edges["bwd_ops"] == pytest.approx(bwd, rel=TOL, abs=2)
 

@@ -101,9 +101,36 @@ def rotary_constants(seq_len: int, offset: int, inv_freq: tuple[float, ...],
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
-    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return rotate_pairs((x,), cos, sin)[0]
+
+
+def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, ...]:
+    """`apply_rotary` on each of `xs` with one table.
+
+    Eager float32/float64 rotates as one complex product per tensor, (x[2i] + i x[2i+1])
+    (cos + i sin): the same two products and a sum per element as the real form, one
+    operation instead of eight, with one saved table for all of `xs` (cos and sin's
+    bytes). The tiny model's rotary embedding of q and k, forward + backward, one CPU
+    thread: 0.50 ms per layer against 1.29. Compiled code keeps the real form, which
+    inductor fuses, and so do 16-bit dtypes (no complex bf16 on CPU) and layouts whose
+    pairs are not adjacent in memory."""
+    if not torch.compiler.is_compiling() and all(_pairs_adjacent(x) for x in xs):
+        rot = torch.complex(cos, sin)[None, :, None, :]
+        return tuple(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot)
+                     .flatten(-2) for x in xs)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    out = []
+    for x in xs:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out.append(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2))
+    return tuple(out)
+
+
+def _pairs_adjacent(x: torch.Tensor) -> bool:
+    """Whether x can be viewed as complex numbers: float32/64, pairs side by side."""
+    return (x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1
+            and x.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1]))
 
 
 class AttentionCore(nn.Module):
@@ -179,7 +206,7 @@ class Attention(nn.Module):
             else:
                 cos, sin = rotary_constants(s, position_offset, self.rope_freqs, x.device,
                                             q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rotate_pairs((q, k), cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Grouped-query attention: the cores take the kv heads as they are (ours, and
         # context parallelism's, which moves only those); another core gets them repeated.

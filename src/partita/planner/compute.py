@@ -170,7 +170,7 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
     moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     moved_bwd = 2 * moved_fwd
-    ops_fwd, ops_bwd = block_ops(model, layout)
+    ops_fwd, ops_bwd = block_ops(model, layout, elem_bytes)
     if compiled and a.eager_elementwise and not model.is_moe:
         # Fused by the compiler: the fused bytes at the run's width, few kernel calls.
         moved_fwd = elem_bytes * tokens * (h_elems + f_elems)
@@ -188,7 +188,8 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 
 
 def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-               a: Assumptions, compiled: bool = False) -> tuple[float, float]:
+               a: Assumptions, compiled: bool = False, elem_bytes: int = 2
+               ) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and the loss for one microbatch;
     `compiled`: the embedding, final norm and head compiled with the blocks."""
     c = model.config
@@ -197,7 +198,7 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
-    ops_fwd, ops_bwd = COMPILED_EDGE_OPS if compiled else edge_ops(model)
+    ops_fwd, ops_bwd = COMPILED_EDGE_OPS if compiled else edge_ops(model, elem_bytes)
     return (fwd + loss / 2 + ops_fwd * gpu.eager_op_s,
             bwd + loss / 2 + ops_bwd * gpu.eager_op_s)
 

@@ -26,10 +26,15 @@ from partita.planner.model_shape import PlanModel
 
 # (forward, backward) operations of one dense block, per flavour: llama (RMSNorm,
 # rotary embedding, grouped-query attention, SwiGLU) and gpt2 (LayerNorm, biases, GELU).
-BLOCK_OPS = {"llama": (94, 143), "gpt2": (39, 93)}
+BLOCK_OPS = {"llama": (79, 131), "gpt2": (39, 93)}
+# With 16-bit parameters llama's rotary embedding takes its real form (slices, four
+# products, a sum, a difference and a stack) instead of one complex product, and the
+# loss and norms cast: more operations in the block and outside it.
+REAL_ROTARY_OPS = (15, 16)
+CAST_EDGE_OPS = {"llama": (3, 3), "gpt2": (1, 1)}
 # An MoE block without its experts (router, top-k, dispatch and combine), and each
 # expert this rank holds (its tokens' gather, three GEMMs, SwiGLU, scatter-add).
-MOE_BLOCK_OPS = (145, 181)
+MOE_BLOCK_OPS = (130, 169)
 EXPERT_OPS = (12, 20)
 # Dropout > 0: a mask and its product after attention and after the MLP.
 DROPOUT_BLOCK_OPS = (8, 2)
@@ -47,8 +52,8 @@ COMPILED_EDGE_OPS = (13, 13)
 # attention kernel and views) read and write, forward and backward, as c_h * h + c_f *
 # ffn, per flavour and parameter width (bf16 norms compute in fp32): eager PyTorch
 # moves 3-6x what fused kernels would (llama: RMSNorm's six passes, the rotary
-# embedding's strided halves and stack, SwiGLU's saved products).
-BLOCK_BYTES = {("llama", 4): ((141, 20), (340, 36)), ("llama", 2): ((117, 10), (267, 18)),
+# embedding's product, SwiGLU's saved products; in bf16 the rotary's real form).
+BLOCK_BYTES = {("llama", 4): ((123, 20), (295, 36)), ("llama", 2): ((117, 10), (267, 18)),
                ("gpt2", 4): ((41, 8), (94, 16)), ("gpt2", 2): ((20.5, 4), (47, 8))}
 # What the byte count leaves out (aten names): GEMMs and attention, timed on their own;
 # views and allocations, which move no data.
@@ -71,9 +76,10 @@ def _flavour(model: PlanModel) -> str:
     return "gpt2" if model.config.flavour == "gpt2" else "llama"
 
 
-def block_ops(model: PlanModel, layout: Layout) -> tuple[float, float]:
-    """(forward, backward) operations of one block of `model` for one microbatch; an
-    MoE model's blocks are MoE blocks (`PlanModel.dense_blocks` gives the dense ones)."""
+def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[float, float]:
+    """(forward, backward) operations of one block of `model` for one microbatch with
+    `elem_bytes`-wide parameters; an MoE model's blocks are MoE blocks
+    (`PlanModel.dense_blocks` gives the dense ones)."""
     if model.is_moe:
         experts = model.moe.num_experts / layout.ep
         fwd = MOE_BLOCK_OPS[0] + experts * EXPERT_OPS[0]
@@ -82,6 +88,8 @@ def block_ops(model: PlanModel, layout: Layout) -> tuple[float, float]:
         fwd, bwd = BLOCK_OPS[_flavour(model)]
     if model.config.dropout > 0:
         fwd, bwd = fwd + DROPOUT_BLOCK_OPS[0], bwd + DROPOUT_BLOCK_OPS[1]
+    if elem_bytes <= 2 and _flavour(model) == "llama":
+        fwd, bwd = fwd + REAL_ROTARY_OPS[0], bwd + REAL_ROTARY_OPS[1]
     return float(fwd), float(bwd)
 
 
@@ -105,9 +113,11 @@ def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[floa
     return fh * h + ff * ffn, bh * h + bf * ffn
 
 
-def edge_ops(model: PlanModel) -> tuple[float, float]:
+def edge_ops(model: PlanModel, elem_bytes: int = 4) -> tuple[float, float]:
     """(forward, backward) operations outside the blocks for one microbatch."""
     fwd, bwd = EDGE_OPS[_flavour(model)]
+    if elem_bytes <= 2:
+        fwd, bwd = fwd + CAST_EDGE_OPS[_flavour(model)][0], bwd + CAST_EDGE_OPS[_flavour(model)][1]
     if model.config.dropout > 0:
         fwd, bwd = fwd + DROPOUT_EDGE_OPS[0], bwd + DROPOUT_EDGE_OPS[1]
     return float(fwd), float(bwd)

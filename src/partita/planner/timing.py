@@ -153,7 +153,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         rerun_s = 0.0  # context parallelism's core is not rerun
     layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
-                                    compiled and compile == "model")
+                                    compiled and compile == "model", precision.param)
     head_s = head_fwd + head_bwd
     intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
