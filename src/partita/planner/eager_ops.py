@@ -6,8 +6,8 @@
     ops = step_ops(model, blocks)             # clipping and the AdamW step of a rank
 
 On a CPU every operation costs its dispatch, autograd bookkeeping and allocation in
-line with its work (`GPUSpec.eager_op_s`, ~5 us here), and a small model's step is
-mostly that: the plan-accuracy model (dim 64, 64 tokens per step) runs ~620 operations
+line with its work (`GPUSpec.eager_op_s`, 5-12 us here), and a small model's step is
+mostly that: the plan-accuracy model (dim 64, 64 tokens per step) runs ~600 operations
 and ~1.6 ms of kernel work in ~5 ms. A GPU launches ahead of its kernels, so there the
 cost is hidden and its profiles leave `eager_op_s` at 0.
 
@@ -117,7 +117,8 @@ def edge_ops(model: PlanModel, elem_bytes: int = 4) -> tuple[float, float]:
     """(forward, backward) operations outside the blocks for one microbatch."""
     fwd, bwd = EDGE_OPS[_flavour(model)]
     if elem_bytes <= 2:
-        fwd, bwd = fwd + CAST_EDGE_OPS[_flavour(model)][0], bwd + CAST_EDGE_OPS[_flavour(model)][1]
+        cast_fwd, cast_bwd = CAST_EDGE_OPS[_flavour(model)]
+        fwd, bwd = fwd + cast_fwd, bwd + cast_bwd
     if model.config.dropout > 0:
         fwd, bwd = fwd + DROPOUT_EDGE_OPS[0], bwd + DROPOUT_EDGE_OPS[1]
     return float(fwd), float(bwd)
