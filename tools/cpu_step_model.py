@@ -5,7 +5,7 @@
 
 `attention`: torch's CPU flash kernel (causal, one thread) forward and backward at a few
 shapes, as a fraction of the GEMM rate the planner would give it (the profile's matmul
-rate x hd/(hd + gemm_k_half)): what `Assumptions.CPU_FLASH` holds.
+rate x hd/(hd + gemm_k_half)): what `planner.assumptions.CPU_FLASH` holds.
 
 `steps`: partita's stage 0 on one gloo rank (fp32, one thread), eager, at several model
 sizes and batches, each the median of 10 timed steps, against `partita plan`'s step

@@ -4,9 +4,9 @@ Our tests and `partita bench` run one process per core with one thread each, tal
 over gloo on loopback; this profile describes one such process as a "device", so the
 planner can predict what those runs measure. The matmul and copy loops each stop
 after a fixed time budget (well under two seconds together), and so does the eager-op
-loop: a few training steps of partita's own model at a size where the kernels' work is
-negligible, whose time over the operations they dispatch is what one eager operation
-costs here (`planner.eager_ops` counts a step's operations).
+loop: forward and backward passes of partita's own model at a size where the kernels'
+work is negligible, whose time over the operations they dispatch is what one eager
+operation costs here (`planner.eager_ops` counts a step's operations).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
 
 def bf16_matmul_rate(size: int, budget_s: float) -> float:
     """bf16 FLOP/s of `size`^3 products, averaged over the two operand layouts a linear
-    layer's GEMMs use (the weight transposed in forward, as it is in backward's input
+    layer's GEMMs use (the weight transposed in forward, as stored for backward's input
     gradient): on a CPU without bf16 units their rates differ up to threefold."""
     import torch
 
