@@ -202,6 +202,10 @@ def test_zero3_kept_units_save_their_second_gather_and_hold_their_memory():
     req = make_request("llama3-8b", 8, keep_gathered=3)
     ev = evaluate(req, layout)
     assert ev.kept_units == 3 and "--parallel.keep_gathered=3" in train_command(req, ev)
+    # The plan assumed bf16 parameters; partita train's default would be fp32.
+    assert "--precision.param_dtype=bfloat16" in train_command(req, ev)
+    fp32 = make_request("llama3-8b", 8, precision="fp32")
+    assert "param_dtype" not in train_command(fp32, evaluate(fp32, layout))
     assert ev.time["dp_bytes"] < evaluate(make_request("llama3-8b", 8, keep_gathered=1),
                                           layout).time["dp_bytes"]
     for keep in (None, 1):

@@ -45,7 +45,8 @@ def register(subparsers) -> None:
                         "offload, which are modelled but not available yet in partita "
                         "train (shown as rejected, never ranked)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
-                   help="default: bf16 (mixed, fp32 master weights)")
+                   help="default: bf16 (mixed, fp32 master weights); fp32 with "
+                        "--gpu-type cpu")
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
     p.add_argument("--implementation", default=None, choices=("fused", "partita"),
@@ -113,9 +114,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.gpu_type is None:
         args.gpu_type = "H100"
         defaults.append("--gpu-type H100")
-    if args.precision is None:
-        args.precision = "bf16"
-        defaults.append("--precision bf16")
+    if args.precision is None:  # what partita train uses there by default
+        args.precision = "fp32" if args.gpu_type.lower() == "cpu" else "bf16"
+        defaults.append(f"--precision {args.precision}")
     if args.implementation == "partita":
         base = (Assumptions.measured_cpu() if args.gpu_type.lower() == "cpu"
                 else Assumptions.partita_on_gpu())

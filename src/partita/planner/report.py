@@ -115,6 +115,8 @@ def train_command(req: Request, ev: Evaluation) -> str:
     """The `partita train` settings of a ranked layout (the model and data settings are
     the user's own)."""
     args = layout_overrides(ev.layout, req.global_batch)
+    if req.precision.param == 2:  # what the plan assumed; partita train's default is fp32
+        args.append("--precision.param_dtype=bfloat16")
     if ev.compile != "none":
         args.append(f"--train.compile={ev.compile}")
     if ev.kept_units is not None and ev.kept_units != 1:
