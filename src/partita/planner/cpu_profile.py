@@ -62,16 +62,18 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
 
 
 def bf16_matmul_rate(size: int, budget_s: float) -> float:
-    """bf16 FLOP/s of `size`^3 products, averaged over the two operand layouts a linear
-    layer's GEMMs use (the weight transposed in forward, as stored for backward's input
-    gradient): on a CPU without bf16 units their rates differ up to threefold."""
+    """bf16 FLOP/s of `size`^3 products in the three operand layouts of a linear layer's
+    training step, equal FLOPs each: forward x @ W^T, input gradient g @ W, weight
+    gradient g^T @ x. On a CPU without bf16 units their rates differ up to tenfold
+    (here ~6, ~2 and ~20 GFLOP/s), so the step's rate is their time-weighted mean."""
     import torch
 
     a, b = (torch.randn(size, size, dtype=torch.bfloat16) for _ in range(2))
     work = 2.0 * size**3
-    plain = best_rate(lambda x, y: torch.mm(x, y), a, b, work, budget_s / 2)
-    transposed = best_rate(lambda x, y: torch.mm(x, y.t()), a, b, work, budget_s / 2)
-    return 2 * work / (work / plain + work / transposed)
+    layouts = (lambda x, y: torch.mm(x, y.t()), lambda x, y: torch.mm(x, y),
+               lambda x, y: torch.mm(x.t(), y))
+    rates = [best_rate(op, a, b, work, budget_s / 3) for op in layouts]
+    return len(rates) / sum(1 / r for r in rates)
 
 
 def eager_op_cost(budget_s: float = 0.3) -> float:
