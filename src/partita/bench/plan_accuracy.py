@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from dataclasses import replace
 
 from partita.bench import paired
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"worst communication error {worst_comm * 100:.2f}%")
     if one_rank_time:
         print(f"step-time error at one rank (no gloo): median "
-              f"{sorted(one_rank_time)[len(one_rank_time) // 2] * 100:.0f}%, worst "
+              f"{statistics.median(one_rank_time) * 100:.0f}%, worst "
               f"{max(one_rank_time) * 100:.0f}%")
     print(f"plan-accuracy: worst memory error {worst_mem * 100:.2f}%, "
           f"worst step-time error {worst_time * 100:.0f}%")

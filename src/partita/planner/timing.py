@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from partita.compile_rules import MODES
 from partita.layout import Layout
 from partita.planner import context_parallel as cp_model
 from partita.planner.activation_memory import (
@@ -131,7 +132,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     moe_frac = c.n_moe_layers / c.n_layers if model.is_moe and c.moe else float(model.is_moe)
     # Compiled (a mode in effect, `planner.compiled`): where the preset's kernels are
     # partita's eager ones, blocks (and under `model` the edges) run fused.
-    if compile not in ("none", "blocks", "model"):
+    if compile not in MODES or compile == "auto":  # `auto` resolves before (compiled.py)
         raise ValueError(f"compile mode {compile!r} is not one of none, blocks, model")
     compiled = compile != "none" and a.compile_gain
     blk = block_times(model, layout, seq_len, gpu, a, precision.param, compiled)
