@@ -18,6 +18,7 @@ that describe partita on CPU (`Assumptions.measured_cpu`).
 from __future__ import annotations
 
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 
@@ -121,8 +122,9 @@ class Case:
         return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
 
 
-def run_config(case: Case):
-    """The run configuration a user would write for this case."""
+def run_config(case: Case, offload_dir: str = ""):
+    """The run configuration a user would write for this case; `offload_dir` is where a
+    disk-offload case keeps its files (the caller owns the folder)."""
     from partita.config import Config
 
     s, cfg = case.shape, Config()
@@ -145,9 +147,7 @@ def run_config(case: Case):
     cfg.parallel.cp, cfg.parallel.cp_kind = case.cp, case.cp_kind
     cfg.parallel.ep = case.ep
     if case.offload.endswith("+disk"):
-        import tempfile
-
-        cfg.parallel.offload_dir = tempfile.mkdtemp(prefix="partita-plan-")
+        cfg.parallel.offload_dir = offload_dir
         cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB
     return cfg
 
@@ -215,15 +215,18 @@ def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0
         dims = dims_from_config(run_config(case), world).degrees
         if dims not in meshes:
             meshes[dims] = Mesh(dims, rank, world)
-        out.append(_measure(meshes[dims], case, timed_steps))
+        # A disk-offload case's files go to a folder of its own, removed after it.
+        with tempfile.TemporaryDirectory(prefix="partita-plan-",
+                                         ignore_cleanup_errors=True) as offload_dir:
+            out.append(_measure(meshes[dims], case, timed_steps, offload_dir))
     return out
 
 
-def _measure(mesh, case: Case, timed_steps: int) -> dict:
+def _measure(mesh, case: Case, timed_steps: int, offload_dir: str) -> dict:
     from partita.parallelize import build_parallel_model
     from partita.saved_tensors import SavedTensorMeter
 
-    cfg = run_config(case)
+    cfg = run_config(case, offload_dir)
     pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
     _balance_routing(pm.module)
     dp, seq, m = pm.dp, case.shape.seq_len, case.microbatches
@@ -258,6 +261,7 @@ def _measure(mesh, case: Case, timed_steps: int) -> dict:
         times.append(time.perf_counter() - start)
     if times:
         out["step_s"] = statistics.median(times[1:])
+    dp.close()  # its hooks would keep its buffers alive through the cases that follow
     return out
 
 
