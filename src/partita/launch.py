@@ -13,6 +13,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import traceback
 import uuid
 from collections.abc import Callable
@@ -99,7 +100,15 @@ def launched_externally() -> bool:
 
 def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
     """Run fn(*args) on spec.nproc local processes; return their results by local rank."""
-    from torch.distributed.elastic.multiprocessing import SignalException
+    # torch's agent keeps each worker's error file in a log folder, by default a fresh
+    # one under /tmp that nobody removes: one per job. Ours goes once the job is over.
+    with tempfile.TemporaryDirectory(prefix="partita-launch-",
+                                     ignore_cleanup_errors=True) as log_dir:
+        return _launch(spec, log_dir, fn, *args)
+
+
+def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -125,7 +134,8 @@ def launch(spec: LaunchSpec, fn: Callable, *args) -> list:
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="forkserver",
         # After one process fails, the others get this long to exit on SIGTERM before
         # SIGKILL (torch waits 30 s, which a SIGSTOPped process always uses up).
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S, **extra,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        **extra,
     )
     # The agent logs each failed child with a long record; the child has already printed
     # its own message (a one-paragraph PartitaError or a traceback), which is the one
