@@ -85,23 +85,30 @@ def test_nan_loss_stops_naming_the_step_and_writes_no_weights(run_dir, cli):
     assert result.stderr.count("partita: error: the") == 1  # said once, not once per rank
 
 
-def test_a_launched_process_that_crashes_shows_its_traceback():
+def test_a_launched_process_that_crashes_shows_its_traceback(tmp_path):
     """An exception that is not partita's own (a CUDA error, a bug) reaches the user.
     (In a process of its own: the workers write to the launcher's stderr as it was when
-    their fork server started, which pytest's capture would have swapped.)"""
+    their fork server started, which pytest's capture would have swapped.) A job that
+    ends, well or not, leaves nothing in the temporary folder (torch's agent makes a log
+    folder per job there)."""
     script = ("import operator\n"
               "from partita.errors import PartitaError\n"
               "from partita.launch import LaunchSpec, launch\n"
+              "print('returned:', launch(LaunchSpec(nproc=1), operator.add, 1, 2))\n"
               "try:\n"
               "    launch(LaunchSpec(nproc=1), operator.truediv, 1, 0)\n"
               "except PartitaError as exc:\n"
               "    print('raised:', exc)\n")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=120, env={**os.environ, "TMPDIR": str(temp)})
+    assert "returned: [3]" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "raised: process 0 of the job stopped with exit code 1" in result.stdout, (
         result.stdout + result.stderr[-2000:])
     assert "partita: process 0 failed" in result.stderr
     assert "ZeroDivisionError" in result.stderr
+    assert not list(temp.iterdir())
 
 
 def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, cli, run_dir):
