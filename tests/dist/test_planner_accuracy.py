@@ -20,6 +20,8 @@ runs in this process.
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import torch
 import torch.nn as nn
@@ -112,7 +114,8 @@ def _check_comm(case: Case, measured: dict) -> None:
         assert err <= COMM_TOL, (case.label, name, timed[name], measured[name])
 
 
-def test_single_process_layouts() -> None:
+def test_single_process_layouts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the disk case's files
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -122,6 +125,7 @@ def test_single_process_layouts() -> None:
     for case, measured in zip(CASES[1], results):
         _check_memory(case, measured)
         _check_comm(case, measured)
+    assert not list(tmp_path.iterdir())  # measuring and predicting leave no folder behind
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
