@@ -20,6 +20,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -216,8 +217,9 @@ def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0
         if dims not in meshes:
             meshes[dims] = Mesh(dims, rank, world)
         # A disk-offload case's files go to a folder of its own, removed after it.
-        with tempfile.TemporaryDirectory(prefix="partita-plan-",
-                                         ignore_cleanup_errors=True) as offload_dir:
+        folder = (tempfile.TemporaryDirectory(prefix="partita-plan-", ignore_cleanup_errors=True)
+                  if case.offload.endswith("+disk") else nullcontext(""))
+        with folder as offload_dir:
             out.append(_measure(meshes[dims], case, timed_steps, offload_dir))
     return out
 
