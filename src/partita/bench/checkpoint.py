@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from partita.bench import paired
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 Timer = Callable[[int], float]
@@ -351,16 +352,16 @@ def parameter_count(setup: Setup) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", type=int, nargs="+", default=[4, 2],
+    parser.add_argument("--worlds", type=count, nargs="+", default=[4, 2],
                         help="world sizes, run largest first; the later ones also load "
                              "the first one's checkpoints (default 4 2)")
-    parser.add_argument("--dim", type=int, default=Setup.dim)
-    parser.add_argument("--layers", type=int, default=Setup.layers)
-    parser.add_argument("--heads", type=int, default=Setup.heads)
-    parser.add_argument("--vocab", type=int, default=Setup.vocab)
-    parser.add_argument("--rounds", type=int, default=Setup.rounds,
+    parser.add_argument("--dim", type=count, default=Setup.dim)
+    parser.add_argument("--layers", type=count, default=Setup.layers)
+    parser.add_argument("--heads", type=count, default=Setup.heads)
+    parser.add_argument("--vocab", type=count, default=Setup.vocab)
+    parser.add_argument("--rounds", type=count, default=Setup.rounds,
                         help="timed rounds per pair, at least (default 5)")
-    parser.add_argument("--max-rounds", type=int, default=Setup.max_rounds,
+    parser.add_argument("--max-rounds", type=count, default=Setup.max_rounds,
                         help="rounds a pair whose interval spans 1.0 may double up to")
     parser.add_argument("--cache", choices=("warm", "cold"), default=Setup.cache,
                         help="page cache before each load (default warm)")

@@ -35,6 +35,7 @@ import torch
 from partita.bench import dp as harness
 from partita.bench import paired
 from partita.bench.models import CHOICES, blocks_of
+from partita.commands.arg_types import count, counts
 from partita.local_world import run_distributed
 
 EAGER = "partita s0 eager"
@@ -101,14 +102,14 @@ def _first_steps(rank: int, world: int, setup: harness.Setup) -> dict[str, float
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", default="1,2", help="world sizes (default 1,2)")
+    parser.add_argument("--worlds", type=counts, default="1,2", help="world sizes (default 1,2)")
     parser.add_argument("--model", default="tiny",
                         help=f"{', '.join(CHOICES)} (tiny-moe: a mixture of experts) or any "
                         "catalog model (default tiny)")
-    parser.add_argument("--batch", type=int, default=harness.Setup.batch)
-    parser.add_argument("--seq", type=int, default=harness.Setup.seq)
-    parser.add_argument("--rounds", type=int, default=12, help="timed rounds per pair")
-    parser.add_argument("--max-rounds", type=int, default=24,
+    parser.add_argument("--batch", type=count, default=harness.Setup.batch)
+    parser.add_argument("--seq", type=count, default=harness.Setup.seq)
+    parser.add_argument("--rounds", type=count, default=12, help="timed rounds per pair")
+    parser.add_argument("--max-rounds", type=count, default=24,
                         help="rounds a close pair may double up to (default 24)")
 
 
@@ -116,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
     setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
                           rounds=args.rounds, max_rounds=max(args.rounds, args.max_rounds),
                           warmup=2)  # compiling happens before, in _first_steps
-    worlds = [int(w) for w in args.worlds.split(",")]
+
     print(harness.describe("compile", setup, "0.8 (eager) and 1.0 (peers)"))
     print("compile time: the first step's time minus the second's (slowest rank)")
     c_worst = {OURS0: 0.0, OURS0_MODEL: 0.0}  # per compile mode, worst over the worlds
     r_worst = 0.0
-    for world in worlds:
+    for world in args.worlds:
         compile_s = run_distributed(_first_steps, world, timeout=3600, args=(setup,))[0]
         print(f"world {world}: compile time " + ", ".join(
             f"{name} {s:.1f} s" for name, s in compile_s.items()), flush=True)

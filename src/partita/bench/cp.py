@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from partita.bench import paired
+from partita.commands.arg_types import count
 from partita.context_parallel import (
     KINDS,
     ContextParallelAttention,
@@ -54,19 +55,19 @@ from partita.saved_tensors import SavedTensorMeter
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--degrees", default="2,4", help="cp degrees, comma-separated")
-    parser.add_argument("--seq", type=int, default=4096,
+    parser.add_argument("--seq", type=count, default=4096,
                         help="tokens per sequence (long enough that attention dominates)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=6,
+    parser.add_argument("--batch", type=count, default=1)
+    parser.add_argument("--dim", type=count, default=64)
+    parser.add_argument("--heads", type=count, default=4)
+    parser.add_argument("--kv-heads", type=count, default=2)
+    parser.add_argument("--layers", type=count, default=2)
+    parser.add_argument("--rounds", type=count, default=6,
                         help="alternating rounds (ours, peer) per kind, before doubling")
-    parser.add_argument("--max-rounds", type=int, default=24,
+    parser.add_argument("--max-rounds", type=count, default=24,
                         help="cap on rounds while the ratio's interval spans 1.0")
     # Kept for older command lines: one round is one timed step of each side.
-    parser.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=count, default=None, help=argparse.SUPPRESS)
 
 
 def _model_cfg(args: dict) -> ModelConfig:

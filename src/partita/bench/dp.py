@@ -32,6 +32,7 @@ import torch
 
 from partita.bench import paired
 from partita.bench.models import CHOICES, bench_model, block_names
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 LR = 1e-4
@@ -228,18 +229,18 @@ TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/st
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="ranks (default 2, gloo)")
+    parser.add_argument("--world", type=count, default=2, help="ranks (default 2, gloo)")
     parser.add_argument("--model", default=Setup.model,
                         help=f"{', '.join(CHOICES)} (a transformers LlamaForCausalLM) or any "
                         f"catalog model (default {Setup.model})")
-    parser.add_argument("--batch", type=int, default=Setup.batch, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=Setup.seq)
-    parser.add_argument("--rounds", type=int, default=Setup.rounds,
+    parser.add_argument("--batch", type=count, default=Setup.batch, help="sequences per rank")
+    parser.add_argument("--seq", type=count, default=Setup.seq)
+    parser.add_argument("--rounds", type=count, default=Setup.rounds,
                         help="timed rounds per pair, at least")
     # 160 (four looks from 16 or 20): on this 2-core machine the 99% interval is then
     # about +-2% wide (stage 0 vs DDP: 0.993-1.029); a pair closer than that stays
     # open, and the table shows it.
-    parser.add_argument("--max-rounds", type=int, default=160,
+    parser.add_argument("--max-rounds", type=count, default=160,
                         help="rounds a close pair may double up to (default 160)")
 
 

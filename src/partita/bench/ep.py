@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from partita.bench import paired
+from partita.commands.arg_types import count, counts
 from partita.experts import apply_expert_parallel
 from partita.layout import Layout
 from partita.local_world import run_distributed
@@ -46,18 +47,18 @@ from partita.models.moe import MoE, SwiGLU
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", default="2,4", help="world sizes, comma-separated")
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel degree")
-    parser.add_argument("--experts", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--ffn", type=int, default=512, help="each expert's hidden width")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=8,
+    parser.add_argument("--worlds", type=counts, default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--ep", type=count, default=2, help="expert-parallel degree")
+    parser.add_argument("--experts", type=count, default=4)
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--ffn", type=count, default=512, help="each expert's hidden width")
+    parser.add_argument("--batch", type=count, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--rounds", type=count, default=8,
                         help="alternating rounds (partita, DeepSpeed) before doubling")
-    parser.add_argument("--max-rounds", type=int, default=32,
+    parser.add_argument("--max-rounds", type=count, default=32,
                         help="cap on rounds while the ratio's interval spans 1.0")
-    parser.add_argument("--steps", type=int, default=5,
+    parser.add_argument("--steps", type=count, default=5,
                         help="timed steps per round (the round keeps their median)")
 
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'99% interval':>14}"
           f"{'rounds':>8}{'partita cpu ms':>16}{'deepspeed cpu ms':>18}")
     worst = None
-    for world in (int(w) for w in args.worlds.split(",")):
+    for world in args.worlds:
         ranks = run_distributed(_rank, world, args=(a,), timeout=1800)
         times = ranks[0]["times"]  # the same on every rank (slowest-rank round times)
         est = paired.estimate_times(times)

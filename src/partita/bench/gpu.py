@@ -31,6 +31,7 @@ import torch
 
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of
+from partita.commands.arg_types import at_least, count
 from partita.local_world import run_distributed
 
 BF16 = torch.bfloat16
@@ -146,12 +147,12 @@ def top_kernels(rank: int, world: int, setup: harness.Setup, name: str,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpus", type=int, default=0,
+    parser.add_argument("--gpus", type=at_least(0), default=0,
                         help="ranks, one per GPU (default: every visible GPU)")
     parser.add_argument("--model", default="llama3.2-1b")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--batch", type=count, default=4, help="sequences per rank")
+    parser.add_argument("--seq", type=count, default=2048)
+    parser.add_argument("--rounds", type=count, default=8)
     parser.add_argument("--compile", action="store_true",
                         help="time the compile modes against eager (ZeRO 0 and 3) instead "
                         "of the peers")

@@ -42,16 +42,17 @@ import torch
 import torch.nn.functional as F
 
 from partita.bench.paired import estimate_times, paired_rounds
+from partita.commands.arg_types import count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--max-rounds", type=int, default=24)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps of the disk runs")
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--layers", type=count, default=4)
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--batch", type=count, default=4)
+    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--max-rounds", type=count, default=24)
+    parser.add_argument("--steps", type=count, default=5, help="timed steps of the disk runs")
     parser.add_argument("--dir", default="", help="offload directory (default: a temporary one)")
     parser.add_argument("--budget-gb", type=float, default=0.02,
                         help="host memory budget of the disk offload engine")

@@ -45,6 +45,8 @@ from partita.bench.plan_measure import (
     worst_by_stage,
     worst_rank,
 )
+from partita.commands.arg_types import count, counts
+from partita.errors import PartitaError
 from partita.local_world import run_distributed
 from partita.planner import Assumptions, get_gpu
 from partita.planner.hardware import GPUSpec
@@ -139,19 +141,24 @@ def _world(rank: int, world: int, cases: list[Case], steps: int) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dim", type=int, default=64, help="model width (default 64)")
-    parser.add_argument("--layers", type=int, default=2, help="blocks (default 2)")
-    parser.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
-    parser.add_argument("--steps", type=int, default=5,
+    parser.add_argument("--dim", type=count, default=64, help="model width (default 64)")
+    parser.add_argument("--layers", type=count, default=2, help="blocks (default 2)")
+    parser.add_argument("--seq", type=count, default=32, help="sequence length (default 32)")
+    parser.add_argument("--steps", type=count, default=5,
                         help="timed steps per layout after one warm-up (default 5)")
-    parser.add_argument("--worlds", default="1,2,4,8",
+    parser.add_argument("--worlds", type=counts, default="1,2,4,8",
                         help="world sizes to run, comma-separated (default 1,2,4,8)")
 
 
 def run(args: argparse.Namespace) -> int:
     shape = Shape(dim=args.dim, n_layers=args.layers, seq_len=args.seq)
     gpu = get_gpu("cpu")
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds, cases_by_world = args.worlds, layouts(shape)
+    unknown = sorted(set(worlds) - set(cases_by_world))
+    if unknown:
+        raise PartitaError(
+            f"--worlds: no layouts of {', '.join(map(str, unknown))} ranks; plan-accuracy "
+            f"runs worlds of {', '.join(map(str, sorted(cases_by_world)))} ranks.")
     print(f"plan-accuracy: llama dim={shape.dim} layers={shape.n_layers} heads="
           f"{shape.n_heads} kv={shape.n_kv_heads} vocab={shape.vocab_size} seq={shape.seq_len}, "
           "2 sequences per rank, one microbatch; planner: Assumptions.measured_cpu(), "
@@ -168,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     worst_mem = worst_comm = worst_time = 0.0
     one_rank_time: list[float] = []  # what the compute model alone decides
     for world in worlds:
-        cases = layouts(shape)[world]
+        cases = cases_by_world[world]
         runs = run_distributed(_world, world, args=(cases, args.steps), timeout=900)
         per_rank = [r["cases"] for r in runs]
         link = runs[0]["link"]

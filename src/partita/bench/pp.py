@@ -22,6 +22,7 @@ import argparse
 import statistics
 
 from partita.bench import paired
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 SELF = "partita (same again)"
@@ -34,23 +35,23 @@ OURS = [name for name, _, peer in PAIRS if peer != SELF]  # each against its tor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", "-m", type=int, default=8)
+    parser.add_argument("--stages", "-p", type=count, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", "-m", type=count, default=8)
     parser.add_argument("--schedules", nargs="+", default=OURS, choices=OURS,
                         help="our schedules to time against their torch peers (default: "
                              "all three; the noise-floor row runs with 1f1b)")
     # 16: with 6 our 1F1B timed against itself read 0.987-1.030; R is the worst of six
     # pairs, so round-to-round noise alone pushes it up.
-    parser.add_argument("--rounds", type=int, default=16,
+    parser.add_argument("--rounds", type=count, default=16,
                         help="timed rounds per pair, at least (even: each runtime goes "
                              "first equally often)")
-    parser.add_argument("--max-rounds", type=int, default=128,
+    parser.add_argument("--max-rounds", type=count, default=128,
                         help="rounds a pair whose 99%% interval still spans 1.0 may double "
                              "up to (default 128)")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--microbatch-size", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--microbatch-size", type=count, default=2)
+    parser.add_argument("--vocab", type=count, default=256)
 
 
 def _config(p: int, schedule: str, v: int, args: argparse.Namespace):

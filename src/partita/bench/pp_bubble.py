@@ -37,19 +37,20 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--microbatches", "-m", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5, help="measured steps (after 1 warm-up)")
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--microbatch-size", type=int, default=4)
-    parser.add_argument("--blocks-per-rank", type=int, default=16,
+    parser.add_argument("--stages", "-p", type=count, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", "-m", type=count, default=8)
+    parser.add_argument("--steps", type=count, default=5, help="measured steps (after 1 warm-up)")
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--microbatch-size", type=count, default=4)
+    parser.add_argument("--blocks-per-rank", type=count, default=16,
                         help="blocks per pipeline rank (interleaved splits them in v); "
                         "16 keeps each pass long next to the fixed cost of a gloo "
                         "transfer, as passes are next to p2p latency on real hardware")

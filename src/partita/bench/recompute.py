@@ -34,18 +34,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from partita.bench.paired import estimate_times, paired_rounds
+from partita.commands.arg_types import count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
-    parser.add_argument("--rounds", type=int, default=10, help="paired rounds at first")
-    parser.add_argument("--max-rounds", type=int, default=40,
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--layers", type=count, default=4)
+    parser.add_argument("--heads", type=count, default=8)
+    parser.add_argument("--seq", type=count, default=256)
+    parser.add_argument("--batch", type=count, default=4, help="sequences per step")
+    parser.add_argument("--rounds", type=count, default=10, help="paired rounds at first")
+    parser.add_argument("--max-rounds", type=count, default=40,
                         help="rounds at most (doubling while the verdict is unsure)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=count, default=1)
 
 
 class _HeldBytes(TorchDispatchMode):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from partita.bench import paired
+from partita.commands.arg_types import count
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.mesh import Mesh
@@ -33,17 +34,17 @@ from partita.tensor_parallel import apply_tensor_parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=8, help="timed rounds per pair, at least")
-    parser.add_argument("--max-rounds", type=int, default=64,
+    parser.add_argument("--tp", type=count, default=2)
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--heads", type=count, default=8)
+    parser.add_argument("--layers", type=count, default=4)
+    parser.add_argument("--vocab", type=count, default=1024)
+    parser.add_argument("--batch", type=count, default=4)
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--rounds", type=count, default=8, help="timed rounds per pair, at least")
+    parser.add_argument("--max-rounds", type=count, default=64,
                         help="rounds a pair whose 99%% interval spans 1.0 may double up to")
-    parser.add_argument("--steps", type=int, default=3, help="steps per timed round")
+    parser.add_argument("--steps", type=count, default=3, help="steps per timed round")
 
 
 def _partita(cfg: ModelConfig, rank: int, world: int):

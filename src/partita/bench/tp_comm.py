@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from partita.commands.arg_types import count
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.mesh import Mesh
@@ -25,12 +26,12 @@ from partita.tensor_parallel import apply_tensor_parallel
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--tp", type=count, default=2)
+    parser.add_argument("--dim", type=count, default=256)
+    parser.add_argument("--heads", type=count, default=8)
+    parser.add_argument("--batch", type=count, default=4)
+    parser.add_argument("--seq", type=count, default=128)
+    parser.add_argument("--vocab", type=count, default=512)
 
 
 def theory_bytes(batch: int, seq: int, dim: int, tp: int, element_size: int) -> float:

@@ -30,6 +30,7 @@ import torch
 
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 
@@ -159,7 +160,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # At least 20 rounds: with 6, stage 0 timed against itself strayed up to 4% from 1.0
     # at 4 ranks, with 10 up to 6%. Pairs whose verdict is still open double from there.
     parser.set_defaults(rounds=20)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4],
+    parser.add_argument("--worlds", type=count, nargs="+", default=[2, 4],
                         help="world sizes to run (default 2 4)")
     parser.add_argument("--no-deepspeed", action="store_true",
                         help="skip DeepSpeed even where it is installed")

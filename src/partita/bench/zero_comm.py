@@ -14,6 +14,7 @@ import argparse
 
 import torch
 
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
 from partita.models.model_config import ModelConfig
@@ -61,9 +62,9 @@ def measure(rank: int, world: int, cfg: ModelConfig, seq: int, steps: int) -> li
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="catalog model (default tiny)")
-    parser.add_argument("--world", type=int, default=2, help="ranks N (default 2)")
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--world", type=count, default=2, help="ranks N (default 2)")
+    parser.add_argument("--seq", type=count, default=32)
+    parser.add_argument("--steps", type=count, default=2)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 from partita.models.catalog import get_model_config
 from partita.models.model_config import ModelConfig
@@ -77,8 +78,8 @@ def measure(rank: int, world: int, cfg: ModelConfig, stages: tuple[int, ...],
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="catalog model (default tiny)")
-    parser.add_argument("--world", type=int, default=4, help="ranks N (default 4)")
-    parser.add_argument("--seq", type=int, default=64, help="sequence length of the step")
+    parser.add_argument("--world", type=count, default=4, help="ranks N (default 4)")
+    parser.add_argument("--seq", type=count, default=64, help="sequence length of the step")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,34 @@
+"""argparse types for the command line's numeric options.
+
+A count of zero or a negative size would otherwise reach the code it sizes and fail
+there with a traceback (an empty median, an index out of range) or, worse, run and
+print nothing useful. These refuse it while the arguments are parsed, naming the
+option, before anything is built or launched.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | float]:
+    """A type for a number of `kind` (int or float) that is `minimum` or more."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}; give {minimum} or more")
+        return value
+    return parse
+
+
+count = at_least(1)  # a number of things (ranks, rounds, layers, tokens): 1 or more
+
+
+def counts(text: str) -> list[int]:
+    """A comma-separated list of counts, such as world sizes: `1,2,4`."""
+    return [count(part.strip()) for part in text.split(",")]
