@@ -80,8 +80,8 @@ def test_bench_gpu_names_the_runners_when_profile_names_none(cli):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["dp", "--rounds", "0"], "argument --rounds: 0 is below 1"),
-    (["zero", "--worlds", "2", "0"], "argument --worlds: 0 is below 1"),
+    (["dp", "--rounds", "0"], "argument --rounds: 0 is out of range: use 1 or more"),
+    (["zero", "--worlds", "2", "0"], "argument --worlds: 0 is out of range: use 1 or more"),
     (["compile", "--worlds", "1,x"], "argument --worlds: 'x' is not a whole number"),
     (["plan-accuracy", "--worlds", "1,3"], "--worlds: no layouts of 3 ranks"),
 ])

@@ -67,8 +67,8 @@ def test_bad_input_is_one_paragraph_not_a_traceback(args, message, run_dir, cli)
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--tokens", "-3"], "argument --tokens: -3 is below 0; give 0 or more"),
-    (["--temperature", "-0.5"], "argument --temperature: -0.5 is below 0.0"),
+    (["--tokens", "-3"], "argument --tokens: -3 is out of range: use 0 or more"),
+    (["--temperature", "-0.5"], "argument --temperature: -0.5 is out of range: use 0.0 or more"),
     (["--top-k", "two"], "argument --top-k: 'two' is not a whole number"),
 ])
 def test_generate_refuses_negative_counts_before_loading_anything(args, message, cli):

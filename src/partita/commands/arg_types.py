@@ -3,7 +3,9 @@
 A count of zero or a negative size would otherwise reach the code it sizes and fail
 there with a traceback (an empty median, an index out of range) or, worse, run and
 print nothing useful. These refuse it while the arguments are parsed, naming the
-option, before anything is built or launched.
+option, before anything is built or launched. (Options with an upper bound as well,
+such as `partita plan --gpus`, are checked after parsing by `errors.require_in_range`,
+in the same words.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | fl
             what = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is below {minimum}; give {minimum} or more")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: use {minimum} or more")
         return value
     return parse
 
