@@ -190,3 +190,17 @@ def test_latest_partials_and_pruning(tmp_path):
     c = _checkpoint(tmp_path, 10)
     assert prune(tmp_path, 1, protect=a) == [b]
     assert a.exists() and c.exists() and not b.exists()
+
+
+def test_a_path_that_holds_no_checkpoint_is_named_as_it_was_given(tmp_path):
+    """train.resume's messages name the setting and offer `auto`; `partita checkpoint`'s
+    (given_as="") name only the path, which came as an argument."""
+    with pytest.raises(CheckpointFileError, match=r"^train.resume='.*nope' does not exist.*"
+                                                  r"train.resume=auto"):
+        resolve(tmp_path / "nope")
+    with pytest.raises(CheckpointFileError, match=r"^'.*' holds no complete checkpoint") as err:
+        resolve(tmp_path, given_as="")
+    assert "train.resume" not in str(err.value)
+    with pytest.raises(CheckpointFileError, match=r"^'.*nope' does not exist") as err:
+        resolve(tmp_path / "nope", given_as="")
+    assert "train.resume" not in str(err.value)

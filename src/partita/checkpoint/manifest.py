@@ -181,23 +181,30 @@ def find_latest(root: Path) -> Path | None:
     return None
 
 
-def resolve(path: Path) -> Path:
+RESUME = "train.resume"
+
+
+def resolve(path: Path, given_as: str = RESUME) -> Path:
     """What `train.resume=PATH` means: a checkpoint folder itself, or a folder of
-    checkpoints (its newest), or a run's out_dir (the newest in its checkpoints/)."""
+    checkpoints (its newest), or a run's out_dir (the newest in its checkpoints/).
+    `given_as` names the setting the path came from, for the messages ("" for an
+    argument of `partita checkpoint`)."""
     if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
         return path
     for root in (path, path / "checkpoints"):
         latest = find_latest(root)
         if latest is not None:
             return latest
+    choices = "a checkpoint folder, a folder of checkpoints or a run's out_dir"
+    subject = f"{given_as}='{path}'" if given_as else f"'{path}'"
     if not path.exists():
-        raise CheckpointFileError(
-            f"train.resume='{path}' does not exist; give a checkpoint folder, a run's "
-            "out_dir, or train.resume=auto (the newest in this run's checkpoint folder)."
-        )
+        auto = (f", or {RESUME}=auto (the newest in this run's checkpoint folder)"
+                if given_as == RESUME else "")
+        raise CheckpointFileError(f"{subject} does not exist; give {choices}{auto}.")
+    instead = f", or start without {RESUME}" if given_as == RESUME else ""
     raise CheckpointFileError(
-        f"'{path}' holds no complete checkpoint (no step-N folder with a {MANIFEST}); give "
-        "a checkpoint folder, or start without train.resume."
+        f"{subject} holds no complete checkpoint (no step-N folder with a "
+        f"{MANIFEST}); give {choices}{instead}."
     )
 
 

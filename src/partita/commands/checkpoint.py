@@ -30,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _folder(text: str) -> Path:
     from partita.checkpoint import resolve
 
-    return resolve(Path(text))
+    return resolve(Path(text), given_as="")
 
 
 def run_info(args: argparse.Namespace) -> int:
