@@ -84,8 +84,9 @@ def test_bench_gpu_names_the_runners_when_profile_names_none(cli):
     (["zero", "--worlds", "2", "0"], "argument --worlds: 0 is out of range: use 1 or more"),
     (["compile", "--worlds", "1,x"], "argument --worlds: 'x' is not a whole number"),
     (["plan-accuracy", "--worlds", "1,3"], "--worlds: no layouts of 3 ranks"),
+    (["zero", "--model", "tyny"], "argument --model: unknown model 'tyny'. Did you mean 'tiny'?"),
 ])
-def test_bench_refuses_counts_out_of_range_without_a_traceback(args, message, cli):
+def test_bench_refuses_bad_arguments_without_a_traceback(args, message, cli):
     out = cli("bench", *args, timeout=120)
     assert out.returncode != 0
     assert message in out.stderr, out.stderr[-3000:]

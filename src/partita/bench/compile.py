@@ -34,7 +34,7 @@ import torch
 
 from partita.bench import dp as harness
 from partita.bench import paired
-from partita.bench.models import CHOICES, blocks_of
+from partita.bench.models import CHOICES, blocks_of, model_name
 from partita.commands.arg_types import count, counts
 from partita.local_world import run_distributed
 
@@ -103,7 +103,7 @@ def _first_steps(rank: int, world: int, setup: harness.Setup) -> dict[str, float
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worlds", type=counts, default="1,2", help="world sizes (default 1,2)")
-    parser.add_argument("--model", default="tiny",
+    parser.add_argument("--model", type=model_name, default="tiny",
                         help=f"{', '.join(CHOICES)} (tiny-moe: a mixture of experts) or any "
                         "catalog model (default tiny)")
     parser.add_argument("--batch", type=count, default=harness.Setup.batch)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from partita.bench import paired
-from partita.bench.models import CHOICES, bench_model, block_names
+from partita.bench.models import CHOICES, bench_model, block_names, model_name
 from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
@@ -230,7 +230,7 @@ TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/st
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=count, default=2, help="ranks (default 2, gloo)")
-    parser.add_argument("--model", default=Setup.model,
+    parser.add_argument("--model", type=model_name, default=Setup.model,
                         help=f"{', '.join(CHOICES)} (a transformers LlamaForCausalLM) or any "
                         f"catalog model (default {Setup.model})")
     parser.add_argument("--batch", type=count, default=Setup.batch, help="sequences per rank")

@@ -30,7 +30,7 @@ import statistics
 import torch
 
 from partita.bench import dp as harness
-from partita.bench.models import blocks_of
+from partita.bench.models import blocks_of, model_name
 from partita.commands.arg_types import at_least, count
 from partita.local_world import run_distributed
 
@@ -149,7 +149,7 @@ def top_kernels(rank: int, world: int, setup: harness.Setup, name: str,
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=at_least(0), default=0,
                         help="ranks, one per GPU (default: every visible GPU)")
-    parser.add_argument("--model", default="llama3.2-1b")
+    parser.add_argument("--model", type=model_name, default="llama3.2-1b")
     parser.add_argument("--batch", type=count, default=4, help="sequences per rank")
     parser.add_argument("--seq", type=count, default=2048)
     parser.add_argument("--rounds", type=count, default=8)

@@ -14,6 +14,8 @@ step-time ratios are worth reading on the larger ones too.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.nn as nn
 
@@ -25,6 +27,20 @@ HF_MODELS: dict[str, tuple[int, int, int, int, int]] = {
 
 # The names `--model` suggests (any catalog name is accepted too).
 CHOICES = ("tiny", "llama-20m", "llama-100m", "tiny-moe", *HF_MODELS)
+
+
+def model_name(text: str) -> str:
+    """The argparse type of `--model`: a name `bench_model` can build, checked while the
+    arguments are parsed (an unknown one would otherwise fail in every spawned rank)."""
+    from partita.errors import did_you_mean
+    from partita.models.catalog import MODELS
+
+    known = [*MODELS, *HF_MODELS]
+    if text not in known:
+        raise argparse.ArgumentTypeError(
+            f"unknown model '{text}'.{did_you_mean(text, known)} The benchmarks build "
+            f"partita's catalog models and transformers Llamas: {', '.join(known)}.")
+    return text
 
 
 def bench_model(name: str, device: torch.device | str = "cpu") -> tuple[nn.Module, int]:
