@@ -35,7 +35,8 @@ import partita
 
 CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
-              "partita.local_world", "partita.eager_only", "partita.lazy")),
+              "partita.local_world", "partita.eager_only", "partita.lazy",
+              "partita.arg_types")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges")),

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from partita.arg_types import count
 from partita.bench import paired
-from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 Timer = Callable[[int], float]

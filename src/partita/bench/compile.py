@@ -32,10 +32,10 @@ import time
 
 import torch
 
+from partita.arg_types import count, counts
 from partita.bench import dp as harness
 from partita.bench import paired
 from partita.bench.models import CHOICES, blocks_of, model_name
-from partita.commands.arg_types import count, counts
 from partita.local_world import run_distributed
 
 EAGER = "partita s0 eager"

@@ -35,8 +35,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from partita.arg_types import count
 from partita.bench import paired
-from partita.commands.arg_types import count
 from partita.context_parallel import (
     KINDS,
     ContextParallelAttention,

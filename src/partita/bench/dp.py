@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from partita.arg_types import count
 from partita.bench import paired
 from partita.bench.models import CHOICES, bench_model, block_names, model_name
-from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 LR = 1e-4

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from partita.arg_types import count, counts
 from partita.bench import paired
-from partita.commands.arg_types import count, counts
 from partita.experts import apply_expert_parallel
 from partita.layout import Layout
 from partita.local_world import run_distributed

@@ -29,9 +29,9 @@ import statistics
 
 import torch
 
+from partita.arg_types import at_least, count
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of, model_name
-from partita.commands.arg_types import at_least, count
 from partita.local_world import run_distributed
 
 BF16 = torch.bfloat16

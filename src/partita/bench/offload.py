@@ -41,8 +41,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from partita.arg_types import count
 from partita.bench.paired import estimate_times, paired_rounds
-from partita.commands.arg_types import count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ import os
 import statistics
 from dataclasses import replace
 
+from partita.arg_types import count, counts
 from partita.bench import paired
 from partita.bench.plan_measure import (
     COMM_NAMES,
@@ -45,7 +46,6 @@ from partita.bench.plan_measure import (
     worst_by_stage,
     worst_rank,
 )
-from partita.commands.arg_types import count, counts
 from partita.errors import PartitaError
 from partita.local_world import run_distributed
 from partita.planner import Assumptions, get_gpu

@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
+from partita.arg_types import count
 from partita.bench import paired
-from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 SELF = "partita (same again)"

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from partita.commands.arg_types import count
+from partita.arg_types import count
 from partita.local_world import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]

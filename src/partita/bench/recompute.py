@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from partita.arg_types import count
 from partita.bench.paired import estimate_times, paired_rounds
-from partita.commands.arg_types import count
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

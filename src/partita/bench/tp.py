@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from partita.arg_types import count
 from partita.bench import paired
-from partita.commands.arg_types import count
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.mesh import Mesh

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from partita.commands.arg_types import count
+from partita.arg_types import count
 from partita.layout import Layout
 from partita.local_world import run_distributed
 from partita.mesh import Mesh

@@ -28,9 +28,9 @@ import os
 
 import torch
 
+from partita.arg_types import count
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of
-from partita.commands.arg_types import count
 from partita.local_world import run_distributed
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from partita.commands.arg_types import at_least
+from partita.arg_types import at_least
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
