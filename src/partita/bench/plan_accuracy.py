@@ -152,13 +152,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     shape = Shape(dim=args.dim, n_layers=args.layers, seq_len=args.seq)
-    gpu = get_gpu("cpu")
     worlds, cases_by_world = args.worlds, layouts(shape)
     unknown = sorted(set(worlds) - set(cases_by_world))
     if unknown:
         raise PartitaError(
             f"--worlds: no layouts of {', '.join(map(str, unknown))} ranks; plan-accuracy "
             f"runs worlds of {', '.join(map(str, sorted(cases_by_world)))} ranks.")
+    gpu = get_gpu("cpu")  # measures this CPU: after the arguments are known to be good
     print(f"plan-accuracy: llama dim={shape.dim} layers={shape.n_layers} heads="
           f"{shape.n_heads} kv={shape.n_kv_heads} vocab={shape.vocab_size} seq={shape.seq_len}, "
           "2 sequences per rank, one microbatch; planner: Assumptions.measured_cpu(), "
