@@ -117,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
                           rounds=args.rounds, max_rounds=max(args.rounds, args.max_rounds),
                           warmup=2)  # compiling happens before, in _first_steps
-
     print(harness.describe("compile", setup, "0.8 (eager) and 1.0 (peers)"))
     print("compile time: the first step's time minus the second's (slowest rank)")
     c_worst = {OURS0: 0.0, OURS0_MODEL: 0.0}  # per compile mode, worst over the worlds

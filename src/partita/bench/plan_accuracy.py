@@ -152,8 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     shape = Shape(dim=args.dim, n_layers=args.layers, seq_len=args.seq)
-    worlds, cases_by_world = args.worlds, layouts(shape)
-    unknown = sorted(set(worlds) - set(cases_by_world))
+    cases_by_world = layouts(shape)
+    unknown = sorted(set(args.worlds) - set(cases_by_world))
     if unknown:
         raise PartitaError(
             f"--worlds: no layouts of {', '.join(map(str, unknown))} ranks; plan-accuracy "
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     print("-" * len(head))
     worst_mem = worst_comm = worst_time = 0.0
     one_rank_time: list[float] = []  # what the compute model alone decides
-    for world in worlds:
+    for world in args.worlds:
         cases = cases_by_world[world]
         runs = run_distributed(_world, world, args=(cases, args.steps), timeout=900)
         per_rank = [r["cases"] for r in runs]
