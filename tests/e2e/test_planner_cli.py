@@ -173,3 +173,16 @@ def test_closed_pipe_and_fast_start(tmp_path):
     full = subprocess.run([sys.executable, "-c", code, "plan", "--model", "tiny", "--gpus",
                            "2"], capture_output=True, text=True, env=env, timeout=120)
     assert full.returncode == 0, full.stderr
+
+
+def test_a_mixture_of_experts_plan_searches_ep_and_says_sp_is_off(capsys):
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any(r["degrees"]["ep"] > 1 for r in data["ranked"])
+    assert "sequence_parallel off (mixture-of-experts blocks do not run with it yet)" in \
+        data["defaults_filled_in"]
+    # One layout with tp: sequence parallelism is filled in off, and said so.
+    main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--layout", "tp=2 ep=8"])
+    out = capsys.readouterr().out
+    assert "not available yet" not in out
+    assert "sequence_parallel=0 (mixture-of-experts blocks" in out.splitlines()[-1]

@@ -41,9 +41,9 @@ def register(subparsers) -> None:
                    help="search only layouts with these values, e.g. tp=8,pp=8 or "
                         "zero_stage=1,microbatch_size=1 (any layout field)")
     p.add_argument("--all-options", action="store_true",
-                   help="also search context and expert parallelism and "
-                        "offload, which are modelled but not available yet in partita "
-                        "train (shown as rejected, never ranked)")
+                   help="also search context parallelism and offload, which a default "
+                        "search leaves out, and judge the options partita train does "
+                        "not run yet (shown as rejected, never ranked)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="default: bf16 (mixed, fp32 master weights); fp32 with "
                         "--gpu-type cpu")
@@ -94,7 +94,12 @@ def _run(args: argparse.Namespace) -> int:
     from partita.planner.assumptions import Assumptions
     from partita.planner.evaluate import evaluate
     from partita.planner.model_shape import parse_model_shape, resolve_model
-    from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
+    from partita.planner.search import (
+        DEFAULT_SPACE,
+        SearchSpace,
+        default_sequence_parallel,
+        search,
+    )
 
     require_in_range("--gpus", args.gpus, 1, MAX_GPUS, "larger searches run for minutes")
     require_in_range("--gpus-per-node", args.gpus_per_node, 1, 1024)
@@ -148,6 +153,8 @@ def _run(args: argparse.Namespace) -> int:
         defaults.append(f"--gpus-per-node {req.cluster.gpus_per_node}")
     if args.layout is not None:
         layout = parse_layout(args.layout, args.gpus)
+        if not _given_fields(args.layout) & {"sequence_parallel", "sp"}:
+            layout = layout.with_(sequence_parallel=default_sequence_parallel(req, layout.tp))
         defaults += _layout_defaults(args.layout, layout)
         ev = evaluate(req, layout)
         advice = advise_layout(req, ev)
@@ -165,7 +172,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.fix:
         space = _pinned_space(space, _parse_fix(args.fix))
     if not any(k == "sequence_parallel" for k, _ in space.fixed):
-        defaults.append("sequence_parallel on whenever tp > 1")
+        defaults.append(_SP_OFF_WITH_MOE if req.model.is_moe
+                        else "sequence_parallel on whenever tp > 1")
     result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
     if args.json:
@@ -226,14 +234,24 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     return tuple(out.items())
 
 
+_SP_OFF_WITH_MOE = ("sequence_parallel off (mixture-of-experts blocks do not run with it "
+                    "yet)")
+
+
+def _given_fields(text: str) -> set[str]:
+    """The field names a `--layout` text sets."""
+    return {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
+
+
 def _layout_defaults(text: str, layout) -> list[str]:
     """The layout fields `--layout` filled in that change the prediction."""
-    given = {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
+    given = _given_fields(text)
     out = []
     if "dp" not in given:
         out.append(f"dp={layout.dp} (what --gpus leaves)")
     if "sequence_parallel" not in given and "sp" not in given and layout.tp > 1:
-        out.append("sequence_parallel=1 (on with tp > 1)")
+        out.append("sequence_parallel=1 (on with tp > 1)" if layout.sequence_parallel
+                   else _SP_OFF_WITH_MOE.replace(" off", "=0", 1))
     for name in ("microbatch_size", "zero_stage", "recompute", "overlap_grad_reduce",
                  "overlap_param_gather", "tp_comm_overlap"):
         if name not in given:
@@ -254,5 +272,6 @@ def _print_advice(advice: list[str], nothing_fits: bool = False) -> None:
         for line in advice[1:]:
             print("  or " + line)
     elif nothing_fits:
-        print("No single change among the ZeRO stage, a smaller microbatch, a shorter "
-              "sequence, up to 64x the GPUs or a larger GPU makes a layout fit.")
+        print("No single change among the ZeRO stage, a smaller microbatch, offload to "
+              "host memory or disk, a shorter sequence, up to 64x the GPUs or a larger "
+              "GPU makes a layout fit.")

@@ -39,13 +39,15 @@ from partita.planner.stage_params import stage_layers
 class SearchSpace:
     """Which options the search tries (narrow it to pin a choice).
 
-    By default only what `partita train` runs, less what a default answer rarely needs:
-    expert parallelism is modelled but not built yet; context parallelism runs and is
-    modelled (checked by `bench plan-accuracy`) but is searched only when asked for
-    (`--fix cp=N`, `SearchSpace.everything()`), as it pays off for long sequences;
-    offload runs but trades step time for memory the default answers do not need.
-    `SearchSpace.everything()` adds them; what partita cannot train yet is then judged
-    and shown as rejected, "not available yet", never ranked.
+    By default only what `partita train` runs, less what a default answer rarely needs.
+    Expert parallelism (mixture-of-experts models) is searched. Context parallelism runs
+    and is modelled (checked by `bench plan-accuracy`) but is searched only when asked
+    for (`--fix cp=N`, `SearchSpace.everything()`), as it pays off for long sequences;
+    offload runs but trades step time for memory the default answers do not need (when
+    nothing fits, `advise_search` tries it). `SearchSpace.everything()` adds both; what
+    partita cannot train yet (tensor-parallel overlap, MoE blocks with sequence or
+    context parallelism) is judged and shown as rejected, "not available yet", never
+    ranked.
     """
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
@@ -55,7 +57,7 @@ class SearchSpace:
     max_microbatch: int = 16
     max_virtual_stages: int = 8
     context_parallel: bool = False  # search cp > 1
-    expert_parallel: bool = False  # search ep > 1 (mixture-of-experts models)
+    expert_parallel: bool = True  # search ep > 1 (mixture-of-experts models)
     # Context-parallel chunks shorter than this are all latency: not worth searching.
     min_tokens_per_cp_rank: int = 512
     # Layout fields pinned to one value (`partita plan --fix tp=8,pp=8`): only layouts
@@ -70,7 +72,7 @@ class SearchSpace:
 
     @classmethod
     def everything(cls) -> SearchSpace:
-        """Also the options partita models but does not train yet."""
+        """Every option the planner models, including those partita does not train yet."""
         return cls(recompute=RECOMPUTE, offload=OFFLOAD, context_parallel=True,
                    expert_parallel=True)
 
@@ -82,8 +84,8 @@ DEFAULT_SPACE = SearchSpace()  # immutable, shared as a default argument
 class SearchResult:
     request: Request
     ranked: list[Evaluation]  # layouts that fit, fastest first
-    # Layouts that would fit but use options `partita train` does not run yet (recompute,
-    # offload, cp, ep, TP overlap), fastest first: the model's answer for such runs.
+    # Layouts that would fit but use options `partita train` does not run yet (TP
+    # overlap, MoE blocks with sp or cp), fastest first: the model's answer for such runs.
     modelled: list[Evaluation] = field(default_factory=list)
     rejected: Counter = field(default_factory=Counter)  # kind -> layouts
     examples: dict[str, list[Evaluation]] = field(default_factory=dict)  # kind -> a few
@@ -93,6 +95,12 @@ class SearchResult:
     @property
     def best(self) -> Evaluation | None:
         return self.ranked[0] if self.ranked else None
+
+
+def default_sequence_parallel(req: Request, tp: int) -> bool:
+    """Sequence parallelism whenever tensor parallelism is on, except with MoE blocks,
+    which do not run with it yet (`partita.layout_rules`)."""
+    return tp > 1 and not req.model.is_moe
 
 
 def divisors(n: int) -> list[int]:
@@ -113,7 +121,7 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
             examples = result.examples.setdefault(kind, [])
             if kind == MEMORY:  # keep the closest misses
                 examples.append(ev)
-                examples.sort(key=lambda e: e.memory.get("total", 0.0) / e.capacity)
+                examples.sort(key=lambda e: _overshoot(req, e))
                 del examples[keep_examples:]
             elif len(examples) < keep_examples:
                 examples.append(ev)
@@ -140,13 +148,17 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                     inner = _inner_options(req, space, pp, dp, mbs)
                     size = len(inner) * len(space.recompute)
                     for zero in [z for z in space.zero_stages if ok("zero_stage", z)]:
-                        if zero > 0 and dp * cp == 1 and not space.fixed:
-                            continue  # identical to zero=0: nothing to shard over
                         for offload in [o for o in space.offload if ok("offload", o)]:
-                            # Sequence parallelism whenever tensor parallelism is on.
+                            if (zero > 0 and dp * cp == 1 and not space.fixed
+                                    and not (zero == 3 and "+params" in offload)):
+                                # Identical to zero=0 with nothing to shard over; only
+                                # stage 3 can keep the parameters off the GPU.
+                                continue
                             base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                           offload=offload, sequence_parallel=bool(
-                                              space.pinned("sequence_parallel", tp > 1)),
+                                              space.pinned("sequence_parallel",
+                                                           default_sequence_parallel(
+                                                               req, tp))),
                                           **{k: v for k, v in space.fixed
                                              if k in (*OVERLAP_OPTIONS, "cp_kind")})
                             reasons = structural_reasons(req, base)
@@ -171,6 +183,14 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                                   e.layout.virtual_stages, RECOMPUTE.index(e.layout.recompute)))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _overshoot(req: Request, ev: Evaluation) -> float:
+    """How far a layout is from fitting: the larger of its GPU memory over the GPU's
+    and its offloaded host memory over a node's."""
+    host = req.cluster.gpu.host_memory_per_node
+    return max(ev.memory.get("total", 0.0) / ev.capacity,
+               ev.host_bytes_per_node / host if host else 0.0)
 
 
 def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
