@@ -98,6 +98,46 @@ def test_search_advice_when_nothing_fits():
                                global_batch=64)).ranked
 
 
+def test_offload_is_advised_host_memory_before_disk():
+    """A model bigger than one GPU: offload (which partita trains) is the change that
+    costs no hardware, host memory first; the suggested layout fits with it. The host
+    memory counted is that of the one GPU in use, not of a full node."""
+    req = make_request("llama3-8b", 1, gpu_type="A100-40GB", seq_len=4096, global_batch=8)
+    assert not search(req).ranked
+    first = advise_search(req)[0]
+    assert first.startswith("offload to host memory, --fix offload=optimizer+params: ")
+    layout = parse_layout(first.split(": ", 1)[1].split(" fits")[0], 1)
+    ev = evaluate(req, layout)
+    assert ev.fits and layout.zero_stage == 3
+    assert ev.host_bytes_per_node < 0.2 * req.cluster.gpu.host_memory_per_node
+    assert f"{ev.host_bytes_per_node / 1e9:.0f} GB of host memory per node" in first
+    # Eight times the host memory of one GPU's states does not fit a node: disk then.
+    big = make_request("llama3-70b", 8, gpu_type="A100-40GB")
+    first = advise_search(big)[0]
+    assert first.startswith("offload to disk, --fix offload=optimizer+params+disk: ")
+    assert " GB of disk per node)" in first
+    # One layout: offload comes after the knobs that cost less speed.
+    ev = evaluate(req, parse_layout("dp=1", 1))
+    advice = advise_layout(req, ev)
+    assert "offload=optimizer+params" in advice[0] and "zero_stage=3" in advice[0]
+    fitting = make_request("llama3-8b", 8, gpu_type="A100-40GB", seq_len=4096,
+                           global_batch=8)
+    ev = evaluate(fitting, parse_layout("dp=8 zero_stage=0 microbatch_size=1", 8))
+    assert not ev.fits and "offload" not in advise_layout(fitting, ev)[0]
+
+
+def test_the_closest_miss_names_the_memory_it_overflows():
+    from partita.planner.report import format_search
+
+    req = make_request("llama3-70b", 8, gpu_type="A100-40GB")
+    result = search(req, SearchSpace(offload=("optimizer+params",),
+                                     fixed=(("offload", "optimizer+params"),)))
+    assert not result.ranked
+    closest = next(line for line in format_search(result, 3).splitlines()
+                   if line.startswith("The closest"))
+    assert "GB of host memory per node, a node has 1000 GB" in closest, closest
+
+
 def test_restricted_space_advice_relaxes_it():
     req = make_request("llama3-8b", 8, seq_len=8192, global_batch=64)
     narrow = SearchSpace(zero_stages=())

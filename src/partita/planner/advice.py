@@ -1,10 +1,10 @@
 """When nothing fits: the smallest change that would make something fit.
 
 Candidate changes are tried from least to most disruptive: first knobs that cost only
-speed (ZeRO stage, a smaller microbatch), then changes to the training run (a shorter
-sequence), then to the cluster (more GPUs, a larger GPU). Only layouts `partita train`
-runs are suggested (offload is not available yet; recomputation is).
-Each suggestion names the change and the layout that then fits.
+speed (ZeRO stage, a smaller microbatch, recomputation, then offload to host memory or
+disk, which costs the most), then changes to the training run (a shorter sequence),
+then to the cluster (more GPUs, a larger GPU). Only layouts `partita train` runs are
+suggested. Each suggestion names the change and the layout that then fits.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from partita.layout import Layout
+from partita.layout import OFFLOAD, Layout
 from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
 from partita.planner.hardware import GPUS
 from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
@@ -20,29 +20,31 @@ from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     """Changes to one layout that does not fit in memory: the fewest knobs changed first
-    (ZeRO stage, microbatch size, recompute; offload only once `partita train` runs
-    it), the fastest result among equals; then changes to the request."""
+    (ZeRO stage, microbatch size, recompute), the fastest result among equals, then
+    the same with offload; then changes to the request."""
     if ev.fits or any(k != MEMORY for k, _ in ev.reasons):
         return []
     lay = ev.layout
     zeros = list(range(lay.zero_stage, 4 if lay.pp == 1 else 3))
     mbs = [lay.microbatch_size >> i for i in range(lay.microbatch_size.bit_length())
            if lay.microbatch_size % (lay.microbatch_size >> i) == 0]
-    found: list[tuple[int, float, str]] = []
-    names = ("zero_stage", "microbatch_size", "recompute")
+    found: list[tuple[bool, int, float, str]] = []
+    names = ("zero_stage", "microbatch_size", "recompute", "offload")
     recomputes = [lay.recompute] + [r for r in ("selective", "full") if r != lay.recompute]
-    for z, mb, rc in itertools.product(zeros, mbs, recomputes):
-        trial = lay.with_(zero_stage=z, microbatch_size=mb, recompute=rc)
+    offloads = [lay.offload] + [o for o in OFFLOAD if o != lay.offload]
+    for z, mb, rc, off in itertools.product(zeros, mbs, recomputes, offloads):
+        trial = lay.with_(zero_stage=z, microbatch_size=mb, recompute=rc, offload=off)
         changes = [f"{k}={getattr(trial, k)}" for k in names
                    if getattr(trial, k) != getattr(lay, k)]
         if not changes:
             continue
         result = evaluate(req, trial)
         if result.fits:
-            found.append((len(changes), result.time["step_s"],
-                          f"{' '.join(changes)}: {trial.describe()} fits"))
+            found.append((off != lay.offload, len(changes), result.time["step_s"],
+                          f"{' '.join(changes)}: {trial.describe()} fits"
+                          f"{_offload_note(result)}"))
     found.sort()
-    out = [text for _, _, text in found[:limit]]
+    out = [text for *_, text in found[:limit]]
     if len(out) < limit:
         # The request changes also try the layout with every memory-saving knob turned.
         saving = lay.with_(zero_stage=zeros[-1], microbatch_size=1, recompute="full")
@@ -61,12 +63,38 @@ def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int =
             out.append(f"allow every ZeRO stage, schedule and microbatch size: "
                        f"{best.layout.describe()} fits")
 
+    if len(out) < limit:
+        out += _offload_changes(req, limit - len(out))
+
     def best_of(r: Request) -> Layout | None:
         found = search(r, full).best
         return found.layout if found else None
 
     out += _request_changes(req, best_of, limit - len(out))
     return out[:limit]
+
+
+def _offload_changes(req: Request, limit: int) -> list[str]:
+    """The first offload mode (host memory before disk) with which some layout fits."""
+    for mode in OFFLOAD[1:] if limit > 0 else ():
+        best = search(req, replace(DEFAULT_SPACE, offload=(mode,))).best
+        if best is not None:
+            where = "disk" if mode.endswith("+disk") else "host memory"
+            return [f"offload to {where}, --fix offload={mode}: {best.layout.describe()} "
+                    f"fits{_offload_note(best)}"]
+    return []
+
+
+def _offload_note(ev: Evaluation) -> str:
+    """What an offloading layout costs: step time, host memory and disk per node."""
+    if ev.layout.offload == "none":
+        return ""
+    step = ev.time["step_s"]
+    step_text = f"{step:.0f}" if step >= 100 else f"{step:.3g}"
+    disk = (f", {ev.disk_bytes_per_node / 1e9:.0f} GB of disk"
+            if ev.disk_bytes_per_node else "")
+    return (f" ({step_text} s per step; {ev.host_bytes_per_node / 1e9:.0f} GB of host "
+            f"memory{disk} per node)")
 
 
 def _request_changes(req: Request, fits, limit: int) -> list[str]:

@@ -15,7 +15,7 @@ from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_pro
 from partita.planner.assumptions import Assumptions
 from partita.planner.compiled import compile_in_effect
 from partita.planner.hardware import Cluster
-from partita.planner.memory import host_state_bytes, peak_memory
+from partita.planner.memory import disk_state_bytes, host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import Precision
 from partita.planner.stage_params import stage_layers
@@ -50,6 +50,7 @@ class Evaluation:
     memory: dict[str, float] = field(default_factory=dict)  # peak stage, named bytes
     peak_stage: int = 0
     host_bytes_per_node: float = 0.0
+    disk_bytes_per_node: float = 0.0  # disk offload's files
     time: dict[str, float] = field(default_factory=dict)
     capacity: float = 0.0
     compile: str = "none"  # the compile mode the time assumes
@@ -69,6 +70,7 @@ class Evaluation:
             "peak_stage": self.peak_stage,
             "capacity_bytes": self.capacity,
             "host_bytes_per_node": self.host_bytes_per_node,
+            "disk_bytes_per_node": self.disk_bytes_per_node,
             "time": self.time,
             "compile": self.compile,
             "keep_gathered": self.kept_units,
@@ -118,7 +120,9 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
         a = replace(a, zero3_kept_units=ev.kept_units)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
                                            a, req.cluster.gpu.runtime_reserved_bytes)
-    ev.host_bytes_per_node = req.cluster.gpus_per_node * host_state_bytes(
+    ev.host_bytes_per_node = req.cluster.ranks_per_node * host_state_bytes(
+        req.model, layout, req.precision, ev.peak_stage)
+    ev.disk_bytes_per_node = req.cluster.ranks_per_node * disk_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.compile = compile_in_effect(req.compile, layout)
     ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,

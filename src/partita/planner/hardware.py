@@ -105,6 +105,11 @@ class Cluster:
         if self.num_gpus < 1 or self.gpus_per_node < 1:
             raise PartitaError("the number of GPUs and GPUs per node must be positive.")
 
+    @property
+    def ranks_per_node(self) -> int:
+        """GPUs in use on one node: a cluster smaller than a node uses only its own."""
+        return min(self.num_gpus, self.gpus_per_node)
+
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose members lie within `span` consecutive ranks.
 

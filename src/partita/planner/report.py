@@ -91,9 +91,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         closest = result.examples.get("memory", [])
         if closest and closest[0].memory:
             e = closest[0]
-            out.append(f"The closest, {e.layout.describe()}, needs "
-                       f"{e.memory['total'] / 1e9:.1f} GB per GPU; a "
-                       f"{req.cluster.gpu.name} has {e.capacity / 1e9:.0f} GB.")
+            misses = "; ".join(r for k, r in e.reasons if k == "memory")
+            out.append(f"The closest, {e.layout.describe()}: {misses}.")
     if result.modelled:
         out.append("")
         out.append(f"Modelled but not trainable by partita yet ({len(result.modelled)} would "
@@ -139,6 +138,9 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
         if ev.host_bytes_per_node:
             out.append(f"  host memory per node for offloaded states: "
                        f"{ev.host_bytes_per_node / 1e9:.1f} GB")
+        if ev.disk_bytes_per_node:
+            out.append(f"  disk per node for offloaded states: "
+                       f"{ev.disk_bytes_per_node / 1e9:.1f} GB")
     if ev.time:
         t = ev.time
         out.append(f"Step {t['step_s']:.3f} s (compute {t['compute_s']:.3f}, bubble "
