@@ -11,17 +11,20 @@ in the same words.)
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
 def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | float]:
     """A type for a number of `kind` (int or float) that is `minimum` or more."""
     def parse(text: str) -> int | float:
+        what = "a whole number" if kind is int else "a finite number"
         try:
             value = kind(text)
         except ValueError:
-            what = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value):  # float("nan") compares false with any minimum
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{text} is out of range: use {minimum} or more")
         return value

@@ -13,6 +13,8 @@ from partita.cli import main
     (["generate", "--tokens", "-3"], "argument --tokens: -3 is out of range: use 0 or more"),
     (["generate", "--temperature", "-0.5"],
      "argument --temperature: -0.5 is out of range: use 0.0 or more"),
+    (["generate", "--temperature", "nan"],
+     "argument --temperature: 'nan' is not a finite number"),
     (["generate", "--top-k", "two"], "argument --top-k: 'two' is not a whole number"),
     (["bench", "dp", "--rounds", "0"], "argument --rounds: 0 is out of range: use 1 or more"),
     (["bench", "zero", "--worlds", "2", "0"],
