@@ -186,3 +186,13 @@ def test_a_mixture_of_experts_plan_searches_ep_and_says_sp_is_off(capsys):
     out = capsys.readouterr().out
     assert "not available yet" not in out
     assert "sequence_parallel=0 (mixture-of-experts blocks" in out.splitlines()[-1]
+
+
+def test_a_cpu_plan_takes_partita_trains_batch(capsys):
+    """On this machine's CPU the plan is for `partita train` here: its 16 sequences per
+    step, not the ~4M tokens (32768 tiny sequences) of a GPU cluster."""
+    assert main(["plan", "--model", "tiny", "--gpus", "2", "--gpu-type", "cpu", "--json",
+                 "--top", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["global_batch"] == 16
+    assert "--global-batch 16 (partita train's default)" in data["defaults_filled_in"]

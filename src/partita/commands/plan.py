@@ -33,7 +33,8 @@ def register(subparsers) -> None:
                    help="default: the GPU type's node size (8 for DGX/HGX)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step; default: about 4M tokens")
+                   help="sequences per optimizer step; default: about 4M tokens "
+                        "(with --gpu-type cpu: partita train's, 16)")
     p.add_argument("--layout", default=None,
                    help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
                         'microbatch_size=1"')
@@ -138,6 +139,11 @@ def _run(args: argparse.Namespace) -> int:
     keep = int(keep) if keep is not None and keep.isdigit() else keep
     model = (parse_model_shape(args.model_shape) if args.model_shape
              else resolve_model(args.model))
+    cpu_batch = args.global_batch is None and args.gpu_type.lower() == "cpu"
+    if cpu_batch:  # a plan for `partita train` here: its own batch, not ~4M tokens
+        from partita.config import TrainSection
+
+        args.global_batch = TrainSection().global_batch
     req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware, args.compile, keep)
@@ -146,7 +152,9 @@ def _run(args: argparse.Namespace) -> int:
                         "kept into backward, as the implementation does)")
     if args.seq_len is None:
         defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
-    if args.global_batch is None:
+    if cpu_batch:
+        defaults.append(f"--global-batch {req.global_batch} (partita train's default)")
+    elif args.global_batch is None:
         defaults.append(f"--global-batch {req.global_batch} (about "
                         f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens)")
     if args.gpus_per_node is None:
