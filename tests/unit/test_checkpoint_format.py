@@ -204,3 +204,18 @@ def test_a_path_that_holds_no_checkpoint_is_named_as_it_was_given(tmp_path):
     with pytest.raises(CheckpointFileError, match=r"^'.*nope' does not exist") as err:
         resolve(tmp_path / "nope", given_as="")
     assert "train.resume" not in str(err.value)
+
+
+def test_a_run_folder_that_saved_no_checkpoint_says_how_runs_save_them(tmp_path):
+    """A finished run without train.checkpoint_every keeps an empty checkpoints/ folder
+    (the writer makes it at start, for a SIGTERM save): say so, not 'give a run's
+    out_dir', which is what was given."""
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(CheckpointFileError) as err:
+        resolve(tmp_path, given_as="")
+    text = str(err.value)
+    assert "is a run folder whose run saved no checkpoint" in text
+    assert "train.checkpoint_every=N" in text and "model.safetensors" in text
+    assert "train.resume" not in text
+    with pytest.raises(CheckpointFileError, match="Start without train.resume"):
+        resolve(tmp_path)

@@ -202,6 +202,14 @@ def resolve(path: Path, given_as: str = RESUME) -> Path:
                 if given_as == RESUME else "")
         raise CheckpointFileError(f"{subject} does not exist; give {choices}{auto}.")
     instead = f", or start without {RESUME}" if given_as == RESUME else ""
+    if (path / "checkpoints").is_dir():  # a run's out_dir whose run saved none
+        fresh = f" Start without {RESUME} to train from scratch." if given_as == RESUME else ""
+        raise CheckpointFileError(
+            f"{subject} is a run folder whose run saved no checkpoint: its checkpoints/ "
+            f"folder holds no step-N folder with a {MANIFEST}. A run saves one every N "
+            "steps with train.checkpoint_every=N, and when stopped by SIGTERM or "
+            "train.stop_after; a run that finished without one left only its final "
+            f"weights, {path / 'model.safetensors'}.{fresh}")
     raise CheckpointFileError(
         f"{subject} holds no complete checkpoint (no step-N folder with a "
         f"{MANIFEST}); give {choices}{instead}."
