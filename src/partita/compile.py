@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from partita.compile_once import once_per_machine
 from partita.compile_rules import MODES, model_refusal
 from partita.eager_only import keep_out_of_compiled_graphs
 from partita.errors import PartitaError
@@ -117,7 +118,8 @@ def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
 def _compiled(fn: Callable) -> Callable:
     keep_out_of_compiled_graphs()  # collectives: deliberate breaks, never traced
     # Static shapes: a step's shapes never change; dynamic shapes would only add guards.
-    return torch.compile(fn, dynamic=False)
+    # Inductor, with the ranks of one machine taking turns on identical graphs.
+    return torch.compile(fn, dynamic=False, backend=once_per_machine)
 
 
 def compile_blocks(model: nn.Module, plan: ModelPlan) -> CompileReport:

@@ -46,7 +46,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("memory", ("partita.memory",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline",
                     "partita.context_parallel", "partita.experts")),
-    ("parallelize", ("partita.parallelize", "partita.compile")),
+    ("parallelize", ("partita.parallelize", "partita.compile", "partita.compile_once")),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.metrics", "partita.run_dir", "partita.export")),
     ("trainer", ("partita.trainer", "partita.launch", "partita.faults", "partita.watchdog",

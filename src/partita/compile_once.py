@@ -1,0 +1,77 @@
+"""Ranks on one machine compile each identical graph once; the others read the cache.
+
+Every rank of a data-parallel job traces the same block and hands inductor the same
+graph. Started together, they all miss inductor's on-disk caches (the FX graph cache
+and AOTAutograd's) and compile it side by side: on a CPU machine, where the ranks and
+the C++ compiler share the cores, that is N times the work of one compile. Here the
+compile of each graph holds an exclusive file lock named after the graph (its code,
+its inputs' shapes, strides, dtypes and devices, and the values of the tensors it
+holds as constants), so the first rank compiles and fills the caches, and the others,
+waiting on the same lock, then find the result there. Graphs that differ (pipeline
+stages, context-parallel chunks with their own rotary tables) take different locks and
+compile in parallel as before; so do identical graphs on different devices (each GPU
+rank's inputs name its own device, and the caches key on it). The lock is held only
+while inductor compiles, never across a collective, and the operating system releases
+it if its process dies. With inductor's caches turned off there is nothing to share,
+and the ranks compile side by side as before, without the lock.
+
+Measured on 2 cores (tests/dist/test_compile_parity.py, 2 ranks, cold caches,
+2026-12-03): the rank that waits spends 8 s of CPU on a block's first step against 44 s
+for the rank that compiles, and the whole test 227 CPU-seconds against 269.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs: list) -> str:
+    """A digest of what makes two dynamo graphs the same compile."""
+    digest = hashlib.sha256(gm.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            digest.update(repr((tuple(x.shape), x.stride(), x.dtype, x.device)).encode())
+        else:
+            digest.update(repr(x).encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor):
+                digest.update(value.detach().cpu().contiguous().view(-1)
+                              .view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def once_per_machine(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """A `torch.compile` backend: inductor, one rank at a time per identical graph."""
+    import torch._inductor.config as inductor
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    if inductor.force_disable_caches or not inductor.fx_graph_cache:
+        return compile_fx(gm, example_inputs)  # nothing to share: no turns to take
+    lock = Path(cache_dir()) / "partita-locks" / f"{graph_key(gm, example_inputs)}.lock"
+    # The backward too, inside the lock: AOTAutograd compiles it lazily by default, at
+    # the first backward, and caches the pair only then, too late for the next rank.
+    with _exclusive(lock), torch._functorch.config.patch(
+            force_non_lazy_backward_lowering=True):
+        return compile_fx(gm, example_inputs)
