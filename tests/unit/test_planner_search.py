@@ -116,6 +116,15 @@ def test_offload_is_advised_host_memory_before_disk():
     first = advise_search(big)[0]
     assert first.startswith("offload to disk, --fix offload=optimizer+params+disk: ")
     assert " GB of disk per node)" in first
+    # Its `partita train` command names the folder disk offload needs.
+    from partita.planner.report import train_command
+
+    disk = evaluate(big, parse_layout(first.split(": ", 1)[1].split(" fits")[0], 8))
+    command = train_command(big, disk)
+    assert "--parallel.offload=optimizer+params+disk " in command
+    assert "--parallel.offload_dir=DIR " in command
+    assert command.endswith(f"(DIR: a folder on a local disk with "
+                            f"{disk.disk_bytes_per_node / 1e9:.0f} GB free on each node)")
     # One layout: offload comes after the knobs that cost less speed.
     ev = evaluate(req, parse_layout("dp=1", 1))
     advice = advise_layout(req, ev)

@@ -54,7 +54,8 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
 
 
 def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int = 3) -> list[str]:
-    """Changes to the request when no layout of the search space fits."""
+    """What to change when no layout of the search space fits: the space's own limits,
+    then offload, then the request (sequence length, GPU count, GPU type)."""
     out = []
     full = DEFAULT_SPACE
     if space != full:

@@ -120,7 +120,12 @@ def train_command(req: Request, ev: Evaluation) -> str:
         args.append(f"--train.compile={ev.compile}")
     if ev.kept_units is not None and ev.kept_units != 1:
         args.append(f"--parallel.keep_gathered={ev.kept_units}")
-    return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args)
+    where = ""
+    if ev.layout.offload.endswith("+disk"):  # partita train refuses disk offload without it
+        args.append("--parallel.offload_dir=DIR")
+        where = (f" (DIR: a folder on a local disk with {ev.disk_bytes_per_node / 1e9:.0f} GB "
+                 "free on each node)")
+    return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args) + where
 
 
 def footer(result: SearchResult) -> str:
