@@ -24,7 +24,9 @@ core; the all-gather case reuses the ring case's graphs (about 27 s for both, co
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
 the validation pass need); the full run that follows, on a freshly built model, must
-then compile nothing more: no new graph and no recompilation (dynamo's counters).
+then compile nothing more: no new graph and no recompilation (dynamo's counters). The
+two ranks compile each identical graph once between them (`partita.compile_once`): in
+the first case one of them reads the block graph from the cache.
 """
 
 from __future__ import annotations
@@ -94,6 +96,14 @@ def _limit_hits() -> int:
                if "recompile limit" in str(reason).lower())
 
 
+def _cache_reads() -> tuple[int, int]:
+    """(hits, misses) of AOTAutograd's cache in this process so far."""
+    from torch._dynamo.utils import counters
+
+    aot = counters["aot_autograd"]
+    return int(aot.get("autograd_cache_hit", 0)), int(aot.get("autograd_cache_miss", 0))
+
+
 def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
     # Read by inductor when it first looks for a cached kernel, so setting it here, in
     # the spawned rank, is in time.
@@ -107,12 +117,15 @@ def _worker(rank: int, world: int, cache_dir: str) -> list[dict]:
                              parity_config(model=model, parallel=parallel, train=train),
                              STEPS, params=True)
         cfg = parity_config(model=model, parallel=parallel, train=dict(train, compile=mode))
+        reads = _cache_reads()
         train_layout(rank, world, cfg, 1)  # compiles the step's and evaluation's graphs
+        reads = tuple(b - a for a, b in zip(reads, _cache_reads()))
         before = compile_counts()
         compiled = train_layout(rank, world, cfg, STEPS, params=True,
                                 probe=lambda pm, _: pm.compiled.mode)
         results.append(dict(eager=_quantities(eager), compiled=_quantities(compiled),
-                            mode=compiled["probe"], before=before, after=compile_counts()))
+                            mode=compiled["probe"], before=before, after=compile_counts(),
+                            first_step_cache=reads))
     results.append(dict(reasons=break_reasons(), limit_hits=_limit_hits()))
     return results
 
@@ -128,6 +141,14 @@ def test_compiled_layouts_match_eager_and_never_recompile(
              else tmp_path_factory.mktemp("inductor"))
     ranks = run_distributed(_worker, 2, args=(str(cache),), timeout=900)
     failures = []
+    # The ranks take turns on identical graphs (partita.compile_once): in the first case
+    # every graph is new, and a cold cache is missed by one rank only, whose compile the
+    # other then reads; a warm one is read by both. Either way some rank reads one.
+    first = [got[0]["first_step_cache"] for got in ranks]
+    if not any(hits for hits, _ in first):
+        failures.append(f"{CASES[0][0]}: each rank compiled every graph itself, neither "
+                        f"read one the other had compiled: (cache hits, misses) per rank "
+                        f"{first}")
     for rank, got in enumerate(ranks):
         for (name, _, _, mode, tol, _), r in zip(CASES, got):
             if r["mode"] != mode:

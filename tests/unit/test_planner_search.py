@@ -190,7 +190,8 @@ def test_evaluate_layout_api_and_moe(tmp_path):
     assert dense_ep.fits
     result = plan(str(cfg), 16, seq_len=4096, global_batch=64)
     assert result.ranked
-    everything = plan(str(cfg), 16, space=SearchSpace.everything(), seq_len=4096,
+    # Context parallelism with MoE blocks does not run yet (4 GPUs keep the search short).
+    everything = plan(str(cfg), 4, space=SearchSpace.everything(), seq_len=4096,
                       global_batch=64)
     assert everything.rejected[UNAVAILABLE] > 0
 
