@@ -180,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.fix:
         space = _pinned_space(space, _parse_fix(args.fix))
     if not any(k == "sequence_parallel" for k, _ in space.fixed):
-        defaults.append(_SP_OFF_WITH_MOE if req.model.is_moe
+        defaults.append(f"sequence_parallel off ({_MOE_WITHOUT_SP})" if req.model.is_moe
                         else "sequence_parallel on whenever tp > 1")
     result = search(req, space)
     advice = advise_search(req) if not result.ranked else []
@@ -242,8 +242,7 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     return tuple(out.items())
 
 
-_SP_OFF_WITH_MOE = ("sequence_parallel off (mixture-of-experts blocks do not run with it "
-                    "yet)")
+_MOE_WITHOUT_SP = "mixture-of-experts blocks do not run with it yet"
 
 
 def _given_fields(text: str) -> set[str]:
@@ -259,7 +258,7 @@ def _layout_defaults(text: str, layout) -> list[str]:
         out.append(f"dp={layout.dp} (what --gpus leaves)")
     if "sequence_parallel" not in given and "sp" not in given and layout.tp > 1:
         out.append("sequence_parallel=1 (on with tp > 1)" if layout.sequence_parallel
-                   else _SP_OFF_WITH_MOE.replace(" off", "=0", 1))
+                   else f"sequence_parallel=0 ({_MOE_WITHOUT_SP})")
     for name in ("microbatch_size", "zero_stage", "recompute", "overlap_grad_reduce",
                  "overlap_param_gather", "tp_comm_overlap"):
         if name not in given:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from partita.config import layout_overrides
 from partita.errors import PartitaError
-from partita.planner.evaluate import Evaluation, Request
+from partita.planner.evaluate import MEMORY, Evaluation, Request
 from partita.planner.search import SearchResult
 
 # (column title, memory term) in the order a GPU's memory is usually explained.
@@ -88,10 +88,10 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
         out.append("No layout fits.")
-        closest = result.examples.get("memory", [])
+        closest = result.examples.get(MEMORY, [])
         if closest and closest[0].memory:
             e = closest[0]
-            misses = "; ".join(r for k, r in e.reasons if k == "memory")
+            misses = "; ".join(r for k, r in e.reasons if k == MEMORY)
             out.append(f"The closest, {e.layout.describe()}: {misses}.")
     if result.modelled:
         out.append("")
