@@ -12,8 +12,9 @@ stages, context-parallel chunks with their own rotary tables) take different loc
 compile in parallel as before; so do identical graphs on different devices (each GPU
 rank's inputs name its own device, and the caches key on it). The lock is held only
 while inductor compiles, never across a collective, and the operating system releases
-it if its process dies. With inductor's caches turned off there is nothing to share,
-and the ranks compile side by side as before, without the lock.
+it if its process dies; a rank waits at most `WAIT_S` for it (a rank stopped mid-compile
+would hold it), then compiles for itself. With inductor's caches turned off there is
+nothing to share, and the ranks compile side by side as before, without the lock.
 
 Measured on 2 cores (tests/dist/test_compile_parity.py, 2 ranks, cold caches,
 2026-12-03): the rank that waits spends 8 s of CPU on a block's first step against 44 s
@@ -25,11 +26,17 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+# The longest a rank waits for another's compile of the same graph. A rank stopped while
+# it compiles would otherwise hold the others here, outside any collective whose timeout
+# could end the job; past this they compile for themselves, as without the lock.
+WAIT_S = 300.0
 
 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list) -> str:
@@ -50,15 +57,23 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list) -> str:
 
 
 @contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
+def _exclusive(path: Path, wait_s: float) -> Iterator[None]:
+    """Hold the lock at `path`; after `wait_s` without it, go on without it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break  # the holder is stopped or stuck: compile as if alone
+                time.sleep(0.05)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        os.close(fd)  # releases the lock if it was taken
 
 
 def once_per_machine(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -72,6 +87,6 @@ def once_per_machine(gm: torch.fx.GraphModule, example_inputs: list) -> Callable
     lock = Path(cache_dir()) / "partita-locks" / f"{graph_key(gm, example_inputs)}.lock"
     # The backward too, inside the lock: AOTAutograd compiles it lazily by default, at
     # the first backward, and caches the pair only then, too late for the next rank.
-    with _exclusive(lock), torch._functorch.config.patch(
+    with _exclusive(lock, WAIT_S), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True):
         return compile_fx(gm, example_inputs)

@@ -32,3 +32,27 @@ def test_the_key_tells_graphs_apart_by_code_inputs_and_constants():
         return graph_key(torch.fx.symbolic_trace(Shifted(table)), [x])
 
     assert key(torch.zeros(8)) == key(torch.zeros(8)) != key(torch.ones(8))
+
+
+def test_a_lock_held_elsewhere_is_waited_for_a_bounded_time(tmp_path):
+    """A rank stopped while it compiles keeps its lock; the others go on after the
+    bound (compiling for themselves) instead of waiting outside any timeout."""
+    import fcntl
+    import os
+    import time
+
+    from partita.compile_once import _exclusive
+
+    path = tmp_path / "graph.lock"
+    path.touch()
+    held = os.open(path, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another open file: as another process's lock
+    try:
+        start = time.monotonic()
+        with _exclusive(path, wait_s=0.3):
+            waited = time.monotonic() - start
+        assert 0.3 <= waited < 10
+    finally:
+        os.close(held)
+    with _exclusive(path, wait_s=0.3):  # free now: taken at once
+        pass
