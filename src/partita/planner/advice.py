@@ -77,7 +77,9 @@ def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int =
 
 def _offload_changes(req: Request, limit: int) -> list[str]:
     """The first offload mode (host memory before disk) with which some layout fits."""
-    for mode in OFFLOAD[1:] if limit > 0 else ():
+    if limit < 1:
+        return []
+    for mode in OFFLOAD[1:]:
         best = search(req, replace(DEFAULT_SPACE, offload=(mode,))).best
         if best is not None:
             where = "disk" if mode.endswith("+disk") else "host memory"
