@@ -13,7 +13,7 @@ from partita.planner import (
     plan,
 )
 from partita.planner.evaluate import CONSTRAINT, DIVISIBILITY, MEMORY, UNAVAILABLE
-from partita.planner.search import SearchSpace, search
+from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 
 def test_405b_on_16384_gpus():
@@ -153,6 +153,23 @@ def test_restricted_space_advice_relaxes_it():
     assert not search(req, narrow).ranked
     advice = advise_search(req, narrow)
     assert advice[0].startswith("allow every")
+
+
+def test_pinned_search_advice_names_the_pins():
+    """`partita plan --fix ...` with nothing fitting: the advice drops the pins by name
+    and keeps them in the offload it suggests."""
+    from partita.commands.plan import _parse_fix, _pinned_space
+
+    req = make_request("llama3-8b", 8, seq_len=8192, global_batch=64)
+    pinned = _pinned_space(DEFAULT_SPACE, _parse_fix("tp=1,pp=1,zero_stage=0"))
+    assert not search(req, pinned).ranked
+    advice = advise_search(req, pinned)
+    assert advice[0].startswith("drop --fix tp=1,pp=1,zero_stage=0: "), advice
+    offload = next(a for a in advice if a.startswith("offload"))
+    assert "--fix tp=1,pp=1,zero_stage=0,offload=" in offload
+    layout = parse_layout(offload.split(": ", 1)[1].split(" fits")[0], 8)
+    assert (layout.tp, layout.pp, layout.zero_stage) == (1, 1, 0)
+    assert evaluate(req, layout).fits
 
 
 def test_shorter_sequence_advice():

@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         defaults.append(f"sequence_parallel off ({_MOE_WITHOUT_SP})" if req.model.is_moe
                         else "sequence_parallel on whenever tp > 1")
     result = search(req, space)
-    advice = advise_search(req) if not result.ranked else []
+    advice = advise_search(req, space) if not result.ranked else []
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice,
                              defaults=defaults))

@@ -54,18 +54,20 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
 
 
 def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int = 3) -> list[str]:
-    """What to change when no layout of the search space fits: the space's own limits,
-    then offload, then the request (sequence length, GPU count, GPU type)."""
+    """What to change when no layout of the search space fits: the space's own limits
+    (pins from `--fix` first), then offload, then the request (sequence length, GPU
+    count, GPU type)."""
     out = []
     full = DEFAULT_SPACE
     if space != full:
         best = search(req, full).best
         if best is not None:
-            out.append(f"allow every ZeRO stage, schedule and microbatch size: "
-                       f"{best.layout.describe()} fits")
+            relax = (f"drop --fix {fix_text(space.fixed)}" if space.fixed
+                     else "allow every ZeRO stage, schedule and microbatch size")
+            out.append(f"{relax}: {best.layout.describe()} fits")
 
     if len(out) < limit:
-        out += _offload_changes(req, limit - len(out))
+        out += _offload_changes(req, space, limit - len(out))
 
     def best_of(r: Request) -> Layout | None:
         found = search(r, full).best
@@ -75,15 +77,23 @@ def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int =
     return out[:limit]
 
 
-def _offload_changes(req: Request, limit: int) -> list[str]:
-    """The first offload mode (host memory before disk) with which some layout fits."""
-    if limit < 1:
+def fix_text(fixed: tuple[tuple[str, object], ...]) -> str:
+    """Pinned layout fields as `--fix` reads them: `tp=8,pp=8`."""
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in fixed)
+
+
+def _offload_changes(req: Request, space: SearchSpace, limit: int) -> list[str]:
+    """The first offload mode (host memory before disk) with which some layout fits,
+    keeping the space's pins; nothing when the pins already choose the offload."""
+    if limit < 1 or space.pinned("offload", None) is not None:
         return []
+    base = space if space.fixed else DEFAULT_SPACE
     for mode in OFFLOAD[1:]:
-        best = search(req, replace(DEFAULT_SPACE, offload=(mode,))).best
+        fixed = space.fixed + (("offload", mode),)
+        best = search(req, replace(base, offload=(mode,), fixed=fixed)).best
         if best is not None:
             where = "disk" if mode.endswith("+disk") else "host memory"
-            return [f"offload to {where}, --fix offload={mode}: {best.layout.describe()} "
+            return [f"offload to {where}, --fix {fix_text(fixed)}: {best.layout.describe()} "
                     f"fits{_offload_note(best)}"]
     return []
 
