@@ -146,6 +146,18 @@ def test_model_shape_fix_and_papers_metrics(capsys):
     assert any("seq-len 2048" in d for d in data["defaults_filled_in"])
 
 
+def test_pins_that_leave_nothing_to_search_say_why(capsys):
+    """`--fix` values no layout can take are bad input (exit 2), not an empty plan."""
+    cases = [("llama3-8b", "tp=3", "tp=3 does not divide 8"),
+             ("llama3-8b", "tp=2,pp=2,cp=1,dp=1", "= 4 does not equal 8"),
+             ("llama3-8b", "ep=2", "this model has no experts"),
+             ("mixtral-8x7b", "ep=3", "ep must divide the model's 8 experts")]
+    for model, fix, reason in cases:
+        assert main(["plan", "--model", model, "--gpus", "8", "--fix", fix]) == 2
+        err = capsys.readouterr().err
+        assert f"--fix {fix} leaves no layout to search on 8 GPUs" in err and reason in err
+
+
 def test_json_exit_status_is_zero_when_a_plan_is_printed(capsys):
     assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--layout", "dp=64",
                  "--json"]) == 0

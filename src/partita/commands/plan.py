@@ -183,6 +183,8 @@ def _run(args: argparse.Namespace) -> int:
         defaults.append(f"sequence_parallel off ({_MOE_WITHOUT_SP})" if req.model.is_moe
                         else "sequence_parallel on whenever tp > 1")
     result = search(req, space)
+    if result.searched == 0:
+        raise PartitaError(_no_layout_to_search(space.fixed, req))
     advice = advise_search(req, space) if not result.ranked else []
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice,
@@ -214,6 +216,32 @@ def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
     if "microbatch_size" in pinned:
         changes["max_microbatch"] = pinned["microbatch_size"]
     return replace(space, fixed=fixed, **changes)
+
+
+def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
+    """Why `--fix` pins leave nothing to search."""
+    from partita.planner.advice import fix_text
+
+    n = req.cluster.num_gpus
+    pins = dict(fixed)
+    degrees = {k: int(v) for k, v in pins.items() if k in ("dp", "tp", "pp", "cp")}
+    product = 1
+    for value in degrees.values():
+        product *= value
+    named = " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if n % product or (len(degrees) == 4 and product != n):
+        given = named if len(degrees) == 1 else f"{named} = {product}"
+        verb, wanted = ("divide", "divides") if n % product else ("equal", "is")
+        why = (f"dp x tp x pp x cp must multiply to the {n} GPUs, and {given} does not "
+               f"{verb} {n}; pin degrees whose product {wanted} {n}")
+    elif "ep" in pins and not req.model.is_moe:
+        why = "ep applies to mixture-of-experts models, and this model has no experts"
+    elif "ep" in pins:
+        why = (f"ep must divide the model's {req.model.moe.num_experts} experts and "
+               f"dp x cp; pin an ep among those divisors")
+    else:
+        why = "no combination of the other degrees completes these to a layout"
+    return f"--fix {fix_text(fixed)} leaves no layout to search on {n} GPUs: {why}."
 
 
 def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:

@@ -48,7 +48,7 @@ def format_table(evals: list[Evaluation]) -> str:
         t = e.time
         lines.append(f"{i:>3}  {name:<{width}}  {mem}  {t['step_s']:>8.3f} "
                      f"{t['tokens_per_s']:>10.4g} {t['mfu']:>5.1%} {t['hfu']:>5.1%} "
-                     f"{t['model_flops_per_gpu'] / 1e12:>7.1f} "
+                     f"{_tflops(t['model_flops_per_gpu']):>7} "
                      f"{t['bubble_fraction']:>6.1%} {t['comm_exposed_s']:>7.3f}")
     lines.append("MFU: model FLOPs (6N + attention, no recompute) over peak; HFU: hardware "
                  "FLOPs (recomputed forward included) over peak; TFLOP/s: model FLOP/s per GPU.")
@@ -152,8 +152,8 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{t['bubble_s']:.3f} = {t['bubble_fraction']:.1%}, exposed communication "
                    f"{t['comm_exposed_s']:.3f}, offload {t['offload_s']:.3f}); "
                    f"{t['tokens_per_s']:.4g} tokens/s; MFU {t['mfu']:.1%}")
-        out.append(f"Per GPU: {t['model_flops_per_gpu'] / 1e12:.1f} model TFLOP/s, "
-                   f"{t['hardware_flops_per_gpu'] / 1e12:.1f} hardware TFLOP/s (with "
+        out.append(f"Per GPU: {_tflops(t['model_flops_per_gpu'])} model TFLOP/s, "
+                   f"{_tflops(t['hardware_flops_per_gpu'])} hardware TFLOP/s (with "
                    f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
                    f"{compile_text(req, ev)}")
         out.append("Bytes sent per GPU per step: " + ", ".join(
@@ -228,3 +228,9 @@ def draw_memory(evals: list[Evaluation], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _tflops(flops_per_s: float) -> str:
+    """TFLOP/s with one decimal on GPUs, three significant digits below 1 (a CPU's)."""
+    tflops = flops_per_s / 1e12
+    return f"{tflops:.1f}" if tflops >= 1 or tflops == 0 else f"{tflops:.3g}"
