@@ -151,11 +151,25 @@ def test_pins_that_leave_nothing_to_search_say_why(capsys):
     cases = [("llama3-8b", "tp=3", "tp=3 does not divide 8"),
              ("llama3-8b", "tp=2,pp=2,cp=1,dp=1", "= 4 does not equal 8"),
              ("llama3-8b", "ep=2", "this model has no experts"),
-             ("mixtral-8x7b", "ep=3", "ep must divide the model's 8 experts")]
+             ("mixtral-8x7b", "ep=3", "ep must divide the model's 8 experts"),
+             ("llama3-8b", "pp=2,virtual_stages=17", "the model has 32 blocks"),
+             ("llama3-8b", "virtual_stages=2,pp=1", "needs a pipeline")]
     for model, fix, reason in cases:
         assert main(["plan", "--model", model, "--gpus", "8", "--fix", fix]) == 2
         err = capsys.readouterr().err
         assert f"--fix {fix} leaves no layout to search on 8 GPUs" in err and reason in err
+    # Each value is checked as a layout's is, before any search.
+    for fix, reason in (("recompute=some", "recompute='some' is unknown"),
+                        ("tp=0", "every degree is a positive integer"),
+                        ("schedule=foo", "unknown pipeline schedule 'foo'")):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--fix", fix]) == 2
+        assert reason in capsys.readouterr().err
+    # A pinned virtual stage count that splits the blocks unevenly is searched (the
+    # trainer runs it), where the plain search keeps to even splits.
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--json",
+                 "--fix", "pp=2,virtual_stages=3"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and all(ev["degrees"]["virtual_stages"] == 3 for ev in ranked)
 
 
 def test_json_exit_status_is_zero_when_a_plan_is_printed(capsys):

@@ -240,8 +240,27 @@ def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
         why = (f"ep must divide the model's {req.model.moe.num_experts} experts and "
                f"dp x cp; pin an ep among those divisors")
     else:
-        why = "no combination of the other degrees completes these to a layout"
+        why = _first_rule_broken(pins, req) or ("no combination of the other degrees "
+                                                "completes these to a layout")
     return f"--fix {fix_text(fixed)} leaves no layout to search on {n} GPUs: {why}."
+
+
+def _first_rule_broken(pins: dict[str, object], req) -> str | None:
+    """The rule a layout of these pins breaks, the other degrees at 1 and dp taking
+    the remaining GPUs."""
+    from partita.layout import Layout, default_schedule
+    from partita.planner.evaluate import structural_reasons
+
+    rest = req.cluster.num_gpus
+    for name in ("tp", "pp", "cp"):
+        rest //= int(pins.get(name, 1))
+    schedule = default_schedule(int(pins.get("virtual_stages", 1)))
+    try:
+        layout = Layout(**{"dp": rest, "schedule": schedule, **pins})
+    except PartitaError as err:
+        return str(err).rstrip(".")
+    reasons = structural_reasons(req, layout)
+    return reasons[0][1].rstrip(".") if reasons else None
 
 
 def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
@@ -250,7 +269,7 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     from dataclasses import fields
 
     from partita.errors import did_you_mean
-    from partita.layout import RENAMED, Layout
+    from partita.layout import DEGREES, RENAMED, Layout
     from partita.layout import _convert as convert
 
     known = [f.name for f in fields(Layout)]
@@ -267,6 +286,13 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
 
             value = canonical_schedule(str(value))
         out[key] = value
+    # Each value checked as a layout checks it (a recompute or schedule name, a stage,
+    # a positive degree); whether the values go together is the search's question.
+    Layout(**{k: v for k, v in out.items() if k not in DEGREES})
+    for key in DEGREES:
+        if key in out and int(out[key]) < 1:
+            raise PartitaError(f"--fix {key}={out[key]} is invalid: every degree is a "
+                               "positive integer (1 turns that dimension off).")
     return tuple(out.items())
 
 

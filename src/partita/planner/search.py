@@ -205,9 +205,12 @@ def _inner_options(req: Request, space: SearchSpace, pp: int, dp: int,
         fewest = min(stage_layers(req.model.config.n_layers, pp))
         scheds = [(1, s) for s in space.schedules if s in ("1f1b", "zb-h1", "gpipe")]
         if "interleaved-1f1b" in space.schedules:
+            # Uneven chunks train too, but an even split is the one worth ranking; a
+            # pinned count is searched as given while every chunk keeps a block.
+            pinned = int(space.pinned("virtual_stages", 0))
             scheds += [(v, "interleaved-1f1b")
                        for v in range(2, min(space.max_virtual_stages, fewest) + 1)
-                       if fewest % v == 0]
+                       if fewest % v == 0 or v == pinned]
     for vpp, sched in scheds:
         if space.allows("virtual_stages", vpp) and space.allows("schedule", sched):
             options += [(vpp, sched, b) for b in valid_mbs]
