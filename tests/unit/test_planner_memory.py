@@ -93,8 +93,8 @@ def test_pipeline_stages_own_embedding_and_head():
 
 
 def test_stage_layers_uneven():
-    assert stage_layers(126, 16) == [7] + [8] * 14 + [7]
-    assert stage_layers(4, 2) == [2, 2]
+    assert stage_layers(126, 16) == (7,) + (8,) * 14 + (7,)
+    assert stage_layers(4, 2) == (2, 2)
     assert sum(stage_layers(80, 3)) == 80
 
 

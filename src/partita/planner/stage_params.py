@@ -9,19 +9,23 @@ dp * cp, and expert ones (already divided by ep), sharded over dp * cp / ep.
 
 from __future__ import annotations
 
+import functools
+
 from partita.layout import Layout
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.model_shape import PlanModel
 
 
-def stage_layers(n_layers: int, pp: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def stage_layers(n_layers: int, pp: int) -> tuple[int, ...]:
     """Blocks per pipeline stage: an even split, remainder to the stages after the first
-    (the first stage holds the most in-flight microbatches and the embedding)."""
+    (the first stage holds the most in-flight microbatches and the embedding). Cached:
+    a search asks for the same few splits hundreds of thousands of times."""
     base, extra = divmod(n_layers, pp)
     out = [base] * pp
     for i in range(extra):
         out[1 + i % (pp - 1) if pp > 1 else 0] += 1
-    return out
+    return tuple(out)
 
 
 def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
