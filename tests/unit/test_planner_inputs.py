@@ -9,6 +9,7 @@ from partita.layout import Layout, parse_layout
 from partita.layout_rules import UNAVAILABLE, find_problems
 from partita.planner import Cluster, get_gpu, make_request, resolve_model, search, step_time
 from partita.planner.model_shape import parse_model_shape
+from partita.planner.report import describe_request
 from partita.planner.search import SearchSpace
 
 
@@ -24,6 +25,10 @@ def test_model_shape_reads_every_field_and_refuses_gaps():
     assert llama.total_params() == pytest.approx(resolve_model("llama3-70b").total_params())
     moe = parse_model_shape("layers=4,hidden=512,heads=8,vocab=1000,seq=256,num_experts=8,top_k=2")
     assert moe.is_moe and moe.moe.top_k == 2
+    header = describe_request(make_request(moe, 8))
+    assert "8 experts of ffn " in header and "top-2" in header
+    with pytest.raises(PartitaError, match="give top_k with num_experts"):
+        parse_model_shape("layers=4,hidden=512,heads=8,vocab=1000,seq=256,num_experts=8")
     with pytest.raises(PartitaError, match="give seq"):
         parse_model_shape("layers=4,hidden=512,heads=8,vocab=1000")
     with pytest.raises(PartitaError, match="Did you mean 'layers'"):

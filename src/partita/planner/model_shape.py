@@ -173,8 +173,9 @@ SHAPE_NAMES = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads",
 def parse_model_shape(text: str) -> PlanModel:
     """`layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2` -> PlanModel.
 
-    layers, hidden, heads, vocab and seq are required (no silent defaults); the rest
-    (kv_heads, ffn, flavour, dropout, tie, num_experts, top_k, expert_ffn_dim) optional.
+    layers, hidden, heads, vocab and seq are required (no silent defaults), and top_k
+    with num_experts; the rest (kv_heads, ffn, flavour, dropout, tie, expert_ffn_dim)
+    optional.
     """
     fields_ = set(ModelConfig.__dataclass_fields__)
     moe_fields = set(MoEShape.__dataclass_fields__)
@@ -209,6 +210,9 @@ def parse_model_shape(text: str) -> PlanModel:
     if missing:
         raise PartitaError(f"--model-shape: give {', '.join(missing)} too (a shape has no "
                            "defaults, so that none changes the answer unseen).")
+    if int(moe.get("num_experts", 1)) > 1 and "top_k" not in moe:
+        raise PartitaError("--model-shape: give top_k with num_experts (the experts each "
+                           "token is routed to; it sets the expert compute and traffic).")
     model.setdefault("tie_embeddings", model.get("flavour") == "gpt2")
     name = f"custom-{model['n_layers']}x{model['dim']}"
     return PlanModel(name, ModelConfig(**model), MoEShape(**moe))

@@ -25,8 +25,12 @@ def describe_request(req: Request) -> str:
     c, cl = req.model.config, req.cluster
     n = req.model.total_params()
     count = f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.3g} M"
+    moe = req.model.moe
+    experts = (f", {moe.num_experts} experts of ffn {req.model.expert_ffn}, top-{moe.top_k}"
+               if req.model.is_moe else "")
     return (f"{req.model.name}: {count} parameters "
-            f"({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, {c.kv_heads} kv heads)"
+            f"({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, {c.kv_heads} kv heads"
+            f"{experts})"
             f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
             f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
             f"{req.global_batch} sequences ({req.global_batch * req.seq_len / 1e6:.2f} M tokens)")
