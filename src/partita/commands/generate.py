@@ -8,7 +8,8 @@ from partita.arg_types import at_least
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="sample text from a finished run's weights")
+    p = subparsers.add_parser("generate", help="sample text from a finished run's weights",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--run", default="runs/default", help="the run's out_dir")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--tokens", type=at_least(0), default=200,
@@ -17,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="0 = greedy")
     p.add_argument("--top-k", type=at_least(0), default=0,
                    help="sample among the k likeliest (0 = all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.set_defaults(func=run)
 
 
