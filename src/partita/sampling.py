@@ -13,14 +13,38 @@ from partita.models.transformer import build_model
 from partita.weights import load_weights
 
 
-def load_run_model(run_dir: str | Path, device: str = "cpu"):
+def find_weights(run_dir: str | Path) -> Path:
+    """Where `load_run_model` reads: the folder itself when it holds a finished run's
+    weights (model.safetensors and config.toml), else the checkpoint it names (a
+    checkpoint folder, a folder of checkpoints or a run's out_dir: its newest)."""
+    from partita.checkpoint.manifest import MANIFEST, resolve
+
     run = Path(run_dir)
-    weights, config = run / "model.safetensors", run / "config.toml"
-    if not weights.is_file() or not config.is_file():
+    if (run / "model.safetensors").is_file() and (run / "config.toml").is_file():
+        return run
+    if not run.exists():
+        raise PartitaError(f"'{run}' does not exist; point --run at a run's out_dir or a "
+                           "checkpoint folder.")
+    try:
+        folder = resolve(run, given_as="")
+    except PartitaError:
+        folder = None
+    if folder is None or not (folder / MANIFEST).is_file():
         raise PartitaError(
             f"'{run}' holds no finished run (model.safetensors and config.toml are written "
-            "when training completes); point --run at a run's out_dir."
+            "when training completes) and no checkpoint; point --run at a run's out_dir or "
+            "a checkpoint folder."
         )
+    return folder
+
+
+def load_run_model(run_dir: str | Path, device: str = "cpu"):
+    """The single-device model of a finished run's weights or of a checkpoint (its
+    full tensors assembled from every rank's shards), and the run's Config."""
+    source = find_weights(run_dir)
+    weights, config = source / "model.safetensors", source / "config.toml"
+    if source.joinpath("manifest.json").is_file() and not weights.is_file():
+        return _checkpoint_model(source, device)
     cfg = load_config(config)
     model = build_model(cfg.model_config(), device=device)
     state = load_weights(weights)
@@ -36,6 +60,25 @@ def load_run_model(run_dir: str | Path, device: str = "cpu"):
             f"the weights in {weights} do not match the model in {config} (missing "
             f"{missing[:3]}, unexpected {unexpected[:3]}); the run directory is inconsistent."
         )
+    return model.eval(), cfg
+
+
+def _checkpoint_model(folder: Path, device: str):
+    from partita.checkpoint.export import full_tensors
+    from partita.checkpoint.manifest import read_manifest
+    from partita.config import config_from_toml
+
+    cfg = config_from_toml(read_manifest(folder)["config"])
+    model = build_model(cfg.model_config(), device=device)
+    state = dict(full_tensors(folder))
+    bad = [name for name, t in state.items() if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise PartitaError(f"checkpoint '{folder}' holds NaN or infinite values in "
+                           f"{', '.join(bad[:3])}; sample from an earlier checkpoint.")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise PartitaError(f"checkpoint '{folder}' does not match the model its manifest "
+                           f"names (missing {missing[:3]}, unexpected {unexpected[:3]}).")
     return model.eval(), cfg
 
 

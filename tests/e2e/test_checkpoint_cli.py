@@ -190,3 +190,34 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
     shard.unlink()
     gone = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
     assert gone.returncode == 2 and "is missing" in gone.stderr, gone.stderr[-2000:]
+
+
+def test_generate_samples_from_a_checkpoint_as_from_the_final_weights(tmp_path, whole_run):
+    """`partita generate --run CHECKPOINT`: the model assembled from every rank's shards
+    of the last checkpoint is the finished run's model, bit for bit; the newest of a
+    folder of checkpoints is taken; a damaged shard is named."""
+    import torch
+
+    from partita.errors import PartitaError
+    from partita.sampling import find_weights, generate_text, load_run_model
+
+    folder = whole_run / "checkpoints" / f"step-{STEPS:08d}"
+    assert find_weights(whole_run) == whole_run
+    assert find_weights(whole_run / "checkpoints") == folder
+    final, _ = load_run_model(whole_run)
+    saved, cfg = load_run_model(folder)
+    assert cfg.train.dtype == "float64"
+    for (name, a), (_, b) in zip(final.state_dict().items(), saved.state_dict().items(),
+                                 strict=True):
+        assert torch.equal(a, b), name
+    assert generate_text(folder, "def ", 8, temperature=0) == \
+        generate_text(whole_run, "def ", 8, temperature=0)
+    copy = tmp_path / "damaged"
+    shutil.copytree(folder, copy)
+    shard = copy / "rank-00000-of-00002.safetensors"  # rank 0 holds the ZeRO-0 weights
+    data = bytearray(shard.read_bytes())
+    for i in range(len(data) // 2, len(data), 4099):  # through every tensor after the middle
+        data[i] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(PartitaError, match="rank-00000-of-00002.safetensors' is corrupt"):
+        load_run_model(copy)

@@ -10,7 +10,9 @@ from partita.arg_types import at_least
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="sample text from a finished run's weights",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--run", default="runs/default", help="the run's out_dir")
+    p.add_argument("--run", default="runs/default",
+                   help="a finished run's out_dir, or a checkpoint (a checkpoint folder, a "
+                   "folder of checkpoints or an unfinished run's out_dir: its newest)")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--tokens", type=at_least(0), default=200,
                    help="tokens to generate")
@@ -23,8 +25,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from partita.sampling import generate_text
+    import sys
 
-    print(generate_text(args.run, args.prompt, args.tokens, args.temperature, args.top_k,
+    from partita.sampling import find_weights, generate_text
+
+    source = find_weights(args.run)
+    if not (source / "model.safetensors").is_file():
+        print(f"partita: sampling from checkpoint {source}", file=sys.stderr, flush=True)
+    print(generate_text(source, args.prompt, args.tokens, args.temperature, args.top_k,
                         args.seed))
     return 0
