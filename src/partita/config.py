@@ -364,18 +364,44 @@ _KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
          float: ("a number", "0.001"), str: ("text", "text")}
 
 
+# What other trainers call some settings (Hugging Face's TrainingArguments, Megatron-LM,
+# DeepSpeed, torchtitan), for the message that names partita's key instead.
+PEER_NAMES = {
+    "learning_rate": "train.lr", "max_steps": "train.steps", "train_iters": "train.steps",
+    "training_steps": "train.steps", "batch_size": "train.global_batch",
+    "global_batch_size": "train.global_batch", "train_batch_size": "train.global_batch",
+    "gradient_accumulation_steps": "train.microbatches", "max_grad_norm": "train.grad_clip",
+    "clip_grad": "train.grad_clip", "gradient_clipping": "train.grad_clip",
+    "warmup": "train.warmup_steps", "lr_warmup_iters": "train.warmup_steps",
+    "min_learning_rate": "train.min_lr", "seq_length": "data.seq_len",
+    "max_seq_length": "data.seq_len", "seed": "data.seed", "save_steps": "train.checkpoint_every",
+    "save_interval": "train.checkpoint_every", "output_dir": "train.out_dir",
+    "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+    "context_parallel_size": "parallel.cp", "expert_model_parallel_size": "parallel.ep",
+    "stage": "parallel.zero_stage",
+}
+
+
+def _unknown_hint(dotted: str) -> str:
+    """' Did you mean X?': partita's key for another trainer's name, else the closest."""
+    peer = PEER_NAMES.get(dotted.partition(".")[2] or dotted)
+    if peer:
+        return f" Did you mean '{peer}' (partita's name for it)?"
+    return did_you_mean(dotted, _all_keys())
+
+
 def _set(cfg: Config, dotted: str, raw: object) -> None:
     section, _, key = dotted.partition(".")
     sections = _sections()
     if section not in sections or not key:
         raise PartitaError(
-            f"unknown setting '{dotted}'.{did_you_mean(dotted, _all_keys())} Settings are "
+            f"unknown setting '{dotted}'.{_unknown_hint(dotted)} Settings are "
             f"written section.key; the sections are {', '.join(sections)}."
         )
     names = [f.name for f in dataclasses.fields(sections[section])]
     if key not in names:
         raise PartitaError(
-            f"unknown setting '{dotted}'.{did_you_mean(dotted, _all_keys())} Valid keys of "
+            f"unknown setting '{dotted}'.{_unknown_hint(dotted)} Valid keys of "
             f"[{section}]: {', '.join(names)}."
         )
     setattr(getattr(cfg, section), key, _convert(dotted, raw, _field_type(section, key)))

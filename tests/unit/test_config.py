@@ -23,8 +23,21 @@ def test_unknown_keys_name_the_closest_valid_key(tmp_path):
         load_config(None, ["--paralel.zero_stage=1"])
     path = tmp_path / "bad.toml"
     path.write_text("[train]\nlearning_rate = 1\n")
-    with pytest.raises(PartitaError, match="unknown setting 'train.learning_rate'"):
+    with pytest.raises(PartitaError, match="unknown setting 'train.learning_rate'. Did you "
+                                           "mean 'train.lr' .partita's name for it."):
         load_config(path)
+
+
+def test_other_trainers_names_point_at_real_settings():
+    from partita.config import PEER_NAMES, _all_keys
+
+    cfg = load_config()
+    for peer, ours in PEER_NAMES.items():
+        assert ours in _all_keys(), ours
+        section = next(s for s in ("train", "parallel", "data")
+                       if not hasattr(getattr(cfg, s), peer))
+        with pytest.raises(PartitaError, match=f"Did you mean '{ours}'"):
+            load_config(None, [f"--{section}.{peer}=1"])
 
 
 def test_bad_values_and_files():
