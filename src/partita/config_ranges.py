@@ -161,7 +161,9 @@ def out_of_range(cfg) -> list[str]:
         value = getattr(getattr(cfg, section), key)
         if value is None and section == "model":
             continue  # not set: the catalog's value, which is valid
-        if not rule.ok(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{dotted}={value!r} is not a finite number: use {rule.text}")
+        elif not rule.ok(value):
             problems.append(f"{dotted}={value!r} is out of range: use {rule.text}")
     if cfg.train.min_lr > cfg.train.lr >= 0:
         problems.append(f"train.min_lr={cfg.train.min_lr:g} exceeds train.lr="

@@ -75,6 +75,13 @@ def test_every_problem_is_reported_at_once():
         assert key in str(exc.value)
 
 
+def test_nan_and_infinity_are_named_as_such():
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, ["--train.lr=nan", "--train.grad_clip=inf"])
+    assert "train.lr=nan is not a finite number" in str(exc.value)
+    assert "train.grad_clip=inf is not a finite number" in str(exc.value)
+
+
 def test_min_lr_above_lr_is_refused():
     with pytest.raises(PartitaError, match="train.min_lr"):
         load_config(None, ["--train.lr=1e-4", "--train.min_lr=1e-3"])
