@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from partita.errors import PartitaError, Stopped, stop_on_signals
+from partita.errors import PartitaError, Stopped, closest, stop_on_signals
 
 # Module paths, imported lazily so `partita --help` stays fast and one broken command
 # does not take the others down.
@@ -47,6 +47,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
+               ) -> argparse.ArgumentParser:
+    """The (sub)command parser that read `args`: its usage and options are the ones to
+    show for an argument it does not take."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None or chosen not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     names = {path.rsplit(".", 1)[1] for path in COMMANDS}
@@ -56,7 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if extra and not getattr(args, "accepts_overrides", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        command = _innermost(parser, args)
+        # Compared without their dashes, which every option shares.
+        options = [o.lstrip("-") for a in command._actions for o in a.option_strings]
+        near = closest(extra[0].split("=")[0].lstrip("-"), options)
+        hint = f" Did you mean '--{near}'?" if near and extra[0].startswith("--") else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
     args.overrides = extra
     stop_on_signals()
     try:

@@ -30,6 +30,24 @@ def test_out_of_range_arguments_stop_the_parser(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "dp", "--worlds", "2"],
+     "partita bench dp: error: unrecognized arguments: --worlds 2. Did you mean '--world'?"),
+    (["generate", "--prompts", "x"],
+     "partita generate: error: unrecognized arguments: --prompts x. Did you mean '--prompt'?"),
+    (["bench", "tp", "--degrees", "3"], "partita bench tp: error: unrecognized arguments: "
+                                        "--degrees 3.\n"),
+])
+def test_an_unknown_option_is_named_by_its_own_command(argv, message, capsys):
+    """The (sub)command that does not take an option says so, with its own usage and
+    a near option when there is one."""
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith(f"usage: partita {' '.join(argv[:2 if argv[0] == 'bench' else 1])}")
+
+
 def test_plan_accuracy_names_the_world_sizes_it_has(capsys):
     assert main(["bench", "plan-accuracy", "--worlds", "1,3"]) != 0
     assert ("--worlds: no layouts of 3 ranks; plan-accuracy runs worlds of 1, 2, 4, 8 ranks"
