@@ -43,7 +43,7 @@ def load_run_model(run_dir: str | Path, device: str = "cpu"):
     full tensors assembled from every rank's shards), and the run's Config."""
     source = find_weights(run_dir)
     weights, config = source / "model.safetensors", source / "config.toml"
-    if source.joinpath("manifest.json").is_file() and not weights.is_file():
+    if not weights.is_file():  # find_weights found a checkpoint
         return _checkpoint_model(source, device)
     cfg = load_config(config)
     model = build_model(cfg.model_config(), device=device)

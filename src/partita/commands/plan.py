@@ -220,14 +220,14 @@ def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
 
 def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
     """Why `--fix` pins leave nothing to search."""
+    import math
+
     from partita.planner.advice import fix_text
 
     n = req.cluster.num_gpus
     pins = dict(fixed)
     degrees = {k: int(v) for k, v in pins.items() if k in ("dp", "tp", "pp", "cp")}
-    product = 1
-    for value in degrees.values():
-        product *= value
+    product = math.prod(degrees.values())
     named = " x ".join(f"{k}={v}" for k, v in degrees.items())
     if n % product or (len(degrees) == 4 and product != n):
         given = named if len(degrees) == 1 else f"{named} = {product}"
