@@ -90,7 +90,8 @@ def test_a_launched_process_that_crashes_shows_its_traceback(tmp_path):
     (In a process of its own: the workers write to the launcher's stderr as it was when
     their fork server started, which pytest's capture would have swapped.) A job that
     ends, well or not, leaves nothing in the temporary folder (torch's agent makes a log
-    folder per job there)."""
+    folder per job there). The temporary folder's path is long on purpose: too long
+    for the fork server's socket under it (a scheduler's per-job TMPDIR can be)."""
     script = ("import operator\n"
               "from partita.errors import PartitaError\n"
               "from partita.launch import LaunchSpec, launch\n"
@@ -99,8 +100,9 @@ def test_a_launched_process_that_crashes_shows_its_traceback(tmp_path):
               "    launch(LaunchSpec(nproc=1), operator.truediv, 1, 0)\n"
               "except PartitaError as exc:\n"
               "    print('raised:', exc)\n")
-    temp = tmp_path / "tmp"
+    temp = tmp_path / ("long-temporary-folder-" * 3)
     temp.mkdir()
+    assert len(str(temp)) + 32 > 107
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120, env={**os.environ, "TMPDIR": str(temp)})
     assert "returned: [3]" in result.stdout, result.stdout + result.stderr[-2000:]
