@@ -53,32 +53,6 @@ class LaunchSpec:
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
 
 
-# A Unix socket's path holds at most 107 bytes. The fork server's lives in
-# multiprocessing's temporary folder, `$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX`: 32
-# bytes past TMPDIR.
-_SOCKET_PATH_MAX = 107
-_SOCKET_SUFFIX = 32
-
-
-def _short_socket_folder() -> None:
-    """Make multiprocessing's temporary folder (where the fork server's socket goes) in
-    /tmp when TMPDIR is too long for a socket path (a scheduler's per-job folder can
-    be), instead of failing the launch with "AF_UNIX path too long". Python 3.13 does
-    the same itself; multiprocessing keeps the folder it makes first, so this runs
-    before the server starts."""
-    from multiprocessing import util
-
-    if len(tempfile.gettempdir()) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
-        return
-    if not (os.path.isdir("/tmp") and os.access("/tmp", os.W_OK)):
-        return  # nothing shorter to offer; the launch reports the error
-    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
-    try:
-        util.get_temp_dir()
-    finally:
-        tempfile.tempdir = saved
-
-
 def start_worker_server(preload: tuple[str, ...]) -> None:
     """Start the fork server that `launch` makes its workers from, importing `preload`.
 
@@ -91,6 +65,8 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     import multiprocessing
     from multiprocessing import forkserver
 
+    from partita.local_world import short_socket_folder
+
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     # The launcher learns its workers' exit codes through the server, so the server must
     # outlive a SIGTERM or SIGHUP sent to the whole job (a scheduler's stop, a closed
@@ -98,7 +74,7 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     # each worker restores the default (`_run_reporting_errors`).
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
     try:
-        _short_socket_folder()
+        short_socket_folder()
         forkserver.ensure_running()
     finally:
         for sig, handler in previous.items():

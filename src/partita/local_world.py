@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import socket
+import tempfile
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +40,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# A Unix socket's path holds at most 107 bytes. The fork server's lives in
+# multiprocessing's temporary folder, `$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX`: 32
+# bytes past TMPDIR.
+_SOCKET_PATH_MAX = 107
+_SOCKET_SUFFIX = 32
+
+
+def short_socket_folder() -> None:
+    """Make multiprocessing's temporary folder (where the fork server's socket goes) in
+    /tmp when TMPDIR is too long for a socket path (a scheduler's per-job folder can
+    be), instead of failing the launch with "AF_UNIX path too long". Python 3.13 does
+    the same itself; multiprocessing keeps the folder it makes first, so this runs
+    before the server starts."""
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) + _SOCKET_SUFFIX <= _SOCKET_PATH_MAX:
+        return
+    if not (os.path.isdir("/tmp") and os.access("/tmp", os.W_OK)):
+        return  # nothing shorter to offer; the launch reports the error
+    saved, tempfile.tempdir = tempfile.tempdir, "/tmp"
+    try:
+        util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def _context() -> mp.context.BaseContext:
     global _CONTEXT  # one fork server per test session is the point of having one
     if _CONTEXT is None:
@@ -47,6 +74,7 @@ def _context() -> mp.context.BaseContext:
         # parallel layers): each rank would otherwise import it again, ~0.3 s apiece.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "partita.local_world",
                                     "partita.testing", "partita.trainer"])
+        short_socket_folder()
         _CONTEXT = ctx
     return _CONTEXT
 
