@@ -148,6 +148,9 @@ def test_text_folder_rule(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(PartitaError, match="no non-empty text files"):
         text_corpus(tmp_path / "empty")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(PartitaError, match="Data file '.*empty.txt' is empty"):
+        text_corpus(tmp_path / "empty.txt")
 
 
 # --- cache --------------------------------------------------------------------------

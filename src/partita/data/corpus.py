@@ -220,6 +220,9 @@ def text_corpus(source: str | os.PathLike, max_bytes: int | None = None) -> Corp
     else:
         paths = (p for p in _walk_sorted(root) if _looks_like_text(p))
     corpus = _budgeted(root.name or "data", paths, max_bytes)
+    if (not corpus.files or corpus.num_bytes == 0) and root.is_file():
+        raise PartitaError(f"Data file '{root}' is empty; give a file with text in it, or a "
+                           "folder of text files.")
     if not corpus.files or corpus.num_bytes == 0:
         raise PartitaError(f"Data path '{root}' holds no non-empty text files (files with "
                            "NUL bytes or invalid UTF-8 in their first 8 KiB, hidden files and "
