@@ -10,7 +10,7 @@ from partita.config import load_config
 from partita.data import ByteTokenizer
 from partita.errors import PartitaError
 from partita.models.transformer import build_model
-from partita.weights import load_weights
+from partita.weights import load_weights, nonfinite_tensors
 
 
 def find_weights(run_dir: str | Path) -> Path:
@@ -43,43 +43,40 @@ def load_run_model(run_dir: str | Path, device: str = "cpu"):
     full tensors assembled from every rank's shards), and the run's Config."""
     source = find_weights(run_dir)
     weights, config = source / "model.safetensors", source / "config.toml"
-    if not weights.is_file():  # find_weights found a checkpoint
-        return _checkpoint_model(source, device)
-    cfg = load_config(config)
+    if weights.is_file():
+        cfg, state = load_config(config), load_weights(weights)
+        what, model_of, fix = (f"the weights in {weights}", f"the model in {config}",
+                               "the run directory is inconsistent")
+    else:  # find_weights found a checkpoint
+        cfg, state = _checkpoint_state(source)
+        what, model_of, fix = (f"checkpoint '{source}'", "the model its manifest names",
+                               "the checkpoint is inconsistent")
     model = build_model(cfg.model_config(), device=device)
-    state = load_weights(weights)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as exc:  # a shape that disagrees with config.toml
+    except RuntimeError as exc:  # a shape that disagrees with the config
         raise PartitaError(
-            f"the weights in {weights} do not fit the model in {config}: "
-            f"{str(exc).splitlines()[-1].strip()}; the run directory is inconsistent."
+            f"{what} do not fit {model_of}: {str(exc).splitlines()[-1].strip()}; {fix}."
         ) from None
     if missing or unexpected:
-        raise PartitaError(
-            f"the weights in {weights} do not match the model in {config} (missing "
-            f"{missing[:3]}, unexpected {unexpected[:3]}); the run directory is inconsistent."
-        )
+        raise PartitaError(f"{what} do not match {model_of} (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]}); {fix}.")
     return model.eval(), cfg
 
 
-def _checkpoint_model(folder: Path, device: str):
+def _checkpoint_state(folder: Path):
+    """(Config, full tensors) of a checkpoint, refused when a tensor is not finite."""
     from partita.checkpoint.export import full_tensors
     from partita.checkpoint.manifest import read_manifest
     from partita.config import config_from_toml
 
     cfg = config_from_toml(read_manifest(folder)["config"])
-    model = build_model(cfg.model_config(), device=device)
     state = dict(full_tensors(folder))
-    bad = [name for name, t in state.items() if not bool(torch.isfinite(t).all())]
+    bad = nonfinite_tensors(state)
     if bad:
         raise PartitaError(f"checkpoint '{folder}' holds NaN or infinite values in "
                            f"{', '.join(bad[:3])}; sample from an earlier checkpoint.")
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise PartitaError(f"checkpoint '{folder}' does not match the model its manifest "
-                           f"names (missing {missing[:3]}, unexpected {unexpected[:3]}).")
-    return model.eval(), cfg
+    return cfg, state
 
 
 @torch.no_grad()

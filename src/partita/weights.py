@@ -84,6 +84,12 @@ def save_weights(pm, path: str | Path) -> None:
         tmp.unlink(missing_ok=True)  # a write that did not finish leaves nothing
 
 
+def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors that hold a NaN or an infinity."""
+    return [name for name, t in state.items()
+            if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of a weights file; PartitaError naming the file when it is unreadable,
     truncated, corrupt, or holds NaN or infinite values."""
@@ -94,8 +100,7 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
             f"the weights file '{path}' cannot be read ({exc}); it is truncated or corrupt. "
             "Train again, or copy the file again from where it was written."
         ) from None
-    bad = [name for name, t in state.items()
-           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = nonfinite_tensors(state)
     if bad:
         raise PartitaError(
             f"the weights file '{path}' holds NaN or infinite values in {', '.join(bad[:3])}"
