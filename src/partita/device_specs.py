@@ -108,6 +108,41 @@ def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
                      torch.randn(size, size), 2.0 * size**3, budget_s)
 
 
+def training_matmul_rate(size: int, budget_s: float, dtype_name: str = "bfloat16") -> float:
+    """FLOP/s of `size`^3 products in `dtype_name` in the three operand layouts of a
+    linear layer's training step, equal FLOPs each: forward x @ W^T, input gradient
+    g @ W, weight gradient g^T @ x. On a CPU without 16-bit units their rates differ up
+    to tenfold (here ~6, ~2 and ~20 GFLOP/s in bf16), so the step's rate is their
+    time-weighted mean."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+    work = 2.0 * size**3
+    layouts = (lambda x, y: torch.mm(x, y.t()), lambda x, y: torch.mm(x, y),
+               lambda x, y: torch.mm(x.t(), y))
+    rates = [best_rate(op, a, b, work, budget_s / 3) for op in layouts]
+    return len(rates) / sum(1 / r for r in rates)
+
+
+def slow_cpu_matmul_warning(dtype_name: str, budget_s: float = 0.1,
+                            slower_than: float = 3.0) -> str | None:
+    """A warning when `dtype_name` (bfloat16, float16) matmuls on this CPU run more than
+    `slower_than` times slower than float32, as they do on CPUs without 16-bit matrix
+    units (AVX512-BF16, AMX): there mixed precision slows training down instead of
+    speeding it up. None when they keep up. Measured on the caller's thread setting."""
+    size = 64  # the slow path runs at a few GFLOP/s: small products keep this short
+    fp32 = training_matmul_rate(size, budget_s / 2, "float32")
+    half = training_matmul_rate(size, budget_s / 2, dtype_name)
+    if fp32 < slower_than * half:
+        return None
+    return (f"partita: warning: {dtype_name} matmuls run at {half / 1e9:.1f} GFLOP/s on this CPU, "
+            f"{fp32 / half:.0f}x slower than float32 ({fp32 / 1e9:.0f} GFLOP/s): it has no "
+            "16-bit matrix units (AVX512-BF16 or AMX), so mixed precision makes this run "
+            "slower, not faster. Train in float32 here (leave precision.param_dtype "
+            "empty); mixed precision pays off on GPUs and on CPUs with those units.")
+
+
 def best_rate(op: Callable, a, b, work: float, budget_s: float) -> float:
     """`work` divided by the fastest of repeated `op(a, b)` calls within `budget_s`."""
     op(a, b)  # warm-up: first call allocates and picks kernels

@@ -24,6 +24,7 @@ from partita.config import Config
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX
+from partita.device_specs import slow_cpu_matmul_warning
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
@@ -247,6 +248,11 @@ class Trainer:
                                     f"({how})")
             if self.pm.compiled is not None and self.pm.compiled.note:
                 self.logger.message(self.pm.compiled.note)
+            half = c.precision.param_dtype or c.train.dtype
+            if self.device.type == "cpu" and half in ("bfloat16", "float16"):
+                warning = slow_cpu_matmul_warning(half)
+                if warning:
+                    self.logger.message(warning)
         # Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step.
         schedule = WarmupCosine(lr=c.train.lr, min_lr=c.train.min_lr,
                                 warmup_steps=c.train.warmup_steps, total_steps=c.train.steps)

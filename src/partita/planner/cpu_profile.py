@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from partita.device_specs import GB, GPUSpec, best_rate, matmul_rate
+from partita.device_specs import GB, GPUSpec, best_rate, matmul_rate, training_matmul_rate
 
 
 def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
@@ -30,7 +30,7 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
     try:
         flops = matmul_rate(size, budget_s)
         half = size // 2  # bf16 without hardware support is slow: a smaller product
-        bf16 = bf16_matmul_rate(half, budget_s / 4)
+        bf16 = training_matmul_rate(half, budget_s / 4)
         n = 1 << 22  # 16 MiB of float32: beyond the caches
         src, dst = torch.randn(n), torch.empty(n)
         copy_rate = best_rate(lambda a, b: b.copy_(a), src, dst, 2.0 * 4 * n, budget_s / 2)
@@ -59,21 +59,6 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
         source=f"measured on this machine: {size}^3 fp32 and {half}^3 bf16 matmuls on 1 "
                f"thread, copy bandwidth, eager steps of a tiny model, /proc/meminfo",
     )
-
-
-def bf16_matmul_rate(size: int, budget_s: float) -> float:
-    """bf16 FLOP/s of `size`^3 products in the three operand layouts of a linear layer's
-    training step, equal FLOPs each: forward x @ W^T, input gradient g @ W, weight
-    gradient g^T @ x. On a CPU without bf16 units their rates differ up to tenfold
-    (here ~6, ~2 and ~20 GFLOP/s), so the step's rate is their time-weighted mean."""
-    import torch
-
-    a, b = (torch.randn(size, size, dtype=torch.bfloat16) for _ in range(2))
-    work = 2.0 * size**3
-    layouts = (lambda x, y: torch.mm(x, y.t()), lambda x, y: torch.mm(x, y),
-               lambda x, y: torch.mm(x.t(), y))
-    rates = [best_rate(op, a, b, work, budget_s / 3) for op in layouts]
-    return len(rates) / sum(1 / r for r in rates)
 
 
 def eager_op_cost(budget_s: float = 0.3) -> float:
