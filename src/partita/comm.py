@@ -331,6 +331,14 @@ def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
 
 
 @EagerOnly
+def copy_each_to_region(tensors: list[torch.Tensor], comm: GroupComm) -> list[torch.Tensor]:
+    """`copy_to_region` of each tensor, in one call: compiled code breaks its graph once
+    for all of them (a break inside a comprehension would make dynamo give up on the
+    whole calling function and run it eagerly)."""
+    return tensors if comm.size == 1 else [_CopyToRegion.apply(x, comm) for x in tensors]
+
+
+@EagerOnly
 def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
 

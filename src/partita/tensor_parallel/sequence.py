@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from partita.comm import GroupComm, copy_to_region
+from partita.comm import GroupComm, copy_each_to_region
 from partita.tensor_parallel.layers import check_sequence
 
 
@@ -34,9 +34,9 @@ class _SumGradOverTP(nn.Module):
         # clone(): a norm saves its weight for backward. Saved as a view of the parameter
         # it would keep the parameter's storage alive until backward -- under ZeRO-3 the
         # whole gathered block buffer. A clone of a weight vector costs h elements.
-        params = {n: copy_to_region(p.clone(), self.comm) for n, p in self._parameters.items()
-                  if p is not None}
-        return functional_call(self._inner[0], params, args)
+        names = [n for n, p in self._parameters.items() if p is not None]
+        copies = copy_each_to_region([self._parameters[n].clone() for n in names], self.comm)
+        return functional_call(self._inner[0], dict(zip(names, copies)), args)
 
     def extra_repr(self) -> str:
         return f"{type(self._inner[0]).__name__}, gradients summed over tp={self.comm.size}"
