@@ -301,6 +301,23 @@ class _ScatterSequence(torch.autograd.Function):
         return _gather_dim1(grad, ctx.comm), None
 
 
+class _GatherSequenceToReplica(torch.autograd.Function):
+    """All-gather along dim 1 (sequence) forward; this rank's slice of the gradient
+    backward. For a consumer that every member computes alike on the whole sequence (a
+    module replicated over the group): its input gradient is then the same on every
+    member, already complete, so each keeps its own slice where `_GatherSequence`
+    would sum the copies."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return _gather_dim1(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.size, dim=1)[ctx.comm.index].contiguous(), None
+
+
 def gather_along(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
     """Every member's equal-shaped `x` concatenated along `dim`, in rank order."""
     if comm.size == 1:
@@ -356,3 +373,8 @@ def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
 @EagerOnly
 def scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _ScatterSequence.apply(x, comm)
+
+
+@EagerOnly
+def gather_sequence_to_replica(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherSequenceToReplica.apply(x, comm)

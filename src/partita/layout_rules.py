@@ -104,12 +104,9 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
                                          f"of experts divisible by {ep}."))
     if not n_experts:
         return out
-    for bad, what, fix in ((lay.sequence_parallel, "sequence parallelism",
-                            "parallel.sequence_parallel=false"),
-                           (lay.cp > 1 and ep == 1, "context parallelism", "parallel.cp=1")):
-        if bad:
-            out.append(Problem(UNAVAILABLE, f"mixture-of-experts blocks with {what} are not "
-                                            f"available yet; set {fix}."))
+    if lay.cp > 1 and ep == 1:
+        out.append(Problem(UNAVAILABLE, "mixture-of-experts blocks with context parallelism "
+                                        "are not available yet; set parallel.cp=1."))
     return out
 
 

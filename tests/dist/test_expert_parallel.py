@@ -10,8 +10,9 @@ router forced to send everything to expert 0) must still finish; a router forced
 balance gives the documented all-to-all bytes. In the same world, activation
 recomputation: full (every rank reruns its MoE blocks, all-to-alls included, in
 backward; under a pipeline the last backward is split in two, so each rerun happens
-twice and the statistics must still count once) and selective. One world of 8 runs dp=2 x tp=2 x pp=2
-with ep=2: the tensor- and pipeline-parallel case.
+twice and the statistics must still count once) and selective; tp=2 with sequence
+parallelism (ZeRO-1, and ZeRO-3 with full recompute and capacity). One world of 8 runs
+dp=2 x tp=2 x pp=2 with ep=2: the tensor- and pipeline-parallel case.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ CASES = [
                                            train=dict(microbatches=2)), params=True),
     Case("ep4-top1-capacity-recompute-selective",
          moe_cfg(dict(dp=4, ep=4, zero_stage=1, recompute="selective"), top_k=1,
+                 capacity_factor=1.0), params=True),
+    # Sequence parallelism: each MoE feed-forward gathers the sequence, routes it whole
+    # (capacity and balance loss per sequence) and keeps its own shard of the output.
+    Case("tp2-sp-ep2-zero1", moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1,
+                                          sequence_parallel=True)), params=True),
+    Case("tp2-sp-ep2-zero3-recompute-full-capacity",
+         moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=3, bucket_mb=0.01, recompute="full",
+                      sequence_parallel=True), train=dict(microbatches=2), top_k=1,
                  capacity_factor=1.0), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,

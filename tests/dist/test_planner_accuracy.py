@@ -11,8 +11,8 @@ pipeline stage; with zero bubble, plus the gradients held for deferred weight pa
 is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
 ledger's host_model_states) against the planner's host figure. Context parallelism
 (ring and all-gather, cp 2 and 4, with dp + ZeRO-1 and tp + sp): activations and the
-bytes the ring sends. Mixture of experts (ep 2 with tp 2 and with ZeRO-2 over dp 4, ZeRO-3
-at ep 2 and 4, every second block MoE): expert parameters per rank, the dispatch and
+bytes the ring sends. Mixture of experts (ep 2 with tp 2, with and without sp, and with ZeRO-2 over dp 4,
+ZeRO-3 at ep 2 and 4, every second block MoE): expert parameters per rank, the dispatch and
 combine buffers among the activations, the all-to-all bytes, ZeRO's gathers and
 reduce-scatters of dense and expert units. Cases share one spawned world per world size; dp=1
 runs in this process.
@@ -86,7 +86,10 @@ CASES = {
         Case(dp=4, ep=2, zero=3, shape=MOE), Case(dp=4, ep=4, zero=3, dtype=BF16, shape=MOE),
         # Full recompute runs the experts' forward with autograd off: the kept experts'
         # unit must still stay gathered into backward (one all-gather, not two).
-        Case(dp=4, ep=2, zero=3, recompute="full", shape=MOE)],
+        Case(dp=4, ep=2, zero=3, recompute="full", shape=MOE),
+        # Sequence parallelism: the MoE feed-forward keeps its gathered whole-sequence
+        # input; the all-gathers of that input and of its output gradient.
+        Case(dp=2, tp=2, ep=2, zero=3, sp=True, shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

@@ -201,17 +201,20 @@ def test_closed_pipe_and_fast_start(tmp_path):
     assert full.returncode == 0, full.stderr
 
 
-def test_a_mixture_of_experts_plan_searches_ep_and_says_sp_is_off(capsys):
+def test_a_mixture_of_experts_plan_searches_ep_with_sequence_parallelism(capsys):
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert any(r["degrees"]["ep"] > 1 for r in data["ranked"])
-    assert "sequence_parallel off (mixture-of-experts blocks do not run with it yet)" in \
-        data["defaults_filled_in"]
-    # One layout with tp: sequence parallelism is filled in off, and said so.
+    assert "sequence_parallel on whenever tp > 1" in data["defaults_filled_in"]
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "32", "--fix", "tp=2",
+                 "--seq-len", "4096", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and all(r["degrees"]["sequence_parallel"] for r in ranked)
+    # One layout with tp: sequence parallelism is filled in on, and said so.
     main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--layout", "tp=2 ep=8"])
     out = capsys.readouterr().out
     assert "not available yet" not in out
-    assert "sequence_parallel=0 (mixture-of-experts blocks" in out.splitlines()[-1]
+    assert "sequence_parallel=1 (on with tp > 1)" in out.splitlines()[-1]
 
 
 def test_a_cpu_plan_takes_partita_trains_batch(capsys):

@@ -62,9 +62,9 @@ def test_the_search_covers_every_dimension_combination_and_zero_stage():
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_mixture_of_experts_search_ranks_expert_and_tensor_parallel_layouts(world):
-    """Expert parallelism runs, so a default search of an MoE model ranks it; MoE blocks
-    do not run with sequence parallelism yet, so tp > 1 goes without it rather than
-    being rejected. Every ranked layout is one `partita train` accepts as printed."""
+    """Expert parallelism runs, so a default search of an MoE model ranks it; tp > 1
+    comes with sequence parallelism, as for dense models. Every ranked layout is one
+    `partita train` accepts as printed."""
     model_args = ["--model.name=tiny-moe"]
     req = make_request("tiny-moe", world, seq_len=SEQ, global_batch=BATCH)
     result = search(req)
@@ -72,7 +72,7 @@ def test_a_mixture_of_experts_search_ranks_expert_and_tensor_parallel_layouts(wo
     assert UNAVAILABLE not in result.rejected
     for ev in result.ranked:
         lay = ev.layout
-        assert not lay.sequence_parallel, lay
+        assert lay.sequence_parallel == (lay.tp > 1), lay
         assert find_problems(lay, model, world, seq_len=SEQ, global_batch=BATCH) == [], lay
         cfg = load_config(overrides=model_args + layout_overrides(lay, BATCH))
         assert cfg.layout(world) == lay

@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.layout is not None:
         layout = parse_layout(args.layout, args.gpus)
         if not _given_fields(args.layout) & {"sequence_parallel", "sp"}:
-            layout = layout.with_(sequence_parallel=default_sequence_parallel(req, layout.tp))
+            layout = layout.with_(sequence_parallel=default_sequence_parallel(layout.tp))
         defaults += _layout_defaults(args.layout, layout)
         ev = evaluate(req, layout)
         advice = advise_layout(req, ev)
@@ -180,8 +180,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.fix:
         space = _pinned_space(space, _parse_fix(args.fix))
     if not any(k == "sequence_parallel" for k, _ in space.fixed):
-        defaults.append(f"sequence_parallel off ({_MOE_WITHOUT_SP})" if req.model.is_moe
-                        else "sequence_parallel on whenever tp > 1")
+        defaults.append("sequence_parallel on whenever tp > 1")
     result = search(req, space)
     if result.searched == 0:
         raise PartitaError(_no_layout_to_search(space.fixed, req))
@@ -296,9 +295,6 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     return tuple(out.items())
 
 
-_MOE_WITHOUT_SP = "mixture-of-experts blocks do not run with it yet"
-
-
 def _given_fields(text: str) -> set[str]:
     """The field names a `--layout` text sets."""
     return {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
@@ -311,8 +307,7 @@ def _layout_defaults(text: str, layout) -> list[str]:
     if "dp" not in given:
         out.append(f"dp={layout.dp} (what --gpus leaves)")
     if "sequence_parallel" not in given and "sp" not in given and layout.tp > 1:
-        out.append("sequence_parallel=1 (on with tp > 1)" if layout.sequence_parallel
-                   else f"sequence_parallel=0 ({_MOE_WITHOUT_SP})")
+        out.append(f"sequence_parallel={int(layout.sequence_parallel)} (on with tp > 1)")
     for name in ("microbatch_size", "zero_stage", "recompute", "overlap_grad_reduce",
                  "overlap_param_gather", "tp_comm_overlap"):
         if name not in given:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -171,6 +172,15 @@ class MoEStats:
             self.dropped += int((~keep).sum())
 
 
+class SequenceEdges(Protocol):
+    """Where an MoE feed-forward that computes on the whole sequence meets activations
+    sharded along it (sequence parallelism)."""
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoE(nn.Module):
     """The feed-forward of an MoE block: (batch, seq, dim) -> (batch, seq, dim)."""
 
@@ -187,6 +197,10 @@ class MoE(nn.Module):
         self.stats = MoEStats(cfg.n_experts)
         # Which pass activation recomputation runs (None: an ordinary forward).
         self.pass_name: str | None = None
+        # Under sequence parallelism (`partita.tensor_parallel.sequence.WholeSequence`):
+        # `enter` gathers the whole sequence before routing, `leave` keeps this rank's
+        # shard of the output. None: the input is already the whole sequence.
+        self.sequence: SequenceEdges | None = None
 
     def recompute_pass(self, name: str | None) -> None:
         """Told by activation recomputation which pass runs: "forward" (the training
@@ -194,6 +208,11 @@ class MoE(nn.Module):
         self.pass_name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None:
+            return self.sequence.leave(self._whole(self.sequence.enter(x)))
+        return self._whole(x)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         flat = x.reshape(b * s, d)
         logits = self.router(flat)

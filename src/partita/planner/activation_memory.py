@@ -95,6 +95,9 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
         # the K and V weights, and those copies are saved.
         terms["kv_weight_rows"] = 2 * precision.param * -(-c.kv_heads // t) * c.head_dim * h
     if model.is_moe:
+        # The MoE feed-forward runs on the whole sequence on every tp rank (under sp on
+        # the gathered one), and its router keeps that input.
+        terms["mlp_input"] = e * s * b * h
         terms.update(moe_terms(model, layout, seq_len, precision))
     return terms
 

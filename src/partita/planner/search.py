@@ -45,8 +45,8 @@ class SearchSpace:
     for (`--fix cp=N`, `SearchSpace.everything()`), as it pays off for long sequences;
     offload runs but trades step time for memory the default answers do not need (when
     nothing fits, `advise_search` tries it). `SearchSpace.everything()` adds both; what
-    partita cannot train yet (tensor-parallel overlap, MoE blocks with sequence or
-    context parallelism) is judged and shown as rejected, "not available yet", never
+    partita cannot train yet (tensor-parallel overlap, MoE blocks with context
+    parallelism) is judged and shown as rejected, "not available yet", never
     ranked.
     """
 
@@ -97,10 +97,10 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def default_sequence_parallel(req: Request, tp: int) -> bool:
-    """Sequence parallelism whenever tensor parallelism is on, except with MoE blocks,
-    which do not run with it yet (`partita.layout_rules`)."""
-    return tp > 1 and not req.model.is_moe
+def default_sequence_parallel(tp: int) -> bool:
+    """Sequence parallelism whenever tensor parallelism is on (MoE blocks included: they
+    compute on the gathered sequence, `partita.tensor_parallel.sequence`)."""
+    return tp > 1
 
 
 def divisors(n: int) -> list[int]:
@@ -157,8 +157,7 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                             base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                           offload=offload, sequence_parallel=bool(
                                               space.pinned("sequence_parallel",
-                                                           default_sequence_parallel(
-                                                               req, tp))),
+                                                           default_sequence_parallel(tp))),
                                           **{k: v for k, v in space.fixed
                                              if k in (*OVERLAP_OPTIONS, "cp_kind")})
                             reasons = structural_reasons(req, base)

@@ -166,7 +166,10 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
     act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
     tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
-    tp_colls *= 1 - moe_frac / 2  # an MoE block's FFN is replicated: attention's only
+    # An MoE block's FFN is replicated over tp: attention's collectives only, and under
+    # sp the all-gather of the FFN's input (forward) and of its output gradient
+    # (backward), half an all-reduce's bytes each.
+    tp_colls *= 1 - moe_frac / (4 if layout.sequence_parallel else 2)
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)

@@ -12,7 +12,8 @@ model with values the shards are sliced from them.
 Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundaries
 when the parent module has a `head_dim`, i.e. is attention), VOCAB_EMBEDDING
 nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module, POSITIONS an nn.Embedding
-(sequence-sharded under sequence parallelism). A tied head (`plan.tied_head`, None on
+(sequence-sharded under sequence parallelism), MOE a mixture-of-experts feed-forward
+(replicated; under sequence parallelism it computes on the gathered sequence). A tied head (`plan.tied_head`, None on
 the model) is built from the vocab-parallel embedding; every nn.Dropout becomes a
 ParallelDropout (see dropout.py).
 """
@@ -26,6 +27,7 @@ import torch.nn as nn
 from partita.comm import GroupComm
 from partita.errors import PartitaError
 from partita.models import plan as roles
+from partita.models.moe import MoE
 from partita.sharding import ShardInfo, set_shard_info
 from partita.tensor_parallel import partition as part
 from partita.tensor_parallel.dropout import ParallelDropout, RegionRNG
@@ -35,7 +37,11 @@ from partita.tensor_parallel.layers import (
     RowParallelLinear,
     region_pre_hook,
 )
-from partita.tensor_parallel.sequence import SequenceParallelNorm, SequenceShardedPositions
+from partita.tensor_parallel.sequence import (
+    SequenceParallelNorm,
+    SequenceShardedPositions,
+    WholeSequence,
+)
 from partita.tensor_parallel.vocab import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -198,6 +204,18 @@ class _Context:
             for pname, param in module.named_parameters(recurse=False):
                 self.replicate(f"{name}.{pname}", param)
             new = SequenceParallelNorm(module, self.comm) if self.sp else module
+        elif role == roles.MOE:
+            # Replicated over tp, with or without sequence parallelism: every tp rank
+            # routes the same tokens (docs/expert_parallel.md).
+            for pname, param in module.named_parameters():
+                self.replicate(f"{name}.{pname}", param)
+            if self.sp:
+                if not isinstance(module, MoE):
+                    raise PartitaError(f"{name} is planned as 'moe' but is a "
+                                       f"{type(module).__name__}, not partita.models.moe.MoE.")
+                module.sequence = WholeSequence(self.comm)
+                self.report.parallel[name] = "replicated, on the whole sequence"
+            return module
         elif role == roles.POSITIONS and isinstance(module, nn.Embedding):
             for pname, param in module.named_parameters(recurse=False):
                 self.replicate(f"{name}.{pname}", param)
