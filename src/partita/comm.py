@@ -301,17 +301,12 @@ class _ScatterSequence(torch.autograd.Function):
         return _gather_dim1(grad, ctx.comm), None
 
 
-class _GatherSequenceToReplica(torch.autograd.Function):
+class _GatherSequenceToReplica(_GatherSequence):
     """All-gather along dim 1 (sequence) forward; this rank's slice of the gradient
     backward. For a consumer that every member computes alike on the whole sequence (a
     module replicated over the group): its input gradient is then the same on every
     member, already complete, so each keeps its own slice where `_GatherSequence`
     would sum the copies."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _gather_dim1(x, comm)
 
     @staticmethod
     def backward(ctx, grad):
