@@ -13,9 +13,9 @@ Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundar
 when the parent module has a `head_dim`, i.e. is attention), VOCAB_EMBEDDING
 nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module, POSITIONS an nn.Embedding
 (sequence-sharded under sequence parallelism), MOE a mixture-of-experts feed-forward
-(replicated; under sequence parallelism it computes on the gathered sequence). A tied head (`plan.tied_head`, None on
-the model) is built from the vocab-parallel embedding; every nn.Dropout becomes a
-ParallelDropout (see dropout.py).
+(replicated; under sequence parallelism it computes on the gathered sequence). A tied
+head (`plan.tied_head`, None on the model) is built from the vocab-parallel embedding;
+every nn.Dropout becomes a ParallelDropout (see dropout.py).
 """
 
 from __future__ import annotations
