@@ -313,6 +313,24 @@ class _GatherSequenceToReplica(_GatherSequence):
         return grad.chunk(ctx.comm.size, dim=1)[ctx.comm.index].contiguous(), None
 
 
+class _SumEverywhere(torch.autograd.Function):
+    """The sum over the group, on every member; backward the same sum of the gradients,
+    since every member goes on with the result."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        x = x.contiguous().clone()
+        comm.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        ctx.comm.all_reduce(grad)
+        return grad, None
+
+
 def gather_along(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
     """Every member's equal-shaped `x` concatenated along `dim`, in rank order."""
     if comm.size == 1:
@@ -373,3 +391,9 @@ def scatter_sequence(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
 @EagerOnly
 def gather_sequence_to_replica(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     return x if comm.size == 1 else _GatherSequenceToReplica.apply(x, comm)
+
+
+@EagerOnly
+def sum_everywhere(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    """Every member's `x` summed, on every member, differentiably (see _SumEverywhere)."""
+    return x if comm.size == 1 else _SumEverywhere.apply(x, comm)

@@ -104,9 +104,6 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
                                          f"of experts divisible by {ep}."))
     if not n_experts:
         return out
-    if lay.cp > 1 and ep == 1:
-        out.append(Problem(UNAVAILABLE, "mixture-of-experts blocks with context parallelism "
-                                        "are not available yet; set parallel.cp=1."))
     return out
 
 
@@ -160,10 +157,6 @@ def _context_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Pro
                                        "(model flavour gpt2) is not available yet: only "
                                        "rotary positions follow the sharded tokens. Use a "
                                        "llama-flavoured model, or parallel.cp=1."))
-    if lay.ep > 1:
-        out.append(Problem(UNAVAILABLE, f"context parallelism (parallel.cp={cp}) with "
-                                        "expert parallelism is not available yet; set "
-                                        "parallel.ep=1, or parallel.cp=1."))
     return out
 
 

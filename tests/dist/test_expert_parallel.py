@@ -11,7 +11,8 @@ balance gives the documented all-to-all bytes. In the same world, activation
 recomputation: full (every rank reruns its MoE blocks, all-to-alls included, in
 backward; under a pipeline the last backward is split in two, so each rerun happens
 twice and the statistics must still count once) and selective; tp=2 with sequence
-parallelism (ZeRO-1, and ZeRO-3 with full recompute and capacity). One world of 8 runs
+parallelism (ZeRO-1, and ZeRO-3 with full recompute and capacity); cp=2 with ep=2 and
+with tp=2 + sp (capacity in both, so queues span the chunks of other ranks). One world of 8 runs
 dp=2 x tp=2 x pp=2 with ep=2: the tensor- and pipeline-parallel case.
 """
 
@@ -101,6 +102,14 @@ CASES = [
          moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=3, bucket_mb=0.01, recompute="full",
                       sequence_parallel=True), train=dict(microbatches=2), top_k=1,
                  capacity_factor=1.0), params=True),
+    # Context parallelism: each rank routes its own chunks; the balance loss sums and
+    # the capacity queues span the whole sequence over the context group.
+    Case("cp2-ep2-capacity", moe_cfg(dict(dp=2, cp=2, ep=2, zero_stage=1),
+                                     capacity_factor=1.0), params=True),
+    Case("cp2-tp2-sp-zero3-recompute-full-capacity-sigmoid",
+         moe_cfg(dict(cp=2, tp=2, sequence_parallel=True, zero_stage=3, bucket_mb=0.01,
+                      recompute="full"), capacity_factor=1.25, router_gating="sigmoid",
+                 shared_experts=1), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,
                  model=all_to_expert_zero)
@@ -159,9 +168,12 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
         except AssertionError as exc:
             failures.append(str(exc))
     # Expert parameters per rank: the engine's ledger, as the planner counts them (E/ep
-    # of each MoE block; stage 0 keeps them whole, ZeRO-3 a 1/(dp/ep) slice at rest).
+    # of each MoE block; stage 0 keeps them whole, ZeRO-3 a 1/(dp/ep) slice at rest). At
+    # ep=1 the experts are ordinary parameters of their block, not a family of their own.
     for case, ranks in zip(CASES, runs):
         layout = case.cfg.layout(4)
+        if layout.ep == 1:
+            continue
         plan_model = PlanModel("moe", case.cfg.model_config())
         expected = stage_param_counts(plan_model, layout)["expert"] * 8
         if layout.zero_stage == 3:

@@ -11,7 +11,7 @@ pipeline stage; with zero bubble, plus the gradients held for deferred weight pa
 is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
 ledger's host_model_states) against the planner's host figure. Context parallelism
 (ring and all-gather, cp 2 and 4, with dp + ZeRO-1 and tp + sp): activations and the
-bytes the ring sends. Mixture of experts (ep 2 with tp 2, with and without sp, and with ZeRO-2 over dp 4,
+bytes the ring sends. Mixture of experts (ep 2 with tp 2, with and without sp, with cp 2, and with ZeRO-2 over dp 4,
 ZeRO-3 at ep 2 and 4, every second block MoE): expert parameters per rank, the dispatch and
 combine buffers among the activations, the all-to-all bytes, ZeRO's gathers and
 reduce-scatters of dense and expert units. Cases share one spawned world per world size; dp=1
@@ -89,7 +89,10 @@ CASES = {
         Case(dp=4, ep=2, zero=3, recompute="full", shape=MOE),
         # Sequence parallelism: the MoE feed-forward keeps its gathered whole-sequence
         # input; the all-gathers of that input and of its output gradient.
-        Case(dp=2, tp=2, ep=2, zero=3, sp=True, shape=MOE)],
+        Case(dp=2, tp=2, ep=2, zero=3, sp=True, shape=MOE),
+        # Context parallelism: each rank routes its own chunks (the per-sequence sums
+        # and capacity counts it exchanges are left out of the cp bytes: under 1%).
+        Case(cp=2, tp=2, sp=True, ep=2, zero=3, shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

@@ -11,7 +11,7 @@ import torch
 
 from partita.errors import PartitaError
 from partita.layout import Layout
-from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
+from partita.layout_rules import CONSTRAINT, DIVISIBILITY, find_problems
 from partita.models.catalog import MODELS
 from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE
@@ -36,12 +36,12 @@ def test_bad_moe_settings_say_what_to_change(changes, message):
     (MODELS["tiny"], Layout(dp=4, ep=2), CONSTRAINT, "has no MoE blocks"),
     (dataclasses.replace(TINY_MOE, n_experts=6), Layout(dp=4, ep=4), DIVISIBILITY,
      "not divisible by parallel.ep=4"),
-    (TINY_MOE, Layout(dp=1, cp=2), UNAVAILABLE, "context parallelism"),
 ])
 def test_moe_layout_rules(model, layout, kind, text):
     problems = find_problems(layout, model, layout.world_size, seq_len=32, global_batch=8)
     assert any(p.kind == kind and text in p.message for p in problems), problems
-    for fine in (Layout(dp=4, ep=4), Layout(dp=2, tp=2, ep=2, sequence_parallel=True)):
+    for fine in (Layout(dp=4, ep=4), Layout(dp=2, tp=2, ep=2, sequence_parallel=True),
+                 Layout(dp=2, cp=2, ep=4)):
         assert not find_problems(fine, TINY_MOE, fine.world_size, seq_len=32, global_batch=8)
 
 

@@ -110,6 +110,8 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                Case(dp=4, zero=3, shape=half),
                Case(dp=2, tp=2, ep=2, zero=1, dtype="bfloat16", shape=half),
                Case(dp=2, tp=2, ep=2, zero=3, sp=True, shape=moe),
+               Case(cp=2, tp=2, ep=2, zero=3, sp=True, shape=moe),
+               Case(cp=4, ep=4, cp_kind="allgather", shape=half),
                Case(dp=2, pp=2, ep=2, microbatches=2, shape=moe),
                Case(dp=4, ep=2, zero=3, recompute="full", shape=half)]
     out[2] += [Case(dp=2, ep=2, recompute=rc, shape=half) for rc in ("selective", "full")]

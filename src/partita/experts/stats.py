@@ -19,7 +19,9 @@ def moe_step_stats(model: nn.Module, mesh: Mesh) -> dict:
     (tokens); `tokens_per_expert` is the mean over MoE layers of each expert's routed
     choices (before any dropping); `imbalance` is its max/mean; `dropped` the share of
     choices dropped by capacity. Tensor-parallel peers hold identical copies and are
-    not summed.
+    not summed. Context-parallel peers route their own tokens but each records the
+    balance loss of the whole sequences they share: it is summed cp times, and so is
+    its count of sequences, which leaves the mean as it is.
     """
     found = [m for _, m in moe_modules(model)]
     cfg = getattr(model, "cfg", None)

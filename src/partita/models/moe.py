@@ -181,6 +181,16 @@ class SequenceEdges(Protocol):
     def leave(self, y: torch.Tensor) -> torch.Tensor: ...
 
 
+class SplitSequence(Protocol):
+    """The other chunks of this rank's sequences, held by other ranks."""
+
+    parts: int  # the whole sequence is this many times the local one
+
+    def total(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def queue_positions(self, hot: torch.Tensor) -> torch.Tensor: ...
+
+
 class MoE(nn.Module):
     """The feed-forward of an MoE block: (batch, seq, dim) -> (batch, seq, dim)."""
 
@@ -201,6 +211,10 @@ class MoE(nn.Module):
         # `enter` gathers the whole sequence before routing, `leave` keeps this rank's
         # shard of the output. None: the input is already the whole sequence.
         self.sequence: SequenceEdges | None = None
+        # Under context parallelism (`partita.context_parallel.moe_routing`): the
+        # per-sequence sums and queue places over every rank's chunks of the sequence.
+        # None: this rank holds whole sequences.
+        self.split: SplitSequence | None = None
 
     def recompute_pass(self, name: str | None) -> None:
         """Told by activation recomputation which pass runs: "forward" (the training
@@ -253,19 +267,28 @@ class MoE(nn.Module):
         keep = self._capacity(chosen, b, s) if cfg.capacity_factor is not None else None
         # Balance loss per sequence: share of choices f (no gradient) times mean prob P.
         counts = F.one_hot(chosen.view(b, s * k), e).sum(1).to(probs.dtype)  # (b, E)
-        share = counts / (s * k)
-        aux = e * (share * probs.view(b, s, e).mean(1)).sum(-1)
+        if self.split is None:
+            share = counts / (s * k)
+            aux = e * (share * probs.view(b, s, e).mean(1)).sum(-1)
+        else:  # sums over the whole sequence, every rank holding part of it
+            whole = s * self.split.parts
+            share = self.split.total(counts) / (whole * k)
+            aux = e * (share * self.split.total(probs.view(b, s, e).sum(1)) / whole).sum(-1)
         z = torch.logsumexp(lf, dim=-1).square()
         return Route(chosen, weights.to(logits.dtype), keep), aux, z
 
     def _capacity(self, chosen: torch.Tensor, b: int, s: int) -> torch.Tensor:
         """Which choices fit their expert's per-sequence capacity (see module docstring)."""
         e, k = self.cfg.n_experts, self.cfg.top_k
-        cap = math.ceil(self.cfg.capacity_factor * s * k / e)
+        whole = s * (self.split.parts if self.split is not None else 1)
+        cap = math.ceil(self.cfg.capacity_factor * whole * k / e)
         # Priority order within a sequence: slot 0 of every token, then slot 1, ...
         ranked = chosen.view(b, s, k).transpose(1, 2).reshape(b, k * s)
         hot = F.one_hot(ranked, e)
-        position = (hot.cumsum(1) * hot).sum(-1) - 1  # place in its expert's queue
+        if self.split is None:
+            position = (hot.cumsum(1) * hot).sum(-1) - 1  # place in its expert's queue
+        else:
+            position = self.split.queue_positions(hot.view(b, k, s, e)).view(b, k * s)
         keep = position < cap
         return keep.view(b, k, s).transpose(1, 2).reshape(b * s, k)
 

@@ -45,9 +45,8 @@ class SearchSpace:
     for (`--fix cp=N`, `SearchSpace.everything()`), as it pays off for long sequences;
     offload runs but trades step time for memory the default answers do not need (when
     nothing fits, `advise_search` tries it). `SearchSpace.everything()` adds both; what
-    partita cannot train yet (tensor-parallel overlap, MoE blocks with context
-    parallelism) is judged and shown as rejected, "not available yet", never
-    ranked.
+    partita cannot train yet (tensor-parallel overlap) is judged and shown as
+    rejected, "not available yet", never ranked.
     """
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
