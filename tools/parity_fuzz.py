@@ -72,6 +72,22 @@ def draw(rng: random.Random, world: int) -> tuple[dict, dict, dict]:
     return model, parallel, train
 
 
+# What the summary counts among the layouts trained.
+FEATURES = {
+    "tp": lambda c: c.parallel.tp > 1,
+    "sp": lambda c: c.parallel.sequence_parallel,
+    "pp": lambda c: c.parallel.pp > 1,
+    "cp": lambda c: c.parallel.cp > 1,
+    "ZeRO-3": lambda c: c.parallel.zero_stage == 3,
+    "recompute": lambda c: c.parallel.recompute != "none",
+    "offload": lambda c: c.parallel.offload != "none",
+    "MoE": lambda c: bool(c.model.n_experts),
+    "ep": lambda c: c.parallel.ep > 1,
+    "MoE with cp": lambda c: bool(c.model.n_experts) and c.parallel.cp > 1,
+    "MoE with sp": lambda c: bool(c.model.n_experts) and c.parallel.sequence_parallel,
+}
+
+
 def _refusal(cfg, world: int) -> str | None:
     from partita.parallelize import check_layout
 
@@ -124,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
             if not any(f[0] in {c.id for c in batch} for f in failures):
                 failures.append(("batch " + str(i), f"{type(exc).__name__}: {exc}"[:2000]))
     print(f"\n{len(cases)} layouts trained on world {args.world} (seed {args.seed}), "
-          f"{len(failures)} failed; {sum(refused.values())} drawn layouts refused before "
-          "launch:")
+          f"{len(failures)} failed; among them: " + ", ".join(
+              f"{name} {sum(1 for c in cases if test(c.cfg))}"
+              for name, test in FEATURES.items()))
+    print(f"{sum(refused.values())} drawn layouts refused before launch:")
     for reason, n in refused.most_common(12):
         print(f"  {n:4d}  {reason} ...")
     return 1 if failures else 0
