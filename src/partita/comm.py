@@ -253,6 +253,7 @@ class _CopyToRegion(torch.autograd.Function):
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
+        ctx.comm = comm
         x = x.contiguous().clone()
         comm.all_reduce(x)
         return x
@@ -313,16 +314,10 @@ class _GatherSequenceToReplica(_GatherSequence):
         return grad.chunk(ctx.comm.size, dim=1)[ctx.comm.index].contiguous(), None
 
 
-class _SumEverywhere(torch.autograd.Function):
+class _SumEverywhere(_ReduceFromRegion):
     """The sum over the group, on every member; backward the same sum of the gradients,
-    since every member goes on with the result."""
-
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        x = x.contiguous().clone()
-        comm.all_reduce(x)
-        return x
+    since every member goes on with the result (g's backward passes its gradient on as
+    it is: the members there hold partial sums of one replicated result)."""
 
     @staticmethod
     def backward(ctx, grad):

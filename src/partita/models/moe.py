@@ -270,10 +270,10 @@ class MoE(nn.Module):
         if self.split is None:
             share = counts / (s * k)
             aux = e * (share * probs.view(b, s, e).mean(1)).sum(-1)
-        else:  # sums over the whole sequence, every rank holding part of it
+        else:  # sums over the whole sequence, every rank holding part of it (one exchange)
             whole = s * self.split.parts
-            share = self.split.total(counts) / (whole * k)
-            aux = e * (share * self.split.total(probs.view(b, s, e).sum(1)) / whole).sum(-1)
+            sums = self.split.total(torch.cat((counts, probs.view(b, s, e).sum(1)), dim=1))
+            aux = e * (sums[:, :e] / (whole * k) * sums[:, e:] / whole).sum(-1)
         z = torch.logsumexp(lf, dim=-1).square()
         return Route(chosen, weights.to(logits.dtype), keep), aux, z
 
