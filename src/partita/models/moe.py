@@ -181,8 +181,9 @@ class SequenceEdges(Protocol):
     def leave(self, y: torch.Tensor) -> torch.Tensor: ...
 
 
-class SplitSequence(Protocol):
-    """The other chunks of this rank's sequences, held by other ranks."""
+class OtherChunks(Protocol):
+    """The other chunks of this rank's sequences, held by other ranks (implemented by
+    `partita.context_parallel.moe_routing.SplitSequence`)."""
 
     parts: int  # the whole sequence is this many times the local one
 
@@ -214,7 +215,7 @@ class MoE(nn.Module):
         # Under context parallelism (`partita.context_parallel.moe_routing`): the
         # per-sequence sums and queue places over every rank's chunks of the sequence.
         # None: this rank holds whole sequences.
-        self.split: SplitSequence | None = None
+        self.split: OtherChunks | None = None
 
     def recompute_pass(self, name: str | None) -> None:
         """Told by activation recomputation which pass runs: "forward" (the training
