@@ -19,7 +19,8 @@ which a pipeline's split backward once read overwritten saved tensors
 (`partita.pipeline.backward.runs_whole`). The mixture-of-experts case (dp=2 x ep=2,
 ZeRO-3) compiles its blocks around the eager dispatch, and the context-parallel cases
 (cp=2, ring with ZeRO-3 over the cp ranks, then all-gather) around the eager attention
-core; the all-gather case reuses the ring case's graphs (about 27 s for both, cold, on
+core (and, for the MoE case under cp, around its routing exchanges); the all-gather
+case reuses the ring case's graphs (about 27 s for both, cold, on
 2 cores). Inductor's cache lives in pytest's cache folder, so a second run reuses
 the compiled kernels (cold: about 2-5 minutes on a loaded 2-core machine; warm: far
 less). Each compiled case first trains one step (compiling what the step and
@@ -74,6 +75,10 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, mo
      FLOAT64_TOL, {}),
     ("cp2-allgather", dict(cp=2, cp_kind="allgather"), dict(lr=1e-2), "blocks",
      FLOAT64_TOL, {}),
+    # Experts under context parallelism: each rank routes its own chunks, the balance
+    # loss sums and capacity queues exchanged between compiled pieces.
+    ("cp2-ep2-moe-capacity", dict(cp=2, ep=2), dict(lr=1e-2), "blocks", FLOAT64_TOL,
+     dict(MOE, capacity_factor=1.0)),
 ]
 # Dynamo keeps at most `recompile_limit` (8) graphs per code object and runs the frame
 # eagerly past it, which would pass parity without compiling anything. Every case adds
