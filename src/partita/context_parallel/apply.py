@@ -30,7 +30,7 @@ from partita.context_parallel.ring import ring_attention
 from partita.eager_only import EagerOnly
 from partita.errors import PartitaError
 from partita.models import plan as roles
-from partita.models.moe import MoE
+from partita.models.moe import planned_moe_modules
 
 KINDS = {"ring": ring_attention, "allgather": allgather_attention}
 
@@ -101,12 +101,8 @@ def apply_context_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupC
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, ContextParallelAttention(comm, kind, _kv_group(parent, plan)))
         parent.register_forward_pre_hook(_positions_hook(comm), with_kwargs=True)
-    for name, module in model.named_modules():  # MoE feed-forwards route their own tokens
-        if name and plan.role_of(name) == roles.MOE:
-            if not isinstance(module, MoE):
-                raise PartitaError(f"{name} is planned as 'moe' but is a "
-                                   f"{type(module).__name__}, not partita.models.moe.MoE.")
-            module.split = SplitSequence(comm)
+    for _, moe in planned_moe_modules(model, plan):  # each routes its own tokens
+        moe.split = SplitSequence(comm)
     return names
 
 

@@ -21,7 +21,7 @@ from partita.comm import GroupComm
 from partita.errors import PartitaError
 from partita.experts.dispatch import ExpertParallelDispatch
 from partita.models import plan as roles
-from partita.models.moe import MoE
+from partita.models.moe import planned_moe_modules
 from partita.sharding import ShardInfo, set_reduce_group, set_shard_info, shard_info
 
 EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
@@ -30,12 +30,7 @@ EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
 def apply_expert_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm) -> int:
     """Spread the experts of every planned MoE module over `comm`; the number of MoE
     modules on this rank. With one member nothing changes."""
-    found = [(n, m) for n, m in model.named_modules()
-             if n and plan.role_of(n) == roles.MOE]
-    wrong = [n for n, m in found if not isinstance(m, MoE)]
-    if wrong:
-        raise PartitaError(f"modules planned as 'moe' must be partita.models.moe.MoE; "
-                           f"{wrong[0]} is {type(model.get_submodule(wrong[0])).__name__}.")
+    found = planned_moe_modules(model, plan)
     if comm.size == 1:
         return len(found)
     for name, moe in found:

@@ -45,6 +45,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from partita.eager_only import EagerOnly
+from partita.errors import PartitaError
+from partita.models import plan as roles
 from partita.models.grouped_experts import grouped_swiglu
 from partita.models.model_config import ModelConfig
 
@@ -310,6 +312,18 @@ def _dispatch(dispatch: Callable[[torch.Tensor, Route, Experts], torch.Tensor],
 def _record(stats: MoEStats, aux: torch.Tensor, z: torch.Tensor, chosen: torch.Tensor,
             keep: torch.Tensor | None) -> None:
     stats.add(aux, z, chosen, keep)
+
+
+def planned_moe_modules(model: nn.Module, plan: roles.ModelPlan) -> list[tuple[str, MoE]]:
+    """Every module `plan` names as a mixture-of-experts feed-forward (role "moe"), with
+    its name; PartitaError when one of them is not an `MoE`, which the parallel layers
+    change in place."""
+    found = [(n, m) for n, m in model.named_modules() if n and plan.role_of(n) == roles.MOE]
+    wrong = [(n, m) for n, m in found if not isinstance(m, MoE)]
+    if wrong:
+        raise PartitaError(f"modules planned as 'moe' must be partita.models.moe.MoE; "
+                           f"{wrong[0][0]} is {type(wrong[0][1]).__name__}.")
+    return found
 
 
 def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:

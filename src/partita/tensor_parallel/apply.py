@@ -27,7 +27,7 @@ import torch.nn as nn
 from partita.comm import GroupComm
 from partita.errors import PartitaError
 from partita.models import plan as roles
-from partita.models.moe import MoE
+from partita.models.moe import planned_moe_modules
 from partita.sharding import ShardInfo, set_shard_info
 from partita.tensor_parallel import partition as part
 from partita.tensor_parallel.dropout import ParallelDropout, RegionRNG
@@ -108,6 +108,10 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
         # so those see what the module computes on (the whole sequence under SP).
         parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
                                          with_kwargs=True, prepend=True)
+    if sequence_parallel:  # MoE feed-forwards compute on the gathered sequence
+        for name, moe in planned_moe_modules(model, plan):
+            moe.sequence = WholeSequence(comm)
+            report.parallel[name] = "replicated, on the whole sequence"
     _tie_head(model, plan, ctx)
     _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
     _mark_replicated(model, ctx)
@@ -209,12 +213,6 @@ class _Context:
             # routes the same tokens (docs/expert_parallel.md).
             for pname, param in module.named_parameters():
                 self.replicate(f"{name}.{pname}", param)
-            if self.sp:
-                if not isinstance(module, MoE):
-                    raise PartitaError(f"{name} is planned as 'moe' but is a "
-                                       f"{type(module).__name__}, not partita.models.moe.MoE.")
-                module.sequence = WholeSequence(self.comm)
-                self.report.parallel[name] = "replicated, on the whole sequence"
             return module
         elif role == roles.POSITIONS and isinstance(module, nn.Embedding):
             for pname, param in module.named_parameters(recurse=False):
