@@ -57,5 +57,10 @@ def keep_out_of_compiled_graphs() -> None:
     for wrapped in EagerOnly.instances:
         if not getattr(wrapped.fn, "_torchdynamo_disable", False):
             wrapped.fn = torch.compiler.disable(wrapped.fn)
+    # The call itself too: otherwise, after the graph break at a call, dynamo compiles
+    # `__call__`'s own frame, one guarded entry per distinct signature, until its
+    # recompile limit warns (an MoE block calls several).
+    if not getattr(EagerOnly.__call__, "_torchdynamo_disable", False):
+        EagerOnly.__call__ = torch.compiler.disable(EagerOnly.__call__)
     for fn in _TRACE_TIME_CONSTANTS:
         torch.compiler.assume_constant_result(fn)  # marks fn itself
