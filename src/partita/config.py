@@ -178,6 +178,10 @@ class ParallelSection:
     # Context-parallel attention (cp > 1): "ring" passes keys and values round the
     # group, "allgather" gathers them once per layer (docs/context_parallel.md).
     cp_kind: str = "ring"
+    # How MoE feed-forwards use the tp group (tp > 1): "replicate" keeps every expert on
+    # every tp rank; "experts" splits the experts over the tp ranks and sums their
+    # partial outputs (docs/expert_parallel.md).
+    moe_tp: str = "replicate"
 
 
 @dataclass
@@ -264,7 +268,8 @@ class Config:
                       recompute=p.recompute, recompute_layers=p.recompute_layers,
                       offload=p.offload, tp_comm_overlap=p.tp_comm_overlap,
                       overlap_grad_reduce=p.overlap_grad_reduce,
-                      overlap_param_gather=p.overlap_param_gather, cp_kind=p.cp_kind)
+                      overlap_param_gather=p.overlap_param_gather, cp_kind=p.cp_kind,
+                      moe_tp=p.moe_tp)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -304,6 +309,10 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
                 f"--parallel.recompute_layers={layout.recompute_layers}"]
     if layout.offload != "none":
         out.append(f"--parallel.offload={layout.offload}")
+    if layout.cp > 1 and layout.cp_kind != "ring":
+        out.append(f"--parallel.cp_kind={layout.cp_kind}")
+    if layout.moe_tp != "replicate":
+        out.append(f"--parallel.moe_tp={layout.moe_tp}")
     return out
 
 

@@ -29,6 +29,8 @@ OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk",
            "optimizer+params+disk")
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 CP_KINDS = ("ring", "allgather")
+# How MoE feed-forwards use the tensor-parallel group (partita.tensor_parallel.moe).
+MOE_TP = ("replicate", "experts")
 OVERLAP_OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 
@@ -169,6 +171,9 @@ class Layout:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
     cp_kind: str = "ring"  # context-parallel attention: ring or allgather (CP_KINDS)
+    # How MoE feed-forwards use the tp group: "replicate" (every tp rank holds every
+    # expert) or "experts" (the tp ranks split the experts; partita.tensor_parallel.moe).
+    moe_tp: str = "replicate"
 
     def __post_init__(self) -> None:
         Degrees(**{k: getattr(self, k) for k in DEGREES})  # checks the degrees
@@ -183,7 +188,7 @@ class Layout:
             raise PartitaError(f"parallel.recompute_layers={k!r} is invalid: use 0 (every "
                                "block) or the number of blocks per stage to recompute.")
         for name, options in (("recompute", RECOMPUTE), ("offload", OFFLOAD),
-                              ("cp_kind", CP_KINDS)):
+                              ("cp_kind", CP_KINDS), ("moe_tp", MOE_TP)):
             if getattr(self, name) not in options:
                 raise PartitaError(
                     f"layout {name}={getattr(self, name)!r} is unknown; choose one of "
@@ -202,6 +207,11 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """The tp ranks that split each MoE block's experts between them (1: replicated)."""
+        return self.tp if self.moe_tp == "experts" else 1
 
     @property
     def zero_group(self) -> int:
@@ -230,6 +240,8 @@ class Layout:
             parts.append(f"recompute_layers={self.recompute_layers}")
         if self.cp > 1 and self.cp_kind != "ring":
             parts.append(f"cp_kind={self.cp_kind}")
+        if self.moe_tp != "replicate":
+            parts.append(f"moe_tp={self.moe_tp}")
         return " ".join(parts)
 
     def __str__(self) -> str:
@@ -307,7 +319,7 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
 
 
 def _convert(key: str, raw: str, text: str) -> object:
-    if key in ("recompute", "offload", "schedule", "cp_kind"):
+    if key in ("recompute", "offload", "schedule", "cp_kind", "moe_tp"):
         return raw.lower()
     if key == "zero_stage" and raw.lower() in ZERO_STAGE_ALIASES:
         return ZERO_STAGE_ALIASES[raw.lower()]

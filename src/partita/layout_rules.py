@@ -88,8 +88,8 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
 
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
-    """Expert parallelism needs MoE blocks whose experts split evenly over ep; MoE blocks
-    do not run yet with sequence parallelism, nor with context parallelism without ep."""
+    """Expert parallelism needs MoE blocks whose experts split evenly over ep (and over
+    tp x ep when the tp ranks split them too)."""
     out, ep, n_experts = [], lay.ep, getattr(model, "n_experts", 0)
     if ep > 1 and not n_experts:
         out.append(Problem(CONSTRAINT, f"parallel.ep={ep} spreads experts over ranks, but "
@@ -102,8 +102,20 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
                                          f"parallel.ep={ep}: every expert-parallel rank holds "
                                          f"as many experts. Use ep among {ok}, or a number "
                                          f"of experts divisible by {ep}."))
-    if not n_experts:
-        return out
+    if lay.moe_tp == "experts" and lay.tp > 1 and n_experts:
+        shares = lay.tp * ep
+        if n_experts % shares:
+            out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=experts splits the experts "
+                                             f"over tp x ep = {shares} ranks, but "
+                                             f"model.n_experts={n_experts} is not divisible "
+                                             f"by {shares}. Use parallel.moe_tp=replicate, "
+                                             "or degrees whose product divides "
+                                             f"{n_experts}."))
+        elif model.shared_experts and model.shared_experts * model.expert_hidden < lay.tp:
+            out.append(Problem(DIVISIBILITY, "parallel.moe_tp=experts splits the shared "
+                                             "experts' width over tp, but it is "
+                                             f"{model.shared_experts * model.expert_hidden}"
+                                             f" < tp={lay.tp}; use moe_tp=replicate."))
     return out
 
 

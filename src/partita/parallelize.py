@@ -254,13 +254,13 @@ def cut_pipeline(model: nn.Module, plan: ModelPlan,
 
 
 def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_parallel: bool,
-                          dropout_seed: int) -> ShardedModel:
+                          dropout_seed: int, moe_tp: str = "replicate") -> ShardedModel:
     """Step 2: swap the plan's modules for tensor-parallel ones over `comm` (tp > 1)."""
     if comm.size == 1 and not sequence_parallel:
         return ShardedModel(staged.module, staged.plan, staged.pipeline, cross_entropy, None)
     report = apply_tensor_parallel(staged.module, staged.plan, comm,
                                    sequence_parallel=sequence_parallel,
-                                   dropout_seed=dropout_seed)
+                                   dropout_seed=dropout_seed, moe_tp=moe_tp)
     loss_fn: LossFn = report.loss_fn if report.loss_fn is not None else cross_entropy
     return ShardedModel(staged.module, staged.plan, staged.pipeline, loss_fn, report)
 
@@ -344,7 +344,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     staged = cut_pipeline(model, plan, pipeline)
     # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
-                                    dropout_seed=cfg.data.seed + mesh.index("loss_average"))
+                                    dropout_seed=cfg.data.seed + mesh.index("loss_average"),
+                                    moe_tp=layout.moe_tp)
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))
     mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device)

@@ -48,9 +48,12 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
     state: dict[str, torch.Tensor] = {}
     with dp.gathered_parameters():
         for name, param in dp.module.named_parameters():
-            # Experts are split over their expert group (and replicated over tp).
-            comm = tp_comm if reduce_group(param) == "zero_shard" else mesh.comm("expert")
-            full = gather_full(param, name, comm)
+            if reduce_group(param) == "zero_shard":
+                full = gather_full(param, name, tp_comm)
+            else:  # experts: split over their expert group, then over tp or replicated
+                full = gather_full(param, name, mesh.comm("expert"))
+                if tuple(full.shape) != shard_info(param).global_shape:
+                    full = gather_along(full.contiguous(), tp_comm, 0)  # moe_tp="experts"
             state[name] = full.to("cpu", torch.float32 if full.is_floating_point() and
                                   full.dtype != torch.float64 else full.dtype)
     if mesh.dims.pp > 1:

@@ -12,7 +12,10 @@ recomputation: full (every rank reruns its MoE blocks, all-to-alls included, in
 backward; under a pipeline the last backward is split in two, so each rerun happens
 twice and the statistics must still count once) and selective; tp=2 with sequence
 parallelism (ZeRO-1, and ZeRO-3 with full recompute and capacity); cp=2 with ep=2 and
-with tp=2 + sp (capacity in both, so queues span the chunks of other ranks). One world of 8 runs
+with tp=2 + sp (capacity in both, so queues span the chunks of other ranks); the experts
+split over the tp ranks (moe_tp="experts": with ep=2, with sp + ZeRO-3 + full recompute,
+and over tp=4), and a checkpoint saved that way resumed with every expert on every rank.
+One world of 8 runs
 dp=2 x tp=2 x pp=2 with ep=2: the tensor- and pipeline-parallel case.
 """
 
@@ -110,6 +113,18 @@ CASES = [
          moe_cfg(dict(cp=2, tp=2, sequence_parallel=True, zero_stage=3, bucket_mb=0.01,
                       recompute="full"), capacity_factor=1.25, router_gating="sigmoid",
                  shared_experts=1), params=True),
+    # The tp ranks split the experts (moe_tp="experts"): each runs its own experts'
+    # choices and a slice of the shared expert; the partial outputs are summed over tp.
+    Case("tp2-experts-ep2-shared-capacity",
+         moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1, moe_tp="experts"),
+                 capacity_factor=1.25, shared_experts=1), params=True),
+    Case("tp2-sp-experts-zero3-recompute-full-shared",
+         moe_cfg(dict(dp=2, tp=2, zero_stage=3, bucket_mb=0.01, recompute="full",
+                      sequence_parallel=True, moe_tp="experts"),
+                 train=dict(microbatches=2), shared_experts=1), params=True),
+    Case("tp4-sp-experts-top1-capacity",
+         moe_cfg(dict(tp=4, sequence_parallel=True, moe_tp="experts"), top_k=1,
+                 capacity_factor=1.0), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,
                  model=all_to_expert_zero)
@@ -154,22 +169,31 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
                 save_to=str(tmp_path))
     resume = Case("resume-ep4", moe_cfg(dict(dp=4, ep=4, zero_stage=2)), params=True,
                   resume_from=str(tmp_path))
-    cases = [*CASES, ONE_SIDED, save, resume, BALANCED, BALANCED_FULL]
+    # Experts split over tp x ep (dp2 x tp2 x ep2) resume with each rank holding all
+    # of them (dp4, ZeRO-3 sharding them as ordinary parameters).
+    save_tp = Case("save-tp2-experts-ep2", moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1,
+                                                        moe_tp="experts")),
+                   steps=STEPS // 2, save_to=str(tmp_path / "tp"))
+    resume_dp = Case("resume-dp4-zero3", moe_cfg(dict(dp=4, zero_stage=3)), params=True,
+                     resume_from=str(tmp_path / "tp"))
+    cases = [*CASES, ONE_SIDED, save, resume, save_tp, resume_dp, BALANCED, BALANCED_FULL]
     runs = run_layouts(cases, 4, STEPS, probe=record_moe, timeout=300)
     n = len(CASES) + 1
     failures = _check(cases[:n], runs[:n])  # through the one-sided case
     ref = _reference(CASES[0])  # the same model and batches
-    for rank, got in enumerate(runs[n + 1]):
-        actual, expected = compare_to_reference(got, ref)
-        for key in ("loss", "grad norm"):
-            expected[key] = expected[key][STEPS // 2:]
-        try:
-            assert_parity(actual, expected, FLOAT64_TOL, f"resume-ep4 rank {rank}")
-        except AssertionError as exc:
-            failures.append(str(exc))
+    for label, resumed in (("resume-ep4", runs[n + 1]), ("resume-dp4-zero3", runs[n + 3])):
+        for rank, got in enumerate(resumed):
+            actual, expected = compare_to_reference(got, ref)
+            for key in ("loss", "grad norm"):
+                expected[key] = expected[key][STEPS // 2:]
+            try:
+                assert_parity(actual, expected, FLOAT64_TOL, f"{label} rank {rank}")
+            except AssertionError as exc:
+                failures.append(str(exc))
     # Expert parameters per rank: the engine's ledger, as the planner counts them (E/ep
-    # of each MoE block; stage 0 keeps them whole, ZeRO-3 a 1/(dp/ep) slice at rest). At
-    # ep=1 the experts are ordinary parameters of their block, not a family of their own.
+    # of each MoE block, E/(tp*ep) with moe_tp="experts"; stage 0 keeps them whole, ZeRO-3
+    # a 1/(dp/ep) slice at rest). At ep=1 the experts are ordinary parameters of their
+    # block, not a family of their own.
     for case, ranks in zip(CASES, runs):
         layout = case.cfg.layout(4)
         if layout.ep == 1:
@@ -198,11 +222,17 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
 
 
 def test_composed_8_ranks() -> None:
-    """dp=2 x tp=2 x pp=2 with ep=2 and ZeRO-1: 8 processes, one layout. It is also the
-    tp=2 case (MoE replicated over tp, attention split) and the pp=2 case (one MoE block
-    per stage, two microbatches)."""
-    case = Case("dp2-tp2-pp2-ep2", moe_cfg(dict(dp=2, tp=2, pp=2, ep=2, zero_stage=1),
-                                           train=dict(microbatches=2)), params=True)
-    runs = run_layouts([case], 8, STEPS, probe=record_moe, timeout=300)
-    failures = _check([case], runs)
+    """dp=2 x tp=2 x pp=2 with ep=2, two microbatches, 8 processes: the MoE
+    feed-forwards replicated over tp (ZeRO-1, one MoE block per stage), then their
+    experts split over tp x ep (ZeRO-2, four MoE blocks interleaved over two virtual
+    stages per rank)."""
+    cases = [Case("dp2-tp2-pp2-ep2", moe_cfg(dict(dp=2, tp=2, pp=2, ep=2, zero_stage=1),
+                                             train=dict(microbatches=2)), params=True),
+             Case("dp2-tp2-pp2-ep2-experts-interleaved",
+                  moe_cfg(dict(dp=2, tp=2, pp=2, ep=2, zero_stage=2, moe_tp="experts",
+                               virtual_stages=2, schedule="interleaved-1f1b"),
+                          train=dict(microbatches=2),
+                          n_layers=4, moe_every=1), params=True)]
+    runs = run_layouts(cases, 8, STEPS, probe=record_moe, timeout=300)
+    failures = _check(cases, runs)
     assert not failures, "\n".join(failures)

@@ -6,10 +6,11 @@ with what it is a slice of and with the group its gradients are reduced over
 ("expert_grad_reduce", the dp x cp / ep ranks that hold the same experts), and its token
 dispatch becomes the all-to-all of `ExpertParallelDispatch`.
 
-Under tensor parallelism the whole MoE feed-forward (router, experts, shared experts)
-is replicated over the tensor group: every tp rank routes the same tokens through the
-same experts, exchanging them with the ranks of its own expert group. Tensor parallelism
-has then already tagged the parameters as replicated over "tensor"; that is kept.
+Under tensor parallelism every tp rank routes the same tokens and exchanges them with
+the ranks of its own expert group. With parallel.moe_tp="replicate" each tp rank holds
+all experts (tagged replicated over "tensor", which is kept); with "experts" tensor
+parallelism has already cut the stack to this tp rank's E/tp experts, and expert
+parallelism divides that block again.
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from partita.comm import GroupComm
 from partita.errors import PartitaError
 from partita.experts.dispatch import ExpertParallelDispatch
 from partita.models import plan as roles
-from partita.models.moe import planned_moe_modules
+from partita.models.moe import EXPERT_PARAMS, planned_moe_modules
 from partita.sharding import ShardInfo, set_reduce_group, set_shard_info, shard_info
-
-EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
 
 
 def apply_expert_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm) -> int:
@@ -35,25 +34,29 @@ def apply_expert_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
         return len(found)
     for name, moe in found:
         experts = moe.experts
-        n_experts = moe.cfg.n_experts
-        if n_experts % comm.size:
-            raise PartitaError(f"model.n_experts={n_experts} is not divisible by "
-                               f"parallel.ep={comm.size}")
-        n_local = n_experts // comm.size
-        first = comm.index * n_local
+        routed = experts.n_local  # the experts this rank's tokens may go to (E or E/tp)
+        if routed % comm.size:
+            over_tp = "" if routed == moe.cfg.n_experts else (
+                f" (the {routed} that each tp rank holds with parallel.moe_tp='experts')")
+            raise PartitaError(f"the experts{over_tp} are not divisible by "
+                               f"parallel.ep={comm.size}; model.n_experts="
+                               f"{moe.cfg.n_experts}")
+        n_local = routed // comm.size
+        first = comm.index * n_local  # within this rank's routed block
         for pname in EXPERT_PARAMS:
             old = getattr(experts, pname)
             full_name = f"{name}.experts.{pname}"
             before = shard_info(old, full_name)
+            offset = before.start if before.is_split else 0
             if old.is_meta:
                 new = nn.Parameter(torch.empty((n_local, *old.shape[1:]), device="meta",
                                                dtype=old.dtype))
             else:  # a materialised model: keep this rank's rows
                 new = nn.Parameter(old.detach()[first:first + n_local].clone())
-            set_shard_info(new, ShardInfo(full_name, tuple(old.shape), 0, first,
-                                          first + n_local, before.replicated_over))
+            set_shard_info(new, ShardInfo(full_name, before.global_shape, 0, offset + first,
+                                          offset + first + n_local, before.replicated_over))
             set_reduce_group(new, "expert_grad_reduce")
             setattr(experts, pname, new)
-        experts.first, experts.n_local = first, n_local
-        moe.dispatch = ExpertParallelDispatch(comm, n_experts)
+        experts.first, experts.n_local = experts.first + first, n_local
+        moe.dispatch = ExpertParallelDispatch(comm, routed)
     return len(found)

@@ -66,6 +66,10 @@ class Route:
     keep: torch.Tensor | None  # (N, k) bool
 
 
+# The stacked weights of `Experts`, which parallel layouts cut along the expert dim.
+EXPERT_PARAMS = ("w_gate", "w_up", "w_down")
+
+
 class Experts(nn.Module):
     """`n_local` SwiGLU experts, global indices first..first+n_local-1, stacked."""
 
@@ -174,13 +178,27 @@ class MoEStats:
             self.dropped += int((~keep).sum())
 
 
-class SequenceEdges(Protocol):
-    """Where an MoE feed-forward that computes on the whole sequence meets activations
-    sharded along it (sequence parallelism)."""
+class TensorEdges(Protocol):
+    """Where an MoE feed-forward replicated over the tensor-parallel group meets the
+    rest of the block (`partita.tensor_parallel.moe`): under sequence parallelism it
+    gathers the whole sequence on entry; when the tp ranks split the experts it sums
+    their partial outputs on leaving."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def leave(self, y: torch.Tensor) -> torch.Tensor: ...
+
+
+class ExpertShare(Protocol):
+    """This tensor-parallel rank's share of the experts, when the tp ranks split them
+    between them (`partita.tensor_parallel.moe.ExpertsOverTP`). Every tp rank routes
+    the same tokens; each runs only the choices of experts first..first+count-1 (and its
+    slice of the shared experts' width), so its output is a partial sum."""
+
+    first: int
+    count: int
+
+    def inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 class OtherChunks(Protocol):
@@ -210,10 +228,13 @@ class MoE(nn.Module):
         self.stats = MoEStats(cfg.n_experts)
         # Which pass activation recomputation runs (None: an ordinary forward).
         self.pass_name: str | None = None
-        # Under sequence parallelism (`partita.tensor_parallel.sequence.WholeSequence`):
-        # `enter` gathers the whole sequence before routing, `leave` keeps this rank's
-        # shard of the output. None: the input is already the whole sequence.
-        self.sequence: SequenceEdges | None = None
+        # Under tensor parallelism (`partita.tensor_parallel.moe`): `enter` gathers the
+        # whole sequence before routing (sequence parallelism), `leave` keeps this rank's
+        # shard of the output and sums the tp ranks' partial outputs (experts split over
+        # tp). None: the input is already the whole sequence, the output complete.
+        self.edges: TensorEdges | None = None
+        # The tp ranks split the experts between them (parallel.moe_tp="experts").
+        self.share: ExpertShare | None = None
         # Under context parallelism (`partita.context_parallel.moe_routing`): the
         # per-sequence sums and queue places over every rank's chunks of the sequence.
         # None: this rank holds whole sequences.
@@ -225,8 +246,8 @@ class MoE(nn.Module):
         self.pass_name = name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence is not None:
-            return self.sequence.leave(self._whole(self.sequence.enter(x)))
+        if self.edges is not None:
+            return self.edges.leave(self._whole(self.edges.enter(x)))
         return self._whole(x)
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,8 +255,14 @@ class MoE(nn.Module):
         flat = x.reshape(b * s, d)
         logits = self.router(flat)
         route, aux, z = self.route(logits, b, s)
-        y = _dispatch(self.dispatch, flat, route.experts, route.weights, route.keep,
-                      self.experts).view(b, s, d)
+        chosen, weights, keep = route.experts, route.weights, route.keep
+        if self.share is not None:  # this tp rank's experts only: a partial output
+            # The experts' inputs and gate weights get partial gradients here, summed
+            # over tp by `inputs` in backward; the router's other paths are complete.
+            flat, weights = self.share.inputs([flat, weights])
+            chosen, keep = _own_choices(chosen, keep, self.share.first, self.share.count)
+            x = flat.view(b, s, d)
+        y = _dispatch(self.dispatch, flat, chosen, weights, keep, self.experts).view(b, s, d)
         if self.shared is not None:
             y = y + self.shared(x)
         training = torch.is_grad_enabled()
@@ -306,6 +333,17 @@ def _dispatch(dispatch: Callable[[torch.Tensor, Route, Experts], torch.Tensor],
               x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
               keep: torch.Tensor | None, experts: Experts) -> torch.Tensor:
     return dispatch(x, Route(chosen, weights, keep), experts)
+
+
+def _own_choices(chosen: torch.Tensor, keep: torch.Tensor | None, first: int,
+                 count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The route's choices renumbered to experts first..first+count-1, and which of them
+    this rank runs (kept ones of its own experts)."""
+    local = chosen - first
+    mine = (local >= 0) & (local < count)
+    if keep is not None:
+        mine = mine & keep
+    return torch.where(mine, local, 0), mine
 
 
 @EagerOnly

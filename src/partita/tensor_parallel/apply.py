@@ -13,7 +13,8 @@ Recognised by the plan's roles: COLWISE/ROWWISE nn.Linear (split on head boundar
 when the parent module has a `head_dim`, i.e. is attention), VOCAB_EMBEDDING
 nn.Embedding, VOCAB_HEAD nn.Linear, NORM any module, POSITIONS an nn.Embedding
 (sequence-sharded under sequence parallelism), MOE a mixture-of-experts feed-forward
-(replicated; under sequence parallelism it computes on the gathered sequence). A tied
+(replicated, or its experts split over tp: `moe_tp`, see moe.py; under sequence
+parallelism it computes on the gathered sequence). A tied
 head (`plan.tied_head`, None on the model) is built from the vocab-parallel embedding;
 every nn.Dropout becomes a ParallelDropout (see dropout.py).
 """
@@ -37,11 +38,13 @@ from partita.tensor_parallel.layers import (
     RowParallelLinear,
     region_pre_hook,
 )
-from partita.tensor_parallel.sequence import (
-    SequenceParallelNorm,
-    SequenceShardedPositions,
+from partita.tensor_parallel.moe import (
+    MOE_TP,
+    SummedOutput,
     WholeSequence,
+    split_moe_over_tp,
 )
+from partita.tensor_parallel.sequence import SequenceParallelNorm, SequenceShardedPositions
 from partita.tensor_parallel.vocab import (
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -70,14 +73,19 @@ class TensorParallelReport:
 
 def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupComm,
                           sequence_parallel: bool = False,
-                          dropout_seed: int = 0) -> TensorParallelReport:
+                          dropout_seed: int = 0,
+                          moe_tp: str = "replicate") -> TensorParallelReport:
     """Swap the planned modules of `model` for tensor-parallel ones over `comm`.
 
     Raises PartitaError for a layout the model cannot take (names the valid tp degrees)
     and for planned modules left without a parallel type. `dropout_seed` seeds the
-    dropout generators; make it differ across data-parallel ranks.
+    dropout generators; make it differ across data-parallel ranks. `moe_tp` says how
+    MoE feed-forwards use the tp group ("replicate" or "experts", see moe.py).
     """
     tp = comm.size
+    if moe_tp not in MOE_TP:
+        raise PartitaError(f"parallel.moe_tp={moe_tp!r} is unknown; choose one of "
+                           f"{', '.join(MOE_TP)}.")
     if sequence_parallel and tp == 1:
         raise PartitaError(
             "sequence parallelism shards activations over the tensor-parallel group, but "
@@ -92,7 +100,7 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             "built from its single-device definition."
         )
     report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
-    ctx = _Context(comm, sequence_parallel, plan.shape, report)
+    ctx = _Context(comm, sequence_parallel, plan.shape, report, moe_tp)
     planned = [(n, m, plan.role_of(n)) for n, m in model.named_modules() if n]
     planned = [(n, m, r) for n, m, r in planned if r is not None]
     region_parents: dict[str, nn.Module] = {}
@@ -108,10 +116,14 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
         # so those see what the module computes on (the whole sequence under SP).
         parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
                                          with_kwargs=True, prepend=True)
-    if sequence_parallel:  # MoE feed-forwards compute on the gathered sequence
-        for name, moe in planned_moe_modules(model, plan):
-            moe.sequence = WholeSequence(comm)
-            report.parallel[name] = "replicated, on the whole sequence"
+    split_experts = moe_tp == "experts" and tp > 1
+    for name, moe in planned_moe_modules(model, plan):
+        if sequence_parallel:  # computes on the gathered sequence
+            moe.edges = WholeSequence(comm, summed=split_experts)
+        elif split_experts:
+            moe.edges = SummedOutput(comm)
+        report.parallel[name] = ("experts split over tp" if split_experts else "replicated") + (
+            ", on the whole sequence" if sequence_parallel else "")
     _tie_head(model, plan, ctx)
     _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
     _mark_replicated(model, ctx)
@@ -144,8 +156,10 @@ def verify_tensor_parallel(model: nn.Module, plan: roles.ModelPlan,
 
 
 class _Context:
-    def __init__(self, comm: GroupComm, sequence_parallel: bool, cfg, report) -> None:
+    def __init__(self, comm: GroupComm, sequence_parallel: bool, cfg, report,
+                 moe_tp: str = "replicate") -> None:
         self.comm, self.sp, self.cfg, self.report = comm, sequence_parallel, cfg, report
+        self.moe_tp = moe_tp
         self.tp, self.index = comm.size, comm.index
         self.vocab: VocabParallelEmbedding | None = None
 
@@ -209,10 +223,13 @@ class _Context:
                 self.replicate(f"{name}.{pname}", param)
             new = SequenceParallelNorm(module, self.comm) if self.sp else module
         elif role == roles.MOE:
-            # Replicated over tp, with or without sequence parallelism: every tp rank
-            # routes the same tokens (docs/expert_parallel.md).
+            # Every tp rank routes the same tokens (docs/expert_parallel.md); with
+            # moe_tp="experts" each keeps its share of the experts (moe.py).
+            if self.moe_tp == "experts" and self.tp > 1:
+                split_moe_over_tp(name, module, self.comm)
             for pname, param in module.named_parameters():
-                self.replicate(f"{name}.{pname}", param)
+                if getattr(param, "partita_shard", None) is None:
+                    self.replicate(f"{name}.{pname}", param)
             return module
         elif role == roles.POSITIONS and isinstance(module, nn.Embedding):
             for pname, param in module.named_parameters(recurse=False):

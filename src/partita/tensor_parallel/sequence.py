@@ -18,12 +18,7 @@ import torch
 import torch.nn as nn
 from torch.func import functional_call
 
-from partita.comm import (
-    GroupComm,
-    copy_each_to_region,
-    gather_sequence_to_replica,
-    scatter_sequence,
-)
+from partita.comm import GroupComm, copy_each_to_region
 from partita.tensor_parallel.layers import check_sequence
 
 
@@ -65,26 +60,3 @@ class SequenceShardedPositions(_SumGradOverTP):
         check_sequence(positions.shape[0], self.comm)
         local = positions.chunk(self.comm.size, dim=0)[self.comm.index]
         return self._call_inner(local)
-
-
-class WholeSequence:
-    """The edges of a module replicated over tp (a mixture-of-experts feed-forward) that
-    computes on the whole sequence under sequence parallelism: its input is all-gathered
-    on entry and its output cut back to this rank's shard on leaving.
-
-    Every tp rank then computes what it computes without sequence parallelism: the same
-    routing, capacity and per-sequence balance loss on the same tokens, and complete,
-    identical gradients for the replicated weights. Backward, the output's gradient is
-    the all-gather of the shards' gradients, and the input keeps its own slice of the
-    (identical) whole. The module calls these itself (`MoE.sequence`): each is one
-    deliberate graph break in compiled code, like the module's other collectives.
-    """
-
-    def __init__(self, comm: GroupComm) -> None:
-        self.comm = comm
-
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_sequence_to_replica(x, self.comm)
-
-    def leave(self, y: torch.Tensor) -> torch.Tensor:
-        return scatter_sequence(y, self.comm)

@@ -1,0 +1,140 @@
+"""Mixture-of-experts feed-forwards under tensor parallelism (`parallel.moe_tp`).
+
+Attention and the dense MLPs are split over the tensor-parallel group; an MoE
+feed-forward is not a column/row pair, so it takes one of two forms:
+
+- "replicate": every tp rank holds the whole feed-forward (router, all experts, shared
+  experts) and computes the same output. Nothing is exchanged over tp, but the experts'
+  compute, weights and activations are not divided by tp.
+- "experts": the tp ranks split the experts between them (Megatron's former
+  "moe-extended-tp"): each holds E/tp of them (then divided again by ep) and 1/tp of the
+  shared experts' width. Every tp rank still routes every token alike (the router is
+  replicated), runs only the choices of its own experts, and the partial outputs are
+  summed over tp on leaving: an all-reduce, or under sequence parallelism the
+  reduce-scatter that also cuts the sequence back. In backward, the experts' inputs and
+  gate weights collect partial gradients on each rank; `ExpertsOverTP.inputs` sums them
+  (f: identity forward, all-reduce backward), while the router's other paths (the
+  auxiliary losses) are complete on every rank already.
+
+Under sequence parallelism the feed-forward computes on the whole sequence, gathered on
+entry (`WholeSequence`), so routing, capacity and the per-sequence balance loss are the
+same as in one process. The MoE module calls the edges itself (`MoE.edges`): each is
+one deliberate graph break in compiled code, like its other collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from partita.comm import (
+    GroupComm,
+    copy_each_to_region,
+    gather_sequence_to_replica,
+    reduce_from_region,
+    reduce_scatter_sequence,
+    scatter_sequence,
+)
+from partita.errors import PartitaError
+from partita.layout import MOE_TP
+from partita.models.moe import EXPERT_PARAMS, MoE
+from partita.sharding import ShardInfo, set_shard_info, shard_info
+from partita.tensor_parallel import partition as part
+
+__all__ = ["MOE_TP", "ExpertsOverTP", "SummedOutput", "WholeSequence", "split_moe_over_tp"]
+
+class WholeSequence:
+    """Sequence parallelism's edges of a feed-forward every tp rank computes on the
+    whole sequence. Entering all-gathers the sequence; its backward keeps this rank's
+    slice of the gradient, which every rank holds complete and alike. Leaving cuts the
+    output back to this rank's shard (`summed`: first summing the ranks' partial
+    outputs, one reduce-scatter; its backward all-gathers)."""
+
+    def __init__(self, comm: GroupComm, summed: bool = False) -> None:
+        self.comm, self.summed = comm, summed
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_sequence_to_replica(x, self.comm)
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        if self.summed:
+            return reduce_scatter_sequence(y, self.comm)
+        return scatter_sequence(y, self.comm)
+
+
+class SummedOutput:
+    """Without sequence parallelism, the edges of a feed-forward whose tp ranks each
+    compute part of the output: summed on leaving (g: all-reduce, identity backward)."""
+
+    def __init__(self, comm: GroupComm) -> None:
+        self.comm = comm
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        return reduce_from_region(y, self.comm)
+
+
+class ExpertsOverTP:
+    """`MoE.share`: this tp rank runs experts first..first+count-1."""
+
+    def __init__(self, comm: GroupComm, first: int, count: int) -> None:
+        self.comm, self.first, self.count = comm, first, count
+
+    def inputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return copy_each_to_region(tensors, self.comm)
+
+
+def split_moe_over_tp(name: str, moe: MoE, comm: GroupComm) -> None:
+    """parallel.moe_tp="experts": keep this tp rank's block of the stacked experts and
+    its slice of the shared experts' width, tagged with their ShardInfo (the router
+    stays whole; the caller marks it replicated)."""
+    tp, index, n_experts = comm.size, comm.index, moe.cfg.n_experts
+    if n_experts % tp:
+        raise PartitaError(
+            f"parallel.moe_tp='experts' splits the experts over the tp ranks, but "
+            f"model.n_experts={n_experts} is not divisible by parallel.tp={tp}. Use "
+            "parallel.moe_tp='replicate', or a number of experts divisible by tp."
+        )
+    count = n_experts // tp
+    first = index * count
+    experts = moe.experts
+    for pname in EXPERT_PARAMS:
+        _keep_slice(experts, pname, f"{name}.experts.{pname}", 0, first, first + count)
+    experts.first, experts.n_local = first, count
+    if moe.shared is not None:
+        width = moe.shared.w_gate.out_features
+        part.check_padded_split(width, tp, f"{name}.shared width")
+        lo, hi = part.padded_split(width, tp, index)
+        for pname, dim in (("w_gate", 0), ("w_up", 0), ("w_down", 1)):
+            _keep_linear_slice(moe.shared, pname, f"{name}.shared.{pname}", dim, lo, hi)
+    moe.share = ExpertsOverTP(comm, first, count)
+
+
+def _keep_slice(module: nn.Module, attr: str, full_name: str, dim: int, start: int,
+                stop: int) -> None:
+    old = getattr(module, attr)
+    before = shard_info(old, full_name)
+    shape = list(old.shape)
+    shape[dim] = stop - start
+    if old.is_meta:
+        new = nn.Parameter(torch.empty(shape, device="meta", dtype=old.dtype))
+    else:
+        new = nn.Parameter(old.detach().narrow(dim, start, stop - start).clone())
+    set_shard_info(new, ShardInfo(full_name, tuple(before.global_shape), dim, start, stop))
+    setattr(module, attr, new)
+
+
+def _keep_linear_slice(parent: nn.Module, attr: str, full_name: str, dim: int, start: int,
+                       stop: int) -> None:
+    """Replace the bias-free nn.Linear `parent.attr` by its slice along `dim` of the
+    weight (0: output features, 1: input features)."""
+    old = getattr(parent, attr)
+    shape = list(old.weight.shape)
+    shape[dim] = stop - start
+    new = nn.Linear(shape[1], shape[0], bias=False, device=old.weight.device,
+                    dtype=old.weight.dtype)
+    setattr(parent, attr, new)
+    new.weight = old.weight
+    _keep_slice(new, "weight", f"{full_name}.weight", dim, start, stop)
