@@ -92,7 +92,11 @@ CASES = {
         Case(dp=2, tp=2, ep=2, zero=3, sp=True, shape=MOE),
         # Context parallelism: each rank routes its own chunks (the per-sequence sums
         # and capacity counts it exchanges are left out of the cp bytes: under 1%).
-        Case(cp=2, tp=2, sp=True, ep=2, zero=3, shape=MOE)],
+        Case(cp=2, tp=2, sp=True, ep=2, zero=3, shape=MOE),
+        # Experts split over tp x ep: a quarter of them per rank, the partial outputs
+        # summed over tp (reduce-scatter under sp, all-reduce without).
+        Case(dp=2, tp=2, ep=2, zero=3, sp=True, moe_tp="experts", shape=MOE),
+        Case(dp=2, tp=2, ep=2, zero=1, moe_tp="experts", dtype=BF16, shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from partita.errors import PartitaError
-from partita.layout import Layout
+from partita.layout import Layout, parse_layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, find_problems
 from partita.models.catalog import MODELS
 from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE
 from partita.models.transformer import build_model
+from partita.planner.model_shape import PlanModel
+from partita.planner.stage_params import stage_param_counts
 
 TINY_MOE = MODELS["tiny-moe"]
 
@@ -36,13 +38,39 @@ def test_bad_moe_settings_say_what_to_change(changes, message):
     (MODELS["tiny"], Layout(dp=4, ep=2), CONSTRAINT, "has no MoE blocks"),
     (dataclasses.replace(TINY_MOE, n_experts=6), Layout(dp=4, ep=4), DIVISIBILITY,
      "not divisible by parallel.ep=4"),
+    (TINY_MOE, Layout(dp=4, tp=4, ep=4, moe_tp="experts"), DIVISIBILITY,
+     "tp x ep = 16 ranks, but model.n_experts=8"),
 ])
 def test_moe_layout_rules(model, layout, kind, text):
     problems = find_problems(layout, model, layout.world_size, seq_len=32, global_batch=8)
     assert any(p.kind == kind and text in p.message for p in problems), problems
     for fine in (Layout(dp=4, ep=4), Layout(dp=2, tp=2, ep=2, sequence_parallel=True),
-                 Layout(dp=2, cp=2, ep=4)):
+                 Layout(dp=2, cp=2, ep=4), Layout(dp=4, tp=2, ep=4, moe_tp="experts")):
         assert not find_problems(fine, TINY_MOE, fine.world_size, seq_len=32, global_batch=8)
+
+
+def test_moe_tp_is_checked_and_read_from_text():
+    with pytest.raises(PartitaError, match="moe_tp='split' is unknown; choose one of "
+                                           "replicate, experts"):
+        Layout(tp=2, moe_tp="split")
+    layout = parse_layout("dp=2 tp=2 ep=2 moe_tp=Experts")
+    assert layout.moe_tp == "experts" and layout.expert_tp == 2
+    assert parse_layout(layout.describe()) == layout
+    assert Layout(tp=2).expert_tp == 1 and Layout(moe_tp="experts").expert_tp == 1
+
+
+def test_planner_counts_experts_split_over_tp():
+    """moe_tp="experts": a tp rank holds E/tp of each MoE block's experts and 1/tp of
+    the shared experts' width; the router stays whole."""
+    model = PlanModel("moe", dataclasses.replace(TINY_MOE, shared_experts=1))
+    whole = model.block_split(2, moe=True)
+    split = model.block_split(2, moe=True, experts_over_tp=True)
+    shared = model.mlp_params(model.expert_ffn)
+    assert split["expert"] == whole["expert"] / 2
+    assert split["replicated"] == whole["replicated"] - shared
+    assert split["sharded"] == whole["sharded"] + shared / 2
+    counts = stage_param_counts(model, Layout(dp=2, tp=2, ep=2, moe_tp="experts"))
+    assert counts["expert"] == stage_param_counts(model, Layout(dp=2, tp=2, ep=2))["expert"] / 2
 
 
 def test_ep_must_divide_dp_times_cp():

@@ -83,6 +83,7 @@ class Case:
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_kind: str = "ring"  # ring or allgather
     ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
+    moe_tp: str = "replicate"  # MoE blocks under tp: replicated, or "experts" split
 
     @property
     def world(self) -> int:
@@ -94,7 +95,8 @@ class Case:
                       microbatch_size=self.mb, sequence_parallel=self.sp,
                       schedule=self.schedule, virtual_stages=self.vpp,
                       recompute=self.recompute, recompute_layers=self.recompute_layers,
-                      offload=self.offload, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep)
+                      offload=self.offload, cp=self.cp, cp_kind=self.cp_kind, ep=self.ep,
+                      moe_tp=self.moe_tp)
 
     @property
     def precision(self) -> Precision:
@@ -108,6 +110,8 @@ class Case:
             parts.append(f"cp{self.cp}" + ("ag" if self.cp_kind == "allgather" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
+        if self.moe_tp == "experts":
+            parts[-1] += "et"  # experts split over tp
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""
@@ -146,7 +150,7 @@ def run_config(case: Case, offload_dir: str = ""):
     cfg.parallel.recompute_layers = case.recompute_layers
     cfg.parallel.offload = case.offload
     cfg.parallel.cp, cfg.parallel.cp_kind = case.cp, case.cp_kind
-    cfg.parallel.ep = case.ep
+    cfg.parallel.ep, cfg.parallel.moe_tp = case.ep, case.moe_tp
     if case.offload.endswith("+disk"):
         cfg.parallel.offload_dir = offload_dir
         cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB

@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
         layout = parse_layout(args.layout, args.gpus)
         if not _given_fields(args.layout) & {"sequence_parallel", "sp"}:
             layout = layout.with_(sequence_parallel=default_sequence_parallel(layout.tp))
-        defaults += _layout_defaults(args.layout, layout)
+        defaults += _layout_defaults(args.layout, layout, req.model.is_moe)
         ev = evaluate(req, layout)
         advice = advise_layout(req, ev)
         if args.json:
@@ -300,8 +300,9 @@ def _given_fields(text: str) -> set[str]:
     return {item.partition("=")[0].strip().lower() for item in text.replace(",", " ").split()}
 
 
-def _layout_defaults(text: str, layout) -> list[str]:
-    """The layout fields `--layout` filled in that change the prediction."""
+def _layout_defaults(text: str, layout, moe: bool = False) -> list[str]:
+    """The layout fields `--layout` filled in that change the prediction (`moe`: the
+    model has MoE blocks)."""
     given = _given_fields(text)
     out = []
     if "dp" not in given:
@@ -314,6 +315,8 @@ def _layout_defaults(text: str, layout) -> list[str]:
             out.append(f"{name}={getattr(layout, name)}")
     if layout.cp > 1 and "cp_kind" not in given:
         out.append(f"cp_kind={layout.cp_kind}")
+    if moe and layout.tp > 1 and "moe_tp" not in given:
+        out.append(f"moe_tp={layout.moe_tp} (experts whole on every tp rank)")
     return out
 
 

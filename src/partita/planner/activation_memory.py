@@ -105,7 +105,8 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
 def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
               precision: Precision = MIXED) -> dict[str, float]:
     """What an MoE feed-forward saves besides its input (partita's `models.moe`, balanced
-    routing, dropless). Experts are replicated over tp, so nothing here divides by t.
+    routing, dropless). Every tp rank routes every token; with parallel.moe_tp="experts"
+    its experts take 1/tp of the choices, so the per-row terms divide by tp.
 
     The dispatch and combine buffers are activations: the rows each rank's experts
     receive through the all-to-all (top_k per token when routing is balanced) are saved
@@ -116,7 +117,7 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
     k, n_e = model.moe.top_k, model.moe.num_experts
     e = precision.activation
     n = seq_len / layout.cp * layout.microbatch_size  # tokens this rank routes
-    rows = k * n
+    rows = k * n / layout.expert_tp  # the choices this rank's experts run
     b = layout.microbatch_size
     return {
         # Input of each expert's up and gate projections (after the all-to-all).
@@ -131,8 +132,8 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
         # normalisation) and each row's weight; the int64 indices that route each row:
         # chosen experts, sort order, token (received rows are not regrouped under
         # expert parallelism: each expert runs over them where they lie).
-        "moe_gates": 4 * rows + 4 * n + e * rows,
-        "moe_indices": 8 * rows * 3,
+        "moe_gates": 4 * k * n + 4 * n + e * rows,
+        "moe_indices": 8 * k * n + 8 * rows * 2,
     }
 
 
@@ -177,8 +178,8 @@ def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
     c = model.config
     s, b, e = seq_len / layout.cp, layout.microbatch_size, precision.activation
     tensors = assumptions.swiglu_saved_tensors if c.gated_mlp else 2
-    if model.is_moe:  # experts are whole on every tp rank
-        return model.moe.top_k * tensors * e * s * b * model.expert_ffn
+    if model.is_moe:  # experts are whole, replicated or split over tp (moe_tp)
+        return model.moe.top_k * tensors * e * s * b * model.expert_ffn / layout.expert_tp
     return tensors * e * s * b * c.ffn_hidden / layout.tp
 
 

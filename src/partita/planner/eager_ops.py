@@ -81,7 +81,7 @@ def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[fl
     `elem_bytes`-wide parameters; an MoE model's blocks are MoE blocks
     (`PlanModel.dense_blocks` gives the dense ones)."""
     if model.is_moe:
-        experts = model.moe.num_experts / layout.ep
+        experts = model.moe.num_experts / (layout.ep * layout.expert_tp)
         fwd = MOE_BLOCK_OPS[0] + experts * EXPERT_OPS[0]
         bwd = MOE_BLOCK_OPS[1] + experts * EXPERT_OPS[1]
     else:
@@ -109,7 +109,8 @@ def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[floa
     (fh, ff), (bh, bf) = BLOCK_BYTES[_flavour(model), 2 if elem_bytes <= 2 else 4]
     t = layout.tp
     h = c.dim / t if layout.sequence_parallel or t == 1 else c.dim
-    ffn = (model.expert_ffn * model.moe.top_k if model.is_moe else c.ffn_hidden / t)
+    ffn = (model.expert_ffn * model.moe.top_k / layout.expert_tp if model.is_moe
+           else c.ffn_hidden / t)
     return fh * h + ff * ffn, bh * h + bf * ffn
 
 

@@ -78,12 +78,15 @@ class PlanModel:
         c = self.config
         return (3 if c.gated_mlp else 2) * c.dim * ffn
 
-    def block_split(self, tp: int, whole_kv: bool = False, moe: bool = True
-                    ) -> dict[str, float]:
-        """Parameters of one block on one tp rank: sharded, replicated, expert (all experts).
+    def block_split(self, tp: int, whole_kv: bool = False, moe: bool = True,
+                    experts_over_tp: bool = False) -> dict[str, float]:
+        """Parameters of one block on one tp rank: sharded, replicated, expert (the
+        experts of this tp rank, before ep divides them).
 
         An MoE block (`moe`, on an MoE model) is replicated over tp except attention, as
-        partita's expert parallelism runs it: router, shared experts and experts whole.
+        partita's expert parallelism runs it: router, shared experts and experts whole;
+        with `experts_over_tp` (parallel.moe_tp="experts") the tp ranks split the experts
+        and the shared experts' width, and only the router stays whole.
 
         K/V projections with fewer kv heads than tp ranks are replicated so that each
         rank still holds the kv head its query heads use (`whole_kv`: every kv head, as
@@ -103,6 +106,9 @@ class PlanModel:
             shared = c.shared_experts * self.mlp_params(self.expert_ffn)
             expert = self.moe.num_experts * (self.mlp_params(self.expert_ffn)
                                              + (self.expert_ffn if c.has_bias else 0))
+            if experts_over_tp and tp > 1:
+                return {"sharded": attn + col_bias + shared / tp,
+                        "replicated": replicated + router, "expert": expert / tp}
             return {"sharded": attn + col_bias, "replicated": replicated + router + shared,
                     "expert": expert}
         mlp = self.mlp_params(c.ffn_hidden) / tp + (c.ffn_hidden / tp if c.has_bias else 0)

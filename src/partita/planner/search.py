@@ -16,11 +16,12 @@ seconds without losing a valid layout:
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from partita.layout import OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout
+from partita.layout import MOE_TP, OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout
 from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
@@ -98,7 +99,7 @@ class SearchResult:
 
 def default_sequence_parallel(tp: int) -> bool:
     """Sequence parallelism whenever tensor parallelism is on (MoE blocks included: they
-    compute on the gathered sequence, `partita.tensor_parallel.sequence`)."""
+    compute on the gathered sequence, `partita.tensor_parallel.moe`)."""
     return tp > 1
 
 
@@ -146,33 +147,39 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                         continue
                     inner = _inner_options(req, space, pp, dp, mbs)
                     size = len(inner) * len(space.recompute)
-                    for zero in [z for z in space.zero_stages if ok("zero_stage", z)]:
-                        for offload in [o for o in space.offload if ok("offload", o)]:
-                            if (zero > 0 and dp * cp == 1 and not space.fixed
-                                    and not (zero == 3 and "+params" in offload)):
-                                # Identical to zero=0 with nothing to shard over; only
-                                # stage 3 can keep the parameters off the GPU.
-                                continue
-                            base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                                          offload=offload, sequence_parallel=bool(
-                                              space.pinned("sequence_parallel",
-                                                           default_sequence_parallel(tp))),
-                                          **{k: v for k, v in space.fixed
-                                             if k in (*OVERLAP_OPTIONS, "cp_kind")})
-                            reasons = structural_reasons(req, base)
-                            # Options partita cannot train yet are judged in full only
-                            # when pinned (--fix); otherwise counted here, unevaluated.
-                            if reasons and (not space.fixed or any(
-                                    k != UNAVAILABLE for k, _ in reasons)):
-                                kind = reasons[0][0]
-                                ev = Evaluation(base, reasons, capacity=req.cluster.gpu.memory_bytes)
-                                reject(kind, ev, size)
-                                continue
-                            if _states_overflow(req, base):
-                                ev = evaluate(req, base.with_(recompute="full"))
-                                reject(MEMORY, ev, size)
-                                continue
-                            _search_inner(req, space, base, inner, result, reject)
+                    # MoE blocks under tp: experts replicated over tp, or split between
+                    # the tp ranks (partita.tensor_parallel.moe).
+                    moe_tps = ([m for m in MOE_TP if ok("moe_tp", m)]
+                               if req.model.is_moe and tp > 1
+                               else [space.pinned("moe_tp", MOE_TP[0])])
+                    for zero, offload, moe_tp in itertools.product(
+                            [z for z in space.zero_stages if ok("zero_stage", z)],
+                            [o for o in space.offload if ok("offload", o)], moe_tps):
+                        if (zero > 0 and dp * cp == 1 and not space.fixed
+                                and not (zero == 3 and "+params" in offload)):
+                            # Identical to zero=0 with nothing to shard over; only
+                            # stage 3 can keep the parameters off the GPU.
+                            continue
+                        base = Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                      offload=offload, moe_tp=moe_tp, sequence_parallel=bool(
+                                          space.pinned("sequence_parallel",
+                                                       default_sequence_parallel(tp))),
+                                      **{k: v for k, v in space.fixed
+                                         if k in (*OVERLAP_OPTIONS, "cp_kind")})
+                        reasons = structural_reasons(req, base)
+                        # Options partita cannot train yet are judged in full only
+                        # when pinned (--fix); otherwise counted here, unevaluated.
+                        if reasons and (not space.fixed or any(
+                                k != UNAVAILABLE for k, _ in reasons)):
+                            kind = reasons[0][0]
+                            ev = Evaluation(base, reasons, capacity=req.cluster.gpu.memory_bytes)
+                            reject(kind, ev, size)
+                            continue
+                        if _states_overflow(req, base):
+                            ev = evaluate(req, base.with_(recompute="full"))
+                            reject(MEMORY, ev, size)
+                            continue
+                        _search_inner(req, space, base, inner, result, reject)
     # Equal predictions (cp and mb trade one for one) prefer fewer parallel dimensions,
     # and less recomputation (selective under cp reruns nothing: it ties with none).
     for evals in (result.ranked, result.modelled):

@@ -41,7 +41,8 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     dense = expert = 0.0
     for count, moe in ((moe_blocks, True), (len(layers) - moe_blocks, False)):
         if count:
-            split = model.block_split(layout.tp, assumptions.whole_kv_replicas, moe=moe)
+            split = model.block_split(layout.tp, assumptions.whole_kv_replicas, moe=moe,
+                                      experts_over_tp=layout.expert_tp > 1)
             dense += count * (split["sharded"] + split["replicated"])
             expert += count * split["expert"] / layout.ep
     vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head

@@ -166,10 +166,16 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
     act = precision.activation * layout.microbatch_size * seq_len / cp * c.dim
     tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
-    # An MoE block's FFN is replicated over tp: attention's collectives only, and under
-    # sp the all-gather of the FFN's input (forward) and of its output gradient
-    # (backward), half an all-reduce's bytes each.
-    tp_colls *= 1 - moe_frac / (4 if layout.sequence_parallel else 2)
+    # An MoE block's FFN replicated over tp: attention's collectives only, and under sp
+    # the all-gather of the FFN's input (forward) and of its output gradient (backward),
+    # half an all-reduce's bytes each. Its experts split over tp (moe_tp="experts"): an
+    # all-reduce of the output forward and of the input gradient backward, like a dense
+    # MLP; under sp the forward is an all-gather and a reduce-scatter, the backward an
+    # all-gather and an all-reduce of the whole sequence: half an all-reduce more.
+    if layout.expert_tp > 1:
+        tp_colls *= 1 + moe_frac / (8 if layout.sequence_parallel else float("inf"))
+    else:
+        tp_colls *= 1 - moe_frac / (4 if layout.sequence_parallel else 2)
     tp_vol = tp_colls * 2 * (t - 1) / t * act if t > 1 else 0.0
     link, le = link_eff(t)
     tp_s = _collective_time(tp_vol, t, tp_colls, link, le, a)
@@ -182,9 +188,11 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     full_reruns = share * reruns if layout.recompute == "full" else 0.0
     cp_s = cp_fwd * (1 + full_reruns) + cp_bwd
     # Expert parallel: dispatch + combine all-to-all forward and backward, and the
-    # forward's again in each rerun (the rerun routes identically).
+    # forward's again in each rerun (the rerun routes identically). With the experts
+    # split over tp, each tp rank sends only its own experts' share of the choices.
     ep_colls = 4 + 2 * full_reruns
-    ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act) if ep > 1 else 0.0
+    ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act / layout.expert_tp
+              if ep > 1 else 0.0)
     link, le = link_eff(t * ep)
     ep_s = moe_frac * _collective_time(ep_vol, ep, ep_colls, link, le, a)
 

@@ -86,7 +86,8 @@ def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED
     size = in_blocks = 0.0
     for i in range(sum(per_stage[:stage]), sum(per_stage[:stage + 1])):
         split = model.block_split(layout.tp, assumptions.whole_kv_replicas,
-                                  moe=not c.moe or c.is_moe_layer(i))
+                                  moe=not c.moe or c.is_moe_layer(i),
+                                  experts_over_tp=layout.expert_tp > 1)
         dense, expert = split["sharded"] + split["replicated"], split["expert"] / layout.ep
         if layout.ep == 1:
             dense, expert = dense + expert, 0.0
