@@ -11,7 +11,8 @@ pipeline stage; with zero bubble, plus the gradients held for deferred weight pa
 is covered alone, with tp + sp, ZeRO-3 and pipelines; offload's host bytes (the
 ledger's host_model_states) against the planner's host figure. Context parallelism
 (ring and all-gather, cp 2 and 4, with dp + ZeRO-1 and tp + sp): activations and the
-bytes the ring sends. Mixture of experts (ep 2 with tp 2, with and without sp, with cp 2, and with ZeRO-2 over dp 4,
+bytes the ring sends. Mixture of experts (ep 2 with tp 2, with and without sp, with the
+experts replicated over tp or split between its ranks, with cp 2, and with ZeRO-2 over dp 4,
 ZeRO-3 at ep 2 and 4, every second block MoE): expert parameters per rank, the dispatch and
 combine buffers among the activations, the all-to-all bytes, ZeRO's gathers and
 reduce-scatters of dense and expert units. Cases share one spawned world per world size; dp=1
