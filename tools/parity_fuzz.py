@@ -56,6 +56,10 @@ def draw(rng: random.Random, world: int) -> tuple[dict, dict, dict]:
         parallel["ep"] = rng.choice([e for e in (1, 2, 4) if ep_room % e == 0])
     if deg["tp"] > 1:
         parallel["sequence_parallel"] = rng.random() < 0.6
+        if model.get("n_experts"):
+            parallel["moe_tp"] = rng.choice(["replicate", "experts"])
+            if rng.random() < 0.3:
+                model["shared_experts"] = 1
     if deg["pp"] > 1:
         parallel["schedule"] = rng.choice(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
         parallel["pp_balance"] = rng.choice(["even", "params", "flops"])
@@ -85,6 +89,7 @@ FEATURES = {
     "ep": lambda c: c.parallel.ep > 1,
     "MoE with cp": lambda c: bool(c.model.n_experts) and c.parallel.cp > 1,
     "MoE with sp": lambda c: bool(c.model.n_experts) and c.parallel.sequence_parallel,
+    "experts split over tp": lambda c: c.parallel.moe_tp == "experts" and c.parallel.tp > 1,
 }
 
 

@@ -179,10 +179,10 @@ class MoEStats:
 
 
 class TensorEdges(Protocol):
-    """Where an MoE feed-forward replicated over the tensor-parallel group meets the
-    rest of the block (`partita.tensor_parallel.moe`): under sequence parallelism it
-    gathers the whole sequence on entry; when the tp ranks split the experts it sums
-    their partial outputs on leaving."""
+    """Where an MoE feed-forward under tensor parallelism meets the rest of its block
+    (`partita.tensor_parallel.moe`): under sequence parallelism it gathers the whole
+    sequence on entry; when the tp ranks split the experts it sums their partial
+    outputs on leaving."""
 
     def enter(self, x: torch.Tensor) -> torch.Tensor: ...
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from partita.comm import GroupComm
 from partita.errors import PartitaError
+from partita.layout import MOE_TP
 from partita.models import plan as roles
 from partita.models.moe import planned_moe_modules
 from partita.sharding import ShardInfo, set_shard_info
@@ -38,12 +39,7 @@ from partita.tensor_parallel.layers import (
     RowParallelLinear,
     region_pre_hook,
 )
-from partita.tensor_parallel.moe import (
-    MOE_TP,
-    SummedOutput,
-    WholeSequence,
-    split_moe_over_tp,
-)
+from partita.tensor_parallel.moe import SummedOutput, WholeSequence, split_moe_over_tp
 from partita.tensor_parallel.sequence import SequenceParallelNorm, SequenceShardedPositions
 from partita.tensor_parallel.vocab import (
     VocabParallelEmbedding,

@@ -36,12 +36,10 @@ from partita.comm import (
     scatter_sequence,
 )
 from partita.errors import PartitaError
-from partita.layout import MOE_TP
 from partita.models.moe import EXPERT_PARAMS, MoE
 from partita.sharding import ShardInfo, set_shard_info, shard_info
 from partita.tensor_parallel import partition as part
 
-__all__ = ["MOE_TP", "ExpertsOverTP", "SummedOutput", "WholeSequence", "split_moe_over_tp"]
 
 class WholeSequence:
     """Sequence parallelism's edges of a feed-forward every tp rank computes on the
