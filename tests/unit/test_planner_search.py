@@ -183,6 +183,22 @@ def test_shorter_sequence_advice():
     assert any("--seq-len 262144" in a for a in advise_layout(req, ev))
 
 
+def test_moe_advice_splits_the_experts_over_tp():
+    # Mixtral on 32 H100s at tp=2 x ep=4 with every expert on both tp ranks needs 136 GB;
+    # splitting them over tp (and sharding optimizer state) fits.
+    req = make_request("mixtral-8x7b", 32, seq_len=4096)
+    ev = evaluate(req, parse_layout("tp=2 ep=4", 32))
+    assert not ev.fits
+    advice = advise_layout(req, ev)
+    assert advice and all("moe_tp=experts" in a for a in advice), advice
+    assert evaluate(req, parse_layout(advice[0].split(": ", 1)[1].split(" fits")[0], 32)).fits
+    # Searched both ways; pinned, one way only.
+    found = search(req, SearchSpace(fixed=(("tp", 2),))).ranked
+    assert {e.layout.moe_tp for e in found} == {"replicate", "experts"}
+    pinned = search(req, SearchSpace(fixed=(("tp", 2), ("moe_tp", "replicate")))).ranked
+    assert pinned and {e.layout.moe_tp for e in pinned} == {"replicate"}
+
+
 def test_unavailable_options_are_not_advised():
     req = make_request("llama3-8b", 2, gpu_type="A100-40GB", seq_len=131072, global_batch=8)
     ev = evaluate(req, parse_layout("tp=2 tp_comm_overlap=true recompute=full "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from partita.layout import OFFLOAD, Layout
+from partita.layout import MOE_TP, OFFLOAD, Layout
 from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
 from partita.planner.hardware import GPUS
 from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
@@ -20,8 +20,9 @@ from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
 def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     """Changes to one layout that does not fit in memory: the fewest knobs changed first
-    (ZeRO stage, microbatch size, recompute), the fastest result among equals, then
-    the same with offload; then changes to the request."""
+    (ZeRO stage, microbatch size, recompute; an MoE model's moe_tp under tp), the
+    fastest result among equals, then the same with offload; then changes to the
+    request."""
     if ev.fits or any(k != MEMORY for k, _ in ev.reasons):
         return []
     lay = ev.layout
@@ -29,11 +30,15 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
     mbs = [lay.microbatch_size >> i for i in range(lay.microbatch_size.bit_length())
            if lay.microbatch_size % (lay.microbatch_size >> i) == 0]
     found: list[tuple[bool, int, float, str]] = []
-    names = ("zero_stage", "microbatch_size", "recompute", "offload")
+    names = ("zero_stage", "microbatch_size", "recompute", "offload", "moe_tp")
     recomputes = [lay.recompute] + [r for r in ("selective", "full") if r != lay.recompute]
     offloads = [lay.offload] + [o for o in OFFLOAD if o != lay.offload]
-    for z, mb, rc, off in itertools.product(zeros, mbs, recomputes, offloads):
-        trial = lay.with_(zero_stage=z, microbatch_size=mb, recompute=rc, offload=off)
+    # MoE blocks under tp: splitting the experts over the tp ranks divides their memory.
+    moe_tps = [lay.moe_tp] + ([m for m in MOE_TP if m != lay.moe_tp]
+                              if req.model.is_moe and lay.tp > 1 else [])
+    for z, mb, rc, off, mt in itertools.product(zeros, mbs, recomputes, offloads, moe_tps):
+        trial = lay.with_(zero_stage=z, microbatch_size=mb, recompute=rc, offload=off,
+                          moe_tp=mt)
         changes = [f"{k}={getattr(trial, k)}" for k in names
                    if getattr(trial, k) != getattr(lay, k)]
         if not changes:
