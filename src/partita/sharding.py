@@ -17,9 +17,16 @@ from partita.models.param_init import ParamInit
 _ATTR = "partita_shard"
 
 
+Cut = tuple[int, int, int]  # (dim, start, stop): narrow(dim, start, stop - start)
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """This rank holds global[name].narrow(dim, start, stop - start); dim None = whole.
+
+    `more` are further cuts along other dimensions, for a tensor two groups split (an
+    expert stack: experts over the expert-parallel ranks, each expert's width over the
+    tensor-parallel ones); only a split tensor has them.
 
     `replicated_over` names the mesh purposes whose members hold identical copies (for
     example "tensor" for a norm weight under tensor parallelism); a gradient norm counts
@@ -32,16 +39,25 @@ class ShardInfo:
     start: int = 0
     stop: int = 0
     replicated_over: tuple[str, ...] = ()
+    more: tuple[Cut, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.more and self.dim is None:
+            raise ValueError(f"{self.name}: further cuts need a first one (dim)")
 
     @property
     def is_split(self) -> bool:
         return self.dim is not None
 
+    @property
+    def cuts(self) -> tuple[Cut, ...]:
+        """Every cut, the first one first."""
+        return () if self.dim is None else ((self.dim, self.start, self.stop), *self.more)
+
     def local_shape(self) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.global_shape
         shape = list(self.global_shape)
-        shape[self.dim] = self.stop - self.start
+        for dim, start, stop in self.cuts:
+            shape[dim] = stop - start
         return tuple(shape)
 
 
@@ -65,7 +81,10 @@ def init_shard(init: ParamInit, info: ShardInfo,
     single-device init."""
     if info.dim is None:
         return init.slice(info.name, info.global_shape, 0, 0, info.global_shape[0], dtype)
-    return init.slice(info.name, info.global_shape, info.dim, info.start, info.stop, dtype)
+    values = init.slice(info.name, info.global_shape, info.dim, info.start, info.stop, dtype)
+    for dim, start, stop in info.more:  # the first cut drawn, the others cut from it
+        values = values.narrow(dim, start, stop - start)
+    return values.contiguous() if info.more else values
 
 
 # A parameter whose gradient is reduced (and whose ZeRO state is sharded) over another

@@ -352,8 +352,9 @@ def compare_to_reference(got: dict, ref: dict, skip_params: tuple[str, ...] = ()
         actual[label] = value
         if key in table:  # else assert_parity reports a quantity the reference lacks
             full = table[key][1]
-            expected[label] = (full.narrow(info.dim, info.start, info.stop - info.start)
-                               if info.is_split else full)
+            for dim, start, stop in info.cuts:
+                full = full.narrow(dim, start, stop - start)
+            expected[label] = full
     return actual, expected
 
 

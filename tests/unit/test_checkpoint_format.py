@@ -29,6 +29,8 @@ def _elements(region: Region) -> torch.Tensor:
     ids = torch.arange(math.prod(region.global_shape)).view(region.global_shape)
     if region.dim is not None:
         ids = ids.narrow(region.dim, region.start, region.stop - region.start)
+    for dim, start, stop in region.more:
+        ids = ids.narrow(dim, start, stop - start)
     return ids.reshape(-1)[region.lo:region.hi]
 
 
@@ -54,6 +56,40 @@ def test_runs_list_exactly_the_regions_elements(shape):
         assert torch.equal(_from_runs(region), _elements(region)), region
         runs = region.runs()
         assert all(a[1] < b[0] for a, b in zip(runs, runs[1:])), "runs increase, never touch"
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (4, 6, 5), (3, 4, 2, 5)])
+def test_runs_of_a_tensor_cut_along_several_dims(shape):
+    rng = random.Random(1)
+    for _ in range(200):
+        dims = sorted(rng.sample(range(len(shape)), rng.choice([2, min(3, len(shape))])))
+        cuts = [(d, *sorted(rng.sample(range(shape[d] + 1), 2))) for d in dims]
+        cuts = [(d, a, b) if a < b else (d, 0, shape[d]) for d, a, b in cuts]
+        rng.shuffle(cuts)  # the first cut need not be the outermost
+        local = math.prod(shape)
+        for d, a, b in cuts:
+            local = local // shape[d] * (b - a)
+        lo, hi = sorted(rng.sample(range(local + 1), 2))
+        region = Region(shape, *cuts[0], lo, hi, tuple(cuts[1:]))
+        assert torch.equal(_from_runs(region), _elements(region)), region
+        runs = region.runs()
+        assert all(a[1] < b[0] for a, b in zip(runs, runs[1:])), "runs increase, never touch"
+
+
+def test_pieces_cut_two_ways_reshard_into_a_one_way_cut():
+    """An expert stack saved as experts over 2 ranks x widths over 2 (two cuts each),
+    read back as experts over 4 ranks and as one whole tensor."""
+    shape = (4, 6, 3)
+    sources = [Region(shape, 0, 2 * e, 2 * e + 2, 0, 2 * 3 * 3, ((1, 3 * w, 3 * w + 3),))
+               for e in range(2) for w in range(2)]
+    index = RunIndex(sources)
+    values = [_elements(r) for r in sources]
+    for target in [Region(shape, 0, e, e + 1, 0, 18) for e in range(4)] + [
+            Region(shape, None, 0, 0, 0, 72)]:
+        got = torch.full((target.numel,), -1)
+        for o in index.find(target):
+            got[o.dst:o.dst + o.length] = values[o.source][o.src:o.src + o.length]
+        assert torch.equal(got, _elements(target)), target
 
 
 def _layout_pieces(shape, dim, parts, flat_parts):

@@ -87,6 +87,12 @@ def test_tensor_parallel_style_shards_equal_slices_of_the_single_device_init(tin
             half = param.shape[dim] // 2
             info = ShardInfo(name, tuple(param.shape), dim, half, param.shape[dim])
             assert torch.equal(init_shard(transformer_init(tiny_model), info), param.narrow(dim, half, half)), name
+        # Cut along both dimensions (an expert stack split over ep and over tp).
+        rows, cols = param.shape
+        info = ShardInfo(name, tuple(param.shape), 1, cols // 2, cols, more=((0, 1, rows - 1),))
+        assert info.local_shape() == (rows - 2, cols - cols // 2)
+        assert torch.equal(init_shard(transformer_init(tiny_model), info),
+                           param[1:rows - 1, cols // 2:]), name
 
 
 def test_parameter_counts_match_the_published_sizes():

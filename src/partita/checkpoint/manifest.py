@@ -26,7 +26,9 @@ from pathlib import Path
 from partita.errors import PartitaError
 
 FORMAT = "partita-checkpoint"
-VERSION = 1
+# The newest format version this partita reads. 2: a piece may be cut along several
+# dimensions ("more"); a checkpoint without such pieces is still written as version 1.
+VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_DIR = re.compile(r"^step-(\d{8,})$")

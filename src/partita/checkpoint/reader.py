@@ -59,7 +59,8 @@ class SavedPieces:
 
     def region(self, name: str, piece: dict) -> Region:
         split = piece["split"] or (None, 0, 0)
-        return Region(self.shapes[name], split[0], split[1], split[2], *piece["flat"])
+        more = tuple(tuple(c) for c in piece.get("more", ()))
+        return Region(self.shapes[name], split[0], split[1], split[2], *piece["flat"], more)
 
     def reader(self, file_index: int) -> FileReader:
         if file_index not in self.readers:
@@ -142,8 +143,7 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
         for sl in pm.dp.owned_slices():
             for pc in sl.pieces:
                 info = pc.entry.info
-                wanted = Region(tuple(info.global_shape), info.dim, info.start, info.stop,
-                                pc.start, pc.stop)
+                wanted = Region.of(info, pc.start, pc.stop)
                 offset = pc.buf_start - sl.lo
                 part = slice(offset, offset + wanted.numel)
                 best = MASTER if sources.has(info.name, MASTER) else WEIGHTS

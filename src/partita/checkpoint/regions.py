@@ -11,7 +11,8 @@ Why runs are few: view the global tensor as [P, D, Q] around the split dimension
 (P = product of the dims before it, Q = of the dims after). The narrowed tensor is
 [P, stop - start, Q], and for each p its elements are one contiguous stretch of the
 global order. So a row split (dim 0) or no split is one run, and a column split of an
-[out, in] matrix is at most `out` runs.
+[out, in] matrix is at most `out` runs. A tensor cut along several dimensions (`more`)
+is the same with D the innermost cut: one stretch per index of the (cut) dims before it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ Run = tuple[int, int, int]  # (global start, global stop, offset within the piec
 
 @dataclass(frozen=True)
 class Region:
-    """global.narrow(dim, start, stop - start).reshape(-1)[lo:hi]; dim None = no split."""
+    """global.narrow(dim, start, stop - start) (then each of `more`'s cuts)
+    .reshape(-1)[lo:hi]; dim None = no split."""
 
     global_shape: tuple[int, ...]
     dim: int | None
@@ -34,6 +36,13 @@ class Region:
     stop: int
     lo: int
     hi: int
+    more: tuple[tuple[int, int, int], ...] = ()  # further (dim, start, stop) cuts
+
+    @classmethod
+    def of(cls, info, lo: int, hi: int) -> Region:
+        """Elements [lo, hi) of the shard a `partita.sharding.ShardInfo` describes."""
+        return cls(tuple(info.global_shape), info.dim, info.start, info.stop, lo, hi,
+                   tuple(info.more))
 
     @property
     def numel(self) -> int:
@@ -44,12 +53,22 @@ class Region:
         if self.dim is None:
             return [(self.lo, self.hi, 0)] if self.hi > self.lo else []
         shape = self.global_shape
-        d, q = shape[self.dim], math.prod(shape[self.dim + 1:])
-        width = (self.stop - self.start) * q  # local elements per index p
+        cuts = {self.dim: (self.start, self.stop), **{d: (a, b) for d, a, b in self.more}}
+        inner = max(cuts)  # each index of the dims before it is one contiguous stretch
+        q = math.prod(shape[inner + 1:])
+        width = (cuts[inner][1] - cuts[inner][0]) * q  # local elements per stretch
+        # The dims before `inner`: their local extents, first global index and strides.
+        outer = [(cuts[d][1] - cuts[d][0], cuts[d][0]) if d in cuts else (shape[d], 0)
+                 for d in range(inner)]
+        strides = [math.prod(shape[d + 1:]) for d in range(inner)]
         out: list[Run] = []
         for p in range(self.lo // width, -(-self.hi // width)):
+            g, rest = cuts[inner][0] * q, p
+            for (extent, first), stride in zip(reversed(outer), reversed(strides)):
+                rest, i = divmod(rest, extent)
+                g += (first + i) * stride
             a, b = max(self.lo, p * width), min(self.hi, (p + 1) * width)
-            g = p * d * q + self.start * q + (a - p * width)
+            g += a - p * width
             if out and out[-1][1] == g:  # a full-width split: the runs touch
                 out[-1] = (out[-1][0], g + b - a, out[-1][2])
             else:

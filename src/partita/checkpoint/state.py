@@ -42,8 +42,11 @@ class PieceState:
 
     def to_json(self) -> dict:
         r = self.region
-        return {"name": self.name, "split": None if r.dim is None else [r.dim, r.start, r.stop],
-                "flat": [r.lo, r.hi], "keys": self.keys}
+        out = {"name": self.name, "split": None if r.dim is None else [r.dim, r.start, r.stop],
+               "flat": [r.lo, r.hi], "keys": self.keys}
+        if r.more:  # cut along further dimensions too (written only then)
+            out["more"] = [list(c) for c in r.more]
+        return out
 
 
 @dataclass
@@ -62,6 +65,7 @@ class RankState:
 
 def piece_key(name: str, state: str, region: Region) -> str:
     split = "whole" if region.dim is None else f"d{region.dim}:{region.start}:{region.stop}"
+    split += "".join(f"+d{d}:{a}:{b}" for d, a, b in region.more)
     return f"{name}|{state}|{split}|{region.lo}:{region.hi}"
 
 
@@ -103,8 +107,7 @@ def copy_state(plan: Capture, own_copy: bool = True) -> RankState:
         copies = {state: t.to("cpu", copy=own_copy) for state, t in held.items() if t is not None}
         for pc in mine:
             info = pc.entry.info
-            region = Region(tuple(info.global_shape), info.dim, info.start, info.stop,
-                            pc.start, pc.stop)
+            region = Region.of(info, pc.start, pc.stop)
             offset = pc.buf_start - sl.lo
             keys = {}
             for state, copy in copies.items():

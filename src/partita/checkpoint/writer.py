@@ -180,6 +180,7 @@ class CheckpointWriter:
             files.append(dict(part["file"], rank=part["rank"], rng=part["rng"]))
             pieces.extend(dict(p, file=index) for p in part["pieces"])
         manifest = dict(fields, step=step, world_size=self.world,
+                        version=version_for(pieces),
                         created=datetime.datetime.now(datetime.UTC).isoformat(),
                         torch_version=torch.__version__,
                         tensors={n: {"shape": s} for n, s in sorted(shapes.items())},
@@ -201,6 +202,13 @@ class CheckpointWriter:
         return final, ""
 
 
+def version_for(pieces: list[dict]) -> int:
+    """The format version a manifest with these pieces needs: 2 when a piece is cut
+    along more than one dimension (a reader of version 1 would misplace it), else 1, so
+    that other checkpoints stay readable by older partita."""
+    return 2 if any(p.get("more") for p in pieces) else 1
+
+
 def manifest_fields(pm, training: dict, config: str = "", layout=None) -> dict:
     """What a manifest records beside the tensors: format, versions, layout (`layout`,
     a partita.layout.Layout, else the mesh's degrees), model, optimizer, precision,
@@ -209,7 +217,7 @@ def manifest_fields(pm, training: dict, config: str = "", layout=None) -> dict:
     import dataclasses
 
     from partita import __version__
-    from partita.checkpoint.manifest import FORMAT, VERSION
+    from partita.checkpoint.manifest import FORMAT
     from partita.layout import DEGREES
 
     dp, dims = pm.dp, pm.mesh.dims
@@ -220,7 +228,7 @@ def manifest_fields(pm, training: dict, config: str = "", layout=None) -> dict:
     master = next((s.master.dtype for s in slices if s.master is not None), param_dtype)
     optim = dp.optim
     return {
-        "format": FORMAT, "version": VERSION, "partita_version": __version__,
+        "format": FORMAT, "partita_version": __version__,
         "layout": layout, "model": model_fields(pm.model_cfg),
         "optimizer": {"name": "adamw", "steps": dp.step_count, "betas": list(optim.betas),
                       "eps": optim.eps, "weight_decay": optim.weight_decay},

@@ -123,7 +123,7 @@ class FlatBuffer:
             "entries": [
                 {"name": e.name, "global_name": e.info.name,
                  "global_shape": e.info.global_shape, "split_dim": e.info.dim,
-                 "split": (e.info.start, e.info.stop), "shape": e.shape,
+                 "split": (e.info.start, e.info.stop), "more": e.info.more, "shape": e.shape,
                  "offset": e.offset, "numel": e.numel}
                 for e in self.entries
             ],
