@@ -57,7 +57,7 @@ def draw(rng: random.Random, world: int) -> tuple[dict, dict, dict]:
     if deg["tp"] > 1:
         parallel["sequence_parallel"] = rng.random() < 0.6
         if model.get("n_experts"):
-            parallel["moe_tp"] = rng.choice(["replicate", "experts"])
+            parallel["moe_tp"] = rng.choice(["replicate", "experts", "hidden"])
             if rng.random() < 0.3:
                 model["shared_experts"] = 1
     if deg["pp"] > 1:
@@ -90,6 +90,7 @@ FEATURES = {
     "MoE with cp": lambda c: bool(c.model.n_experts) and c.parallel.cp > 1,
     "MoE with sp": lambda c: bool(c.model.n_experts) and c.parallel.sequence_parallel,
     "experts split over tp": lambda c: c.parallel.moe_tp == "experts" and c.parallel.tp > 1,
+    "expert widths split over tp": lambda c: c.parallel.moe_tp == "hidden" and c.parallel.tp > 1,
 }
 
 

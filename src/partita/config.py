@@ -179,8 +179,8 @@ class ParallelSection:
     # group, "allgather" gathers them once per layer (docs/context_parallel.md).
     cp_kind: str = "ring"
     # How MoE feed-forwards use the tp group (tp > 1): "replicate" keeps every expert on
-    # every tp rank; "experts" splits the experts over the tp ranks and sums their
-    # partial outputs (docs/expert_parallel.md).
+    # every tp rank; "experts" splits the experts over the tp ranks, "hidden" each
+    # expert's width, and both sum the ranks' partial outputs (docs/expert_parallel.md).
     moe_tp: str = "replicate"
 
 

@@ -145,7 +145,7 @@ RANGES: dict[str, Rule] = {
     "parallel.pp_timeout_s": POSITIVE,
     "parallel.host_memory_budget_gb": POSITIVE,
     "parallel.cp_kind": _choice("ring", "allgather"),
-    "parallel.moe_tp": _choice("replicate", "experts"),
+    "parallel.moe_tp": _choice("replicate", "experts", "hidden"),
     # [precision]
     "precision.param_dtype": _dtype(optional=True),
     "precision.reduce_dtype": _dtype(optional=True),

@@ -30,7 +30,7 @@ OFFLOAD = ("none", "optimizer", "optimizer+params", "optimizer+disk",
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 CP_KINDS = ("ring", "allgather")
 # How MoE feed-forwards use the tensor-parallel group (partita.tensor_parallel.moe).
-MOE_TP = ("replicate", "experts")
+MOE_TP = ("replicate", "experts", "hidden")
 OVERLAP_OPTIONS = ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather")
 
 
@@ -172,7 +172,8 @@ class Layout:
     overlap_param_gather: bool = True
     cp_kind: str = "ring"  # context-parallel attention: ring or allgather (CP_KINDS)
     # How MoE feed-forwards use the tp group: "replicate" (every tp rank holds every
-    # expert) or "experts" (the tp ranks split the experts; partita.tensor_parallel.moe).
+    # expert), "experts" (the tp ranks split the experts) or "hidden" (they split each
+    # expert's width); partita.tensor_parallel.moe.
     moe_tp: str = "replicate"
 
     def __post_init__(self) -> None:
@@ -210,7 +211,13 @@ class Layout:
 
     @property
     def expert_tp(self) -> int:
-        """The tp ranks that split each MoE block's experts between them (1: replicated)."""
+        """The tp ranks that share each MoE block's expert work (1: replicated)."""
+        return self.tp if self.moe_tp != "replicate" else 1
+
+    @property
+    def experts_over_tp(self) -> int:
+        """The tp ranks that split the experts themselves (moe_tp="experts"), so that
+        each runs 1/tp of the routed rows; 1 otherwise."""
         return self.tp if self.moe_tp == "experts" else 1
 
     @property

@@ -102,6 +102,17 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
                                          f"parallel.ep={ep}: every expert-parallel rank holds "
                                          f"as many experts. Use ep among {ok}, or a number "
                                          f"of experts divisible by {ep}."))
+    if lay.moe_tp == "hidden" and lay.tp > 1 and n_experts:
+        widths = {"expert": model.expert_hidden,
+                  "shared experts'": model.shared_experts * model.expert_hidden}
+        for what, width in widths.items():
+            if width and width % lay.tp:
+                out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=hidden splits each "
+                                                 f"expert's width over tp, but the {what} "
+                                                 f"width {width} is not divisible by tp="
+                                                 f"{lay.tp}; use parallel.moe_tp=experts "
+                                                 "or replicate, or another model."
+                                                 "expert_ffn_dim."))
     if lay.moe_tp == "experts" and lay.tp > 1 and n_experts:
         shares = lay.tp * ep
         if n_experts % shares:

@@ -51,8 +51,11 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
             if reduce_group(param) == "zero_shard":
                 full = gather_full(param, name, tp_comm)
             else:  # experts: split over their expert group, then over tp or replicated
+                info = shard_info(param)
                 full = gather_full(param, name, mesh.comm("expert"))
-                if tuple(full.shape) != shard_info(param).global_shape:
+                for dim, _, _ in info.more:  # moe_tp="hidden": each expert's width over tp
+                    full = gather_along(full.contiguous(), tp_comm, dim)
+                if tuple(full.shape) != info.global_shape:
                     full = gather_along(full.contiguous(), tp_comm, 0)  # moe_tp="experts"
             state[name] = full.to("cpu", torch.float32 if full.is_floating_point() and
                                   full.dtype != torch.float64 else full.dtype)

@@ -14,7 +14,9 @@ twice and the statistics must still count once) and selective; tp=2 with sequenc
 parallelism (ZeRO-1, and ZeRO-3 with full recompute and capacity); cp=2 with ep=2 and
 with tp=2 + sp (capacity in both, so queues span the chunks of other ranks); the experts
 split over the tp ranks (moe_tp="experts": with ep=2, with sp + ZeRO-3 + full recompute,
-and over tp=4), and a checkpoint saved that way resumed with every expert on every rank.
+and over tp=4), each expert's width split over tp (moe_tp="hidden": with ep=2, and with
+sp + ZeRO-3 + full recompute), and checkpoints resharded from widths split over tp to
+experts split over tp x ep to every expert on every rank.
 One world of 8 runs
 dp=2 x tp=2 x pp=2 with ep=2: the tensor- and pipeline-parallel case.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from partita.checkpoint.manifest import read_manifest, resolve
 from partita.experts import moe_step_stats
 from partita.models.moe import moe_modules
 from partita.models.transformer import Transformer
@@ -125,6 +128,15 @@ CASES = [
     Case("tp4-sp-experts-top1-capacity",
          moe_cfg(dict(tp=4, sequence_parallel=True, moe_tp="experts"), top_k=1,
                  capacity_factor=1.0), params=True),
+    # The tp ranks split each expert's width (moe_tp="hidden"): every rank runs every
+    # choice through its slice; experts over ep and widths over tp (two cuts).
+    Case("tp2-hidden-ep2-shared-capacity",
+         moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1, moe_tp="hidden"),
+                 capacity_factor=1.25, shared_experts=1), params=True),
+    Case("tp2-sp-hidden-zero3-recompute-full",
+         moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=3, bucket_mb=0.01, recompute="full",
+                      sequence_parallel=True, moe_tp="hidden"),
+                 train=dict(microbatches=2)), params=True),
 ]
 ONE_SIDED = Case("ep4-one-sided", moe_cfg(dict(dp=4, ep=4), top_k=1), params=True,
                  model=all_to_expert_zero)
@@ -169,27 +181,39 @@ def test_expert_parallel_matches_one_process(tmp_path) -> None:
                 save_to=str(tmp_path))
     resume = Case("resume-ep4", moe_cfg(dict(dp=4, ep=4, zero_stage=2)), params=True,
                   resume_from=str(tmp_path))
-    # Experts split over tp x ep (dp2 x tp2 x ep2) resume with each rank holding all
-    # of them (dp4, ZeRO-3 sharding them as ordinary parameters).
-    save_tp = Case("save-tp2-experts-ep2", moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1,
-                                                        moe_tp="experts")),
-                   steps=STEPS // 2, save_to=str(tmp_path / "tp"))
+    # Experts split over ep and their widths over tp (pieces cut two ways) resume with
+    # the experts split over tp x ep; those resume with each rank holding all of them
+    # (dp4, ZeRO-3 sharding them as ordinary parameters).
+    save_hidden = Case("save-tp2-hidden-ep2", moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1,
+                                                            moe_tp="hidden")),
+                       steps=3, save_to=str(tmp_path / "hidden"))
+    save_tp = Case("resume-save-tp2-experts-ep2",
+                   moe_cfg(dict(dp=2, tp=2, ep=2, zero_stage=1, moe_tp="experts")),
+                   steps=6, resume_from=str(tmp_path / "hidden"), save_to=str(tmp_path / "tp"))
     resume_dp = Case("resume-dp4-zero3", moe_cfg(dict(dp=4, zero_stage=3)), params=True,
                      resume_from=str(tmp_path / "tp"))
-    cases = [*CASES, ONE_SIDED, save, resume, save_tp, resume_dp, BALANCED, BALANCED_FULL]
+    cases = [*CASES, ONE_SIDED, save, resume, save_hidden, save_tp, resume_dp, BALANCED,
+             BALANCED_FULL]
     runs = run_layouts(cases, 4, STEPS, probe=record_moe, timeout=300)
     n = len(CASES) + 1
     failures = _check(cases[:n], runs[:n])  # through the one-sided case
     ref = _reference(CASES[0])  # the same model and batches
-    for label, resumed in (("resume-ep4", runs[n + 1]), ("resume-dp4-zero3", runs[n + 3])):
+    for label, resumed, first in (("resume-ep4", runs[n + 1], STEPS // 2),
+                                  ("resume-dp4-zero3", runs[n + 4], 6)):
         for rank, got in enumerate(resumed):
             actual, expected = compare_to_reference(got, ref)
             for key in ("loss", "grad norm"):
-                expected[key] = expected[key][STEPS // 2:]
+                expected[key] = expected[key][first:]
             try:
                 assert_parity(actual, expected, FLOAT64_TOL, f"{label} rank {rank}")
             except AssertionError as exc:
                 failures.append(str(exc))
+    # The pieces cut two ways are written as such, in format version 2 (older partita
+    # refuses it instead of misplacing them); the others stay version 1.
+    two_cuts = read_manifest(resolve(tmp_path / "hidden"))
+    assert two_cuts["version"] == 2
+    assert any(p.get("more") == [[1, 0, 8]] for p in two_cuts["pieces"])
+    assert read_manifest(resolve(tmp_path / "tp"))["version"] == 1
     # Expert parameters per rank: the engine's ledger, as the planner counts them (E/ep
     # of each MoE block, E/(tp*ep) with moe_tp="experts"; stage 0 keeps them whole, ZeRO-3
     # a 1/(dp/ep) slice at rest). At ep=1 the experts are ordinary parameters of their

@@ -1,7 +1,7 @@
 """Mixture of experts from the real command line: `tiny-moe` with expert parallelism
 (ep=2 on 4 processes) trains on the built-in data, logs the auxiliary losses and the
 load imbalance and writes whole experts, the same as with the experts split over
-tp x ep; an MoE layout on a
+tp x ep or their widths over tp; an MoE layout on a
 dense model is refused before launch (the other bad settings: tests/unit/test_moe.py)."""
 
 from __future__ import annotations
@@ -30,17 +30,19 @@ def test_tiny_moe_ep2_trains_and_writes_every_expert_whole(tmp_path, cli):
     weights = load_weights(out / "model.safetensors")
     assert weights["blocks.1.mlp.experts.w_up"].shape[0] == 8
     assert "blocks.0.mlp.experts.w_up" not in weights  # every second block is MoE
-    # The experts split over tp x ep (2 of 8 per rank, shared widths halved) are written
-    # whole too, and equal the first run's: the same training, another layout.
-    split = tmp_path / "tp2-experts"
-    result = cli.train(split, *MOE, "--nproc", "4", "--parallel.tp=2", "--parallel.ep=2",
-                       "--parallel.moe_tp=experts", "--parallel.sequence_parallel=true")
-    assert result.returncode == 0, result.stderr[-3000:]
-    other = load_weights(split / "model.safetensors")
-    assert other.keys() == weights.keys()
-    for name, tensor in weights.items():
-        assert other[name].shape == tensor.shape, name
-        assert (other[name] - tensor).abs().max() <= 1e-10 * tensor.abs().max(), name
+    # The experts split over tp x ep (2 of 8 per rank), or over ep with their widths over
+    # tp, shared widths halved, are written whole too, and equal the first run's: the
+    # same training, other layouts.
+    for mode in ("experts", "hidden"):
+        split = tmp_path / f"tp2-{mode}"
+        result = cli.train(split, *MOE, "--nproc", "4", "--parallel.tp=2", "--parallel.ep=2",
+                           f"--parallel.moe_tp={mode}", "--parallel.sequence_parallel=true")
+        assert result.returncode == 0, result.stderr[-3000:]
+        other = load_weights(split / "model.safetensors")
+        assert other.keys() == weights.keys()
+        for name, tensor in weights.items():
+            assert other[name].shape == tensor.shape, (mode, name)
+            assert (other[name] - tensor).abs().max() <= 1e-10 * tensor.abs().max(), (mode, name)
 
 
 def test_ep_on_a_dense_model_is_refused_before_launch(run_dir, cli):

@@ -40,19 +40,24 @@ def test_bad_moe_settings_say_what_to_change(changes, message):
      "not divisible by parallel.ep=4"),
     (TINY_MOE, Layout(dp=4, tp=4, ep=4, moe_tp="experts"), DIVISIBILITY,
      "tp x ep = 16 ranks, but model.n_experts=8"),
+    (dataclasses.replace(TINY_MOE, expert_ffn_dim=33), Layout(dp=2, tp=2, moe_tp="hidden"),
+     DIVISIBILITY, "the expert width 33 is not divisible by tp=2"),
 ])
 def test_moe_layout_rules(model, layout, kind, text):
     problems = find_problems(layout, model, layout.world_size, seq_len=32, global_batch=8)
     assert any(p.kind == kind and text in p.message for p in problems), problems
     for fine in (Layout(dp=4, ep=4), Layout(dp=2, tp=2, ep=2, sequence_parallel=True),
-                 Layout(dp=2, cp=2, ep=4), Layout(dp=4, tp=2, ep=4, moe_tp="experts")):
+                 Layout(dp=2, cp=2, ep=4), Layout(dp=4, tp=2, ep=4, moe_tp="experts"),
+                 Layout(dp=4, tp=4, ep=4, moe_tp="hidden")):
         assert not find_problems(fine, TINY_MOE, fine.world_size, seq_len=32, global_batch=8)
 
 
 def test_moe_tp_is_checked_and_read_from_text():
     with pytest.raises(PartitaError, match="moe_tp='split' is unknown; choose one of "
-                                           "replicate, experts"):
+                                           "replicate, experts, hidden"):
         Layout(tp=2, moe_tp="split")
+    assert Layout(tp=4, moe_tp="hidden").expert_tp == 4
+    assert Layout(tp=4, moe_tp="hidden").experts_over_tp == 1
     layout = parse_layout("dp=2 tp=2 ep=2 moe_tp=Experts")
     assert layout.moe_tp == "experts" and layout.expert_tp == 2
     assert parse_layout(layout.describe()) == layout

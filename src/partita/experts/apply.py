@@ -10,7 +10,8 @@ Under tensor parallelism every tp rank routes the same tokens and exchanges them
 the ranks of its own expert group. With parallel.moe_tp="replicate" each tp rank holds
 all experts (tagged replicated over "tensor", which is kept); with "experts" tensor
 parallelism has already cut the stack to this tp rank's E/tp experts, and expert
-parallelism divides that block again.
+parallelism divides that block again; with "hidden" it has cut each expert's width,
+and expert parallelism adds the cut of the experts.
 """
 
 from __future__ import annotations
@@ -47,14 +48,18 @@ def apply_expert_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             old = getattr(experts, pname)
             full_name = f"{name}.experts.{pname}"
             before = shard_info(old, full_name)
-            offset = before.start if before.is_split else 0
+            # Already split over tp: a block of experts (moe_tp="experts": ours lies
+            # within it) or each expert's width (moe_tp="hidden": a further cut).
+            offset = before.start if before.dim == 0 else 0
+            more = before.more if before.dim in (0, None) else before.cuts
             if old.is_meta:
                 new = nn.Parameter(torch.empty((n_local, *old.shape[1:]), device="meta",
                                                dtype=old.dtype))
             else:  # a materialised model: keep this rank's rows
                 new = nn.Parameter(old.detach()[first:first + n_local].clone())
             set_shard_info(new, ShardInfo(full_name, before.global_shape, 0, offset + first,
-                                          offset + first + n_local, before.replicated_over))
+                                          offset + first + n_local, before.replicated_over,
+                                          more))
             set_reduce_group(new, "expert_grad_reduce")
             setattr(experts, pname, new)
         experts.first, experts.n_local = experts.first + first, n_local

@@ -191,9 +191,10 @@ class TensorEdges(Protocol):
 
 class ExpertShare(Protocol):
     """This tensor-parallel rank's share of the experts, when the tp ranks split them
-    between them (`partita.tensor_parallel.moe.ExpertsOverTP`). Every tp rank routes
-    the same tokens; each runs only the choices of experts first..first+count-1 (and its
-    slice of the shared experts' width), so its output is a partial sum."""
+    (`partita.tensor_parallel.moe.ExpertsOverTP`). Every tp rank routes the same tokens;
+    each runs only the choices of experts first..first+count-1 (all of them when the
+    ranks split each expert's width instead) with its slice of the shared experts'
+    width, so its output is a partial sum."""
 
     first: int
     count: int
@@ -233,7 +234,7 @@ class MoE(nn.Module):
         # shard of the output and sums the tp ranks' partial outputs (experts split over
         # tp). None: the input is already the whole sequence, the output complete.
         self.edges: TensorEdges | None = None
-        # The tp ranks split the experts between them (parallel.moe_tp="experts").
+        # The tp ranks split the experts or their widths (parallel.moe_tp).
         self.share: ExpertShare | None = None
         # Under context parallelism (`partita.context_parallel.moe_routing`): the
         # per-sequence sums and queue places over every rank's chunks of the sequence.
@@ -260,7 +261,8 @@ class MoE(nn.Module):
             # The experts' inputs and gate weights get partial gradients here, summed
             # over tp by `inputs` in backward; the router's other paths are complete.
             flat, weights = self.share.inputs([flat, weights])
-            chosen, keep = _own_choices(chosen, keep, self.share.first, self.share.count)
+            if self.share.count < self.cfg.n_experts:  # not every expert is here
+                chosen, keep = _own_choices(chosen, keep, self.share.first, self.share.count)
             x = flat.view(b, s, d)
         y = _dispatch(self.dispatch, flat, chosen, weights, keep, self.experts).view(b, s, d)
         if self.shared is not None:

@@ -76,7 +76,7 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
     Raises PartitaError for a layout the model cannot take (names the valid tp degrees)
     and for planned modules left without a parallel type. `dropout_seed` seeds the
     dropout generators; make it differ across data-parallel ranks. `moe_tp` says how
-    MoE feed-forwards use the tp group ("replicate" or "experts", see moe.py).
+    MoE feed-forwards use the tp group ("replicate", "experts" or "hidden", see moe.py).
     """
     tp = comm.size
     if moe_tp not in MOE_TP:
@@ -112,13 +112,13 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
         # so those see what the module computes on (the whole sequence under SP).
         parent.register_forward_pre_hook(region_pre_hook(comm, sequence_parallel),
                                          with_kwargs=True, prepend=True)
-    split_experts = moe_tp == "experts" and tp > 1
+    split = moe_tp != "replicate" and tp > 1  # each tp rank computes a partial output
     for name, moe in planned_moe_modules(model, plan):
         if sequence_parallel:  # computes on the gathered sequence
-            moe.edges = WholeSequence(comm, summed=split_experts)
-        elif split_experts:
+            moe.edges = WholeSequence(comm, summed=split)
+        elif split:
             moe.edges = SummedOutput(comm)
-        report.parallel[name] = ("experts split over tp" if split_experts else "replicated") + (
+        report.parallel[name] = (f"split over tp ({moe_tp})" if split else "replicated") + (
             ", on the whole sequence" if sequence_parallel else "")
     _tie_head(model, plan, ctx)
     _dropouts(model, RegionRNG(dropout_seed, comm.index), set(region_parents), ctx)
@@ -220,9 +220,9 @@ class _Context:
             new = SequenceParallelNorm(module, self.comm) if self.sp else module
         elif role == roles.MOE:
             # Every tp rank routes the same tokens (docs/expert_parallel.md); with
-            # moe_tp="experts" each keeps its share of the experts (moe.py).
-            if self.moe_tp == "experts" and self.tp > 1:
-                split_moe_over_tp(name, module, self.comm)
+            # moe_tp "experts" or "hidden" each keeps its share of the experts (moe.py).
+            if self.moe_tp != "replicate" and self.tp > 1:
+                split_moe_over_tp(name, module, self.comm, self.moe_tp)
             for pname, param in module.named_parameters():
                 if getattr(param, "partita_shard", None) is None:
                     self.replicate(f"{name}.{pname}", param)

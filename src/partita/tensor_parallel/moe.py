@@ -7,14 +7,20 @@ feed-forward is not a column/row pair, so it takes one of two forms:
   experts) and computes the same output. Nothing is exchanged over tp, but the experts'
   compute, weights and activations are not divided by tp.
 - "experts": the tp ranks split the experts between them (Megatron's former
-  "moe-extended-tp"): each holds E/tp of them (then divided again by ep) and 1/tp of the
-  shared experts' width. Every tp rank still routes every token alike (the router is
-  replicated), runs only the choices of its own experts, and the partial outputs are
-  summed over tp on leaving: an all-reduce, or under sequence parallelism the
-  reduce-scatter that also cuts the sequence back. In backward, the experts' inputs and
-  gate weights collect partial gradients on each rank; `ExpertsOverTP.inputs` sums them
-  (f: identity forward, all-reduce backward), while the router's other paths (the
-  auxiliary losses) are complete on every rank already.
+  "moe-extended-tp", or its expert tensor parallelism of 1 with tp ranks counted as
+  expert-parallel ones): each holds E/tp of them (then divided again by ep) and 1/tp of
+  the shared experts' width, and runs only the choices of its own experts.
+- "hidden": the tp ranks split each expert's width (Megatron's expert tensor
+  parallelism equal to tp): each holds every expert (E/ep of them) with 1/tp of its
+  hidden units, and runs every choice through its slice, like a dense tensor-parallel
+  MLP. Balanced whatever the routing, and E need not divide by tp; thinner GEMMs.
+
+In both split forms every tp rank still routes every token alike (the router is
+replicated) and the partial outputs are summed over tp on leaving: an all-reduce, or
+under sequence parallelism the reduce-scatter that also cuts the sequence back. In
+backward, the experts' inputs and gate weights collect partial gradients on each rank;
+`ExpertsOverTP.inputs` sums them (f: identity forward, all-reduce backward), while the
+router's other paths (the auxiliary losses) are complete on every rank already.
 
 Under sequence parallelism the feed-forward computes on the whole sequence, gathered on
 entry (`WholeSequence`), so routing, capacity and the per-sequence balance loss are the
@@ -75,7 +81,8 @@ class SummedOutput:
 
 
 class ExpertsOverTP:
-    """`MoE.share`: this tp rank runs experts first..first+count-1."""
+    """`MoE.share`: this tp rank runs experts first..first+count-1 (all of them under
+    moe_tp="hidden", each through its slice of the width)."""
 
     def __init__(self, comm: GroupComm, first: int, count: int) -> None:
         self.comm, self.first, self.count = comm, first, count
@@ -84,30 +91,44 @@ class ExpertsOverTP:
         return copy_each_to_region(tensors, self.comm)
 
 
-def split_moe_over_tp(name: str, moe: MoE, comm: GroupComm) -> None:
-    """parallel.moe_tp="experts": keep this tp rank's block of the stacked experts and
-    its slice of the shared experts' width, tagged with their ShardInfo (the router
-    stays whole; the caller marks it replicated)."""
+def split_moe_over_tp(name: str, moe: MoE, comm: GroupComm, mode: str = "experts") -> None:
+    """Keep this tp rank's share of an MoE feed-forward, tagged with its ShardInfo:
+    mode "experts" a block of the stacked experts, "hidden" a slice of every expert's
+    width; either way a slice of the shared experts' width. The router stays whole (the
+    caller marks it replicated)."""
     tp, index, n_experts = comm.size, comm.index, moe.cfg.n_experts
-    if n_experts % tp:
-        raise PartitaError(
-            f"parallel.moe_tp='experts' splits the experts over the tp ranks, but "
-            f"model.n_experts={n_experts} is not divisible by parallel.tp={tp}. Use "
-            "parallel.moe_tp='replicate', or a number of experts divisible by tp."
-        )
-    count = n_experts // tp
-    first = index * count
     experts = moe.experts
-    for pname in EXPERT_PARAMS:
-        _keep_slice(experts, pname, f"{name}.experts.{pname}", 0, first, first + count)
-    experts.first, experts.n_local = first, count
+    if mode == "experts":
+        if n_experts % tp:
+            raise PartitaError(
+                f"parallel.moe_tp='experts' splits the experts over the tp ranks, but "
+                f"model.n_experts={n_experts} is not divisible by parallel.tp={tp}. Use "
+                "parallel.moe_tp='hidden' or 'replicate', or experts divisible by tp."
+            )
+        count = n_experts // tp
+        first = index * count
+        for pname in EXPERT_PARAMS:
+            _keep_slice(experts, pname, f"{name}.experts.{pname}", 0, first, first + count)
+        experts.first, experts.n_local = first, count
+        moe.share = ExpertsOverTP(comm, first, count)
+    else:  # "hidden": w_gate, w_up (E, ffn, dim) by rows; w_down (E, dim, ffn) by columns
+        width = experts.w_gate.shape[1]
+        if width % tp:
+            raise PartitaError(
+                f"parallel.moe_tp='hidden' splits each expert's width over the tp ranks, "
+                f"but it is {width}, not divisible by parallel.tp={tp}. Use "
+                "parallel.moe_tp='experts' or 'replicate', or another model.expert_ffn_dim."
+            )
+        lo, hi = index * width // tp, (index + 1) * width // tp
+        for pname, dim in (("w_gate", 1), ("w_up", 1), ("w_down", 2)):
+            _keep_slice(experts, pname, f"{name}.experts.{pname}", dim, lo, hi)
+        moe.share = ExpertsOverTP(comm, 0, n_experts)
     if moe.shared is not None:
         width = moe.shared.w_gate.out_features
         part.check_padded_split(width, tp, f"{name}.shared width")
         lo, hi = part.padded_split(width, tp, index)
         for pname, dim in (("w_gate", 0), ("w_up", 0), ("w_down", 1)):
             _keep_linear_slice(moe.shared, pname, f"{name}.shared.{pname}", dim, lo, hi)
-    moe.share = ExpertsOverTP(comm, first, count)
 
 
 def _keep_slice(module: nn.Module, attr: str, full_name: str, dim: int, start: int,
