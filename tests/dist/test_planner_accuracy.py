@@ -97,7 +97,9 @@ CASES = {
         # Experts split over tp x ep: a quarter of them per rank, the partial outputs
         # summed over tp (reduce-scatter under sp, all-reduce without).
         Case(dp=2, tp=2, ep=2, zero=3, sp=True, moe_tp="experts", shape=MOE),
-        Case(dp=2, tp=2, ep=2, zero=1, moe_tp="experts", dtype=BF16, shape=MOE)],
+        Case(dp=2, tp=2, ep=2, zero=1, moe_tp="experts", dtype=BF16, shape=MOE),
+        # Each expert's width split over tp (experts over ep: two cuts).
+        Case(dp=2, tp=2, ep=2, zero=3, sp=True, moe_tp="hidden", shape=MOE)],
     8: [Case(dp=8, zero=3, dtype=BF16), Case(dp=8, zero=2)],
 }
 STATES_TOL, ACTIVATIONS_TOL, COMM_TOL = 0.02, 0.02, 0.02

@@ -114,6 +114,9 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                # Experts split over tp x ep (one of four per rank).
                Case(dp=2, tp=2, ep=2, zero=3, sp=True, moe_tp="experts", shape=moe),
                Case(dp=2, tp=2, ep=2, zero=1, moe_tp="experts", shape=half),
+               # Each expert's width split over tp.
+               Case(dp=2, tp=2, ep=2, zero=3, sp=True, moe_tp="hidden", shape=moe),
+               Case(dp=2, tp=2, ep=2, zero=1, moe_tp="hidden", shape=half),
                Case(cp=4, ep=4, cp_kind="allgather", shape=half),
                Case(dp=2, pp=2, ep=2, microbatches=2, shape=moe),
                Case(dp=4, ep=2, zero=3, recompute="full", shape=half)]

@@ -83,7 +83,7 @@ class Case:
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_kind: str = "ring"  # ring or allgather
     ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
-    moe_tp: str = "replicate"  # MoE blocks under tp: replicated, or "experts" split
+    moe_tp: str = "replicate"  # MoE blocks under tp: replicated, "experts" or "hidden" split
 
     @property
     def world(self) -> int:
@@ -110,8 +110,8 @@ class Case:
             parts.append(f"cp{self.cp}" + ("ag" if self.cp_kind == "allgather" else ""))
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        if self.moe_tp == "experts":
-            parts[-1] += "et"  # experts split over tp
+        if self.moe_tp != "replicate":
+            parts[-1] += {"experts": "et", "hidden": "ht"}[self.moe_tp]  # split over tp
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + (f" {self.schedule}" if self.schedule != "1f1b" else ""))
         parts[-1] += f" m{self.microbatches}" if self.microbatches > 1 else ""

@@ -106,7 +106,8 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
               precision: Precision = MIXED) -> dict[str, float]:
     """What an MoE feed-forward saves besides its input (partita's `models.moe`, balanced
     routing, dropless). Every tp rank routes every token; with parallel.moe_tp="experts"
-    its experts take 1/tp of the choices, so the per-row terms divide by tp.
+    its experts take 1/tp of the choices, so the per-row terms divide by tp ("hidden":
+    every choice, each through 1/tp of an expert's width).
 
     The dispatch and combine buffers are activations: the rows each rank's experts
     receive through the all-to-all (top_k per token when routing is balanced) are saved
@@ -117,7 +118,7 @@ def moe_terms(model: PlanModel, layout: Layout, seq_len: int,
     k, n_e = model.moe.top_k, model.moe.num_experts
     e = precision.activation
     n = seq_len / layout.cp * layout.microbatch_size  # tokens this rank routes
-    rows = k * n / layout.expert_tp  # the choices this rank's experts run
+    rows = k * n / layout.experts_over_tp  # the choices this rank's experts run
     b = layout.microbatch_size
     return {
         # Input of each expert's up and gate projections (after the all-to-all).
@@ -178,7 +179,7 @@ def mlp_hidden_bytes(model: PlanModel, layout: Layout, seq_len: int,
     c = model.config
     s, b, e = seq_len / layout.cp, layout.microbatch_size, precision.activation
     tensors = assumptions.swiglu_saved_tensors if c.gated_mlp else 2
-    if model.is_moe:  # experts are whole, replicated or split over tp (moe_tp)
+    if model.is_moe:  # experts are replicated, or split over tp by experts or width
         return model.moe.top_k * tensors * e * s * b * model.expert_ffn / layout.expert_tp
     return tensors * e * s * b * c.ffn_hidden / layout.tp
 

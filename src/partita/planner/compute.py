@@ -143,10 +143,10 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     # spread over the experts of this rank (fewer rows each: less efficient).
     mlp_rows = tokens
     mlp_count = 1.0
-    mlp_t = t  # dense MLPs are tensor-parallel; experts are whole, replicated or split
-    if model.is_moe:  # over tp (moe_tp): each tp rank then holds E / (tp * ep) of them
-        mlp_t = 1
-        local_experts = model.moe.num_experts / (layout.ep * layout.expert_tp)
+    mlp_t = t  # dense MLPs are tensor-parallel; experts: see moe_tp
+    if model.is_moe:  # replicated or split over tp by experts (E / (tp * ep) per rank)
+        mlp_t = t if layout.moe_tp == "hidden" else 1  # ... or by width (E / ep, ffn / tp)
+        local_experts = model.moe.num_experts / (layout.ep * layout.experts_over_tp)
         mlp_rows = tokens * model.moe.top_k * layout.ep / model.moe.num_experts
         mlp_count = local_experts
     kv_local = math.ceil(c.kv_heads / t) * c.head_dim if kv else 0

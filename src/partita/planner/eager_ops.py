@@ -81,7 +81,7 @@ def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[fl
     `elem_bytes`-wide parameters; an MoE model's blocks are MoE blocks
     (`PlanModel.dense_blocks` gives the dense ones)."""
     if model.is_moe:
-        experts = model.moe.num_experts / (layout.ep * layout.expert_tp)
+        experts = model.moe.num_experts / (layout.ep * layout.experts_over_tp)
         fwd = MOE_BLOCK_OPS[0] + experts * EXPERT_OPS[0]
         bwd = MOE_BLOCK_OPS[1] + experts * EXPERT_OPS[1]
     else:

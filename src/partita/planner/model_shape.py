@@ -85,8 +85,9 @@ class PlanModel:
 
         An MoE block (`moe`, on an MoE model) is replicated over tp except attention, as
         partita's expert parallelism runs it: router, shared experts and experts whole;
-        with `experts_over_tp` (parallel.moe_tp="experts") the tp ranks split the experts
-        and the shared experts' width, and only the router stays whole.
+        with `experts_over_tp` (parallel.moe_tp "experts" or "hidden") the tp ranks split
+        the experts (or their widths) and the shared experts' width, and only the router
+        stays whole.
 
         K/V projections with fewer kv heads than tp ranks are replicated so that each
         rank still holds the kv head its query heads use (`whole_kv`: every kv head, as

@@ -168,7 +168,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     tp_colls = 4 + (2 * share * reruns if layout.recompute == "full" else 0)
     # An MoE block's FFN replicated over tp: attention's collectives only, and under sp
     # the all-gather of the FFN's input (forward) and of its output gradient (backward),
-    # half an all-reduce's bytes each. Its experts split over tp (moe_tp="experts"): an
+    # half an all-reduce's bytes each. Split over tp (moe_tp "experts" or "hidden"): an
     # all-reduce of the output forward and of the input gradient backward, like a dense
     # MLP; under sp the forward is an all-gather and a reduce-scatter, the backward an
     # all-gather and an all-reduce of the whole sequence: half an all-reduce more.
@@ -191,7 +191,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # forward's again in each rerun (the rerun routes identically). With the experts
     # split over tp, each tp rank sends only its own experts' share of the choices.
     ep_colls = 4 + 2 * full_reruns
-    ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act / layout.expert_tp
+    ep_vol = (ep_colls * (ep - 1) / ep * model.moe.top_k * act / layout.experts_over_tp
               if ep > 1 else 0.0)
     link, le = link_eff(t * ep)
     ep_s = moe_frac * _collective_time(ep_vol, ep, ep_colls, link, le, a)
