@@ -43,6 +43,8 @@ def run_info(args: argparse.Namespace) -> int:
     degrees = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in layout)
     policies = ", ".join(f"{k}={layout[k]}" for k in ("zero_stage", "schedule", "virtual_stages",
                                                       "sequence_parallel") if k in layout)
+    if layout.get("moe_tp", "replicate") != "replicate":
+        policies += f", moe_tp={layout['moe_tp']}"
     count = {}
     for p in m["pieces"]:
         count[p["name"]] = count.get(p["name"], 0) + 1
