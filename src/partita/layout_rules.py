@@ -88,8 +88,9 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
 
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
-    """Expert parallelism needs MoE blocks whose experts split evenly over ep (and over
-    tp x ep when the tp ranks split them too)."""
+    """Expert parallelism needs MoE blocks whose experts split evenly over ep; splitting
+    them over tp too needs E divisible by tp x ep (moe_tp=experts) or each expert's width
+    by tp (moe_tp=hidden), and a shared-expert width of at least tp."""
     out, ep, n_experts = [], lay.ep, getattr(model, "n_experts", 0)
     if ep > 1 and not n_experts:
         out.append(Problem(CONSTRAINT, f"parallel.ep={ep} spreads experts over ranks, but "
@@ -102,31 +103,26 @@ def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
                                          f"parallel.ep={ep}: every expert-parallel rank holds "
                                          f"as many experts. Use ep among {ok}, or a number "
                                          f"of experts divisible by {ep}."))
-    if lay.moe_tp == "hidden" and lay.tp > 1 and n_experts:
-        widths = {"expert": model.expert_hidden,
-                  "shared experts'": model.shared_experts * model.expert_hidden}
-        for what, width in widths.items():
-            if width and width % lay.tp:
-                out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=hidden splits each "
-                                                 f"expert's width over tp, but the {what} "
-                                                 f"width {width} is not divisible by tp="
-                                                 f"{lay.tp}; use parallel.moe_tp=experts "
-                                                 "or replicate, or another model."
-                                                 "expert_ffn_dim."))
-    if lay.moe_tp == "experts" and lay.tp > 1 and n_experts:
-        shares = lay.tp * ep
-        if n_experts % shares:
-            out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=experts splits the experts "
-                                             f"over tp x ep = {shares} ranks, but "
-                                             f"model.n_experts={n_experts} is not divisible "
-                                             f"by {shares}. Use parallel.moe_tp=replicate, "
-                                             "or degrees whose product divides "
-                                             f"{n_experts}."))
-        elif model.shared_experts and model.shared_experts * model.expert_hidden < lay.tp:
-            out.append(Problem(DIVISIBILITY, "parallel.moe_tp=experts splits the shared "
-                                             "experts' width over tp, but it is "
-                                             f"{model.shared_experts * model.expert_hidden}"
-                                             f" < tp={lay.tp}; use moe_tp=replicate."))
+    if lay.moe_tp == "replicate" or lay.tp == 1 or not n_experts:
+        return out
+    shared = model.shared_experts * model.expert_hidden
+    if shared and shared < lay.tp:
+        out.append(Problem(DIVISIBILITY, f"parallel.moe_tp={lay.moe_tp} splits the shared "
+                                         f"experts' width over tp, but it is {shared} < tp="
+                                         f"{lay.tp}; use parallel.moe_tp=replicate."))
+    if lay.moe_tp == "experts" and n_experts % (lay.tp * ep):
+        out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=experts splits the experts over "
+                                         f"tp x ep = {lay.tp * ep} ranks, but "
+                                         f"model.n_experts={n_experts} is not divisible by "
+                                         f"{lay.tp * ep}. Use parallel.moe_tp=hidden or "
+                                         "replicate, or degrees whose product divides "
+                                         f"{n_experts}."))
+    if lay.moe_tp == "hidden" and model.expert_hidden % lay.tp:
+        out.append(Problem(DIVISIBILITY, f"parallel.moe_tp=hidden splits each expert's width "
+                                         f"over tp, but the expert width "
+                                         f"{model.expert_hidden} is not divisible by tp="
+                                         f"{lay.tp}; use parallel.moe_tp=experts or "
+                                         "replicate, or another model.expert_ffn_dim."))
     return out
 
 

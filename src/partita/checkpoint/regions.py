@@ -21,6 +21,10 @@ import bisect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # sharding imports torch; a Region is plain numbers
+    from partita.sharding import ShardInfo
 
 Run = tuple[int, int, int]  # (global start, global stop, offset within the piece)
 
@@ -39,7 +43,7 @@ class Region:
     more: tuple[tuple[int, int, int], ...] = ()  # further (dim, start, stop) cuts
 
     @classmethod
-    def of(cls, info, lo: int, hi: int) -> Region:
+    def of(cls, info: ShardInfo, lo: int, hi: int) -> Region:
         """Elements [lo, hi) of the shard a `partita.sharding.ShardInfo` describes."""
         return cls(tuple(info.global_shape), info.dim, info.start, info.stop, lo, hi,
                    tuple(info.more))
