@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forwards under tensor parallelism (`parallel.moe_tp`).
 
 Attention and the dense MLPs are split over the tensor-parallel group; an MoE
-feed-forward is not a column/row pair, so it takes one of two forms:
+feed-forward is not a column/row pair, so it takes one of three forms:
 
 - "replicate": every tp rank holds the whole feed-forward (router, all experts, shared
   experts) and computes the same output. Nothing is exchanged over tp, but the experts'
@@ -147,13 +147,8 @@ def _keep_slice(module: nn.Module, attr: str, full_name: str, dim: int, start: i
 
 def _keep_linear_slice(parent: nn.Module, attr: str, full_name: str, dim: int, start: int,
                        stop: int) -> None:
-    """Replace the bias-free nn.Linear `parent.attr` by its slice along `dim` of the
+    """Cut the bias-free nn.Linear `parent.attr` in place to its slice along `dim` of the
     weight (0: output features, 1: input features)."""
-    old = getattr(parent, attr)
-    shape = list(old.weight.shape)
-    shape[dim] = stop - start
-    new = nn.Linear(shape[1], shape[0], bias=False, device=old.weight.device,
-                    dtype=old.weight.dtype)
-    setattr(parent, attr, new)
-    new.weight = old.weight
-    _keep_slice(new, "weight", f"{full_name}.weight", dim, start, stop)
+    linear = getattr(parent, attr)
+    _keep_slice(linear, "weight", f"{full_name}.weight", dim, start, stop)
+    linear.out_features, linear.in_features = linear.weight.shape
