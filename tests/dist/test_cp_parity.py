@@ -33,7 +33,6 @@ from tests.dist.step_probes import record_steps
 STEPS = 3
 MHA = {**PARITY_MODEL, "n_kv_heads": 4}  # the parity model has 2 kv heads for 4 heads
 TRAIN = dict(lr=1e-2)
-NOISE = ("attn.wk.bias",)  # zero in exact arithmetic (see test_tp_zero.py)
 
 
 def _case(name: str, model: dict = PARITY_MODEL, zero: bool = False, **parallel) -> Case:
@@ -61,7 +60,7 @@ def test_cp2_ring_and_allgather_match_single_process() -> None:
         _case("cp2-allgather-mha-recompute-selective", MHA, cp=2, cp_kind="allgather",
               recompute="selective"),
     ]
-    runs = check_layouts(cases, 2, STEPS, probe=record_context_bytes, skip_params=NOISE)
+    runs = check_layouts(cases, 2, STEPS, probe=record_context_bytes)
     # Bytes sent per step: the planner's figure (a forward's exchanges once more per
     # recomputed layer), exactly: every shard has the same size.
     fp64 = Precision(param=8, grad=8, master=0, optimizer=16, activation=8)
@@ -86,14 +85,14 @@ def test_cp4_and_cp_with_dp_zero_and_tp_match_single_process() -> None:
         _case("cp2-tp2-sp-ring-gqa", cp=2, tp=2, sequence_parallel=True),
         _case("cp2-tp2-allgather-mha", MHA, cp=2, tp=2, cp_kind="allgather"),
         _case("cp2-pp2-ring-gqa", cp=2, pp=2),
-    ], 4, STEPS, skip_params=NOISE)
+    ], 4, STEPS)
 
 
 def test_cp_tp_sp_pp_on_8_processes_matches_single_process() -> None:
     # Every dimension that shards the model or the sequence at once: the ring inside a
     # pipeline stage, on heads split over tp, with the sequence split over tp as well.
     check_layouts([_case("cp2-tp2-sp-pp2-ring-gqa", cp=2, tp=2, pp=2,
-                         sequence_parallel=True)], 8, 2, skip_params=NOISE, timeout=400)
+                         sequence_parallel=True)], 8, 2, timeout=400)
 
 
 def test_a_cp_checkpoint_resumes_in_another_layout(tmp_path) -> None:
@@ -108,7 +107,7 @@ def test_a_cp_checkpoint_resumes_in_another_layout(tmp_path) -> None:
     for rank, got in enumerate(ranks):
         assert got["losses"] == pytest.approx(ref["losses"][2:], rel=FLOAT64_TOL)
         assert_parity(*compare_to_reference({"params": got["params"], "val": got["val"]},
-                                            ref, NOISE), FLOAT64_TOL, f"resume rank {rank}")
+                                            ref), FLOAT64_TOL, f"resume rank {rank}")
 
 
 @pytest.mark.skipif(not os.environ.get("PARTITA_16_PROCESSES"),
@@ -119,4 +118,4 @@ def test_dp_cp_tp_pp_all_at_two_on_16_processes_matches_single_process() -> None
     # above leaves dp at 1. ZeRO-1 over the dp x cp ranks, ring attention inside a stage.
     check_layouts([_case("dp2-cp2-tp2-sp-pp2-zero1", zero=True, dp=2, cp=2, tp=2, pp=2,
                          sequence_parallel=True, zero_stage=1)],
-                  16, 2, skip_params=NOISE, timeout=900)
+                  16, 2, timeout=900)
