@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 from partita.errors import PartitaError
@@ -27,6 +28,7 @@ PIPELINE_POINTS = ("pipeline_send", "pipeline_recv")
 # On the checkpoint writer's thread, before it writes the checkpoint of that step.
 CHECKPOINT_POINTS = ("checkpoint_write",)
 KINDS = ("kill", "stop", "raise")
+INJECTED = "partita: injecting fault:"  # the line a rank prints as it fires its fault
 # The write at this point fails as on a full disk.
 WRITE_KINDS = ("enospc",)
 ENV = "PARTITA_FAULT"
@@ -83,6 +85,9 @@ class Faults:
         if plan is None or plan.at != point or plan.step != step:
             return
         self.plan = None  # once
+        # Said first, so that a test can tell a job that failed before its fault was due
+        # (a rank slower than the timeouts on a loaded machine) from the fault's effect.
+        print(f"{INJECTED} {plan.do} at {point} of step {step}", file=sys.stderr, flush=True)
         if plan.do == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif plan.do == "stop":
