@@ -250,6 +250,35 @@ class _CopyToRegion(torch.autograd.Function):
         return grad, None
 
 
+class _CopyEachToRegion(torch.autograd.Function):
+    """f on several tensors: one all-reduce per dtype of their gradients in backward,
+    not one per tensor (each all-reduce of a small gradient costs mostly latency).
+    Gradients are materialised (zeros for an output that took no part), so every rank
+    reduces the same tensors whatever its data did."""
+
+    @staticmethod
+    def forward(ctx, comm, *xs):
+        ctx.comm = comm
+        return xs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out: list[torch.Tensor | None] = list(grads)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, g in enumerate(grads):
+            if g is not None:
+                by_dtype.setdefault(g.dtype, []).append(i)
+        for indices in by_dtype.values():
+            # torch.cat copies, so the reduction never touches a gradient autograd may
+            # also hand to another consumer (see _CopyToRegion).
+            flat = torch.cat([grads[i].reshape(-1) for i in indices])
+            ctx.comm.all_reduce(flat)
+            sizes = [grads[i].numel() for i in indices]
+            for i, piece in zip(indices, flat.split(sizes)):
+                out[i] = piece.view(grads[i].shape)
+        return (None, *out)
+
+
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm):
@@ -359,8 +388,9 @@ def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
 def copy_each_to_region(tensors: list[torch.Tensor], comm: GroupComm) -> list[torch.Tensor]:
     """`copy_to_region` of each tensor, in one call: compiled code breaks its graph once
     for all of them (a break inside a comprehension would make dynamo give up on the
-    whole calling function and run it eagerly)."""
-    return tensors if comm.size == 1 else [_CopyToRegion.apply(x, comm) for x in tensors]
+    whole calling function and run it eagerly), and backward sums their gradients over
+    the group in one all-reduce per dtype."""
+    return tensors if comm.size == 1 else list(_CopyEachToRegion.apply(comm, *tensors))
 
 
 @EagerOnly

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from partita.comm import copy_each_to_region
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.testing import run_distributed
@@ -81,4 +82,35 @@ def _worker(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_gloo_flat_collectives(world: int) -> None:
     for rank, problems in enumerate(run_distributed(_worker, world, timeout=120)):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+def _copy_each_worker(rank: int, world: int) -> list[str]:
+    """copy_each_to_region: identity forward; backward each input's gradient summed over
+    the group (zero for an output left unused), one all-reduce per dtype."""
+    comm = Mesh(Layout(tp=world), rank, world).comm("tensor")
+    shapes = {"a": ((3, 4), torch.float64), "b": ((5,), torch.float32),
+              "c": ((2, 2), torch.float64), "unused": ((3,), torch.float64)}
+    xs = [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape, dtype in shapes.values()]
+    outs = copy_each_to_region(xs, comm)
+    problems = [f"{name}: forward is not the identity"
+                for name, x, y in zip(shapes, xs, outs) if not torch.equal(x, y)]
+    calls = comm.counter.calls
+    # Each rank's gradient of output i is (rank + 1) * (i + 1) everywhere.
+    loss = sum(((rank + 1) * (i + 1) * y).sum() for i, y in enumerate(outs[:3]))
+    loss.backward()
+    total = world * (world + 1) // 2
+    for i, (name, x) in enumerate(list(zip(shapes, xs))[:3]):
+        if not torch.equal(x.grad, torch.full_like(x, total * (i + 1))):
+            problems.append(f"{name}: gradient {x.grad.flatten()[:3]} is not the group's sum")
+    if not torch.equal(xs[3].grad, torch.zeros(3, dtype=torch.float64)):
+        problems.append("an unused output's gradient is not zero")
+    reductions = sum(n for (_, op), n in calls.items() if op == "all_reduce")
+    if reductions != 2:
+        problems.append(f"{reductions} all-reduces, not 2")
+    return problems
+
+
+def test_copy_each_to_region_sums_every_gradient_in_one_reduction_per_dtype() -> None:
+    for rank, problems in enumerate(run_distributed(_copy_each_worker, 2, timeout=120)):
         assert problems == [], f"rank {rank}: {problems}"

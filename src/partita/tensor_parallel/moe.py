@@ -19,7 +19,8 @@ In both split forms every tp rank still routes every token alike (the router is
 replicated) and the partial outputs are summed over tp on leaving: an all-reduce, or
 under sequence parallelism the reduce-scatter that also cuts the sequence back. In
 backward, the experts' inputs and gate weights collect partial gradients on each rank;
-`ExpertsOverTP.inputs` sums them (f: identity forward, all-reduce backward), while the
+`ExpertsOverTP.inputs` sums them (f: identity forward, one all-reduce of both in
+backward), while the
 router's other paths (the auxiliary losses) are complete on every rank already.
 
 Under sequence parallelism the feed-forward computes on the whole sequence, gathered on
