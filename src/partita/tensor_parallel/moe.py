@@ -20,8 +20,8 @@ replicated) and the partial outputs are summed over tp on leaving: an all-reduce
 under sequence parallelism the reduce-scatter that also cuts the sequence back. In
 backward, the experts' inputs and gate weights collect partial gradients on each rank;
 `ExpertsOverTP.inputs` sums them (f: identity forward, one all-reduce of both in
-backward), while the
-router's other paths (the auxiliary losses) are complete on every rank already.
+backward), while the router's other paths (the auxiliary losses) are complete on every
+rank already.
 
 Under sequence parallelism the feed-forward computes on the whole sequence, gathered on
 entry (`WholeSequence`), so routing, capacity and the per-sequence balance loss are the
