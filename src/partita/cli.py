@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from partita.errors import PartitaError, Stopped, closest, stop_on_signals
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as exc:
         print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
         return exc.exit_code
+    except BrokenPipeError:
+        # The reader went away (`partita plan ... | head`): end quietly. Python flushes
+        # stdout again at exit, so point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

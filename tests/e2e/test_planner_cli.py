@@ -117,6 +117,16 @@ def test_png(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("command", [["plan", "--model", "tiny", "--gpus", "4"],
+                                     ["schedule", "1f1b", "--stages", "2", "--microbatches", "2"]])
+def test_a_png_that_cannot_be_written_is_refused_first(tmp_path, capsys, command):
+    for png, says in ((tmp_path / "missing" / "x.png", "does not exist"),
+                      (tmp_path, "is a folder")):
+        assert main([*command, "--png", str(png)]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and captured.out == ""  # nothing computed or printed
+
+
 def test_implementation_chooses_whose_activations_are_counted(capsys):
     """`--implementation partita` counts partita's own eager model, loss transients
     included (see docs/benchmarks.md, "On a GPU"); fused is the GPU default."""
@@ -196,6 +206,11 @@ def test_closed_pipe_and_fast_start(tmp_path):
                           "--gpus 64 | head -1", shell=True, capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.stdout.startswith("llama3-8b") and "Traceback" not in proc.stderr
+    # Every command ends quietly on a closed pipe, not only plan.
+    proc = subprocess.run(f"'{sys.executable}' -m partita.cli schedule 1f1b --stages 4 "
+                          "--microbatches 256 | head -1", shell=True, capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.stdout.startswith("1f1b") and "Traceback" not in proc.stderr, proc.stderr
     full = subprocess.run([sys.executable, "-c", code, "plan", "--model", "tiny", "--gpus",
                            "2"], capture_output=True, text=True, env=env, timeout=120)
     assert full.returncode == 0, full.stderr

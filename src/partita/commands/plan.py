@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from partita.commands import check_output_file
 from partita.errors import PartitaError, require_in_range
 
 
@@ -75,19 +76,6 @@ MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan; a closed pipe (`partita plan ... | head`) ends quietly."""
-    try:
-        return _run(args)
-    except BrokenPipeError:
-        import os
-        import sys
-
-        # Python flushes stdout again at exit; point it at nothing so that is quiet too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-
-
-def _run(args: argparse.Namespace) -> int:
     from partita.layout import parse_layout
     from partita.planner import report
     from partita.planner.advice import advise_layout, advise_search
@@ -107,6 +95,8 @@ def _run(args: argparse.Namespace) -> int:
     require_in_range("--seq-len", args.seq_len, 2, 1 << 22)
     require_in_range("--global-batch", args.global_batch, 1, 1 << 24, "sequences per step")
     require_in_range("--top", args.top, 1, 10_000)
+    if args.png:
+        check_output_file(args.png, "--png")
     if (args.model is None) == (args.model_shape is None):
         raise PartitaError("give the model with --model NAME_OR_TOML or --model-shape "
                            "layers=...,hidden=...,heads=...,vocab=...,seq=... (one of them).")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from partita.commands import check_output_file
 from partita.errors import require_in_range
 from partita.pipeline import (
     build_schedule,
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
     require_in_range("--stages", args.stages, 1, MAX_CELLS)
     require_in_range("--microbatches", args.microbatches, 1, MAX_CELLS)
     require_in_range("--virtual", args.virtual, 1, 64)
+    if args.png:
+        check_output_file(args.png, "--png")
     cells = args.stages * args.microbatches * (args.virtual or 1)
     require_in_range("--stages x --microbatches x --virtual", cells, 1, MAX_CELLS,
                      "draw a smaller pipeline (the schedule's shape repeats)")
