@@ -96,6 +96,21 @@ def test_model_and_hardware_files(tmp_path, capsys):
         load_gpu_profiles(bad)
 
 
+def test_a_runs_own_config_toml_plans_as_it_trained(tmp_path, capsys):
+    from partita.config import load_config
+
+    run = tmp_path / "config.toml"  # what `partita train` writes beside its results
+    run.write_text(load_config(None, ["--model.n_layers=3", "--model.dim=64"]).to_toml())
+    assert 'init_from = ""' in run.read_text()
+    shape = tmp_path / "shape.toml"
+    shape.write_text('[model]\nname = "tiny"\nn_layers = 3\ndim = 64\n')
+    counts = []
+    for model in (run, shape, "tiny"):
+        assert main(["plan", "--model", str(model), "--gpus", "2", "--json"]) == 0
+        counts.append(json.loads(capsys.readouterr().out)["parameters"])
+    assert counts[0] == counts[1] != counts[2]
+
+
 def test_catalog_entries_cite_sources():
     for name, gpu in GPUS.items():
         assert gpu.source and gpu.peak_flops > 1e14 and gpu.memory_bytes >= 40e9, name

@@ -155,7 +155,14 @@ def resolve_model(name_or_path: str) -> PlanModel:
         # Same [model] table as a training config: an optional catalog `name` whose
         # shape the other fields override (so a run's config.toml plans as it trained).
         table = dict(data["model"])
-        base = get_model_config(table.pop("name")) if "name" in table else ModelConfig()
+        init_from = table.pop("init_from", "")  # a run's config.toml always has it
+        if init_from:  # the shape of the Hugging Face folder the run started from
+            from partita.models.hf_config import model_config_from_hf
+
+            base = model_config_from_hf(init_from)
+        else:
+            base = get_model_config(table.pop("name")) if "name" in table else ModelConfig()
+        table.pop("name", None)
         return PlanModel(path.stem, ModelConfig.from_dict({**base.to_dict(), **table}), moe)
     return PlanModel(name_or_path, get_model_config(name_or_path))
 
