@@ -345,6 +345,8 @@ def _convert(dotted: str, raw: object, target: type) -> object:
         if isinstance(raw, str) and raw.lower() in ("none", "null", ""):
             return None
     try:
+        if isinstance(raw, bool) and target is not bool:  # TOML `steps = true`: int(True) is 1
+            raise ValueError(raw)
         if target is bool:
             if isinstance(raw, bool):
                 return raw
@@ -393,6 +395,10 @@ PEER_NAMES = {
 
 def _unknown_hint(dotted: str) -> str:
     """' Did you mean X?': partita's key for another trainer's name, else the closest."""
+    if "." not in dotted:  # one of partita's keys given without its section
+        owners = [k for k in _all_keys() if k.partition(".")[2] == dotted]
+        if owners:
+            return f" Did you mean {' or '.join(repr(k) for k in owners)}?"
     peer = PEER_NAMES.get(dotted.partition(".")[2] or dotted)
     if peer:
         return f" Did you mean '{peer}' (partita's name for it)?"
@@ -422,9 +428,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            bare = arg.lstrip("-").split("=")[0]  # a key without its section?
+            hint = _unknown_hint(bare) if arg.startswith("--") and bare else ""
             raise PartitaError(
                 f"cannot read the argument '{arg}': settings are given as "
-                "--section.key=value (for example --train.steps=100)."
+                f"--section.key=value (for example --train.steps=100).{hint}"
             )
         if "=" in arg:
             key, value = arg[2:].split("=", 1)

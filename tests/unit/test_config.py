@@ -49,6 +49,22 @@ def test_bad_values_and_files():
         load_config("/nonexistent/run.toml")
     with pytest.raises(PartitaError, match="--section.key=value"):
         load_config(None, ["steps=3"])
+    # A key without its section names the section(s) that have it, or the peer's name.
+    with pytest.raises(PartitaError, match="Did you mean 'train.lr'[?]"):
+        load_config(None, ["--lr", "3"])
+    with pytest.raises(PartitaError, match="Did you mean 'model.seed' or 'data.seed'"):
+        load_config(None, ["--seed=3"])
+    with pytest.raises(PartitaError, match="Did you mean 'train.lr' .partita's name"):
+        load_config(None, ["--learning_rate=3"])
+
+
+def test_toml_booleans_are_not_numbers(tmp_path):
+    # TOML's `true` would pass int() as 1; the command line refuses it, so must the file.
+    for key, kind in (("steps", "not an integer"), ("lr", "not a number")):
+        path = tmp_path / f"{key}.toml"
+        path.write_text(f"[train]\n{key} = true\n")
+        with pytest.raises(PartitaError, match=kind):
+            load_config(path)
 
 
 def test_invalid_toml(tmp_path):
