@@ -27,6 +27,15 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" Did you mean '{best}'?" if best else ""
 
 
+def pair_hint(name: str, candidates: Iterable[str]) -> str:
+    """For an unreadable NAME=VALUE item: ' Give NAME a value ...' when the name is
+    right and the value is missing, else `did_you_mean`."""
+    candidates = list(candidates)
+    if name in candidates:
+        return f" Give '{name}' a value: {name}=VALUE."
+    return did_you_mean(name, candidates)
+
+
 class AgreedError(PartitaError):
     """A PartitaError that every rank raises identically (it follows from values all ranks
     share, such as the all-reduced loss); only rank 0 needs to print it."""

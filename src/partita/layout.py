@@ -15,7 +15,7 @@ import math
 import warnings
 from dataclasses import dataclass, fields, replace
 
-from partita.errors import PartitaError, did_you_mean
+from partita.errors import PartitaError, did_you_mean, pair_hint
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 # Other names a schedule has been written as; accepted with a deprecation warning.
@@ -308,7 +308,7 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
             key = RENAMED[key]
         if not sep or key not in known:
             raise PartitaError(
-                f"cannot read '{item}' in layout '{text}'.{did_you_mean(key, known)} Write "
+                f"cannot read '{item}' in layout '{text}'.{pair_hint(key, known)} Write "
                 f"name=value pairs with names among {', '.join(known)}."
             )
         values[key] = _convert(key, raw.strip(), text)

@@ -242,8 +242,10 @@ class Trainer:
                 f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
             )
             if self.resumed:
-                how = ("same layout" if self.resumed.same_layout
-                       else "resharded into this layout")
+                # Same degrees and world size restore each rank's random streams; the
+                # ZeRO stage, schedule or precision may still differ.
+                how = ("same degrees: random streams restored" if self.resumed.same_layout
+                       else "resharded into this layout: random streams reseeded")
                 self.logger.message(f"resumed from {self.resumed.folder} at step {first} "
                                     f"({how})")
             if self.pm.compiled is not None and self.pm.compiled.note:

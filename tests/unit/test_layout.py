@@ -71,6 +71,12 @@ def test_schedule_alias_in_the_config_warns_and_resolves():
 def test_bad_values_name_the_key():
     with pytest.raises(PartitaError, match="name=value"):
         parse_layout("dp:2")
+    # A right name without its value is told so, not offered itself as a correction.
+    with pytest.raises(PartitaError, match="Give 'tp' a value: tp=VALUE") as caught:
+        parse_layout("dp=2 tp")
+    assert "Did you mean" not in str(caught.value)
+    with pytest.raises(PartitaError, match="Did you mean 'tp'"):
+        parse_layout("tq=2")
     with pytest.raises(PartitaError, match="recompute"):
         parse_layout("recompute=some")
     with pytest.raises(PartitaError, match="zero_stage"):

@@ -18,7 +18,6 @@ def register(subparsers) -> None:
             "GPU's memory byte by byte, predict step time, and rank the layouts that fit. "
             "Needs only model shapes and a hardware description."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--model", default=None,
                    help="catalog name (e.g. llama3-70b) or a TOML file with a [model] table")
@@ -65,7 +64,7 @@ def register(subparsers) -> None:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="override a modelling assumption (repeatable), "
                         "e.g. --set gemm_peak_fraction=0.6")
-    p.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--png", default=None, metavar="FILE",
                    help="draw the memory breakdown of the top layouts (needs matplotlib)")
@@ -257,7 +256,7 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
     them."""
     from dataclasses import fields
 
-    from partita.errors import did_you_mean
+    from partita.errors import pair_hint
     from partita.layout import DEGREES, RENAMED, Layout
     from partita.layout import _convert as convert
 
@@ -267,7 +266,7 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
         key, sep, raw = item.partition("=")
         key = RENAMED.get(key.strip().lower(), key.strip().lower())
         if not sep or key not in known:
-            raise PartitaError(f"--fix: cannot read '{item}'.{did_you_mean(key, known)} "
+            raise PartitaError(f"--fix: cannot read '{item}'.{pair_hint(key, known)} "
                                f"Write NAME=VALUE pairs with names among {', '.join(known)}.")
         value = convert(key, raw.strip(), text)
         if key == "schedule":

@@ -14,7 +14,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from partita.errors import PartitaError, did_you_mean
+from partita.errors import PartitaError, did_you_mean, pair_hint
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
 
@@ -204,7 +204,7 @@ def parse_model_shape(text: str) -> PlanModel:
         name = SHAPE_NAMES.get(key, key)
         if not sep or (name not in fields_ and name not in moe_fields):
             raise PartitaError(
-                f"--model-shape: cannot read '{item}'.{did_you_mean(key, known)} Write "
+                f"--model-shape: cannot read '{item}'.{pair_hint(key, known)} Write "
                 f"name=value pairs among {', '.join(known)}."
             )
         raw = raw.strip()
