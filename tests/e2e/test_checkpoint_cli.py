@@ -86,6 +86,12 @@ def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
     exported = cli("checkpoint", "export", str(run_dir), "--out", str(run_dir / "w.safetensors"))
     assert exported.returncode == 0, exported.stderr
     assert (run_dir / "w.safetensors").stat().st_size > 0
+    # An existing file is replaced only when asked, as by `partita export`.
+    again = cli("checkpoint", "export", str(run_dir), "--out", str(run_dir / "w.safetensors"))
+    assert again.returncode == 2 and "--overwrite" in again.stderr, again.stderr
+    again = cli("checkpoint", "export", str(run_dir), "--out", str(run_dir / "w.safetensors"),
+                "--overwrite")
+    assert again.returncode == 0, again.stderr
 
 
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_75(run_dir, cli):

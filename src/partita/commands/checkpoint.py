@@ -24,6 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export = sub.add_parser("export", help="write full, unsharded weights (safetensors)")
     export.add_argument("dir")
     export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     export.set_defaults(func=run_export)
 
 
@@ -94,6 +95,12 @@ def run_export(args: argparse.Namespace) -> int:
 
     folder = _folder(args.dir)
     out = Path(args.out)
+    if out.is_dir():
+        raise PartitaError(f"--out {out} is a folder; give the .safetensors file to write, "
+                           f"e.g. {out / 'model.safetensors'}.")
+    if out.exists() and not args.overwrite:  # as `partita export` does
+        raise PartitaError(f"--out {out} already exists; add --overwrite to replace it, or "
+                           "choose another file.")
     state = {}
     for name, t in full_tensors(folder):
         # As the end of a run writes its weights: float32, or float64 when trained so.
@@ -106,7 +113,8 @@ def run_export(args: argparse.Namespace) -> int:
         os.replace(tmp, out)
     except OSError as exc:
         raise PartitaError(f"writing '{out}' failed ({exc.strerror or exc}); nothing was left "
-                           "behind. Free disk space or choose another --out.") from None
+                           "behind. Check that the folder can be written and has free "
+                           "space, or choose another --out.") from None
     finally:
         tmp.unlink(missing_ok=True)
     print(f"wrote {out}: {len(state)} tensors, "
