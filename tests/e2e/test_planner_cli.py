@@ -96,6 +96,15 @@ def test_model_and_hardware_files(tmp_path, capsys):
         load_gpu_profiles(bad)
 
 
+def test_gpus_that_do_not_fill_whole_nodes_are_noted(capsys):
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--gpus-per-node", "3",
+                 "--top", "1"]) == 0
+    assert "8 GPUs do not fill whole nodes of 3" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--gpus", "6", "--gpus-per-node", "3",
+                 "--top", "1"]) == 0
+    assert "whole nodes" not in capsys.readouterr().err
+
+
 def test_a_runs_own_config_toml_plans_as_it_trained(tmp_path, capsys):
     from partita.config import load_config
 

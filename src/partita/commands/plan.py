@@ -148,6 +148,14 @@ def run(args: argparse.Namespace) -> int:
                         f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens)")
     if args.gpus_per_node is None:
         defaults.append(f"--gpus-per-node {req.cluster.gpus_per_node}")
+    per_node = req.cluster.gpus_per_node
+    if args.gpus > per_node and args.gpus % per_node:
+        import sys
+
+        print(f"partita: note: {args.gpus} GPUs do not fill whole nodes of {per_node} "
+              f"({-(-args.gpus // per_node)} nodes, the last with {args.gpus % per_node}); "
+              f"a group wider than {per_node} GPUs is modelled over the inter-node network. "
+              "Set --gpus-per-node if that is not the machine.", file=sys.stderr)
     if args.layout is not None:
         layout = parse_layout(args.layout, args.gpus)
         if not _given_fields(args.layout) & {"sequence_parallel", "sp"}:
