@@ -134,6 +134,10 @@ def test_mix_takes_sources_in_proportion_and_is_deterministic(tmp_path):
     assert [p.weight for p in parts] == [0.75, 0.25]
     with pytest.raises(PartitaError, match="SOURCE=WEIGHT"):
         parse_mix(f"{a}=0.5, {b}")
+    # A source too small for one window is named, not "the data".
+    tiny = write_jsonl(tmp_path / "tiny.jsonl", ["xy"])
+    with pytest.raises(PartitaError, match=f"data.mix source '{tiny}' has .* too few"):
+        load_mixture(f"{a}=0.5, {tiny}=0.5", tmp_path / "c", 8, val_fraction=0.1)
 
 
 def test_tokenizer_larger_than_the_model_is_refused(tmp_path):

@@ -204,11 +204,11 @@ def text_corpus(source: str | os.PathLike, max_bytes: int | None = None) -> Corp
     """A text file, or every text file under a folder (see the module docstring)."""
     root = Path(source).expanduser()
     if not root.exists():
-        raise PartitaError(f"Data path '{root}' does not exist. Pass an existing text file, "
+        raise PartitaError(f"data path '{root}' does not exist. Pass an existing text file, "
                            "a folder of text files, or a partita token file; or pass no "
                            "source to use the built-in standard-library corpus.")
     if not (root.is_file() or root.is_dir()):
-        raise PartitaError(f"Data path '{root}' is neither a regular file nor a folder (a "
+        raise PartitaError(f"data path '{root}' is neither a regular file nor a folder (a "
                            "FIFO, socket or device would block or never end); write the "
                            "data to a file and pass that.")
     if root.is_file():
@@ -224,7 +224,7 @@ def text_corpus(source: str | os.PathLike, max_bytes: int | None = None) -> Corp
         raise PartitaError(f"Data file '{root}' is empty; give a file with text in it, or a "
                            "folder of text files.")
     if not corpus.files or corpus.num_bytes == 0:
-        raise PartitaError(f"Data path '{root}' holds no non-empty text files (files with "
+        raise PartitaError(f"data path '{root}' holds no non-empty text files (files with "
                            "NUL bytes or invalid UTF-8 in their first 8 KiB, hidden files and "
                            "__pycache__ are skipped). Add UTF-8 text files or pick another "
                            "folder.")

@@ -102,17 +102,18 @@ class TokenDataset:
                             boundary=self.boundary)
 
 
-def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float
+def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float, what: str = "the data"
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(train, val): val is the last ceil(fraction * N) tokens, at least one window of
-    seq_len + 1 (none when fraction is 0); train must keep at least one window."""
+    seq_len + 1 (none when fraction is 0); train must keep at least one window. `what`
+    names the tokens in the message (one source of a mix)."""
     if not 0.0 <= val_fraction < 1.0:
         raise PartitaError(f"val_fraction must be in [0, 1), got {val_fraction}. Use e.g. "
                            "0.01 to hold out the last 1% of tokens, or 0 for no validation.")
     n = len(tokens)
     n_val = 0 if val_fraction == 0 else max(math.ceil(val_fraction * n), seq_len + 1)
     if n - n_val < seq_len + 1:
-        raise PartitaError(f"The data has {n} tokens, too few for seq_len {seq_len}: training "
+        raise PartitaError(f"{what} has {n} tokens, too few for seq_len {seq_len}: training "
                            f"needs at least {seq_len + 1} tokens after holding out {n_val} for "
                            "validation. Use more data (or a larger byte budget), a shorter "
                            "seq_len, or a smaller val_fraction.")
@@ -186,7 +187,8 @@ def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
             path = prepare_tokens(open_corpus(part.source, None, text_field, bad_lines), tok,
                                   cache_dir, workers)
         tokens, vocab = read_token_file(path)
-        train, val = split_tokens(tokens, seq_len, val_fraction)
+        train, val = split_tokens(tokens, seq_len, val_fraction,
+                                  f"data.mix source '{part.source}'")
         prepared.append(path)
         trains.append(train)
         vals.append(val)

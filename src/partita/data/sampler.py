@@ -149,7 +149,7 @@ class BatchSampler:
         """Resume at the saved position; the data-parallel size may differ."""
         for key in ("seed", "seq_len", "global_batch", "num_windows"):
             if state[key] != getattr(self, key):
-                raise PartitaError(f"Cannot resume the data sampler: the checkpoint has "
+                raise PartitaError(f"cannot resume the data sampler: the checkpoint has "
                                    f"{key}={state[key]} but this run has {key}="
                                    f"{getattr(self, key)}. Resume with the same data, seed, "
                                    "seq_len and global batch as the checkpointed run (the "

@@ -173,15 +173,15 @@ def read_token_file(path: str | os.PathLike) -> tuple[np.ndarray, int]:
                            f"magic {MAGIC!r}); it may be corrupt or a different format. {fix}")
     _, version, width, vocab, count = _HEADER.unpack(head)
     if version != VERSION:
-        raise PartitaError(f"Token file '{path}' has format version {version}, but this "
+        raise PartitaError(f"token file '{path}' has format version {version}, but this "
                            f"partita reads version {VERSION}. {fix}")
     if width not in _DTYPES or vocab < 1:
-        raise PartitaError(f"Token file '{path}' has a corrupt header (bytes per token "
+        raise PartitaError(f"token file '{path}' has a corrupt header (bytes per token "
                            f"{width}, vocab size {vocab}). {fix}")
     expected = HEADER_BYTES + count * width
     if size != expected:
         what = "truncated" if size < expected else "longer than its header says"
-        raise PartitaError(f"Token file '{path}' is {what}: the header promises {count} tokens "
+        raise PartitaError(f"token file '{path}' is {what}: the header promises {count} tokens "
                            f"({expected} bytes) but the file has {size} bytes, so it was "
                            f"probably cut off while being written or copied. {fix}")
     if count == 0:  # np.memmap refuses zero-length maps
@@ -215,7 +215,7 @@ def check_token_ids(data: np.ndarray, vocab: int, path: Path, fix: str = "",
         if block.size and int(block.max()) >= vocab:
             where = start + int(np.argmax(block >= vocab))
             raise PartitaError(
-                f"Token file '{path}' holds token id {int(data[where])} at position {where}, "
+                f"token file '{path}' holds token id {int(data[where])} at position {where}, "
                 f"but its header's vocabulary has {vocab} ids (scanned {scanned:,} of "
                 f"{total:,} bytes), so it is corrupt or was written with another "
                 f"vocabulary. {fix}"
