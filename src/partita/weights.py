@@ -70,6 +70,12 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
     return state if mesh.rank == 0 else None
 
 
+def current_umask() -> int:
+    mask = os.umask(0o022)  # reading the mask means setting it; put it straight back
+    os.umask(mask)
+    return mask
+
+
 def save_weights(pm, path: str | Path) -> None:
     """Gather and write the full weights (rank 0 writes; every rank must call)."""
     state = full_state_dict(pm)
@@ -80,6 +86,9 @@ def save_weights(pm, path: str | Path) -> None:
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
                   metadata={"format": "partita", "model": "transformer"})
+        # safetensors creates its file private (0600); a run's weights are read like its
+        # other results, so give them the mode a new file gets here.
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     except OSError as exc:
         raise PartitaError(

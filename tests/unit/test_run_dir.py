@@ -74,3 +74,21 @@ def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(PartitaError, match="No space left on device"):
         weights.save_weights(None, tmp_path / "model.safetensors")
     assert not list(tmp_path.iterdir())
+
+
+def test_the_weights_file_gets_a_new_files_mode(tmp_path, monkeypatch):
+    """safetensors writes 0600; the run's weights are readable like its other results."""
+    import os
+    import stat
+
+    import torch
+
+    from partita import weights
+
+    monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
+    old = os.umask(0o022)
+    try:
+        weights.save_weights(None, tmp_path / "model.safetensors")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
