@@ -11,12 +11,14 @@ or, on a CPU, one thread's measured float32 matmul rate per thread, or
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from partita.device_specs import datasheet_peak_flops, matmul_rate
+from partita.run_dir import PARTIAL_SUFFIX
 
 
 def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
@@ -65,9 +67,11 @@ class MetricsLogger:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "metrics.jsonl"
-        kept = _records_up_to(path, resume_at) if resume_at is not None else []
-        self._jsonl = path.open("w")
-        self._jsonl.writelines(kept)
+        if resume_at is not None:
+            _keep_records_up_to(path, resume_at)
+            self._jsonl = path.open("a")
+        else:
+            self._jsonl = path.open("w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -115,9 +119,22 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _records_up_to(path: Path, step: int) -> list[str]:
+def _keep_records_up_to(path: Path, step: int) -> None:
+    """Cut the file to its records up to `step` by writing them to a new file that then
+    takes its name: the history survives a job killed at any moment of the resume (a
+    truncate-and-rewrite would leave it empty until the first flush)."""
     if not path.exists():
-        return []
+        return
+    kept = _records_up_to(path, step)
+    tmp = path.with_name(path.name + PARTIAL_SUFFIX)
+    with tmp.open("w") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _records_up_to(path: Path, step: int) -> list[str]:
     kept = []
     for line in path.read_text().splitlines(keepends=True):
         try:
