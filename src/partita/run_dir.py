@@ -4,9 +4,11 @@ A run writes `config.toml`, `metrics.jsonl`, TensorBoard events and at its end
 `model.safetensors` into `train.out_dir`. Everything that can go wrong with that folder
 is found before any process starts: a path that is a file, a folder that cannot be
 written (permissions, a read-only mount), too little free space for the weights, and
-another run's results already there. Re-using a folder needs `train.overwrite`, and
-then the old results are removed first, so a new run that dies early never leaves the
-previous run's weights looking like its own.
+another run's results already there; an empty `train.out_dir` (the current folder) is
+refused. The checkpoint folder gets the same checks of what it is and whether it can be
+written (`prepare_folder`). Re-using a folder needs `train.overwrite`, and then the old
+results are removed first, so a new run that dies early never leaves the previous run's
+weights looking like its own.
 """
 
 from __future__ import annotations
@@ -22,23 +24,14 @@ RESULT_FILES = ("config.toml", "metrics.jsonl", "model.safetensors")
 PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when complete
 # Room kept beyond the weights' own size: metrics, config, filesystem overhead.
 SPARE_BYTES = 16 << 20
+OUT_DIR = "train.out_dir"
 
 
 def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: int,
                     resuming: bool = False) -> Path:
     """Create and check `out_dir` for a new run (or, `resuming`, for the continuation
     of the run whose results are there); raise PartitaError saying what to fix."""
-    path = check_out_dir(out_dir, overwrite, resuming)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".partita-write-test-{os.getpid()}"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as exc:
-        raise PartitaError(
-            f"train.out_dir '{path}' cannot be written ({exc.strerror or exc}); choose a "
-            "folder on a writable disk, or fix its permissions."
-        ) from None
+    path = prepare_folder(check_out_dir(out_dir, overwrite, resuming), OUT_DIR)
     remove_partial_files(path)
     if not resuming:
         for name in _results(path):
@@ -56,12 +49,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
 
 
 def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = False) -> Path:
-    """The checks of `prepare_out_dir` that change nothing: `out_dir` is not a file, and
-    holds no other run's results unless `overwrite` (or `resuming` that run)."""
-    path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise PartitaError(f"train.out_dir '{path}' is a file, not a folder; give the path "
-                           "of a folder (it is created when missing).")
+    """The checks of `prepare_out_dir` that change nothing: `out_dir` is given (not empty:
+    that would be the current folder), is not a file, and holds no other run's results
+    unless `overwrite` (or `resuming` that run)."""
+    path = check_folder(given_out_dir(out_dir), OUT_DIR)
     found = [] if resuming or not path.is_dir() else _results(path)
     if found and not overwrite:
         raise PartitaError(
@@ -69,6 +60,45 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = 
             "choose a new folder with --train.out_dir=PATH, continue that run with "
             "--train.resume=auto, or replace them with --train.overwrite=true."
         )
+    return path
+
+
+def given_out_dir(out_dir: str | os.PathLike) -> Path:
+    """`out_dir` as a Path; PartitaError when it is empty (Path("") is the current
+    folder, which would mix the run's results, checkpoints included, with whatever is
+    there)."""
+    if not os.fspath(out_dir).strip():
+        raise PartitaError(
+            f"{OUT_DIR} is empty, which would write the run's results into the current "
+            f"folder; give a folder of its own, e.g. --{OUT_DIR}=runs/NAME (it is created "
+            "when missing)."
+        )
+    return Path(out_dir)
+
+
+def check_folder(folder: str | os.PathLike, setting: str) -> Path:
+    """`folder` as a Path, refused (PartitaError naming `setting`) when it is a file."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        raise PartitaError(f"{setting} '{path}' is a file, not a folder; give the path "
+                           "of a folder (it is created when missing).")
+    return path
+
+
+def prepare_folder(folder: str | os.PathLike, setting: str) -> Path:
+    """Create `folder` (and its parents) and prove that files can be written in it;
+    PartitaError naming `setting` when it is a file or cannot be created or written."""
+    path = check_folder(folder, setting)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".partita-write-test-{os.getpid()}"
+        probe.write_bytes(b"x")
+        probe.unlink()
+    except OSError as exc:
+        raise PartitaError(
+            f"{setting} '{path}' cannot be written ({exc.strerror or exc}); choose a "
+            "folder on a writable disk, or fix its permissions."
+        ) from None
     return path
 
 

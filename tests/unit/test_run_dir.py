@@ -7,8 +7,10 @@ import errno
 import pytest
 
 from partita import run_dir
+from partita.commands.train import _print_timeline_note, check_run_dir, prepare_run_dir
+from partita.config import load_config
 from partita.errors import PartitaError
-from partita.run_dir import RESULT_FILES, prepare_out_dir
+from partita.run_dir import RESULT_FILES, prepare_folder, prepare_out_dir
 
 pytestmark = pytest.mark.fault_suite("output folder")
 
@@ -92,3 +94,108 @@ def test_the_weights_file_gets_a_new_files_mode(tmp_path, monkeypatch):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
+
+
+# `partita train` checks every folder it writes into before launch (commands/train.py),
+# with the same rules as train.out_dir: a file is not a folder, a missing folder is made,
+# one that cannot be written is refused.
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config(None, [f"--train.out_dir={tmp_path / 'run'}", *overrides])
+
+
+def test_an_empty_out_dir_is_refused_not_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["--train.out_dir="])
+    for check in (check_run_dir, prepare_run_dir):
+        with pytest.raises(PartitaError, match="train.out_dir is empty.*--train.out_dir="):
+            check(cfg)
+    with pytest.raises(PartitaError, match="train.out_dir is empty"):
+        prepare_out_dir("", overwrite=False, bytes_needed=1)
+    assert list(tmp_path.iterdir()) == []  # nothing written into the current folder
+
+
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_before_launch(tmp_path):
+    cfg = _cfg(tmp_path, "--train.checkpoint_dir=/proc/partita-ckpt",
+               "--train.checkpoint_every=5")
+    with pytest.raises(PartitaError, match="train.checkpoint_dir '/proc/partita-ckpt' "
+                                           "cannot be written"):
+        prepare_run_dir(cfg)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_and_kept(tmp_path):
+    (tmp_path / "ckpt").write_text("mine")
+    cfg = _cfg(tmp_path, f"--train.checkpoint_dir={tmp_path / 'ckpt'}")
+    for check in (check_run_dir, prepare_run_dir):
+        with pytest.raises(PartitaError, match="train.checkpoint_dir .* is a file, not a "
+                                               "folder; give the path of a folder"):
+            check(cfg)
+    assert (tmp_path / "ckpt").read_text() == "mine"
+
+
+def test_the_default_checkpoint_folder_is_checked_too(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("x")
+    with pytest.raises(PartitaError, match=r"OUT_DIR/checkpoints\) .* is a file"):
+        check_run_dir(_cfg(tmp_path))
+
+
+def test_a_missing_checkpoint_dir_is_made_before_launch(tmp_path):
+    prepare_run_dir(_cfg(tmp_path, f"--train.checkpoint_dir={tmp_path / 'a' / 'ckpt'}"))
+    assert (tmp_path / "a" / "ckpt").is_dir() and (tmp_path / "run").is_dir()
+
+
+def test_prepare_folder_names_the_setting(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(PartitaError, match="^some.setting '.*' is a file"):
+        prepare_folder(tmp_path / "f", "some.setting")
+    with pytest.raises(PartitaError, match="^some.setting '.*' cannot be written"):
+        prepare_folder(tmp_path / "f" / "below", "some.setting")
+
+
+def test_the_timeline_folder_is_made_before_launch(tmp_path):
+    png = tmp_path / "plots" / "deep" / "t.png"
+    prepare_run_dir(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
+    assert png.parent.is_dir() and not png.exists()
+
+
+@pytest.mark.parametrize(("where", "message"), [
+    ("/proc/partita-plots/t.png", "the folder of train.timeline_png '/proc/partita-plots' "
+                                  "cannot be written"),
+    ("afile/t.png", "the folder of train.timeline_png .* is a file"),
+    ("adir", "train.timeline_png .* is a folder; give the name of a PNG file"),
+])
+def test_a_timeline_png_that_cannot_be_written_is_refused_before_launch(tmp_path, where,
+                                                                         message):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    png = where if where.startswith("/") else tmp_path / where
+    cfg = _cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}")
+    with pytest.raises(PartitaError, match=message):
+        prepare_run_dir(cfg)
+
+
+def test_a_timeline_png_without_matplotlib_is_refused_before_launch(tmp_path, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    cfg = _cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={tmp_path / 't.png'}")
+    with pytest.raises(PartitaError, match="needs matplotlib"):
+        check_run_dir(cfg)
+
+
+def test_a_timeline_png_without_a_pipeline_gets_one_note(tmp_path, capsys):
+    png = tmp_path / "nowhere" / "t.png"
+    cfg = _cfg(tmp_path, f"--train.timeline_png={png}")
+    prepare_run_dir(cfg)  # pp=1 draws nothing: its folder is neither checked nor made
+    assert not png.parent.exists()
+    assert capsys.readouterr().err == ""
+    _print_timeline_note(cfg)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "note: train.timeline_png" in err and "is ignored" in err and "pp=1" in err
+    _print_timeline_note(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
+    assert capsys.readouterr().err == ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -28,7 +29,15 @@ from partita.launch import (
     stop_worker_server,
 )
 from partita.layout_rules import validate
-from partita.run_dir import check_out_dir, prepare_out_dir, weight_bytes
+from partita.run_dir import (
+    OUT_DIR,
+    check_folder,
+    check_out_dir,
+    given_out_dir,
+    prepare_folder,
+    prepare_out_dir,
+    weight_bytes,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
+            _print_timeline_note(cfg)
         return _exit_status([train(cfg)])
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
         if value is not None and value < 1:
@@ -101,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     check_before_torch(cfg, args.nproc * args.nnodes if args.nproc else None)
+    _print_timeline_note(cfg)
     # The workers' imports (in the fork server) run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
@@ -163,8 +174,12 @@ def validate_before_launch(cfg: Config, world_size: int) -> None:
 
 def check_run_dir(cfg: Config) -> Path | None:
     """Check, changing nothing, the checkpoint to resume from (it must exist, be whole
-    and be of this model) and that train.out_dir and the checkpoint folder hold no
-    earlier run's results unless train.overwrite; the checkpoint, or None."""
+    and be of this model), that train.out_dir, the checkpoint folder and the folder of
+    train.timeline_png are folders (or missing), and that the first two hold no earlier
+    run's results unless train.overwrite; the checkpoint, or None."""
+    given_out_dir(cfg.train.out_dir)  # before any path is derived from it
+    check_folder(checkpoint_root(cfg), checkpoint_setting(cfg))
+    timeline_folder(cfg)
     target = resume_target(cfg)
     if target is not None:
         manifest = read_manifest(target)
@@ -184,9 +199,15 @@ def check_run_dir(cfg: Config) -> Path | None:
 
 def prepare_run_dir(cfg: Config) -> None:
     """Check and claim train.out_dir for this run (see partita.run_dir): `check_run_dir`,
-    then, with train.overwrite, remove the earlier run's checkpoints and results."""
+    create the folders the run writes into, then, with train.overwrite, remove the
+    earlier run's checkpoints and results."""
     target = check_run_dir(cfg)
-    root = checkpoint_root(cfg)
+    # Every folder the run writes is made and proven writable before anything of an
+    # earlier run is removed (and not after training, where a failure loses the run).
+    prepare_folder(given_out_dir(cfg.train.out_dir), OUT_DIR)
+    root = prepare_folder(checkpoint_root(cfg), checkpoint_setting(cfg))
+    if (png_folder := timeline_folder(cfg)) is not None:
+        prepare_folder(png_folder, TIMELINE_FOLDER)
     if target is None:
         for folder in complete_checkpoints(root):
             shutil.rmtree(folder)
@@ -195,3 +216,42 @@ def prepare_run_dir(cfg: Config) -> None:
     prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
                     weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
                     resuming=target is not None)
+
+
+def checkpoint_setting(cfg: Config) -> str:
+    """How messages name the checkpoint folder (see `checkpoint_root`)."""
+    if cfg.train.checkpoint_dir:
+        return "train.checkpoint_dir"
+    return "train.checkpoint_dir (unset: OUT_DIR/checkpoints)"
+
+
+TIMELINE_FOLDER = "the folder of train.timeline_png"
+
+
+def draws_timeline(cfg: Config) -> bool:
+    """Whether the run draws train.timeline_png: only a pipeline (pp > 1) records one."""
+    return bool(cfg.train.timeline_png) and cfg.parallel.pp > 1
+
+
+def timeline_folder(cfg: Config) -> Path | None:
+    """The folder the run draws train.timeline_png into (created when missing, like
+    train.out_dir), checked changing nothing; None when the run draws no timeline."""
+    if not draws_timeline(cfg):
+        return None
+    if importlib.util.find_spec("matplotlib") is None:  # found now, not after training
+        raise PartitaError("train.timeline_png needs matplotlib to draw the timeline: pip "
+                           "install matplotlib (or pip install 'partita[plot]'), or leave "
+                           "train.timeline_png unset.")
+    png = Path(cfg.train.timeline_png)
+    if png.is_dir():
+        raise PartitaError(f"train.timeline_png '{png}' is a folder; give the name of a "
+                           f"PNG file, e.g. {png / 'timeline.png'}.")
+    return check_folder(png.parent, TIMELINE_FOLDER)
+
+
+def _print_timeline_note(cfg: Config) -> None:
+    """Say once, before launch, that train.timeline_png is ignored without a pipeline."""
+    if cfg.train.timeline_png and not draws_timeline(cfg):
+        print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
+              "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
+              f"parallel.pp={cfg.parallel.pp}.", file=sys.stderr, flush=True)
