@@ -1,6 +1,7 @@
 """The real command line, end to end: training runs, layouts agree, errors are clean."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -26,6 +27,8 @@ def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_pat
         assert result.returncode == 0, result.stderr[-3000:]
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("done: 6 steps, train loss"), last
+        # The whole run's rate, and the rate without the warm-up of the first step.
+        assert re.search(r"[\d,]+ tokens/s \([\d,]+ after the first step\)$", last), last
         runs[name] = cli.losses(out)
     for name, curve in runs.items():
         assert curve == pytest.approx(runs["single"], rel=1e-10), name
