@@ -177,6 +177,12 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
                       "--model.dim=64")
     assert other.returncode == 2 and "another model" in other.stderr
     assert "dim: checkpoint 32, this run 64" in other.stderr
+    # Another sequence length cannot continue the data order: refused before launch.
+    longer_seqs = cli.train(run_dir, "--nproc", "2", *F64, f"--train.resume={folder}",
+                            "--data.seq_len=16")
+    assert longer_seqs.returncode == 2, longer_seqs.stderr[-2000:]
+    assert "partita: error: cannot resume the data sampler: the checkpoint has seq_len=32 " \
+        "but this run has seq_len=16" in longer_seqs.stderr, longer_seqs.stderr[-2000:]
     # a damaged shard: named, and nothing is trained
     copy = tmp_path / "damaged"
     shutil.copytree(folder, copy)

@@ -14,6 +14,7 @@ from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files
 from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config, config_from_toml, load_config
+from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
     PEER_FAILURE_EXIT,
@@ -185,6 +186,9 @@ def check_run_dir(cfg: Config) -> Path | None:
         manifest = read_manifest(target)
         check_model(manifest, cfg.model_config(), target)
         check_files(target, manifest)
+        check_resumable(manifest.get("training", {}).get("sampler", {}),
+                        {"seed": cfg.data.seed, "seq_len": cfg.data.seq_len,
+                         "global_batch": cfg.train.global_batch})
     earlier = [] if target is not None else complete_checkpoints(checkpoint_root(cfg))
     if earlier and not cfg.train.overwrite:
         raise PartitaError(

@@ -147,15 +147,10 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the saved position; the data-parallel size may differ."""
-        for key in ("seed", "seq_len", "global_batch", "num_windows"):
-            if state[key] != getattr(self, key):
-                raise PartitaError(f"cannot resume the data sampler: the checkpoint has "
-                                   f"{key}={state[key]} but this run has {key}="
-                                   f"{getattr(self, key)}. Resume with the same data, seed, "
-                                   "seq_len and global batch as the checkpointed run (the "
-                                   "data-parallel size may change), or start a fresh run.")
+        check_resumable(state, {key: getattr(self, key) for key in
+                                ("seed", "seq_len", "global_batch", "num_windows")})
         if not 0 <= state["step"] < self.steps_per_epoch or state["epoch"] < 0:
-            raise PartitaError(f"Corrupt sampler state {state}: step must be in [0, "
+            raise PartitaError(f"corrupt sampler state {state}: step must be in [0, "
                                f"{self.steps_per_epoch}). Start a fresh run or use another "
                                "checkpoint.")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
@@ -185,3 +180,16 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: i
             yield windows_to_batch(tokens, np.arange(start, start + local), seq_len, boundary)
 
     return generate()
+
+
+def check_resumable(state: dict, run: dict) -> None:
+    """A checkpoint's sampler `state` continues in a run whose sampler has the values of
+    `run` (any of seed, seq_len, global_batch, num_windows): the launcher checks those
+    it knows before any process starts, the sampler all of them."""
+    for key, value in run.items():
+        if state.get(key, value) != value:
+            raise PartitaError(f"cannot resume the data sampler: the checkpoint has "
+                               f"{key}={state[key]} but this run has {key}={value}. Resume "
+                               "with the same data, seed, seq_len and global batch as the "
+                               "checkpointed run (the data-parallel size may change), or "
+                               "start a fresh run.")
