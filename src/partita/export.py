@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from partita.errors import PartitaError
-from partita.models.hf_config import hf_config_from_model
+from partita.models.hf_config import check_exportable, hf_config_from_model
 from partita.models.hf_weights import to_hf_state
 from partita.models.model_config import ModelConfig
 
@@ -144,6 +144,7 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
     if fmt not in FORMATS:
         raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
     state, cfg = run_weights(run_dir)
+    check_exportable(cfg.model_config())  # before the weights' names are compared
     bos = eos = None
     if cfg.model.init_from:
         from partita.models.hf_config import read_hf_config

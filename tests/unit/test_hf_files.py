@@ -159,3 +159,17 @@ def test_rope_and_norm_settings_reach_the_model():
     assert rope_frequencies(cfg)[-1] == pytest.approx(rope_frequencies(plain)[-1] / 4)
     with pytest.raises(PartitaError, match="rope_scaling"):
         load_config(None, ["--model.rope_scaling=yarn"])
+
+
+@pytest.mark.parametrize(("model", "says"), [("tiny-moe", "mixture-of-experts"),
+                                             ("tiny-gpt2", "flavour='gpt2'")])
+def test_a_model_without_a_llama_form_is_refused_before_training(tmp_path, model, says):
+    from partita.commands.train import check_before_torch
+
+    cfg = load_config(None, [f"--model.name={model}", "--train.export=hf",
+                             f"--train.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured"):
+        check_before_torch(cfg, 2)
+    assert not (tmp_path / "run").exists()
+    dense = load_config(None, ["--train.export=hf", f"--train.out_dir={tmp_path / 'ok'}"])
+    check_before_torch(dense, 2)  # the default llama model exports

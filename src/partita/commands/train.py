@@ -30,6 +30,7 @@ from partita.launch import (
     stop_worker_server,
 )
 from partita.layout_rules import validate
+from partita.models.hf_config import check_exportable
 from partita.run_dir import (
     OUT_DIR,
     check_folder,
@@ -152,6 +153,8 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
     if world_size is not None:
         validate(cfg.layout(world_size), cfg.model_config(), world_size,
                  seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
+    if cfg.train.export == "hf":  # found now, not after training
+        check_exportable(cfg.model_config())
     check_run_dir(cfg)
 
 

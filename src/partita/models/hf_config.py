@@ -115,15 +115,29 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
         raise PartitaError(f"'{path}': {exc}") from None
 
 
+def check_exportable(cfg: ModelConfig) -> None:
+    """PartitaError unless `cfg` has a transformers LlamaForCausalLM form: a dense
+    llama-flavoured model (checked before training when train.export = "hf", and first
+    by `partita export`)."""
+    why = ""
+    if cfg.flavour != "llama":
+        why = f"model.flavour='{cfg.flavour}' has no Hugging Face Llama equivalent"
+    elif cfg.moe:
+        why = (f"a mixture-of-experts model (model.n_experts={cfg.n_experts}) has no "
+               "Hugging Face Llama equivalent")
+    if why:
+        raise PartitaError(
+            f"{why}; only dense llama-flavoured models export to the 'hf' format. The "
+            "run's own weights (model.safetensors, or `partita checkpoint export`) hold "
+            "every tensor; leave train.export unset for this model."
+        )
+
+
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                          bos_token_id: int | None = None,
                          eos_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of `cfg` as a transformers LlamaForCausalLM."""
-    if cfg.flavour != "llama":
-        raise PartitaError(
-            f"model.flavour='{cfg.flavour}' has no Hugging Face Llama equivalent; only "
-            "llama-flavoured models export to the 'hf' format."
-        )
+    check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_factor,
