@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -255,3 +256,36 @@ def test_a_run_folder_that_saved_no_checkpoint_says_how_runs_save_them(tmp_path)
     assert "train.resume" not in text
     with pytest.raises(CheckpointFileError, match="Start without train.resume"):
         resolve(tmp_path)
+
+
+def test_a_mixture_of_experts_model_is_recorded_and_checked_by_its_settings(tmp_path):
+    from partita.checkpoint.manifest import (
+        CheckpointMismatch,
+        check_model,
+        model_fields,
+        routing_changes,
+    )
+    from partita.models.catalog import get_model_config
+
+    dense, moe = get_model_config("tiny"), get_model_config("tiny-moe")
+    saved_moe = {"model": json.loads(json.dumps(model_fields(moe)))}  # as the manifest holds it
+    saved_dense = {"model": json.loads(json.dumps(model_fields(dense)))}
+    assert saved_dense["model"]["n_experts"] == 0 and "top_k" not in saved_dense["model"]
+    assert saved_moe["model"]["n_experts"] == moe.n_experts and "moe_every" in saved_moe["model"]
+    # Dense and MoE, either way round, and another expert width: named before launch.
+    with pytest.raises(CheckpointMismatch, match="n_experts: checkpoint"):
+        check_model(saved_moe, dense, tmp_path)
+    with pytest.raises(CheckpointMismatch, match="n_experts: checkpoint 0"):
+        check_model(saved_dense, moe, tmp_path)
+    wider = dataclasses.replace(moe, expert_ffn_dim=(moe.expert_ffn_dim or moe.ffn_hidden) * 2)
+    with pytest.raises(CheckpointMismatch, match="expert_ffn_dim"):
+        check_model(saved_moe, wider, tmp_path)
+    # Routing may change; it is reported, not refused.
+    top1 = dataclasses.replace(moe, top_k=1)
+    check_model(saved_moe, top1, tmp_path)
+    assert routing_changes(saved_moe, top1) == [f"top_k: {moe.top_k} -> 1"]
+    assert routing_changes(saved_moe, moe) == []
+    # A manifest written before these keys were recorded is not refused for lacking them.
+    old = {"model": {k: v for k, v in saved_moe["model"].items() if k != "n_experts"}}
+    check_model({"model": {k: v for k, v in old["model"].items()
+                           if k in saved_dense["model"]}}, moe, tmp_path)

@@ -39,7 +39,13 @@ PARTIAL = ".partial"
 ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                      "flavour", "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling",
                      "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_original_max_len")
+                     "rope_original_max_len", "n_experts")
+# Recorded only for mixture-of-experts models (n_experts > 0). The first four shape the
+# weights and must match on resume; the routing settings may change (fine-tuning with
+# another capacity, say), and a resume that changes them says so.
+MOE_ARCHITECTURE_KEYS = ("moe_every", "expert_ffn_dim", "shared_experts")
+MOE_ROUTING_KEYS = ("top_k", "capacity_factor", "router_gating", "router_norm_topk",
+                    "aux_loss_weight", "z_loss_weight")
 
 
 class CheckpointFileError(PartitaError):
@@ -60,15 +66,28 @@ def fsync_dir(path: Path) -> None:
 
 
 def model_fields(model_cfg) -> dict:
-    """The architecture of a ModelConfig, as a checkpoint records it."""
-    return {k: getattr(model_cfg, k) for k in ARCHITECTURE_KEYS if hasattr(model_cfg, k)}
+    """The architecture of a ModelConfig, as a checkpoint records it (with its routing
+    settings for a mixture-of-experts model)."""
+    keys = ARCHITECTURE_KEYS
+    if getattr(model_cfg, "n_experts", 0):
+        keys += MOE_ARCHITECTURE_KEYS + MOE_ROUTING_KEYS
+    return {k: getattr(model_cfg, k) for k in keys if hasattr(model_cfg, k)}
+
+
+def routing_changes(manifest: dict, model_cfg) -> list[str]:
+    """The routing settings this run changes from the checkpoint's, as 'key: a -> b'."""
+    saved, here = manifest.get("model", {}), model_fields(model_cfg)
+    return [f"{k}: {saved[k]!r} -> {here[k]!r}" for k in MOE_ROUTING_KEYS
+            if k in saved and k in here and saved[k] != here[k]]
 
 
 def check_model(manifest: dict, model_cfg, folder: Path) -> None:
     """Refuse a checkpoint of another model, naming the settings that differ."""
     saved, here = manifest.get("model", {}), model_fields(model_cfg)
+    # Keys a checkpoint lacks (written before it recorded them) are not compared; a
+    # dense checkpoint records n_experts=0, so a dense/MoE mismatch is always caught.
     diff = [f"{k}: checkpoint {saved[k]!r}, this run {here[k]!r}" for k in here
-            if k in saved and saved[k] != here[k]]
+            if k in saved and saved[k] != here[k] and k not in MOE_ROUTING_KEYS]
     if diff:
         raise CheckpointMismatch(
             f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
-from partita.checkpoint.manifest import check_files
+from partita.checkpoint.manifest import check_files, routing_changes
 from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
-            _print_timeline_note(cfg)
+            _print_notes(cfg)
         return _exit_status([train(cfg)])
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
         if value is not None and value < 1:
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     check_before_torch(cfg, args.nproc * args.nnodes if args.nproc else None)
-    _print_timeline_note(cfg)
+    _print_notes(cfg)
     # The workers' imports (in the fork server) run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
@@ -256,8 +256,14 @@ def timeline_folder(cfg: Config) -> Path | None:
     return check_folder(png.parent, TIMELINE_FOLDER)
 
 
-def _print_timeline_note(cfg: Config) -> None:
-    """Say once, before launch, that train.timeline_png is ignored without a pipeline."""
+def _print_notes(cfg: Config) -> None:
+    """Say once, before launch, what the run will do other than asked or than before: a
+    train.timeline_png ignored without a pipeline, routing settings changed on resume."""
+    target = resume_target(cfg)
+    changed = routing_changes(read_manifest(target), cfg.model_config()) if target else []
+    if changed:
+        print(f"partita: note: resuming {target.name} with other routing settings than it "
+              f"was trained with ({'; '.join(changed)}).", file=sys.stderr, flush=True)
     if cfg.train.timeline_png and not draws_timeline(cfg):
         print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
               "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
