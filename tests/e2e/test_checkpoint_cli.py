@@ -183,6 +183,13 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
     assert longer_seqs.returncode == 2, longer_seqs.stderr[-2000:]
     assert "partita: error: cannot resume the data sampler: the checkpoint has seq_len=32 " \
         "but this run has seq_len=16" in longer_seqs.stderr, longer_seqs.stderr[-2000:]
+    # a damaged newest manifest: the older checkpoint is used, and said to be
+    every = tmp_path / "every"
+    shutil.copytree(whole_run / "checkpoints", every)
+    (every / folder.name / "manifest.json").write_text('{"step": ')
+    verify = cli("checkpoint", "verify", str(every))
+    assert verify.returncode == 0, verify.stderr
+    assert f"{folder.name} in {every} cannot be read" in verify.stderr, verify.stderr
     # a damaged shard: named, and nothing is trained
     copy = tmp_path / "damaged"
     shutil.copytree(folder, copy)

@@ -202,6 +202,22 @@ def find_latest(root: Path) -> Path | None:
     return None
 
 
+def skipped_newer(chosen: Path) -> str:
+    """'' or a note naming the checkpoints newer than `chosen`, in its folder, whose
+    manifest exists but cannot be read (a damaged save that `find_latest` passed over),
+    so that falling back to an older step is never silent."""
+    step = STEP_DIR.match(chosen.name)
+    if step is None:
+        return ""
+    skipped = [p.name for p in complete_checkpoints(chosen.parent)
+               if int(STEP_DIR.match(p.name).group(1)) > int(step.group(1))
+               and not is_checkpoint(p)]
+    if not skipped:
+        return ""
+    return (f"partita: note: {', '.join(skipped)} in {chosen.parent} cannot be read (its "
+            f"manifest is damaged); using {chosen.name}, the newest sound checkpoint.")
+
+
 RESUME = "train.resume"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 
@@ -30,8 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _folder(text: str) -> Path:
     from partita.checkpoint import resolve
+    from partita.checkpoint.manifest import skipped_newer
 
-    return resolve(Path(text), given_as="")
+    folder = resolve(Path(text), given_as="")
+    if folder != Path(text) and (note := skipped_newer(folder)):  # the newest was chosen
+        print(note, file=sys.stderr, flush=True)
+    return folder
 
 
 def run_info(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
-from partita.checkpoint.manifest import check_files, routing_changes
+from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
 from partita.checkpoint.resume import checkpoint_root, resume_target
 from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
@@ -258,8 +258,11 @@ def timeline_folder(cfg: Config) -> Path | None:
 
 def _print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
-    train.timeline_png ignored without a pipeline, routing settings changed on resume."""
+    damaged newer checkpoint passed over, routing settings changed on resume, a
+    train.timeline_png ignored without a pipeline."""
     target = resume_target(cfg)
+    if target is not None and (skipped := skipped_newer(target)):
+        print(skipped, file=sys.stderr, flush=True)
     changed = routing_changes(read_manifest(target), cfg.model_config()) if target else []
     if changed:
         print(f"partita: note: resuming {target.name} with other routing settings than it "
