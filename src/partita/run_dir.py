@@ -54,7 +54,7 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = 
     unless `overwrite` (or `resuming` that run)."""
     path = check_folder(given_out_dir(out_dir), OUT_DIR)
     found = [] if resuming or not path.is_dir() else _results(path)
-    if found and not overwrite:
+    if found and not overwrite and _trained(path):
         raise PartitaError(
             f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
             "choose a new folder with --train.out_dir=PATH, continue that run with "
@@ -104,6 +104,15 @@ def prepare_folder(folder: str | os.PathLike, setting: str) -> Path:
 
 def _results(path: Path) -> list[str]:
     return [name for name in RESULT_FILES if (path / name).exists()]
+
+
+def _trained(path: Path) -> bool:
+    """Whether the run whose results are in `path` got anywhere: weights, or at least
+    one logged step. A run that died before its first step leaves only its config and
+    an empty metrics file, which a new run may replace without being told to."""
+    metrics = path / "metrics.jsonl"
+    return (path / "model.safetensors").exists() or (metrics.exists()
+                                                     and metrics.stat().st_size > 0)
 
 
 def remove_partial_files(path: Path) -> None:

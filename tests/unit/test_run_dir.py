@@ -7,7 +7,7 @@ import errno
 import pytest
 
 from partita import run_dir
-from partita.commands.train import _print_timeline_note, check_run_dir, prepare_run_dir
+from partita.commands.train import _print_notes, check_run_dir, prepare_run_dir
 from partita.config import load_config
 from partita.errors import PartitaError
 from partita.run_dir import RESULT_FILES, prepare_folder, prepare_out_dir
@@ -31,12 +31,21 @@ def test_an_unwritable_place_is_refused():
         prepare_out_dir("/proc/partita-run", overwrite=False, bytes_needed=1)
 
 
-@pytest.mark.parametrize("name", RESULT_FILES)
+@pytest.mark.parametrize("name", ["metrics.jsonl", "model.safetensors"])
 def test_another_runs_results_are_refused_without_overwrite(tmp_path, name):
+    (tmp_path / "config.toml").write_text("old")
     (tmp_path / name).write_text("old")
     with pytest.raises(PartitaError, match="already holds another run's results"):
         prepare_out_dir(tmp_path, overwrite=False, bytes_needed=1)
     assert (tmp_path / name).read_text() == "old"  # nothing touched
+
+
+def test_a_run_that_died_before_its_first_step_does_not_block_the_folder(tmp_path):
+    # What such a run leaves: its config and an empty metrics file, nothing trained.
+    (tmp_path / "config.toml").write_text("old")
+    (tmp_path / "metrics.jsonl").write_text("")
+    prepare_out_dir(tmp_path, overwrite=False, bytes_needed=1)
+    assert not (tmp_path / "config.toml").exists()  # replaced by the new run's
 
 
 def test_overwrite_removes_the_old_results_first(tmp_path):
@@ -193,9 +202,9 @@ def test_a_timeline_png_without_a_pipeline_gets_one_note(tmp_path, capsys):
     prepare_run_dir(cfg)  # pp=1 draws nothing: its folder is neither checked nor made
     assert not png.parent.exists()
     assert capsys.readouterr().err == ""
-    _print_timeline_note(cfg)
+    _print_notes(cfg)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "note: train.timeline_png" in err and "is ignored" in err and "pp=1" in err
-    _print_timeline_note(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
+    _print_notes(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
     assert capsys.readouterr().err == ""
