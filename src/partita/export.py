@@ -66,6 +66,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     Llama folder at `out`; returns `out`. `dtype`: cast the floating tensors (None: keep)."""
     from safetensors.torch import save_file
 
+    check_exportable(cfg)  # first: what no weights can fix
     out = Path(out)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
         raise PartitaError(f"'{out}' already exists and is not empty; choose another --out "
@@ -112,6 +113,14 @@ def run_weights(run_dir: str | Path):
     The one place export reads weights from; another source of full weights (a
     checkpoint assembled from its per-rank files) returns the same pair.
     """
+    cfg, read = run_source(run_dir)
+    return read(), cfg
+
+
+def run_source(run_dir: str | Path):
+    """(the run's Config, a function that reads its full weights): the config is read
+    now, the weights only when asked, so a run that cannot be exported is refused before
+    gigabytes are read (or a checkpoint's pieces assembled)."""
     from partita.config import config_from_toml, load_config
     from partita.weights import load_weights
 
@@ -127,15 +136,18 @@ def run_weights(run_dir: str | Path):
             folder = None
         if folder is not None:  # a checkpoint: assembled from its per-rank files
             manifest = read_manifest(folder)
-            state = {name: t if t.dtype == torch.float64 else t.to(torch.float32)
-                     for name, t in full_tensors(folder)}
-            return state, config_from_toml(manifest["config"])
+
+            def assemble() -> dict[str, torch.Tensor]:
+                return {name: t if t.dtype == torch.float64 else t.to(torch.float32)
+                        for name, t in full_tensors(folder)}
+
+            return config_from_toml(manifest["config"]), assemble
     for path in (config, weights):
         if not path.is_file():
             raise PartitaError(f"'{path}' does not exist: '{run}' is neither a finished "
                                "run's folder (train.out_dir of a run that completed) nor a "
                                "checkpoint.")
-    return load_weights(weights), load_config(config)
+    return load_config(config), lambda: load_weights(weights)
 
 
 def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
@@ -143,8 +155,11 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
     """Export a finished run's weights with the model shape and tokenizer of its config."""
     if fmt not in FORMATS:
         raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
-    state, cfg = run_weights(run_dir)
-    check_exportable(cfg.model_config())  # before the weights' names are compared
+    cfg, read = run_source(run_dir)
+    # First: a model with no Llama form is named as such before any weight is read (and
+    # not blamed on the weights when their names are compared).
+    check_exportable(cfg.model_config())
+    state = read()
     bos = eos = None
     if cfg.model.init_from:
         from partita.models.hf_config import read_hf_config

@@ -50,3 +50,30 @@ def test_ep_on_a_dense_model_is_refused_before_launch(run_dir, cli):
     assert result.returncode != 0
     assert "has no MoE blocks" in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_moe_checkpoint_shows_and_checks_its_experts_and_does_not_export_to_hf(run_dir, cli):
+    steps = ["--train.steps=2", "--train.checkpoint_every=2", "--train.eval_every=100"]
+    # train.export=hf on a model with experts: refused before anything trains.
+    refused = cli.train(run_dir, *MOE, *steps, "--train.export=hf")
+    assert refused.returncode == 2 and "mixture-of-experts" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not run_dir.exists()
+    result = cli.train(run_dir, *MOE, *steps)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = cli("checkpoint", "info", str(run_dir))
+    assert info.returncode == 0, info.stderr
+    assert "n_experts=8" in info.stdout and "moe_every=2" in info.stdout, info.stdout
+    # The run's weights have no Hugging Face Llama form: `partita export` says so.
+    export = cli("export", str(run_dir), "--out", str(run_dir / "hf"))
+    assert export.returncode == 2 and "mixture-of-experts" in export.stderr, export.stderr
+    assert "do not match" not in export.stderr and not (run_dir / "hf").exists()
+    # Resumed as a dense model: refused before launch, naming the setting.
+    dense = cli.train(run_dir, *MOE, *steps, "--model.name=tiny", "--train.resume=auto")
+    assert dense.returncode == 2, dense.stderr[-2000:]
+    assert "n_experts: checkpoint 8, this run 0" in dense.stderr, dense.stderr[-2000:]
+    assert "Traceback" not in dense.stderr
+    # Another top_k trains on, and the note before launch says what changed.
+    top1 = cli.train(run_dir, *MOE, "--train.steps=3", "--train.eval_every=100",
+                     "--model.top_k=1", "--train.resume=auto")
+    assert top1.returncode == 0, top1.stderr[-3000:]
+    assert "top_k: 2 -> 1" in top1.stderr, top1.stderr[-2000:]

@@ -173,3 +173,51 @@ def test_a_model_without_a_llama_form_is_refused_before_training(tmp_path, model
     assert not (tmp_path / "run").exists()
     dense = load_config(None, ["--train.export=hf", f"--train.out_dir={tmp_path / 'ok'}"])
     check_before_torch(dense, 2)  # the default llama model exports
+
+
+@pytest.mark.parametrize(("model", "says"), [("tiny-moe", "mixture-of-experts"),
+                                             ("tiny-gpt2", "flavour='gpt2'")])
+def test_partita_export_names_a_model_without_a_llama_form_before_reading_weights(
+        tmp_path, model, says):
+    import argparse
+
+    from partita.commands.export import run as export_command
+    from partita.models.catalog import get_model_config
+    from partita.models.hf_weights import to_hf_state
+
+    # The library calls, whatever the weights: the model is named, not the weights.
+    cfg = get_model_config(model)
+    for call in (lambda: to_hf_state({}, cfg), lambda: export_hf({}, cfg, tmp_path / "lib")):
+        with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured") as err:
+            call()
+        assert "do not match" not in str(err.value)
+    assert not (tmp_path / "lib").exists()
+    # `partita export` of such a run: refused from its config.toml alone (the weights file
+    # here is not even readable), writing nothing.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(load_config(None, [f"--model.name={model}"]).to_toml())
+    (run / "model.safetensors").write_bytes(b"not read")
+    args = argparse.Namespace(run=str(run), out=str(tmp_path / "hf"), format="hf",
+                              overwrite=False, dtype="")
+    with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured"):
+        export_command(args)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
+
+
+def test_partita_export_of_a_dense_run_folder_reads_its_weights_after_the_check(tmp_path):
+    from safetensors.torch import save_file
+
+    from partita.export import export_run
+
+    cfg = load_config(None, ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4"])
+    state = {n: torch.full(s, 0.5) for n, s in expected_shapes(cfg.model_config()).items()}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(cfg.to_toml())
+    save_file(state, str(run / "model.safetensors"))
+    out = export_run(run, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (32, 2)
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() \
+        == {hf_name(n) for n in state}

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from partita.errors import PartitaError
+from partita.models.hf_config import check_exportable
 from partita.models.model_config import ModelConfig
 
 _BLOCK = {
@@ -89,6 +90,9 @@ def to_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A full partita state dict as a transformers LlamaForCausalLM state dict."""
+    # A model with no Llama form (GPT-2 flavour, experts) is named for what it is first;
+    # comparing its tensor names below would blame the weights instead.
+    check_exportable(cfg)
     expected = expected_shapes(cfg)
     missing = sorted(set(expected) - set(state))
     extra = sorted(set(state) - set(expected))
