@@ -109,5 +109,10 @@ def test_bad_shapes_explain_themselves():
         ModelConfig(dim=30, n_heads=4)
     with pytest.raises(PartitaError, match="n_kv_heads"):
         ModelConfig(dim=32, n_heads=4, n_kv_heads=3)
+    # Rotary turns pairs of dimensions: an odd head size is refused up front (it failed
+    # in the first forward pass); GPT-2's learned positions take any size.
+    with pytest.raises(PartitaError, match="heads of 9 dimensions.*even size"):
+        ModelConfig(dim=36, n_heads=4)
+    ModelConfig(dim=36, n_heads=4, flavour="gpt2", n_kv_heads=None)
     with pytest.raises(PartitaError, match="Known models"):
         get_model_config("llama-9000")

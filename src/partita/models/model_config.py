@@ -80,6 +80,13 @@ class ModelConfig:
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
                 f"choose n_heads among the divisors of dim, e.g. {_divisors(self.dim)[-4:]}."
             )
+        if self.flavour == "llama" and self.head_dim % 2:
+            even = [h for h in _divisors(self.dim) if (self.dim // h) % 2 == 0]
+            raise PartitaError(
+                f"model.dim={self.dim} over model.n_heads={self.n_heads} gives heads of "
+                f"{self.head_dim} dimensions; rotary embeddings turn pairs of dimensions, so "
+                f"a llama-flavoured head needs an even size (n_heads among {even[-4:]})."
+            )
         if self.n_heads % self.kv_heads:
             raise PartitaError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads="
