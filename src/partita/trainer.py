@@ -308,7 +308,7 @@ class Trainer:
             "tokens_per_s": tokens_per_step * (done - first) / max(elapsed, 1e-9),
             # The same without the first step, which short runs are dominated by.
             "tokens_per_s_after_first": (tokens_per_step * (done - first - 1)
-                                         / max(time.perf_counter() - first_done, 1e-9)
+                                         / max(elapsed - (first_done - start), 1e-9)
                                          if done - first > 1 else None),
             "stopped": stopped, "checkpoint": str(self.writer.last.folder)
             if self.writer.last and self.writer.last.folder else "",
