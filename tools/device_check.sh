@@ -1,61 +1,71 @@
 #!/usr/bin/env bash
 # The GPU checks, run in one call (a GPU machine may be available only briefly):
-#   1. `partita bench gpu`: our ZeRO engine against DDP/FSDP2 on the GPU, bf16, MFU;
-#   2. `partita train` on the GPU (Llama 3.2 1B shape) next to `partita plan`'s
-#      prediction of the same layout's memory and step time;
-#   3. `partita bench zero` and `partita bench pp` with one free core per rank (the
-#      machine has 16), against the 2-core CI box where 4 ranks share 2 cores;
-#   4. tools/loss_check.py: partita's loss against torch's cross-entropy, time and
-#      peak memory at 8,192 tokens x 128K vocabulary;
-#   5. `partita bench gpu --compile`: each compile mode against eager at ZeRO 0 and 3
-#      (Llama 3.2 1B, bf16) with MFU, and the top kernels of a compiled step;
-#   6. tools/gqa_attention.py: which SDPA backends take grouped kv heads in place on
-#      CUDA (bf16), and their time against repeating the heads first.
+#   sweep   tools/gemm_sweep.py: bf16 GEMM and flash-attention rates by shape against
+#           the planner's kernel model (docs/planner.md calibrates on it);
+#   loss    tools/loss_check.py: partita's loss against torch's cross-entropy, time and
+#           peak memory at 8,192 tokens x 128K vocabulary;
+#   gqa     tools/gqa_attention.py: which SDPA backends take grouped kv heads in place;
+#   compile `partita bench gpu --compile`: each compile mode against eager at ZeRO 0 and
+#           3 (Llama 3.2 1B, bf16) with MFU, first steps (compilation), top kernels;
+#   train   `partita train` on the GPU (Llama 3.2 1B shape), eager, next to `partita
+#           plan`'s prediction of the same layout's memory and step time;
+#   trainc  the same run with train.compile=blocks;
+#   gpu     `partita bench gpu`: our ZeRO engine against DDP/FSDP2, bf16, MFU;
+#   zero, pp  `partita bench zero` / `bench pp` on the machine's CPU cores.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
-# Arguments pick parts (compile gpu train zero pp loss gqa); none runs them all, which takes
-# longer than one device call allows: pick two or three per call.
+# Arguments pick parts, run in the order given; BUDGET (seconds, default 540) bounds the
+# whole call: each part gets at most its own limit and what is left, and a part that
+# would get under 30 s is skipped (and said so).
 set -u
-PARTS=${*:-compile gpu train zero pp loss gqa}
-want() { [[ " $PARTS " == *" $1 "* ]]; }
+PARTS=${*:-sweep loss gqa compile train trainc}
+BUDGET=${BUDGET:-540}
 OUT=${OUT:-device-logs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
-    || { echo "install failed, see install.log"; tail -5 "$OUT/install.log"; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
+    || { echo "install failed:"; tail -5 /tmp/install.log; }
 if ! command -v partita >/dev/null; then  # no install: run from the source tree
-    export PYTHONPATH=$PWD/src
-    partita() { python3 -c 'import sys; from partita.cli import main; sys.exit(main())' "$@"; }
+    export PYTHONPATH=$PWD/src PATH=/tmp/partita-bin:$PATH
+    mkdir -p /tmp/partita-bin  # a file, not a function: `timeout` runs it
+    printf '#!/bin/sh\nexec python3 -c "import sys; from partita.cli import main; sys.exit(main())" "$@"\n' \
+        >/tmp/partita-bin/partita && chmod +x /tmp/partita-bin/partita
 fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,driver_version --format=csv
 nproc
 
-want compile && echo "== [$SECONDS s] bench gpu --compile" &&
-timeout 480 partita bench gpu --compile --rounds 6 --profile "partita stage 0 model" 2>&1 \
-    | grep -v Warning | tee "$OUT/bench_gpu_compile.log"
+# part NAME LIMIT COMMAND...: run COMMAND under min(LIMIT, time left - 10 s), its output
+# (warnings left out) on the screen and in $OUT/NAME.log.
+part() {
+    local name=$1 limit=$2; shift 2
+    local left=$((BUDGET - SECONDS - 10))
+    ((left < limit)) && limit=$left
+    if ((limit < 30)); then echo "== skipped $name: ${left}s left"; return; fi
+    echo "== [$SECONDS s] $name (at most ${limit}s)"
+    timeout "$limit" "$@" 2>&1 | grep -v Warning | tee -a "$OUT/$name.log"
+}
+TRAIN=(--model.name=llama3.2-1b --data.seq_len=2048 --train.global_batch=4
+       --precision.param_dtype=bfloat16 --train.steps=30 --train.lr=3e-4 --train.min_lr=3e-5
+       --train.warmup_steps=5 --train.log_every=5 --train.eval_every=1000
+       --train.progress=false --metrics.tensorboard=false --train.overwrite=true)
+PLAN=(--model llama3.2-1b --gpus 1 --gpu-type H200 --seq-len 2048 --global-batch 4
+      --layout "dp=1 zero_stage=0 microbatch_size=4" --implementation partita)
 
-want gpu && echo "== [$SECONDS s] bench gpu" &&
-timeout 300 partita bench gpu 2>&1 | grep -v Warning | tee "$OUT/bench_gpu.log"
-
-if want train; then
-echo "== [$SECONDS s] train on the GPU, then the planner's figures for that layout"
-timeout 180 partita train --model.name=llama3.2-1b --data.seq_len=2048 \
-    --train.global_batch=4 --precision.param_dtype=bfloat16 --train.steps=40 \
-    --train.lr=3e-4 --train.min_lr=3e-5 --train.warmup_steps=5 --train.log_every=5 \
-    --train.eval_every=1000 --train.progress=false --metrics.tensorboard=false \
-    --train.out_dir=/tmp/gpu-run 2>&1 | tee "$OUT/train_gpu.log"
-cp /tmp/gpu-run/metrics.jsonl "$OUT/train_gpu_metrics.jsonl" 2>/dev/null
-partita plan --model llama3.2-1b --gpus 1 --gpu-type H200 --seq-len 2048 \
-    --global-batch 4 --layout "dp=1 zero=0 mb=4" 2>&1 | tee "$OUT/plan_gpu.log"
-fi
-
-want zero && echo "== [$SECONDS s] CPU: bench zero, one core per rank" &&
-timeout 200 partita bench zero --no-deepspeed 2>&1 | tee "$OUT/bench_zero.log"
-want pp && echo "== [$SECONDS s] CPU: bench pp, one core per rank" &&
-timeout 240 partita bench pp 2>&1 | tee "$OUT/bench_pp.log"
-want loss && echo "== [$SECONDS s] loss" &&
-timeout 120 python3 tools/loss_check.py 2>&1 | tee "$OUT/loss.log"
-want gqa && echo "== [$SECONDS s] grouped kv heads on CUDA" &&
-timeout 120 python3 tools/gqa_attention.py --device cuda --dtype bfloat16 --steps 20 2>&1 \
-    | tee "$OUT/gqa.log"
+for p in $PARTS; do case $p in
+sweep) part sweep 90 python3 tools/gemm_sweep.py --device cuda --gpu-type H200 \
+           --json "$OUT/sweep.json" ;;
+loss) part loss 60 python3 tools/loss_check.py ;;
+gqa) part gqa 60 python3 tools/gqa_attention.py --device cuda --dtype bfloat16 --steps 20 ;;
+compile) part compile 330 partita bench gpu --compile --rounds 4 \
+             --profile "partita stage 0 blocks" ;;
+train) part train 100 partita train "${TRAIN[@]}" --train.out_dir=/tmp/gpu-run
+       part train 30 partita plan "${PLAN[@]}" ;;
+trainc) part trainc 150 partita train "${TRAIN[@]}" --train.compile=blocks \
+            --train.out_dir=/tmp/gpu-run-c
+        part trainc 30 partita plan "${PLAN[@]}" --compile blocks ;;
+gpu) part gpu 300 partita bench gpu ;;
+zero) part zero 200 partita bench zero --no-deepspeed ;;
+pp) part pp 240 partita bench pp ;;
+*) echo "unknown part $p (sweep loss gqa compile train trainc gpu zero pp)" ;;
+esac; done
 echo "== [$SECONDS s] done"

@@ -69,7 +69,7 @@ def _gpu_compile_pairs(rank: int, world: int) -> tuple[list[dict], str]:
 
     setup = harness.Setup(batch=1, seq=16, warmup=1, rounds=1, max_rounds=1, steps=1)
     rows, _, kernels = gpu._worker(rank, world, setup, gpu.COMPILE_PAIRS,
-                                   "partita stage 0 model")
+                                   "partita stage 0 model", gpu._print_row)
     return rows, kernels
 
 
@@ -84,4 +84,5 @@ def test_the_gpu_bench_compile_runners_and_profile_run_on_cpu():
     assert [(r["ours"], r["peer"]) for r in rows] == gpu.COMPILE_PAIRS
     for r in rows:
         assert 0 < r["estimate"].median < 10, r
+        assert r["first_ours"] > 0 and r["first_peer"] > 0, r  # compile time is on record
     assert "aten::mm" in kernels and "Self CPU" in kernels, kernels

@@ -159,14 +159,21 @@ def time_pairs(rank: int, world: int, setup: Setup, pairs: list[tuple[str, str]]
     out = []
     for ours, peer in pairs:
         steps = [build(name, copy.deepcopy(template), mesh) for name in (ours, peer)]
+        first = []  # seconds of each side's first step: a compiled runner compiles in it
         for k in range(2):
             for i in range(setup.warmup):
+                wait()
+                t0 = time.perf_counter()
                 steps[k](batches[i % 4])
+                if i == 0:
+                    wait()
+                    first.append(time.perf_counter() - t0)
 
         times = _time_pair(steps, batches, setup, wait,
                            (thresholds or {}).get((ours, peer)))
         release(steps)
         out.append({"ours": ours, "peer": peer, "t_ours": times[0], "t_peer": times[1],
+                    "first_ours": first[0], "first_peer": first[1],
                     "estimate": paired.estimate_times(times)})
         if report is not None and rank == 0:
             report(out[-1])

@@ -17,15 +17,18 @@ fp32 logits everywhere. MFU counts 6N + attention FLOPs per token
 (`ModelConfig.flops_per_token`) against the GPU's dense bf16 datasheet peak.
 
 `--compile` times partita's compile modes against the same stage eager instead
-(`COMPILE_PAIRS`: stage 0 blocks and model, stage 3 blocks); `--profile RUNNER` then
-profiles one runner and prints its top kernels by device time (the CPU test of both
+(`COMPILE_PAIRS`: stage 0 and 3 blocks, stage 0 model) and reports each side's first
+step, which holds the compilation; `--profile RUNNER` then profiles one runner and prints
+its top kernels by device time (the CPU test of both
 paths: tests/dist/test_bench_harness.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -103,16 +106,46 @@ PAIRS = [("partita stage 0", "DDP autocast bf16"),
          ("partita stage 3", "FSDP2 reshard True"),
          ("partita stage 0", "partita stage 0")]
 # `--compile`: each compile mode against the same stage eager (`train.compile`).
+# Blocks first: they compile one block's graph (then shared), the whole model 16 times
+# as much code, so a short GPU lease gets the cheap rows before the expensive one.
 COMPILE_PAIRS = [("partita stage 0 blocks", "partita stage 0"),
-                 ("partita stage 0 model", "partita stage 0"),
-                 ("partita stage 3 blocks", "partita stage 3")]
+                 ("partita stage 3 blocks", "partita stage 3"),
+                 ("partita stage 0 model", "partita stage 0")]
 
 
 def _worker(rank: int, world: int, setup: harness.Setup, pairs: list[tuple[str, str]],
-            profile: str) -> tuple[list[dict], int, str]:
-    rows = harness.time_pairs(rank, world, setup, pairs, build_step)
+            profile: str, printer: Callable[[dict], None]) -> tuple[list[dict], int, str]:
+    """Each pair in turn, its row printed as soon as it is timed, and the profile right
+    after the first pair that holds the profiled runner: a GPU lease may end before the
+    last pair, and what was measured by then is still on record."""
+    rows, kernels = [], ""
+    for pair in pairs:
+        rows += harness.time_pairs(rank, world, setup, [pair], build_step,
+                                   report=printer)
+        if profile in pair and not kernels:
+            kernels = top_kernels(rank, world, setup, profile)
+            if rank == 0:
+                print(f"top kernels of {profile} ({world} rank(s), rank 0):\n{kernels}",
+                      flush=True)
     memory = torch.cuda.max_memory_allocated() if setup.device == "cuda" else 0
-    return rows, memory, (top_kernels(rank, world, setup, profile) if profile else "")
+    return rows, memory, kernels
+
+
+HEAD = (f"{'partita':>22} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
+        f"{'MFU':>6} {'ratio':>6} {'99% interval':>13} {'first step s':>13}")
+
+
+def _print_row(r: dict, flops_per_step: float = 0.0, peak: float = 0.0) -> None:
+    """One pair's row; MFU of a median step (0 where the GPU's peak is unknown), and the
+    two sides' first steps (a compiled runner's includes its compilation)."""
+    def mfu(seconds: float) -> float:
+        return flops_per_step / seconds / peak if peak else 0.0
+
+    ours, theirs = statistics.median(r["t_ours"]), statistics.median(r["t_peer"])
+    est = r["estimate"]
+    print(f"{r['ours']:>22} {ours * 1e3:>8.1f} {mfu(ours):>6.1%} {r['peer']:>20} "
+          f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {est.median:>6.3f} {est.span:>13} "
+          f"{r['first_ours']:>6.1f}/{r['first_peer']:<6.1f}", flush=True)
 
 
 def top_kernels(rank: int, world: int, setup: harness.Setup, name: str,
@@ -189,26 +222,14 @@ def run(args: argparse.Namespace) -> int:
           f"{setup.batch}x{setup.seq} tokens per rank, {setup.rounds} interleaved rounds "
           f"of {setup.steps} steps after {setup.warmup} warm-up steps; torch "
           f"{torch.__version__}; MFU against {peak / 1e12:.0f} TFLOP/s")
-    rows, memory, kernels = run_distributed(_worker, world, timeout=1800, backend="nccl",
-                                            args=(setup, pairs, args.profile))[0]
-
-    # MFU of a median step (0 where the GPU's peak is unknown, see partita.metrics).
-    def mfu(seconds: float) -> float:
-        return flops_per_step / seconds / peak if peak else 0.0
-
-    print(f"{'partita':>16} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
-          f"{'MFU':>6} {'ratio':>6} {'99% interval':>13}")
-    for r in rows:
-        ours, theirs = statistics.median(r["t_ours"]), statistics.median(r["t_peer"])
-        est = r["estimate"]
-        print(f"{r['ours']:>16} {ours * 1e3:>8.1f} {mfu(ours):>6.1%} {r['peer']:>20} "
-              f"{theirs * 1e3:>8.1f} {mfu(theirs):>6.1%} {est.median:>6.3f} "
-              f"{est.span:>13}")
+    print(HEAD, flush=True)
+    printer = functools.partial(_print_row, flops_per_step=flops_per_step, peak=peak)
+    rows, memory, _ = run_distributed(_worker, world, timeout=1800, backend="nccl",
+                                      args=(setup, pairs, args.profile, printer))[0]
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
-    best_mfu = max(mfu(statistics.median(r["t_ours"])) for r in rows)
-    if kernels:
-        print(f"top kernels of {args.profile} ({world} rank(s), rank 0):\n{kernels}")
+    best_mfu = max(flops_per_step / statistics.median(r["t_ours"]) / peak if peak else 0.0
+                   for r in rows)
     if args.compile:
         worst = max(r["estimate"].median for r in rows)
         print(f"gpu: worst compiled/eager step-time ratio {worst:.3f}; best partita MFU "
