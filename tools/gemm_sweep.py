@@ -125,8 +125,11 @@ def shapes(scale: int) -> list[tuple[str, int, int, int]]:
 
 def fit_summary(rows: list[dict]) -> dict:
     """The constants the planner would take from these rows."""
+    # Squares of 4096 and up (below that a product is short enough to sit in L2 and
+    # under the sustained clock), or whatever squares a scaled-down run has.
     square = [r for r in rows if r["kind"] == "square"]
-    large = max(r["tflops"] for r in square)
+    large = statistics.median(r["tflops"] for r in (
+        [r for r in square if r["m"] >= 4096] or square))
     inner = {r["k"]: r["tflops"] / large for r in rows if r["kind"] == "inner"}
     # K / (K + k_half) = rate  =>  k_half = K (1 - rate) / rate, over the K that show it.
     k_halves = [k * (1 - f) / f for k, f in inner.items() if 0.05 < f < 0.95]

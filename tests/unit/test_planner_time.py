@@ -232,3 +232,33 @@ def test_keep_gathered_auto_keeps_the_most_units_that_fit():
     assert tight.fits and not evaluate(more, layout).fits
     with pytest.raises(PartitaError):
         make_request("llama3-8b", 8, keep_gathered=-1)
+
+
+def test_a_misaligned_gemm_runs_at_a_fifth_of_the_rate():
+    """bf16 on an H200 (tools/gemm_sweep.py, 2026-12-04): 8192 x N x 8192 ran at 139
+    TFLOP/s with N = 8191 or 8193 and 700 with N = 8256; a leading dimension off a
+    multiple of 8 elements loses the vectorised tensor-core kernels. CPUs have no such
+    step (the `cpu` preset leaves it out)."""
+    from partita.planner.compute import gemm_time
+
+    a = Assumptions()
+    aligned = gemm_time(8192, 8192, 8192, H100, a)
+    for n, k in ((8193, 8192), (8192, 8191)):  # (n = 8193 also fills one more tile row)
+        assert gemm_time(8192, n, k, H100, a) == pytest.approx(5 * aligned, rel=0.02)
+    assert gemm_time(8191, 8192, 8192, H100, a) == pytest.approx(aligned, rel=0.01)
+    cpu = Assumptions.measured_cpu()
+    assert gemm_time(512, 513, 512, H100, cpu) == pytest.approx(
+        gemm_time(512, 512, 512, H100, cpu), rel=0.01)
+
+
+def test_an_unpadded_vocabulary_is_named_with_its_padding():
+    from partita.planner.api import make_request
+    from partita.planner.evaluate import evaluate
+    from partita.planner.report import format_evaluation
+
+    layout = Layout(tp=8, pp=8, dp=16)
+    req = make_request("gpt3-175b", 1024, "A100-80GB", seq_len=2048, global_batch=1536)
+    text = format_evaluation(req, evaluate(req, layout))
+    assert "vocabulary 50,257 over tp=8" in text and "padded to 51,200" in text
+    req = make_request("llama3-8b", 1024, "A100-80GB", seq_len=2048, global_batch=1536)
+    assert "padded" not in format_evaluation(req, evaluate(req, layout))

@@ -30,6 +30,12 @@ class Assumptions:
     # Inner-dimension steps that a tile's prologue and epilogue cost: the rate of a
     # GEMM with inner dimension K is scaled by K / (K + gemm_k_half).
     gemm_k_half: float = 64.0
+    # A GEMM whose n or k (a leading dimension of its operands) is not a multiple of
+    # `gemm_align` elements cannot use the vectorised tensor-core kernels and runs at
+    # `misaligned_gemm_fraction` of the rate (bf16 on an H200: N = 8191, 8193 or 8319
+    # ran at 0.19-0.21 of N = 8256, tools/gemm_sweep.py). 0: no such effect (CPUs).
+    gemm_align: int = 8
+    misaligned_gemm_fraction: float = 0.2
     # Fixed cost of launching one kernel (CUDA launch, tail of the previous kernel).
     kernel_overhead_s: float = 4e-6
     # Fraction of datasheet memory bandwidth streaming kernels reach.
@@ -94,9 +100,9 @@ class Assumptions:
     # scores: then a rank's attention costs what one process's costs, divided by c.
     cp_fused_pieces: bool = False
     pp_overlap: float = 0.5  # p2p of one microbatch overlaps the next one's compute
-    # The compute model describes eager kernels where `train.compile`'s factors were
-    # measured (partita on CPU, `planner.compiled`): compiling gains them there. Fused
-    # kernels, or a GPU without a measurement yet, are assumed to gain nothing.
+    # The compute model describes partita's eager kernels (on a CPU, or on a GPU with
+    # `partita_on_gpu`), which `train.compile` fuses (`planner.compiled`): compiling gains
+    # them. The fused kernels of the GPU default are assumed to gain nothing.
     compile_gain: bool = False
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
@@ -230,7 +236,7 @@ class Assumptions:
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
                    zero3_kept_units=1,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
-                   loss_token_bytes=6.0, gemm_peak_fraction=0.8, gemm_tile=0,
+                   loss_token_bytes=6.0, gemm_peak_fraction=0.8, gemm_tile=0, gemm_align=0,
                    gemm_k_half=8.0, kernel_overhead_s=0.0, memory_efficiency=1.0,
                    cp_eager_pieces=True, cp_fused_pieces=True, pp_scatter_gather=False,
                    compile_gain=True, eager_elementwise=True,
@@ -240,9 +246,12 @@ class Assumptions:
     def partita_on_gpu(cls) -> Assumptions:
         """partita's own model and engines (`measured_cpu()`'s memory accounting) on a
         GPU: the preset of `partita plan --implementation partita`. There, grouped kv
-        heads are repeated before the attention kernel (`models.transformer.AttentionCore`)."""
+        heads are repeated before the attention kernel (`models.transformer.AttentionCore`).
+        Compiling gains here as on a CPU (`compile_gain`), checked on one H200 (Llama 3.2
+        1B, bf16, docs/planner.md): compiled/eager step time predicted 0.86 at 4 x 2048
+        tokens and 0.85 at 8 x 2048, measured 0.81-0.83 and 0.85."""
         gpu = cls()
-        return replace(cls.measured_cpu(), compile_gain=False, gqa_expanded_kv=True,
+        return replace(cls.measured_cpu(), compile_gain=True, gqa_expanded_kv=True,
                        **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
@@ -277,7 +286,8 @@ class Assumptions:
 
 
 # The fields that describe a device's kernels rather than what an implementation stores.
-KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "kernel_overhead_s",
+KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "gemm_align",
+                 "misaligned_gemm_fraction", "kernel_overhead_s",
                  "memory_efficiency", "cp_fused_pieces")
 
 DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument

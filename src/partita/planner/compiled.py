@@ -14,9 +14,8 @@ elementwise traffic are a large share of the step (few tokens, narrow models), s
 where the GEMMs dominate.
 
 Only a preset whose kernels are partita's eager ones gains (`Assumptions.compile_gain`:
-the `cpu` preset, checked against measurements of compiled and eager steps in
-docs/planner.md); the fused preset already models fused kernels, and partita's model on
-a GPU has no measurement yet.
+the `cpu` preset and `--implementation partita` on a GPU, each checked against compiled
+and eager steps in docs/planner.md); the fused preset already models fused kernels.
 """
 
 from __future__ import annotations

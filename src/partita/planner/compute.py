@@ -10,6 +10,8 @@ shape instead, with a roofline and a few named shape effects (docs/planner.md):
 * short inner dimension: each output tile's main loop runs over K; prologue and
   epilogue cost about `gemm_k_half` steps of it, so the rate is scaled by K/(K + k_half)
   (attention's inner dimension is the head dimension, so small heads run slower);
+* alignment: a GEMM whose n or k is not a multiple of `gemm_align` (8) elements runs at
+  `misaligned_gemm_fraction` (0.2) of the rate, as measured on an H200;
 * launch overhead: a fixed `kernel_overhead_s` per kernel;
 * memory-bound work (norms, activations, residual adds, dropout, softmax, the loss)
   moves a fixed number of bytes per hidden element per token, at memory bandwidth;
@@ -67,6 +69,8 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, a: Assumptions,
         mm, nn = m, n
     flops = 2.0 * mm * nn * k * batch
     rate = gpu.peak_flops * gemm_fraction(gpu, a) * k / (k + a.gemm_k_half)
+    if a.gemm_align and (n % a.gemm_align or k % a.gemm_align):
+        rate *= a.misaligned_gemm_fraction  # no vectorised tensor-core kernel
     moved = elem_bytes * batch * (m * k + k * n + m * n)
     return max(flops / rate, moved / (gpu.memory_bandwidth * a.memory_efficiency)) \
         + a.kernel_overhead_s

@@ -73,10 +73,26 @@ def compile_text(req: Request, ev: Evaluation) -> str:
     if ev.compile != req.compile and req.compile == "model":
         notes.append("train.compile=model refuses this layout")
     if ev.compile != "none" and not req.assumptions.compile_gain:
-        notes.append("no gain assumed: compiling is modelled for partita's eager "
-                     "kernels on CPU only")
+        notes.append("no gain assumed: these kernels are already fused; "
+                     "--implementation partita models partita's eager ones, which compiling "
+                     "fuses")
     kept = f"; keep_gathered: {ev.kept_units}" if ev.kept_units is not None else ""
     return f"compile: {ev.compile}" + (f" ({'; '.join(notes)})" if notes else "") + kept
+
+
+def alignment_note(req: Request, layout) -> str:
+    """A vocabulary whose share per tp rank is off the GEMM alignment: the output
+    layer's GEMMs then run at `misaligned_gemm_fraction` of the rate (compute.gemm_time
+    counts it); padding the vocabulary, as Megatron-LM does, avoids it."""
+    align, vocab = req.assumptions.gemm_align, req.model.config.vocab_size
+    if not align or (vocab / layout.tp) % align == 0:
+        return ""
+    multiple = 128 * layout.tp
+    padded = -(-vocab // multiple) * multiple
+    return (f"Note: vocabulary {vocab:,} over tp={layout.tp} gives output-layer GEMMs "
+            f"{vocab / layout.tp:g} wide, not a multiple of {align}: they run at about "
+            f"{req.assumptions.misaligned_gemm_fraction:.0%} of the GEMM rate (counted "
+            f"above). A vocabulary padded to {padded:,} (a multiple of 128 x tp) avoids it.")
 
 
 def format_search(result: SearchResult, top: int = 10) -> str:
@@ -88,6 +104,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(format_table(result.ranked[:top]))
         out.append("Assumed " + overlap_text(result.ranked[0].layout) + "; "
                    + compile_text(req, result.ranked[0]) + ".")
+        if note := alignment_note(req, result.ranked[0].layout):
+            out.append(note + " (for the first layout)")
         out.append("")
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
@@ -160,6 +178,8 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{_tflops(t['hardware_flops_per_gpu'])} hardware TFLOP/s (with "
                    f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
                    f"{compile_text(req, ev)}")
+        if note := alignment_note(req, ev.layout):
+            out.append(note)
         out.append("Bytes sent per GPU per step: " + ", ".join(
             f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
                                                      "pp_bytes", "dp_bytes") if t[k]))
