@@ -125,6 +125,11 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
         )
     start_worker_server(spec.preload)  # unless the caller has started it already
     extra = {}
+    # After one process fails, the others get this long to exit on SIGTERM before
+    # SIGKILL (torch waits 30 s, which a SIGSTOPped process always uses up). Older
+    # torch releases (2.11 and before) have no such field and keep their 30 s.
+    if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
+        extra["shutdown_timeout"] = SHUTDOWN_TIMEOUT_S
     if spec.forward_sigterm and "signals_to_handle" in LaunchConfig.__dataclass_fields__:
         extra["signals_to_handle"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is ours
     config = LaunchConfig(
@@ -135,9 +140,7 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
         # join_timeout is the key torch's c10d rendezvous reads for its overall wait.
         rdzv_configs={"join_timeout": int(math.ceil(spec.join_timeout_s))},
         max_restarts=spec.max_restarts, monitor_interval=0.2, start_method="forkserver",
-        # After one process fails, the others get this long to exit on SIGTERM before
-        # SIGKILL (torch waits 30 s, which a SIGSTOPped process always uses up).
-        shutdown_timeout=SHUTDOWN_TIMEOUT_S, logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         **extra,
     )
     # The agent logs each failed child with a long record; the child has already printed
