@@ -249,7 +249,7 @@ class Assumptions:
         heads are repeated before the attention kernel (`models.transformer.AttentionCore`).
         Compiling gains here as on a CPU (`compile_gain`), checked on one H200 (Llama 3.2
         1B, bf16, docs/planner.md): compiled/eager step time predicted 0.86 at 4 x 2048
-        tokens and 0.85 at 8 x 2048, measured 0.81-0.83 and 0.85."""
+        tokens and 0.85 at 8 x 2048, measured 0.81-0.84 and 0.85."""
         gpu = cls()
         return replace(cls.measured_cpu(), compile_gain=True, gqa_expanded_kv=True,
                        **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
