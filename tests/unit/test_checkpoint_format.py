@@ -289,3 +289,26 @@ def test_a_mixture_of_experts_model_is_recorded_and_checked_by_its_settings(tmp_
     old = {"model": {k: v for k, v in saved_moe["model"].items() if k != "n_experts"}}
     check_model({"model": {k: v for k, v in old["model"].items()
                            if k in saved_dense["model"]}}, moe, tmp_path)
+
+
+def test_widths_are_compared_as_they_resolve(tmp_path):
+    """A width left unset and the same width written out build the same weights: the
+    resume goes ahead; another width is refused with both resolved figures."""
+    from partita.checkpoint.manifest import CheckpointMismatch, check_model, model_fields
+    from partita.models.catalog import get_model_config
+
+    for name in ("tiny", "tiny-moe"):
+        cfg = dataclasses.replace(get_model_config(name), ffn_dim=None)
+        saved = {"model": json.loads(json.dumps(model_fields(cfg)))}
+        assert saved["model"]["ffn_dim"] is None
+        check_model(saved, dataclasses.replace(cfg, ffn_dim=cfg.ffn_hidden), tmp_path)
+        with pytest.raises(CheckpointMismatch,
+                           match=f"ffn_dim: checkpoint {cfg.ffn_hidden}, this run "
+                                 f"{cfg.ffn_hidden + 64}"):
+            check_model(saved, dataclasses.replace(cfg, ffn_dim=cfg.ffn_hidden + 64), tmp_path)
+    moe = dataclasses.replace(get_model_config("tiny-moe"), expert_ffn_dim=None)
+    saved = {"model": json.loads(json.dumps(model_fields(moe)))}
+    check_model(saved, dataclasses.replace(moe, expert_ffn_dim=moe.expert_hidden), tmp_path)
+    with pytest.raises(CheckpointMismatch, match="expert_ffn_dim: checkpoint"):
+        check_model(saved, dataclasses.replace(moe, expert_ffn_dim=moe.expert_hidden * 2),
+                    tmp_path)

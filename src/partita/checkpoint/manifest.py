@@ -16,6 +16,7 @@ sees a half-written one under a checkpoint's name (docs/checkpoints.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -81,13 +82,38 @@ def routing_changes(manifest: dict, model_cfg) -> list[str]:
             if k in saved and k in here and saved[k] != here[k]]
 
 
+# Widths a config may leave unset (None: a rule on the other settings gives them),
+# compared as the widths they resolve to: unset and the same width written out build
+# the same weights.
+RESOLVED_WIDTHS = {"ffn_dim": "ffn_hidden", "expert_ffn_dim": "expert_hidden"}
+
+
+def _resolved_widths(fields: dict, model_cfg) -> dict:
+    """The widths `fields` (a manifest's model settings) resolve to, read off `model_cfg`
+    with those settings laid over it; {} where they do not make a valid config."""
+    if not dataclasses.is_dataclass(model_cfg):
+        return {}
+    names = {f.name for f in dataclasses.fields(model_cfg)}
+    try:
+        cfg = dataclasses.replace(model_cfg, **{k: v for k, v in fields.items()
+                                                if k in names})
+        return {k: getattr(cfg, prop) for k, prop in RESOLVED_WIDTHS.items()
+                if hasattr(cfg, prop)}
+    except (PartitaError, TypeError, ValueError):
+        return {}
+
+
 def check_model(manifest: dict, model_cfg, folder: Path) -> None:
     """Refuse a checkpoint of another model, naming the settings that differ."""
     saved, here = manifest.get("model", {}), model_fields(model_cfg)
+    # Widths are compared resolved; where the saved settings do not resolve, as written.
+    widths_saved = _resolved_widths(saved, model_cfg)
+    widths_here = _resolved_widths(here, model_cfg) if widths_saved else {}
+    shown_saved, shown_here = dict(saved, **widths_saved), dict(here, **widths_here)
     # Keys a checkpoint lacks (written before it recorded them) are not compared; a
     # dense checkpoint records n_experts=0, so a dense/MoE mismatch is always caught.
-    diff = [f"{k}: checkpoint {saved[k]!r}, this run {here[k]!r}" for k in here
-            if k in saved and saved[k] != here[k] and k not in MOE_ROUTING_KEYS]
+    diff = [f"{k}: checkpoint {shown_saved[k]!r}, this run {shown_here[k]!r}" for k in here
+            if k in saved and shown_saved[k] != shown_here[k] and k not in MOE_ROUTING_KEYS]
     if diff:
         raise CheckpointMismatch(
             f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "
