@@ -261,15 +261,17 @@ class Trainer:
         tokens_per_step = c.train.global_batch * c.data.seq_len
         flops_per_step = self.pm.model_cfg.flops_per_token(c.data.seq_len) * tokens_per_step
         val_loss, result, stopped = None, None, False
-        start = first_done = time.perf_counter()
+        start = time.perf_counter()
         window_start, window_steps = start, 0
+        steady_s = 0.0  # training steps after the first: no warm-up, evaluation or saving
         for step in range(first, c.train.steps):
+            step_start = time.perf_counter()
             inputs, targets = next(self.sampler)
             lr = schedule(step)
             result = self.train_step(inputs, targets, lr, step + 1)
             window_steps += 1
-            if step == first:  # the first step also warms up (allocator, compiling)
-                first_done = time.perf_counter()
+            if step > first:  # the first step also warms up (allocator, compiling)
+                steady_s += time.perf_counter() - step_start
             if step == first and self.is_logger and self.pm.compiled is not None \
                     and self.pm.compiled.mode != "none":  # once: what compiled, what broke
                 self.logger.message(compile_summary(self.pm.compiled))
@@ -306,9 +308,10 @@ class Trainer:
             "steps": done, "train_loss": result.loss if result else float("nan"),
             "val_loss": val_loss,
             "tokens_per_s": tokens_per_step * (done - first) / max(elapsed, 1e-9),
-            # The same without the first step, which short runs are dominated by.
+            # The training steps alone after the first, which short runs are dominated
+            # by (evaluations and checkpoint writes left out as well).
             "tokens_per_s_after_first": (tokens_per_step * (done - first - 1)
-                                         / max(elapsed - (first_done - start), 1e-9)
+                                         / max(steady_s, 1e-9)
                                          if done - first > 1 else None),
             "stopped": stopped, "checkpoint": str(self.writer.last.folder)
             if self.writer.last and self.writer.last.folder else "",
@@ -334,7 +337,8 @@ class Trainer:
                                     "Raise train.steps to train further.")
             else:
                 steady = summary["tokens_per_s_after_first"]
-                after = f" ({steady:,.0f} after the first step)" if steady else ""
+                after = (f" ({steady:,.0f} in the training steps after the first)"
+                         if steady else "")
                 self.logger.message(
                     f"done: {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
                     f"val loss {val}, {summary['tokens_per_s']:,.0f} tokens/s{after}"

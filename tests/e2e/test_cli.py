@@ -27,8 +27,9 @@ def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_pat
         assert result.returncode == 0, result.stderr[-3000:]
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("done: 6 steps, train loss"), last
-        # The whole run's rate, and the rate without the warm-up of the first step.
-        assert re.search(r"[\d,]+ tokens/s \([\d,]+ after the first step\)$", last), last
+        # The whole run's rate, and the training steps' own after the first (warm-up).
+        assert re.search(r"[\d,]+ tokens/s \([\d,]+ in the training steps after the "
+                         r"first\)$", last), last
         runs[name] = cli.losses(out)
     for name, curve in runs.items():
         assert curve == pytest.approx(runs["single"], rel=1e-10), name
