@@ -69,11 +69,17 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, a: Assumptions,
         mm, nn = m, n
     flops = 2.0 * mm * nn * k * batch
     rate = gpu.peak_flops * gemm_fraction(gpu, a) * k / (k + a.gemm_k_half)
-    if a.gemm_align and (n % a.gemm_align or k % a.gemm_align):
+    if a.gemm_align and (_misaligned(n, a.gemm_align) or _misaligned(k, a.gemm_align)):
         rate *= a.misaligned_gemm_fraction  # no vectorised tensor-core kernel
     moved = elem_bytes * batch * (m * k + k * n + m * n)
     return max(flops / rate, moved / (gpu.memory_bandwidth * a.memory_efficiency)) \
         + a.kernel_overhead_s
+
+
+def _misaligned(dim: float, align: int) -> bool:
+    """A whole dimension off a multiple of `align` (a fractional one is an average over
+    ranks or pieces, not a tensor's shape, and is not judged)."""
+    return float(dim).is_integer() and int(dim) % align != 0
 
 
 def gemm_fraction(gpu: GPUSpec, a: Assumptions) -> float:
@@ -198,7 +204,7 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     `compiled`: the embedding, final norm and head compiled with the blocks."""
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
-    v = c.vocab_size / layout.tp
+    v = -(-c.vocab_size // layout.tp)  # rows per rank: the vocabulary is padded to tp
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)

@@ -85,12 +85,13 @@ def alignment_note(req: Request, layout) -> str:
     layer's GEMMs then run at `misaligned_gemm_fraction` of the rate (compute.gemm_time
     counts it); padding the vocabulary, as Megatron-LM does, avoids it."""
     align, vocab = req.assumptions.gemm_align, req.model.config.vocab_size
-    if not align or (vocab / layout.tp) % align == 0:
+    width = -(-vocab // layout.tp)  # rows per rank (compute.head_times)
+    if not align or width % align == 0:
         return ""
     multiple = 128 * layout.tp
     padded = -(-vocab // multiple) * multiple
     return (f"Note: vocabulary {vocab:,} over tp={layout.tp} gives output-layer GEMMs "
-            f"{vocab / layout.tp:g} wide, not a multiple of {align}: they run at about "
+            f"{width:,} wide, not a multiple of {align}: they run at about "
             f"{req.assumptions.misaligned_gemm_fraction:.0%} of the GEMM rate (counted "
             f"above). A vocabulary padded to {padded:,} (a multiple of 128 x tp) avoids it.")
 
