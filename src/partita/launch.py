@@ -145,9 +145,13 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
     )
     # The agent logs each failed child with a long record; the child has already printed
     # its own message (a one-paragraph PartitaError or a traceback), which is the one
-    # worth reading, so keep the agent to critical messages.
-    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # worth reading, so keep the agent to critical messages. torch's elastic modules set
+    # their own loggers' levels (`get_logger`), so each one is quietened, not only the
+    # parent: else Ctrl-C still prints the agent's "Received 2 death signal" line.
+    quiet = ("torch.distributed.elastic", "torch.multiprocessing")
+    for name in [*quiet, *logging.Logger.manager.loggerDict]:
+        if name.startswith(quiet):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         with _sigterm_to_workers(spec.forward_sigterm and bool(extra)):
             results = elastic_launch(config, _run_reporting_errors)(fn, *args)
