@@ -8,6 +8,7 @@ data-parallel replicas, so gradients equal those of the global-batch mean loss.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -329,6 +330,11 @@ class Trainer:
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):
             self.pm.runner.save_timeline(c.train.timeline_png,
                                          f"{c.parallel.schedule}, last step, {self.mesh.dims}")
+        if self.is_logger and not c.train.checkpoint_dir:
+            # The default checkpoint folder is made at launch, since a SIGTERM would save
+            # there; a run that finished without saving leaves no empty folder behind.
+            with contextlib.suppress(OSError):  # not empty (or gone): left as it is
+                checkpoint_root(c).rmdir()
         if self.is_logger:
             val = "n/a" if val_loss is None else f"{val_loss:.4f}"
             if result is None:

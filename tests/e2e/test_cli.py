@@ -31,6 +31,7 @@ def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_pat
         assert re.search(r"[\d,]+ tokens/s \([\d,]+ in the training steps after the "
                          r"first\)$", last), last
         runs[name] = cli.losses(out)
+        assert not (out / "checkpoints").exists()  # nothing saved: no empty folder left
     for name, curve in runs.items():
         assert curve == pytest.approx(runs["single"], rel=1e-10), name
     assert runs["single"][-1] < runs["single"][0]
