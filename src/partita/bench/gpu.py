@@ -135,11 +135,16 @@ HEAD = (f"{'partita':>22} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} 
         f"{'MFU':>6} {'ratio':>6} {'99% interval':>13} {'first step s':>13}")
 
 
+def _mfu(seconds: float, flops_per_step: float, peak: float) -> float:
+    """MFU of a step of `seconds` (0 where the GPU's peak is unknown)."""
+    return flops_per_step / seconds / peak if peak else 0.0
+
+
 def _print_row(r: dict, flops_per_step: float = 0.0, peak: float = 0.0) -> None:
-    """One pair's row; MFU of a median step (0 where the GPU's peak is unknown), and the
-    two sides' first steps (a compiled runner's includes its compilation)."""
+    """One pair's row; MFU of a median step, and the two sides' first steps (a compiled
+    runner's includes its compilation)."""
     def mfu(seconds: float) -> float:
-        return flops_per_step / seconds / peak if peak else 0.0
+        return _mfu(seconds, flops_per_step, peak)
 
     ours, theirs = statistics.median(r["t_ours"]), statistics.median(r["t_peer"])
     est = r["estimate"]
@@ -228,8 +233,7 @@ def run(args: argparse.Namespace) -> int:
                                       args=(setup, pairs, args.profile, printer))[0]
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
-    best_mfu = max(flops_per_step / statistics.median(r["t_ours"]) / peak if peak else 0.0
-                   for r in rows)
+    best_mfu = max(_mfu(statistics.median(r["t_ours"]), flops_per_step, peak) for r in rows)
     if args.compile:
         worst = max(r["estimate"].median for r in rows)
         print(f"gpu: worst compiled/eager step-time ratio {worst:.3f}; best partita MFU "
