@@ -145,10 +145,14 @@ def norm_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,
     Fused: `norm_saved_tensors` tensors of width h. Eager (partita's model): RMSNorm
     normalises in fp32, so it keeps an fp32 copy of its input, the normalised output and
     an fp32 rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd.
+    Compiled (partita's RMSNorm in a block `train.compile` fuses): its input and the
+    rsqrt; the normalised output is recomputed in backward.
     """
     h, e = model.config.dim, precision.activation
     if assumptions.norm_kernel == "fused":
         return assumptions.norm_saved_tensors * e * tokens * h
+    if assumptions.norm_kernel == "compiled":
+        return tokens * (e * h + 4)
     if model.config.flavour == "gpt2":
         return tokens * (e * h + 8)
     return tokens * ((max(e, 4) + e) * h + 4)

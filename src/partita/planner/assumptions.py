@@ -139,7 +139,8 @@ class Assumptions:
     # leave the GPU figures unchanged and `measured_cpu()` turns them on.
     # Norms: "fused" saves `norm_saved_tensors` tensors of width h; "eager" is partita's
     # model: RMSNorm saves an fp32 copy of its input, its normalised output and an fp32
-    # rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd.
+    # rsqrt per token; LayerNorm (torch's kernel) its input and fp32 mean and rstd;
+    # "compiled" (RMSNorm inside a block `train.compile` fuses): its input and the rsqrt.
     norm_kernel: str = "fused"
     # partita's attention on CUDA repeats grouped kv heads to the query heads before the
     # kernel, which then saves full-width K and V (kernels with native GQA keep the kv
@@ -196,8 +197,9 @@ class Assumptions:
             raise PartitaError(
                 f"attention_kernel={self.attention_kernel!r}: use 'flash' or 'eager'."
             )
-        if self.norm_kernel not in ("fused", "eager"):
-            raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused' or 'eager'.")
+        if self.norm_kernel not in ("fused", "eager", "compiled"):
+            raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused', 'eager' or "
+                               "'compiled'.")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith(("_overlap", "_efficiency", "_fraction", "_slowdown",

@@ -20,8 +20,12 @@ and eager steps in docs/planner.md); the fused preset already models fused kerne
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from partita.compile_rules import MODES, model_refusal
 from partita.layout import Layout
+from partita.planner.assumptions import Assumptions
+from partita.planner.model_shape import PlanModel
 
 
 def compile_in_effect(mode: str, layout: Layout) -> str:
@@ -34,3 +38,19 @@ def compile_in_effect(mode: str, layout: Layout) -> str:
     if mode == "auto" or (mode == "model" and model_refusal(layout)):
         return "blocks"
     return mode
+
+
+def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumptions:
+    """The assumptions a compiled run's saved activations follow. Inside a compiled
+    Llama block (measured with `SavedTensorMeter` on partita's model, fp32 and bf16,
+    tests/unit/test_planner_compile.py) RMSNorm keeps its input and rsqrt instead of an
+    fp32 copy and the normalised output, SwiGLU three tensors instead of four (silu(gate)
+    is recomputed), and the rotary tables are constants of the graph, not saved per
+    block; everything else is what eager saves. GPT-2 blocks (LayerNorm, GELU) save the
+    same bytes either way, and an MoE block's experts run eagerly, so both are left as
+    they are; so are presets that already describe fused kernels (`compile_gain` off)."""
+    if (mode == "none" or not a.compile_gain or a.norm_kernel != "eager"
+            or model.config.flavour != "llama" or model.is_moe):
+        return a
+    return replace(a, norm_kernel="compiled", swiglu_saved_tensors=3,
+                   rotary_tables_saved=False)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from partita.layout import Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
-from partita.planner.compiled import compile_in_effect
+from partita.planner.compiled import compile_in_effect, compiled_activations
 from partita.planner.hardware import Cluster
 from partita.planner.memory import disk_state_bytes, host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
@@ -113,9 +113,10 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
     if any(k == DIVISIBILITY for k, _ in ev.reasons):
         return ev
     m = num_microbatches(layout, req.global_batch)
-    a = req.assumptions
+    ev.compile = compile_in_effect(req.compile, layout)
+    a = compiled_activations(req.assumptions, req.model, ev.compile)
     if layout.zero_stage == 3 and req.keep_gathered is not None:
-        ev.kept_units = (most_kept_units(req, layout, m) if req.keep_gathered == "auto"
+        ev.kept_units = (most_kept_units(req, layout, m, a) if req.keep_gathered == "auto"
                          else int(req.keep_gathered))
         a = replace(a, zero3_kept_units=ev.kept_units)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
@@ -124,18 +125,17 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
         req.model, layout, req.precision, ev.peak_stage)
     ev.disk_bytes_per_node = req.cluster.ranks_per_node * disk_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
-    ev.compile = compile_in_effect(req.compile, layout)
     ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,
                         req.precision, a, compile=ev.compile)
     ev.reasons += memory_reasons(req, ev)
     return ev
 
 
-def most_kept_units(req: Request, layout: Layout, m: int) -> int:
+def most_kept_units(req: Request, layout: Layout, m: int, assumptions: Assumptions) -> int:
     """The most ZeRO-3 units kept gathered into backward with which `layout` still fits
     in memory (at least 1, the engine's default); memory grows with the count."""
     def fits(k: int) -> bool:
-        a = replace(req.assumptions, zero3_kept_units=k)
+        a = replace(assumptions, zero3_kept_units=k)
         total = peak_memory(req.model, layout, req.seq_len, m, req.precision, a,
                             req.cluster.gpu.runtime_reserved_bytes)[1]["total"]
         return total <= req.cluster.gpu.memory_bytes
