@@ -68,7 +68,7 @@ def test_a_block_saves_what_the_planner_counts(dtype, compiled, tmp_path_factory
 def test_the_h200_run_of_compiled_blocks():
     """Llama 3.2 1B, bf16 with fp32 master weights, 4 x 2048 tokens, one H200
     (2026-12-04): peak allocated 37.30 GB with compiled blocks, 41.60 GB eager. The
-    planner's model states + activations + loss transients are 1.1% and 0.8% under
+    planner's model states + activations + loss transients are 0.9% and 0.8% under
     (the optimizer's cast scratch, 0.27 GB, is left to its reserve)."""
     from partita.planner.api import make_request
     from partita.planner.evaluate import evaluate

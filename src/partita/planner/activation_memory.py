@@ -262,8 +262,8 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     """What a rerun adds while one layer's backward runs, beyond what the layer kept.
 
     Full: the layer's whole working set, less its input where a norm saves the input
-    itself (LayerNorm, a fused norm, or an eager RMSNorm whose fp32 copy of an fp32
-    input is the input). Selective: what the attention core saves when it runs with
+    itself (LayerNorm, a fused or compiled norm, or an eager RMSNorm whose fp32 copy of
+    an fp32 input is the input). Selective: what the attention core saves when it runs with
     autograd (its output and the scores or, for a flash kernel, the log-sum-exp); under
     context parallelism nothing (`selective_reruns_core`)."""
     if layout.recompute == "none":
@@ -273,8 +273,8 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if layout.recompute == "selective":
         return terms["attention_scores"] + terms["attention_output"]
-    shares_input = (assumptions.norm_kernel == "fused" or model.config.flavour == "gpt2"
-                    or precision.activation >= 4)
+    shares_input = (assumptions.norm_kernel in ("fused", "compiled")
+                    or model.config.flavour == "gpt2" or precision.activation >= 4)
     return sum(terms.values()) - (layer_input_bytes(model, layout, seq_len, precision)
                                   if shares_input else 0.0)
 

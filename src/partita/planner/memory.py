@@ -13,6 +13,8 @@ temporary buffers; `memory_breakdown` returns them all as one dict of named byte
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from partita.layout import Layout
 from partita.planner.activation_memory import (
     inflight_chunks,
@@ -257,6 +259,8 @@ def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
     tensors plus the head's input (gathered along the sequence under sp by partita)."""
     if assumptions.norm_kernel == "fused":
         return layer_input_bytes(model, layout, seq_len, precision)
+    if assumptions.norm_kernel == "compiled":  # the final norm is outside the blocks
+        assumptions = replace(assumptions, norm_kernel="eager")
     tokens = microbatch_tokens(layout, seq_len)
     sp_div = layout.tp if layout.sequence_parallel else 1
     in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
