@@ -43,8 +43,8 @@ def compile_in_effect(mode: str, layout: Layout) -> str:
 def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumptions:
     """The assumptions a compiled run's saved activations follow. Inside a compiled
     Llama block (measured with `SavedTensorMeter` on partita's model, fp32 and bf16,
-    tests/unit/test_planner_compile.py) RMSNorm keeps its input and rsqrt instead of an
-    fp32 copy and the normalised output, SwiGLU three tensors instead of four (silu(gate)
+    tests/dist/test_planner_compiled_memory.py) RMSNorm keeps its input and rsqrt
+    instead of an fp32 copy and the normalised output, SwiGLU three tensors instead of four (silu(gate)
     is recomputed), and the rotary tables are constants of the graph, not saved per
     block; everything else is what eager saves. GPT-2 blocks (LayerNorm, GELU) save the
     same bytes either way, and an MoE block's experts run eagerly, so both are left as

@@ -69,14 +69,14 @@ def gemm_time(m: float, n: float, k: float, gpu: GPUSpec, a: Assumptions,
         mm, nn = m, n
     flops = 2.0 * mm * nn * k * batch
     rate = gpu.peak_flops * gemm_fraction(gpu, a) * k / (k + a.gemm_k_half)
-    if a.gemm_align and (_misaligned(n, a.gemm_align) or _misaligned(k, a.gemm_align)):
+    if a.gemm_align and (misaligned(n, a.gemm_align) or misaligned(k, a.gemm_align)):
         rate *= a.misaligned_gemm_fraction  # no vectorised tensor-core kernel
     moved = elem_bytes * batch * (m * k + k * n + m * n)
     return max(flops / rate, moved / (gpu.memory_bandwidth * a.memory_efficiency)) \
         + a.kernel_overhead_s
 
 
-def _misaligned(dim: float, align: int) -> bool:
+def misaligned(dim: float, align: int) -> bool:
     """A whole dimension off a multiple of `align` (a fractional one is an average over
     ranks or pieces, not a tensor's shape, and is not judged)."""
     return float(dim).is_integer() and int(dim) % align != 0

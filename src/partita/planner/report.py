@@ -7,6 +7,7 @@ from pathlib import Path
 
 from partita.config import layout_overrides
 from partita.errors import PartitaError
+from partita.planner.compute import misaligned
 from partita.planner.evaluate import MEMORY, Evaluation, Request
 from partita.planner.search import SearchResult
 
@@ -86,7 +87,7 @@ def alignment_note(req: Request, layout) -> str:
     counts it); padding the vocabulary, as Megatron-LM does, avoids it."""
     align, vocab = req.assumptions.gemm_align, req.model.config.vocab_size
     width = -(-vocab // layout.tp)  # rows per rank (compute.head_times)
-    if not align or width % align == 0:
+    if not align or not misaligned(width, align):
         return ""
     multiple = 128 * layout.tp
     padded = -(-vocab // multiple) * multiple
