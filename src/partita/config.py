@@ -26,6 +26,8 @@ from partita.models.model_config import ModelConfig
 class ModelSection:
     name: str = "tiny"  # catalog entry; the fields below override its shape when set
     vocab_size: int | None = None
+    # Pad the embedding and head to a multiple of this (see models.model_config).
+    vocab_multiple: int | None = None
     dim: int | None = None
     n_layers: int | None = None
     n_heads: int | None = None
@@ -216,7 +218,9 @@ class Config:
             from partita.models.hf_config import model_config_from_hf
 
             base = model_config_from_hf(self.model.init_from)
-            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len"})
+            # vocab_multiple pads the imported vocabulary with zero rows (hf_weights):
+            # the folder's model, computed on aligned GEMMs.
+            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len", "vocab_multiple"})
             if shape:
                 raise PartitaError(
                     f"model.{shape[0]} cannot be set with model.init_from: the shape comes "

@@ -77,6 +77,7 @@ FRACTION = _num(0, 1, hi_open=True)  # [0, 1)
 RANGES: dict[str, Rule] = {
     # [model]: only the keys set override the catalog entry (None means "keep").
     "model.vocab_size": AT_LEAST_1,
+    "model.vocab_multiple": AT_LEAST_1,
     "model.dim": AT_LEAST_1,
     "model.n_layers": AT_LEAST_1,
     "model.n_heads": AT_LEAST_1,

@@ -198,8 +198,11 @@ def _tensor_parallel(lay: Layout, model: ModelConfig, seq_len: int) -> list[Prob
                                          f"tp={tp}: attention is split by heads, so every rank "
                                          "needs the same number of whole heads. Valid tp "
                                          f"degrees: {divisors(model.n_heads)}."))
+    # The stored vocabulary, padded to model.vocab_multiple, is what tp splits.
+    vocab = model.padded_vocab_size
     for n, what in ((model.ffn_hidden, "model ffn hidden width"),
-                    (model.vocab_size, "model.vocab_size")):
+                    (vocab, "model.vocab_size" if vocab == model.vocab_size
+                     else "the padded vocabulary")):
         if not _padded_split_ok(n, tp):
             # The first 12 valid degrees, and whether there are more.
             ok = list(itertools.islice((t for t in range(1, min(n, 4096) + 1)

@@ -120,8 +120,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, comm=None,
     vocabulary of all ranks; columns at or past `vocab_size` (padding) are ignored.
     """
     width = logits.shape[-1]
-    if (comm is None and vocab_start == 0 and (vocab_size is None or vocab_size >= width)
-            and logits.numel() <= FUSED_UP_TO):
+    if comm is None and vocab_start == 0 and logits.numel() <= FUSED_UP_TO:
+        if vocab_size is not None and vocab_size < width:
+            # A padded vocabulary (model.vocab_multiple): its extra columns are no token.
+            logits, width = logits[..., :vocab_size], vocab_size
         return _fused_cross_entropy(logits.reshape(-1, width), targets.reshape(-1),
                                     ignore_index)
     return _CrossEntropy.apply(logits.reshape(-1, width), targets.reshape(-1), comm,

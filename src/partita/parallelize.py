@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -257,7 +258,12 @@ def shard_tensor_parallel(staged: PipelineCut, comm: GroupComm, sequence_paralle
                           dropout_seed: int, moe_tp: str = "replicate") -> ShardedModel:
     """Step 2: swap the plan's modules for tensor-parallel ones over `comm` (tp > 1)."""
     if comm.size == 1 and not sequence_parallel:
-        return ShardedModel(staged.module, staged.plan, staged.pipeline, cross_entropy, None)
+        # The real vocabulary: logit columns of a padded one (model.vocab_multiple) past
+        # it are no token, and the loss must give them no probability.
+        shape = staged.plan.shape
+        loss: LossFn = (cross_entropy if shape is None
+                        else partial(cross_entropy, vocab_size=shape.vocab_size))
+        return ShardedModel(staged.module, staged.plan, staged.pipeline, loss, None)
     report = apply_tensor_parallel(staged.module, staged.plan, comm,
                                    sequence_parallel=sequence_parallel,
                                    dropout_seed=dropout_seed, moe_tp=moe_tp)

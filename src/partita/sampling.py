@@ -85,9 +85,11 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
     """Autoregressive sampling (greedy when temperature is 0)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt_ids], dtype=torch.long)
-    limit = model.cfg.max_seq_len
+    limit, vocab = model.cfg.max_seq_len, model.cfg.vocab_size
     for _ in range(new_tokens):
-        logits = model(ids[:, -limit:])[0, -1].float()
+        # Only the real vocabulary: the columns of a padded one (model.vocab_multiple)
+        # are no token, whatever their (untrained) rows of the head give them.
+        logits = model(ids[:, -limit:])[0, -1, :vocab].float()
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:

@@ -260,7 +260,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings: nn.Module | None = _embedding(cfg.vocab_size, cfg.dim)
+        # padded_vocab_size rows (cfg.vocab_multiple): the head's GEMM stays aligned; the
+        # rows past vocab_size are never a token, and the loss and sampling ignore
+        # their logits.
+        self.tok_embeddings: nn.Module | None = _embedding(cfg.padded_vocab_size, cfg.dim)
         self.pos_embeddings: nn.Module | None = (
             _embedding(cfg.max_seq_len, cfg.dim) if cfg.flavour == "gpt2" else None
         )
@@ -268,14 +271,16 @@ class Transformer(nn.Module):
         self.norm: nn.Module | None = make_norm(cfg)
         # Tied embeddings: logits use tok_embeddings.weight, there is no separate head.
         self.output: nn.Module | None = (
-            None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            None if cfg.tie_embeddings
+            else nn.Linear(cfg.dim, cfg.padded_vocab_size, bias=False)
         )
         self.dropout = nn.Dropout(cfg.dropout)
         if not any(p.is_meta for p in self.parameters()):
             init_weights(self)
 
     def forward(self, x: torch.Tensor, segments: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (b, s) -> logits (b, s, vocab); a pipeline stage maps hidden states.
+        """tokens (b, s) -> logits (b, s, padded vocab); a pipeline stage maps hidden
+        states. Logit columns at or past cfg.vocab_size are padding (never a token).
 
         `segments` (b, s): the document of every token when rows pack several (see
         partita.models.documents); attention then stays within each document.

@@ -62,8 +62,8 @@ class TensorParallelReport:
     parallel: dict[str, str] = field(default_factory=dict)  # module name -> new type
     replicated: list[str] = field(default_factory=list)  # parameter names
     notes: list[str] = field(default_factory=list)  # exact adjustments made
-    vocab_size: int = 0
-    padded_vocab_size: int = 0
+    vocab_size: int = 0  # the real vocabulary (the plan's), which the loss counts
+    padded_vocab_size: int = 0  # the split rows, padded to a multiple of tp
     loss_fn: VocabParallelLoss | None = None
 
 
@@ -202,9 +202,13 @@ class _Context:
                 module.out_features if linear else None)
             if rows is None or (role == roles.VOCAB_EMBEDDING) != isinstance(module, nn.Embedding):
                 return module  # unsupported type: reported by verify_tensor_parallel
+            # The module's rows are what is split: a model's padded vocabulary
+            # (model.vocab_multiple) when it has one. The loss needs the real vocabulary,
+            # from the plan's shape: logit columns past it are padding, never a target.
             start, stop = self._padded(rows, "vocabulary")
             padded = part.padded_size(rows, self.tp) // self.tp
-            self.report.vocab_size, self.report.padded_vocab_size = rows, padded * self.tp
+            real = rows if self.cfg is None else min(rows, self.cfg.vocab_size)
+            self.report.vocab_size, self.report.padded_vocab_size = real, padded * self.tp
             if role == roles.VOCAB_EMBEDDING:
                 new = self.vocab = VocabParallelEmbedding(module, start, stop, padded,
                                                           self.comm, self.sp)
@@ -213,7 +217,7 @@ class _Context:
                 if module.bias is not None:
                     raise PartitaError(f"{name}: a vocabulary head with a bias is not supported.")
             self.split(new, name, "weight", 0, start, stop, rows)
-            self.report.loss_fn = VocabParallelLoss(self.comm, start, rows)
+            self.report.loss_fn = VocabParallelLoss(self.comm, start, real)
         elif role == roles.NORM:
             for pname, param in module.named_parameters(recurse=False):
                 self.replicate(f"{name}.{pname}", param)

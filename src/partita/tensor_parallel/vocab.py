@@ -1,7 +1,9 @@
 """Vocabulary-parallel embedding, output head and cross-entropy.
 
 Rank r owns vocabulary rows [start, stop) of a vocabulary padded to a multiple of tp
-(see partition.py); only real rows are stored. Logits stay sharded along the vocabulary:
+(see partition.py); only the model's rows are stored, not that padding. (A model's own
+padding, model.vocab_multiple, is stored rows like the others; the loss is given the
+real vocabulary and ignores both.) Logits stay sharded along the vocabulary:
 the full (tokens x vocab) logits never exist on one rank. The cross-entropy
 (`partita.loss`) needs three all-reduces of one number per token in forward (max,
 target logit, sum of exponentials) and none in backward, because each rank's softmax
