@@ -52,6 +52,43 @@ def test_import_gives_transformers_logits_and_export_loads_cleanly(tmp_path, tie
                   FLOAT64_TOL, "exported")
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_padded_vocabulary_imports_as_zero_rows_and_exports_without_them(tmp_path, tied):
+    """vocab 61 padded to 64 rows (model.vocab_multiple=16): the import adds zero rows
+    and computes transformers' logits on the real columns; the export is exactly the
+    folder it came from (same tensors, vocab_size 61), which transformers loads cleanly."""
+    from safetensors.torch import load_file
+
+    vocab = 61
+    folder = hf_models.save_random_llama(tmp_path / "llama", tied=tied, vocab=vocab)
+    pm = one_process(folder, "--model.vocab_multiple=16")
+    assert (pm.model_cfg.vocab_size, pm.model_cfg.padded_vocab_size) == (vocab, 64)
+    state = full_state_dict(pm)
+    for name in ("tok_embeddings.weight",) + (() if tied else ("output.weight",)):
+        assert state[name].shape == (64, 32) and torch.all(state[name][vocab:] == 0), name
+    tokens = token_batch(7, 2, 16, vocab)
+    want = hf_models.hf_logits(folder, tokens)
+    assert_parity({"logits": pm.module(tokens)[..., :vocab]}, {"logits": want}, FLOAT64_TOL,
+                  f"padded import, tied={tied}")
+    # A tensor-parallel rank's rows across the end of the vocabulary, and a ZeRO-3 flat
+    # slice: read from the file where real, zero past it.
+    weights = HFWeights(folder, pm.model_cfg)
+    name = "tok_embeddings.weight"
+    assert torch.equal(weights.slice(name, (64, 32), 0, 32, 64), state[name][32:])
+    assert torch.equal(weights.flat_slice(name, 60 * 32 + 5, 63 * 32), state[name].reshape(
+        -1)[60 * 32 + 5:63 * 32])
+    out = export_hf(state, pm.model_cfg, tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == vocab
+    exported, original = ({k: v for f in sorted(d.glob("*.safetensors"))
+                           for k, v in load_file(f).items()} for d in (out, folder))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float64, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}, info
+    assert model.get_input_embeddings().weight.shape == (vocab, 32)
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}

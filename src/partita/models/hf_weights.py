@@ -60,13 +60,20 @@ def partita_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+# The parameters with a row per vocabulary entry: partita stores cfg.padded_vocab_size
+# rows (model.vocab_multiple), a Hugging Face folder cfg.vocab_size.
+VOCAB_ROWS = ("tok_embeddings.weight", "output.weight")
+
+
+def expected_shapes(cfg: ModelConfig, rows: int | None = None) -> dict[str, tuple[int, ...]]:
+    """partita's parameter shapes of `cfg`; the vocabulary's `rows` (None: the padded
+    vocabulary partita stores; cfg.vocab_size: as a Hugging Face folder holds them)."""
     d, kv, f = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
+    v = cfg.padded_vocab_size if rows is None else rows
     block = {"attn.wq": (d, d), "attn.wk": (kv, d), "attn.wv": (kv, d), "attn.wo": (d, d),
              "mlp.w_gate": (f, d), "mlp.w_up": (f, d), "mlp.w_down": (d, f),
              "attn_norm": (d,), "mlp_norm": (d,)}
-    out = {"tok_embeddings.weight": (cfg.vocab_size, d), "norm.weight": (d,),
-           "output.weight": (cfg.vocab_size, d)}
+    out = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
     for i in range(cfg.n_layers):
         out.update({f"blocks.{i}.{k}.weight": v for k, v in block.items()})
     return {n: out[n] for n in partita_names(cfg)}
@@ -89,7 +96,9 @@ def to_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A full partita state dict as a transformers LlamaForCausalLM state dict."""
+    """A full partita state dict as a transformers LlamaForCausalLM state dict: the
+    rows of a padded vocabulary (model.vocab_multiple) past vocab_size are dropped, so
+    the export is exactly the unpadded model."""
     # A model with no Llama form (GPT-2 flavour, experts) is named for what it is first;
     # comparing its tensor names below would blame the weights instead.
     check_exportable(cfg)
@@ -107,6 +116,8 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
             raise PartitaError(f"'{name}' has shape {tuple(tensor.shape)} but the model "
                                f"config gives {expected[name]}.")
         t = to_hf_rows(tensor, cfg.head_dim) if rotary_permuted(name) else tensor
+        if name in VOCAB_ROWS:
+            t = t[:cfg.vocab_size]
         out[hf_name(name)] = t.contiguous()
     return out
 
@@ -146,7 +157,7 @@ class HFWeights:
         return self._handles[path]
 
     def _check(self) -> None:
-        for name, shape in expected_shapes(self.cfg).items():
+        for name, shape in expected_shapes(self.cfg, self.cfg.vocab_size).items():
             key = hf_name(name)
             if key not in self.files:
                 raise PartitaError(
@@ -163,6 +174,13 @@ class HFWeights:
         """Rows [lo, hi) of parameter `name` in partita's row order (only those read)."""
         key = hf_name(name)
         part = self._open(self.files[key]).get_slice(key)
+        if name in VOCAB_ROWS and hi > self.cfg.vocab_size:
+            # A padded vocabulary (model.vocab_multiple): its extra rows start at zero
+            # (no token uses them; as head rows their logits are ignored).
+            real = part[min(lo, self.cfg.vocab_size):self.cfg.vocab_size]
+            pad = torch.zeros(hi - max(lo, self.cfg.vocab_size), *real.shape[1:],
+                              dtype=real.dtype)
+            return torch.cat([real, pad])
         if not rotary_permuted(name):
             return part[lo:hi]
         # A partita row's source lies in the same head: read whole heads, permute, cut.
@@ -182,6 +200,8 @@ class HFWeights:
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if dim == 0:
             return self._rows(name, start, stop)
+        if name in VOCAB_ROWS:  # every row, with a padded vocabulary's zero rows
+            return self._rows(name, 0, shape[0])[:, start:stop]
         key = hf_name(name)
         part = self._open(self.files[key]).get_slice(key)
         cols = part[:, start:stop]
