@@ -37,10 +37,10 @@ PARTIAL = ".partial"
 
 # The model settings that decide what the saved numbers mean; a checkpoint loads only
 # into a model that agrees on all of them.
-ARCHITECTURE_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                     "flavour", "tie_embeddings", "rope_theta", "norm_eps", "rope_scaling",
-                     "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                     "rope_original_max_len", "n_experts")
+ARCHITECTURE_KEYS = ("vocab_size", "vocab_multiple", "dim", "n_layers", "n_heads",
+                     "n_kv_heads", "ffn_dim", "flavour", "tie_embeddings", "rope_theta",
+                     "norm_eps", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "rope_original_max_len", "n_experts")
 # Recorded only for mixture-of-experts models (n_experts > 0). The first four shape the
 # weights and must match on resume; the routing settings may change (fine-tuning with
 # another capacity, say), and a resume that changes them says so.
@@ -113,13 +113,37 @@ def check_model(manifest: dict, model_cfg, folder: Path) -> None:
     # Keys a checkpoint lacks (written before it recorded them) are not compared; a
     # dense checkpoint records n_experts=0, so a dense/MoE mismatch is always caught.
     diff = [f"{k}: checkpoint {shown_saved[k]!r}, this run {shown_here[k]!r}" for k in here
-            if k in saved and shown_saved[k] != shown_here[k] and k not in MOE_ROUTING_KEYS]
+            if k in saved and shown_saved[k] != shown_here[k]
+            and k not in MOE_ROUTING_KEYS and k != "vocab_multiple"]
+    padding = _vocab_padding(saved, here)
+    if padding and not diff:  # only the padding differs: name the setting that fixes it
+        raise CheckpointMismatch(
+            f"checkpoint '{folder}' was written for another model ({padding}). Resume "
+            f"with --model.vocab_multiple={saved.get('vocab_multiple', 1)}, or start a "
+            "fresh run."
+        )
     if diff:
         raise CheckpointMismatch(
-            f"checkpoint '{folder}' was written for another model ({'; '.join(diff)}). "
-            "Resume with the model settings it was written with (its manifest.json lists "
-            "them), or start a fresh run."
+            f"checkpoint '{folder}' was written for another model "
+            f"({'; '.join(diff + ([padding] if padding else []))}). Resume with the model "
+            "settings it was written with (its manifest.json lists them), or start a "
+            "fresh run."
         )
+
+
+def _vocab_padding(saved: dict, here: dict) -> str:
+    """What differs when the checkpoint's padded vocabulary (vocab_size rounded up to a
+    multiple of vocab_multiple: the rows of its embedding and head) is not this run's;
+    "" when they agree. Settings that pad to the same rows build the same weights. A
+    checkpoint that records no vocab_multiple was written before partita padded: 1."""
+    if "vocab_size" not in saved or "vocab_size" not in here:
+        return ""
+    mult = [f.get("vocab_multiple", 1) for f in (saved, here)]
+    rows = [-(-f["vocab_size"] // m) * m for f, m in zip((saved, here), mult)]
+    if rows[0] == rows[1]:
+        return ""
+    return (f"padded vocabulary: checkpoint {rows[0]:,} rows (vocab_multiple={mult[0]}), "
+            f"this run {rows[1]:,} (vocab_multiple={mult[1]})")
 
 
 def step_dir_name(step: int) -> str:
