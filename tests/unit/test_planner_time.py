@@ -252,13 +252,30 @@ def test_a_misaligned_gemm_runs_at_a_fifth_of_the_rate():
 
 
 def test_an_unpadded_vocabulary_is_named_with_its_padding():
+    import dataclasses
+
+    from partita.models.catalog import MODELS
     from partita.planner.api import make_request
     from partita.planner.evaluate import evaluate
+    from partita.planner.model_shape import PlanModel
     from partita.planner.report import format_evaluation
 
+    def note(model, layout):
+        req = make_request(model, 1024, "A100-80GB", seq_len=2048, global_batch=1536)
+        return format_evaluation(req, evaluate(req, layout))
+
     layout = Layout(tp=8, pp=8, dp=16)
-    req = make_request("gpt3-175b", 1024, "A100-80GB", seq_len=2048, global_batch=1536)
-    text = format_evaluation(req, evaluate(req, layout))
-    assert "vocabulary 50,257 over tp=8" in text and "padded to 51,200" in text
-    req = make_request("llama3-8b", 1024, "A100-80GB", seq_len=2048, global_batch=1536)
-    assert "padded" not in format_evaluation(req, evaluate(req, layout))
+    gpt3 = MODELS["gpt3-175b"]
+    unpadded = PlanModel("gpt3-unpadded", dataclasses.replace(gpt3, vocab_multiple=1))
+    text = note(unpadded, layout)
+    assert "vocabulary 50,257 over tp=8" in text and "Pad it to 50,304" in text
+    assert "--model.vocab_multiple=64" in text
+    # The catalog's GPT-3 is padded (50,304 rows: 6,288 per rank at tp 8): no note, and
+    # its output layer is charged at the aligned rate.
+    assert "Pad it" not in note("gpt3-175b", layout)
+    assert "padded" not in note("llama3-8b", layout)
+    # Padded, yet off the alignment once split: 50,304 / 32 = 1,572 rows per rank.
+    wide = Layout(tp=32, pp=2, dp=16)
+    text = note(PlanModel("gpt3-tp32", dataclasses.replace(gpt3, n_heads=128)), wide)
+    assert "vocabulary 50,257 (padded to 50,304) over tp=32" in text
+    assert "--model.vocab_multiple=256" in text and "Pad it to 50,432" in text

@@ -26,11 +26,15 @@ MODELS: dict[str, ModelConfig] = {
                              max_seq_len=2048),
     "llama-100m": ModelConfig(vocab_size=8192, dim=768, n_layers=12, n_heads=12,
                               max_seq_len=2048),
-    # Published shapes.
-    "gpt2-124m": ModelConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12,
-                             max_seq_len=1024, flavour="gpt2", tie_embeddings=True),
-    "gpt3-175b": ModelConfig(vocab_size=50257, dim=12288, n_layers=96, n_heads=96,
-                             max_seq_len=2048, flavour="gpt2", tie_embeddings=True),
+    # Published shapes. GPT-2's vocabulary of 50,257 is stored padded to 50,304 rows
+    # (vocab_multiple, as nanoGPT does; Megatron-LM pads it too), so the output head's
+    # GEMM stays aligned on GPUs: 124.48M and 174.60B parameters, the padding counted.
+    "gpt2-124m": ModelConfig(vocab_size=50257, vocab_multiple=64, dim=768, n_layers=12,
+                             n_heads=12, max_seq_len=1024, flavour="gpt2",
+                             tie_embeddings=True),
+    "gpt3-175b": ModelConfig(vocab_size=50257, vocab_multiple=64, dim=12288, n_layers=96,
+                             n_heads=96, max_seq_len=2048, flavour="gpt2",
+                             tie_embeddings=True),
     "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32,
                              n_kv_heads=8, ffn_dim=14336, max_seq_len=8192,
                              rope_theta=500000.0),

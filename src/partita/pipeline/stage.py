@@ -65,12 +65,13 @@ def block_costs(cfg: ModelConfig, mode: str, seq_len: int) -> tuple[list[float] 
     if mode == "even":
         return None, 0.0, 0.0
     if mode == "params":
-        head = cfg.head_param_count() + (cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0)
+        head = cfg.head_param_count() + (cfg.padded_vocab_size * cfg.dim if cfg.tie_embeddings
+                                          else 0)
         return [float(cfg.block_param_count())] * cfg.n_layers, cfg.embedding_param_count(), head
     # FLOPs per token: 6 per matmul weight, plus attention's 12*H*Q*T; a lookup is free.
     attention = 12 * cfg.n_heads * cfg.head_dim * seq_len
     block = 6.0 * cfg.block_param_count() + attention
-    return [block] * cfg.n_layers, 0.0, 6.0 * cfg.vocab_size * cfg.dim
+    return [block] * cfg.n_layers, 0.0, 6.0 * cfg.padded_vocab_size * cfg.dim
 
 
 def plan_stages(cfg: ModelConfig, pp: int, virtual: int, balance: str = "even",

@@ -204,7 +204,8 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     `compiled`: the embedding, final norm and head compiled with the blocks."""
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
-    v = -(-c.vocab_size // layout.tp)  # rows per rank: the vocabulary is padded to tp
+    # Rows per rank: the stored vocabulary (padded to model.vocab_multiple) padded to tp.
+    v = -(-c.padded_vocab_size // layout.tp)
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)

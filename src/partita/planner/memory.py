@@ -315,7 +315,7 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         sizes = [u + e for u, e in zip(b["units"], b["unit_experts"])]
         unit = max(sizes, default=0.0)
         if stage == 0 or stage == layout.pp - 1:
-            unit = max(unit, c.vocab_size * c.dim / layout.tp)
+            unit = max(unit, c.padded_vocab_size * c.dim / layout.tp)
         # In forward the unit computing and those prefetched; when backward starts, the
         # kept units (still gathered from forward) and those prefetched before them
         # (none once every unit is kept).

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from partita.config import layout_overrides
 from partita.errors import PartitaError
+from partita.models.model_config import aligned_vocab_multiple
 from partita.planner.compute import misaligned
 from partita.planner.evaluate import MEMORY, Evaluation, Request
 from partita.planner.search import SearchResult
@@ -84,17 +86,21 @@ def compile_text(req: Request, ev: Evaluation) -> str:
 def alignment_note(req: Request, layout) -> str:
     """A vocabulary whose share per tp rank is off the GEMM alignment: the output
     layer's GEMMs then run at `misaligned_gemm_fraction` of the rate (compute.gemm_time
-    counts it); padding the vocabulary, as Megatron-LM does, avoids it."""
-    align, vocab = req.assumptions.gemm_align, req.model.config.vocab_size
-    width = -(-vocab // layout.tp)  # rows per rank (compute.head_times)
+    counts it); padding the vocabulary (model.vocab_multiple), as Megatron-LM does,
+    avoids it. "" for a vocabulary that is, or is padded to, an aligned one."""
+    c, align = req.model.config, req.assumptions.gemm_align
+    width = -(-c.padded_vocab_size // layout.tp)  # rows per rank (compute.head_times)
     if not align or not misaligned(width, align):
         return ""
-    multiple = 128 * layout.tp
-    padded = -(-vocab // multiple) * multiple
-    return (f"Note: vocabulary {vocab:,} over tp={layout.tp} gives output-layer GEMMs "
+    multiple = aligned_vocab_multiple(layout.tp, align)
+    padded = dataclasses.replace(c, vocab_multiple=multiple).padded_vocab_size
+    vocab = f"{c.vocab_size:,}" + (f" (padded to {c.padded_vocab_size:,})"
+                                   if c.padded_vocab_size != c.vocab_size else "")
+    return (f"Note: vocabulary {vocab} over tp={layout.tp} gives output-layer GEMMs "
             f"{width:,} wide, not a multiple of {align}: they run at about "
             f"{req.assumptions.misaligned_gemm_fraction:.0%} of the GEMM rate (counted "
-            f"above). A vocabulary padded to {padded:,} (a multiple of 128 x tp) avoids it.")
+            f"above). Pad it to {padded:,} with --model.vocab_multiple={multiple} "
+            f"(to plan it: vocab_multiple={multiple} in --model-shape or a [model] table).")
 
 
 def format_search(result: SearchResult, top: int = 10) -> str:

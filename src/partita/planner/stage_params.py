@@ -48,18 +48,20 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
     first, last = stage == 0, stage == layout.pp - 1
     if first:
-        dense += c.embedding_param_count() - c.vocab_size * c.dim + vocab  # + positions
+        dense += c.embedding_param_count() - c.padded_vocab_size * c.dim + vocab  # + positions
     if last:
-        dense += c.head_param_count() - (0 if c.tie_embeddings else c.vocab_size * c.dim)
+        dense += c.head_param_count() - (0 if c.tie_embeddings
+                                         else c.padded_vocab_size * c.dim)
         if not c.tie_embeddings or not first:
             dense += vocab  # output projection (a tied copy when on another stage)
     return {"dense": dense, "expert": expert}
 
 
 def vocab_rows(model: PlanModel, layout: Layout) -> int:
-    """Vocabulary rows on one GPU: the vocabulary is cut as if padded to a multiple of
-    tp, so the first ranks hold ceil(V / tp) rows (the padding is not stored)."""
-    return -(-model.config.vocab_size // layout.tp)
+    """Vocabulary rows on one GPU: the stored vocabulary V (padded to a multiple of
+    model.vocab_multiple) is cut as if padded to a multiple of tp, so the first ranks
+    hold ceil(V / tp) rows (that second padding is not stored)."""
+    return -(-model.config.padded_vocab_size // layout.tp)
 
 
 def head_weight_elements(model: PlanModel, layout: Layout) -> float:

@@ -54,7 +54,7 @@ def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
 
 
 def head_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
-    return 2 * model.config.vocab_size * model.config.dim * mb * seq_len
+    return 2 * model.config.padded_vocab_size * model.config.dim * mb * seq_len
 
 
 def recompute_flops_per_token(model: PlanModel, layout: Layout, seq_len: int) -> float:
@@ -110,7 +110,7 @@ def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
         replicated += layers * 2 * norm + (norm if last else 0)
         replicated += layers * 2 * c.dim if c.has_bias else 0  # row-parallel biases
         if first:
-            replicated += c.embedding_param_count() - c.vocab_size * c.dim  # positions
+            replicated += c.embedding_param_count() - c.padded_vocab_size * c.dim  # positions
     if assumptions.whole_kv_replicas and c.kv_heads % t:
         kv = c.kv_heads * c.head_dim
         replicated += layers * 2 * (kv * c.dim + (kv if c.has_bias else 0))
