@@ -10,7 +10,11 @@
 #   train   `partita train` on the GPU (Llama 3.2 1B shape), eager, next to `partita
 #           plan`'s prediction of the same layout's memory and step time;
 #   trainc  the same run with train.compile=blocks;
+#   vocab   `partita train` of gpt2-124m (vocabulary 50,257) with its vocabulary padded to
+#           50,304 (the catalog's `model.vocab_multiple=64`) and unpadded, eager and
+#           compiled, each next to `partita plan`'s step time for it;
 #   gpu     `partita bench gpu`: our ZeRO engine against DDP/FSDP2, bf16, MFU;
+#   gpugpt  the same on gpt2-124m (16 x 1024 tokens per step);
 #   zero, pp  `partita bench zero` / `bench pp` on the machine's CPU cores.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
 # Arguments pick parts, run in the order given; BUDGET (seconds, default 540) bounds the
@@ -48,6 +52,12 @@ TRAIN=(--model.name=llama3.2-1b --data.seq_len=2048 --train.global_batch=4
        --precision.param_dtype=bfloat16 --train.steps=30 --train.lr=3e-4 --train.min_lr=3e-5
        --train.warmup_steps=5 --train.log_every=5 --train.eval_every=1000
        --train.progress=false --metrics.tensorboard=false --train.overwrite=true)
+GPT=(--model.name=gpt2-124m --data.seq_len=1024 --train.global_batch=16
+     --precision.param_dtype=bfloat16 --train.steps=40 --train.lr=6e-4 --train.min_lr=6e-5
+     --train.warmup_steps=5 --train.log_every=10 --train.eval_every=1000
+     --train.progress=false --metrics.tensorboard=false --train.overwrite=true)
+GPT_PLAN=(--gpus 1 --gpu-type H200 --seq-len 1024 --global-batch 16
+          --layout "dp=1 zero_stage=0 microbatch_size=16" --implementation partita)
 PLAN=(--model llama3.2-1b --gpus 1 --gpu-type H200 --seq-len 2048 --global-batch 4
       --layout "dp=1 zero_stage=0 microbatch_size=4" --implementation partita)
 
@@ -63,9 +73,20 @@ train) part train 100 partita train "${TRAIN[@]}" --train.out_dir=/tmp/gpu-run
 trainc) part trainc 150 partita train "${TRAIN[@]}" --train.compile=blocks \
             --train.out_dir=/tmp/gpu-run-c
         part trainc 30 partita plan "${PLAN[@]}" --compile blocks ;;
+vocab) for m in 64 1; do
+         part vocab 60 partita train "${GPT[@]}" --model.vocab_multiple=$m \
+             --train.out_dir=/tmp/gpt-$m
+         part vocab 30 partita plan "${GPT_PLAN[@]}" --model-shape \
+             "layers=12,hidden=768,heads=12,vocab=50257,seq=1024,flavour=gpt2,tie=true,vocab_multiple=$m"
+       done
+       for m in 64 1; do
+         part vocab 90 partita train "${GPT[@]}" --model.vocab_multiple=$m \
+             --train.compile=blocks --train.out_dir=/tmp/gptc-$m
+       done ;;
 gpu) part gpu 300 partita bench gpu ;;
+gpugpt) part gpugpt 240 partita bench gpu --model gpt2-124m --batch 16 --seq 1024 --rounds 4 ;;
 zero) part zero 200 partita bench zero --no-deepspeed ;;
 pp) part pp 240 partita bench pp ;;
-*) echo "unknown part $p (sweep loss gqa compile train trainc gpu zero pp)" ;;
+*) echo "unknown part $p (sweep loss gqa compile train trainc vocab gpu gpugpt zero pp)" ;;
 esac; done
 echo "== [$SECONDS s] done"

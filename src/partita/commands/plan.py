@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
                    help="a model given by its shape instead of --model, e.g. "
                         "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2 "
-                        "(also kv_heads, ffn, dropout, tie)")
+                        "(also kv_heads, ffn, dropout, tie, vocab_multiple)")
     p.add_argument("--gpus", type=int, required=True, help="number of GPUs")
     p.add_argument("--gpu-type", default=None,
                    help="A100-40GB, A100-80GB, H100, H200, B200, cpu (measures this machine), "
