@@ -52,6 +52,12 @@ class Assumptions:
     activation_elem_bytes: float = 2.0
     # Memory-bound kernels per block forward (norms, activation, residual adds).
     elementwise_kernels: int = 8
+    # Host seconds per eager operation of partita's model on a GPU machine (dispatch,
+    # autograd, allocation, launch; views counted as operations too): a floor under each
+    # microbatch and the optimizer step (`compute.host_times`). 0: not modelled (other
+    # implementations' operations are not counted). partita_on_gpu() sets the figure
+    # measured on an H200's host (docs/planner.md, "The host's floor").
+    host_op_s: float = 0.0
     # Count the bytes partita's eager elementwise operations move (`planner.eager_ops`,
     # counted on the model: 3-6x the fused kernels' bytes) instead of fused kernels'.
     eager_elementwise: bool = False
@@ -254,7 +260,7 @@ class Assumptions:
         tokens and 0.85 at 8 x 2048, measured 0.81-0.84 and 0.85."""
         gpu = cls()
         return replace(cls.measured_cpu(), compile_gain=True, gqa_expanded_kv=True,
-                       **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
+                       host_op_s=HOST_OP_S, **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:
@@ -286,6 +292,12 @@ class Assumptions:
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
+
+# Host seconds per eager operation on a GPU machine, from one H200's host (torch 2.11,
+# 2026-12-04, `partita bench gpu` at 1 x 128 tokens, where the GPU's work is negligible):
+# gpt2-124m's 2,235 operations a step (planner.eager_ops) in 31-42 ms, 14-19 us each;
+# llama3.2-1b's 3,923 before clipping in 91.4 ms less its 10.3 ms optimizer, 21 us.
+HOST_OP_S = 17e-6
 
 # The fields that describe a device's kernels rather than what an implementation stores.
 KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "gemm_align",

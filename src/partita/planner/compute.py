@@ -17,7 +17,8 @@ shape instead, with a roofline and a few named shape effects (docs/planner.md):
   moves a fixed number of bytes per hidden element per token, at memory bandwidth;
 * eager operations: on a device whose profile gives `eager_op_s` (a CPU), every
   operation of partita's eager model costs that much besides its work
-  (`planner.eager_ops` counts them).
+  (`planner.eager_ops` counts them); on a GPU the host launches them ahead of their
+  kernels at `Assumptions.host_op_s` each, a floor under the GPU's time (`host_times`).
 
 Why a wider model reaches a higher MFU: a block's GEMM FLOPs grow as h^2 per token while
 its memory-bound bytes grow as h (and its eager softmax as heads x seq), so the share
@@ -222,3 +223,23 @@ def optimizer_time(local_params: float, gpu: GPUSpec, a: Assumptions,
     ops = step_ops(model, blocks) if model is not None else 0.0
     return (memory_time(a.optimizer_bytes_per_param * local_params, gpu, a, 1)
             + ops * gpu.eager_op_s)
+
+
+def host_times(model: PlanModel, layout: Layout, gpu: GPUSpec, a: Assumptions,
+               elem_bytes: int, blocks: int, forward_reruns: float = 0.0
+               ) -> tuple[float, float, float]:
+    """Host seconds of one block (forward, `forward_reruns` recomputed forwards and the
+    backward) and of the edges (embedding, head, loss) for one microbatch, and of the
+    optimizer step on a rank holding `blocks` blocks: partita's eager operations at
+    `Assumptions.host_op_s` each. On a GPU the host launches ahead of the kernels, so a
+    microbatch takes the longer of the GPU's time and this; a small model or microbatch
+    is host-bound. Zeros where it is not modelled: on a CPU the operations run in line
+    (`eager_op_s`, counted in the times above), and other implementations' operations
+    are not counted. Compiled blocks are charged as eager ones: on one H200 a compiled
+    GPT-2 block cost the host as much as the eager block it replaced (docs/planner.md)."""
+    if not (a.host_op_s and a.eager_elementwise) or gpu.eager_op_s:
+        return 0.0, 0.0, 0.0
+    fwd, bwd = block_ops(model, layout, elem_bytes)
+    edge_fwd, edge_bwd = edge_ops(model, elem_bytes)
+    return ((fwd * (1 + forward_reruns) + bwd) * a.host_op_s,
+            (edge_fwd + edge_bwd) * a.host_op_s, step_ops(model, blocks) * a.host_op_s)

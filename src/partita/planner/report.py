@@ -103,6 +103,18 @@ def alignment_note(req: Request, layout) -> str:
             f"(to plan it: vocab_multiple={multiple} in --model-shape or a [model] table).")
 
 
+def host_note(req: Request, ev: Evaluation) -> str:
+    """A microbatch paced by the host launching partita's eager operations rather than
+    by the GPU (compute.host_times); "" otherwise."""
+    t = ev.time
+    if not t.get("host_bound"):
+        return ""
+    return (f"Note: host-bound: launching partita's eager operations takes "
+            f"{t['host_s'] * 1e3:.1f} ms per microbatch (at "
+            f"{req.assumptions.host_op_s * 1e6:.0f} us each), longer than the GPU's work; "
+            "more tokens per microbatch cost the step little until the GPU catches up.")
+
+
 def format_search(result: SearchResult, top: int = 10) -> str:
     req = result.request
     out = [describe_request(req), ""]
@@ -112,8 +124,10 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(format_table(result.ranked[:top]))
         out.append("Assumed " + overlap_text(result.ranked[0].layout) + "; "
                    + compile_text(req, result.ranked[0]) + ".")
-        if note := alignment_note(req, result.ranked[0].layout):
-            out.append(note + " (for the first layout)")
+        for note in (alignment_note(req, result.ranked[0].layout),
+                     host_note(req, result.ranked[0])):
+            if note:
+                out.append(note + " (for the first layout)")
         out.append("")
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
@@ -186,8 +200,7 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{_tflops(t['hardware_flops_per_gpu'])} hardware TFLOP/s (with "
                    f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
                    f"{compile_text(req, ev)}")
-        if note := alignment_note(req, ev.layout):
-            out.append(note)
+        out += [note for note in (alignment_note(req, ev.layout), host_note(req, ev)) if note]
         out.append("Bytes sent per GPU per step: " + ", ".join(
             f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
                                                      "pp_bytes", "dp_bytes") if t[k]))

@@ -30,6 +30,7 @@ from partita.planner.compute import (
     BlockTimes,
     block_times,
     head_times,
+    host_times,
     memory_time,
     optimizer_time,
 )
@@ -153,6 +154,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     if layout.recompute == "selective" and not selective_reruns_core(layout):
         rerun_s = 0.0  # context parallelism's core is not rerun
     layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
+    full_reruns = share * reruns if layout.recompute == "full" else 0.0
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
                                     compiled and compile == "model", precision.param)
     head_s = head_fwd + head_bwd
@@ -185,7 +187,6 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     link, le = link_eff(t * cp)
     cp_fwd, cp_bwd = cp_model.exposed_time(model, layout, seq_len, blk.attention_core_fwd,
                                            blk.attention_core_bwd, link, le, precision, a)
-    full_reruns = share * reruns if layout.recompute == "full" else 0.0
     cp_s = cp_fwd * (1 + full_reruns) + cp_bwd
     # Expert parallel: dispatch + combine all-to-all forward and backward, and the
     # forward's again in each rerun (the rerun routes identically). With the experts
@@ -218,14 +219,21 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     stage_s = [n * (layer_s + exposed_layer) + edge + acc
                for n, edge, acc in zip(layers, tp_edge_s, accum_s)]
     stage_s[-1] += head_s
+    # The host's floor (compute.host_times): a stage's microbatch takes at least the
+    # time its host needs to launch partita's eager operations.
+    host_layer, host_edge, host_step = host_times(model, layout, gpu, a, precision.param,
+                                                  max(layers), full_reruns)
+    host_stage = [n * host_layer for n in layers]
+    host_stage[-1] += host_edge
+    stage_s = [max(s, h) for s, h in zip(stage_s, host_stage)]
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
     # ZB-H1 fills two thirds of the 1F1B bubble with deferred weight-gradient passes,
     # which needs microbatches to defer: with fewer than pp it fills proportionally less.
     zb_fill = 2 / 3 * min(1.0, (m - 1) / (pp - 1)) if pp > 1 else 0.0
     bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) * (1 - zb_fill)}.get(
         layout.schedule, pp - 1)
-    compute_s = m * max(n * layer_s + (head_s if i == pp - 1 else 0) + accum_s[i]
-                        for i, n in enumerate(layers))
+    compute_s = m * max(max(n * layer_s + (head_s if i == pp - 1 else 0) + accum_s[i],
+                            host_stage[i]) for i, n in enumerate(layers))
     bubble_s = bubble_units * mb_s
     pipeline_s = m * mb_s + bubble_s
 
@@ -296,8 +304,10 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
     # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
     shard = counts["dense"] / n + counts["expert"] / n_exp if z >= 1 else local
+    # After clipping's norm (read on the host) the host launches the step's operations
+    # while the GPU waits for them.
     optim_s = (0.0 if layout.offload != "none"
-               else optimizer_time(shard, gpu, a, model, max(layers)))
+               else max(optimizer_time(shard, gpu, a, model, max(layers)), host_step))
 
     offload_s = 0.0
     if layout.offload != "none":
@@ -322,6 +332,11 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "offload_s": offload_s,
         "tokens_per_s": tokens / step,
         "optimizer_s": optim_s,
+        # Host seconds per microbatch of the slowest stage (partita's eager operations
+        # on a GPU, compute.host_times; 0 where not modelled), and whether they, not
+        # the GPU, pace the step.
+        "host_s": max(host_stage),
+        "host_bound": max(host_stage) >= mb_s > 0,
         "mfu": model_flops / step / (cluster.num_gpus * gpu.peak_flops),
         # The papers' figures: model FLOP/s per GPU (6N + attention, no recompute) and
         # hardware FLOP/s per GPU (the recomputed forward counted too).
