@@ -25,6 +25,7 @@ import zlib
 from pathlib import Path
 
 from partita.errors import PartitaError
+from partita.models.model_config import padded_vocab
 
 FORMAT = "partita-checkpoint"
 # The newest format version this partita reads. 2: a piece may be cut along several
@@ -139,7 +140,7 @@ def _vocab_padding(saved: dict, here: dict) -> str:
     if "vocab_size" not in saved or "vocab_size" not in here:
         return ""
     mult = [f.get("vocab_multiple", 1) for f in (saved, here)]
-    rows = [-(-f["vocab_size"] // m) * m for f, m in zip((saved, here), mult)]
+    rows = [padded_vocab(f["vocab_size"], m) for f, m in zip((saved, here), mult)]
     if rows[0] == rows[1]:
         return ""
     return (f"padded vocabulary: checkpoint {rows[0]:,} rows (vocab_multiple={mult[0]}), "

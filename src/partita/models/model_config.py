@@ -116,7 +116,7 @@ class ModelConfig:
     def padded_vocab_size(self) -> int:
         """Rows of the embedding and the output head: vocab_size rounded up to a
         multiple of vocab_multiple (the rows past vocab_size are never used)."""
-        return _round_up(self.vocab_size, self.vocab_multiple)
+        return padded_vocab(self.vocab_size, self.vocab_multiple)
 
     @property
     def kv_heads(self) -> int:
@@ -242,6 +242,11 @@ class ModelConfig:
                 f"Valid settings: {', '.join(sorted(known))}."
             )
         return cls(**data)
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """Rows a vocabulary of `vocab_size` is stored with at `model.vocab_multiple`."""
+    return _round_up(vocab_size, multiple)
 
 
 def aligned_vocab_multiple(tp: int = 1, align: int = 8) -> int:

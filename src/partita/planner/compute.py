@@ -44,6 +44,7 @@ from partita.planner.eager_ops import (
 )
 from partita.planner.hardware import GPUSpec
 from partita.planner.model_shape import PlanModel
+from partita.planner.stage_params import vocab_rows
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,7 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     `compiled`: the embedding, final norm and head compiled with the blocks."""
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
-    # Rows per rank: the stored vocabulary (padded to model.vocab_multiple) padded to tp.
-    v = -(-c.padded_vocab_size // layout.tp)
+    v = vocab_rows(model, layout)  # rows per rank
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)

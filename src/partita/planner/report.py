@@ -12,6 +12,7 @@ from partita.models.model_config import aligned_vocab_multiple
 from partita.planner.compute import misaligned
 from partita.planner.evaluate import MEMORY, Evaluation, Request
 from partita.planner.search import SearchResult
+from partita.planner.stage_params import vocab_rows
 
 # (column title, memory term) in the order a GPU's memory is usually explained.
 MEMORY_COLUMNS = (
@@ -89,7 +90,7 @@ def alignment_note(req: Request, layout) -> str:
     counts it); padding the vocabulary (model.vocab_multiple), as Megatron-LM does,
     avoids it. "" for a vocabulary that is, or is padded to, an aligned one."""
     c, align = req.model.config, req.assumptions.gemm_align
-    width = -(-c.padded_vocab_size // layout.tp)  # rows per rank (compute.head_times)
+    width = vocab_rows(req.model, layout)  # rows per rank (compute.head_times)
     if not align or not misaligned(width, align):
         return ""
     multiple = aligned_vocab_multiple(layout.tp, align)
