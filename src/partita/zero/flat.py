@@ -63,6 +63,13 @@ class FlatBuffer:
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, index: int,
                  dtype: torch.dtype, device: torch.device) -> None:
+        # Parameters AdamW decays (matrices, embeddings) first, norms and biases after,
+        # each in the given order: a slice then holds at most two weight-decay ranges,
+        # and the update takes each range as one piece. In the model's order a GPT-2
+        # block's biases cut its weights into 12 ranges, each four more views per step
+        # (gpt2-124m, fp32 on a CPU: 782 operations for clipping and the update, 318 so).
+        # Checkpoints record each parameter's place, so either order loads.
+        named_params = sorted(named_params, key=lambda item: item[1].dim() < 2)
         self.params = [p for _, p in named_params]
         self.entries: list[FlatEntry] = []
         offset = 0
