@@ -129,5 +129,7 @@ def test_step_time_prices_every_eager_operation_where_the_device_pays_for_them()
                            2, Precision.fp32(), a)["step_s"] for op in (0.0, 1e-5)}
     fwd, bwd = eager_ops.block_ops(model, layout)
     edge = sum(eager_ops.edge_ops(model))
-    ops = 2 * (3 * (fwd + bwd) + edge) + eager_ops.step_ops(model, 3)  # 2 microbatches
+    step = eager_ops.step_ops(model.total_params(), 4, a)  # one bucket
+    assert step == sum(eager_ops.STEP_OPS)
+    ops = 2 * (3 * (fwd + bwd) + edge) + step  # 2 microbatches
     assert times[1e-5] - times[0.0] == pytest.approx(ops * 1e-5, rel=1e-6)

@@ -19,12 +19,20 @@ from partita.planner.report import format_evaluation
 
 PARTITA = Assumptions.partita_on_gpu()
 NO_HOST = replace(PARTITA, host_op_s=0.0)
+TORCH_LOSS_BYTES = 36.0
 
 # `partita bench gpu --model M --batch B --seq S --rounds 2-4` on one H200 (torch
-# 2.11.0+cu130, 2026-12-04; docs/benchmarks.md): partita stage 0's eager step in ms, every
-# reading of the day (the runner appears in two pairs, and some sizes ran twice). The
-# benchmark's loss is torch's cross-entropy on fp32 logits, a few ms more than partita's
-# own at 16 x 1024 tokens and more; the planner models partita's.
+# 2.11.0+cu130, 2026-12-04, commit 3527754; docs/benchmarks.md): partita stage 0's eager
+# step in ms, every reading of the day (the runner appears in two pairs, and some sizes
+# ran twice). That engine interleaved decayed and undecayed parameters in its flat
+# buffers: gpt2-124m's clipping and update ran about 700 views more than now, ~1 us of
+# host time each, under 2% of these steps.
+#
+# The benchmark's loss is torch's cross-entropy on the bf16 logits cast to fp32, not
+# partita's: 36 bytes per logit (the two casts 12, log-softmax forward 8, its gradient's
+# zero-filled buffer 4, log-softmax backward 12; counted per operation with a
+# TorchDispatchMode) against partita's 16, about 5 ms more at 16 x 1024 tokens of GPT-2.
+# The comparison gives the plan the loss the benchmark ran.
 MEASURED = [
     ("gpt2-124m", 1, 128, (37.5, 42.1, 40.3, 30.9, 34.3)),
     ("gpt2-124m", 8, 1024, (30.7, 35.2)),
@@ -53,8 +61,8 @@ def test_a_small_microbatch_is_paced_by_the_host():
     assert t["host_bound"] and t["host_s"] == pytest.approx(host)
     assert t["compute_s"] == pytest.approx(host)  # one microbatch, host-bound
     # After clipping the host launches the step's operations; the GPU's update is shorter.
-    assert t["optimizer_s"] == pytest.approx(step_ops(model, model.config.n_layers)
-                                             * HOST_OP_S)
+    assert t["optimizer_s"] == pytest.approx(
+        step_ops(model.total_params(), 2, PARTITA) * HOST_OP_S)
     assert "Note: host-bound" in format_evaluation(req, ev)
     # Without the floor the same step is predicted far shorter than the 30.7-35.2 ms
     # measured: the GPU's work alone.
@@ -89,7 +97,8 @@ def test_compiled_blocks_keep_the_hosts_floor():
 def test_predictions_against_the_h200_measurements(capsys):
     rows, errors = [], []
     for model, batch, seq, readings in MEASURED:
-        predicted = _eval(model, batch, seq)[1].time["step_s"] * 1e3
+        bench = replace(PARTITA, loss_bytes_per_logit=TORCH_LOSS_BYTES)
+        predicted = _eval(model, batch, seq, bench)[1].time["step_s"] * 1e3
         median = statistics.median(readings)
         error = predicted / median - 1
         errors.append(error)
@@ -97,8 +106,9 @@ def test_predictions_against_the_h200_measurements(capsys):
                     f"measured {min(readings):.1f}-{max(readings):.1f} ({error:+.1%})")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
-    # gpt2 at 8 x 1024 reads +15% (its host time varied most: 31-42 ms at 1 x 128),
-    # llama at 1 x 128 -16%; every other size within 5%. Without the floor the two
-    # 1 x 128 rows read -93% and -84%, gpt2 at 8 x 1024 -36%.
-    assert all(abs(e) <= 0.2 for e in errors), errors
+    # gpt2 at 8 x 1024 reads +8% (its host time varied most: 31-42 ms at 1 x 128), at 16
+    # x 1024 -8%; every other size within 5%. Without the floor the two 1 x 128 rows
+    # read -92% and -84%, gpt2 at 8 x 1024 -29%; with partita's own loss in the plan,
+    # gpt2 at 16-64 x 1024 reads 10-17% short.
+    assert all(abs(e) <= 0.1 for e in errors), errors
     assert statistics.median(abs(e) for e in errors) <= 0.06

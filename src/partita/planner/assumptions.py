@@ -295,9 +295,10 @@ class Assumptions:
 
 # Host seconds per eager operation on a GPU machine, from one H200's host (torch 2.11,
 # 2026-12-04, `partita bench gpu` at 1 x 128 tokens, where the GPU's work is negligible):
-# gpt2-124m's 2,235 operations a step (planner.eager_ops) in 31-42 ms, 14-19 us each;
-# llama3.2-1b's 3,923 before clipping in 91.4 ms less its 10.3 ms optimizer, 21 us.
-HOST_OP_S = 17e-6
+# gpt2-124m's 1,699 operations a step (planner.eager_ops: 1,633 in forward and backward,
+# 66 in clipping and the update) in 31-42 ms, median 37.5 (22 us each); llama3.2-1b's
+# 3,923 + 576 in 91.4 ms (20 us).
+HOST_OP_S = 21e-6
 
 # The fields that describe a device's kernels rather than what an implementation stores.
 KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "gemm_align",

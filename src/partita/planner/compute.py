@@ -40,7 +40,6 @@ from partita.planner.eager_ops import (
     block_ops,
     compiled_block_ops,
     edge_ops,
-    step_ops,
 )
 from partita.planner.hardware import GPUSpec
 from partita.planner.model_shape import PlanModel
@@ -216,21 +215,20 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 
 
 def optimizer_time(local_params: float, gpu: GPUSpec, a: Assumptions,
-                   model: PlanModel | None = None, blocks: int = 0) -> float:
+                   operations: float = 0.0) -> float:
     """Seconds of the (fused, memory-bound) Adam update of `local_params` parameters,
-    with clipping's and the step's eager operations for a rank of `model` holding
-    `blocks` blocks."""
-    ops = step_ops(model, blocks) if model is not None else 0.0
+    with clipping's and the step's `operations` eager operations (`eager_ops.step_ops`)
+    where the device pays for each in line."""
     return (memory_time(a.optimizer_bytes_per_param * local_params, gpu, a, 1)
-            + ops * gpu.eager_op_s)
+            + operations * gpu.eager_op_s)
 
 
 def host_times(model: PlanModel, layout: Layout, gpu: GPUSpec, a: Assumptions,
-               elem_bytes: int, blocks: int, forward_reruns: float = 0.0
+               elem_bytes: int, step_operations: float, forward_reruns: float = 0.0
                ) -> tuple[float, float, float]:
     """Host seconds of one block (forward, `forward_reruns` recomputed forwards and the
     backward) and of the edges (embedding, head, loss) for one microbatch, and of the
-    optimizer step on a rank holding `blocks` blocks: partita's eager operations at
+    optimizer step's `step_operations` (`eager_ops.step_ops`): partita's eager operations at
     `Assumptions.host_op_s` each. On a GPU the host launches ahead of the kernels, so a
     microbatch takes the longer of the GPU's time and this; a small model or microbatch
     is host-bound. Zeros where it is not modelled: on a CPU the operations run in line
@@ -242,4 +240,4 @@ def host_times(model: PlanModel, layout: Layout, gpu: GPUSpec, a: Assumptions,
     fwd, bwd = block_ops(model, layout, elem_bytes)
     edge_fwd, edge_bwd = edge_ops(model, elem_bytes)
     return ((fwd * (1 + forward_reruns) + bwd) * a.host_op_s,
-            (edge_fwd + edge_bwd) * a.host_op_s, step_ops(model, blocks) * a.host_op_s)
+            (edge_fwd + edge_bwd) * a.host_op_s, step_operations * a.host_op_s)

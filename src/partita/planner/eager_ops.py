@@ -3,7 +3,7 @@
     fwd, bwd = block_ops(model, layout)      # one block, one microbatch
     fwd, bwd = edge_ops(model)                # embedding, final norm, head and loss
     fwd, bwd = block_bytes(model, layout, 4)  # bytes per token its elementwise ops move
-    ops = step_ops(model, blocks)             # clipping and the AdamW step of a rank
+    ops = step_ops(local_params, 2, a)        # clipping and the AdamW step of a rank
 
 On a CPU every operation costs its dispatch, autograd bookkeeping and allocation in
 line with its work (`GPUSpec.eager_op_s`, 5-12 us here), and a small model's step is
@@ -21,7 +21,10 @@ sends) are left out: communication is timed on its own.
 
 from __future__ import annotations
 
+import math
+
 from partita.layout import Layout
+from partita.planner.assumptions import Assumptions
 from partita.planner.model_shape import PlanModel
 
 # (forward, backward) operations of one dense block, per flavour: llama (RMSNorm,
@@ -66,10 +69,16 @@ NOT_ELEMENTWISE = frozenset({
     "view", "t", "transpose", "_unsafe_view", "unsqueeze", "detach", "slice", "expand",
     "as_strided", "select", "permute", "squeeze", "alias", "split", "unbind",
     "_reshape_alias", "reshape", "lift_fresh", "arange", "empty", "zeros", "full"})
-# Gradient clipping and partita's AdamW step: a fixed part, and per block the slices
-# of the flat buffers for each run of decayed or undecayed parameters (4 tensors each;
-# gpt2's biases cut its linear weights into more runs).
-STEP_OPS = {"llama": (30, 16), "gpt2": (26, 48)}
+# Gradient clipping and partita's AdamW step, operations that launch a kernel: a fixed
+# part (the norm's sum and its read), and per flat buffer (a gradient bucket; a gather
+# unit under ZeRO-3) its norms, the two fused updates (decayed and not), the step
+# count's tensor and the clip's product. Each buffer holds the parameters AdamW decays
+# first (`zero.flat`), so the count does not grow with the parameters in it. Views of
+# the buffers (about 14 per buffer) are left out: a slice costs the host about 1 us, a
+# fifth of an operation that launches a kernel (measured on a CPU). Counted in fp32 on
+# a CPU with a TorchDispatchMode: 12 for the tiny model (one bucket), 100 for gpt2-124m
+# (16 buckets).
+STEP_OPS = (6, 6)
 
 
 def _flavour(model: PlanModel) -> str:
@@ -125,7 +134,9 @@ def edge_ops(model: PlanModel, elem_bytes: int = 4) -> tuple[float, float]:
     return float(fwd), float(bwd)
 
 
-def step_ops(model: PlanModel, blocks: int) -> float:
-    """Operations of clipping and the optimizer step on a rank holding `blocks` blocks."""
-    fixed, per_block = STEP_OPS[_flavour(model)]
-    return float(fixed + per_block * blocks)
+def step_ops(local_params: float, elem_bytes: int, a: Assumptions) -> float:
+    """Operations of clipping and the optimizer step on a rank holding `local_params`
+    parameters of `elem_bytes` each, in flat buffers of about `a.zero_bucket_bytes`."""
+    fixed, per_buffer = STEP_OPS
+    buffers = max(1, math.ceil(local_params * elem_bytes / a.zero_bucket_bytes))
+    return float(fixed + per_buffer * buffers)

@@ -34,6 +34,7 @@ from partita.planner.compute import (
     memory_time,
     optimizer_time,
 )
+from partita.planner.eager_ops import step_ops
 from partita.planner.hardware import Cluster
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
@@ -221,8 +222,12 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     stage_s[-1] += head_s
     # The host's floor (compute.host_times): a stage's microbatch takes at least the
     # time its host needs to launch partita's eager operations.
+    # Clipping's and the optimizer's operations: per flat buffer of the first stage's
+    # parameters (ZeRO shards each buffer, the operations per buffer stay).
+    counts = zero_param_counts(model, layout, precision, 0, a)
+    step_operations = step_ops(counts["dense"] + counts["expert"], precision.param, a)
     host_layer, host_edge, host_step = host_times(model, layout, gpu, a, precision.param,
-                                                  max(layers), full_reruns)
+                                                  step_operations, full_reruns)
     host_stage = [n * host_layer for n in layers]
     host_stage[-1] += host_edge
     stage_s = [max(s, h) for s, h in zip(stage_s, host_stage)]
@@ -251,7 +256,6 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
 
     # Data parallel (over the ZeRO group dp*cp) per ZeRO stage.
     # Collectives move whole flat buffers (padded under `flat_buffer_align`).
-    counts = zero_param_counts(model, layout, precision, 0, a)
     n = layout.zero_group
     n_exp = max(1, n // layout.ep)  # experts reduce over their own group, dp*cp/ep
     local = counts["dense"] + counts["expert"]
@@ -307,7 +311,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     # After clipping's norm (read on the host) the host launches the step's operations
     # while the GPU waits for them.
     optim_s = (0.0 if layout.offload != "none"
-               else max(optimizer_time(shard, gpu, a, model, max(layers)), host_step))
+               else max(optimizer_time(shard, gpu, a, step_operations), host_step))
 
     offload_s = 0.0
     if layout.offload != "none":
