@@ -129,9 +129,12 @@ def run_source(run_dir: str | Path):
     if not weights.is_file():
         from partita.checkpoint import read_manifest, resolve
         from partita.checkpoint.export import full_tensors
+        from partita.checkpoint.manifest import NoSoundCheckpoint
 
         try:
-            folder = resolve(run)
+            folder = resolve(run, given_as="")
+        except NoSoundCheckpoint:
+            raise  # say so, rather than that the folder is no run
         except PartitaError:
             folder = None
         if folder is not None:  # a checkpoint: assembled from its per-rank files

@@ -312,3 +312,27 @@ def test_widths_are_compared_as_they_resolve(tmp_path):
     with pytest.raises(CheckpointMismatch, match="expert_ffn_dim: checkpoint"):
         check_model(saved, dataclasses.replace(moe, expert_ffn_dim=moe.expert_hidden * 2),
                     tmp_path)
+
+
+def test_a_folder_whose_every_manifest_is_damaged_says_so(tmp_path):
+    """Checkpoints whose manifests all fail their checks are named as damaged, by
+    resume=auto and by a path alike, not taken for a folder without checkpoints (which
+    sent resume=auto to a message asking for resume=auto)."""
+    from partita.checkpoint.manifest import NoSoundCheckpoint
+    from partita.checkpoint.resume import resume_target
+    from partita.config import load_config
+
+    run = tmp_path / "run"
+    folder = _checkpoint(run / "checkpoints", 6)
+    text = (folder / "manifest.json").read_text()
+    (folder / "manifest.json").write_text(text.replace('"step": 6', '"step": 7'))
+    assert find_latest(run / "checkpoints") is None
+    cfg = load_config(None, [f"--train.out_dir={run}", "--train.resume=auto"])
+    with pytest.raises(NoSoundCheckpoint, match=r"^train.resume=auto: every checkpoint .* "
+                       r"damaged manifest \(step-00000006\).*corrupt.*--train.overwrite=true"):
+        resume_target(cfg)
+    for given in (run, run / "checkpoints"):
+        with pytest.raises(NoSoundCheckpoint, match="every checkpoint"):
+            resolve(given, given_as="")
+    _checkpoint(run / "checkpoints", 3)  # a sound older one: resumed from, with a note
+    assert resume_target(cfg).name == "step-00000003"

@@ -54,6 +54,10 @@ class CheckpointFileError(PartitaError):
     """A checkpoint file is missing, truncated or corrupt (the message names it)."""
 
 
+class NoSoundCheckpoint(CheckpointFileError):
+    """A folder holds checkpoints, but the manifest of every one is damaged."""
+
+
 class CheckpointMismatch(PartitaError):
     """The checkpoint is sound but belongs to another model or optimizer."""
 
@@ -269,6 +273,25 @@ def skipped_newer(chosen: Path) -> str:
             f"manifest is damaged); using {chosen.name}, the newest sound checkpoint.")
 
 
+def all_damaged(root: Path, subject: str) -> NoSoundCheckpoint | None:
+    """None, or the error to give when `root` holds checkpoints but `find_latest` found
+    no sound one: every manifest there is damaged. Named as such, with the newest's
+    reason, instead of as a folder without checkpoints."""
+    found = complete_checkpoints(root)
+    if not found or find_latest(root) is not None:
+        return None
+    try:
+        read_manifest(found[-1])
+        reason = "it cannot be read"
+    except CheckpointFileError as exc:
+        reason = str(exc).split(";")[0]  # its advice assumes another checkpoint
+    names = ", ".join(p.name for p in found)
+    return NoSoundCheckpoint(
+        f"{subject}: every checkpoint in {root} has a damaged manifest ({names}), so there "
+        f"is none to load. The newest: {reason}. Restore the folder from a copy; a new run "
+        "there needs --train.overwrite=true, which deletes them.")
+
+
 RESUME = "train.resume"
 
 
@@ -283,8 +306,11 @@ def resolve(path: Path, given_as: str = RESUME) -> Path:
         latest = find_latest(root)
         if latest is not None:
             return latest
-    choices = "a checkpoint folder, a folder of checkpoints or a run's out_dir"
     subject = f"{given_as}='{path}'" if given_as else f"'{path}'"
+    for root in (path, path / "checkpoints"):
+        if (damaged := all_damaged(root, subject)) is not None:
+            raise damaged
+    choices = "a checkpoint folder, a folder of checkpoints or a run's out_dir"
     if not path.exists():
         auto = (f", or {RESUME}=auto (the newest in this run's checkpoint folder)"
                 if given_as == RESUME else "")

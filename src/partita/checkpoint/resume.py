@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from partita.checkpoint.manifest import find_latest, resolve
+from partita.checkpoint.manifest import all_damaged, find_latest, resolve
 from partita.config import Config
 
 
@@ -21,5 +21,9 @@ def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
     if not wanted:
         return None
     if wanted == "auto":
-        return find_latest(checkpoint_root(cfg))
+        root = checkpoint_root(cfg)
+        latest = find_latest(root)
+        if latest is None and (damaged := all_damaged(root, "train.resume=auto")):
+            raise damaged
+        return latest
     return resolve(Path(wanted))
