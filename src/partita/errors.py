@@ -8,6 +8,7 @@ The CLI prints that paragraph without a traceback; anything else is a bug in par
 from __future__ import annotations
 
 import difflib
+import os
 from collections.abc import Iterable
 
 
@@ -75,6 +76,30 @@ class Stopped(BaseException):
 CHECKPOINT_STOP_EXIT = 75
 
 
+def stop_file(run_id: str) -> str:
+    """The file `partita train`'s launcher creates on the first SIGTERM it passes on
+    (`launch._sigterm_to_workers`), for workers that were not there to receive it: one
+    per job, by torch elastic's run id, which the workers know too."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"partita-stop-{run_id}")
+
+
+class StoppedBeforeStart(Stopped):
+    """SIGTERM while a training job was starting: nothing of it was trained or written
+    and earlier checkpoints are as they were, so it is a stop on request (exit 75, run
+    it again) like one after a checkpoint, not the second SIGTERM's stop at once."""
+
+    def __init__(self) -> None:
+        import signal
+
+        super().__init__(signal.SIGTERM)
+
+    @property
+    def exit_code(self) -> int:
+        return CHECKPOINT_STOP_EXIT
+
+
 class StopRequest:
     """SIGTERM as a request: finish the step, write a checkpoint, exit (what schedulers
     mean when they send it before pre-empting a job). A second SIGTERM, more than
@@ -91,6 +116,9 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum = 0
         self.at = 0.0
+        # Until the run is set up a SIGTERM stops the process at once (`stop_on_signals`):
+        # there is no step to finish and nothing of this run to save.
+        self.installed = False
 
     def install(self) -> None:
         import signal
@@ -98,6 +126,12 @@ class StopRequest:
 
         if threading.current_thread() is not threading.main_thread():
             return  # only the main thread may set handlers; signals then stay as they are
+        import time
+
+        # The launcher's record of a SIGTERM this process may have missed while starting.
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+        if run_id and os.path.exists(stop_file(run_id)) and not self.signum:
+            self.signum, self.at = signal.SIGTERM, time.monotonic()
 
         def handler(signum, _frame):
             import time
@@ -108,6 +142,7 @@ class StopRequest:
             if not self.signum:
                 self.signum, self.at = signum, now
         signal.signal(signal.SIGTERM, handler)
+        self.installed = True  # after: a SIGTERM before this stopped the start-up
 
 
 STOP_REQUEST = StopRequest()

@@ -114,6 +114,47 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process `pid` has a SIGTERM handler (Linux: SigCgt in /proc/PID/status)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+@pytest.mark.parametrize("after_s", [0.0, 1.0, 2.5])
+def test_a_sigterm_while_the_job_starts_is_a_stop_on_request(after_s, tmp_path):
+    """A scheduler's SIGTERM during start-up (before the workers exist, while they import,
+    while the trainer sets up) ends the job as a stop on request, exit 75, never as a
+    failure (143) and never lost (the job training on to its end, as one 2.6-2.9 s in
+    did before the launcher left the request as a file for workers that missed it)."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
+         "--train.steps=100000", f"--data.cache_dir={tmp_path / 'cache'}",
+         f"--train.out_dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60  # from when the command line takes signals
+        while not _catches_sigterm(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(after_s)
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher only, as `kill PID` does
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    # Stopped before its first step, or (a worker that missed the signal) after it.
+    assert ("before the first step" in err or
+            ("stopped after step 1 " in err and (run / "checkpoints" / "latest").exists())), \
+        err[-3000:]
+    assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
+
+
 def test_a_used_out_dir_is_refused_unless_overwrite(cli, tmp_path):
     run = tmp_path / "run"
     (run).mkdir()

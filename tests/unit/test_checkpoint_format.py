@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 
 import pytest
@@ -336,3 +337,27 @@ def test_a_folder_whose_every_manifest_is_damaged_says_so(tmp_path):
             resolve(given, given_as="")
     _checkpoint(run / "checkpoints", 3)  # a sound older one: resumed from, with a note
     assert resume_target(cfg).name == "step-00000003"
+
+
+def test_a_stop_request_left_by_the_launcher_is_read_at_install(tmp_path, monkeypatch):
+    """A worker that missed the launcher's forwarded SIGTERM (not started yet, or still
+    ignoring it) finds the request file at install: it stops after its first step."""
+    import signal
+
+    from partita.errors import StopRequest, stop_file
+
+    run_id = f"test-{tmp_path.name}"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        request = StopRequest()
+        request.install()
+        assert request.signum == 0 and request.installed
+        with open(stop_file(run_id), "w"):
+            pass
+        request = StopRequest()
+        request.install()
+        assert request.signum == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        os.remove(stop_file(run_id))

@@ -18,9 +18,12 @@ from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
     PEER_FAILURE_EXIT,
+    STOP_REQUEST,
     AgreedError,
     PartitaError,
     PeerFailure,
+    Stopped,
+    StoppedBeforeStart,
 )
 from partita.launch import (
     LaunchSpec,
@@ -70,12 +73,16 @@ WORKER_IMPORTS = ("torch", "torch.distributed", "partita.trainer", "partita.faul
 
 def _worker(config_toml: str) -> dict:
     """Entry point of each launched process."""
-    from partita.faults import fault_from_env
-    from partita.trainer import train
-
-    cfg = config_from_toml(config_toml)
     try:
+        from partita.faults import fault_from_env
+        from partita.trainer import train
+
+        cfg = config_from_toml(config_toml)
         return train(cfg, fault_from_env())
+    except Stopped as exc:  # before train() could tell (see trainer.train)
+        if exc.name != "SIGTERM" or STOP_REQUEST.installed:
+            raise
+        raise StoppedBeforeStart() from None
     except PartitaError as exc:
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 or not isinstance(exc, AgreedError):
@@ -96,6 +103,23 @@ def default_nproc() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except Stopped as exc:
+        # SIGTERM while the job was starting (here before the launch, or in a worker
+        # before its first step): a stop on request with nothing to save (exit 75).
+        # Once the workers run, a Stopped from the launch is the second SIGTERM's.
+        if not isinstance(exc, StoppedBeforeStart) and (
+                exc.name != "SIGTERM" or getattr(exc, "after_launch", False)):
+            raise
+        print("partita: stopped by SIGTERM before the first step: nothing of this run was "
+              "trained or saved, and earlier checkpoints are as they were; run the same "
+              "command again (with --train.resume=auto to continue from one).",
+              file=sys.stderr, flush=True)
+        return CHECKPOINT_STOP_EXIT
+
+
+def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     if launched_externally():
         from partita.trainer import train
@@ -127,7 +151,11 @@ def run(args: argparse.Namespace) -> int:
                           rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                           join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
                           preload=WORKER_IMPORTS)
-        results = launch(spec, _worker, cfg.to_toml())
+        try:
+            results = launch(spec, _worker, cfg.to_toml())
+        except Stopped as exc:
+            exc.after_launch = True  # see run()
+            raise
     finally:
         stop_worker_server()  # the workers are gone, or were never started
     return _exit_status(results)
