@@ -60,6 +60,18 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser = subs[0].choices[chosen]
 
 
+def _override_word(config: str, words: list[str], extra: list[str]) -> bool:
+    """Whether the word argparse took for the config file is part of an override: one
+    with a space in its value ("--data.mix=a.jsonl=0.7, b.jsonl=0.3": argparse takes a
+    word with a space for a positional argument), or the value of one written as two
+    words ("--train.steps 5")."""
+    if config.startswith("--"):
+        return True
+    at = words.index(config)
+    before = words[at - 1] if at else ""
+    return before.startswith("--") and "=" not in before and before in extra
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     names = {path.rsplit(".", 1)[1] for path in COMMANDS}
@@ -68,13 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if extra and not getattr(args, "accepts_overrides", False):
+    # A word in option form without a section ("--nprocs") is no setting: it was meant
+    # for one of the command's own options.
+    overrides = getattr(args, "accepts_overrides", False)
+    stray = [w for w in extra if w.startswith("--") and "." not in w.split("=")[0]]
+    if (overrides and stray) or (extra and not overrides):
+        extra = stray if overrides else extra
         command = _innermost(parser, args)
         # Compared without their dashes, which every option shares.
         options = [o.lstrip("-") for a in command._actions for o in a.option_strings]
         near = closest(extra[0].split("=")[0].lstrip("-"), options)
         hint = f" Did you mean '--{near}'?" if near and extra[0].startswith("--") else ""
         command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
+    config = getattr(args, "config", None)
+    if config and _override_word(config, words, extra):
+        args.config = None
+        extra = [w for w in words if w == config or w in extra]
     args.overrides = extra
     stop_on_signals()
     try:
