@@ -361,3 +361,27 @@ def test_a_stop_request_left_by_the_launcher_is_read_at_install(tmp_path, monkey
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.remove(stop_file(run_id))
+
+
+def test_a_checkpoint_missing_a_file_names_the_newest_whole_one(tmp_path):
+    """A newest checkpoint that lost a rank's file is refused, naming the newest older
+    checkpoint whose files are all there (not only 'another checkpoint')."""
+    from partita.checkpoint.manifest import check_files
+
+    def with_file(step: int, size: int):
+        folder = tmp_path / f"step-{step:08d}"
+        folder.mkdir()
+        (folder / "rank-00000-of-00001.safetensors").write_bytes(b"x" * size)
+        manifest = dict(_manifest(step), files=[{"name": "rank-00000-of-00001.safetensors",
+                                                  "size": size}])
+        write_manifest(folder, manifest)
+        return folder, manifest
+
+    with_file(3, 8)
+    older, _ = with_file(6, 8)
+    newest, manifest = with_file(9, 8)
+    (older / "rank-00000-of-00001.safetensors").write_bytes(b"x" * 5)  # truncated too
+    (newest / "rank-00000-of-00001.safetensors").unlink()
+    with pytest.raises(CheckpointFileError, match=r"is missing.*Resume from step-00000003, "
+                       r"the newest whole one \(train.resume=.*step-00000003\)"):
+        check_files(newest, manifest)

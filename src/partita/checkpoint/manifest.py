@@ -206,22 +206,39 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def check_files(folder: Path, manifest: dict) -> None:
-    """Every file the manifest lists is there with its size (cheap: no data is read;
-    the checksums are checked as the data is read)."""
+def _file_problem(folder: Path, manifest: dict) -> str:
+    """'' when every file the manifest lists is there with its size, else what is not."""
     for f in manifest["files"]:
         path = folder / f["name"]
         if not path.is_file():
-            raise CheckpointFileError(
-                f"checkpoint file '{path}' is missing; the checkpoint is incomplete. Resume "
-                "from another checkpoint (train.resume=PATH) or copy the file again."
-            )
+            return f"checkpoint file '{path}' is missing; the checkpoint is incomplete."
         if path.stat().st_size != f["size"]:
-            raise CheckpointFileError(
-                f"checkpoint file '{path}' has {path.stat().st_size:,} bytes but its "
-                f"manifest says {f['size']:,}: it is truncated or was replaced. Resume from "
-                "another checkpoint (train.resume=PATH) or copy the file again."
-            )
+            return (f"checkpoint file '{path}' has {path.stat().st_size:,} bytes but its "
+                    f"manifest says {f['size']:,}: it is truncated or was replaced.")
+    return ""
+
+
+def check_files(folder: Path, manifest: dict) -> None:
+    """Every file the manifest lists is there with its size (cheap: no data is read;
+    the checksums are checked as the data is read)."""
+    problem = _file_problem(folder, manifest)
+    if problem:
+        raise CheckpointFileError(f"{problem} Resume from {_another(folder)}, or copy the "
+                                  "file again.")
+
+
+def _another(folder: Path) -> str:
+    """How to name the checkpoint to resume from instead of `folder`: the newest other
+    one beside it whose manifest and files check out, else any (train.resume=PATH)."""
+    for other in reversed(complete_checkpoints(folder.parent)):
+        if other.name == folder.name:
+            continue
+        try:
+            if not _file_problem(other, read_manifest(other)):
+                return f"{other.name}, the newest whole one (train.resume={other})"
+        except CheckpointFileError:
+            continue
+    return "another checkpoint (train.resume=PATH)"
 
 
 def is_checkpoint(folder: Path) -> bool:
