@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,9 +105,16 @@ class Trainer:
         self.bad_steps = 0
         self._reported = -1  # the step of the last save reported in the log
         self.checkpoint_waited = 0.0  # seconds training waited for checkpoint copies
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.progress.enter(0, "checkpoint load")
-        self.resumed: Loaded | None = self._resume(resume_target(cfg, restarted))
+        target = resume_target(cfg, restarts > 0)
+        if restarts and rank == 0:  # the failure that caused it was reported above
+            print(f"partita: restart {restarts} of "
+                  f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a process of "
+                  "the job failed; resuming from "
+                  f"{target if target is not None else 'the start (no checkpoint yet)'}",
+                  file=sys.stderr, flush=True)
+        self.resumed: Loaded | None = self._resume(target)
         self.writer = CheckpointWriter(
             checkpoint_root(cfg), rank, world, cfg.train.keep_last, cfg.train.async_checkpoint,
             cfg.train.collective_timeout_s, self.resumed.folder if self.resumed else None,
