@@ -72,3 +72,19 @@ def test_invalid_toml(tmp_path):
     path.write_text("[train\nsteps=")
     with pytest.raises(PartitaError, match="not valid TOML"):
         load_config(path)
+
+
+def test_relative_input_paths_are_stored_absolute(tmp_path, monkeypatch):
+    """A run's config.toml names its inputs absolutely, so `partita generate --run` and
+    `partita export` read the same files from any working directory; names that are no
+    path from here (built-in ones) stay as given."""
+    from partita.config import load_config, with_absolute_inputs
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "a.jsonl").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    cfg = with_absolute_inputs(load_config(None, [
+        "--data.tokenizer=hf", "--data.mix=a.jsonl=0.7, gone.jsonl=0.3"]))
+    assert cfg.data.tokenizer == str(tmp_path / "hf")
+    assert cfg.data.mix == f"{tmp_path / 'a.jsonl'}=0.7, gone.jsonl=0.3"
+    assert cfg.data.source == "" and cfg.model.init_from == ""

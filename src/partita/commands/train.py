@@ -13,7 +13,7 @@ from pathlib import Path
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
 from partita.checkpoint.resume import checkpoint_root, resume_target
-from partita.config import Config, config_from_toml, load_config
+from partita.config import Config, config_from_toml, load_config, with_absolute_inputs
 from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = with_absolute_inputs(load_config(args.config, args.overrides))
     if launched_externally():
         from partita.trainer import train
 
