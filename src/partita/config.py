@@ -257,7 +257,9 @@ class Config:
         if dp < 1 or t.global_batch % dp:
             raise PartitaError(
                 f"train.global_batch={t.global_batch} is not divisible by the {dp} "
-                f"data-parallel replicas; choose a multiple of {dp}."
+                f"data-parallel replicas; choose a multiple of {dp}, or a number of "
+                f"processes that leaves a data-parallel degree dividing {t.global_batch} "
+                "(a resumed run keeps its global batch)."
             )
         local = t.global_batch // dp
         if t.microbatches < 1 or local % t.microbatches:
