@@ -344,7 +344,7 @@ def _field_type(section: str, key: str) -> type:
     return hints[key]
 
 
-def _convert(dotted: str, raw: object, target: type) -> object:
+def convert_value(dotted: str, raw: object, target: type) -> object:
     """Convert `raw` (TOML value or override string) to the annotated type."""
     optional = isinstance(target, types.UnionType) and type(None) in typing.get_args(target)
     if optional:
@@ -426,7 +426,7 @@ def _set(cfg: Config, dotted: str, raw: object) -> None:
             f"unknown setting '{dotted}'.{_unknown_hint(dotted)} Valid keys of "
             f"[{section}]: {', '.join(names)}."
         )
-    setattr(getattr(cfg, section), key, _convert(dotted, raw, _field_type(section, key)))
+    setattr(getattr(cfg, section), key, convert_value(dotted, raw, _field_type(section, key)))
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

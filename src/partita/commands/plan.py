@@ -6,6 +6,7 @@ import argparse
 
 from partita.commands import check_output_file
 from partita.errors import PartitaError, require_in_range
+from partita.layout_rules import CONSTRAINT, DIVISIBILITY
 
 
 def register(subparsers) -> None:
@@ -71,6 +72,8 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# Rejections that no amount of memory lifts: a layout breaking one cannot be trained.
+RULES = (DIVISIBILITY, CONSTRAINT)
 MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes seconds
 
 
@@ -99,6 +102,13 @@ def run(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.model_shape is None):
         raise PartitaError("give the model with --model NAME_OR_TOML or --model-shape "
                            "layers=...,hidden=...,heads=...,vocab=...,seq=... (one of them).")
+    # An empty value (an unset shell variable) is given but names nothing.
+    for flag, value, what in (("--model", args.model, "a catalog name (e.g. llama3-8b) "
+                                                      "or a TOML file"),
+                              ("--model-shape", args.model_shape, "the shape, e.g. layers=32,"
+                               "hidden=4096,heads=32,vocab=32000,seq=4096")):
+        if value is not None and not value.strip():
+            raise PartitaError(f"{flag} is empty: give {what}.")
     settings = {}
     for item in args.set:
         name, sep, value = item.partition("=")
@@ -126,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         defaults.append("--compile none")
     keep = args.keep_gathered  # make_request refuses what is neither a count nor auto
     keep = int(keep) if keep is not None and keep.isdigit() else keep
-    model = (parse_model_shape(args.model_shape) if args.model_shape
+    model = (parse_model_shape(args.model_shape) if args.model_shape is not None
              else resolve_model(args.model))
     cpu_batch = args.global_batch is None and args.gpu_type.lower() == "cpu"
     if cpu_batch:  # a plan for `partita train` here: its own batch, not ~4M tokens
@@ -162,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
             layout = layout.with_(sequence_parallel=default_sequence_parallel(layout.tp))
         defaults += _layout_defaults(args.layout, layout, req.model.is_moe)
         ev = evaluate(req, layout)
+        broken = [text for kind, text in ev.reasons if kind in RULES]
+        if broken:  # not a layout partita can train: bad input, whatever its memory
+            raise PartitaError(f"--layout {layout.describe()}: partita cannot train this "
+                               f"layout on {args.gpus} GPUs, as it breaks "
+                               f"{_count(len(broken), 'rule')}: "
+                               f"{'; '.join(r.rstrip('.') for r in broken)}.")
         advice = advise_layout(req, ev)
         if args.json:
             print(report.to_json(req, ev=ev, advice=advice, defaults=defaults))
@@ -181,13 +197,17 @@ def run(args: argparse.Namespace) -> int:
     result = search(req, space)
     if result.searched == 0:
         raise PartitaError(_no_layout_to_search(space.fixed, req))
+    if not (result.ranked or result.modelled) and set(result.rejected) <= set(RULES):
+        # Every layout breaks a rule (none merely lacks memory): the request, not the
+        # cluster, is what must change.
+        raise PartitaError(_every_layout_breaks_a_rule(result, space.fixed, req))
     advice = advise_search(req, space) if not result.ranked else []
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice,
                              defaults=defaults))
     else:
         print(report.format_search(result, args.top))
-        _print_advice(advice, nothing_fits=not result.ranked)
+        _print_advice(advice, nothing_fits=not result.ranked, fixed=space.fixed)
         _print_defaults(defaults)
     if args.png and result.ranked:
         report.draw_memory(result.ranked[:args.top], args.png)
@@ -239,6 +259,29 @@ def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
         why = _first_rule_broken(pins, req) or ("no combination of the other degrees "
                                                 "completes these to a layout")
     return f"--fix {fix_text(fixed)} leaves no layout to search on {n} GPUs: {why}."
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def _every_layout_breaks_a_rule(result, fixed: tuple[tuple[str, object], ...], req) -> str:
+    """Why a search found nothing trainable: the most common rule broken, with one
+    layout that breaks it, and how many layouts each kind of rule rejected."""
+    from partita.planner.advice import fix_text
+
+    kind = result.rejected.most_common(1)[0][0]
+    example = result.examples[kind][0]  # the search keeps examples of every rule kind
+    reason = next(text for k, text in example.reasons if k == kind).rstrip(".")
+    kinds = ", ".join(f"{k}: {n:,}" for k, n in result.rejected.most_common())
+    where = (f"--fix {fix_text(fixed)} leaves no layout partita can train"
+             if fixed else "this request leaves no layout partita can train")
+    fix = ("change or drop the pins" if fixed
+           else "change the model, --seq-len, --global-batch or --gpus")
+    return (f"{where} on {req.cluster.num_gpus} GPUs: each of the {result.searched:,} "
+            f"layouts searched breaks a rule ({kinds}; none was rejected for memory). "
+            f"The most common ({kind}), e.g. {example.layout.describe()}: {reason}. "
+            f"To get a plan, {fix} so that the rule holds.")
 
 
 def _first_rule_broken(pins: dict[str, object], req) -> str | None:
@@ -322,11 +365,18 @@ def _print_defaults(defaults: list[str]) -> None:
         print("Defaults filled in: " + "; ".join(defaults))
 
 
-def _print_advice(advice: list[str], nothing_fits: bool = False) -> None:
+def _print_advice(advice: list[str], nothing_fits: bool = False,
+                  fixed: tuple[tuple[str, object], ...] = ()) -> None:
     if advice:
         print("Smallest change that would fit: " + advice[0])
         for line in advice[1:]:
             print("  or " + line)
+    elif nothing_fits and fixed:  # the advice keeps the pins: say that they are the limit
+        from partita.planner.advice import fix_text
+
+        print(f"No layout with --fix {fix_text(fixed)} fits, even with offload, a shorter "
+              "sequence, up to 64x the GPUs or a larger GPU, and none fits without the "
+              "pins either.")
     elif nothing_fits:
         print("No single change among the ZeRO stage, a smaller microbatch, offload to "
               "host memory or disk, a shorter sequence, up to 64x the GPUs or a larger "

@@ -74,11 +74,16 @@ def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int =
     if len(out) < limit:
         out += _offload_changes(req, space, limit - len(out))
 
+    # The request changes keep the pins: a layout outside them is not what was asked
+    # for (dropping them is the first suggestion above, named as such).
+    within = space if space.fixed else full
+
     def best_of(r: Request) -> Layout | None:
-        found = search(r, full).best
+        found = search(r, within).best
         return found.layout if found else None
 
-    out += _request_changes(req, best_of, limit - len(out))
+    keeping = f" (keeping --fix {fix_text(space.fixed)})" if space.fixed else ""
+    out += _request_changes(req, best_of, limit - len(out), keeping)
     return out[:limit]
 
 
@@ -115,21 +120,23 @@ def _offload_note(ev: Evaluation) -> str:
             f"memory{disk} per node)")
 
 
-def _request_changes(req: Request, fits, limit: int) -> list[str]:
-    """Shorter sequences, more GPUs, a GPU with more memory: the first that works of each."""
+def _request_changes(req: Request, fits, limit: int, keeping: str = "") -> list[str]:
+    """Shorter sequences, more GPUs, a GPU with more memory: the first that works of each
+    (`keeping` is added to each change, e.g. the pins it keeps)."""
     out: list[str] = []
     seq = req.seq_len // 2
     while seq >= 128 and len(out) < limit:
         layout = fits(replace(req, seq_len=seq))
         if layout is not None:
-            out.append(f"a shorter sequence, --seq-len {seq}: {layout.describe()} fits")
+            out.append(f"a shorter sequence, --seq-len {seq}{keeping}: {layout.describe()} "
+                       "fits")
             break
         seq //= 2
     n = req.cluster.num_gpus * 2
     while n <= req.cluster.num_gpus * 64 and len(out) < limit:
         layout = fits(replace(req, cluster=replace(req.cluster, num_gpus=n)))
         if layout is not None:
-            out.append(f"more GPUs, --gpus {n}: {layout.describe()} fits")
+            out.append(f"more GPUs, --gpus {n}{keeping}: {layout.describe()} fits")
             break
         n *= 2
     for name, gpu in sorted(GPUS.items(), key=lambda kv: kv[1].memory_bytes):
@@ -137,7 +144,8 @@ def _request_changes(req: Request, fits, limit: int) -> list[str]:
             continue
         layout = fits(replace(req, cluster=replace(req.cluster, gpu=gpu)))
         if layout is not None:
-            out.append(f"a GPU with more memory, --gpu-type {name}: {layout.describe()} fits")
+            out.append(f"a GPU with more memory, --gpu-type {name}{keeping}: "
+                       f"{layout.describe()} fits")
             break
     return out
 

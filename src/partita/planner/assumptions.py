@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
+from partita.config_ranges import Rule, _num
 from partita.errors import PartitaError, did_you_mean
 
 # torch's CPU flash-attention kernel as a fraction of the GEMM rate at its head
@@ -206,13 +207,21 @@ class Assumptions:
         if self.norm_kernel not in ("fused", "eager", "compiled"):
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused', 'eager' or "
                                "'compiled'.")
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name.endswith(("_overlap", "_efficiency", "_fraction", "_slowdown",
-                                "fragmentation")) and not (
-                0.0 <= value <= 1.0
-            ):
-                raise PartitaError(f"{f.name}={value}: a fraction between 0 and 1.")
+        for name, kind, rule in _CHECKS:
+            value = getattr(self, name)
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise PartitaError(f"assumption {name}={value!r}: use true or false.")
+                continue
+            # bool is an int subclass: True must not pass for a count or a rate.
+            if isinstance(value, bool) or not isinstance(value, int if kind is int
+                                                          else int | float):
+                what = "an integer" if kind is int else "a number"
+                raise PartitaError(f"assumption {name}={value!r} is not {what}; give "
+                                   f"{what} {rule.text}.")
+            if not rule.ok(value):
+                raise PartitaError(f"assumption {name}={value!r} is out of range: use "
+                                   f"{rule.text}{_WHY.get(name, '')}.")
 
     @classmethod
     def measured_cpu(cls) -> Assumptions:
@@ -277,16 +286,7 @@ class Assumptions:
                     f"unknown assumption '{name}'.{did_you_mean(name, known)} "
                     f"Assumptions: {', '.join(known)}."
                 )
-            current = getattr(self, name)
-            try:
-                if isinstance(current, bool):
-                    changes[name] = raw.lower() in ("1", "true", "yes", "on")
-                elif isinstance(current, str):
-                    changes[name] = raw
-                else:
-                    changes[name] = type(current)(float(raw))
-            except ValueError:
-                raise PartitaError(f"assumption {name}={raw!r} is not a number.") from None
+            changes[name] = _parse_setting(name, raw, getattr(self, name))
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -304,5 +304,96 @@ HOST_OP_S = 21e-6
 KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "gemm_align",
                  "misaligned_gemm_fraction", "kernel_overhead_s",
                  "memory_efficiency", "cp_fused_pieces")
+
+# The valid values of every numeric assumption. Rates, efficiencies and sizes that
+# divide are > 0 (0 would divide by zero); byte counts, times and counts >= 0 (0 turns
+# the effect off); fractions of a whole within [0, 1].
+_AT_LEAST_0 = _num(0)
+_POSITIVE = _num(0, lo_open=True)
+_FRACTION = _num(0, 1)  # [0, 1]
+_RATE_FRACTION = _num(0, 1, lo_open=True)  # (0, 1]: a divisor
+RANGES: dict[str, Rule] = {
+    "gemm_peak_fraction": _FRACTION,  # 0: the GPU family's figure
+    "gemm_tile": _AT_LEAST_0,
+    "gemm_k_half": _AT_LEAST_0,
+    "gemm_align": _AT_LEAST_0,
+    "misaligned_gemm_fraction": _RATE_FRACTION,
+    "kernel_overhead_s": _AT_LEAST_0,
+    "memory_efficiency": _RATE_FRACTION,
+    "flash_fwd_fraction": _RATE_FRACTION,
+    "flash_bwd_fraction": _RATE_FRACTION,
+    "eager_softmax_bytes_fwd": _AT_LEAST_0,
+    "eager_softmax_bytes_bwd": _AT_LEAST_0,
+    "activation_elem_bytes": _AT_LEAST_0,
+    "elementwise_kernels": _AT_LEAST_0,
+    "host_op_s": _AT_LEAST_0,
+    "loss_bytes_per_logit": _AT_LEAST_0,
+    "grad_accum_bytes_per_param": _AT_LEAST_0,
+    "optimizer_bytes_per_param": _AT_LEAST_0,
+    "norm_saved_tensors": _AT_LEAST_0,
+    "swiglu_saved_tensors": _AT_LEAST_0,
+    "intra_node_efficiency": _RATE_FRACTION,
+    "inter_node_efficiency": _RATE_FRACTION,
+    "tp_overlap": _FRACTION,
+    "tp_overlap_slowdown": _FRACTION,
+    "cp_overlap": _FRACTION,
+    "pp_overlap": _FRACTION,
+    "ep_overlap": _FRACTION,
+    "dp_overlap": _FRACTION,
+    "zero3_overlap": _FRACTION,
+    "fragmentation": _FRACTION,
+    "grad_bucket_bytes": _AT_LEAST_0,
+    "zero3_prefetch_depth": _AT_LEAST_0,
+    "logits_bytes_per_element": _AT_LEAST_0,
+    "zero3_kept_units": _AT_LEAST_0,
+    "loss_token_bytes": _AT_LEAST_0,
+    "token_id_bytes": _AT_LEAST_0,
+    "flat_buffer_align": _AT_LEAST_0,
+    "zero_bucket_bytes": _POSITIVE,
+    "cpu_adam_params_per_s": _POSITIVE,
+    "offload_overlap": _FRACTION,
+    "disk_bandwidth": _POSITIVE,
+    "disk_host_budget_bytes": _POSITIVE,
+}
+_WHY = {name: " (it divides: 0 would mean infinite time)" for name in (
+    "misaligned_gemm_fraction", "memory_efficiency", "flash_fwd_fraction",
+    "flash_bwd_fraction", "intra_node_efficiency", "inter_node_efficiency",
+    "cpu_adam_params_per_s", "disk_bandwidth")}
+_BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+# (name, type, rule) of every field but the two named kernels, checked in that order;
+# built once, as every `replace` of the assumptions runs the checks again.
+_CHECKS: tuple[tuple[str, type, Rule], ...] = tuple(
+    (f.name, {"bool": bool, "int": int, "float": float}[f.type],
+     _BOOL if f.type == "bool" else RANGES[f.name])
+    for f in fields(Assumptions) if f.type != "str")
+
+
+def _parse_setting(name: str, raw: str, current: object) -> object:
+    """A `--set` value read as the field's type: booleans and integers strictly, so that
+    a typo is refused rather than read as false or truncated."""
+    text = raw.strip()
+    if isinstance(current, bool):
+        word = text.lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise PartitaError(f"assumption {name}={raw!r} is not true or false; write "
+                           f"--set {name}=true or --set {name}=false.")
+    if isinstance(current, str):
+        return text
+    rule = RANGES[name]
+    try:
+        number = float(text)
+    except ValueError:
+        raise PartitaError(f"assumption {name}={raw!r} is not a number; give a number "
+                           f"{rule.text}, e.g. --set {name}={current}.") from None
+    if isinstance(current, int):
+        if not number.is_integer():
+            raise PartitaError(f"assumption {name}={raw!r} is not an integer; give a whole "
+                               f"number {rule.text}, e.g. --set {name}={current}.")
+        return int(number)
+    return number
+
 
 DEFAULT_ASSUMPTIONS = Assumptions()  # immutable, shared as a default argument

@@ -7,6 +7,7 @@ runtime reads too; `cpu` is this machine measured by `partita.planner.cpu_profil
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -67,30 +68,73 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
             f"hardware file '{path}' has no [gpu.NAME] table; write one per GPU type with "
             f"the fields {', '.join(f.name for f in fields(GPUSpec) if f.name != 'name')}."
         )
-    known = {f.name for f in fields(GPUSpec)}
+    known = {f.name for f in fields(GPUSpec)} - {"name"}  # the table's own name
     out: dict[str, GPUSpec] = {}
     for name, table in tables.items():
+        where = f"hardware file '{path}', [gpu.{name}]"
+        if not isinstance(table, dict):
+            raise PartitaError(f"{where}: '{name}' must be a table of GPUSpec fields, e.g. "
+                               f'[gpu.{name}] with base = "H100" and memory_bytes = 40e9.')
         table = dict(table)
         base_name = table.pop("base", None)
+        if "name" in table:
+            raise PartitaError(f"{where}: remove name = {table['name']!r}; a profile is "
+                               f"named by its table, here '{name}' ([gpu.NAME]).")
         unknown = sorted(set(table) - known)
         if unknown:
             raise PartitaError(
-                f"hardware file '{path}', [gpu.{name}]: unknown field '{unknown[0]}'."
+                f"{where}: unknown field '{unknown[0]}'."
                 f"{did_you_mean(unknown[0], known)} Fields: {', '.join(sorted(known))}."
             )
-        table = {k: (int(v) if k == "gpus_per_node" else v) for k, v in table.items()}
+        for key, value in table.items():
+            _check_field(where, key, value)
         table.setdefault("source", f"user profile {path}")
         if base_name is not None:
+            if not isinstance(base_name, str):
+                raise PartitaError(f"{where}: base = {base_name!r} is not a GPU name; give "
+                                   f"one in quotes, e.g. base = \"H100\".")
             out[name] = replace(get_gpu(base_name, out), name=name, **table)
             continue
         missing = [f for f in REQUIRED if f not in table]
         if missing:
             raise PartitaError(
-                f"hardware file '{path}', [gpu.{name}]: missing {', '.join(missing)} "
+                f"{where}: missing {', '.join(missing)} "
                 "(or set base = \"H100\" to start from a catalog entry)."
             )
         out[name] = GPUSpec(name=name, **table)
     return out
+
+
+# What each GPUSpec figure may be: rates, bandwidths and sizes divide or bound
+# everything, so they are > 0; latencies and host costs may be 0 (not modelled);
+# bf16_flops 0 means "peak_flops".
+_POSITIVE = (*REQUIRED, "host_link_bandwidth", "host_memory_per_node")
+_AT_LEAST_0 = ("intra_node_latency", "inter_node_latency", "runtime_reserved_bytes",
+               "eager_op_s", "bf16_flops")
+
+
+def _check_field(where: str, key: str, value: object) -> None:
+    """Refuse a profile value of the wrong type or range, naming the field."""
+    if key == "source":
+        if not isinstance(value, str):
+            raise PartitaError(f"{where}: source = {value!r} must be text (where the "
+                               "figures come from), in quotes.")
+        return
+    if key == "gpus_per_node":
+        # bool is an int subclass: true must not pass for a count.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PartitaError(f"{where}: gpus_per_node = {value!r} must be a whole number "
+                               ">= 1, e.g. gpus_per_node = 8.")
+        return
+    lowest = "> 0" if key in _POSITIVE else ">= 0"
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value < 0 or (value == 0 and key in _POSITIVE)):
+        unit = ("FLOP/s" if key.endswith("flops") else "bytes/s" if key.endswith("bandwidth")
+                else "s" if key.endswith(("latency", "_s")) else "bytes")
+        example = GPUS["H100"]
+        raise PartitaError(f"{where}: {key} = {value!r} is not a valid figure; give a "
+                           f"finite number {lowest} in {unit}, e.g. {key} = "
+                           f"{getattr(example, key):g} (the {example.name}'s).")
 
 
 @dataclass(frozen=True)

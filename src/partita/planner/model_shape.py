@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
+from partita.config_ranges import AT_LEAST_1, POSITIVE, RANGES
 from partita.errors import PartitaError, did_you_mean, pair_hint
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
@@ -151,10 +153,21 @@ def resolve_model(name_or_path: str) -> PlanModel:
             raise PartitaError(
                 f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
             )
+        for section in ("model", "moe"):
+            if not isinstance(data.get(section, {}), dict):
+                raise PartitaError(
+                    f"model config '{name_or_path}': '{section}' = {data[section]!r} is "
+                    f"{_kind_of(data[section])}, not a [{section}] table; write the "
+                    f"settings under a [{section}] line, e.g. [model] then n_layers = 8."
+                )
         moe = _moe_from(data.get("moe", {}), name_or_path)
         # Same [model] table as a training config: an optional catalog `name` whose
         # shape the other fields override (so a run's config.toml plans as it trained).
-        table = dict(data["model"])
+        # Each value is read as `partita train` reads it: its type, then its range.
+        table = {k: (_read_value(k, v, f"model config '{name_or_path}', [model] {k} = "
+                                       f"{v!r}") if k in _TYPES else v)
+                 for k, v in data["model"].items()}
+        table = {k: (str(v) if k in ("name", "init_from") else v) for k, v in table.items()}
         init_from = table.pop("init_from", "")  # a run's config.toml always has it
         if init_from:  # the shape of the Hugging Face folder the run started from
             from partita.models.hf_config import model_config_from_hf
@@ -175,7 +188,8 @@ def _moe_from(table: dict, source: str) -> MoEShape:
             f"model config '{source}', [moe]: unknown setting '{unknown[0]}'."
             f"{did_you_mean(unknown[0], known)} Settings: {', '.join(sorted(known))}."
         )
-    return MoEShape(**table)
+    return MoEShape(**{k: _read_value(k, v, f"model config '{source}', [moe] {k} = {v!r}")
+                       for k, v in table.items()})
 
 
 # `--model-shape` names: short ones first, then every ModelConfig field by its own name.
@@ -208,16 +222,9 @@ def parse_model_shape(text: str) -> PlanModel:
                 f"name=value pairs among {', '.join(known)}."
             )
         raw = raw.strip()
-        if name in ("flavour",):
-            value: object = raw.lower()
-        elif name == "tie_embeddings":
-            value = raw.lower() in ("1", "true", "yes", "on")
-        else:
-            try:
-                value = float(raw) if name in ("dropout", "rope_theta", "norm_eps",
-                                               "init_std") else int(raw)
-            except ValueError:
-                raise PartitaError(f"--model-shape: {key}={raw} is not a number.") from None
+        if name == "flavour":
+            raw = raw.lower()
+        value = _read_value(name, raw, f"--model-shape {key}={raw}", key)
         (moe if name in moe_fields else model)[name] = value
     missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq")
                if SHAPE_NAMES[k] not in model]
@@ -230,3 +237,46 @@ def parse_model_shape(text: str) -> PlanModel:
     model.setdefault("tie_embeddings", model.get("flavour") == "gpt2")
     name = f"custom-{model['n_layers']}x{model['dim']}"
     return PlanModel(name, ModelConfig(**model), MoEShape(**moe))
+
+
+# The type of every setting a model table or `--model-shape` may give ([moe] names
+# included), and ranges beyond partita train's (config_ranges.RANGES) for the fields
+# only the planner reads.
+_TYPES: dict[str, object] = {**typing.get_type_hints(ModelConfig),
+                             **typing.get_type_hints(MoEShape)}
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+_EXTRA_RANGES = {"init_std": POSITIVE, "num_experts": AT_LEAST_1, "top_k": AT_LEAST_1,
+                 "expert_ffn_dim": AT_LEAST_1}
+
+
+def _kind_of(value: object) -> str:
+    """What a TOML value is, in the words of the messages."""
+    if isinstance(value, bool):
+        return "true or false"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "a list"
+    return {int: "an integer", float: "a number", str: "text"}.get(type(value), "a value")
+
+
+def _read_value(name: str, raw: object, label: str, key: str = "") -> object:
+    """`raw` (a TOML value or `--model-shape` text) as setting `name`'s type, range
+    checked: the conversion and ranges `partita train` applies to [model] (partita.config,
+    partita.config_ranges), so plan and train accept the same values. `label` names
+    the value in the message, `key` the setting as the user wrote it (default `name`)."""
+    from partita.config import convert_value
+    target = _TYPES[name]
+    base = next((t for t in typing.get_args(target) if t is not type(None)), target)
+    try:
+        value = convert_value(f"model.{name}", raw, target)
+    except PartitaError:
+        # Text from the command line is all text: name the type only for TOML values.
+        got = "" if label.startswith("--") else f" (got {_kind_of(raw)})"
+        raise PartitaError(f"{label}: {key or name} must be {_KINDS[base]}{got}.") from None
+    rule = RANGES.get(f"model.{name}") or _EXTRA_RANGES.get(name)
+    if value is not None and rule is not None and not rule.ok(value):
+        raise PartitaError(f"{label} is out of range: use {rule.text}.")
+    return value
