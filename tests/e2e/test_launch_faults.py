@@ -76,6 +76,16 @@ SMALL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--data.se
          "--metrics.tensorboard=false", "--train.log_every=1", "--train.progress=false"]
 
 
+def _endless_run(run, cache) -> subprocess.Popen:
+    """A 2-process `partita train` of the small model that would run for hours, in a
+    session of its own (so a test can signal its whole process group)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
+         "--train.steps=100000", f"--data.cache_dir={cache}", f"--train.out_dir={run}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
 def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) ends the job
@@ -83,12 +93,7 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     scheduler sends it: the launcher's forwarded copy arrives too, and counts once)
     finishes the step, writes a checkpoint and exits with 75."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
-         "--train.steps=100000", f"--data.cache_dir={tmp_path / 'cache'}",
-         f"--train.out_dir={run}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = _endless_run(run, tmp_path / "cache")
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # wait until training has logged a step
@@ -130,12 +135,7 @@ def test_a_sigterm_while_the_job_starts_is_a_stop_on_request(after_s, tmp_path):
     failure (143) and never lost (the job training on to its end, as one 2.6-2.9 s in
     did before the launcher left the request as a file for workers that missed it)."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", "2",
-         "--train.steps=100000", f"--data.cache_dir={tmp_path / 'cache'}",
-         f"--train.out_dir={run}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = _endless_run(run, tmp_path / "cache")
     try:
         deadline = time.monotonic() + 60  # from when the command line takes signals
         while not _catches_sigterm(proc.pid) and time.monotonic() < deadline:
