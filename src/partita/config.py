@@ -8,7 +8,6 @@ so any run can be repeated from its own directory.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import tomllib
 import types
@@ -465,30 +464,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, key, value)
     check_ranges(cfg)
     return cfg
-
-
-def with_absolute_inputs(cfg: Config) -> Config:
-    """`cfg` with every relative input path that exists from the working directory made
-    absolute (model.init_from, data.source, data.tokenizer, data.mix's sources), so a
-    run's config.toml means the same from any directory (`partita generate --run`,
-    `partita export`, a resume started elsewhere). A value that is no path from here,
-    such as a built-in name, stays as it is."""
-    def absolute(value: str) -> str:
-        path = Path(value).expanduser()
-        return str(path.resolve()) if value and not path.is_absolute() and path.exists() \
-            else value
-
-    out = copy.deepcopy(cfg)
-    out.model.init_from = absolute(cfg.model.init_from)
-    out.data.source = absolute(cfg.data.source)
-    out.data.tokenizer = absolute(cfg.data.tokenizer)
-    if cfg.data.mix:
-        items = []
-        for item in cfg.data.mix.split(","):
-            source, sep, weight = item.strip().rpartition("=")
-            items.append(f"{absolute(source.strip())}={weight}" if sep else item.strip())
-        out.data.mix = ", ".join(items)
-    return out
 
 
 def config_from_toml(text: str) -> Config:

@@ -13,11 +13,16 @@ weights looking like its own.
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from partita.errors import PartitaError
+
+if TYPE_CHECKING:
+    from partita.config import Config
 
 # Files a run writes; any of them present means the folder holds a run's results.
 RESULT_FILES = ("config.toml", "metrics.jsonl", "model.safetensors")
@@ -124,3 +129,27 @@ def remove_partial_files(path: Path) -> None:
 def weight_bytes(num_params: int, dtype_bytes: int) -> int:
     """Bytes of the final weights file (full, unsharded; at least 4 bytes per value)."""
     return num_params * max(dtype_bytes, 4)
+
+
+def with_absolute_inputs(cfg: Config) -> Config:
+    """`cfg` with every relative input path that exists from the working directory made
+    absolute (model.init_from, data.source, data.tokenizer, data.mix's sources), so a
+    run's config.toml means the same from any directory (`partita generate --run`,
+    `partita export`, a resume started elsewhere). A value that is no path from here,
+    such as a built-in name, stays as it is."""
+    def absolute(value: str) -> str:
+        path = Path(value).expanduser()
+        return str(path.resolve()) if value and not path.is_absolute() and path.exists() \
+            else value
+
+    out = copy.deepcopy(cfg)
+    out.model.init_from = absolute(cfg.model.init_from)
+    out.data.source = absolute(cfg.data.source)
+    out.data.tokenizer = absolute(cfg.data.tokenizer)
+    if cfg.data.mix:
+        items = []
+        for item in cfg.data.mix.split(","):
+            source, sep, weight = item.strip().rpartition("=")
+            items.append(f"{absolute(source.strip())}={weight}" if sep else item.strip())
+        out.data.mix = ", ".join(items)
+    return out

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
-from partita.checkpoint.resume import checkpoint_root, resume_target
+from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
 from partita.config import Config
 from partita.data import TokenDataset, num_windows
@@ -105,16 +104,8 @@ class Trainer:
         self.bad_steps = 0
         self._reported = -1  # the step of the last save reported in the log
         self.checkpoint_waited = 0.0  # seconds training waited for checkpoint copies
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
         self.progress.enter(0, "checkpoint load")
-        target = resume_target(cfg, restarts > 0)
-        if restarts and rank == 0:  # the failure that caused it was reported above
-            print(f"partita: restart {restarts} of "
-                  f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a process of "
-                  "the job failed; resuming from "
-                  f"{target if target is not None else 'the start (no checkpoint yet)'}",
-                  file=sys.stderr, flush=True)
-        self.resumed: Loaded | None = self._resume(target)
+        self.resumed: Loaded | None = self._resume(restart_target(cfg, rank))
         self.writer = CheckpointWriter(
             checkpoint_root(cfg), rank, world, cfg.train.keep_last, cfg.train.async_checkpoint,
             cfg.train.collective_timeout_s, self.resumed.folder if self.resumed else None,

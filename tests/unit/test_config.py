@@ -78,7 +78,8 @@ def test_relative_input_paths_are_stored_absolute(tmp_path, monkeypatch):
     """A run's config.toml names its inputs absolutely, so `partita generate --run` and
     `partita export` read the same files from any working directory; names that are no
     path from here (built-in ones) stay as given."""
-    from partita.config import load_config, with_absolute_inputs
+    from partita.config import load_config
+    from partita.run_dir import with_absolute_inputs
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "a.jsonl").write_text("{}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from partita.checkpoint.manifest import all_damaged, find_latest, resolve
@@ -27,3 +29,18 @@ def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
             raise damaged
         return latest
     return resolve(Path(wanted))
+
+
+def restart_target(cfg: Config, rank: int) -> Path | None:
+    """`resume_target` for a worker of `partita train`: one restarted by the launcher
+    (--max-restarts) resumes as with "auto", and its rank 0 says so once, after the
+    failure's own message."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    target = resume_target(cfg, restarts > 0)
+    if restarts and rank == 0:
+        print(f"partita: restart {restarts} of "
+              f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')} after a process of the "
+              f"job failed; resuming from "
+              f"{target if target is not None else 'the start (no checkpoint yet)'}",
+              file=sys.stderr, flush=True)
+    return target

@@ -13,7 +13,7 @@ from pathlib import Path
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
 from partita.checkpoint.resume import checkpoint_root, resume_target
-from partita.config import Config, config_from_toml, load_config, with_absolute_inputs
+from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
@@ -42,6 +42,7 @@ from partita.run_dir import (
     prepare_folder,
     prepare_out_dir,
     weight_bytes,
+    with_absolute_inputs,
 )
 
 
