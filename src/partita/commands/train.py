@@ -80,10 +80,10 @@ def _worker(config_toml: str) -> dict:
 
         cfg = config_from_toml(config_toml)
         return train(cfg, fault_from_env())
-    except Stopped as exc:  # before train() could tell (see trainer.train)
-        if exc.name != "SIGTERM" or STOP_REQUEST.installed:
+    except Stopped as exc:
+        if not _while_starting(exc):
             raise
-        raise StoppedBeforeStart() from None
+        raise StoppedBeforeStart() from None  # exit 75, which the launcher maps back
     except PartitaError as exc:
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 or not isinstance(exc, AgreedError):
@@ -107,17 +107,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except Stopped as exc:
-        # SIGTERM while the job was starting (here before the launch, or in a worker
-        # before its first step): a stop on request with nothing to save (exit 75).
-        # Once the workers run, a Stopped from the launch is the second SIGTERM's.
-        if not isinstance(exc, StoppedBeforeStart) and (
-                exc.name != "SIGTERM" or getattr(exc, "after_launch", False)):
+        if not (isinstance(exc, StoppedBeforeStart) or _while_starting(exc)):
             raise
         print("partita: stopped by SIGTERM before the first step: nothing of this run was "
               "trained or saved, and earlier checkpoints are as they were; run the same "
               "command again (with --train.resume=auto to continue from one).",
               file=sys.stderr, flush=True)
         return CHECKPOINT_STOP_EXIT
+
+
+def _while_starting(exc: Stopped) -> bool:
+    """Whether `exc` is a SIGTERM that came while the job was starting: before this
+    process's StopRequest was installed (a worker, or the trainer under torchrun) and,
+    in the launcher, before the workers ran (from the launch, a Stopped is the second
+    SIGTERM's). Such a stop has nothing to save: a stop on request, exit 75."""
+    return (exc.name == "SIGTERM" and not STOP_REQUEST.installed
+            and not getattr(exc, "after_launch", False))
 
 
 def _run(args: argparse.Namespace) -> int:
