@@ -24,7 +24,7 @@ class Assumptions:
     # --- compute -------------------------------------------------------------------
     # Kernel-level compute model (`partita.planner.compute`, docs/planner.md).
     # Fraction of datasheet peak large bf16 GEMMs sustain; 0: the GPU family's figure
-    # in `compute.GEMM_PEAK_FRACTION` (A100 0.86, H100 0.74, ...).
+    # in `compute.GEMM_PEAK_FRACTION` (A100 0.78, H100 0.68, H200 0.70, ...).
     gemm_peak_fraction: float = 0.0
     # Output tile edge of a GEMM kernel: dimensions are rounded up to whole tiles.
     gemm_tile: int = 128
