@@ -206,7 +206,7 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def _file_problem(folder: Path, manifest: dict) -> str:
+def file_problem(folder: Path, manifest: dict) -> str:
     """'' when every file the manifest lists is there with its size, else what is not."""
     for f in manifest["files"]:
         path = folder / f["name"]
@@ -221,7 +221,7 @@ def _file_problem(folder: Path, manifest: dict) -> str:
 def check_files(folder: Path, manifest: dict) -> None:
     """Every file the manifest lists is there with its size (cheap: no data is read;
     the checksums are checked as the data is read)."""
-    problem = _file_problem(folder, manifest)
+    problem = file_problem(folder, manifest)
     if problem:
         raise CheckpointFileError(f"{problem} Resume from {_another(folder)}, or copy the "
                                   "file again.")
@@ -234,7 +234,7 @@ def _another(folder: Path) -> str:
         if other.name == folder.name:
             continue
         try:
-            if not _file_problem(other, read_manifest(other)):
+            if not file_problem(other, read_manifest(other)):
                 return f"{other.name}, the newest whole one (train.resume={other})"
         except CheckpointFileError:
             continue

@@ -41,6 +41,7 @@ def _folder(text: str) -> Path:
 
 def run_info(args: argparse.Namespace) -> int:
     from partita.checkpoint import read_manifest
+    from partita.checkpoint.manifest import file_problem
 
     folder = _folder(args.dir)
     m = read_manifest(folder)
@@ -69,6 +70,9 @@ def run_info(args: argparse.Namespace) -> int:
           f"{sum(sizes.values()) / 2**20:,.1f} MiB")
     for name, size in sizes.items():
         print(f"    {name}  {size / 2**20:,.2f} MiB")
+    if problem := file_problem(folder, m):  # the sizes above are the manifest's
+        print(f"partita: warning: {problem} `partita checkpoint verify` checks every file.",
+              file=sys.stderr, flush=True)
     if args.tensors:
         for name, t in m["tensors"].items():
             print(f"    {name}  {list(t['shape'])}  in {count.get(name, 0)} piece(s)")
