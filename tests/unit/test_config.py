@@ -89,3 +89,17 @@ def test_relative_input_paths_are_stored_absolute(tmp_path, monkeypatch):
     assert cfg.data.tokenizer == str(tmp_path / "hf")
     assert cfg.data.mix == f"{tmp_path / 'a.jsonl'}=0.7, gone.jsonl=0.3"
     assert cfg.data.source == "" and cfg.model.init_from == ""
+
+
+def test_a_resume_with_another_learning_rate_schedule_is_named():
+    """Resuming with other steps, lr, min_lr or warmup reshapes the schedule from the
+    checkpoint's step on: the note names each change; the same settings, none."""
+    from partita.commands.train import _schedule_changes
+    from partita.config import load_config
+
+    trained = {"config": load_config(None, ["--train.steps=4"]).to_toml()}
+    assert _schedule_changes(trained, load_config(None, ["--train.steps=4"])) == []
+    assert _schedule_changes(trained, load_config(None, [
+        "--train.steps=8", "--train.lr=0.001"])) == ["train.steps 4 -> 8",
+                                                     "train.lr 0.003 -> 0.001"]
+    assert _schedule_changes({}, load_config(None, [])) == []

@@ -290,10 +290,21 @@ def timeline_folder(cfg: Config) -> Path | None:
     return check_folder(png.parent, TIMELINE_FOLDER)
 
 
+def _schedule_changes(manifest: dict, cfg: Config) -> list[str]:
+    """The learning-rate schedule's settings (WarmupCosine's) that differ from those the
+    checkpoint was trained with, as 'train.lr 0.003 -> 0.001'."""
+    if "config" not in manifest:
+        return []
+    before = config_from_toml(manifest["config"]).train
+    return [f"train.{k} {getattr(before, k):g} -> {getattr(cfg.train, k):g}"
+            for k in ("steps", "lr", "min_lr", "warmup_steps")
+            if getattr(before, k) != getattr(cfg.train, k)]
+
+
 def _print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
-    damaged newer checkpoint passed over, routing settings changed on resume, a
-    train.timeline_png ignored without a pipeline."""
+    damaged newer checkpoint passed over, routing or learning-rate schedule settings
+    changed on resume, a train.timeline_png ignored without a pipeline."""
     target = resume_target(cfg)
     if target is not None and (skipped := skipped_newer(target)):
         print(skipped, file=sys.stderr, flush=True)
@@ -301,6 +312,10 @@ def _print_notes(cfg: Config) -> None:
     if changed:
         print(f"partita: note: resuming {target.name} with other routing settings than it "
               f"was trained with ({'; '.join(changed)}).", file=sys.stderr, flush=True)
+    if target is not None and (schedule := _schedule_changes(read_manifest(target), cfg)):
+        print(f"partita: note: resuming {target.name} with another learning-rate schedule "
+              f"than it was trained with ({'; '.join(schedule)}); the rate follows the new "
+              "one from the checkpoint's step on.", file=sys.stderr, flush=True)
     if cfg.train.timeline_png and not draws_timeline(cfg):
         print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
               "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
