@@ -77,7 +77,10 @@ FRACTION = _num(0, 1, hi_open=True)  # [0, 1)
 RANGES: dict[str, Rule] = {
     # [model]: only the keys set override the catalog entry (None means "keep").
     "model.vocab_size": AT_LEAST_1,
-    "model.vocab_multiple": AT_LEAST_1,
+    # Padding is for GEMM alignment: lcm(64, 8 * tp) stays within 4096 up to tp = 512; a
+    # larger multiple only adds rows that are never used (1,000,000 made a 256-token
+    # model 257M parameters).
+    "model.vocab_multiple": _num(1, 4096),
     "model.dim": AT_LEAST_1,
     "model.n_layers": AT_LEAST_1,
     "model.n_heads": AT_LEAST_1,
