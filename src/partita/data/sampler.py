@@ -91,7 +91,7 @@ class BatchSampler:
         self.num_windows = num_windows(len(tokens), self.seq_len)
         self.steps_per_epoch = self.num_windows // self.global_batch
         if self.steps_per_epoch == 0:
-            raise PartitaError(f"The training data has {len(tokens)} tokens, which make "
+            raise PartitaError(f"the training data has {len(tokens)} tokens, which make "
                                f"{self.num_windows} windows of seq_len {self.seq_len}: fewer "
                                f"than one global batch of {self.global_batch}. Use more data, "
                                "a shorter seq_len or a smaller global batch.")
