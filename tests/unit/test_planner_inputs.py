@@ -249,8 +249,9 @@ def test_pins_and_layouts_that_break_a_rule_are_bad_input(capsys):
     assert "partita cannot train this layout on 4 GPUs" in err
     assert "model.n_heads=6 is not divisible by tp=4" in err
     # No pins, every layout breaking a rule: the request is what must change.
-    err = _plan_error(capsys, "--model", "gpt2-124m", "--gpus", "8", "--seq-len", "4096")
-    assert "this request leaves no layout" in err and "learned positions" in err
+    err = _plan_error(capsys, "--model-shape", "layers=1,hidden=64,heads=1,vocab=256,seq=63",
+                      "--gpus", "4", "--global-batch", "1")
+    assert "this request leaves no layout" in err and "none was rejected for memory" in err
     # A layout that is valid but does not fit is still an answer: exit 1.
     assert main(["plan", "--model", "llama3-70b", "--gpus", "8", "--layout", "dp=8"]) == 1
     assert "does not fit" in capsys.readouterr().out
@@ -268,3 +269,15 @@ def test_advice_keeps_the_pins(capsys):
     for line in lines:
         if "drop --fix" not in line:
             assert " cp=2 " in line and ("keeping --fix cp=2" in line or "--fix cp=2," in line)
+
+
+def test_a_sequence_beyond_gpt2s_positions_is_planned_as_train_builds_it():
+    """partita train grows GPT-2's learned positions to data.seq_len (Config.model_config);
+    the planner plans that model instead of refusing the sequence."""
+    from partita.planner.api import make_request
+
+    base = make_request("gpt2-124m", 8, "H100", seq_len=1024)
+    longer = make_request("gpt2-124m", 8, "H100", seq_len=4096)
+    assert longer.model.config.max_seq_len == 4096
+    grown = longer.model.total_params() - base.model.total_params()
+    assert grown == (4096 - 1024) * 768  # the new position rows

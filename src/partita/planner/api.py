@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from partita.compile_rules import MODES
 from partita.errors import PartitaError
 from partita.layout import Layout, parse_layout
@@ -38,6 +40,10 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     seq = seq_len or plan_model.config.max_seq_len
     if seq < 1 or gpus < 1:
         raise PartitaError("--seq-len and --gpus must be positive.")
+    if seq > plan_model.config.max_seq_len:  # as partita train does (Config.model_config):
+        # the model is built for the sequence, GPT-2's learned positions grown to it
+        plan_model = dataclasses.replace(
+            plan_model, config=dataclasses.replace(plan_model.config, max_seq_len=seq))
     batch = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq)
     prec = Precision.named(precision) if isinstance(precision, str) else precision
     cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)

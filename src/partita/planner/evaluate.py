@@ -80,7 +80,7 @@ class Evaluation:
 def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     """Everything but memory: whether partita can train the layout at all (the rules of
     `partita.layout_rules.find_problems`, the trainer's own), then what the planner's model of
-    a cluster adds (tensor parallelism within a node, learned positions, MoE experts)."""
+    a cluster adds (tensor parallelism within a node, MoE experts)."""
     c = req.model.config
     out: list[tuple[str, str]] = list(find_problems(
         layout, c, req.cluster.num_gpus, seq_len=req.seq_len, global_batch=req.global_batch))
@@ -94,9 +94,6 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
             c.n_layers and min(stage_layers(c.n_layers, layout.pp)) < layout.virtual_stages:
         out.append((DIVISIBILITY, f"virtual_stages={layout.virtual_stages} exceeds the "
                                   "layers of a stage"))
-    if c.flavour == "gpt2" and req.seq_len > c.max_seq_len:
-        out.append((CONSTRAINT, f"seq_len={req.seq_len} exceeds the {c.max_seq_len} learned "
-                                "positions"))
     if layout.ep > 1:
         if not req.model.is_moe:
             out.append((CONSTRAINT, "ep > 1 needs a mixture-of-experts model"))
