@@ -281,3 +281,21 @@ def test_a_sequence_beyond_gpt2s_positions_is_planned_as_train_builds_it():
     assert longer.model.config.max_seq_len == 4096
     grown = longer.model.total_params() - base.model.total_params()
     assert grown == (4096 - 1024) * 768  # the new position rows
+
+
+@bad_input
+def test_a_layout_with_search_options_and_a_hardware_file_without_a_gpu(capsys, tmp_path):
+    """--fix or --all-options beside --layout was silently ignored; --hardware without
+    --gpu-type planned on the H100. Now: refused, and the file's one GPU is taken (a file
+    of several must name it)."""
+    err = _plan_error(capsys, "--model", "llama3-8b", "--gpus", "8", "--layout", "dp=8",
+                      "--fix", "tp=2")
+    assert "--layout evaluates one layout and --fix shapes a search" in err
+    one, two = tmp_path / "one.toml", tmp_path / "two.toml"
+    one.write_text('[gpu.mygpu]\nbase = "H100"\ninter_node_bandwidth = 25e9\n')
+    two.write_text('[gpu.a]\nbase = "H100"\n[gpu.b]\nbase = "A100"\n')
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--hardware", str(one)]) == 0
+    out = capsys.readouterr().out
+    assert "on 8 x mygpu" in out and "--gpu-type mygpu (the one in --hardware)" in out
+    err = _plan_error(capsys, "--model", "llama3-8b", "--gpus", "8", "--hardware", str(two))
+    assert "describes 2 GPUs (a, b): name the one to plan for with --gpu-type" in err

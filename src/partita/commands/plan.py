@@ -115,7 +115,22 @@ def run(args: argparse.Namespace) -> int:
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
         settings[name.strip()] = value.strip()
+    if args.layout is not None and (args.fix or args.all_options):
+        raise PartitaError(f"--layout evaluates one layout and --"
+                           f"{'fix' if args.fix else 'all-options'} shapes a search: give "
+                           "one of them (pinned values can go into --layout itself).")
     defaults: list[str] = []  # every setting filled in for the user, printed with the plan
+    if args.gpu_type is None and args.hardware:
+        # The file's GPU, not a catalog one the file does not describe.
+        from partita.planner.hardware import load_gpu_profiles
+
+        names = sorted(load_gpu_profiles(args.hardware))
+        if len(names) != 1:
+            raise PartitaError(f"--hardware {args.hardware} describes {len(names)} GPUs "
+                               f"({', '.join(names) or 'none'}): name the one to plan for "
+                               "with --gpu-type.")
+        args.gpu_type = names[0]
+        defaults.append(f"--gpu-type {names[0]} (the one in --hardware)")
     if args.gpu_type is None:
         args.gpu_type = "H100"
         defaults.append("--gpu-type H100")
