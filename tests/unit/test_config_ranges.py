@@ -98,3 +98,14 @@ def test_every_numeric_or_enumerated_setting_has_a_range():
             if key not in RANGES:
                 missing.append(key)
     assert not missing, f"settings without a valid range in config_ranges.RANGES: {missing}"
+
+
+@pytest.mark.fault_suite("settings")
+def test_disk_offload_without_a_folder_says_which_setting_to_give():
+    """An unset parallel.offload_dir was reported as "'' is not an existing directory ...
+    Create it": there is nothing to create; the message names the setting to give."""
+    from partita.memory.disk import check_offload_dir
+
+    with pytest.raises(PartitaError, match=r"parallel.offload_dir, which is not set: give a "
+                                           r"folder .* --parallel.offload_dir="):
+        check_offload_dir("", 1 << 20)

@@ -89,7 +89,13 @@ def disk_bytes_needed(elements: int, master_dtype: torch.dtype) -> int:
 def check_offload_dir(directory: str, bytes_needed: int) -> None:
     """Before training: the directory exists, is writable and has room for the files."""
     path = Path(directory) if directory else None
-    if path is None or not path.is_dir():
+    if path is None:
+        raise PartitaError(
+            f"disk offload writes the optimizer state ({bytes_needed:,} bytes) into "
+            "parallel.offload_dir, which is not set: give a folder on a fast local disk, "
+            "e.g. --parallel.offload_dir=/scratch/offload, or set parallel.offload to a "
+            "mode without disk.")
+    if not path.is_dir():
         raise PartitaError(
             f"parallel.offload_dir={directory!r} is not an existing directory; disk offload "
             f"writes the optimizer state there ({bytes_needed:,} bytes). Create it, or set "
