@@ -151,7 +151,7 @@ def test_bad_directory_or_budget_fails_before_training(tmp_path: Path, monkeypat
 
     with pytest.raises(PartitaError, match="not an existing directory"):
         check(_cfg(str(tmp_path / "missing")))
-    with pytest.raises(PartitaError, match="not an existing directory"):
+    with pytest.raises(PartitaError, match="parallel.offload_dir, which is not set"):
         check(_cfg(""))
     with pytest.raises(PartitaError, match="smaller than one disk-offload sub-group"):
         check(_cfg(str(tmp_path), budget_gb=1e-6))
