@@ -128,7 +128,7 @@ def _catches_sigterm(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
-@pytest.mark.parametrize("after_s", [0.0, 1.0, 2.5])
+@pytest.mark.parametrize("after_s", [0.0, 0.5, 1.5])
 def test_a_sigterm_while_the_job_starts_is_a_stop_on_request(after_s, tmp_path):
     """A scheduler's SIGTERM during start-up (before the workers exist, while they import,
     while the trainer sets up) ends the job as a stop on request, exit 75, never as a
@@ -148,9 +148,11 @@ def test_a_sigterm_while_the_job_starts_is_a_stop_on_request(after_s, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 75, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    # Stopped before its first step, or (a worker that missed the signal) after it.
+    # Stopped before its first step, or, where start-up was quicker than the delay (or a
+    # worker missed the signal and read the launcher's file), after a step, with its
+    # checkpoint: either way a stop on request.
     assert ("before the first step" in err or
-            ("stopped after step 1 " in err and (run / "checkpoints" / "latest").exists())), \
+            ("stopped after step " in err and (run / "checkpoints" / "latest").exists())), \
         err[-3000:]
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
 
