@@ -32,7 +32,7 @@ class Rule:
     outside: tuple = ()
 
 
-def _num(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+def number_range(lo: float | None = None, hi: float | None = None, lo_open: bool = False,
          hi_open: bool = False) -> Rule:
     def ok(v: object) -> bool:
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
@@ -69,10 +69,10 @@ def _dtype(optional: bool) -> Rule:
     return Rule(lambda v: v in names, text, ("float8", "int32"))
 
 
-AT_LEAST_1 = _num(1)
-AT_LEAST_0 = _num(0)
-POSITIVE = _num(0, lo_open=True)
-FRACTION = _num(0, 1, hi_open=True)  # [0, 1)
+AT_LEAST_1 = number_range(1)
+AT_LEAST_0 = number_range(0)
+POSITIVE = number_range(0, lo_open=True)
+FRACTION = number_range(0, 1, hi_open=True)  # [0, 1)
 
 RANGES: dict[str, Rule] = {
     # [model]: only the keys set override the catalog entry (None means "keep").
@@ -80,7 +80,7 @@ RANGES: dict[str, Rule] = {
     # Padding is for GEMM alignment: lcm(64, 8 * tp) stays within 4096 up to tp = 512; a
     # larger multiple only adds rows that are never used (1,000,000 made a 256-token
     # model 257M parameters).
-    "model.vocab_multiple": _num(1, 4096),
+    "model.vocab_multiple": number_range(1, 4096),
     "model.dim": AT_LEAST_1,
     "model.n_layers": AT_LEAST_1,
     "model.n_heads": AT_LEAST_1,
@@ -107,7 +107,7 @@ RANGES: dict[str, Rule] = {
     "model.aux_loss_weight": AT_LEAST_0,
     "model.z_loss_weight": AT_LEAST_0,
     # [data]
-    "data.seq_len": _num(2),  # a window needs an input and a next token
+    "data.seq_len": number_range(2),  # a window needs an input and a next token
     "data.val_fraction": FRACTION,
     "data.max_bytes": AT_LEAST_1,
     "data.seed": AT_LEAST_0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from partita.config_ranges import Rule, _num
+from partita.config_ranges import AT_LEAST_0, POSITIVE, Rule, number_range
 from partita.errors import PartitaError, did_you_mean
 
 # torch's CPU flash-attention kernel as a fraction of the GEMM rate at its head
@@ -308,30 +308,28 @@ KERNEL_FIELDS = ("gemm_peak_fraction", "gemm_tile", "gemm_k_half", "gemm_align",
 # The valid values of every numeric assumption. Rates, efficiencies and sizes that
 # divide are > 0 (0 would divide by zero); byte counts, times and counts >= 0 (0 turns
 # the effect off); fractions of a whole within [0, 1].
-_AT_LEAST_0 = _num(0)
-_POSITIVE = _num(0, lo_open=True)
-_FRACTION = _num(0, 1)  # [0, 1]
-_RATE_FRACTION = _num(0, 1, lo_open=True)  # (0, 1]: a divisor
+_FRACTION = number_range(0, 1)  # [0, 1]
+_RATE_FRACTION = number_range(0, 1, lo_open=True)  # (0, 1]: a divisor
 RANGES: dict[str, Rule] = {
     "gemm_peak_fraction": _FRACTION,  # 0: the GPU family's figure
-    "gemm_tile": _AT_LEAST_0,
-    "gemm_k_half": _AT_LEAST_0,
-    "gemm_align": _AT_LEAST_0,
+    "gemm_tile": AT_LEAST_0,
+    "gemm_k_half": AT_LEAST_0,
+    "gemm_align": AT_LEAST_0,
     "misaligned_gemm_fraction": _RATE_FRACTION,
-    "kernel_overhead_s": _AT_LEAST_0,
+    "kernel_overhead_s": AT_LEAST_0,
     "memory_efficiency": _RATE_FRACTION,
     "flash_fwd_fraction": _RATE_FRACTION,
     "flash_bwd_fraction": _RATE_FRACTION,
-    "eager_softmax_bytes_fwd": _AT_LEAST_0,
-    "eager_softmax_bytes_bwd": _AT_LEAST_0,
-    "activation_elem_bytes": _AT_LEAST_0,
-    "elementwise_kernels": _AT_LEAST_0,
-    "host_op_s": _AT_LEAST_0,
-    "loss_bytes_per_logit": _AT_LEAST_0,
-    "grad_accum_bytes_per_param": _AT_LEAST_0,
-    "optimizer_bytes_per_param": _AT_LEAST_0,
-    "norm_saved_tensors": _AT_LEAST_0,
-    "swiglu_saved_tensors": _AT_LEAST_0,
+    "eager_softmax_bytes_fwd": AT_LEAST_0,
+    "eager_softmax_bytes_bwd": AT_LEAST_0,
+    "activation_elem_bytes": AT_LEAST_0,
+    "elementwise_kernels": AT_LEAST_0,
+    "host_op_s": AT_LEAST_0,
+    "loss_bytes_per_logit": AT_LEAST_0,
+    "grad_accum_bytes_per_param": AT_LEAST_0,
+    "optimizer_bytes_per_param": AT_LEAST_0,
+    "norm_saved_tensors": AT_LEAST_0,
+    "swiglu_saved_tensors": AT_LEAST_0,
     "intra_node_efficiency": _RATE_FRACTION,
     "inter_node_efficiency": _RATE_FRACTION,
     "tp_overlap": _FRACTION,
@@ -342,18 +340,18 @@ RANGES: dict[str, Rule] = {
     "dp_overlap": _FRACTION,
     "zero3_overlap": _FRACTION,
     "fragmentation": _FRACTION,
-    "grad_bucket_bytes": _AT_LEAST_0,
-    "zero3_prefetch_depth": _AT_LEAST_0,
-    "logits_bytes_per_element": _AT_LEAST_0,
-    "zero3_kept_units": _AT_LEAST_0,
-    "loss_token_bytes": _AT_LEAST_0,
-    "token_id_bytes": _AT_LEAST_0,
-    "flat_buffer_align": _AT_LEAST_0,
-    "zero_bucket_bytes": _POSITIVE,
-    "cpu_adam_params_per_s": _POSITIVE,
+    "grad_bucket_bytes": AT_LEAST_0,
+    "zero3_prefetch_depth": AT_LEAST_0,
+    "logits_bytes_per_element": AT_LEAST_0,
+    "zero3_kept_units": AT_LEAST_0,
+    "loss_token_bytes": AT_LEAST_0,
+    "token_id_bytes": AT_LEAST_0,
+    "flat_buffer_align": AT_LEAST_0,
+    "zero_bucket_bytes": POSITIVE,
+    "cpu_adam_params_per_s": POSITIVE,
     "offload_overlap": _FRACTION,
-    "disk_bandwidth": _POSITIVE,
-    "disk_host_budget_bytes": _POSITIVE,
+    "disk_bandwidth": POSITIVE,
+    "disk_host_budget_bytes": POSITIVE,
 }
 _WHY = {name: " (it divides: 0 would mean infinite time)" for name in (
     "misaligned_gemm_fraction", "memory_efficiency", "flash_fwd_fraction",

@@ -7,11 +7,11 @@ runtime reads too; `cpu` is this machine measured by `partita.planner.cpu_profil
 
 from __future__ import annotations
 
-import math
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from partita.config_ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE
 from partita.device_specs import ALIASES, GB, GPUS, GPUSpec
 from partita.errors import PartitaError, did_you_mean
 from partita.planner.cpu_profile import measure_local_cpu
@@ -121,19 +121,17 @@ def _check_field(where: str, key: str, value: object) -> None:
                                "figures come from), in quotes.")
         return
     if key == "gpus_per_node":
-        # bool is an int subclass: true must not pass for a count.
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not (AT_LEAST_1.ok(value) and isinstance(value, int)):
             raise PartitaError(f"{where}: gpus_per_node = {value!r} must be a whole number "
                                ">= 1, e.g. gpus_per_node = 8.")
         return
-    lowest = "> 0" if key in _POSITIVE else ">= 0"
-    if (isinstance(value, bool) or not isinstance(value, int | float)
-            or not math.isfinite(value) or value < 0 or (value == 0 and key in _POSITIVE)):
+    rule = POSITIVE if key in _POSITIVE else AT_LEAST_0
+    if not rule.ok(value):  # a finite number in range, never a bool
         unit = ("FLOP/s" if key.endswith("flops") else "bytes/s" if key.endswith("bandwidth")
                 else "s" if key.endswith(("latency", "_s")) else "bytes")
         example = GPUS["H100"]
         raise PartitaError(f"{where}: {key} = {value!r} is not a valid figure; give a "
-                           f"finite number {lowest} in {unit}, e.g. {key} = "
+                           f"finite number {rule.text} in {unit}, e.g. {key} = "
                            f"{getattr(example, key):g} (the {example.name}'s).")
 
 

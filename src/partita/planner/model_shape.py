@@ -259,7 +259,7 @@ def _kind_of(value: object) -> str:
         return "a table"
     if isinstance(value, list):
         return "a list"
-    return {int: "an integer", float: "a number", str: "text"}.get(type(value), "a value")
+    return _KINDS.get(type(value), "a value")
 
 
 def _read_value(name: str, raw: object, label: str, key: str = "") -> object:

@@ -33,6 +33,11 @@ ALIGN = 64
 InitFn = Callable[[ShardInfo, int, int], torch.Tensor]
 
 
+def decays(shape: tuple[int, ...] | torch.Size) -> bool:
+    """AdamW weight decay applies to matrices and embeddings only."""
+    return len(shape) >= 2
+
+
 @dataclass(frozen=True)
 class FlatEntry:
     name: str  # module-relative parameter name
@@ -43,8 +48,7 @@ class FlatEntry:
 
     @property
     def decays(self) -> bool:
-        """AdamW weight decay applies to matrices and embeddings only."""
-        return len(self.shape) >= 2
+        return decays(self.shape)
 
 
 @dataclass(frozen=True)
@@ -69,7 +73,7 @@ class FlatBuffer:
         # block's biases cut its weights into 12 ranges, each four more views per step
         # (gpt2-124m, fp32 on a CPU: 782 operations for clipping and the update, 318 so).
         # Checkpoints record each parameter's place, so either order loads.
-        named_params = sorted(named_params, key=lambda item: item[1].dim() < 2)
+        named_params = sorted(named_params, key=lambda item: not decays(item[1].shape))
         self.params = [p for _, p in named_params]
         self.entries: list[FlatEntry] = []
         offset = 0
