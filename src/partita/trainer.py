@@ -383,13 +383,13 @@ class Trainer:
         return stop and not last
 
     def _finish_saves(self, stopping: bool) -> None:
-        """Wait for the save in flight; a failure of it is handled as configured (a run
-        stopping for a checkpoint fails without one)."""
+        """Wait for the save in flight. It is the run's last, which no later save can
+        replace, so its failure fails the run under either checkpoint_failure policy."""
         self.writer.wait()
         self._report_save()
         (failed,) = self._agree([bool(self.writer.failure)])
         if failed:
-            self._checkpoint_failed(must_stop=stopping)
+            self._checkpoint_failed(must_stop=True, final=True)
 
     def _report_save(self) -> None:
         """Log the newest finished save once (with async saves, during the next one)."""
@@ -404,16 +404,21 @@ class Trainer:
             f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0, {how}); training has "
             f"waited {self.checkpoint_waited:.3f} s for checkpoints so far")
 
-    def _checkpoint_failed(self, must_stop: bool = False) -> None:
+    def _checkpoint_failed(self, must_stop: bool = False, final: bool = False) -> None:
         message = self.writer.failure or "another rank could not write its part"
         self.writer.failure = ""
-        if self.cfg.train.checkpoint_failure == "stop" or must_stop:
-            raise AgreedError(
-                f"a checkpoint could not be saved ({message}); earlier checkpoints are "
-                "intact. Free disk space or choose "
-                "another train.checkpoint_dir, then resume with --train.resume=auto; or set "
-                "train.checkpoint_failure=continue to keep training when a save fails."
-            )
+        policy = self.cfg.train.checkpoint_failure
+        if policy == "stop" or must_stop:
+            what = "the run's last checkpoint" if final else "a checkpoint"
+            fix = ("Free disk space or choose another train.checkpoint_dir, then resume "
+                   "with --train.resume=auto")
+            if final or policy == "continue":  # nothing left to train on to
+                fix += " to redo the steps after the newest intact checkpoint."
+            else:
+                fix += ("; or set train.checkpoint_failure=continue to keep training "
+                        "when a save fails.")
+            raise AgreedError(f"{what} could not be saved ({message}); earlier checkpoints "
+                              f"are intact. {fix}")
         self.logger.message(f"warning: a checkpoint could not be saved ({message}); "
                             "training goes on (train.checkpoint_failure=continue) and "
                             "earlier checkpoints are intact.")

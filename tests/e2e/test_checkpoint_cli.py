@@ -168,6 +168,25 @@ def test_a_full_disk_keeps_the_previous_checkpoint(policy, run_dir, cli):
         assert (root / "latest").read_text().strip() == "step-00000006"
 
 
+def test_a_failed_last_save_fails_the_run_even_when_saves_may_fail(run_dir, cli):
+    """checkpoint_failure=continue trains on past a failed save, but no later save can
+    replace the run's last one: exit 2, the newest intact checkpoint kept."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PARTITA_FAULT": "rank=0,step=6,at=checkpoint_write,do=enospc"}
+    result = subprocess.run([sys.executable, "-m", "partita.cli",
+                             *cli.train_args(run_dir, "--nproc", "2", *F64, "--train.steps=6",
+                                             "--train.checkpoint_failure=continue")],
+                            capture_output=True, text=True, timeout=300, env=env)
+    root = run_dir / "checkpoints"
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the run's last checkpoint could not be saved" in result.stderr, result.stderr
+    assert "No space left on device" in result.stderr
+    assert "redo the steps after the newest intact checkpoint" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(root.glob("*.partial"))
+    assert (root / "latest").read_text().strip() == "step-00000004"
+
+
 def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
     missing = cli.train(run_dir, "--nproc", "2", "--train.resume=/no/such/checkpoint")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
