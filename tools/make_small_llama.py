@@ -28,7 +28,7 @@ def write_stdlib_jsonl(path: Path, max_docs: int) -> None:
 
 
 def train_tokenizer(jsonl: Path, vocab: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     def texts():
         with open(jsonl) as fh:
@@ -41,6 +41,11 @@ def train_tokenizer(jsonl: Path, vocab: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts(), trainer)
+    # Like a released Llama tokenizer, add BOS when asked for special tokens (transformers'
+    # default), so a prompt starts the way partita framed every training document.
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", bos)])
     return tok
 
 

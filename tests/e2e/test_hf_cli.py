@@ -44,6 +44,8 @@ def test_fine_tune_a_llama_folder_at_tp2_and_export_it(tmp_path, cli):
     ids = tokenizer("def f3(x):", return_tensors="pt").input_ids
     assert loaded.generate(ids, max_new_tokens=4, do_sample=False).shape[1] == ids.shape[1] + 4
     assert loaded.config.bos_token_id == tokenizer.bos_token_id is not None
+    # A prompt starts with BOS, as partita framed every training document.
+    assert ids[0, 0].item() == tokenizer.bos_token_id
     # `partita export` of the same run writes the same files; an existing folder is refused.
     again = cli("export", str(run), "--format", "hf", "--out", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
