@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -54,6 +55,38 @@ class LaunchSpec:
 
 
 SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
+LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
+
+
+def launcher_pid() -> int:
+    """The process that launched this worker: partita's launcher, or else the parent
+    (torchrun's agent)."""
+    return int(os.environ.get(LAUNCHER_PID) or os.getppid())
+
+
+def process_gone(pid: int, wait_s: float = 1.0) -> bool:
+    """Whether process `pid` has exited, allowing it `wait_s`: a worker's collectives
+    fail as soon as a killed launcher's store closes, a moment before it is reaped."""
+    deadline = time.monotonic() + wait_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but is not ours to signal
+        return True
+    try:  # an exited process not yet reaped still answers: "pid (name) Z ..."
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc: not Linux
+        return True
 
 
 def start_worker_server(preload: tuple[str, ...]) -> None:
@@ -76,10 +109,20 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     # terminal). An ignored signal stays ignored across the exec that starts the server;
     # each worker restores the default (`_run_reporting_errors`).
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
+    environ = dict(os.environ)
+    # torch's C++ warnings carry a native stack trace each: when a job ends badly (its
+    # launcher killed, a peer gone) every worker prints dozens of frames around the one
+    # line partita prints about it. Workers keep torch's C++ errors; PARTITA_DEBUG=1 or
+    # the user's own TORCH_CPP_LOG_LEVEL keeps everything.
+    if os.environ.get("PARTITA_DEBUG") != "1":
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell it is orphaned
     try:
         short_socket_folder()
-        forkserver.ensure_running()
+        forkserver.ensure_running()  # the server inherits this environment
     finally:
+        os.environ.clear()
+        os.environ.update(environ)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -30,6 +30,7 @@ from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
+from partita.launch import launcher_pid, process_gone
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.models.documents import document_ids
@@ -455,22 +456,23 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     """Run training on this process (its rank comes from the environment)."""
     torch.set_num_threads(cfg.train.threads or default_threads())
     trainer = None
+    launcher = launcher_pid()
     try:
         trainer = Trainer(cfg, fault)
         return trainer.run()
     except PeerFailure as exc:  # a pipeline transfer that timed out: say who to look at
-        raise PeerFailure(f"{exc} {_culprit_sentence(trainer)}.") from None
+        raise PeerFailure(f"{exc} {_culprit_sentence(trainer, launcher)}.") from None
     except (RuntimeError, dist.DistError) as exc:
         if not is_peer_failure(exc):
             raise
         step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
                        else (0, "setup"))
-        raise PeerFailure(
-            f"a collective in {phase} of step {step} failed: "
-            f"{str(exc).strip().splitlines()[0][:160]}. {_culprit_sentence(trainer)}; "
-            f"collectives wait at most train.collective_timeout_s="
-            f"{cfg.train.collective_timeout_s:g} s."
-        ) from None
+        who = _culprit_sentence(trainer, launcher)
+        if not who.startswith(LAUNCHER_GONE):
+            who += (f"; collectives wait at most train.collective_timeout_s="
+                    f"{cfg.train.collective_timeout_s:g} s")
+        raise PeerFailure(f"a collective in {phase} of step {step} failed: "
+                          f"{str(exc).strip().splitlines()[0][:160]}. {who}.") from None
     finally:
         if trainer is not None:
             trainer.progress.close()
@@ -478,8 +480,15 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
             dist.destroy_process_group()
 
 
-def _culprit_sentence(trainer: Trainer | None) -> str:
+LAUNCHER_GONE = "The launcher that started this process"
+
+
+def _culprit_sentence(trainer: Trainer | None, launcher: int) -> str:
     """Who to look at after a failed transfer or collective (see watchdog.culprits)."""
+    if process_gone(launcher):
+        return (f"{LAUNCHER_GONE} (pid {launcher}) is gone, killed or crashed, and the job "
+                "cannot go on without it: start the job again with --train.resume=auto to "
+                "continue from its newest checkpoint")
     late = trainer.progress.culprits() if trainer is not None else ""
     if late:
         return f"The process to look at: {late}"

@@ -3,6 +3,7 @@ node, out-of-range settings and sizes, Ctrl-C and SIGTERM, a folder of another r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -117,6 +118,33 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     else:
         assert f"stopped by {signal.Signals(sig).name}" in err
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
+
+
+def test_workers_of_a_killed_launcher_stop_and_say_why(tmp_path):
+    """SIGKILL to the launcher alone (the out-of-memory killer, `kill -9`): its workers
+    must not train on unattended; each stops within a bound with one line naming the
+    lost launcher and how to continue, without native stack frames or a traceback."""
+    run = tmp_path / "run"
+    proc = _endless_run(run, tmp_path / "cache")
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # wait until training has logged a step
+            metrics = run / "metrics.jsonl"
+            if metrics.exists() and metrics.read_text().strip():
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training did not start")
+        os.kill(proc.pid, signal.SIGKILL)
+        # stderr closes once every process holding it, the workers included, has exited
+        _out, err = proc.communicate(timeout=90)
+    finally:  # whatever of the job is left
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert f"The launcher that started this process (pid {proc.pid}) is gone" in err, \
+        err[-3000:]
+    assert "--train.resume=auto" in err
+    assert "Traceback" not in err and "frame #" not in err, err[-3000:]
 
 
 def _catches_sigterm(pid: int) -> bool:
