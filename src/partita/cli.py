@@ -72,6 +72,27 @@ def _override_word(config: str, words: list[str], extra: list[str]) -> bool:
     return before.startswith("--") and "=" not in before and before in extra
 
 
+def _section_hint(word: str, words: list[str]) -> str:
+    """A hint for a settings section given as an option ("--model small"): settings are
+    written --SECTION.FIELD=VALUE."""
+    import dataclasses
+    import typing
+
+    from partita.config import Config
+
+    name, _, value = word.lstrip("-").partition("=")
+    section = typing.get_type_hints(Config).get(name)
+    if section is None:
+        return ""
+    if not value and words.index(word) + 1 < len(words):
+        value = words[words.index(word) + 1]
+    if name == "model" and value and not value.startswith("-"):
+        return f" Did you mean '--model.name={value}'?"
+    fields = [f.name for f in dataclasses.fields(section)][:4]
+    return (f" '{name}' is a section of settings: write --{name}.FIELD=VALUE "
+            f"(its fields include {', '.join(fields)}).")
+
+
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     names = {path.rsplit(".", 1)[1] for path in COMMANDS}
@@ -91,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         options = [o.lstrip("-") for a in command._actions for o in a.option_strings]
         near = closest(extra[0].split("=")[0].lstrip("-"), options)
         hint = f" Did you mean '--{near}'?" if near and extra[0].startswith("--") else ""
+        if overrides:
+            hint = _section_hint(extra[0], words) or hint
         command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
     config = getattr(args, "config", None)
     if config and _override_word(config, words, extra):

@@ -81,3 +81,16 @@ def test_a_mistyped_launcher_option_is_named_not_read_as_a_setting(capsys):
         main(["train", "--nprocs", "2", "--train.steps=1"])
     assert stop.value.code == 2
     assert "unrecognized arguments: --nprocs. Did you mean '--nproc'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("words", "hint"), [
+    (["--model", "small"], "Did you mean '--model.name=small'?"),
+    (["--model=llama-20m"], "Did you mean '--model.name=llama-20m'?"),
+    (["--train", "--train.steps=1"], "'train' is a section of settings: write "
+                                     "--train.FIELD=VALUE (its fields include steps,"),
+])
+def test_a_settings_section_given_as_an_option_gets_the_setting_form(words, hint, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *words])
+    assert stop.value.code == 2
+    assert hint in capsys.readouterr().err
