@@ -87,6 +87,16 @@ def _endless_run(run, cache) -> subprocess.Popen:
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+def _wait_for_a_logged_step(run, within_s: float = 120) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and metrics.read_text().strip():
+            return
+        time.sleep(0.2)
+    pytest.fail("training did not start")
+
+
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
 def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) ends the job
@@ -96,14 +106,7 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     run = tmp_path / "run"
     proc = _endless_run(run, tmp_path / "cache")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until training has logged a step
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().strip():
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("training did not start")
+        _wait_for_a_logged_step(run)
         os.killpg(proc.pid, sig)
         _out, err = proc.communicate(timeout=60)
     finally:
@@ -127,14 +130,7 @@ def test_workers_of_a_killed_launcher_stop_and_say_why(tmp_path):
     run = tmp_path / "run"
     proc = _endless_run(run, tmp_path / "cache")
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # wait until training has logged a step
-            metrics = run / "metrics.jsonl"
-            if metrics.exists() and metrics.read_text().strip():
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("training did not start")
+        _wait_for_a_logged_step(run)
         os.kill(proc.pid, signal.SIGKILL)
         # stderr closes once every process holding it, the workers included, has exited
         _out, err = proc.communicate(timeout=90)
