@@ -58,10 +58,42 @@ SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
 
 
-def launcher_pid() -> int:
-    """The process that launched this worker: partita's launcher, or else the parent
-    (torchrun's agent)."""
-    return int(os.environ.get(LAUNCHER_PID) or os.getppid())
+def launcher_pid() -> int | None:
+    """The process this worker cannot go on without: partita's launcher, or torchrun's
+    agent (its parent); None when neither started it (Slurm's srun, a direct call)."""
+    if os.environ.get(LAUNCHER_PID):
+        return int(os.environ[LAUNCHER_PID])
+    return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+
+class LauncherGone(PartitaError):
+    def __init__(self, pid: int) -> None:
+        super().__init__("this process stopped rather than train on unattended: "
+                         f"{self.sentence(pid, start='the')}.")
+
+    @staticmethod
+    def sentence(pid: int, start: str = "The") -> str:
+        return (f"{start} launcher that started this process (pid {pid}) is gone, killed or "
+                "crashed, and the job cannot go on without it: start the job again with "
+                "--train.resume=auto to continue from its newest checkpoint")
+
+
+class LauncherWatch:
+    """Stops a worker whose launcher has died (`kill -9`, the out-of-memory killer).
+    Jobs whose ranks talk through the launcher's store notice its loss in their next
+    collective; a one-process job would otherwise train on, orphaned, to its end."""
+
+    def __init__(self, pid: int | None, every_s: float = 1.0) -> None:
+        self.pid, self.every_s = pid, every_s
+        self._next = time.monotonic() + every_s
+
+    def check(self) -> None:
+        """Raise LauncherGone if the launcher has exited (looked at once per every_s)."""
+        if self.pid is None or time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + self.every_s
+        if not _alive(self.pid):
+            raise LauncherGone(self.pid)
 
 
 def process_gone(pid: int, wait_s: float = 1.0) -> bool:

@@ -30,7 +30,7 @@ from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
-from partita.launch import launcher_pid, process_gone
+from partita.launch import LauncherGone, LauncherWatch, launcher_pid, process_gone
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.models.documents import document_ids
@@ -82,6 +82,7 @@ class Trainer:
         # Where this rank is (step, phase), for the watchdog and for error messages.
         self.progress = Progress(rank, world, cfg.train.stall_warning_factor,
                                  STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
+        self.launcher = LauncherWatch(launcher_pid())
         torch.manual_seed(cfg.data.seed + rank)
         self.out_dir = Path(cfg.train.out_dir)
         self.is_logger = rank == 0
@@ -166,6 +167,7 @@ class Trainer:
         """Record where this rank is (for the watchdog and error messages); fire an
         injected fault planned for this point."""
         self.progress.enter(step, phase)
+        self.launcher.check()
         if fault_point is not None:
             self.faults.reach(fault_point, step)
 
@@ -468,7 +470,7 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
         step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
                        else (0, "setup"))
         who = _culprit_sentence(trainer, launcher)
-        if not who.startswith(LAUNCHER_GONE):
+        if launcher is None or who != LauncherGone.sentence(launcher):
             who += (f"; collectives wait at most train.collective_timeout_s="
                     f"{cfg.train.collective_timeout_s:g} s")
         raise PeerFailure(f"a collective in {phase} of step {step} failed: "
@@ -480,15 +482,10 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
             dist.destroy_process_group()
 
 
-LAUNCHER_GONE = "The launcher that started this process"
-
-
-def _culprit_sentence(trainer: Trainer | None, launcher: int) -> str:
+def _culprit_sentence(trainer: Trainer | None, launcher: int | None) -> str:
     """Who to look at after a failed transfer or collective (see watchdog.culprits)."""
-    if process_gone(launcher):
-        return (f"{LAUNCHER_GONE} (pid {launcher}) is gone, killed or crashed, and the job "
-                "cannot go on without it: start the job again with --train.resume=auto to "
-                "continue from its newest checkpoint")
+    if launcher is not None and process_gone(launcher):
+        return LauncherGone.sentence(launcher)
     late = trainer.progress.culprits() if trainer is not None else ""
     if late:
         return f"The process to look at: {late}"
