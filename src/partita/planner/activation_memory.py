@@ -18,8 +18,9 @@ activation element.
 
 from __future__ import annotations
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
 
@@ -42,6 +43,15 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     return sbh * (10 + 24 / t + scores / t)
 
 
+# A layer's terms read tp, cp, the microbatch size, sequence parallelism and moe_tp (the
+# weight pass also full recompute), not how the layers are spread or the states
+# sharded; a search computes each once per value of those (`planner.memo`).
+NOT_READ_BY_LAYER_TERMS = ("dp", "pp", "ep", "zero_stage", "schedule", "virtual_stages",
+                           "recompute", "recompute_layers", "offload", "cp_kind",
+                           *OVERLAP_OPTIONS)
+
+
+@memoised(ignores=NOT_READ_BY_LAYER_TERMS)
 def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
                            precision: Precision = MIXED,
                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
@@ -195,6 +205,7 @@ def layer_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
     return precision.activation * seq_len / layout.cp * layout.microbatch_size * model.config.dim / sp_div
 
 
+@memoised(ignores=tuple(f for f in NOT_READ_BY_LAYER_TERMS if f != "recompute"))
 def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
                            precision: Precision = MIXED,
                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
@@ -214,6 +225,7 @@ def selective_reruns_core(layout: Layout) -> bool:
     return layout.recompute == "selective" and layout.cp == 1
 
 
+@memoised(ignores=tuple(f for f in NOT_READ_BY_LAYER_TERMS if f != "recompute"))
 def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
                       precision: Precision = MIXED,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
@@ -256,6 +268,7 @@ def weight_pass_terms(model: PlanModel, layout: Layout, seq_len: int,
     return terms
 
 
+@memoised(ignores=tuple(f for f in NOT_READ_BY_LAYER_TERMS if f != "recompute"))
 def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
                               precision: Precision = MIXED,
                               assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:

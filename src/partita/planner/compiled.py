@@ -25,6 +25,7 @@ from dataclasses import replace
 from partita.compile_rules import MODES, model_refusal
 from partita.layout import Layout
 from partita.planner.assumptions import Assumptions
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 
 
@@ -52,5 +53,11 @@ def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumpt
     if (mode == "none" or not a.compile_gain or a.norm_kernel != "eager"
             or model.config.flavour != "llama" or model.is_moe):
         return a
+    return _compiled_block_activations(a)
+
+
+# One object per search, not one per layout: memoised terms know it by identity.
+@memoised()
+def _compiled_block_activations(a: Assumptions) -> Assumptions:
     return replace(a, norm_kernel="compiled", swiglu_saved_tensors=3,
                    rotary_tables_saved=False)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.assumptions import Assumptions
 from partita.planner.context_parallel import attention_pairs_fraction
 from partita.planner.eager_ops import (
@@ -42,6 +42,7 @@ from partita.planner.eager_ops import (
     edge_ops,
 )
 from partita.planner.hardware import GPUSpec
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.stage_params import vocab_rows
 
@@ -137,6 +138,10 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     return fwd, bwd
 
 
+# A block's time reads tp, cp, ep, the microbatch size, sequence parallelism and moe_tp;
+# a search computes it once per value of those (`planner.memo`).
+@memoised(ignores=("dp", "pp", "zero_stage", "schedule", "virtual_stages", "recompute",
+                   "recompute_layers", "offload", "cp_kind", *OVERLAP_OPTIONS))
 def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
                 a: Assumptions, elem_bytes: int = 2, compiled: bool = False) -> BlockTimes:
     """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU,
@@ -198,6 +203,9 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
                       gemm_fwd=gemm_fwd)
 
 
+@memoised(ignores=("dp", "pp", "ep", "zero_stage", "schedule", "virtual_stages",
+                   "sequence_parallel", "recompute", "recompute_layers", "offload", "cp_kind",
+                   "moe_tp", *OVERLAP_OPTIONS))  # reads tp, cp and the microbatch size
 def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
                a: Assumptions, compiled: bool = False, elem_bytes: int = 2
                ) -> tuple[float, float]:

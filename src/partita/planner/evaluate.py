@@ -15,6 +15,7 @@ from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_pro
 from partita.planner.assumptions import Assumptions
 from partita.planner.compiled import compile_in_effect, compiled_activations
 from partita.planner.hardware import Cluster
+from partita.planner.memo import memoised
 from partita.planner.memory import disk_state_bytes, host_state_bytes, peak_memory
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import Precision
@@ -24,7 +25,7 @@ from partita.planner.zero_buffers import zero3_buffers
 
 MEMORY = "memory"
 __all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "UNAVAILABLE", "Evaluation", "Request",
-           "evaluate", "memory_reasons", "structural_reasons"]
+           "add_step_time", "evaluate", "memory_reasons", "structural_reasons"]
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,12 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     return out
 
 
-def evaluate(req: Request, layout: Layout) -> Evaluation:
+def evaluate(req: Request, layout: Layout, timed: bool = True) -> Evaluation:
     """Judge `layout`: structural reasons first; then memory and time (always computed when
-    the layout is well formed, so a rejected one still shows how far off it is)."""
+    the layout is well formed, so a rejected one still shows how far off it is).
+
+    `timed=False` leaves the step time out (`add_step_time` adds it): a search times
+    only the layouts it keeps, and whether one fits never depends on its time."""
     ev = Evaluation(layout, structural_reasons(req, layout), capacity=req.cluster.gpu.memory_bytes)
     if any(k == DIVISIBILITY for k, _ in ev.reasons):
         return ev
@@ -115,16 +119,28 @@ def evaluate(req: Request, layout: Layout) -> Evaluation:
     if layout.zero_stage == 3 and req.keep_gathered is not None:
         ev.kept_units = (most_kept_units(req, layout, m, a) if req.keep_gathered == "auto"
                          else int(req.keep_gathered))
-        a = replace(a, zero3_kept_units=ev.kept_units)
+        a = with_kept_units(a, ev.kept_units)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
                                            a, req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.ranks_per_node * host_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
     ev.disk_bytes_per_node = req.cluster.ranks_per_node * disk_state_bytes(
         req.model, layout, req.precision, ev.peak_stage)
-    ev.time = step_time(req.model, layout, req.cluster, req.seq_len, req.global_batch,
-                        req.precision, a, compile=ev.compile)
     ev.reasons += memory_reasons(req, ev)
+    if timed:
+        add_step_time(req, ev)
+    return ev
+
+
+def add_step_time(req: Request, ev: Evaluation) -> Evaluation:
+    """`ev` with its step time, where it has a memory breakdown and no time yet (a layout
+    that does not divide has neither), under the assumptions `evaluate` judged it by."""
+    if ev.memory and not ev.time:
+        a = compiled_activations(req.assumptions, req.model, ev.compile)
+        if ev.kept_units is not None:
+            a = with_kept_units(a, ev.kept_units)
+        ev.time = step_time(req.model, ev.layout, req.cluster, req.seq_len, req.global_batch,
+                            req.precision, a, compile=ev.compile)
     return ev
 
 
@@ -132,7 +148,7 @@ def most_kept_units(req: Request, layout: Layout, m: int, assumptions: Assumptio
     """The most ZeRO-3 units kept gathered into backward with which `layout` still fits
     in memory (at least 1, the engine's default); memory grows with the count."""
     def fits(k: int) -> bool:
-        a = replace(assumptions, zero3_kept_units=k)
+        a = with_kept_units(assumptions, k)
         total = peak_memory(req.model, layout, req.seq_len, m, req.precision, a,
                             req.cluster.gpu.runtime_reserved_bytes)[1]["total"]
         return total <= req.cluster.gpu.memory_bytes
@@ -143,6 +159,13 @@ def most_kept_units(req: Request, layout: Layout, m: int, assumptions: Assumptio
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+# One object per count in a search, not one per layout: memoised terms know it by identity.
+@memoised()
+def with_kept_units(assumptions: Assumptions, kept: int) -> Assumptions:
+    """`assumptions` with ZeRO-3 keeping `kept` gather units into backward."""
+    return replace(assumptions, zero3_kept_units=kept)
 
 
 def memory_reasons(req: Request, ev: Evaluation) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.activation_memory import (
     inflight_chunks,
     layer_activation_bytes,
@@ -29,12 +29,25 @@ from partita.planner.activation_memory import (
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.context_parallel import buffer_bytes as cp_buffer_bytes
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
 from partita.planner.stage_params import head_weight_elements, stage_layers, vocab_rows
-from partita.planner.zero_buffers import zero3_buffers, zero_param_counts
+from partita.planner.zero_buffers import (
+    NOT_READ_BY_FLAT_BUFFERS,
+    zero3_buffers,
+    zero_param_counts,
+)
 
 MODEL_STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
+# What each part of a stage's bytes does not read (`planner.memo`: a search computes it
+# once per value of the rest). What ZeRO holds (model states, its gathered units and
+# gradient buckets) reads the degrees, ZeRO and offload only; what the microbatches
+# hold (activations, pipeline and context-parallel buffers, the loss) reads all but
+# ZeRO, offload, the experts' split over ep and the overlap options.
+NOT_READ_BY_STATES = ("schedule", "virtual_stages", "microbatch_size", "sequence_parallel",
+                      "recompute", "recompute_layers", "cp_kind", *OVERLAP_OPTIONS)
+NOT_READ_BY_ACTIVATIONS = ("zero_stage", "offload", "ep", *OVERLAP_OPTIONS)
 
 
 def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
@@ -54,6 +67,7 @@ def zero_state_bytes(num_params: float, zero_stage: int, shard_degree: int,
     }
 
 
+@memoised(ignores=NOT_READ_BY_STATES)
 def model_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
                       stage: int = 0,
                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
@@ -105,6 +119,7 @@ def disk_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     return per * owned_elements(model, layout, precision, stage, assumptions)
 
 
+@memoised(ignores=NOT_READ_BY_FLAT_BUFFERS)
 def owned_elements(model: PlanModel, layout: Layout, precision: Precision = MIXED,
                    stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Parameter elements whose optimizer state one GPU of `stage` keeps (padded like
@@ -124,7 +139,7 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     deferred W holds only what W reads."""
     counts = stage_layers(model.config.n_layers, layout.pp)
     layers = counts[stage]
-    plain = layout.with_(recompute="none", recompute_layers=0)
+    plain = _without_recompute(layout)
     k = recomputed_layers(layout, layers)
     # An MoE model's layers: its MoE blocks and (moe_every > 1) its dense ones, averaged.
     n_moe = model.moe_layers(sum(counts[:stage]), layers)
@@ -181,6 +196,13 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     return total
 
 
+# In a search, one copy per layout that differs in more than recomputation.
+@memoised(ignores=("recompute", "recompute_layers"))
+def _without_recompute(layout: Layout) -> Layout:
+    """`layout` with no recomputation."""
+    return layout.with_(recompute="none", recompute_layers=0)
+
+
 def _released_before_rerun(model: PlanModel, layout: Layout, seq_len: int,
                            precision: Precision, assumptions: Assumptions) -> float:
     """Selective recompute reruns the attention core halfway through its layer's
@@ -216,7 +238,7 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     h, sp_div = model.config.dim, layout.tp if layout.sequence_parallel else 1
     ids = assumptions.token_id_bytes / 2 * tokens
     k = recomputed_layers(layout, layers)
-    plain = layout.with_(recompute="none", recompute_layers=0)
+    plain = _without_recompute(layout)
     total = (k * sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
              + (layers - k) * sum(weight_pass_terms(model, plain, seq_len, precision,
                                                     assumptions).values()))
@@ -305,10 +327,18 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
     """Temporary communication buffers: gathered ZeRO-3 units (with prefetch) and the
     unit's full gradients before reduce-scatter, gradient buckets, pipeline send/recv,
     context-parallel key/value buffers."""
+    zero3, buckets = zero_buffer_bytes(model, layout, precision, stage, assumptions)
+    p2p, kv = microbatch_buffer_bytes(model, layout, seq_len, precision, assumptions)
+    return {"zero3_gathered": zero3, "grad_buckets": buckets, "pipeline_p2p": p2p,
+            "context_parallel_kv": kv}
+
+
+def zero_buffer_bytes(model: PlanModel, layout: Layout, precision: Precision = MIXED,
+                      stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+                      ) -> tuple[float, float]:
+    """ZeRO's buffers (`comm_buffer_bytes`): (gathered ZeRO-3 units with the unit's full
+    gradients, gradient buckets)."""
     c = model.config
-    out = {"zero3_gathered": 0.0, "grad_buckets": 0.0, "pipeline_p2p": 0.0,
-           "context_parallel_kv": cp_buffer_bytes(model, layout, seq_len, precision,
-                                                  assumptions)}
     if layout.zero_stage >= 3 and layout.zero_group > 1:
         # The largest gather unit with its blocks' experts (ep > 1: gathered right after).
         b = zero3_buffers(model, layout, precision, stage, assumptions)
@@ -322,13 +352,21 @@ def comm_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
         k, ahead = min(assumptions.zero3_kept_units, len(sizes)), assumptions.zero3_prefetch_depth
         kept = sum(sizes[len(sizes) - k:])
         gathered = max((1 + ahead) * unit, kept + min(ahead, len(sizes) - k) * unit)
-        out["zero3_gathered"] = precision.param * gathered + precision.grad * unit
-    elif layout.zero_group > 1:
+        return precision.param * gathered + precision.grad * unit, 0.0
+    if layout.zero_group > 1:
         grads = model_state_bytes(model, layout, precision, stage, assumptions)["gradients"]
-        out["grad_buckets"] = min(assumptions.grad_bucket_bytes, grads)
-    if layout.pp > 1:
-        out["pipeline_p2p"] = 2 * layer_input_bytes(model, layout, seq_len, precision)
-    return out
+        return 0.0, min(assumptions.grad_bucket_bytes, grads)
+    return 0.0, 0.0
+
+
+def microbatch_buffer_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                            precision: Precision = MIXED,
+                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS
+                            ) -> tuple[float, float]:
+    """A microbatch's buffers (`comm_buffer_bytes`): (pipeline send/recv,
+    context-parallel key/value buffers)."""
+    p2p = 2 * layer_input_bytes(model, layout, seq_len, precision) if layout.pp > 1 else 0.0
+    return p2p, cp_buffer_bytes(model, layout, seq_len, precision, assumptions)
 
 
 def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
@@ -339,18 +377,51 @@ def memory_breakdown(model: PlanModel, layout: Layout, seq_len: int, num_microba
     buffers, the loss's transients (last stage), the device's runtime reserve
     (`GPUSpec.runtime_reserved_bytes`) and the fragmentation allowance, and their
     `total`."""
-    out = model_state_bytes(model, layout, precision, stage, assumptions)
-    out["activations"] = activation_bytes(model, layout, seq_len, num_microbatches, stage,
-                                          precision, assumptions)
-    out["comm_buffers"] = sum(comm_buffer_bytes(model, layout, seq_len, precision, stage,
-                                                assumptions).values())
+    return _breakdown(_held_by_zero(model, layout, precision, stage, assumptions),
+                      _held_by_microbatches(model, layout, seq_len, num_microbatches, stage,
+                                            precision, assumptions),
+                      assumptions.fragmentation, runtime_reserved)
+
+
+# A stage's bytes in two parts, each read by a memoised lookup in a search (`planner.memo`):
+# what ZeRO holds, ((state, bytes) pairs, ZeRO's two buffers), and what the microbatches
+# hold (activations, the pipeline's and context parallelism's buffers, the loss's
+# transients). Tuples: what is memoised is shared, so it must not change.
+ZeroPart = tuple[tuple[tuple[str, float], ...], tuple[float, float]]
+MicrobatchPart = tuple[float, tuple[float, float], float]
+
+
+def _held_by_zero(model: PlanModel, layout: Layout, precision: Precision, stage: int,
+                  assumptions: Assumptions) -> ZeroPart:
+    states = model_state_bytes(model, layout, precision, stage, assumptions)
+    return (tuple(states.items()),
+            zero_buffer_bytes(model, layout, precision, stage, assumptions))
+
+
+def _held_by_microbatches(model: PlanModel, layout: Layout, seq_len: int,
+                          num_microbatches: int, stage: int, precision: Precision,
+                          assumptions: Assumptions) -> MicrobatchPart:
+    activations = activation_bytes(model, layout, seq_len, num_microbatches, stage,
+                                   precision, assumptions)
+    buffers = microbatch_buffer_bytes(model, layout, seq_len, precision, assumptions)
     # Beside the saved activations: the loss runs while its microbatch's are all held.
-    out["loss_transients"] = (loss_transient_bytes(model, layout, seq_len, precision,
-                                                   assumptions)
-                              if stage == layout.pp - 1 else 0.0)
+    loss = (loss_transient_bytes(model, layout, seq_len, precision, assumptions)
+            if stage == layout.pp - 1 else 0.0)
+    return activations, buffers, loss
+
+
+def _breakdown(zero: ZeroPart, microbatches: MicrobatchPart, fragmentation: float,
+               runtime_reserved: float) -> dict[str, float]:
+    """`memory_breakdown` from its two parts."""
+    (states, (zero3, buckets)), (activations, (p2p, kv), loss) = zero, microbatches
+    out = dict(states)
+    out["activations"] = activations
+    # The buffers in `comm_buffer_bytes`' order, summed as it is.
+    out["comm_buffers"] = sum((zero3, buckets, p2p, kv))
+    out["loss_transients"] = loss
     subtotal = sum(out.values())
     out["runtime_reserved"] = runtime_reserved
-    out["fragmentation"] = assumptions.fragmentation * subtotal
+    out["fragmentation"] = fragmentation * subtotal
     out["total"] = subtotal + out["runtime_reserved"] + out["fragmentation"]
     return out
 
@@ -368,11 +439,34 @@ def peak_memory(model: PlanModel, layout: Layout, seq_len: int, num_microbatches
                 precision: Precision = MIXED, assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
                 runtime_reserved: float = 0.0) -> tuple[int, dict[str, float]]:
     """(stage, breakdown) of the pipeline stage with the largest total."""
+    # `memory_breakdown` of each stage that can peak, from two memoised lookups per
+    # layout rather than two per stage (the search's most frequent question).
+    zero = dict(_zero_parts(model, layout, precision, assumptions))
     best: tuple[int, dict[str, float]] | None = None
-    for stage in peak_stages(layout.pp, layout.schedule):
-        b = memory_breakdown(model, layout, seq_len, num_microbatches, stage, precision,
-                             assumptions, runtime_reserved)
+    for stage, microbatches in _microbatch_parts(model, layout, seq_len, num_microbatches,
+                                                 precision, assumptions):
+        b = _breakdown(zero[stage], microbatches, assumptions.fragmentation, runtime_reserved)
         if best is None or b["total"] > best[1]["total"]:
             best = (stage, b)
     assert best is not None
     return best
+
+
+@memoised(ignores=NOT_READ_BY_STATES)
+def _zero_parts(model: PlanModel, layout: Layout, precision: Precision,
+                assumptions: Assumptions) -> tuple[tuple[int, ZeroPart], ...]:
+    """(stage, what ZeRO holds there) for each stage that can peak under any schedule
+    (ZB-H1's are a superset of the others'), in `peak_stages` order."""
+    return tuple((stage, _held_by_zero(model, layout, precision, stage, assumptions))
+                 for stage in peak_stages(layout.pp, "zb-h1"))
+
+
+@memoised(ignores=NOT_READ_BY_ACTIVATIONS)
+def _microbatch_parts(model: PlanModel, layout: Layout, seq_len: int, num_microbatches: int,
+                      precision: Precision, assumptions: Assumptions
+                      ) -> tuple[tuple[int, MicrobatchPart], ...]:
+    """(stage, what the microbatches hold there) for each stage that can peak under the
+    layout's schedule, in `peak_stages` order."""
+    return tuple((stage, _held_by_microbatches(model, layout, seq_len, num_microbatches,
+                                               stage, precision, assumptions))
+                 for stage in peak_stages(layout.pp, layout.schedule))

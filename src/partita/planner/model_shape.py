@@ -19,6 +19,7 @@ from partita.config_ranges import AT_LEAST_1, POSITIVE, RANGES
 from partita.errors import PartitaError, did_you_mean, pair_hint
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
+from partita.planner.memo import memoised
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class PlanModel:
     def expert_ffn(self) -> int:
         return self.moe.expert_ffn_dim or self.config.ffn_hidden
 
+    @memoised()  # in a search, one object: memoised terms know a model by identity
     def dense_blocks(self) -> PlanModel:
         """This model as its dense blocks see it (an MoE model with moe_every > 1 has
         both kinds): the same shapes, no experts."""
@@ -70,10 +72,15 @@ class PlanModel:
 
     def moe_layers(self, first: int, count: int) -> int:
         """How many of blocks first .. first+count-1 are MoE."""
-        if not self.is_moe:
+        if not self.is_moe or count <= 0:
             return 0
         c = self.config
-        return sum(1 for i in range(first, first + count) if not c.moe or c.is_moe_layer(i))
+        if not c.moe:  # experts from a [moe] table: in every block
+            return count
+        # Block i is MoE when (i + 1) % moe_every == 0 (`ModelConfig.is_moe_layer`): the
+        # multiples of moe_every among first+1 .. first+count, counted without a loop
+        # (the search asks for each stage of each layout).
+        return (first + count) // c.moe_every - first // c.moe_every
 
     # Per-block parameter counts, as one tensor-parallel rank holds them -------------
     def mlp_params(self, ffn: int) -> int:
@@ -125,6 +132,7 @@ class PlanModel:
             blocks += b["sharded"] + b["replicated"] + b["expert"]
         return c.embedding_param_count() + c.head_param_count() + blocks
 
+    @memoised()  # a search asks for every layout's FLOPs: one number per model
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, no recompute: 6 * matmul params + 12*L*H*Q*T."""
         c = self.config

@@ -12,10 +12,17 @@ seconds without losing a valid layout:
   no microbatch or recompute choice can help, so the inner loops are skipped;
 * monotonicity: activation memory only grows with the microbatch and shrinks with
   recompute, so once full recompute at microbatch b overflows, larger b are skipped.
+
+And two shortcuts that change no result: the terms a layout shares with its neighbours
+(activations with every ZeRO stage and offload, model states with every microbatch and
+schedule, ...) are computed once (`planner.memo`), and only the layouts the result
+keeps (ranked, modelled, shown as examples) are timed: a step time never decides
+whether a layout fits.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 from collections import Counter
@@ -29,9 +36,11 @@ from partita.planner.evaluate import (
     UNAVAILABLE,
     Evaluation,
     Request,
+    add_step_time,
     evaluate,
     structural_reasons,
 )
+from partita.planner.memo import memoising
 from partita.planner.memory import model_state_bytes, peak_stages
 from partita.planner.stage_params import stage_layers
 
@@ -111,20 +120,36 @@ def divisors(n: int) -> list[int]:
 def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int = 3) -> SearchResult:
     """Every layout of `req` judged; the fitting ones ranked by step time."""
     start = time.perf_counter()
+    with memoising():
+        result = _search(req, space, keep_examples)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResult:
     result = SearchResult(req, [])
     n = req.cluster.num_gpus
+    closest: list[float] = []  # how far each memory example is from fitting, ascending
 
     def reject(kind: str, ev: Evaluation | None, count: int) -> None:
         result.rejected[kind] += count
         result.searched += count
-        if ev is not None:
-            examples = result.examples.setdefault(kind, [])
-            if kind == MEMORY:  # keep the closest misses
-                examples.append(ev)
-                examples.sort(key=lambda e: _overshoot(req, e))
-                del examples[keep_examples:]
-            elif len(examples) < keep_examples:
-                examples.append(ev)
+        if ev is None:
+            return
+        examples = result.examples.setdefault(kind, [])
+        if kind == MEMORY:  # keep the closest misses (after those as close, kept first)
+            miss = _overshoot(req, ev)
+            at = bisect.bisect_right(closest, miss)
+            if at >= keep_examples:
+                return
+            closest.insert(at, miss)
+            examples.insert(at, ev)
+            del closest[keep_examples:], examples[keep_examples:]
+        elif len(examples) < keep_examples:
+            examples.append(ev)
+        else:
+            return
+        add_step_time(req, ev)  # shown, so timed (rejected ones are judged untimed)
 
     mbs = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= space.max_microbatch]
     mbs = [b for b in mbs if space.allows("microbatch_size", b)] or \
@@ -176,7 +201,7 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
                             reject(kind, ev, size)
                             continue
                         if _states_overflow(req, base):
-                            ev = evaluate(req, base.with_(recompute="full"))
+                            ev = evaluate(req, base.with_(recompute="full"), timed=False)
                             reject(MEMORY, ev, size)
                             continue
                         _search_inner(req, space, base, inner, result, reject)
@@ -186,7 +211,6 @@ def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int 
         evals.sort(key=lambda e: (float(f"{e.time['step_s']:.6g}"), round(e.memory["total"]),
                                   e.layout.cp, e.layout.ep, e.layout.pp,
                                   e.layout.virtual_stages, RECOMPUTE.index(e.layout.recompute)))
-    result.seconds = time.perf_counter() - start
     return result
 
 
@@ -241,20 +265,22 @@ def _search_inner(req, space, base: Layout, inner, result: SearchResult, reject)
     by_schedule: dict[tuple[int, str], list[int]] = {}
     for vpp, sched, mb in inner:
         by_schedule.setdefault((vpp, sched), []).append(mb)
+    fields = base.to_dict()  # `base.with_(...)` below, without its walk over the fields
     for (vpp, sched), mbs in by_schedule.items():
         for i, mb in enumerate(mbs):
-            layout = base.with_(virtual_stages=vpp, schedule=sched, microbatch_size=mb)
             overflow_all = False
             for j, rc in enumerate(order):
-                ev = evaluate(req, layout.with_(recompute=rc))
+                layout = Layout(**{**fields, "virtual_stages": vpp, "schedule": sched,
+                                   "microbatch_size": mb, "recompute": rc})
+                ev = evaluate(req, layout, timed=False)
                 if ev.fits:
-                    result.ranked.append(ev)
+                    result.ranked.append(add_step_time(req, ev))
                     result.searched += 1
                     continue
                 kind = ev.reasons[0][0]
                 if kind != MEMORY:
                     if all(k == UNAVAILABLE for k, _ in ev.reasons):
-                        result.modelled.append(ev)
+                        result.modelled.append(add_step_time(req, ev))
                     reject(kind, ev, 1)
                     continue
                 # More memory-hungry recompute choices overflow as well.

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 
 
@@ -28,6 +29,14 @@ def stage_layers(n_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+# The counts read tp, pp, ep and moe_tp; a search counts once per value of these
+# (`planner.memo`).
+NOT_READ_BY_PARAM_COUNTS = ("dp", "cp", "zero_stage", "offload", "schedule", "virtual_stages",
+                            "microbatch_size", "sequence_parallel", "recompute",
+                            "recompute_layers", "cp_kind", *OVERLAP_OPTIONS)
+
+
+@memoised(ignores=NOT_READ_BY_PARAM_COUNTS)
 def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> dict[str, float]:
     """Parameters one GPU of `stage` holds before ZeRO: dense (sharded by ZeRO over dp*cp,

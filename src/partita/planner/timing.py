@@ -10,12 +10,15 @@ The part of each that overlap can hide is `min(comm, overlap * compute beside it
 
 Per microbatch and stage, tp/cp/ep communication lengthens the stage's time (it sits
 inside the layers), so it also lengthens the bubble; pipeline p2p, data-parallel
-reduction and offload are added once per step.
+reduction and offload are added once per step. `step_time` puts together its two
+halves, `pipeline_times` and `data_parallel_times`: a search memoises each apart, as
+every ZeRO stage and offload shares a pipeline, and every schedule a ZeRO group.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from partita.compile_rules import MODES
 from partita.layout import Layout
@@ -35,13 +38,15 @@ from partita.planner.compute import (
     optimizer_time,
 )
 from partita.planner.eager_ops import step_ops
-from partita.planner.hardware import Cluster
+from partita.planner.hardware import Cluster, GPUSpec
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
 from partita.planner.stage_params import stage_layers, stage_param_counts
 from partita.planner.zero_buffers import zero3_buffers, zero_param_counts
 
 
+@memoised()  # a search asks for every layout's recomputation
 def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
     """Forward FLOPs of one block for `mb` sequences on one device (no parallelism):
     2 per matmul weight (top_k experts for MoE) per token, plus 4*h*s per token for
@@ -119,14 +124,46 @@ def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
     return vol + ring * precision.grad * replicated
 
 
-def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
-              global_batch: int, precision: Precision = MIXED,
-              assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
-              compile: str = "none") -> dict[str, float]:
-    """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension.
-    `compile`: the `train.compile` mode in effect (none, blocks or model)."""
+# One object per search (a GPU with its own 16-bit rate is a copy): memoised terms
+# such as `block_times` know it by identity.
+@memoised()
+def rate_for_dtype(gpu: GPUSpec, elem_bytes: int) -> GPUSpec:
+    """`gpu` as a run in `elem_bytes`-wide parameters sees it (`GPUSpec.for_dtype_bytes`)."""
+    return gpu.for_dtype_bytes(elem_bytes)
+
+
+@dataclass(frozen=True)
+class PipelineTimes:
+    """The part of a step that the ZeRO stage, offload and the data-parallel overlap
+    options leave alone (`pipeline_times`): the microbatches through the pipeline, the
+    communication inside and between its stages, and the FLOPs."""
+
+    microbatches: int
+    compute_s: float
+    bubble_s: float
+    pipeline_s: float  # microbatches and bubble
+    microbatch_s: float  # of the slowest stage, which paces the pipeline
+    pp_exposed_s: float
+    layer_comm_s: float  # tp, cp and ep communication left exposed on the slowest stage
+    host_stage_s: tuple[float, ...]  # the host's floor per stage and microbatch
+    tp_bytes: float
+    cp_bytes: float
+    ep_bytes: float
+    pp_bytes: float
+    model_flops: float
+    hardware_flops: float
+
+
+# A search tries every ZeRO stage and offload on the same pipeline: computed once.
+@memoised(ignores=("zero_stage", "offload", "overlap_grad_reduce", "overlap_param_gather"))
+def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
+                   global_batch: int, precision: Precision = MIXED,
+                   assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+                   compile: str = "none") -> PipelineTimes:
+    """Seconds of a step's pipeline (`step_time` adds data parallelism, the optimizer
+    and offload). `compile`: the `train.compile` mode in effect (none, blocks or model)."""
     a, c = assumptions, model.config
-    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
+    gpu = rate_for_dtype(cluster.gpu, precision.param)
     m = num_microbatches(layout, global_batch)
     t, cp, ep, pp, v = layout.tp, layout.cp, layout.ep, layout.pp, layout.virtual_stages
     # An MoE model with moe_every > 1 alternates MoE and dense blocks: a layer's time
@@ -221,13 +258,10 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
                for n, edge, acc in zip(layers, tp_edge_s, accum_s)]
     stage_s[-1] += head_s
     # The host's floor (compute.host_times): a stage's microbatch takes at least the
-    # time its host needs to launch partita's eager operations.
-    # Clipping's and the optimizer's operations: per flat buffer of the first stage's
-    # parameters (ZeRO shards each buffer, the operations per buffer stay).
-    counts = zero_param_counts(model, layout, precision, 0, a)
-    step_operations = step_ops(counts["dense"] + counts["expert"], precision.param, a)
-    host_layer, host_edge, host_step = host_times(model, layout, gpu, a, precision.param,
-                                                  step_operations, full_reruns)
+    # time its host needs to launch partita's eager operations (the optimizer step's
+    # are `step_time`'s).
+    host_layer, host_edge, _ = host_times(model, layout, gpu, a, precision.param, 0.0,
+                                          full_reruns)
     host_stage = [n * host_layer for n in layers]
     host_stage[-1] += host_edge
     stage_s = [max(s, h) for s, h in zip(stage_s, host_stage)]
@@ -253,6 +287,53 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     link, le = link_eff(2 * stride)
     pp_s = pp_vol / (link[0] * le) + 2 * v * m * link[1] if pp > 1 else 0.0
     pp_exposed = pp_s - min(pp_s, a.pp_overlap * compute_s)
+
+    tokens = global_batch * seq_len
+    model_flops = model.flops_per_token(seq_len) * tokens
+    return PipelineTimes(
+        microbatches=m, compute_s=compute_s, bubble_s=bubble_s, pipeline_s=pipeline_s,
+        microbatch_s=mb_s, pp_exposed_s=pp_exposed,
+        layer_comm_s=m * max(layers) * exposed_layer, host_stage_s=tuple(host_stage),
+        tp_bytes=(tp_vol * max(layers) + max(tp_edge)) * m,
+        cp_bytes=cp_model.step_bytes(model, layout, seq_len, max(layers), m, precision, a),
+        ep_bytes=ep_vol * m * max(model.moe_layers(sum(layers[:i]), n)
+                                  for i, n in enumerate(layers)),
+        pp_bytes=pp_vol, model_flops=model_flops,
+        hardware_flops=(model_flops
+                        + recompute_flops_per_token(model, layout, seq_len) * tokens))
+
+
+@dataclass(frozen=True)
+class DataParallelTimes:
+    """The part of a step that data parallelism, the optimizer and offload add, before
+    overlap with the pipeline's compute (`data_parallel_times`)."""
+
+    grad_s: float  # gradient reduction
+    param_s: float  # parameter gathering
+    grad_per_microbatch: bool  # reduced after every microbatch (else once per step)
+    param_per_microbatch: bool  # gathered for every microbatch (ZeRO-3)
+    dp_bytes: float
+    optimizer_s: float  # on the GPU (0 with offload)
+    offload_s: float
+
+
+# Once per ZeRO group, ZeRO stage, offload and microbatch count: every schedule,
+# microbatch size and recomputation of a search shares it.
+@memoised(ignores=("schedule", "virtual_stages", "microbatch_size", "sequence_parallel",
+                   "recompute", "recompute_layers", "cp_kind", "tp_comm_overlap",
+                   "overlap_grad_reduce", "overlap_param_gather"))
+def data_parallel_times(model: PlanModel, layout: Layout, cluster: Cluster, microbatches: int,
+                        precision: Precision = MIXED,
+                        assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> DataParallelTimes:
+    """Seconds of a step's data-parallel collectives, optimizer step and offload with
+    `microbatches` microbatches per step (`step_time` hides them behind the pipeline)."""
+    a, m, pp = assumptions, microbatches, layout.pp
+    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
+    # Clipping's and the optimizer's operations: per flat buffer of the first stage's
+    # parameters (ZeRO shards each buffer, the operations per buffer stay).
+    counts = zero_param_counts(model, layout, precision, 0, a)
+    step_operations = step_ops(counts["dense"] + counts["expert"], precision.param, a)
+    host_step = host_times(model, layout, gpu, a, precision.param, step_operations)[2]
 
     # Data parallel (over the ZeRO group dp*cp) per ZeRO stage.
     # Collectives move whole flat buffers (padded under `flat_buffer_align`).
@@ -289,7 +370,10 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
             # Its experts' units (under ep > 1) are of one size, an MoE block's experts.
             kept += 1 + (round(experts / buffers[0]["experts"][-1]) if experts else 0)
     dp_vol = grad_vol + param_vol
-    link, le = link_eff(t * cp * layout.dp)
+    span = layout.tp * layout.cp * layout.dp
+    link = cluster.link(span)
+    le = (a.intra_node_efficiency if span <= cluster.gpus_per_node
+          else a.inter_node_efficiency)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
     if z == 3:  # per microbatch, each gather unit (and each MoE block's experts under
@@ -299,13 +383,6 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
     param_s = dp_s - grad_s
-    # Once-per-step collectives overlap one microbatch (the last backward, the first
-    # forward); per-microbatch ones the whole step's compute.
-    grad_hide = (a.dp_overlap * (compute_s if grad_per_mb else mb_s)
-                 if layout.overlap_grad_reduce else 0.0)
-    param_hide = (a.zero3_overlap * (compute_s if param_per_mb else mb_s)
-                  if layout.overlap_param_gather else 0.0)
-    dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
     # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
     shard = counts["dense"] / n + counts["expert"] / n_exp if z >= 1 else local
     # After clipping's norm (read on the host) the host launches the step's operations
@@ -322,16 +399,41 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
             offload_s += 2 * states * shard / a.disk_bandwidth
         offload_s *= 1 - a.offload_overlap
 
-    step = pipeline_s + pp_exposed + dp_exposed + offload_s + optim_s
+    return DataParallelTimes(grad_s=grad_s, param_s=param_s, grad_per_microbatch=grad_per_mb,
+                             param_per_microbatch=param_per_mb, dp_bytes=dp_vol,
+                             optimizer_s=optim_s, offload_s=offload_s)
+
+
+def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
+              global_batch: int, precision: Precision = MIXED,
+              assumptions: Assumptions = DEFAULT_ASSUMPTIONS,
+              compile: str = "none") -> dict[str, float]:
+    """Seconds of one optimizer step and its parts; bytes each GPU sends per dimension.
+    `compile`: the `train.compile` mode in effect (none, blocks or model)."""
+    a = assumptions
+    p = pipeline_times(model, layout, cluster, seq_len, global_batch, precision, a, compile)
+    d = data_parallel_times(model, layout, cluster, p.microbatches, precision, a)
+    compute_s, mb_s = p.compute_s, p.microbatch_s
+    grad_s, param_s, optim_s, offload_s = d.grad_s, d.param_s, d.optimizer_s, d.offload_s
+    grad_per_mb, param_per_mb = d.grad_per_microbatch, d.param_per_microbatch
+    # Once-per-step collectives overlap one microbatch (the last backward, the first
+    # forward); per-microbatch ones the whole step's compute.
+    grad_hide = (a.dp_overlap * (compute_s if grad_per_mb else mb_s)
+                 if layout.overlap_grad_reduce else 0.0)
+    param_hide = (a.zero3_overlap * (compute_s if param_per_mb else mb_s)
+                  if layout.overlap_param_gather else 0.0)
+    dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
+    step = p.pipeline_s + p.pp_exposed_s + dp_exposed + offload_s + optim_s
     tokens = global_batch * seq_len
-    model_flops = model.flops_per_token(seq_len) * tokens
-    hw_flops = model_flops + recompute_flops_per_token(model, layout, seq_len) * tokens
-    comm_exposed = (m * max(layers) * exposed_layer) + pp_exposed + dp_exposed
+    model_flops, hw_flops = p.model_flops, p.hardware_flops
+    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
+    comm_exposed = p.layer_comm_s + p.pp_exposed_s + dp_exposed
+    host_s = max(p.host_stage_s)
     return {
         "step_s": step,
         "compute_s": compute_s,
-        "bubble_s": bubble_s,
-        "bubble_fraction": bubble_s / pipeline_s if pipeline_s else 0.0,
+        "bubble_s": p.bubble_s,
+        "bubble_fraction": p.bubble_s / p.pipeline_s if p.pipeline_s else 0.0,
         "comm_exposed_s": comm_exposed,
         "offload_s": offload_s,
         "tokens_per_s": tokens / step,
@@ -339,18 +441,17 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         # Host seconds per microbatch of the slowest stage (partita's eager operations
         # on a GPU, compute.host_times; 0 where not modelled), and whether they, not
         # the GPU, pace the step.
-        "host_s": max(host_stage),
-        "host_bound": max(host_stage) >= mb_s > 0,
+        "host_s": host_s,
+        "host_bound": host_s >= mb_s > 0,
         "mfu": model_flops / step / (cluster.num_gpus * gpu.peak_flops),
         # The papers' figures: model FLOP/s per GPU (6N + attention, no recompute) and
         # hardware FLOP/s per GPU (the recomputed forward counted too).
         "model_flops_per_gpu": model_flops / step / cluster.num_gpus,
         "hardware_flops_per_gpu": hw_flops / step / cluster.num_gpus,
         "hfu": hw_flops / step / (cluster.num_gpus * gpu.peak_flops),
-        "tp_bytes": (tp_vol * max(layers) + max(tp_edge)) * m,
-        "cp_bytes": cp_model.step_bytes(model, layout, seq_len, max(layers), m, precision, a),
-        "ep_bytes": ep_vol * m * max(model.moe_layers(sum(layers[:i]), n)
-                                     for i, n in enumerate(layers)),
-        "pp_bytes": pp_vol,
-        "dp_bytes": dp_vol,
+        "tp_bytes": p.tp_bytes,
+        "cp_bytes": p.cp_bytes,
+        "ep_bytes": p.ep_bytes,
+        "pp_bytes": p.pp_bytes,
+        "dp_bytes": d.dp_bytes,
     }

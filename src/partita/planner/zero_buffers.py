@@ -11,13 +11,21 @@ per unit) both read; stages 0-2 cut gradient buckets instead.
 
 from __future__ import annotations
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
 from partita.planner.stage_params import stage_layers, stage_param_counts
 
+# The buffers read the degrees and the ZeRO stage; a search lays them out once per value
+# of these (`planner.memo`).
+NOT_READ_BY_FLAT_BUFFERS = ("offload", "schedule", "virtual_stages", "microbatch_size",
+                            "sequence_parallel", "recompute", "recompute_layers", "cp_kind",
+                            *OVERLAP_OPTIONS)
 
+
+@memoised(ignores=NOT_READ_BY_FLAT_BUFFERS)
 def zero_param_counts(model: PlanModel, layout: Layout, precision: Precision = MIXED,
                       stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
                       ) -> dict[str, float]:
@@ -66,6 +74,7 @@ def _pad(n: float, unit: int) -> float:
     return -(-n // unit) * unit if n > 0 and unit else max(n, 0.0)
 
 
+@memoised(ignores=NOT_READ_BY_FLAT_BUFFERS)
 def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED,
                   stage: int = 0, assumptions: Assumptions = DEFAULT_ASSUMPTIONS
                   ) -> dict:
