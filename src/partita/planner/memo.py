@@ -6,8 +6,8 @@ the saved activations do not depend on the ZeRO stage or offload, the model stat
 not depend on the microbatch size or schedule, a block's compute time on neither. Each
 such term is declared with the fields it does not read,
 
-    @memoised(ignores=("zero_stage", "offload"))
-    def activation_bytes(model, layout, ...): ...
+    @memoised(ignores=("dp", "pp", "zero_stage", "offload", ...))
+    def layer_activation_terms(model, layout, ...): ...
 
 and inside `memoising()` (which `search` opens) it is computed once per distinct value
 of everything else and reused: the same function of the same inputs, so every number
@@ -46,9 +46,9 @@ class _Memo:
     """The results of one search, and the objects their keys name by identity."""
 
     def __init__(self) -> None:
-        # Per function, key -> result. Neither holds a container the garbage collector
-        # tracks (a function, a tuple around a dict), where it can be helped: it walks
-        # every tracked object at each full collection, and a search keeps ~10^5.
+        # Per function, key -> result. Keys hold only numbers, text and tuples of them,
+        # which the garbage collector stops tracking: a search keeps ~10^5 entries, and
+        # a full collection walks every object it tracks.
         self.results: defaultdict[Callable, dict[tuple, Any]] = defaultdict(dict)
         self.held: list[object] = []  # kept alive, so that no other object takes an id
         self.by_id: dict[int, int] = {}  # id of a held object -> its token
@@ -101,7 +101,10 @@ def memoised(ignores: tuple[str, ...] = ()) -> Callable[[F], F]:
     unknown = sorted(set(ignores) - set(LAYOUT_FIELDS))
     if unknown:
         raise ValueError(f"not fields of Layout: {', '.join(unknown)}")
-    project = operator.attrgetter(*(f for f in LAYOUT_FIELDS if f not in ignores))
+    kept = [f for f in LAYOUT_FIELDS if f not in ignores]
+    # A tuple whatever the count (attrgetter of one name gives the bare value).
+    project = operator.attrgetter(*kept) if len(kept) > 1 else \
+        (lambda layout: tuple(getattr(layout, f) for f in kept))
 
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
