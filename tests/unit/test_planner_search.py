@@ -250,3 +250,19 @@ def test_pinned_context_parallel_kind_is_searched_and_ranked():
                 seq_len=32768, global_batch=64)
     # At c = 2 the two kinds send the same forward bytes; the ring hides its hops.
     assert ring.best.time["step_s"] <= result.best.time["step_s"]
+
+
+def test_host_and_disk_bytes_follow_the_requests_assumptions():
+    """Offloaded states are counted with the request's assumptions (its disk buffer
+    budget, partita's buffer padding), not the defaults."""
+    import dataclasses
+
+    from partita.planner.assumptions import Assumptions
+
+    layout = parse_layout("dp=8 zero_stage=3 offload=optimizer+disk", 8)
+    base = Assumptions.for_device("H100")
+    small = dataclasses.replace(base, disk_host_budget_bytes=2.0e8)
+    evs = [evaluate(make_request("llama3-8b", 8, assumptions=a), layout) for a in (base, small)]
+    assert evs[0].host_bytes_per_node == 8 * base.disk_host_budget_bytes
+    assert evs[1].host_bytes_per_node == 8 * small.disk_host_budget_bytes
+    assert evs[0].disk_bytes_per_node == evs[1].disk_bytes_per_node > 0

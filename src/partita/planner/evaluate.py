@@ -123,9 +123,9 @@ def evaluate(req: Request, layout: Layout, timed: bool = True) -> Evaluation:
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
                                            a, req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.ranks_per_node * host_state_bytes(
-        req.model, layout, req.precision, ev.peak_stage)
+        req.model, layout, req.precision, ev.peak_stage, a)
     ev.disk_bytes_per_node = req.cluster.ranks_per_node * disk_state_bytes(
-        req.model, layout, req.precision, ev.peak_stage)
+        req.model, layout, req.precision, ev.peak_stage, a)
     ev.reasons += memory_reasons(req, ev)
     if timed:
         add_step_time(req, ev)
