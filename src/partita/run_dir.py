@@ -53,12 +53,24 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
     return path
 
 
-def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = False) -> Path:
+def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = False,
+                  auto_found_nothing: bool = False) -> Path:
     """The checks of `prepare_out_dir` that change nothing: `out_dir` is given (not empty:
     that would be the current folder), is not a file, and holds no other run's results
-    unless `overwrite` (or `resuming` that run)."""
+    unless `overwrite` (or `resuming` that run). `auto_found_nothing`: train.resume=auto
+    was asked for and found no checkpoint, which the message then says."""
     path = check_folder(given_out_dir(out_dir), OUT_DIR)
     found = [] if resuming or not path.is_dir() else _results(path)
+    if found and not overwrite and _trained(path) and auto_found_nothing:
+        raise PartitaError(
+            f"train.resume=auto found no checkpoint of the run in '{path}' (a run saves "
+            "them with train.checkpoint_every > 0, or when a signal stops it), so it "
+            "cannot go on where it stopped; its results "
+            f"({', '.join(found)}) are kept. To train on from its final "
+            f"weights, export them (partita export {path} --format hf --out DIR) and "
+            "start a new run with --model.init_from=DIR; or replace the results with "
+            "--train.overwrite=true."
+        )
     if found and not overwrite and _trained(path):
         raise PartitaError(
             f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "

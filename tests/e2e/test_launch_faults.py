@@ -192,6 +192,12 @@ def test_a_used_out_dir_is_refused_unless_overwrite(cli, tmp_path):
     refused = cli(*args)
     assert refused.returncode == 2 and "already holds another run's results" in refused.stderr
     assert (run / "model.safetensors").read_bytes() == b"previous run"
+    # A run without checkpoints cannot be resumed: said as such, not "use resume=auto".
+    auto = cli(*args, "--train.resume=auto")
+    assert auto.returncode == 2, auto.stderr[-2000:]
+    assert "train.resume=auto found no checkpoint of the run" in auto.stderr, auto.stderr
+    assert "--model.init_from=DIR" in auto.stderr
+    assert (run / "model.safetensors").read_bytes() == b"previous run"
     replaced = cli(*args, "--train.overwrite=true")
     assert replaced.returncode == 0, replaced.stderr[-2000:]
     assert (run / "model.safetensors").read_bytes() != b"previous run"

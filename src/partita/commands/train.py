@@ -234,7 +234,8 @@ def check_run_dir(cfg: Config) -> Path | None:
             "train.out_dir (or train.checkpoint_dir), or start over with "
             "--train.overwrite=true, which deletes them."
         )
-    check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=target is not None)
+    check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=target is not None,
+                  auto_found_nothing=target is None and cfg.train.resume == "auto")
     return target
 
 
