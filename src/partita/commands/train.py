@@ -133,6 +133,8 @@ def _run(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
             _print_notes(cfg)
+            if note := bubble_note(cfg, int(os.environ["WORLD_SIZE"])):
+                print(note, file=sys.stderr, flush=True)
         return _exit_status([train(cfg)])
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
         if value is not None and value < 1:
@@ -149,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         nproc = args.nproc or default_nproc()
         validate_before_launch(cfg, nproc * args.nnodes)
+        if note := bubble_note(cfg, nproc * args.nnodes):
+            print(note, file=sys.stderr, flush=True)
         from partita.process_setup import check_one_gpu_per_process, pick_device_name
 
         if pick_device_name(cfg.train.device) == "cuda":
@@ -300,6 +304,46 @@ def _schedule_changes(manifest: dict, cfg: Config) -> list[str]:
     return [f"train.{k} {getattr(before, k):g} -> {getattr(cfg.train, k):g}"
             for k in ("steps", "lr", "min_lr", "warmup_steps")
             if getattr(before, k) != getattr(cfg.train, k)]
+
+
+BUBBLE_NOTE_ABOVE = 0.25  # idle share of a pipeline step worth a note before launch
+BUBBLE_SIMULATED_CELLS = 20_000  # stages x microbatches x virtual: ~0.1 s to simulate
+
+
+def bubble_note(cfg: Config, world_size: int) -> str | None:
+    """A note when the pipeline's stages would idle much of every step (few microbatches
+    for its stages), with a train.microbatches that would idle less; None otherwise."""
+    from partita.errors import PartitaError
+    from partita.pipeline.schedules import build_schedule
+    from partita.pipeline.simulate import simulate
+
+    layout = cfg.layout(world_size)
+    m, pp, v = layout.microbatches(cfg.train.global_batch), layout.pp, layout.virtual_stages
+
+    def idle(count: int) -> float | None:  # None: no such schedule, or too big to simulate
+        if pp * count * v > BUBBLE_SIMULATED_CELLS:
+            return None
+        try:
+            return simulate(build_schedule(layout.schedule, pp, count, v)).bubble_fraction
+        except PartitaError:
+            return None
+
+    now = idle(m) if pp > 1 and m > 0 else None
+    if now is None or now <= BUBBLE_NOTE_ABOVE:
+        return None
+    per_replica = cfg.train.global_batch // layout.dp
+    better = [(k, b) for k in range(m + 1, per_replica + 1) if per_replica % k == 0
+              and (b := idle(k)) is not None and b < now]
+    enough = next(((k, b) for k, b in better if b <= BUBBLE_NOTE_ABOVE / 2), None)
+    pick = enough or (better[-1] if better else None)
+    fix = (f"train.microbatches={pick[0]} would bring it to {pick[1]:.0%}, a larger "
+           "train.global_batch lower still" if pick else
+           f"each replica's {per_replica} sequences allow no more microbatches: a larger "
+           "train.global_batch would")
+    return (f"partita: note: the pipeline's {pp} stages run {m} microbatch"
+            f"{'es' if m > 1 else ''} a step ({layout.schedule}), so each stage idles "
+            f"about {now:.0%} of it (the bubble, simulated with a backward twice a "
+            f"forward); {fix}.")
 
 
 def _print_notes(cfg: Config) -> None:
