@@ -310,7 +310,7 @@ class Trainer:
             if stopped:
                 break
         self._enter(c.train.steps, "checkpoint write")
-        self._finish_saves(stopped)
+        self._finish_saves()
         elapsed = time.perf_counter() - start
         done = step + 1 if result is not None else first
         summary = {
@@ -385,7 +385,7 @@ class Trainer:
             self._report_save()
         return stop and not last
 
-    def _finish_saves(self, stopping: bool) -> None:
+    def _finish_saves(self) -> None:
         """Wait for the save in flight. It is the run's last, which no later save can
         replace, so its failure fails the run under either checkpoint_failure policy."""
         self.writer.wait()
