@@ -313,7 +313,6 @@ BUBBLE_SIMULATED_CELLS = 20_000  # stages x microbatches x virtual: ~0.1 s to si
 def bubble_note(cfg: Config, world_size: int) -> str | None:
     """A note when the pipeline's stages would idle much of every step (few microbatches
     for its stages), with a train.microbatches that would idle less; None otherwise."""
-    from partita.errors import PartitaError
     from partita.pipeline.schedules import build_schedule
     from partita.pipeline.simulate import simulate
 
