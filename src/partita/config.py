@@ -247,8 +247,9 @@ class Config:
         if dp == 0:
             if other < 1 or world_size % other:
                 raise PartitaError(
-                    f"tp*pp*cp={other} does not divide the world size {world_size}; choose "
-                    "degrees whose product divides the number of processes."
+                    f"tp*pp*cp={other} does not divide the world size {world_size}; start "
+                    f"a multiple of {other} processes (--nproc {other}) or choose degrees "
+                    "whose product divides the number of processes."
                 )
             dp = world_size // other
         schedule = canonical_schedule(p.schedule)

@@ -80,11 +80,16 @@ def validate(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: in
 def world_size_message(degrees: Degrees, world_size: int) -> str:
     d = degrees
     other = d.tp * d.pp * d.cp
+    if world_size % other == 0:
+        change = (f"--parallel.dp={world_size // other} (or 0, which takes what tp x pp x "
+                  "cp leave)")
+    else:
+        change = (f"tp x pp x cp = {other} does not divide {world_size}, so change tp, pp "
+                  "or cp, with --parallel.dp=0 taking what they leave")
     return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs "
             f"{d.world_size} processes but {world_size} were started. Start "
-            f"{d.world_size} processes (--nproc {d.world_size}), or change the degrees so "
-            f"that their product is {world_size} (for example "
-            f"--parallel.dp={max(1, world_size // other)}).")
+            f"{d.world_size} processes (--nproc {d.world_size}), or choose degrees whose "
+            f"product is {world_size}: {change}.")
 
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
