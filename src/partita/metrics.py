@@ -23,7 +23,9 @@ from partita.run_dir import PARTIAL_SUFFIX
 
 def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
     """FLOP/s that MFU divides by: the setting, the GPU datasheet table, or on a CPU
-    one thread's measured float32 matmul rate times the threads in use."""
+    one thread's measured float32 matmul rate times the cores this process can have:
+    its threads, but no more than its share of the machine's cores when the job's
+    processes here want more threads than there are cores."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
@@ -32,9 +34,18 @@ def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> f
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return matmul_rate(512, 0.2) * threads
+        rate = matmul_rate(512, 0.2)
     finally:
         torch.set_num_threads(threads)
+    return rate * min(threads, _cores() / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _cores() -> int:
+    """Cores this process may run on (its affinity, where the platform tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def memory_bytes(device: torch.device) -> int:
