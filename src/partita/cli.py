@@ -72,21 +72,25 @@ def _override_word(config: str, words: list[str], extra: list[str]) -> bool:
     return before.startswith("--") and "=" not in before and before in extra
 
 
-def _section_hint(word: str, words: list[str]) -> str:
-    """A hint for a settings section given as an option ("--model small"): settings are
-    written --SECTION.FIELD=VALUE."""
+def _setting_hint(word: str, words: list[str]) -> str:
+    """A hint for a setting written without its section: a section given as an option
+    ("--model small") or another trainer's name ("--learning_rate=0.1", "--max-steps 5").
+    Settings are written --SECTION.FIELD=VALUE."""
     import dataclasses
     import typing
 
-    from partita.config import Config
+    from partita.config import PEER_NAMES, Config
 
     name, _, value = word.lstrip("-").partition("=")
+    if not value and words.index(word) + 1 < len(words):
+        value = words[words.index(word) + 1]
+    value = "" if value.startswith("-") else value
+    if peer := PEER_NAMES.get(name.replace("-", "_")):
+        return f" Did you mean '--{peer}={value or '...'}'?"
     section = typing.get_type_hints(Config).get(name)
     if section is None:
         return ""
-    if not value and words.index(word) + 1 < len(words):
-        value = words[words.index(word) + 1]
-    if name == "model" and value and not value.startswith("-"):
+    if name == "model" and value:
         return f" Did you mean '--model.name={value}'?"
     fields = [f.name for f in dataclasses.fields(section)][:4]
     return (f" '{name}' is a section of settings: write --{name}.FIELD=VALUE "
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         near = closest(extra[0].split("=")[0].lstrip("-"), options)
         hint = f" Did you mean '--{near}'?" if near and extra[0].startswith("--") else ""
         if overrides:
-            hint = _section_hint(extra[0], words) or hint
+            hint = _setting_hint(extra[0], words) or hint
         command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
     config = getattr(args, "config", None)
     if config and _override_word(config, words, extra):

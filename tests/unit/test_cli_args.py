@@ -88,8 +88,10 @@ def test_a_mistyped_launcher_option_is_named_not_read_as_a_setting(capsys):
     (["--model=llama-20m"], "Did you mean '--model.name=llama-20m'?"),
     (["--train", "--train.steps=1"], "'train' is a section of settings: write "
                                      "--train.FIELD=VALUE (its fields include steps,"),
+    (["--learning_rate=0.1"], "Did you mean '--train.lr=0.1'?"),
+    (["--tensor-model-parallel-size", "2"], "Did you mean '--parallel.tp=2'?"),
 ])
-def test_a_settings_section_given_as_an_option_gets_the_setting_form(words, hint, capsys):
+def test_a_setting_without_its_section_gets_the_setting_form(words, hint, capsys):
     with pytest.raises(SystemExit) as stop:
         main(["train", *words])
     assert stop.value.code == 2
