@@ -129,7 +129,7 @@ def check_exportable(cfg: ModelConfig) -> None:
         raise PartitaError(
             f"{why}; only dense llama-flavoured models export to the 'hf' format. The "
             "run's own weights (model.safetensors, or `partita checkpoint export`) hold "
-            "every tensor; leave train.export unset for this model."
+            "every tensor; for a training run, leave train.export unset."
         )
 
 

@@ -95,14 +95,16 @@ class ModelConfig:
         if self.dim % self.n_heads:
             raise PartitaError(
                 f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
-                f"choose n_heads among the divisors of dim, e.g. {_divisors(self.dim)[-4:]}."
+                f"choose n_heads among the divisors of dim, e.g. "
+                f"{_nearest(_divisors(self.dim), self.n_heads, self.dim)}."
             )
         if self.flavour == "llama" and self.head_dim % 2:
             even = [h for h in _divisors(self.dim) if (self.dim // h) % 2 == 0]
             raise PartitaError(
                 f"model.dim={self.dim} over model.n_heads={self.n_heads} gives heads of "
                 f"{self.head_dim} dimensions; rotary embeddings turn pairs of dimensions, so "
-                f"a llama-flavoured head needs an even size (n_heads among {even[-4:]})."
+                f"a llama-flavoured head needs an even size (n_heads among "
+                f"{_nearest(even, self.n_heads, self.dim)})."
             )
         if self.n_heads % self.kv_heads:
             raise PartitaError(
@@ -272,6 +274,13 @@ def vocab_alignment_warning(cfg: ModelConfig, tp: int = 1, align: int = 8) -> st
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def _nearest(heads: list[int], wanted: int, dim: int, count: int = 4) -> list[int]:
+    """The `count` head counts in `heads` nearest `wanted`, preferring heads of at least
+    8 dimensions (a head of 1 or 2 is no model anyone trains), in increasing order."""
+    usable = [h for h in heads if dim // h >= 8] or heads
+    return sorted(sorted(usable, key=lambda h: abs(h - wanted))[:count])
 
 
 def _divisors(n: int) -> list[int]:
