@@ -139,8 +139,9 @@ def slow_cpu_matmul_warning(dtype_name: str, budget_s: float = 0.1,
     return (f"partita: warning: {dtype_name} matmuls run at {half / 1e9:.1f} GFLOP/s on this CPU, "
             f"{fp32 / half:.0f}x slower than float32 ({fp32 / 1e9:.0f} GFLOP/s): it has no "
             "16-bit matrix units (AVX512-BF16 or AMX), so mixed precision makes this run "
-            "slower, not faster. Train in float32 here (leave precision.param_dtype "
-            "empty); mixed precision pays off on GPUs and on CPUs with those units.")
+            "slower, not faster. Train in float32 here (train.dtype=float32, "
+            "precision.param_dtype empty); 16-bit training pays off on GPUs and on CPUs "
+            "with those units.")
 
 
 def best_rate(op: Callable, a, b, work: float, budget_s: float) -> float:

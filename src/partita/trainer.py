@@ -36,7 +36,7 @@ from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
 from partita.models.documents import document_ids
 from partita.models.model_config import vocab_alignment_warning
 from partita.optim import WarmupCosine
-from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
+from partita.parallelize import DTYPES, ParallelModel, build_parallel_model, dims_from_config
 from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
 from partita.watchdog import Progress
 from partita.weights import save_weights
@@ -259,7 +259,7 @@ class Trainer:
                              if self.device.type == "cuda" else None)
             if vocab_warning:
                 self.logger.message(vocab_warning)
-            half = c.precision.param_dtype or c.train.dtype
+            half = str(DTYPES[c.precision.param_dtype or c.train.dtype])[len("torch."):]
             if self.device.type == "cpu" and half in ("bfloat16", "float16"):
                 warning = slow_cpu_matmul_warning(half)
                 if warning:
