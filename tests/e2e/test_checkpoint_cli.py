@@ -225,8 +225,9 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
     shard.write_bytes(bytes(data[:-100]))
     cut = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
     assert cut.returncode == 2 and "truncated" in cut.stderr, cut.stderr[-2000:]
-    info = cli("checkpoint", "info", str(copy))  # lists the manifest's sizes: and warns
+    info = cli("checkpoint", "info", str(copy))  # the manifest's sizes, the file's, a warning
     assert info.returncode == 0 and "warning:" in info.stderr and "truncated" in info.stderr
+    assert "rank-00001-of-00002.safetensors" in info.stdout and "(on disk: " in info.stdout
     shard.unlink()
     gone = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
     assert gone.returncode == 2 and "is missing" in gone.stderr, gone.stderr[-2000:]

@@ -69,7 +69,11 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"  {len(m['tensors'])} tensors, {params:,} parameters; {len(sizes)} files, "
           f"{sum(sizes.values()) / 2**20:,.1f} MiB")
     for name, size in sizes.items():
-        print(f"    {name}  {size / 2**20:,.2f} MiB")
+        path = folder / name
+        disk = path.stat().st_size if path.is_file() else None
+        actual = ("" if disk == size else "  (missing)" if disk is None
+                  else f"  (on disk: {disk / 2**20:,.2f} MiB)")
+        print(f"    {name}  {size / 2**20:,.2f} MiB{actual}")
     if problem := file_problem(folder, m):  # the sizes above are the manifest's
         print(f"partita: warning: {problem} `partita checkpoint verify` checks every file.",
               file=sys.stderr, flush=True)
