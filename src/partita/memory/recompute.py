@@ -108,6 +108,33 @@ class _RNGState:
             g.set_state(s)
 
 
+class _NoRNG:
+    """The generator states of a module that draws no random numbers: none to keep.
+    (Reading torch's would also break a compiled block's graph at every call.)"""
+
+    states: list[torch.Tensor] = []
+
+    def read(self) -> list[torch.Tensor]:
+        return []
+
+    def write(self, states: list[torch.Tensor]) -> None:
+        pass
+
+
+def draws_random_numbers(module: nn.Module) -> bool:
+    """Whether `module`'s forward may draw random numbers. False only when every
+    submodule is partita's or torch.nn's own, whose only draws are their dropouts, and
+    each of those has p = 0; any other module (a Hugging Face attention's dropout, say)
+    is taken to draw."""
+    for m in module.modules():
+        if not type(m).__module__.startswith(("partita.", "torch.nn.")):
+            return True
+        if getattr(m, "p", 0) and (isinstance(m, nn.modules.dropout._DropoutNd)
+                                   or callable(getattr(m, "generator", None))):
+            return True
+    return False
+
+
 def generator_owners(module: nn.Module) -> list[nn.Module]:
     """The submodules of `module` that draw from a generator of their own."""
     return [m for m in module.modules() if callable(getattr(m, "generator", None))]
@@ -151,7 +178,7 @@ class _Recomputed(torch.autograd.Function):
     `torch.autograd.grad`, whether it will capture a leaf's gradient."""
 
     @staticmethod
-    def forward(ctx, run, rng: _RNGState, passes: _Passes, params: list[torch.Tensor],
+    def forward(ctx, run, rng: _RNGState | _NoRNG, passes: _Passes, params: list[torch.Tensor],
                 n_inputs: int, *tensors):
         inputs = tensors[:n_inputs]
         ctx.run, ctx.rng, ctx.passes, ctx.params = run, rng, passes, params
@@ -202,6 +229,7 @@ class RecomputedForward:
         # walking the submodules at every call cost a block ~0.2 ms on CPU.
         self.passes: _Passes | None = None
         self.rng_owners: list[nn.Module] = []
+        self.random = True
 
     def __call__(self, *args, **kwargs):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -222,8 +250,9 @@ class RecomputedForward:
 
         if self.passes is None:
             self.passes, self.rng_owners = _Passes(self.module), generator_owners(self.module)
+            self.random = draws_random_numbers(self.module)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        rng = _RNGState(self.rng_owners, tensors[0].device)
+        rng = _RNGState(self.rng_owners, tensors[0].device) if self.random else _NoRNG()
         edges = [_alias(t) for t in tensors] + [p.view_as(p) for p in params]
         return _Recomputed.apply(run, rng, self.passes, params, len(tensors), *edges)
 
