@@ -331,10 +331,13 @@ def bubble_note(cfg: Config, world_size: int) -> str | None:
     if now is None or now <= BUBBLE_NOTE_ABOVE:
         return None
     per_replica = cfg.train.global_batch // layout.dp
-    better = [(k, b) for k in range(m + 1, per_replica + 1) if per_replica % k == 0
-              and (b := idle(k)) is not None and b < now]
-    enough = next(((k, b) for k, b in better if b <= BUBBLE_NOTE_ABOVE / 2), None)
-    pick = enough or (better[-1] if better else None)
+    pick = None  # the fewest microbatches idling at most half the threshold, else the least idle
+    for k in (k for k in range(m + 1, per_replica + 1) if per_replica % k == 0):
+        b = idle(k)
+        if b is not None and b < (pick[1] if pick else now):
+            pick = (k, b)
+            if b <= BUBBLE_NOTE_ABOVE / 2:
+                break
     fix = (f"train.microbatches={pick[0]} would bring it to {pick[1]:.0%}, a larger "
            "train.global_batch lower still" if pick else
            f"each replica's {per_replica} sequences allow no more microbatches: a larger "

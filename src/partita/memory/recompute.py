@@ -121,6 +121,9 @@ class _NoRNG:
         pass
 
 
+NO_RNG = _NoRNG()
+
+
 def draws_random_numbers(module: nn.Module) -> bool:
     """Whether `module`'s forward may draw random numbers. False only when every
     submodule is partita's or torch.nn's own, whose only draws are their dropouts, and
@@ -252,7 +255,7 @@ class RecomputedForward:
             self.passes, self.rng_owners = _Passes(self.module), generator_owners(self.module)
             self.random = draws_random_numbers(self.module)
         params = [p for p in self.module.parameters() if p.requires_grad]
-        rng = _RNGState(self.rng_owners, tensors[0].device) if self.random else _NoRNG()
+        rng = _RNGState(self.rng_owners, tensors[0].device) if self.random else NO_RNG
         edges = [_alias(t) for t in tensors] + [p.view_as(p) for p in params]
         return _Recomputed.apply(run, rng, self.passes, params, len(tensors), *edges)
 
