@@ -115,11 +115,10 @@ def evaluate(req: Request, layout: Layout, timed: bool = True) -> Evaluation:
         return ev
     m = num_microbatches(layout, req.global_batch)
     ev.compile = compile_in_effect(req.compile, layout)
-    a = compiled_activations(req.assumptions, req.model, ev.compile)
     if layout.zero_stage == 3 and req.keep_gathered is not None:
-        ev.kept_units = (most_kept_units(req, layout, m, a) if req.keep_gathered == "auto"
-                         else int(req.keep_gathered))
-        a = with_kept_units(a, ev.kept_units)
+        ev.kept_units = (most_kept_units(req, layout, m, _judged_by(req, ev))
+                         if req.keep_gathered == "auto" else int(req.keep_gathered))
+    a = _judged_by(req, ev)
     ev.peak_stage, ev.memory = peak_memory(req.model, layout, req.seq_len, m, req.precision,
                                            a, req.cluster.gpu.runtime_reserved_bytes)
     ev.host_bytes_per_node = req.cluster.ranks_per_node * host_state_bytes(
@@ -136,12 +135,16 @@ def add_step_time(req: Request, ev: Evaluation) -> Evaluation:
     """`ev` with its step time, where it has a memory breakdown and no time yet (a layout
     that does not divide has neither), under the assumptions `evaluate` judged it by."""
     if ev.memory and not ev.time:
-        a = compiled_activations(req.assumptions, req.model, ev.compile)
-        if ev.kept_units is not None:
-            a = with_kept_units(a, ev.kept_units)
         ev.time = step_time(req.model, ev.layout, req.cluster, req.seq_len, req.global_batch,
-                            req.precision, a, compile=ev.compile)
+                            req.precision, _judged_by(req, ev), compile=ev.compile)
     return ev
+
+
+def _judged_by(req: Request, ev: Evaluation) -> Assumptions:
+    """The assumptions `ev` is judged by: the request's, with its compile mode's
+    activations and, once chosen, its ZeRO-3 kept units."""
+    a = compiled_activations(req.assumptions, req.model, ev.compile)
+    return a if ev.kept_units is None else with_kept_units(a, ev.kept_units)
 
 
 def most_kept_units(req: Request, layout: Layout, m: int, assumptions: Assumptions) -> int:
