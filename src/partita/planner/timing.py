@@ -132,6 +132,13 @@ def rate_for_dtype(gpu: GPUSpec, elem_bytes: int) -> GPUSpec:
     return gpu.for_dtype_bytes(elem_bytes)
 
 
+def _link(cluster: Cluster, a: Assumptions, span: int) -> tuple[tuple[float, float], float]:
+    """The link a group of `span` consecutive ranks talks over, and its efficiency."""
+    efficiency = (a.intra_node_efficiency if span <= cluster.gpus_per_node
+                  else a.inter_node_efficiency)
+    return cluster.link(span), efficiency
+
+
 @dataclass(frozen=True)
 class PipelineTimes:
     """The part of a step that the ZeRO stage, offload and the data-parallel overlap
@@ -196,11 +203,9 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
                                     compiled and compile == "model", precision.param)
     head_s = head_fwd + head_bwd
-    intra_eff, inter_eff = a.intra_node_efficiency, a.inter_node_efficiency
 
     def link_eff(span: int) -> tuple[tuple[float, float], float]:
-        link = cluster.link(span)
-        return link, (intra_eff if span <= cluster.gpus_per_node else inter_eff)
+        return _link(cluster, a, span)
 
     # Tensor parallel: 2 collectives forward, 2 backward (+2 when recomputing forward),
     # all-reduces without sp, all-gather + reduce-scatter pairs (same bytes) with sp.
@@ -328,7 +333,7 @@ def data_parallel_times(model: PlanModel, layout: Layout, cluster: Cluster, micr
     """Seconds of a step's data-parallel collectives, optimizer step and offload with
     `microbatches` microbatches per step (`step_time` hides them behind the pipeline)."""
     a, m, pp = assumptions, microbatches, layout.pp
-    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
+    gpu = rate_for_dtype(cluster.gpu, precision.param)
     # Clipping's and the optimizer's operations: per flat buffer of the first stage's
     # parameters (ZeRO shards each buffer, the operations per buffer stay).
     counts = zero_param_counts(model, layout, precision, 0, a)
@@ -370,10 +375,7 @@ def data_parallel_times(model: PlanModel, layout: Layout, cluster: Cluster, micr
             # Its experts' units (under ep > 1) are of one size, an MoE block's experts.
             kept += 1 + (round(experts / buffers[0]["experts"][-1]) if experts else 0)
     dp_vol = grad_vol + param_vol
-    span = layout.tp * layout.cp * layout.dp
-    link = cluster.link(span)
-    le = (a.intra_node_efficiency if span <= cluster.gpus_per_node
-          else a.inter_node_efficiency)
+    link, le = _link(cluster, a, layout.tp * layout.cp * layout.dp)
     bucket = max(a.grad_bucket_bytes / 2, 1.0)
     messages = math.ceil(dp_vol / bucket)
     if z == 3:  # per microbatch, each gather unit (and each MoE block's experts under
@@ -426,7 +428,7 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     step = p.pipeline_s + p.pp_exposed_s + dp_exposed + offload_s + optim_s
     tokens = global_batch * seq_len
     model_flops, hw_flops = p.model_flops, p.hardware_flops
-    gpu = cluster.gpu.for_dtype_bytes(precision.param)  # its rate for this dtype
+    gpu = rate_for_dtype(cluster.gpu, precision.param)
     comm_exposed = p.layer_comm_s + p.pp_exposed_s + dp_exposed
     host_s = max(p.host_stage_s)
     return {
