@@ -39,16 +39,21 @@ edge from it to every parameter. That is what makes it compose:
   (only its output and a log-sum-exp per query, see `context_parallel.blocks`), so it
   says `saves_scores = False` and selective leaves it alone: rerunning it would repeat
   the key/value exchange to drop one output-sized tensor.
+- Compiled blocks (`train.compile=blocks`): full recompute wraps the compiled forward,
+  so `_Recomputed` stays outside the graph; selective's core is inside it, where the
+  recomputed class hands the core to torch's checkpoint instead (`_recomputed_class`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
 from partita.errors import PartitaError
@@ -222,8 +227,8 @@ class _Recomputed(torch.autograd.Function):
 
 
 class RecomputedForward:
-    """Replaces `module.forward`: the original forward, under `_Recomputed` while
-    autograd records. Tensor positional arguments are differentiated; keyword arguments
+    """The original forward, under `_Recomputed` while autograd records (eager code; see
+    `_recomputed_class`). Tensor positional arguments are differentiated; keyword arguments
     and other positional ones are passed through as constants."""
 
     def __init__(self, module: nn.Module, forward: Callable) -> None:
@@ -260,11 +265,46 @@ class RecomputedForward:
         return _Recomputed.apply(run, rng, self.passes, params, len(tensors), *edges)
 
 
+@functools.cache
+def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """`cls` with a forward that reruns in backward: the class a recomputed module is
+    given (one per original class, so blocks share it).
+
+    A class, not a `forward` set on each module, because dynamo guards on the identity
+    of an object a module holds as its own `forward`: compiled blocks whose cores each
+    had their own would each compile a graph of their own. Inside a compiled block
+    (selective recompute: the attention core, which records nothing per pass) dynamo
+    cannot trace `_Recomputed`, which reads autograd's nodes, and would break the
+    block's graph at each call; torch's own checkpoint it traces as a region whose
+    operations the compiler's partitioner reruns in the block's backward (random draws
+    it keeps rather than reruns). The block's backward is one compiled node, which a
+    split backward runs whole (`pipeline.backward.runs_whole`), so the pass need not be
+    known there. Eager code goes through the module's `RecomputedForward`."""
+    original = cls.forward
+
+    def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            return self.recomputed_forward(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return original(self, *args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(functools.partial(original, self), *args,
+                                                 use_reentrant=False, **kwargs)
+
+    # The original's module name: `draws_random_numbers` judges a module by it.
+    return type(f"Recomputed{cls.__name__}", (cls,),
+                {"forward": forward, "__module__": cls.__module__})
+
+
 def recompute_module(module: nn.Module) -> None:
-    """Make `module` rerun its forward in backward (idempotent)."""
-    if isinstance(module.__dict__.get("forward"), RecomputedForward):
+    """Make `module` rerun its forward in backward (idempotent). A `forward` set on the
+    module itself (a compiled one, when full recompute wraps a compiled block) moves
+    into its `RecomputedForward`."""
+    if "recomputed_forward" in module.__dict__:
         return
-    module.forward = RecomputedForward(module, module.forward)
+    inner = module.__dict__.pop("forward", None) or functools.partial(type(module).forward,
+                                                                      module)
+    module.recomputed_forward = RecomputedForward(module, inner)
+    module.__class__ = _recomputed_class(type(module))
 
 
 def _stage_blocks(model: nn.Module, plan: roles.ModelPlan) -> list[tuple[str, nn.Module]]:
