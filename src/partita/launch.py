@@ -121,6 +121,9 @@ def _alive(pid: int) -> bool:
         return True
 
 
+TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
 def start_worker_server(preload: tuple[str, ...]) -> None:
     """Start the fork server that `launch` makes its workers from, importing `preload`.
 
@@ -149,6 +152,12 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     if os.environ.get("PARTITA_DEBUG") != "1":
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     os.environ[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell it is orphaned
+    # The standard library's resource tracker starts here too. When the launcher is
+    # killed it unlinks the semaphores torch's agent made for the workers, and says
+    # "There appear to be N leaked semaphore objects" under partita's own line about
+    # the launcher: nothing the user must act on.
+    os.environ["PYTHONWARNINGS"] = ",".join(
+        x for x in (os.environ.get("PYTHONWARNINGS"), TRACKER_QUIET) if x)
     try:
         short_socket_folder()
         forkserver.ensure_running()  # the server inherits this environment

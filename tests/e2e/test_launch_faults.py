@@ -143,6 +143,8 @@ def test_workers_of_a_killed_launcher_stop_and_say_why(nproc, tmp_path):
     assert f"auncher that started this process (pid {proc.pid}) is gone" in err, err[-3000:]
     assert "--train.resume=auto" in err
     assert "Traceback" not in err and "frame #" not in err, err[-3000:]
+    # the standard library's tracker unlinks the semaphores the launcher left, quietly
+    assert "leaked semaphore" not in err, err[-3000:]
 
 
 def _catches_sigterm(pid: int) -> bool:
