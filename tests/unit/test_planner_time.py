@@ -40,6 +40,21 @@ def test_interleaved_and_zero_bubble():
     assert _time(Layout(), batch=m)["bubble_fraction"] == 0
 
 
+def test_compiled_blocks_leave_zero_bubble_nothing_to_defer():
+    """A compiled block's weight gradients come with its input gradient (one backward
+    node), so ZB-H1 idles as 1F1B does; the simulated schedule agrees."""
+    from partita.pipeline.schedules import build_schedule
+    from partita.pipeline.simulate import Costs, simulate
+
+    pp, m = 4, 16
+    cluster = Cluster(H100, pp, 8)
+    compiled = step_time(MODEL, Layout(pp=pp, schedule="zb-h1"), cluster, SEQ, m,
+                         compile="blocks")
+    assert compiled["bubble_fraction"] == pytest.approx((pp - 1) / (m + pp - 1))
+    whole_backward = simulate(build_schedule("zb-h1", pp, m, 1), Costs(I=2.0, W=0.0))
+    assert whole_backward.makespan == 3 * (m + pp - 1)
+
+
 def test_data_parallel_volume_per_zero_stage():
     p2 = 2 * MODEL.config.num_params()  # bf16 bytes of the whole model
     frac = 7 / 8

@@ -273,7 +273,12 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
     # ZB-H1 fills two thirds of the 1F1B bubble with deferred weight-gradient passes,
     # which needs microbatches to defer: with fewer than pp it fills proportionally less.
-    zb_fill = 2 / 3 * min(1.0, (m - 1) / (pp - 1)) if pp > 1 else 0.0
+    # A compiled block's backward is one node, whose weight gradients I computes with the
+    # input gradient (`pipeline.backward.runs_whole`): nothing is left to defer, and the
+    # schedule idles as 1F1B does (simulated: pp=4, m=8, I=2, W=0 ends at 33 units, as
+    # (pp - 1) x 3 + 3m).
+    zb_fill = (2 / 3 * min(1.0, (m - 1) / (pp - 1))
+               if pp > 1 and compile == "none" else 0.0)
     bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) * (1 - zb_fill)}.get(
         layout.schedule, pp - 1)
     compute_s = m * max(max(n * layer_s + (head_s if i == pp - 1 else 0) + accum_s[i],
