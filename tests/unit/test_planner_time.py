@@ -53,6 +53,12 @@ def test_compiled_blocks_leave_zero_bubble_nothing_to_defer():
     assert compiled["bubble_fraction"] == pytest.approx((pp - 1) / (m + pp - 1))
     whole_backward = simulate(build_schedule("zb-h1", pp, m, 1), Costs(I=2.0, W=0.0))
     assert whole_backward.makespan == 3 * (m + pp - 1)
+    # Fully recomputed compiled blocks do defer W, at the price of a second whole backward.
+    recomputed = Layout(pp=pp, schedule="zb-h1", recompute="full")
+    eager_rc = step_time(MODEL, recomputed, cluster, SEQ, m)
+    compiled_rc = step_time(MODEL, recomputed, cluster, SEQ, m, compile="blocks")
+    assert compiled_rc["bubble_fraction"] == pytest.approx(eager_rc["bubble_fraction"], 0.05)
+    assert compiled_rc["compute_s"] > 1.2 * eager_rc["compute_s"]
 
 
 def test_data_parallel_volume_per_zero_stage():

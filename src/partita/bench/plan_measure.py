@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from partita.planner import Assumptions, Layout, PlanModel, Precision
+from partita.planner.compiled import compiled_activations
 from partita.planner.hardware import Cluster, GPUSpec
 from partita.planner.memory import (
     activation_bytes,
@@ -84,6 +85,7 @@ class Case:
     cp_kind: str = "ring"  # ring or allgather
     ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
     moe_tp: str = "replicate"  # MoE blocks under tp: replicated, "experts" or "hidden" split
+    compile: str = "none"  # train.compile: none or blocks
 
     @property
     def world(self) -> int:
@@ -121,6 +123,8 @@ class Case:
             kind += f" moe{s.n_experts}k{s.top_k}" + (f"/{s.moe_every}" if s.moe_every > 1 else "")
         if self.offload != "none":
             kind += f" off-{self.offload}"
+        if self.compile != "none":
+            kind += f" compiled-{self.compile}"
         if self.recompute != "none":
             kind += f" rc-{self.recompute}" + (f"{self.recompute_layers}"
                                                if self.recompute_layers else "")
@@ -151,6 +155,7 @@ def run_config(case: Case, offload_dir: str = ""):
     cfg.parallel.offload = case.offload
     cfg.parallel.cp, cfg.parallel.cp_kind = case.cp, case.cp_kind
     cfg.parallel.ep, cfg.parallel.moe_tp = case.ep, case.moe_tp
+    cfg.train.compile = case.compile
     if case.offload.endswith("+disk"):
         cfg.parallel.offload_dir = offload_dir
         cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB
@@ -165,8 +170,8 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
             stage: int = 0) -> dict[str, float]:
     """The planner's figures for one GPU (rank) of pipeline stage `stage` of `case`;
     step time and communication need `gpu`."""
-    a = assumptions or Assumptions.measured_cpu()
     model, layout, prec = plan_model(case), case.layout, case.precision
+    a = compiled_activations(assumptions or Assumptions.measured_cpu(), model, case.compile)
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
@@ -177,7 +182,8 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)
     if gpu is not None:
         cluster = Cluster(gpu, case.world, max(case.world, gpu.gpus_per_node))
-        t = step_time(model, layout, cluster, seq, case.dp * case.mb * m, prec, a)
+        t = step_time(model, layout, cluster, seq, case.dp * case.mb * m, prec, a,
+                      compile=case.compile)
         out.update({k: t[k] for k in (*COMM_NAMES, "step_s")})
     return out
 

@@ -365,7 +365,9 @@ def backward_input(roots: Sequence[Root], grads: Sequence[torch.Tensor],
     if saves is not None:
         # W runs the re-entry nodes on the input path and, below them, nodes off it
         # only; all off-path nodes are a superset, cheap to read (weight casts, views).
-        saves.keep_only([n for n, _ in entries if isinstance(n, Node)]
+        # A compiled node already gave I every gradient it has and W never runs it
+        # again: what it saved goes now, not with the graph after W.
+        saves.keep_only([n for n, _ in entries if isinstance(n, Node) and not runs_whole(n)]
                         + [n for n in order if not on_path[n]])
     return input_grads, WeightPass(groups, eager_grads)
 

@@ -111,6 +111,10 @@ class Assumptions:
     # `partita_on_gpu`), which `train.compile` fuses (`planner.compiled`): compiling gains
     # them. The fused kernels of the GPU default are assumed to gain nothing.
     compile_gain: bool = False
+    # Set for a compiled run (`planner.compiled`, any preset): a compiled block's backward
+    # is one node, so a zero-bubble split computes its weight gradients in I and holds
+    # them, parameter-sized, until W (`pipeline.backward.runs_whole`).
+    compiled_blocks: bool = False
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
     # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.

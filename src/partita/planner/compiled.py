@@ -49,14 +49,24 @@ def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumpt
     is recomputed), and the rotary tables are constants of the graph, not saved per
     block; everything else is what eager saves. GPT-2 blocks (LayerNorm, GELU) save the
     same bytes either way, and an MoE block's experts run eagerly, so both are left as
-    they are; so are presets that already describe fused kernels (`compile_gain` off)."""
-    if (mode == "none" or not a.compile_gain or a.norm_kernel != "eager"
+    they are; so are presets that already describe fused kernels (`compile_gain` off).
+    Whatever the model and preset, a compiled block's backward is one node
+    (`Assumptions.compiled_blocks`: what a zero-bubble stage holds between I and W)."""
+    if mode == "none":
+        return a
+    a = _whole_block_backward(a)
+    if (not a.compile_gain or a.norm_kernel != "eager"
             or model.config.flavour != "llama" or model.is_moe):
         return a
     return _compiled_block_activations(a)
 
 
 # One object per search, not one per layout: memoised terms know it by identity.
+@memoised()
+def _whole_block_backward(a: Assumptions) -> Assumptions:
+    return replace(a, compiled_blocks=True)
+
+
 @memoised()
 def _compiled_block_activations(a: Assumptions) -> Assumptions:
     return replace(a, norm_kernel="compiled", swiglu_saved_tensors=3,

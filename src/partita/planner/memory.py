@@ -32,7 +32,12 @@ from partita.planner.context_parallel import buffer_bytes as cp_buffer_bytes
 from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
-from partita.planner.stage_params import head_weight_elements, stage_layers, vocab_rows
+from partita.planner.stage_params import (
+    block_param_counts,
+    head_weight_elements,
+    stage_layers,
+    vocab_rows,
+)
 from partita.planner.zero_buffers import (
     NOT_READ_BY_FLAT_BUFFERS,
     zero3_buffers,
@@ -167,7 +172,8 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     rerun = recompute_transient_bytes(model, layout, seq_len, precision, assumptions) if k else 0.0
     if layout.schedule == "zb-h1" and layout.pp > 1:
         deferred = _deferred_weight_pass_bytes(model, layout, seq_len, precision,
-                                               assumptions, layers, first, last)
+                                               assumptions, sum(counts[:stage]), layers,
+                                               first, last)
         total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
         if rerun:  # I keeps the microbatch's graph whole while a layer reruns
             total = max(total, _zero_bubble_after_forward(layout.pp, num_microbatches,
@@ -227,7 +233,8 @@ def _zero_bubble_after_forward(pp: int, num_microbatches: int, stage: int, whole
 
 def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
                                 precision: Precision, assumptions: Assumptions,
-                                layers: int, first: bool, last: bool) -> float:
+                                first_layer: int, layers: int, first: bool,
+                                last: bool) -> float:
     """What one microbatch of a stage holds between I and W (`weight_pass_terms` per
     layer; stage 0 adds the embedding's token ids and the gradient at its output, the
     last stage the final norm's input and output gradient). The output projection's
@@ -239,9 +246,22 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     ids = assumptions.token_id_bytes / 2 * tokens
     k = recomputed_layers(layout, layers)
     plain = _without_recompute(layout)
-    total = (k * sum(weight_pass_terms(model, layout, seq_len, precision, assumptions).values())
-             + (layers - k) * sum(weight_pass_terms(model, plain, seq_len, precision,
-                                                    assumptions).values()))
+    recomputed = k * sum(weight_pass_terms(model, layout, seq_len, precision,
+                                           assumptions).values())
+    if assumptions.compiled_blocks and layout.recompute != "full":
+        # Compiled blocks: I computed their weight gradients (parameter-sized, in the
+        # parameters' dtype) and released everything they saved. (An MoE block's
+        # experts, which run eagerly between its compiled pieces, are counted alike:
+        # not measured.)
+        dense, expert = block_param_counts(model, layout, first_layer, layers, assumptions)
+        total = precision.param * (dense + expert)
+    elif assumptions.compiled_blocks:  # the first k rerun from W (`pipeline_times`)
+        dense, expert = block_param_counts(model, layout, first_layer + k, layers - k,
+                                           assumptions)
+        total = recomputed + precision.param * (dense + expert)
+    else:
+        total = recomputed + (layers - k) * sum(weight_pass_terms(
+            model, plain, seq_len, precision, assumptions).values())
     if first:
         total += ids + e * tokens * h / sp_div
     if last:

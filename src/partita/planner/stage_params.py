@@ -43,17 +43,8 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
     tp-sharded and replicated alike) and expert (sharded over dp*cp/ep)."""
     c = model.config
     per_stage = stage_layers(c.n_layers, layout.pp)
-    layers = range(sum(per_stage[:stage]), sum(per_stage[:stage + 1]))
-    # An MoE model's dense blocks (moe_every > 1) hold no experts. Blocks of one kind are
-    # alike: one split per kind, not per block (the search calls this ~10^5 times).
-    moe_blocks = model.moe_layers(layers.start, len(layers))
-    dense = expert = 0.0
-    for count, moe in ((moe_blocks, True), (len(layers) - moe_blocks, False)):
-        if count:
-            split = model.block_split(layout.tp, assumptions.whole_kv_replicas, moe=moe,
-                                      experts_over_tp=layout.expert_tp > 1)
-            dense += count * (split["sharded"] + split["replicated"])
-            expert += count * split["expert"] / layout.ep
+    dense, expert = block_param_counts(model, layout, sum(per_stage[:stage]),
+                                       per_stage[stage], assumptions)
     vocab = head_weight_elements(model, layout)  # vocab-parallel embedding / head
     first, last = stage == 0, stage == layout.pp - 1
     if first:
@@ -64,6 +55,22 @@ def stage_param_counts(model: PlanModel, layout: Layout, stage: int = 0,
         if not c.tie_embeddings or not first:
             dense += vocab  # output projection (a tied copy when on another stage)
     return {"dense": dense, "expert": expert}
+
+
+def block_param_counts(model: PlanModel, layout: Layout, first_layer: int, layers: int,
+                       assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU holds of `layers` blocks from `first_layer`."""
+    # An MoE model's dense blocks (moe_every > 1) hold no experts. Blocks of one kind are
+    # alike: one split per kind, not per block (the search calls this ~10^5 times).
+    moe_blocks = model.moe_layers(first_layer, layers)
+    dense = expert = 0.0
+    for count, moe in ((moe_blocks, True), (layers - moe_blocks, False)):
+        if count:
+            split = model.block_split(layout.tp, assumptions.whole_kv_replicas, moe=moe,
+                                      experts_over_tp=layout.expert_tp > 1)
+            dense += count * (split["sharded"] + split["replicated"])
+            expert += count * split["expert"] / layout.ep
+    return dense, expert
 
 
 def vocab_rows(model: PlanModel, layout: Layout) -> int:

@@ -199,6 +199,15 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     if layout.recompute == "selective" and not selective_reruns_core(layout):
         rerun_s = 0.0  # context parallelism's core is not rerun
     layer_s = blk.fwd + blk.bwd + share * reruns * rerun_s
+    # Compiled blocks under a zero-bubble split: a fully recomputed block is an eager
+    # autograd function around the compiled forward, and I and W each rerun it through
+    # the compiled backward, which computes every gradient each time: one more B. The
+    # other blocks' backward is one node whose weight gradients I computes, leaving W
+    # nothing of theirs to defer (`pipeline.backward.runs_whole`).
+    split_compiled = compile != "none" and layout.schedule == "zb-h1" and pp > 1
+    full_share = share if layout.recompute == "full" else 0.0
+    if split_compiled:
+        layer_s += full_share * blk.bwd
     full_reruns = share * reruns if layout.recompute == "full" else 0.0
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
                                     compiled and compile == "model", precision.param)
@@ -273,12 +282,12 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     mb_s = max(stage_s)  # the slowest stage paces the pipeline
     # ZB-H1 fills two thirds of the 1F1B bubble with deferred weight-gradient passes,
     # which needs microbatches to defer: with fewer than pp it fills proportionally less.
-    # A compiled block's backward is one node, whose weight gradients I computes with the
-    # input gradient (`pipeline.backward.runs_whole`): nothing is left to defer, and the
-    # schedule idles as 1F1B does (simulated: pp=4, m=8, I=2, W=0 ends at 33 units, as
+    # Compiled, only the fully recomputed blocks defer W (above); with none the schedule
+    # idles as 1F1B does (simulated: pp=4, m=8, I=2, W=0 ends at 33 units, as
     # (pp - 1) x 3 + 3m).
-    zb_fill = (2 / 3 * min(1.0, (m - 1) / (pp - 1))
-               if pp > 1 and compile == "none" else 0.0)
+    zb_fill = 2 / 3 * min(1.0, (m - 1) / (pp - 1)) if pp > 1 else 0.0
+    if split_compiled:
+        zb_fill *= full_share
     bubble_units = {"interleaved-1f1b": (pp - 1) / v, "zb-h1": (pp - 1) * (1 - zb_fill)}.get(
         layout.schedule, pp - 1)
     compute_s = m * max(max(n * layer_s + (head_s if i == pp - 1 else 0) + accum_s[i],
