@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
             _print_notes(cfg)
-            if note := bubble_note(cfg, int(os.environ["WORLD_SIZE"])):
+            for note in pipeline_notes(cfg, int(os.environ["WORLD_SIZE"])):
                 print(note, file=sys.stderr, flush=True)
         return _exit_status([train(cfg)])
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
@@ -151,7 +151,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         nproc = args.nproc or default_nproc()
         validate_before_launch(cfg, nproc * args.nnodes)
-        if note := bubble_note(cfg, nproc * args.nnodes):
+        for note in pipeline_notes(cfg, nproc * args.nnodes):
             print(note, file=sys.stderr, flush=True)
         from partita.process_setup import check_one_gpu_per_process, pick_device_name
 
@@ -346,6 +346,25 @@ def bubble_note(cfg: Config, world_size: int) -> str | None:
             f"{'es' if m > 1 else ''} a step ({layout.schedule}), so each stage idles "
             f"about {now:.0%} of it (the bubble, simulated with a backward twice a "
             f"forward); {fix}.")
+
+
+def compiled_zero_bubble_note(cfg: Config) -> str | None:
+    """A note when zb-h1 runs compiled blocks that are not fully recomputed: their
+    backward is one node, so it has nothing of theirs to defer (docs/performance.md)."""
+    p = cfg.parallel
+    if (p.pp < 2 or p.schedule != "zb-h1" or cfg.train.compile == "none"
+            or p.recompute == "full"):
+        return None
+    return (f"partita: note: parallel.schedule=zb-h1 with train.compile={cfg.train.compile}: "
+            "a compiled block yields its weight gradients with its input gradient, so the "
+            "schedule has none of the blocks' to defer into the bubble, and each "
+            "microbatch waiting for its weight pass holds them; parallel.schedule=1f1b runs "
+            "as fast with less memory.")
+
+
+def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
+    """What to say before launch about how the pipeline will spend its step."""
+    return [n for n in (bubble_note(cfg, world_size), compiled_zero_bubble_note(cfg)) if n]
 
 
 def _print_notes(cfg: Config) -> None:
