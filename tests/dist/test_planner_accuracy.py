@@ -62,8 +62,10 @@ CASES = {
         Case(pp=2, microbatches=4, schedule="zb-h1"),
         Case(tp=2, sp=True, recompute="full"), Case(dp=2, zero=3, recompute="full"),
         Case(pp=2, microbatches=4, schedule="zb-h1", recompute="full"),
-        # Compiled blocks: I yields their weight gradients, W holds those, not activations.
+        # Compiled blocks: I yields their weight gradients, W holds those, not activations;
+        # with selective recompute the compiled core's output is rerun too.
         Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks"),
+        Case(pp=2, microbatches=4, compile="blocks", recompute="selective"),
         Case(pp=2, microbatches=4, recompute="selective"),
         Case(dp=2, zero=1, offload="optimizer", dtype=BF16),
         Case(dp=2, zero=3, offload="optimizer+params"),

@@ -276,8 +276,9 @@ def _recomputed_class(cls: type[nn.Module]) -> type[nn.Module]:
     (selective recompute: the attention core, which records nothing per pass) dynamo
     cannot trace `_Recomputed`, which reads autograd's nodes, and would break the
     block's graph at each call; torch's own checkpoint it traces as a region whose
-    operations the compiler's partitioner reruns in the block's backward (random draws
-    it keeps rather than reruns). The block's backward is one compiled node, which a
+    operations the compiler's partitioner reruns in the block's backward (an operation
+    that may draw, such as the attention kernel with its dropout argument, from a
+    generator state it saves in forward). The block's backward is one compiled node, which a
     split backward runs whole (`pipeline.backward.runs_whole`), so the pass need not be
     known there. Eager code goes through the module's `RecomputedForward`."""
     original = cls.forward

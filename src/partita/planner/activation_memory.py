@@ -215,6 +215,11 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if selective_reruns_core(layout):
         terms["attention_scores"] = 0.0  # recomputed from Q and K in backward
+        if assumptions.compiled_blocks:
+            # Inside a compiled block the core's output, which eager keeps as the output
+            # projection's input, is rerun with it (`memory.recompute`), from a saved
+            # generator state.
+            terms["attention_output"] = assumptions.generator_state_bytes
     return sum(terms.values())
 
 
@@ -278,11 +283,15 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     itself (LayerNorm, a fused or compiled norm, or an eager RMSNorm whose fp32 copy of
     an fp32 input is the input). Selective: what the attention core saves when it runs with
     autograd (its output and the scores or, for a flash kernel, the log-sum-exp); under
-    context parallelism nothing (`selective_reruns_core`)."""
+    context parallelism nothing (`selective_reruns_core`); inside compiled blocks
+    nothing either: the core reruns within the compiled backward, whose buffers are
+    working memory like those of every other operation it recomputes (norms, SwiGLU),
+    which the planner does not count."""
     if layout.recompute == "none":
         return 0.0
-    if layout.recompute == "selective" and not selective_reruns_core(layout):
-        return 0.0  # context parallelism: nothing reruns
+    if layout.recompute == "selective" and (not selective_reruns_core(layout)
+                                            or assumptions.compiled_blocks):
+        return 0.0  # context parallelism: nothing reruns; compiled: see above
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if layout.recompute == "selective":
         return terms["attention_scores"] + terms["attention_output"]

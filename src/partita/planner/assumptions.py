@@ -115,6 +115,10 @@ class Assumptions:
     # is one node, so a zero-bubble split computes its weight gradients in I and holds
     # them, parameter-sized, until W (`pipeline.backward.runs_whole`).
     compiled_blocks: bool = False
+    # ... whose selectively recomputed attention core keeps the generator state the
+    # compiler reruns its kernel from (the kernel takes a dropout argument): a CUDA
+    # generator's seed and offset, or a CPU generator's whole state (`measured_cpu`).
+    generator_state_bytes: float = 16.0
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
     # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.
@@ -255,7 +259,7 @@ class Assumptions:
                    logits_bytes_per_element=4.0, gqa_expanded_kv=False,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
-                   zero3_kept_units=1,
+                   zero3_kept_units=1, generator_state_bytes=5056.0,
                    token_id_bytes=16.0, flat_buffer_align=64, loss_transients=True,
                    loss_token_bytes=6.0, gemm_peak_fraction=0.8, gemm_tile=0, gemm_align=0,
                    gemm_k_half=8.0, kernel_overhead_s=0.0, memory_efficiency=1.0,
@@ -273,7 +277,8 @@ class Assumptions:
         tokens and 0.85 at 8 x 2048, measured 0.81-0.84 and 0.85."""
         gpu = cls()
         return replace(cls.measured_cpu(), compile_gain=True, gqa_expanded_kv=True,
-                       host_op_s=HOST_OP_S, **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
+                       host_op_s=HOST_OP_S, generator_state_bytes=gpu.generator_state_bytes,
+                       **{f: getattr(gpu, f) for f in KERNEL_FIELDS})
 
     @classmethod
     def for_device(cls, name: str) -> Assumptions:
@@ -334,6 +339,7 @@ RANGES: dict[str, Rule] = {
     "optimizer_bytes_per_param": AT_LEAST_0,
     "norm_saved_tensors": AT_LEAST_0,
     "swiglu_saved_tensors": AT_LEAST_0,
+    "generator_state_bytes": AT_LEAST_0,
     "intra_node_efficiency": _RATE_FRACTION,
     "inter_node_efficiency": _RATE_FRACTION,
     "tp_overlap": _FRACTION,
