@@ -248,17 +248,16 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
     plain = _without_recompute(layout)
     recomputed = k * sum(weight_pass_terms(model, layout, seq_len, precision,
                                            assumptions).values())
-    if assumptions.compiled_blocks and layout.recompute != "full":
+    if assumptions.compiled_blocks:
         # Compiled blocks: I computed their weight gradients (parameter-sized, in the
-        # parameters' dtype) and released everything they saved. (An MoE block's
-        # experts, which run eagerly between its compiled pieces, are counted alike:
-        # not measured.)
-        dense, expert = block_param_counts(model, layout, first_layer, layers, assumptions)
-        total = precision.param * (dense + expert)
-    elif assumptions.compiled_blocks:  # the first k rerun from W (`pipeline_times`)
-        dense, expert = block_param_counts(model, layout, first_layer + k, layers - k,
-                                           assumptions)
-        total = recomputed + precision.param * (dense + expert)
+        # parameters' dtype) and released everything they saved; only fully recomputed
+        # ones (the first k) rerun from W and hold what eager does (`pipeline_times`).
+        # (An MoE block's experts, which run eagerly between its compiled pieces, are
+        # counted alike: not measured.)
+        rerun_k = k if layout.recompute == "full" else 0
+        dense, expert = block_param_counts(model, layout, first_layer + rerun_k,
+                                           layers - rerun_k, assumptions)
+        total = (recomputed if rerun_k else 0.0) + precision.param * (dense + expert)
     else:
         total = recomputed + (layers - k) * sum(weight_pass_terms(
             model, plain, seq_len, precision, assumptions).values())
