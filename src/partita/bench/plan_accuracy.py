@@ -7,7 +7,8 @@ ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under thes
 kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
 with dp + ZeRO-1, tp + sp, dp2 x tp2 x cp2, and cp2 with full and selective recompute;
 expert parallelism at ep 2/4 with ZeRO-1/2/3, tp and pp, ZeRO-3 at ep 1, and ep2 with
-each recompute mode, on a 4-expert top-2 variant) one small model takes training steps on gloo
+each recompute mode, on a 4-expert top-2 variant; compiled blocks alone, under zero
+bubble and with selective recompute) one small model takes training steps on gloo
 ranks; memory is compared per pipeline stage. Memory: model states (and, under
 offload, the host's) from the ZeRO engine's ledger, activations from the storages
 autograd saved for backward. Communication: bytes each rank sent, counted by the mesh
@@ -126,6 +127,12 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)
                for z in (1, 2)]
     out[2] += [Case(dp=2, zero=3, offload="optimizer+params", shape=shape)]
+    # Compiled blocks: what a compiled block saves, what a zero-bubble stage holds between
+    # I and W (their weight gradients), and selective recompute inside them.
+    out[1] += [Case(compile="blocks", dtype=d, shape=shape) for d in DTYPES]
+    out[2] += [Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks", shape=shape),
+               Case(pp=2, microbatches=4, recompute="selective", compile="blocks",
+                    shape=shape)]
     return out
 
 
