@@ -30,6 +30,15 @@ TINY_TRAIN = (
 )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def partita_cache(tmp_path_factory) -> str:
+    """Profiles `partita plan --gpu-type cpu` keeps go to a folder of the test session,
+    not the user's cache (command-line tests inherit it)."""
+    folder = str(tmp_path_factory.mktemp("partita-cache"))
+    os.environ["PARTITA_CACHE_DIR"] = folder
+    return folder
+
+
 @pytest.fixture
 def tiny_model() -> ModelConfig:
     """The parity model's shape: 64 tokens, width 32, 2 blocks, 4 heads over 2 kv heads."""

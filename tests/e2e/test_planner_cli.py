@@ -264,3 +264,21 @@ def test_a_cpu_plan_takes_partita_trains_batch(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["global_batch"] == 16
     assert "--global-batch 16 (partita train's default)" in data["defaults_filled_in"]
+
+
+def test_cpu_plans_of_one_sitting_share_one_measurement(capsys):
+    """The second plan reads the profile the first kept ($PARTITA_CACHE_DIR, set by the
+    test session), so both predict the same step; --remeasure measures again."""
+    args = ["plan", "--model", "tiny", "--gpus", "1", "--gpu-type", "cpu", "--json",
+            "--top", "1"]
+    runs = []
+    for extra in ([], [], ["--remeasure"]):
+        assert main(args + extra) == 0
+        runs.append(json.loads(capsys.readouterr().out))
+    said = [next(d for d in r["defaults_filled_in"] if d.startswith("cpu profile"))
+            for r in runs]
+    assert "--remeasure measures again" in said[1] and "measured now" in said[2]
+    assert runs[1]["ranked"][0]["time"] == runs[0]["ranked"][0]["time"]
+    assert main(["plan", "--model", "tiny", "--gpus", "1", "--gpu-type", "H100",
+                 "--remeasure"]) != 0
+    assert "--remeasure measures this machine for --gpu-type cpu" in capsys.readouterr().err

@@ -30,6 +30,9 @@ def register(subparsers) -> None:
     p.add_argument("--gpu-type", default=None,
                    help="A100-40GB, A100-80GB, H100, H200, B200, cpu (measures this machine), "
                         "or a name from --hardware; default: H100")
+    p.add_argument("--remeasure", action="store_true",
+                   help="with --gpu-type cpu: measure this machine again rather than use "
+                        "the profile an earlier plan kept (for 24 h)")
     p.add_argument("--gpus-per-node", type=int, default=None,
                    help="default: the GPU type's node size (8 for DGX/HGX)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
@@ -133,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         defaults.append(f"--gpu-type {names[0]} (the one in --hardware)")
     if args.gpu_type is None:
         args.gpu_type = "H100"
+    if args.remeasure and args.gpu_type.lower() != "cpu":
+        raise PartitaError(f"--remeasure measures this machine for --gpu-type cpu; "
+                           f"--gpu-type {args.gpu_type} is a catalog or --hardware profile, "
+                           "which nothing measures.")
         defaults.append("--gpu-type H100")
     if args.precision is None:  # what partita train uses there by default
         args.precision = "fp32" if args.gpu_type.lower() == "cpu" else "bf16"
@@ -153,12 +160,18 @@ def run(args: argparse.Namespace) -> int:
     keep = int(keep) if keep is not None and keep.isdigit() else keep
     model = (parse_model_shape(args.model_shape) if args.model_shape is not None
              else resolve_model(args.model))
+    gpu = args.gpu_type
+    if args.gpu_type.lower() == "cpu" and not args.hardware:
+        from partita.planner.cpu_profile import cached_local_cpu
+
+        gpu, measured = cached_local_cpu(remeasure=args.remeasure)
+        defaults.append(measured)
     cpu_batch = args.global_batch is None and args.gpu_type.lower() == "cpu"
     if cpu_batch:  # a plan for `partita train` here: its own batch, not ~4M tokens
         from partita.config import TrainSection
 
         args.global_batch = TrainSection().global_batch
-    req = make_request(model, args.gpus, args.gpu_type, args.gpus_per_node,
+    req = make_request(model, args.gpus, gpu, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware, args.compile, keep)
     if keep is None and "zero3_kept_units" not in settings:

@@ -11,9 +11,20 @@ operation costs here (`planner.eager_ops` counts a step's operations).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from pathlib import Path
 
 from partita.device_specs import GB, GPUSpec, best_rate, matmul_rate, training_matmul_rate
+
+# A profile measured by `partita plan --gpu-type cpu` is kept this long, so that the
+# plans of one sitting agree (a shared machine's rates move by tens of percent from one
+# minute to the next) and each call skips the measurement (~4 s with torch's import).
+CACHE_MAX_AGE_S = 24 * 3600.0
 
 
 def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
@@ -116,3 +127,101 @@ def _physical_memory() -> float:
     except OSError:
         pass
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def profile_cache_path() -> Path:
+    """Where `cached_local_cpu` keeps this machine's profile: $PARTITA_CACHE_DIR, else
+    partita's folder in the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
+    folder = os.environ.get("PARTITA_CACHE_DIR")
+    if not folder:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                ".cache")
+        folder = os.path.join(base, "partita")
+    return Path(folder) / "cpu-profile.json"
+
+
+def machine_key() -> dict[str, str]:
+    """What a kept profile must have been measured on: this host, its processor and
+    core count, and the torch and partita that measured it (read without importing
+    torch)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import partita
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "none"
+    return {"host": platform.node(), "processor": _processor_name(),
+            "cores": str(os.cpu_count()), "torch": torch_version,
+            "partita": partita.__version__}
+
+
+def cached_local_cpu(path: Path | None = None, remeasure: bool = False,
+                     max_age_s: float = CACHE_MAX_AGE_S,
+                     measure: Callable[[], GPUSpec] = measure_local_cpu,
+                     now: Callable[[], float] = time.time) -> tuple[GPUSpec, str]:
+    """This machine's profile and a sentence on where it came from: the one kept at
+    `path` when it was measured here within `max_age_s`, else a new measurement, which
+    replaces it. A file that cannot be read or written only costs the measurement."""
+    path = path or profile_cache_path()
+    key = machine_key()
+    if not remeasure:
+        current = now()
+        kept = _read_profile(path, key, current - max_age_s, current)
+        if kept is not None:
+            spec, measured_at = kept
+            return spec, (f"cpu profile measured {_utc(measured_at)}, kept in {path} "
+                          "(--remeasure measures again)")
+    spec, measured_at = measure(), now()
+    where = _write_profile(path, key, measured_at, spec)
+    return spec, (f"cpu profile measured now ({_utc(measured_at)})"
+                  + (f", kept in {path} for {max_age_s / 3600:g} h" if where else ""))
+
+
+def _read_profile(path: Path, key: dict[str, str], oldest: float, newest: float
+                  ) -> tuple[GPUSpec, float] | None:
+    try:
+        data = json.loads(path.read_text())
+        if data["machine"] != key or not oldest <= float(data["measured_at"]) <= newest:
+            return None
+        fields = {f.name for f in dataclasses.fields(GPUSpec)}
+        spec = GPUSpec(**{k: v for k, v in data["profile"].items() if k in fields})
+        return spec, float(data["measured_at"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # missing, damaged or from an older layout: measure again
+
+
+def _write_profile(path: Path, key: dict[str, str], measured_at: float, spec: GPUSpec
+                   ) -> bool:
+    """Write atomically (a reader sees the old file or the whole new one); False where
+    the folder cannot be written."""
+    data = {"machine": key, "measured_at": measured_at, "profile": dataclasses.asdict(spec)}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        with suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        return False
+
+
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
+
+
+def _processor_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
