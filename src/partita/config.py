@@ -61,10 +61,16 @@ class ModelSection:
     init_from: str = ""
 
 
+def default_cache_dir() -> Path:
+    """partita's folder in the user's cache: tokenized corpora (where `data.cache_dir` is
+    unset) and the planner's measured CPU profile."""
+    return Path.home() / ".cache" / "partita"
+
+
 @dataclass
 class DataSection:
     source: str = ""  # "" = the built-in corpus (Python's standard library sources)
-    cache_dir: str = ""  # "" = ~/.cache/partita
+    cache_dir: str = ""  # "" = default_cache_dir(): ~/.cache/partita
     seq_len: int = 128
     val_fraction: float = 0.01
     max_bytes: int = 4_000_000  # budget of the built-in corpus

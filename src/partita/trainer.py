@@ -21,7 +21,7 @@ import torch.distributed as dist
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
-from partita.config import Config
+from partita.config import Config, default_cache_dir
 from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX
@@ -53,7 +53,7 @@ class StepResult:
 def open_dataset(cfg: Config) -> TokenDataset:
     """The run's dataset, tokenized into the cache on first use."""
     d = cfg.data
-    cache = d.cache_dir or str(Path.home() / ".cache" / "partita")
+    cache = d.cache_dir or str(default_cache_dir())
     data = load_configured(d, cache)
     model_vocab = cfg.model_config().vocab_size
     if data.vocab_size > model_vocab:

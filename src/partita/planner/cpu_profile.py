@@ -131,13 +131,10 @@ def _physical_memory() -> float:
 
 def profile_cache_path() -> Path:
     """Where `cached_local_cpu` keeps this machine's profile: $PARTITA_CACHE_DIR, else
-    partita's folder in the user's cache ($XDG_CACHE_HOME or ~/.cache)."""
-    folder = os.environ.get("PARTITA_CACHE_DIR")
-    if not folder:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
-                                                                ".cache")
-        folder = os.path.join(base, "partita")
-    return Path(folder) / "cpu-profile.json"
+    partita's folder in the user's cache (`config.default_cache_dir`)."""
+    from partita.config import default_cache_dir
+
+    return Path(os.environ.get("PARTITA_CACHE_DIR") or default_cache_dir()) / "cpu-profile.json"
 
 
 def machine_key() -> dict[str, str]:
