@@ -136,11 +136,11 @@ def run(args: argparse.Namespace) -> int:
         defaults.append(f"--gpu-type {names[0]} (the one in --hardware)")
     if args.gpu_type is None:
         args.gpu_type = "H100"
+        defaults.append("--gpu-type H100")
     if args.remeasure and args.gpu_type.lower() != "cpu":
         raise PartitaError(f"--remeasure measures this machine for --gpu-type cpu; "
                            f"--gpu-type {args.gpu_type} is a catalog or --hardware profile, "
                            "which nothing measures.")
-        defaults.append("--gpu-type H100")
     if args.precision is None:  # what partita train uses there by default
         args.precision = "fp32" if args.gpu_type.lower() == "cpu" else "bf16"
         defaults.append(f"--precision {args.precision}")
