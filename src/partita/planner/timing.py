@@ -208,7 +208,7 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     full_share = share if layout.recompute == "full" else 0.0
     if split_compiled:
         layer_s += full_share * blk.bwd
-    full_reruns = share * reruns if layout.recompute == "full" else 0.0
+    full_reruns = full_share * reruns
     head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
                                     compiled and compile == "model", precision.param)
     head_s = head_fwd + head_bwd
