@@ -282,3 +282,8 @@ def test_cpu_plans_of_one_sitting_share_one_measurement(capsys):
     assert main(["plan", "--model", "tiny", "--gpus", "1", "--gpu-type", "H100",
                  "--remeasure"]) != 0
     assert "--remeasure measures this machine for --gpu-type cpu" in capsys.readouterr().err
+
+
+def test_the_default_gpu_type_is_named(capsys):
+    assert main(["plan", "--model", "tiny", "--gpus", "1", "--json", "--top", "1"]) == 0
+    assert "--gpu-type H100" in json.loads(capsys.readouterr().out)["defaults_filled_in"]
