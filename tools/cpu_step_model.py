@@ -5,7 +5,8 @@
 
 `attention`: torch's CPU flash kernel (causal, one thread) forward and backward at a few
 shapes, as a fraction of the GEMM rate the planner would give it (the profile's matmul
-rate x hd/(hd + gemm_k_half)): what `planner.assumptions.CPU_FLASH` holds.
+rate x the preset's gemm_peak_fraction x hd/(hd + gemm_k_half)): what
+`planner.assumptions.CPU_FLASH` holds.
 
 `steps`: partita's stage 0 on one gloo rank (fp32, one thread), eager, at several model
 sizes and batches, each the median of 10 timed steps, against `partita plan`'s step
@@ -30,7 +31,9 @@ TINY = Shape(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, seq_l
 WIDE = Shape(dim=512, n_layers=4, n_heads=8, n_kv_heads=None, vocab_size=8192, seq_len=128)
 CASES = [Case(shape=Shape(), mb=2), Case(shape=TINY, mb=1), Case(shape=TINY, mb=4),
          Case(shape=TINY, mb=8), Case(shape=WIDE, mb=4), Case(shape=TINY, mb=4, dtype="bfloat16"),
-         Case(shape=TINY, mb=4, recompute="full")]
+         Case(shape=TINY, mb=4, recompute="full"), Case(shape=Shape(), mb=2, compile="blocks"),
+         Case(shape=TINY, mb=1, compile="blocks"), Case(shape=TINY, mb=4, compile="blocks"),
+         Case(shape=TINY, mb=8, compile="blocks")]
 ATTENTION = [(4, 4, 2, 128, 32), (4, 8, 8, 128, 64), (1, 8, 8, 512, 64)]
 
 
@@ -41,9 +44,10 @@ def attention() -> None:
     from partita.planner import Assumptions
 
     torch.set_num_threads(1)
-    k_half = Assumptions.measured_cpu().gemm_k_half
+    preset = Assumptions.measured_cpu()
     peak = matmul_rate(256, 0.5)
-    print(f"matmul rate {peak / 1e9:.1f} GFLOP/s (256^3, one thread)")
+    print(f"matmul rate {peak / 1e9:.1f} GFLOP/s (256^3, one thread), of which the "
+          f"planner gives GEMMs {preset.gemm_peak_fraction}")
     for b, h, kvh, s, d in ATTENTION:
         q = torch.randn(b, h, s, d, requires_grad=True)
         k, v = (torch.randn(b, kvh, s, d, requires_grad=True) for _ in range(2))
@@ -59,7 +63,7 @@ def attention() -> None:
                 fwd.append(mid - start)
                 bwd.append(time.perf_counter() - mid)
         flops = 4.0 * b * h * s * s * d * 0.5  # causal: half the scores
-        rate = peak * d / (d + k_half)
+        rate = peak * preset.gemm_peak_fraction * d / (d + preset.gemm_k_half)
         print(f"  (batch, heads, kv heads, seq, head_dim) = {(b, h, kvh, s, d)}: forward "
               f"{statistics.median(fwd) * 1e6:.0f} us, {flops / rate / statistics.median(fwd):.2f}"
               f" of the GEMM rate; backward {statistics.median(bwd) * 1e6:.0f} us, "

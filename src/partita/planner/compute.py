@@ -36,6 +36,7 @@ from partita.planner.assumptions import Assumptions
 from partita.planner.context_parallel import attention_pairs_fraction
 from partita.planner.eager_ops import (
     COMPILED_EDGE_OPS,
+    COMPILED_REGION_OPS,
     block_bytes,
     block_ops,
     compiled_block_ops,
@@ -143,12 +144,13 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
 @memoised(ignores=("dp", "pp", "zero_stage", "schedule", "virtual_stages", "recompute",
                    "recompute_layers", "offload", "cp_kind", *OVERLAP_OPTIONS))
 def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-                a: Assumptions, elem_bytes: int = 2, compiled: bool = False) -> BlockTimes:
+                a: Assumptions, elem_bytes: int = 2, compiled: str = "none") -> BlockTimes:
     """Kernel-by-kernel time of one block (dense or MoE) for one microbatch on one GPU,
     `elem_bytes`-wide parameters (what partita's eager elementwise operations move,
-    `Assumptions.eager_elementwise`). `compiled`: the block runs compiled, its
-    elementwise operations fused into a few kernels (a dense block of partita's eager
-    model; an MoE block's routing stays as it is)."""
+    `Assumptions.eager_elementwise`). `compiled` ("blocks" or "model"): the block runs
+    compiled, its elementwise operations fused into a few kernels (a dense block of
+    partita's eager model; an MoE block's routing stays as it is), under "blocks" as a
+    compiled region of its own."""
     c = model.config
     t, h = layout.tp, c.dim
     tokens = layout.microbatch_size * seq_len / layout.cp
@@ -187,11 +189,13 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     moved_bwd = 2 * moved_fwd
     ops_fwd, ops_bwd = block_ops(model, layout, elem_bytes)
-    if compiled and a.eager_elementwise and not model.is_moe:
+    if compiled != "none" and a.eager_elementwise and not model.is_moe:
         # Fused by the compiler: the fused bytes at the run's width, few kernel calls.
         moved_fwd = elem_bytes * tokens * (h_elems + f_elems)
         moved_bwd = 2 * moved_fwd
         ops_fwd, ops_bwd = compiled_block_ops(model)
+        if compiled == "blocks":
+            ops_fwd, ops_bwd = ops_fwd + COMPILED_REGION_OPS[0], ops_bwd + COMPILED_REGION_OPS[1]
     elif a.eager_elementwise:  # partita's eager operations, counted (planner.eager_ops)
         moved_fwd, moved_bwd = (tokens * b for b in block_bytes(model, layout, elem_bytes))
     mem_fwd = memory_time(moved_fwd, gpu, a, a.elementwise_kernels)
@@ -210,14 +214,18 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
                a: Assumptions, compiled: bool = False, elem_bytes: int = 2
                ) -> tuple[float, float]:
     """(forward, backward) seconds of the output layer and the loss for one microbatch;
-    `compiled`: the embedding, final norm and head compiled with the blocks."""
+    `compiled`: the embedding, final norm and head compiled with the blocks, the whole
+    model one compiled region (its calls counted here)."""
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
     v = vocab_rows(model, layout)  # rows per rank
     fwd = gemm_time(tokens, v, c.dim, gpu, a)
     bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
-    ops_fwd, ops_bwd = COMPILED_EDGE_OPS if compiled else edge_ops(model, elem_bytes)
+    if compiled:
+        ops_fwd, ops_bwd = (e + r for e, r in zip(COMPILED_EDGE_OPS, COMPILED_REGION_OPS))
+    else:
+        ops_fwd, ops_bwd = edge_ops(model, elem_bytes)
     return (fwd + loss / 2 + ops_fwd * gpu.eager_op_s,
             bwd + loss / 2 + ops_bwd * gpu.eager_op_s)
 

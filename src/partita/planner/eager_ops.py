@@ -51,6 +51,17 @@ EDGE_OPS = {"llama": (26, 35), "gpt2": (23, 24)}
 # final norm and head are compiled too and only the loss (10 and 8) stays eager.
 COMPILED_BLOCK_KERNELS = (4, 6)
 COMPILED_EDGE_OPS = (13, 13)
+# What the host spends on a compiled graph besides its kernels' work, in eager
+# operations' worth (`GPUSpec.eager_op_s`), forward and backward. Each kernel call inside
+# the graph costs about 2.7 and 2.5 (its wrapper allocates and frees the buffers around
+# it), and each call of a compiled region 31 and 18 more (guards, the runtime wrappers,
+# the autograd function around the graph). Measured on partita's tiny block at one token,
+# where the kernels' work is negligible (1 and 4 blocks, eager, compiled blocks and the
+# compiled model, 15 interleaved rounds of 50 passes, 2026-12-05): a block inside a
+# compiled model took 32 and 52 operations' worth for its 12 and 21 kernels, as its
+# own region 63 and 70, and eager 100 and 114 (counted: 79 and 131).
+COMPILED_CALL_OPS = (2.7, 2.5)
+COMPILED_REGION_OPS = (31.0, 18.0)
 # Bytes per token that a block's elementwise operations (everything but GEMMs, the
 # attention kernel and views) read and write, forward and backward, as c_h * h + c_f *
 # ffn, per flavour and parameter width (bf16 norms compute in fp32): eager PyTorch
@@ -103,11 +114,14 @@ def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[fl
 
 
 def compiled_block_ops(model: PlanModel) -> tuple[float, float]:
-    """(forward, backward) kernel calls of one compiled dense block: each linear layer's
-    GEMM (two in backward), the attention kernel, and the generated kernels."""
+    """(forward, backward) host cost of one compiled dense block inside a compiled graph,
+    in eager operations' worth: its kernel calls (each linear layer's GEMM, two in
+    backward, the attention kernel and the generated kernels) at `COMPILED_CALL_OPS`.
+    A compiled region's own calls are `COMPILED_REGION_OPS` on top."""
     linears = 4 + (3 if model.config.gated_mlp else 2)
     fused_fwd, fused_bwd = COMPILED_BLOCK_KERNELS
-    return float(linears + 1 + fused_fwd), float(2 * linears + 1 + fused_bwd)
+    return ((linears + 1 + fused_fwd) * COMPILED_CALL_OPS[0],
+            (2 * linears + 1 + fused_bwd) * COMPILED_CALL_OPS[1])
 
 
 def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[float, float]:

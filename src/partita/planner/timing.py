@@ -180,7 +180,7 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     # partita's eager ones, blocks (and under `model` the edges) run fused.
     if compile not in MODES or compile == "auto":  # `auto` resolves before (compiled.py)
         raise ValueError(f"compile mode {compile!r} is not one of none, blocks, model")
-    compiled = compile != "none" and a.compile_gain
+    compiled = compile if a.compile_gain else "none"
     blk = block_times(model, layout, seq_len, gpu, a, precision.param, compiled)
     if 0 < moe_frac < 1:
         dense = block_times(model.dense_blocks(), layout, seq_len, gpu, a, precision.param,
@@ -209,8 +209,8 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     if split_compiled:
         layer_s += full_share * blk.bwd
     full_reruns = full_share * reruns
-    head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a,
-                                    compiled and compile == "model", precision.param)
+    head_fwd, head_bwd = head_times(model, layout, seq_len, gpu, a, compiled == "model",
+                                    precision.param)
     head_s = head_fwd + head_bwd
 
     def link_eff(span: int) -> tuple[tuple[float, float], float]:
