@@ -15,6 +15,9 @@
 #           compiled, each next to `partita plan`'s step time for it;
 #   gpu     `partita bench gpu`: our ZeRO engine against DDP/FSDP2, bf16, MFU;
 #   gpugpt  the same on gpt2-124m (16 x 1024 tokens per step);
+#   eagerprof  partita's eager stage 0 on gpt2-124m (16 x 1024) profiled, next to `partita
+#           plan` for it: where the 14-20% the planner misses there with the GPU's own
+#           attention rate goes (`PARTITA_GPU_FLASH` in planner/assumptions.py);
 #   zero, pp  `partita bench zero` / `bench pp` on the machine's CPU cores.
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
 # Arguments pick parts, run in the order given; BUDGET (seconds, default 540) bounds the
@@ -85,8 +88,12 @@ vocab) for m in 64 1; do
        done ;;
 gpu) part gpu 300 partita bench gpu ;;
 gpugpt) part gpugpt 240 partita bench gpu --model gpt2-124m --batch 16 --seq 1024 --rounds 4 ;;
+eagerprof) part eagerprof 150 partita bench gpu --model gpt2-124m --batch 16 --seq 1024 \
+               --rounds 2 --profile "partita stage 0"
+           part eagerprof 30 partita plan "${GPT_PLAN[@]}" --model gpt2-124m \
+               --set flash_fwd_fraction=0.7 --set flash_bwd_fraction=0.55 ;;
 zero) part zero 200 partita bench zero --no-deepspeed ;;
 pp) part pp 240 partita bench pp ;;
-*) echo "unknown part $p (sweep loss gqa compile train trainc vocab gpu gpugpt zero pp)" ;;
+*) echo "unknown part $p (sweep loss gqa compile train trainc vocab gpu gpugpt eagerprof zero pp)" ;;
 esac; done
 echo "== [$SECONDS s] done"
