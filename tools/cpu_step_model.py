@@ -8,9 +8,10 @@ shapes, as a fraction of the GEMM rate the planner would give it (the profile's 
 rate x the preset's gemm_peak_fraction x hd/(hd + gemm_k_half)): what
 `planner.assumptions.CPU_FLASH` holds.
 
-`steps`: partita's stage 0 on one gloo rank (fp32, one thread), eager, at several model
-sizes and batches, each the median of 10 timed steps, against `partita plan`'s step
-time on the `cpu` profile measured just before (`Assumptions.measured_cpu()`). Rounds
+`steps`: partita's stage 0 on one gloo rank (fp32, one thread), eager and with compiled
+blocks, at several model sizes and batches, each the median of 10 timed steps, against
+`partita plan`'s step time on the `cpu` profile measured just before
+(`Assumptions.measured_cpu()`). Rounds
 repeat the profile and the cases, so a slow spell of a shared machine shows as a
 round that differs. A diagnostic beside `partita bench plan-accuracy`, which runs the
 test suite's layouts at one small size.

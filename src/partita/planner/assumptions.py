@@ -22,7 +22,7 @@ CPU_FLASH = (0.42, 0.45)
 # measured: it is the value the preset's H200 validation (tests/unit/test_planner_host.py,
 # docs/planner.md) was checked with. Measured alone on that H200, torch's attention ran
 # 1.5-1.9x faster than the GPU defaults' 0.7 / 0.55 (`tools/gemm_sweep.py`), yet with
-# those defaults partita's predicted steps there fall 8-20% short of the measured ones:
+# those defaults partita's predicted steps there fall 9-20% short of the measured ones:
 # this slower attention stands in for work of partita's eager model that the byte and
 # operation counts do not see, not yet found.
 PARTITA_GPU_FLASH = (0.28, 0.28)
@@ -263,7 +263,7 @@ class Assumptions:
         58% at K = 8 (k_half ~ 8), with no tile steps at N = 96-256 (docs/planner.md).
         torch's CPU flash kernel runs at `CPU_FLASH` of the GEMM rate. Elementwise work
         is what partita's eager operations move (`eager_elementwise`), and there is no
-        fixed cost per kernel: the profile's `eager_op_s` (~5-10 us here) prices every
+        fixed cost per kernel: the profile's `eager_op_s` (3.5-12 us here) prices every
         eager operation the model runs (`planner.eager_ops`), the GEMMs' among them.
         """
         return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
