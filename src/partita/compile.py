@@ -25,8 +25,10 @@ embedding and everything after the core compile, the exchange runs eagerly betwe
 
 `model` compiles the whole local model in one piece, which needs a layout with nothing
 that communicates inside the model's forward: no pipeline (the schedule drives the
-stages), no ZeRO-3 (its gathers are hooks on every block), no context parallelism, no
-recomputation (an autograd function that reruns the forward). `model_refusal`
+stages), no ZeRO-3 (its gathers are hooks on every block), no context parallelism. A
+recomputed block or attention core becomes a checkpoint region of the compiled graph,
+rerun by the compiler in backward; only full recomputation of blocks that hold eager
+pieces (tensor parallelism, mixture of experts) is refused. `model_refusal`
 (`partita.compile_rules`, which the planner reads too) says which of those stands in
 the way.
 
@@ -92,15 +94,16 @@ def toolchain_problem(device_type: str) -> str | None:
 
 
 def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
-                 probe: Callable[[str], str | None] = toolchain_problem
-                 ) -> tuple[str, str]:
+                 probe: Callable[[str], str | None] = toolchain_problem, *,
+                 moe: bool = False) -> tuple[str, str]:
     """(mode in effect, note): `auto` becomes `blocks` when the toolchain works and
     `none` (with the reason in the note) when it does not; `blocks` and `model` stop
-    with the reason instead. `model` on a layout that cannot take it stops too."""
+    with the reason instead. `model` on a layout that cannot take it (`moe`: a model
+    with mixture-of-experts blocks) stops too."""
     if policy.mode == "none":
         return "none", ""
     if policy.mode == "model":
-        refusal = model_refusal(layout)
+        refusal = model_refusal(layout, moe)
         if refusal:
             raise PartitaError(refusal)
     problem = probe(device.type)

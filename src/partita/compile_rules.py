@@ -11,8 +11,17 @@ from partita.layout import Layout
 MODES = ("none", "blocks", "model", "auto")
 
 
-def model_refusal(layout: Layout) -> str | None:
-    """Why `compile=model` cannot wrap this layout's model in one piece (None: it can)."""
+def model_refusal(layout: Layout, moe: bool = False) -> str | None:
+    """Why `compile=model` cannot wrap this layout's model in one piece (None: it can);
+    `moe`: the model has mixture-of-experts blocks.
+
+    Recomputation is allowed where what it reruns traces whole: inside the compiled
+    model a recomputed block or attention core is a checkpoint region, which the
+    compiler reruns in backward (`memory.recompute`). The attention core always does;
+    a whole block does unless it holds eager pieces (tensor parallelism's collectives,
+    the expert dispatch), which torch's checkpoint would rerun eagerly, counting an MoE
+    block's routing statistics twice and drawing tensor-parallel dropout from the wrong
+    generator state. So full recomputation is refused there, selective is not."""
     reasons = []
     if layout.pp > 1:
         reasons.append("a pipeline (pp > 1) runs the model stage by stage")
@@ -20,8 +29,11 @@ def model_refusal(layout: Layout) -> str | None:
         reasons.append("ZeRO-3 gathers each block's parameters in hooks on the block")
     if layout.cp > 1:
         reasons.append("context parallelism exchanges keys and values inside attention")
-    if layout.recompute != "none":
-        reasons.append("recomputation reruns blocks from an autograd function")
+    if layout.recompute == "full" and (layout.tp > 1 or moe):
+        where = " and ".join((["tensor parallelism's collectives"] if layout.tp > 1 else [])
+                             + (["the expert dispatch"] if moe else []))
+        reasons.append(f"full recomputation would rerun {where}, which stay eager, "
+                       "inside the compiled model (recompute=selective can)")
     if not reasons:
         return None
     return ("train.compile=model compiles the whole model in one piece, but "

@@ -202,7 +202,7 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
     mode = CompilePolicy(cfg.train.compile).mode
     # Every layout compiles its blocks (what dynamo cannot trace runs as `EagerOnly`
     # pieces); only `model` refuses some.
-    refusal = model_refusal(layout) if mode == "model" else None
+    refusal = model_refusal(layout, model_cfg.moe) if mode == "model" else None
     if refusal:
         raise PartitaError(refusal)
     validate(layout, model_cfg, layout.world_size if world_size is None else world_size,
@@ -354,7 +354,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
                                     moe_tp=layout.moe_tp)
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))
-    mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device)
+    mode, note = resolve_mode(CompilePolicy(cfg.train.compile), layout, device,
+                              moe=plan.shape.moe)
     # Blocks compile before recomputation wraps them and the engine hooks them, so both
     # stay outside the compiled code (partita.compile).
     compiled = compile_blocks(sharded.module, plan) if mode == "blocks" else None

@@ -71,6 +71,10 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, mo
     # graph of its own to compile, and float64 parity is shown by every blocks case.
     ("dp2-zero1-model-fp32", dict(zero_stage=1), dict(dtype="float32"), "model",
      COMPILED_FP32_TOL, {}),
+    # Full recomputation inside the whole compiled model: each block a checkpoint region
+    # the compiler reruns in backward.
+    ("dp2-zero1-model-recompute", dict(zero_stage=1, recompute="full"), dict(lr=1e-2),
+     "model", FLOAT64_TOL, {}),
     # Context parallelism at dp=1: ZeRO-3 shards over the cp ranks. The all-gather kind
     # reuses the ring's graphs: the attention core is an eager piece between them.
     ("cp2-ring-zero3", dict(cp=2, zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks",

@@ -40,9 +40,25 @@ def test_unknown_mode_is_refused_with_the_choices():
 
 def test_model_mode_names_what_stands_in_its_way():
     assert model_refusal(Layout(dp=2, zero_stage=1)) is None
-    text = model_refusal(Layout(dp=2, zero_stage=3, recompute="full"))
+    text = model_refusal(Layout(dp=2, zero_stage=3, recompute="full", tp=2))
     assert "ZeRO-3" in text and "recomputation" in text and "compile=blocks" in text
     assert "context parallelism" in model_refusal(Layout(cp=2))
+
+
+def test_model_mode_takes_recomputation_that_traces_whole():
+    # A dense block, or any attention core, is a checkpoint region of the compiled model.
+    for layout in (Layout(dp=2, recompute="full"), Layout(dp=2, recompute="selective"),
+                   Layout(tp=2, sequence_parallel=True, recompute="selective")):
+        assert model_refusal(layout) is None
+    assert model_refusal(Layout(dp=2, ep=2, recompute="selective"), moe=True) is None
+    # A whole block with eager pieces inside is not.
+    text = model_refusal(Layout(tp=2, recompute="full"))
+    assert "tensor parallelism's collectives" in text and "recompute=selective" in text
+    assert "expert dispatch" in model_refusal(Layout(dp=2, recompute="full"), moe=True)
+    assert model_refusal(Layout(dp=2, recompute="full"), moe=False) is None
+    with pytest.raises(PartitaError, match="expert dispatch"):
+        resolve_mode(CompilePolicy("model"), Layout(dp=2, recompute="full"), CPU, works,
+                     moe=True)
     with pytest.raises(PartitaError, match="ZeRO-3"):
         resolve_mode(CompilePolicy("model"), Layout(dp=2, zero_stage=3), CPU, works)
 

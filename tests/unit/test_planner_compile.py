@@ -45,8 +45,10 @@ def test_the_gain_follows_tokens_and_width():
 def test_model_mode_falls_back_to_blocks_where_the_trainer_refuses_it():
     assert compile_in_effect("model", Layout(dp=2, zero_stage=1)) == "model"
     for layout in (Layout(dp=2, zero_stage=3), Layout(pp=2), Layout(cp=2),
-                   Layout(dp=2, recompute="full")):
+                   Layout(tp=2, recompute="full")):
         assert compile_in_effect("model", layout) == "blocks"
+    assert compile_in_effect("model", Layout(dp=2, recompute="full")) == "model"
+    assert compile_in_effect("model", Layout(dp=2, recompute="full"), moe=True) == "blocks"
     assert compile_in_effect("auto", Layout(dp=2)) == "blocks"
     assert compile_in_effect("none", Layout(dp=2)) == "none"
 

@@ -29,14 +29,15 @@ from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 
 
-def compile_in_effect(mode: str, layout: Layout) -> str:
+def compile_in_effect(mode: str, layout: Layout, moe: bool = False) -> str:
     """The mode a run of `layout` compiles with when asked for `mode`: `auto` compiles
     blocks (as the trainer resolves it where the toolchain works), and `model` falls back
-    to blocks on a layout that cannot be compiled in one piece (`model_refusal`: the
-    trainer refuses those, the planner shows what blocks would give)."""
+    to blocks on a layout that cannot be compiled in one piece (`model_refusal`, `moe`
+    for a model with mixture-of-experts blocks: the trainer refuses those, the planner
+    shows what blocks would give)."""
     if mode not in MODES:
         raise ValueError(f"compile mode {mode!r} is not one of {', '.join(MODES)}")
-    if mode == "auto" or (mode == "model" and model_refusal(layout)):
+    if mode == "auto" or (mode == "model" and model_refusal(layout, moe)):
         return "blocks"
     return mode
 

@@ -114,7 +114,7 @@ def evaluate(req: Request, layout: Layout, timed: bool = True) -> Evaluation:
     if any(k == DIVISIBILITY for k, _ in ev.reasons):
         return ev
     m = num_microbatches(layout, req.global_batch)
-    ev.compile = compile_in_effect(req.compile, layout)
+    ev.compile = compile_in_effect(req.compile, layout, req.model.is_moe)
     if layout.zero_stage == 3 and req.keep_gathered is not None:
         ev.kept_units = (most_kept_units(req, layout, m, _judged_by(req, ev))
                          if req.keep_gathered == "auto" else int(req.keep_gathered))
