@@ -130,6 +130,12 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     # Compiled blocks: what a compiled block saves, what a zero-bubble stage holds between
     # I and W (their weight gradients), and selective recompute inside them.
     out[1] += [Case(compile="blocks", dtype=d, shape=shape) for d in DTYPES]
+    # The whole model compiled: its final norm fused, and recomputed blocks rerun inside
+    # the compiled backward.
+    out[1] += [Case(compile="model", dtype=d, shape=shape) for d in DTYPES]
+    out[1] += [Case(compile="model", recompute=rc, shape=shape) for rc in ("selective", "full")]
+    out[2] += [Case(dp=2, zero=1, compile="model", recompute="full", dtype="bfloat16",
+                    shape=shape), Case(tp=2, sp=True, compile="model", shape=shape)]
     out[2] += [Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks", shape=shape),
                Case(pp=2, microbatches=4, recompute="selective", compile="blocks",
                     shape=shape)]

@@ -85,7 +85,7 @@ class Case:
     cp_kind: str = "ring"  # ring or allgather
     ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
     moe_tp: str = "replicate"  # MoE blocks under tp: replicated, "experts" or "hidden" split
-    compile: str = "none"  # train.compile: none or blocks
+    compile: str = "none"  # train.compile: none, blocks or model
 
     @property
     def world(self) -> int:

@@ -211,7 +211,14 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Bytes one layer keeps between its forward and backward under layout.recompute."""
     if layout.recompute == "full":
-        return layer_input_bytes(model, layout, seq_len, precision)
+        kept = layer_input_bytes(model, layout, seq_len, precision)
+        if assumptions.compiled_model:
+            # A checkpoint region of the compiled model: the compiler reruns it from its
+            # inputs, the rotary tables among them, and a saved generator state (its
+            # attention kernel takes a dropout argument).
+            terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
+            kept += terms.get("rotary_tables", 0.0) + assumptions.generator_state_bytes
+        return kept
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if selective_reruns_core(layout):
         terms["attention_scores"] = 0.0  # recomputed from Q and K in backward
@@ -292,6 +299,8 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if layout.recompute == "selective" and (not selective_reruns_core(layout)
                                             or assumptions.compiled_blocks):
         return 0.0  # context parallelism: nothing reruns; compiled: see above
+    if layout.recompute == "full" and assumptions.compiled_model:
+        return 0.0  # the block reruns inside the compiled model's backward
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if layout.recompute == "selective":
         return terms["attention_scores"] + terms["attention_output"]

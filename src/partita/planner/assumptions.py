@@ -128,6 +128,13 @@ class Assumptions:
     # compiler reruns its kernel from (the kernel takes a dropout argument): a CUDA
     # generator's seed and offset, or a CPU generator's whole state (`measured_cpu`).
     generator_state_bytes: float = 16.0
+    # Set for `train.compile=model` on a model whose blocks compile fused
+    # (`planner.compiled`): the final norm compiles with the rest (its input and rsqrt
+    # kept, the normalised output recomputed), each block saves its own rotary tables,
+    # and a fully recomputed block reruns inside the compiled backward (from a saved
+    # generator state), whose working memory is not counted, as for every operation the
+    # compiler recomputes.
+    compiled_model: bool = False
     # Without sequence parallelism, tp ranks hold the same stage output: Megatron-LM
     # sends 1/tp of it each and all-gathers it over NVLink on arrival (Narayanan et al.
     # 2021, sec. 4.1, "scatter/gather"); DeepSpeed's engine partitions it likewise.

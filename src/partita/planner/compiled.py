@@ -52,14 +52,20 @@ def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumpt
     same bytes either way, and an MoE block's experts run eagerly, so both are left as
     they are; so are presets that already describe fused kernels (`compile_gain` off).
     Whatever the model and preset, a compiled block's backward is one node
-    (`Assumptions.compiled_blocks`: what a zero-bubble stage holds between I and W)."""
+    (`Assumptions.compiled_blocks`: what a zero-bubble stage holds between I and W).
+    Under `model` (`Assumptions.compiled_model`) the final norm compiles too, each block
+    saves its rotary tables (the compiled model computes them inside), and a fully
+    recomputed block reruns inside the compiled backward: measured against `blocks` on
+    plan-accuracy's model (the final norm 4 bytes per token and hidden element fewer,
+    2 x seq x head_dim/2 table elements more per block)."""
     if mode == "none":
         return a
     a = _whole_block_backward(a)
     if (not a.compile_gain or a.norm_kernel != "eager"
             or model.config.flavour != "llama" or model.is_moe):
         return a
-    return _compiled_block_activations(a)
+    a = _compiled_block_activations(a)
+    return _compiled_model_activations(a) if mode == "model" else a
 
 
 # One object per search, not one per layout: memoised terms know it by identity.
@@ -72,3 +78,8 @@ def _whole_block_backward(a: Assumptions) -> Assumptions:
 def _compiled_block_activations(a: Assumptions) -> Assumptions:
     return replace(a, norm_kernel="compiled", swiglu_saved_tensors=3,
                    rotary_tables_saved=False)
+
+
+@memoised()
+def _compiled_model_activations(a: Assumptions) -> Assumptions:
+    return replace(a, compiled_model=True, rotary_tables_saved=True)

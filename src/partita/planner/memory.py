@@ -300,10 +300,14 @@ def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
     tensors plus the head's input (gathered along the sequence under sp by partita)."""
     if assumptions.norm_kernel == "fused":
         return layer_input_bytes(model, layout, seq_len, precision)
-    if assumptions.norm_kernel == "compiled":  # the final norm is outside the blocks
-        assumptions = replace(assumptions, norm_kernel="eager")
+    if assumptions.norm_kernel == "compiled" and not assumptions.compiled_model:
+        assumptions = replace(assumptions, norm_kernel="eager")  # outside the blocks
     tokens = microbatch_tokens(layout, seq_len)
     sp_div = layout.tp if layout.sequence_parallel else 1
+    if assumptions.compiled_model and layout.recompute == "full":
+        # With the blocks rerun in backward the compiler reruns the final norm too, from
+        # its input and rsqrt, and keeps no head input (measured, `planner.compiled`).
+        return norm_bytes(model, tokens / sp_div, precision, assumptions)
     in_div = 1 if assumptions.sp_saves_gathered_input else sp_div
     return (norm_bytes(model, tokens / sp_div, precision, assumptions)
             + precision.activation * tokens * model.config.dim / in_div)
