@@ -69,6 +69,8 @@ CASES = {
         # with selective recompute the compiled core's output is rerun too.
         Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks"),
         Case(pp=2, microbatches=4, compile="blocks", recompute="selective"),
+        # Under tp the compiled core's output is kept (its pieces end at the collectives).
+        Case(tp=2, sp=True, compile="blocks", recompute="selective", dtype=BF16),
         Case(pp=2, microbatches=4, recompute="selective"),
         Case(dp=2, zero=1, offload="optimizer", dtype=BF16),
         Case(dp=2, zero=3, offload="optimizer+params"),

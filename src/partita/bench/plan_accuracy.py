@@ -138,7 +138,8 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
                     shape=shape), Case(tp=2, sp=True, compile="model", shape=shape)]
     out[2] += [Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks", shape=shape),
                Case(pp=2, microbatches=4, recompute="selective", compile="blocks",
-                    shape=shape)]
+                    shape=shape),
+               Case(tp=2, sp=True, recompute="selective", compile="blocks", shape=shape)]
     return out
 
 

@@ -223,10 +223,13 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
     if selective_reruns_core(layout):
         terms["attention_scores"] = 0.0  # recomputed from Q and K in backward
         if assumptions.compiled_blocks:
-            # Inside a compiled block the core's output, which eager keeps as the output
-            # projection's input, is rerun with it (`memory.recompute`), from a saved
-            # generator state.
-            terms["attention_output"] = assumptions.generator_state_bytes
+            # Inside a compiled block the core reruns from a saved generator state
+            # (`memory.recompute`). Without tp its output, which eager keeps as the
+            # output projection's input, is rerun with it; under tp, where the block's
+            # compiled pieces end at the collectives, the output is kept (measured: tp=2,
+            # with and without sp, fp32 and bf16, compiled blocks and model).
+            kept = terms["attention_output"] if layout.tp > 1 else 0.0
+            terms["attention_output"] = kept + assumptions.generator_state_bytes
     return sum(terms.values())
 
 
