@@ -142,7 +142,12 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     # The launcher learns its workers' exit codes through the server, so the server must
     # outlive a SIGTERM or SIGHUP sent to the whole job (a scheduler's stop, a closed
     # terminal). An ignored signal stays ignored across the exec that starts the server;
-    # each worker restores the default (`_run_reporting_errors`).
+    # each worker restores the default (`_run_reporting_errors`). While this process
+    # ignores them too, the signals are also blocked: Linux discards an ignored signal
+    # when it is sent, but queues a blocked one, so a SIGTERM sent in that window reaches
+    # the launcher's own handler once it is back (it used to be lost, and the job trained
+    # on). The server and its workers inherit the block; the workers lift it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
     environ = dict(os.environ)
     # torch's C++ warnings carry a native stack trace each: when a job ends badly (its
@@ -166,6 +171,7 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
         os.environ.update(environ)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)  # delivers one pending
 
 
 def stop_worker_server() -> None:
@@ -365,10 +371,13 @@ def _run_reporting_errors(fn: Callable, *args):
     with the process's rank, before the process dies. (The elastic agent files it in
     an error record that nothing shows, which left the parent pointing at a message
     no one printed.) Functions that print their own message exit via SystemExit."""
-    for sig in SERVER_IGNORES:  # ignored in the fork server this process comes from
+    for sig in SERVER_IGNORES:  # ignored (and blocked) in the fork server it comes from
         signal.signal(sig, signal.SIG_DFL)
     stop_on_signals()
     try:
+        # Unblocked once the handlers are in place: a SIGTERM sent while this process
+        # started is a stop before the first step, not a death by signal.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)
         result = fn(*args)
     except Stopped as exc:
         # Leave at once: the agent sends SIGTERM to every worker once one fails or is

@@ -1,0 +1,43 @@
+"""A SIGTERM sent while the launcher starts its worker server is not lost.
+
+The server must ignore SIGTERM (it reports the workers' exit codes after a job-wide
+stop), and it inherits that from the launcher, which ignores the signal for the moment
+it starts the server. A signal sent in that moment used to be discarded, and the job
+trained on as if never asked to stop (seen once in CI: a SIGTERM right after start-up,
+the run still training 120 s later). The launcher now also blocks the signal then, so
+it waits, and its own handler receives it once it is back.
+
+Run in a fresh interpreter, as the launcher is when it starts the server: before torch
+is imported, with no other thread (a thread that does not block the signal would take
+it while it is ignored).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PROBE = """
+import os, signal, time
+from multiprocessing import forkserver
+from partita import launch
+
+received = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+# The moment the launcher ignores the signal: where the server would be started.
+forkserver.ensure_running = lambda: os.kill(os.getpid(), signal.SIGTERM)
+launch.start_worker_server(())
+deadline = time.monotonic() + 5  # Python runs the handler at its next check
+while not received and time.monotonic() < deadline:
+    time.sleep(0.01)
+blocked = signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+print(received == [signal.SIGTERM], signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, blocked)
+"""
+
+
+def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher():
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # received, still ignored afterwards, still blocked afterwards
+    assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr[-2000:]
