@@ -122,6 +122,8 @@ def _alive(pid: int) -> bool:
 
 
 TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+# The process that started the fork server (forked children start their own).
+_server_started_by: int | None = None
 
 
 def start_worker_server(preload: tuple[str, ...]) -> None:
@@ -134,6 +136,13 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     spawn: no threads, no CUDA context. Calling it again changes nothing.
     """
     import multiprocessing
+    global _server_started_by
+    if _server_started_by == os.getpid():
+        # Started already (`partita train` starts it before its checks, `launch` asks
+        # again): no second moment of ignoring SIGTERM. By then torch's threads exist,
+        # and one that does not block the signal would take it while it is ignored: a
+        # SIGTERM in that moment was lost and the job trained on.
+        return
     from multiprocessing import forkserver
 
     from partita.local_world import short_socket_folder
@@ -166,6 +175,7 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     try:
         short_socket_folder()
         forkserver.ensure_running()  # the server inherits this environment
+        _server_started_by = os.getpid()
     finally:
         os.environ.clear()
         os.environ.update(environ)
@@ -181,8 +191,10 @@ def stop_worker_server() -> None:
     and stderr open until then, for whatever reads them to the end (a pipe, `tee`).
     (multiprocessing has no public call for it: the server's pid is read where the
     standard library keeps it, and nothing happens where it is not found.)"""
+    global _server_started_by
     from multiprocessing import forkserver
 
+    _server_started_by = None  # a later launch starts a new one
     pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     if pid is not None:
         with suppress(ProcessLookupError):

@@ -14,8 +14,10 @@ it while it is ignored).
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from multiprocessing import forkserver
 
 PROBE = """
 import os, signal, time
@@ -41,3 +43,19 @@ def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher():
     assert done.returncode == 0, done.stderr[-2000:]
     # received, still ignored afterwards, still blocked afterwards
     assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr[-2000:]
+
+
+def test_a_second_start_leaves_the_signals_alone(monkeypatch):
+    """`launch` asks for the server again after `partita train` started it, when torch's
+    threads exist: ignoring SIGTERM then, even blocked in this thread, lost a signal that
+    another thread took. A second start must not touch the signals at all."""
+    from partita import launch
+
+    monkeypatch.setattr(forkserver, "ensure_running", lambda: None)
+    monkeypatch.setattr(launch, "_server_started_by", None)
+    launch.start_worker_server(())
+    touched = []
+    monkeypatch.setattr(signal, "signal", lambda *args: touched.append(args))
+    monkeypatch.setattr(signal, "pthread_sigmask", lambda *args: touched.append(args))
+    launch.start_worker_server(())
+    assert touched == []
