@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from partita.errors import PartitaError
+from partita.models.attention_kernel import KERNELS
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ModelConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     seed: int = 0  # initialisation seed; every parameter derives its own from its name
+    # Attention kernel: "auto", "sdpa" or "explicit" (partita.models.attention_kernel).
+    # Not part of the model's shape: a checkpoint resumes under any of them.
+    attention: str = "auto"
     # RoPE frequency scaling: "" (none) or "llama3" (Llama 3.1's: low frequencies divided
     # by rope_factor, high ones kept, a smooth ramp between; the wavelength bounds are
     # rope_original_max_len / rope_low_freq_factor and / rope_high_freq_factor).
@@ -70,6 +74,12 @@ class ModelConfig:
             raise PartitaError(
                 f"model.flavour='{self.flavour}' is unknown; use 'llama' (RMSNorm, rotary, "
                 "SwiGLU) or 'gpt2' (LayerNorm, learned positions, GELU)."
+            )
+        if self.attention not in KERNELS:
+            raise PartitaError(
+                f"model.attention='{self.attention}' is unknown; use 'auto' (explicit scores "
+                "for short bf16 sequences on a CPU, torch's fused kernel otherwise), 'sdpa' "
+                "(always torch's scaled_dot_product_attention) or 'explicit'."
             )
         if self.rope_scaling not in ("", "llama3"):
             raise PartitaError(

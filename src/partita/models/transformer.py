@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from partita.eager_only import trace_time_constant
 from partita.models import plan as roles
+from partita.models.attention_kernel import uses_explicit_scores
 from partita.models.documents import attention_mask
 from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE
@@ -142,27 +143,65 @@ class AttentionCore(nn.Module):
     math or memory-efficient kernel (the CUDA flash kernel takes no mask; the CPU one
     does); without segments, is_causal lets it use any kernel.
 
+    `kernel` ("auto", "sdpa", "explicit": `model.attention`) picks between that and
+    `explicit_attention` per call (`partita.models.attention_kernel`: explicit scores
+    for short bf16 sequences on a CPU under "auto").
+
     Grouped-query attention: k and v come with their own (fewer) heads. torch's CPU
     flash kernel reads a query head's kv head in place (`enable_gqa`), masked or not, so
     no repeated copy of K and V is made, saved for backward or summed back in it (the
     tiny model's attention forward + backward: 0.90 of the time with the copies; its
-    eager step: 0.976, docs/benchmarks.md). On CUDA the heads are repeated
-    first: the memory-efficient kernel, which fp32 and masks use there, does not take
-    grouped heads, and SDPA would fall back to its math kernel.
+    eager step: 0.976, docs/benchmarks.md); so does `explicit_attention`. On CUDA the
+    heads are repeated first for sdpa: the memory-efficient kernel, which fp32 and masks
+    use there, does not take grouped heads, and SDPA would fall back to its math kernel.
     """
 
     takes_kv_heads = True
 
+    def __init__(self, kernel: str = "auto") -> None:
+        super().__init__()
+        self.kernel = kernel
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        grouped = k.shape[1] != q.shape[1]
+        b, heads, s, _ = q.shape
+        if k.shape[2] == s and uses_explicit_scores(self.kernel, q.device.type,
+                                                    str(q.dtype).removeprefix("torch."),
+                                                    b * heads * s * s):
+            return explicit_attention(q, k, v, segments)
+        grouped = k.shape[1] != heads
         if grouped and q.device.type != "cpu":
-            k, v = repeat_kv_heads(k, v, q.shape[1])
+            k, v = repeat_kv_heads(k, v, heads)
             grouped = False
         if segments is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(segments),
                                               enable_gqa=grouped)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention as two batched GEMMs around a softmax, for q (batch, heads, seq,
+    head_dim) and k, v with kv_heads dividing heads (query heads 0..g-1 share kv head 0).
+
+    The query heads of one kv head are stacked as rows of one GEMM, so K and V are never
+    copied per query head and their gradients need no summing. The mask is added (0 or
+    -inf) rather than filled in, so nothing but the softmax output is saved for it:
+    masked scores get probability 0 and so no gradient. torch's softmax on bf16 input
+    accumulates in fp32 and rounds its output to bf16, as the flash kernels do.
+    """
+    b, heads, s, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    q = (q * d ** -0.5).reshape(b, kv_heads, group * s, d)
+    scores = (q @ k.transpose(-1, -2)).view(b, kv_heads, group, s, s)
+    if segments is None:  # -inf above the diagonal
+        bias = torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+    else:  # (batch, 1, 1, seq, seq): every head of every group
+        bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(
+            ~attention_mask(segments)[:, :, None], float("-inf"))
+    probs = torch.softmax(scores + bias, dim=-1)
+    return (probs.view(b, kv_heads, group * s, s) @ v).view(b, heads, s, d)
 
 
 def repeat_kv_heads(k: torch.Tensor, v: torch.Tensor, heads: int
@@ -189,7 +228,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
-        self.core = AttentionCore()
+        self.core = AttentionCore(cfg.attention)
 
     def forward(self, x: torch.Tensor, position_offset: int = 0,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
