@@ -57,7 +57,12 @@ CASES = {
         Case(offload="optimizer+disk", dtype=BF16),
         # The whole model compiled, its blocks rerun inside the compiled backward: their
         # inputs, rotary tables and generator states, the final norm's input and rsqrt.
-        Case(compile="model", recompute="full", dtype=BF16)],
+        # In bf16 its attention computes explicit scores (`model.attention = "auto"`):
+        # no generator state, one causal bias for the model's recomputed regions.
+        Case(compile="model", recompute="full", dtype=BF16),
+        Case(compile="model", recompute="full"),
+        # Selective inside compiled code around explicit scores: the core's output kept.
+        Case(compile="blocks", recompute="selective", dtype=BF16)],
     2: [Case(dp=2, zero=0), Case(dp=2, zero=1, dtype=BF16), Case(dp=2, zero=2),
         Case(dp=2, zero=3, dtype=BF16), Case(tp=2), Case(tp=2, sp=True, dtype=BF16),
         Case(pp=2, microbatches=4), Case(pp=2, microbatches=4, schedule="gpipe", dtype=BF16),

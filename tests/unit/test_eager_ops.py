@@ -74,11 +74,12 @@ FLAVOURS = {"llama": dict(n_kv_heads=2), "gpt2": dict(flavour="gpt2", tie_embedd
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_and_edge_operations_match_the_model(flavour, dtype):
-    cfg = ModelConfig(n_layers=1, **BASE, **FLAVOURS[flavour])
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_block_and_edge_operations_match_the_model(flavour, dtype, attention):
+    cfg = ModelConfig(n_layers=1, attention=attention, **BASE, **FLAVOURS[flavour])
     block, edges = _per_block(cfg, dtype=dtype)
     model = PlanModel("t", cfg)
-    fwd, bwd = eager_ops.block_ops(model, Layout(), dtype.itemsize)
+    fwd, bwd = eager_ops.block_ops(model, Layout(), dtype.itemsize, attention == "explicit")
     assert block["fwd_ops"] == pytest.approx(fwd, rel=TOL)
     assert block["bwd_ops"] == pytest.approx(bwd, rel=TOL)
     fwd, bwd = eager_ops.edge_ops(model, dtype.itemsize)
@@ -88,10 +89,21 @@ def test_block_and_edge_operations_match_the_model(flavour, dtype):
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_elementwise_bytes_match_the_model(flavour, dtype):
-    cfg = ModelConfig(n_layers=1, **BASE, **FLAVOURS[flavour])
+@pytest.mark.parametrize("attention", ["sdpa", "explicit"])
+def test_block_elementwise_bytes_match_the_model(flavour, dtype, attention):
+    """Explicit scores add their width-h pieces (`block_bytes`) and the bias add and
+    softmax over the scores, which `compute.attention_core` prices (heads x seq scores
+    per token at the measured preset's bytes per 16-bit score)."""
+    from partita.planner import Assumptions
+
+    cfg = ModelConfig(n_layers=1, attention=attention, **BASE, **FLAVOURS[flavour])
     block, _ = _per_block(cfg, dtype=dtype)
-    fwd, bwd = eager_ops.block_bytes(PlanModel("t", cfg), Layout(), dtype.itemsize)
+    explicit = attention == "explicit"
+    fwd, bwd = eager_ops.block_bytes(PlanModel("t", cfg), Layout(), dtype.itemsize, explicit)
+    if explicit:
+        a, scores = Assumptions.measured_cpu(), cfg.n_heads * 16  # per token at seq 16
+        fwd += a.eager_softmax_bytes_fwd * dtype.itemsize / 2 * scores
+        bwd += a.eager_softmax_bytes_bwd * dtype.itemsize / 2 * scores
     assert block["fwd_bytes"] == pytest.approx(fwd, rel=0.1)
     assert block["bwd_bytes"] == pytest.approx(bwd, rel=0.1)
 

@@ -134,6 +134,10 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     # the compiled backward.
     out[1] += [Case(compile="model", dtype=d, shape=shape) for d in DTYPES]
     out[1] += [Case(compile="model", recompute=rc, shape=shape) for rc in ("selective", "full")]
+    # In bf16 the model's attention computes explicit scores (`model.attention = "auto"`),
+    # which compiled recompute regions keep differently (`planner.activation_memory`).
+    out[1] += [Case(compile=c, recompute="selective", dtype="bfloat16", shape=shape)
+               for c in ("blocks", "model")]
     out[2] += [Case(dp=2, zero=1, compile="model", recompute="full", dtype="bfloat16",
                     shape=shape), Case(tp=2, sp=True, compile="model", shape=shape)]
     out[2] += [Case(pp=2, microbatches=4, schedule="zb-h1", compile="blocks", shape=shape),

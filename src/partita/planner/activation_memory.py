@@ -168,19 +168,40 @@ def norm_bytes(model: PlanModel, tokens: float, precision: Precision = MIXED,
     return tokens * ((max(e, 4) + e) * h + 4)
 
 
+def explicit_scores(model: PlanModel, layout: Layout, seq_len: int, activation_bytes: int,
+                    assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> bool:
+    """Whether attention computes (and, without selective recompute, keeps) the s x s
+    scores: always under "eager", never under "flash"; under "model" as partita's
+    `AttentionCore` decides (`partita.models.attention_kernel`; 16-bit activations
+    count as bf16, and context parallelism runs its own kernels)."""
+    kind = assumptions.attention_kernel
+    if kind != "model":
+        return kind == "eager"
+    if layout.cp > 1:
+        return False
+    from partita.models.attention_kernel import uses_explicit_scores
+
+    dtype = {2: "bfloat16", 4: "float32"}.get(activation_bytes, "float64")
+    scores = layout.microbatch_size * model.config.n_heads / layout.tp * seq_len ** 2
+    return uses_explicit_scores(model.config.attention, assumptions.device_type, dtype,
+                                scores)
+
+
 def attention_score_bytes(model: PlanModel, layout: Layout, seq_len: int,
                           precision: Precision = MIXED,
                           assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
-    """The s x s part. Eager: softmax output (+ dropout mask and output with dropout).
+    """The s x s part. Eager: softmax output (+ dropout mask and output with dropout;
+    partita's explicit scores have no dropout).
 
     Flash attention saves one fp32 log-sum-exp per head and query instead. Under
     context parallelism each GPU's queries (seq/cp) meet every key (seq).
     """
     c, e = model.config, precision.activation
     s_q, b, heads = seq_len / layout.cp, layout.microbatch_size, c.n_heads / layout.tp
-    if assumptions.attention_kernel == "flash":
+    if not explicit_scores(model, layout, seq_len, e, assumptions):
         return 4.0 * heads * s_q * b
-    per_score = e + ((1 + e) if c.dropout > 0 else 0)
+    dropout = c.dropout > 0 and assumptions.attention_kernel == "eager"
+    per_score = e + ((1 + e) if dropout else 0)
     return per_score * heads * s_q * seq_len * b
 
 
@@ -210,14 +231,17 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
                            precision: Precision = MIXED,
                            assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
     """Bytes one layer keeps between its forward and backward under layout.recompute."""
+    # A compiled region that reruns the attention core saves a generator state for it
+    # where the kernel takes a dropout argument (torch's); explicit scores draw nothing.
+    explicit = explicit_scores(model, layout, seq_len, precision.activation, assumptions)
+    generator_state = 0.0 if explicit else assumptions.generator_state_bytes
     if layout.recompute == "full":
         kept = layer_input_bytes(model, layout, seq_len, precision)
         if assumptions.compiled_model:
             # A checkpoint region of the compiled model: the compiler reruns it from its
-            # inputs, the rotary tables among them, and a saved generator state (its
-            # attention kernel takes a dropout argument).
+            # inputs, the rotary tables among them, and the generator state.
             terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
-            kept += terms.get("rotary_tables", 0.0) + assumptions.generator_state_bytes
+            kept += terms.get("rotary_tables", 0.0) + generator_state
         return kept
     terms = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     if selective_reruns_core(layout):
@@ -228,8 +252,10 @@ def layer_activation_bytes(model: PlanModel, layout: Layout, seq_len: int,
             # output projection's input, is rerun with it; under tp, where the block's
             # compiled pieces end at the collectives, the output is kept (measured: tp=2,
             # with and without sp, fp32 and bf16, compiled blocks and model).
-            kept = terms["attention_output"] if layout.tp > 1 else 0.0
-            terms["attention_output"] = kept + assumptions.generator_state_bytes
+            # Explicit scores: the output is kept without tp too (measured, bf16: the
+            # compiler saves the product rather than rerun the two GEMMs behind it).
+            kept = terms["attention_output"] if layout.tp > 1 or explicit else 0.0
+            terms["attention_output"] = kept + generator_state
     return sum(terms.values())
 
 

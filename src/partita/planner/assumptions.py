@@ -85,8 +85,13 @@ class Assumptions:
     # (read + write), the gradient read, the 16-bit parameter written.
     optimizer_bytes_per_param: float = 32.0
     # Attention kernel: "flash" keeps no s x s score matrix (only a log-sum-exp per
-    # row); "eager" saves softmax output (and dropout mask and output when dropout > 0).
+    # row); "eager" saves softmax output (and dropout mask and output when dropout > 0);
+    # "model": what partita's model picks per call on `device_type` under its
+    # `model.attention` (`partita.models.attention_kernel`; its explicit scores keep the
+    # softmax output alone: its attention has no dropout).
     attention_kernel: str = "flash"
+    # "cpu" or "cuda": the device partita's model runs on, where its choices depend on it.
+    device_type: str = "cuda"
     # Tensors of width h a norm saves: 1 with a fused kernel (its input), 2 in eager
     # PyTorch (input and normalised output, for the weight's gradient).
     norm_saved_tensors: int = 1
@@ -224,9 +229,10 @@ class Assumptions:
     disk_host_budget_bytes: float = 1.0e9
 
     def __post_init__(self) -> None:
-        if self.attention_kernel not in ("flash", "eager"):
+        if self.attention_kernel not in ("flash", "eager", "model"):
             raise PartitaError(
-                f"attention_kernel={self.attention_kernel!r}: use 'flash' or 'eager'."
+                f"attention_kernel={self.attention_kernel!r}: use 'flash', 'eager' or "
+                "'model'."
             )
         if self.norm_kernel not in ("fused", "eager", "compiled"):
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused', 'eager' or "
@@ -254,7 +260,10 @@ class Assumptions:
 
         torch's CPU scaled-dot-product attention is a flash-style kernel (it saves Q, K,
         V, the output and an fp32 log-sum-exp, no s x s scores) that reads grouped kv
-        heads in place (K and V keep the kv heads' width); everything else eager:
+        heads in place (K and V keep the kv heads' width); short bf16 sequences take
+        explicit scores instead (`attention_kernel="model"`), which keep the bf16
+        softmax output and no log-sum-exp, and whose bias add and softmax move 8 bytes
+        per score forward and 6 backward; everything else eager:
         SwiGLU keeps gate, silu(gate), up and their product; the loss (`partita.loss`)
         keeps one fp32 element per vocabulary entry, and while it runs the logits or
         their gradient beside it (`loss_transients`). `partita_on_gpu()` is the same
@@ -273,7 +282,9 @@ class Assumptions:
         fixed cost per kernel: the profile's `eager_op_s` (3.5-12 us here) prices every
         eager operation the model runs (`planner.eager_ops`), the GEMMs' among them.
         """
-        return cls(attention_kernel="flash", norm_kernel="eager", swiglu_saved_tensors=4,
+        return cls(attention_kernel="model", device_type="cpu",
+                   eager_softmax_bytes_fwd=8.0, eager_softmax_bytes_bwd=6.0,
+                   norm_kernel="eager", swiglu_saved_tensors=4,
                    logits_bytes_per_element=4.0, gqa_expanded_kv=False,
                    rotary_tables_saved=True, sp_saves_gathered_input=True,
                    whole_kv_replicas=True, tp_boundary_comm=True, zero3_keeps_root=True,
@@ -297,7 +308,8 @@ class Assumptions:
         kernels = {f: getattr(gpu, f) for f in KERNEL_FIELDS}
         kernels.update(flash_fwd_fraction=PARTITA_GPU_FLASH[0],
                        flash_bwd_fraction=PARTITA_GPU_FLASH[1])
-        return replace(cls.measured_cpu(), compile_gain=True, gqa_expanded_kv=True,
+        return replace(cls.measured_cpu(), device_type="cuda", compile_gain=True,
+                       gqa_expanded_kv=True,
                        host_op_s=HOST_OP_S, generator_state_bytes=gpu.generator_state_bytes,
                        **kernels)
 

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from partita.layout import OVERLAP_OPTIONS, Layout
+from partita.planner.activation_memory import explicit_scores
 from partita.planner.assumptions import Assumptions
 from partita.planner.context_parallel import attention_pairs_fraction
 from partita.planner.eager_ops import (
@@ -107,7 +108,7 @@ def memory_time(nbytes: float, gpu: GPUSpec, a: Assumptions, kernels: int = 1) -
 
 
 def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
-                   a: Assumptions) -> tuple[float, float]:
+                   a: Assumptions, elem_bytes: int = 2) -> tuple[float, float]:
     """(forward, backward) seconds of the score/softmax/value part for one microbatch.
 
     Flash kernels skip the masked half of a causal score matrix and reach
@@ -124,7 +125,7 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
         # Explicit-score pieces (planner.context_parallel): the rank's queries meet
         # (2c+2)/(4c) of the sequence's keys on average, the own pair's block whole.
         kv = seq_len * attention_pairs_fraction(layout) * layout.cp
-    elif a.attention_kernel == "flash":
+    elif not explicit_scores(model, layout, seq_len, elem_bytes, a):
         flops = 4.0 * b * heads * q * kv * hd * 0.5  # causal: masked tiles skipped
         rate = gpu.peak_flops * gemm_fraction(gpu, a) * hd / (hd + a.gemm_k_half)
         fwd = flops / (rate * a.flash_fwd_fraction) + a.kernel_overhead_s
@@ -132,10 +133,11 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
         return fwd, bwd
     bh = b * heads
     scores = bh * q * kv
+    per_score = elem_bytes / 2  # the softmax bytes are given for 16-bit scores
     fwd = (gemm_time(q, kv, hd, gpu, a, bh) + gemm_time(q, hd, kv, gpu, a, bh)
-           + memory_time(a.eager_softmax_bytes_fwd * scores, gpu, a, 2))
+           + memory_time(a.eager_softmax_bytes_fwd * per_score * scores, gpu, a, 2))
     bwd = (2 * gemm_time(q, kv, hd, gpu, a, bh) + 2 * gemm_time(q, hd, kv, gpu, a, bh)
-           + memory_time(a.eager_softmax_bytes_bwd * scores, gpu, a, 2))
+           + memory_time(a.eager_softmax_bytes_bwd * per_score * scores, gpu, a, 2))
     return fwd, bwd
 
 
@@ -178,7 +180,7 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     # Backward: the input gradient (m x k from m x n) and the weight gradient (k x n).
     gemm_bwd = sum(n_ * (gemm_time(m, k, n, gpu, a) + gemm_time(k, n, m, gpu, a))
                    for m, n, k, n_ in weights)
-    core_fwd, core_bwd = attention_core(model, layout, seq_len, gpu, a)
+    core_fwd, core_bwd = attention_core(model, layout, seq_len, gpu, a, elem_bytes)
     # Memory-bound elementwise work per token: two norms (read + write h each), two
     # residual adds (read 2h, write h), the activation (read up, write ffn), dropout
     # masks when the model has dropout; backward moves about twice the forward's bytes.
@@ -188,16 +190,18 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
     moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     moved_bwd = 2 * moved_fwd
-    ops_fwd, ops_bwd = block_ops(model, layout, elem_bytes)
+    explicit = explicit_scores(model, layout, seq_len, elem_bytes, a)
+    ops_fwd, ops_bwd = block_ops(model, layout, elem_bytes, explicit)
     if compiled != "none" and a.eager_elementwise and not model.is_moe:
         # Fused by the compiler: the fused bytes at the run's width, few kernel calls.
         moved_fwd = elem_bytes * tokens * (h_elems + f_elems)
         moved_bwd = 2 * moved_fwd
-        ops_fwd, ops_bwd = compiled_block_ops(model)
+        ops_fwd, ops_bwd = compiled_block_ops(model, explicit)
         if compiled == "blocks":
             ops_fwd, ops_bwd = ops_fwd + COMPILED_REGION_OPS[0], ops_bwd + COMPILED_REGION_OPS[1]
     elif a.eager_elementwise:  # partita's eager operations, counted (planner.eager_ops)
-        moved_fwd, moved_bwd = (tokens * b for b in block_bytes(model, layout, elem_bytes))
+        moved_fwd, moved_bwd = (tokens * b for b in block_bytes(model, layout, elem_bytes,
+                                                                 explicit))
     mem_fwd = memory_time(moved_fwd, gpu, a, a.elementwise_kernels)
     mem_bwd = memory_time(moved_bwd, gpu, a, a.elementwise_kernels)
     mem_fwd += ops_fwd * gpu.eager_op_s
@@ -253,7 +257,8 @@ def host_times(model: PlanModel, layout: Layout, gpu: GPUSpec, a: Assumptions,
     GPT-2 block cost the host as much as the eager block it replaced (docs/planner.md)."""
     if not (a.host_op_s and a.eager_elementwise) or gpu.eager_op_s:
         return 0.0, 0.0, 0.0
-    fwd, bwd = block_ops(model, layout, elem_bytes)
+    # Explicit scores only where asked for by name: "auto" picks them on CPUs alone.
+    fwd, bwd = block_ops(model, layout, elem_bytes, model.config.attention == "explicit")
     edge_fwd, edge_bwd = edge_ops(model, elem_bytes)
     return ((fwd * (1 + forward_reruns) + bwd) * a.host_op_s,
             (edge_fwd + edge_bwd) * a.host_op_s, step_operations * a.host_op_s)

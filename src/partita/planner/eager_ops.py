@@ -42,6 +42,14 @@ EXPERT_OPS = (12, 20)
 # Dropout > 0: a mask and its product after attention and after the MLP.
 DROPOUT_BLOCK_OPS = (8, 2)
 DROPOUT_EDGE_OPS = (4, 1)
+# Explicit-score attention (`models.transformer.explicit_attention`) in place of torch's
+# kernel: its scaling, copies, mask, softmax and the products' reshapes (counted as
+# BLOCK_OPS are: 25 and 24 more, llama and gpt2, fp32 and bf16), and per token the bytes
+# its width-h pieces move, e * h / t times these (Q scaled and copied into the grouped
+# layout, K and V made contiguous for the batched products; measured 8.75-10.75 forward,
+# 5-8 backward); the scores' own bytes are attention's (`compute.attention_core`).
+EXPLICIT_ATTENTION_OPS = (25, 24)
+EXPLICIT_ATTENTION_BYTES = (9.0, 6.0)
 # Embedding, final norm, output layer and the loss.
 EDGE_OPS = {"llama": (26, 35), "gpt2": (23, 24)}
 # Compiled (`train.compile`, inductor): a block's elementwise operations become a few
@@ -96,10 +104,11 @@ def _flavour(model: PlanModel) -> str:
     return "gpt2" if model.config.flavour == "gpt2" else "llama"
 
 
-def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[float, float]:
+def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4, explicit: bool = False
+              ) -> tuple[float, float]:
     """(forward, backward) operations of one block of `model` for one microbatch with
-    `elem_bytes`-wide parameters; an MoE model's blocks are MoE blocks
-    (`PlanModel.dense_blocks` gives the dense ones)."""
+    `elem_bytes`-wide parameters, its attention `explicit` scores or torch's kernel; an
+    MoE model's blocks are MoE blocks (`PlanModel.dense_blocks` gives the dense ones)."""
     if model.is_moe:
         experts = model.moe.num_experts / (layout.ep * layout.experts_over_tp)
         fwd = MOE_BLOCK_OPS[0] + experts * EXPERT_OPS[0]
@@ -110,31 +119,42 @@ def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4) -> tuple[fl
         fwd, bwd = fwd + DROPOUT_BLOCK_OPS[0], bwd + DROPOUT_BLOCK_OPS[1]
     if elem_bytes <= 2 and _flavour(model) == "llama":
         fwd, bwd = fwd + REAL_ROTARY_OPS[0], bwd + REAL_ROTARY_OPS[1]
+    if explicit:
+        fwd, bwd = fwd + EXPLICIT_ATTENTION_OPS[0], bwd + EXPLICIT_ATTENTION_OPS[1]
     return float(fwd), float(bwd)
 
 
-def compiled_block_ops(model: PlanModel) -> tuple[float, float]:
+def compiled_block_ops(model: PlanModel, explicit: bool = False) -> tuple[float, float]:
     """(forward, backward) host cost of one compiled dense block inside a compiled graph,
     in eager operations' worth: its kernel calls (each linear layer's GEMM, two in
-    backward, the attention kernel and the generated kernels) at `COMPILED_CALL_OPS`.
+    backward, the attention kernel or, for `explicit` scores, two batched products
+    forward and four backward, and the generated kernels) at `COMPILED_CALL_OPS`.
     A compiled region's own calls are `COMPILED_REGION_OPS` on top."""
     linears = 4 + (3 if model.config.gated_mlp else 2)
     fused_fwd, fused_bwd = COMPILED_BLOCK_KERNELS
-    return ((linears + 1 + fused_fwd) * COMPILED_CALL_OPS[0],
-            (2 * linears + 1 + fused_bwd) * COMPILED_CALL_OPS[1])
+    core_fwd, core_bwd = (2, 4) if explicit else (1, 1)
+    return ((linears + core_fwd + fused_fwd) * COMPILED_CALL_OPS[0],
+            (2 * linears + core_bwd + fused_bwd) * COMPILED_CALL_OPS[1])
 
 
-def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int) -> tuple[float, float]:
+def block_bytes(model: PlanModel, layout: Layout, elem_bytes: int, explicit: bool = False
+                ) -> tuple[float, float]:
     """(forward, backward) bytes per token a block's elementwise operations move on one
     rank, with `elem_bytes`-wide parameters: width-h work is split over tp only under
-    sequence parallelism, the MLP's over tp (an MoE's tokens visit top_k experts)."""
+    sequence parallelism, the MLP's over tp (an MoE's tokens visit top_k experts);
+    `explicit`: attention's width-h pieces around explicit scores too."""
     c = model.config
     (fh, ff), (bh, bf) = BLOCK_BYTES[_flavour(model), 2 if elem_bytes <= 2 else 4]
     t = layout.tp
     h = c.dim / t if layout.sequence_parallel or t == 1 else c.dim
     ffn = (model.expert_ffn * model.moe.top_k / layout.expert_tp if model.is_moe
            else c.ffn_hidden / t)
-    return fh * h + ff * ffn, bh * h + bf * ffn
+    fwd, bwd = fh * h + ff * ffn, bh * h + bf * ffn
+    if explicit:
+        width = elem_bytes * c.dim / t
+        fwd, bwd = (fwd + EXPLICIT_ATTENTION_BYTES[0] * width,
+                    bwd + EXPLICIT_ATTENTION_BYTES[1] * width)
+    return fwd, bwd
 
 
 def edge_ops(model: PlanModel, elem_bytes: int = 4) -> tuple[float, float]:
