@@ -40,7 +40,8 @@ from partita.local_world import run_distributed
 BF16 = torch.bfloat16
 
 
-def _partita(model, mesh, stage: int) -> harness.Step:
+def partita_bf16(model, mesh, stage: int) -> harness.Step:
+    """partita's stage `stage` in bf16 with fp32 master weights and fp32 reduction."""
     from partita.zero import MixedPrecision
 
     return harness.partita_step(model, mesh, stage,
@@ -48,7 +49,9 @@ def _partita(model, mesh, stage: int) -> harness.Step:
                                                          reduce_dtype=torch.float32))
 
 
-def _ddp_autocast(model, mesh) -> harness.Step:
+def ddp_autocast(model, mesh) -> harness.Step:
+    """DDP over fp32 parameters, the forward under autocast(bf16), clipped as partita's
+    runner is (`harness.CLIP`)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_type = next(model.parameters()).device.type
@@ -59,19 +62,21 @@ def _ddp_autocast(model, mesh) -> harness.Step:
         with torch.autocast(device_type, dtype=BF16):
             logits = ddp(tokens[:, :-1])
         harness._loss(logits, tokens).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), harness.CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return step
 
 
-def _fsdp2(model, mesh, reshard: bool) -> harness.Step:
+def fsdp2_bf16(model, mesh, reshard: bool) -> harness.Step:
+    """FSDP2 per block and at the root, MixedPrecisionPolicy(bf16, reduce fp32)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device_type = next(model.parameters()).device.type
     device_mesh = init_device_mesh(device_type, (mesh.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32)
-    for block in model.blocks.values():
+    for block in blocks_of(model):
         fully_shard(block, mesh=device_mesh, reshard_after_forward=reshard,
                     mp_policy=policy)
     fully_shard(model, mesh=device_mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -89,15 +94,15 @@ def build_step(name: str, model: torch.nn.Module, mesh) -> harness.Step:
         mode = words[3] if len(words) > 3 else "none"
         if mode == "blocks":
             compile_block_modules(blocks_of(model))
-        step = _partita(model, mesh, int(words[2]))
+        step = partita_bf16(model, mesh, int(words[2]))
         if mode == "model":
             compile_model(step.engine.module)
         return step
     kind, _, arg = name.rpartition(" ")
     if name == "DDP autocast bf16":
-        return _ddp_autocast(model, mesh)
+        return ddp_autocast(model, mesh)
     if kind == "FSDP2 reshard":
-        return _fsdp2(model, mesh, arg == "True")
+        return fsdp2_bf16(model, mesh, arg == "True")
     raise ValueError(name)
 
 
