@@ -38,6 +38,8 @@ class ModelSection:
     tie_embeddings: bool | None = None
     dropout: float | None = None
     seed: int | None = None
+    # Attention kernel: "auto", "sdpa" or "explicit" (see models.attention_kernel).
+    attention: str | None = None
     rope_theta: float | None = None
     norm_eps: float | None = None
     rope_scaling: str | None = None  # "" none, "llama3" (see models.model_config)
@@ -226,7 +228,8 @@ class Config:
             base = model_config_from_hf(self.model.init_from)
             # vocab_multiple pads the imported vocabulary with zero rows (hf_weights):
             # the folder's model, computed on aligned GEMMs.
-            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len", "vocab_multiple"})
+            shape = sorted(set(changes) - {"dropout", "seed", "max_seq_len", "vocab_multiple",
+                                           "attention"})
             if shape:
                 raise PartitaError(
                     f"model.{shape[0]} cannot be set with model.init_from: the shape comes "

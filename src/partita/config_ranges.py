@@ -93,6 +93,7 @@ RANGES: dict[str, Rule] = {
     "model.rope_theta": POSITIVE,
     "model.norm_eps": POSITIVE,
     "model.rope_scaling": _choice("", "llama3"),
+    "model.attention": _choice("auto", "sdpa", "explicit"),
     "model.rope_factor": POSITIVE,
     "model.rope_low_freq_factor": POSITIVE,
     "model.rope_high_freq_factor": POSITIVE,
