@@ -34,7 +34,9 @@ CASES = [Case(shape=Shape(), mb=2), Case(shape=TINY, mb=1), Case(shape=TINY, mb=
          Case(shape=TINY, mb=8), Case(shape=WIDE, mb=4), Case(shape=TINY, mb=4, dtype="bfloat16"),
          Case(shape=TINY, mb=4, recompute="full"), Case(shape=Shape(), mb=2, compile="blocks"),
          Case(shape=TINY, mb=1, compile="blocks"), Case(shape=TINY, mb=4, compile="blocks"),
-         Case(shape=TINY, mb=8, compile="blocks")]
+         Case(shape=TINY, mb=8, compile="blocks"),
+         Case(shape=TINY, mb=4, dtype="bfloat16", compile="blocks"),
+         Case(shape=TINY, mb=4, dtype="bfloat16", compile="model")]
 ATTENTION = [(4, 4, 2, 128, 32), (4, 8, 8, 128, 64), (1, 8, 8, 512, 64)]
 
 

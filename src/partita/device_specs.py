@@ -47,13 +47,23 @@ class GPUSpec:
     # The 16-bit matmul rate where it is not `peak_flops`: a CPU profile's peak is its
     # float32 rate, and a CPU without bf16 units runs bf16 far slower. 0: peak_flops.
     bf16_flops: float = 0.0
+    # The bytes per second a 16-bit elementwise kernel moves where it is not
+    # `memory_bandwidth`: a CPU's eager bf16 kernels convert every element to fp32 and
+    # back (Zen 4, one thread: an add at 31 GB/s, fp32's at 72-83, a copy at 90). 0: the
+    # same as memory_bandwidth.
+    bf16_memory_bandwidth: float = 0.0
     source: str = ""
 
     def for_dtype_bytes(self, elem_bytes: int) -> GPUSpec:
         """This device as a run in `elem_bytes`-wide parameters sees it: its 16-bit
-        matmul rate as the peak where one is given separately (`bf16_flops`)."""
-        if elem_bytes == 2 and self.bf16_flops > 0:
-            return replace(self, peak_flops=self.bf16_flops)
+        matmul rate as the peak and its 16-bit elementwise rate as the bandwidth, where
+        they are given separately (`bf16_flops`, `bf16_memory_bandwidth`)."""
+        if elem_bytes != 2:
+            return self
+        if self.bf16_flops > 0:
+            self = replace(self, peak_flops=self.bf16_flops)
+        if self.bf16_memory_bandwidth > 0:
+            self = replace(self, memory_bandwidth=self.bf16_memory_bandwidth)
         return self
 
 

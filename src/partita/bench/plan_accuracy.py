@@ -159,6 +159,7 @@ def device_share(gpu: GPUSpec, world: int, link: tuple[float, float],
     return replace(gpu, peak_flops=gpu.peak_flops * share,
                    bf16_flops=gpu.bf16_flops * share, eager_op_s=gpu.eager_op_s / share,
                    memory_bandwidth=gpu.memory_bandwidth * share,
+                   bf16_memory_bandwidth=gpu.bf16_memory_bandwidth * share,
                    intra_node_latency=latency, intra_node_bandwidth=bandwidth / efficiency)
 
 
