@@ -9,14 +9,15 @@
 * "auto" (default): explicit for bf16 on a CPU while one call's scores (batch x heads
   x queries x keys) stay within `EXPLICIT_SCORES_LIMIT`, sdpa otherwise.
 
-Why "auto" does that: on CPU torch's flash kernel is slow in bf16 at short sequences,
-where bf16 GEMMs (twice the fp32 rate on CPUs with AVX-512 BF16 or AMX) and a softmax
-on scores that fit in cache are faster. Measured forward + backward, one thread, AMD
-EPYC Zen 4 (2026-12-05, `docs/performance.md`): at (batch, heads, seq, head_dim)
-(4, 4, 128, 32) flash 5.4 ms, explicit 1.9; (1, 8, 256, 64) 7.3 and 4.1; (1, 8, 512,
-64) 24.5 and 23.4; past about 2M scores explicit falls behind ((2, 8, 512, 64) 48 and
-50; (1, 8, 768, 64) 37 and 49). In fp32 flash is the faster at every shape measured,
-and on GPUs the flash kernels are. Torch-free, so the planner applies the same rule.
+Why "auto" does that: on CPU torch's flash kernel is slow in bf16, where bf16 GEMMs
+(twice the fp32 rate on CPUs with AVX-512 BF16 or AMX) and a softmax are faster while
+the scores stay small. Measured forward + backward, one thread, AMD EPYC Zen 4
+(2026-12-05, `tools/attention_kernels.py`, docs/performance.md): at (batch, heads, seq,
+head_dim) (4, 4, 128, 32) flash 5.3 ms, explicit 2.5; (1, 8, 512, 64) 24.1 and 11.9;
+(2, 8, 512, 64) 48.0 and 24.3; (1, 8, 1024, 64), 8M scores, 58.7 and 47.6 in one run and
+63.5 and 68.0 in another; past that flash is the faster ((4, 8, 1024, 64) 245 and 352).
+In fp32 flash is as fast or faster at every shape measured, and on GPUs the flash
+kernels are. Torch-free, so the planner applies the same rule.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from __future__ import annotations
 KERNELS = ("auto", "sdpa", "explicit")
 
 # Scores per call (batch x heads x queries x keys) up to which "auto" computes bf16
-# attention on a CPU explicitly: about where the two kernels' times cross on the CPU
-# above (4 MB of bf16 scores).
-EXPLICIT_SCORES_LIMIT = 2 ** 21
+# attention on a CPU explicitly: half of where the two kernels' times cross on the CPU
+# above, where explicit scores still took half to three quarters of flash's time (and
+# keep 8 MB of bf16 softmax output per call for backward).
+EXPLICIT_SCORES_LIMIT = 2 ** 22
 
 
 def uses_explicit_scores(kernel: str, device_type: str, dtype_name: str, scores: float) -> bool:
