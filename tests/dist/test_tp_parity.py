@@ -58,6 +58,10 @@ CASES = {
         tp("tp2-sp-gpt2-tied", GPT2_TIED, sp=True),
         tp("tp2-gpt2-tied", {**GPT2_TIED, "vocab_size": 64}),
         tp("tp2-fp32", LLAMA, dtype="float32"),
+        # Explicit attention scores (model.attention): each rank's query heads of a kv
+        # head stacked into one GEMM over its own heads.
+        tp("tp2-sp-gqa-explicit-attention", {**LLAMA, "n_kv_heads": 2,
+                                             "attention": "explicit"}, sp=True),
     ],
     4: [
         tp("tp4-gqa-replicated-kv-odd", {**LLAMA, "n_kv_heads": 2, "vocab_size": 67,
