@@ -64,6 +64,10 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, mo
     # region the compiler reruns, with no graph break of its own.
     ("tp2-sp-selective", dict(tp=2, sequence_parallel=True, recompute="selective"),
      dict(lr=1e-2, global_batch=2), "blocks", FLOAT64_TOL, {}),
+    # Explicit attention scores (what bf16 on a CPU takes, model.attention), their core
+    # a checkpoint region inside each compiled block.
+    ("dp2-explicit-attention-selective", dict(recompute="selective"), dict(lr=1e-2),
+     "blocks", FLOAT64_TOL, dict(attention="explicit")),
     # Experts on their own rank, the dispatch an eager piece between compiled ones.
     ("dp2-ep2-moe-zero3", dict(ep=2, zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks",
      FLOAT64_TOL, MOE),
