@@ -116,3 +116,25 @@ def test_bad_shapes_explain_themselves():
     ModelConfig(dim=36, n_heads=4, flavour="gpt2", n_kv_heads=None)
     with pytest.raises(PartitaError, match="Known models"):
         get_model_config("llama-9000")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16_bit_rotary_rounds_once_forward_and_backward(dtype):
+    """Eager 16-bit q and k rotate in float32 (`RotateInFloat32`): each output and each
+    input gradient is the float64 rotation rounded once, within half a step of its dtype."""
+    from partita.models.transformer import rotary_tables, rotate_pairs
+
+    b, s, h, d = 2, 16, 4, 8
+    step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one unit in the last place, relative
+    cos, sin = rotary_tables(s, d, 10000.0, torch.device("cpu"), dtype)
+    x = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(0)).to(dtype)
+    grad = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x.requires_grad_()
+    (y,) = rotate_pairs((x,), cos, sin)
+    y.backward(grad)
+    exact = x.detach().double().requires_grad_()
+    (y64,) = rotate_pairs((exact,), cos.double(), sin.double())
+    y64.backward(grad.double())
+    for got, ref in ((y, y64), (x.grad, exact.grad)):
+        assert got.dtype == dtype
+        assert torch.all((got.double() - ref).abs() <= ref.abs() * step / 2 * 1.01 + 1e-6)

@@ -113,19 +113,48 @@ def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Ten
     (cos + i sin): the same two products and a sum per element as the real form, one
     operation instead of eight, with one saved table for all of `xs` (cos and sin's
     bytes). The tiny model's rotary embedding of q and k, forward + backward, one CPU
-    thread: 0.50 ms per layer against 1.29. Compiled code keeps the real form, which
-    inductor fuses, and so do 16-bit dtypes (no complex bf16 on CPU) and layouts whose
-    pairs are not adjacent in memory."""
-    if not torch.compiler.is_compiling() and all(_pairs_adjacent(x) for x in xs):
-        rot = torch.complex(cos, sin)[None, :, None, :]
-        return tuple(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * rot)
-                     .flatten(-2) for x in xs)
+    thread: 0.50 ms per layer against 1.29. Eager 16-bit tensors (no complex bf16 on a
+    CPU) rotate in float32 the same way (`RotateInFloat32`), rounding once: 0.34 ms
+    against the real form's 1.28 in bf16. Compiled code keeps the real form, which
+    inductor fuses, and so do layouts whose pairs are not adjacent in memory."""
+    if not torch.compiler.is_compiling():
+        if all(_pairs_adjacent(x) for x in xs):
+            rot = torch.complex(cos, sin)[None, :, None, :]
+            return tuple(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+                                            * rot).flatten(-2) for x in xs)
+        if all(x.dtype in (torch.bfloat16, torch.float16) for x in xs):
+            return RotateInFloat32.apply(cos, sin, *xs)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = []
     for x in xs:
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out.append(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2))
     return tuple(out)
+
+
+class RotateInFloat32(torch.autograd.Function):
+    """Rotary embedding of 16-bit tensors as float32 complex products, rounded back once.
+
+    The rotation is linear in x, so backward rotates the gradient by the conjugate and
+    nothing but the (complex) table is saved: the real form keeps x itself for its
+    products. forward(cos, sin, *xs) -> the rotated xs, each in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor):
+        rot = torch.complex(cos.float(), sin.float())[None, :, None, :]
+        ctx.save_for_backward(rot)
+        return tuple(_rotate_float32(x, rot) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        (rot,) = ctx.saved_tensors
+        conj = rot.conj()
+        return (None, None, *(_rotate_float32(g, conj) for g in grads))
+
+
+def _rotate_float32(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    pairs = x.to(torch.float32, memory_format=torch.contiguous_format).unflatten(-1, (-1, 2))
+    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
 
 
 def _pairs_adjacent(x: torch.Tensor) -> bool:

@@ -96,7 +96,11 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
         terms["attention_scores"] = 4.0 * c.n_heads / t * s * b
         terms["cp_output"] = (4.0 if e < 4 else 0.0) * s * b * h / t
     if a.rotary_tables_saved and c.flavour == "llama":
-        terms["rotary_tables"] = 2 * e * s * c.head_dim / 2  # cos and sin, batch-free
+        # cos and sin, batch-free: the compiled model's in the activations' dtype, eager
+        # code's as one complex table, float32 at the least (16-bit q and k rotate in
+        # float32, `models.transformer.RotateInFloat32`).
+        table = e if a.compiled_model else max(e, 4)
+        terms["rotary_tables"] = 2 * table * s * c.head_dim / 2
     if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:
         # Sequence-parallel norms use a clone of their weight (and bias), kept for backward.
         terms["norm_weight_copies"] = 2 * (2 if c.flavour == "gpt2" else 1) * precision.param * h

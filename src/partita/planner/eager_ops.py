@@ -30,10 +30,10 @@ from partita.planner.model_shape import PlanModel
 # (forward, backward) operations of one dense block, per flavour: llama (RMSNorm,
 # rotary embedding, grouped-query attention, SwiGLU) and gpt2 (LayerNorm, biases, GELU).
 BLOCK_OPS = {"llama": (79, 131), "gpt2": (39, 93)}
-# With 16-bit parameters llama's rotary embedding takes its real form (slices, four
-# products, a sum, a difference and a stack) instead of one complex product, and the
-# loss and norms cast: more operations in the block and outside it.
-REAL_ROTARY_OPS = (15, 16)
+# With 16-bit parameters llama's rotary embedding casts q and k to float32 around its
+# complex products (`models.transformer.RotateInFloat32`), and the loss and norms cast:
+# more operations in the block and outside it.
+ROTARY_16BIT_OPS = (10, 7)
 CAST_EDGE_OPS = {"llama": (3, 3), "gpt2": (1, 1)}
 # An MoE block without its experts (router, top-k, dispatch and combine), and each
 # expert this rank holds (its tokens' gather, three GEMMs, SwiGLU, scatter-add).
@@ -74,8 +74,8 @@ COMPILED_REGION_OPS = (31.0, 18.0)
 # attention kernel and views) read and write, forward and backward, as c_h * h + c_f *
 # ffn, per flavour and parameter width (bf16 norms compute in fp32): eager PyTorch
 # moves 3-6x what fused kernels would (llama: RMSNorm's six passes, the rotary
-# embedding's product, SwiGLU's saved products; in bf16 the rotary's real form).
-BLOCK_BYTES = {("llama", 4): ((123, 20), (295, 36)), ("llama", 2): ((117, 10), (267, 18)),
+# embedding's product, SwiGLU's saved products; in bf16 the rotary's float32 casts).
+BLOCK_BYTES = {("llama", 4): ((123, 20), (295, 36)), ("llama", 2): ((146, 10), (282.5, 18)),
                ("gpt2", 4): ((41, 8), (94, 16)), ("gpt2", 2): ((20.5, 4), (47, 8))}
 # What the byte count leaves out (aten names): GEMMs and attention, timed on their own;
 # views and allocations, which move no data.
@@ -118,7 +118,7 @@ def block_ops(model: PlanModel, layout: Layout, elem_bytes: int = 4, explicit: b
     if model.config.dropout > 0:
         fwd, bwd = fwd + DROPOUT_BLOCK_OPS[0], bwd + DROPOUT_BLOCK_OPS[1]
     if elem_bytes <= 2 and _flavour(model) == "llama":
-        fwd, bwd = fwd + REAL_ROTARY_OPS[0], bwd + REAL_ROTARY_OPS[1]
+        fwd, bwd = fwd + ROTARY_16BIT_OPS[0], bwd + ROTARY_16BIT_OPS[1]
     if explicit:
         fwd, bwd = fwd + EXPLICIT_ATTENTION_OPS[0], bwd + EXPLICIT_ATTENTION_OPS[1]
     return float(fwd), float(bwd)
