@@ -264,6 +264,18 @@ def test_a_cpu_plan_takes_partita_trains_batch(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["global_batch"] == 16
     assert "--global-batch 16 (partita train's default)" in data["defaults_filled_in"]
+    # fp32 there by default: no attention kernel to name. In bf16 the model's attention
+    # setting, which decides whether scores are kept, is named; a shape naming its kernel
+    # is not told.
+    assert not any(d.startswith("model.attention") for d in data["defaults_filled_in"])
+    told = {}
+    for shape in ("", ",attention=sdpa"):
+        assert main(["plan", "--model-shape", "layers=4,hidden=128,heads=4,vocab=256,seq=128"
+                     + shape, "--gpus", "2", "--gpu-type", "cpu", "--precision", "bf16",
+                     "--json", "--top", "1"]) == 0
+        told[shape] = [d for d in json.loads(capsys.readouterr().out)["defaults_filled_in"]
+                       if d.startswith("model.attention auto")]
+    assert told[""] and not told[",attention=sdpa"]
 
 
 def test_cpu_plans_of_one_sitting_share_one_measurement(capsys):
