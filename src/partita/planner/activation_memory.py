@@ -343,6 +343,18 @@ def recompute_transient_bytes(model: PlanModel, layout: Layout, seq_len: int,
                                   if shares_input else 0.0)
 
 
+def recompute_bias_bytes(model: PlanModel, layout: Layout, seq_len: int,
+                         precision: Precision = MIXED,
+                         assumptions: Assumptions = DEFAULT_ASSUMPTIONS) -> float:
+    """What a compiled model with recomputed layers keeps once per microbatch: its
+    regions share one causal bias (seq x seq) around explicit scores, saved for their
+    reruns (measured: bf16, full and selective recompute). 0 elsewhere."""
+    if assumptions.compiled_model and explicit_scores(model, layout, seq_len,
+                                                      precision.activation, assumptions):
+        return precision.activation * seq_len ** 2
+    return 0.0
+
+
 def recomputed_layers(layout: Layout, layers: int) -> int:
     """How many of a stage's `layers` layers rerun (the first `recompute_layers`)."""
     if layout.recompute == "none":

@@ -17,13 +17,13 @@ from dataclasses import replace
 
 from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.planner.activation_memory import (
-    explicit_scores,
     inflight_chunks,
     layer_activation_bytes,
     layer_activation_terms,
     layer_input_bytes,
     norm_bytes,
     norm_weight_pass_bytes,
+    recompute_bias_bytes,
     recompute_transient_bytes,
     recomputed_layers,
     weight_pass_terms,
@@ -161,11 +161,8 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     per_none = per_layer(plain)
     # The first k layers keep what recompute keeps, the rest everything.
     stage_bytes = k * per_layer(layout) + (layers - k) * per_none
-    if k and assumptions.compiled_model and explicit_scores(model, layout, seq_len,
-                                                            precision.activation, assumptions):
-        # The compiled model's recomputed regions share one causal bias (seq x seq), which
-        # it saves for their reruns (measured: bf16, full and selective recompute).
-        stage_bytes += precision.activation * seq_len ** 2
+    if k:
+        stage_bytes += recompute_bias_bytes(model, layout, seq_len, precision, assumptions)
     tokens = microbatch_tokens(layout, seq_len)
     ids = assumptions.token_id_bytes / 2 * tokens
     first, last = stage == 0, stage == layout.pp - 1
