@@ -80,6 +80,32 @@ def test_auto_takes_explicit_scores_only_for_short_bf16_sequences_on_a_cpu():
     assert not uses_explicit_scores("auto", "cuda", "bfloat16", 16)
     assert uses_explicit_scores("explicit", "cuda", "float32", 10 * limit)
     assert not uses_explicit_scores("sdpa", "cpu", "bfloat16", 16)
+    # A CPU without bf16 instructions keeps torch's kernel; "explicit" is still obeyed.
+    assert not uses_explicit_scores("auto", "cpu", "bfloat16", 16, bf16_units=False)
+    assert uses_explicit_scores("explicit", "cpu", "bfloat16", 16, bf16_units=False)
+
+
+def test_the_planner_counts_scores_only_where_the_model_takes_them():
+    """The measured CPU preset applies the model's rule: kept bf16 scores on a CPU with
+    bf16 units, a log-sum-exp per query without them, in fp32, and past the limit."""
+    from dataclasses import replace
+
+    from partita.layout import Layout
+    from partita.planner import Assumptions
+    from partita.planner.activation_memory import attention_score_bytes
+    from partita.planner.model_shape import PlanModel
+    from partita.planner.precision import Precision
+
+    model = PlanModel("t", ModelConfig(dim=64, n_heads=4, n_kv_heads=2, max_seq_len=32))
+    cpu, layout = Assumptions.measured_cpu(), Layout(microbatch_size=2)
+    lse = 4.0 * 4 * 32 * 2  # fp32, per head and query
+    assert attention_score_bytes(model, layout, 32, Precision(), cpu) == 2 * 4 * 32 * 32 * 2
+    no_units = replace(cpu, cpu_bf16_units=False)
+    assert attention_score_bytes(model, layout, 32, Precision(), no_units) == lse
+    assert attention_score_bytes(model, layout, 32, Precision.fp32(), cpu) == lse
+    long = EXPLICIT_SCORES_LIMIT  # 2 x 4 x 2048^2 scores per call: past it
+    assert attention_score_bytes(model, layout, 2048, Precision(), cpu) == lse * 2048 / 32
+    assert long < 2 * 4 * 2048 ** 2
 
 
 @pytest.mark.parametrize("kernel, explicit", [("auto", True), ("sdpa", False),

@@ -171,7 +171,11 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     """The planner's figures for one GPU (rank) of pipeline stage `stage` of `case`;
     step time and communication need `gpu`."""
     model, layout, prec = plan_model(case), case.layout, case.precision
-    a = compiled_activations(assumptions or Assumptions.measured_cpu(), model, case.compile)
+    if assumptions is None:  # this machine's: its CPU's bf16 units decide the attention
+        from partita.models.transformer import cpu_has_bf16_units
+
+        assumptions = replace(Assumptions.measured_cpu(), cpu_bf16_units=cpu_has_bf16_units())
+    a = compiled_activations(assumptions, model, case.compile)
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)

@@ -162,10 +162,15 @@ def run(args: argparse.Namespace) -> int:
              else resolve_model(args.model))
     gpu = args.gpu_type
     if args.gpu_type.lower() == "cpu" and not args.hardware:
+        from dataclasses import replace
+
         from partita.planner.cpu_profile import cached_local_cpu
 
         gpu, measured = cached_local_cpu(remeasure=args.remeasure)
         defaults.append(measured)
+        # The model's "auto" attention follows this CPU's bf16 units; the profile shows
+        # them as bf16 products at least as fast as fp32 ones.
+        base = replace(base, cpu_bf16_units=gpu.bf16_flops >= gpu.peak_flops)
     cpu_batch = args.global_batch is None and args.gpu_type.lower() == "cpu"
     if cpu_batch:  # a plan for `partita train` here: its own batch, not ~4M tokens
         from partita.config import TrainSection

@@ -6,8 +6,9 @@
   that keeps no seq x seq scores (on CPU torch's own flash kernel).
 * "explicit": two batched GEMMs around a softmax (`transformer.explicit_attention`),
   which keeps the softmax output (2 bytes per score in bf16) for backward.
-* "auto" (default): explicit for bf16 on a CPU while one call's scores (batch x heads
-  x queries x keys) stay within `EXPLICIT_SCORES_LIMIT`, sdpa otherwise.
+* "auto" (default): explicit for bf16 on a CPU with bf16 units (AVX-512 BF16 or AMX)
+  while one call's scores (batch x heads x queries x keys) stay within
+  `EXPLICIT_SCORES_LIMIT`, sdpa otherwise.
 
 Why "auto" does that: on CPU torch's flash kernel is slow in bf16, where bf16 GEMMs
 (twice the fp32 rate on CPUs with AVX-512 BF16 or AMX) and a softmax are faster while
@@ -31,10 +32,14 @@ KERNELS = ("auto", "sdpa", "explicit")
 EXPLICIT_SCORES_LIMIT = 2 ** 22
 
 
-def uses_explicit_scores(kernel: str, device_type: str, dtype_name: str, scores: float) -> bool:
+def uses_explicit_scores(kernel: str, device_type: str, dtype_name: str, scores: float,
+                         bf16_units: bool = True) -> bool:
     """Whether an attention call under `model.attention = kernel` computes explicit
     scores, on a `device_type` ("cpu", "cuda") device in `dtype_name` ("bfloat16", ...)
-    with `scores` = batch x heads x queries x keys."""
+    with `scores` = batch x heads x queries x keys; `bf16_units`: whether that CPU has
+    bf16 instructions (without them its bf16 GEMMs run far below fp32's rate, and the
+    explicit path's speed was never measured there, so "auto" keeps torch's kernel)."""
     if kernel != "auto":
         return kernel == "explicit"
-    return device_type == "cpu" and dtype_name == "bfloat16" and scores <= EXPLICIT_SCORES_LIMIT
+    return (device_type == "cpu" and dtype_name == "bfloat16" and bf16_units
+            and scores <= EXPLICIT_SCORES_LIMIT)

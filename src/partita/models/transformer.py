@@ -9,7 +9,7 @@ states instead of tokens and logits, and block names stay the same ("blocks.7").
 from __future__ import annotations
 
 import math
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.nn as nn
@@ -190,13 +190,14 @@ class AttentionCore(nn.Module):
     def __init__(self, kernel: str = "auto") -> None:
         super().__init__()
         self.kernel = kernel
+        self.bf16_units = cpu_has_bf16_units()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         b, heads, s, _ = q.shape
         if k.shape[2] == s and uses_explicit_scores(self.kernel, q.device.type,
                                                     str(q.dtype).removeprefix("torch."),
-                                                    b * heads * s * s):
+                                                    b * heads * s * s, self.bf16_units):
             return explicit_attention(q, k, v, segments)
         grouped = k.shape[1] != heads
         if grouped and q.device.type != "cpu":
@@ -206,6 +207,14 @@ class AttentionCore(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask(segments),
                                               enable_gqa=grouped)
+
+
+@cache
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX tiles), where bf16
+    GEMMs run at about twice the fp32 rate (`model.attention = "auto"` reads it)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -188,7 +188,7 @@ def explicit_scores(model: PlanModel, layout: Layout, seq_len: int, activation_b
     dtype = {2: "bfloat16", 4: "float32"}.get(activation_bytes, "float64")
     scores = layout.microbatch_size * model.config.n_heads / layout.tp * seq_len ** 2
     return uses_explicit_scores(model.config.attention, assumptions.device_type, dtype,
-                                scores)
+                                scores, assumptions.cpu_bf16_units)
 
 
 def attention_score_bytes(model: PlanModel, layout: Layout, seq_len: int,

@@ -92,6 +92,9 @@ class Assumptions:
     attention_kernel: str = "flash"
     # "cpu" or "cuda": the device partita's model runs on, where its choices depend on it.
     device_type: str = "cuda"
+    # Whether that CPU has bf16 instructions (bf16 GEMMs at least at the fp32 rate):
+    # "auto" attention takes explicit scores only there (`models.attention_kernel`).
+    cpu_bf16_units: bool = True
     # Tensors of width h a norm saves: 1 with a fused kernel (its input), 2 in eager
     # PyTorch (input and normalised output, for the weight's gradient).
     norm_saved_tensors: int = 1
