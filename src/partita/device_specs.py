@@ -60,11 +60,8 @@ class GPUSpec:
         they are given separately (`bf16_flops`, `bf16_memory_bandwidth`)."""
         if elem_bytes != 2:
             return self
-        if self.bf16_flops > 0:
-            self = replace(self, peak_flops=self.bf16_flops)
-        if self.bf16_memory_bandwidth > 0:
-            self = replace(self, memory_bandwidth=self.bf16_memory_bandwidth)
-        return self
+        given = {"peak_flops": self.bf16_flops, "memory_bandwidth": self.bf16_memory_bandwidth}
+        return replace(self, **{k: v for k, v in given.items() if v > 0})
 
 
 # Every figure below is from the vendor datasheet named in `source`. Network: one

@@ -183,14 +183,16 @@ def run(args: argparse.Namespace) -> int:
         defaults.append(f"--keep-gathered {req.assumptions.zero3_kept_units} (ZeRO-3 units "
                         "kept into backward, as the implementation does)")
     a = req.assumptions
-    if (a.attention_kernel == "model" and a.device_type == "cpu"
-            and req.model.config.attention == "auto" and req.precision.activation == 2):
-        from partita.models.attention_kernel import EXPLICIT_SCORES_LIMIT
+    if (a.attention_kernel == "model" and req.model.config.attention == "auto"
+            and req.precision.activation == 2):
+        from partita.models.attention_kernel import EXPLICIT_SCORES_LIMIT, uses_explicit_scores
 
-        defaults.append(f"model.attention auto (explicit bf16 scores while a call's number "
-                        f"at most {EXPLICIT_SCORES_LIMIT:,}, as partita does on a CPU; "
-                        "attention=sdpa in --model-shape or the model's table for torch's "
-                        "fused kernel)")
+        # Named where the model's own rule would take explicit scores at some size.
+        if uses_explicit_scores("auto", a.device_type, "bfloat16", 0, a.cpu_bf16_units):
+            defaults.append(f"model.attention auto (explicit bf16 scores while a call's "
+                            f"number at most {EXPLICIT_SCORES_LIMIT:,}, as partita does on "
+                            "this CPU; attention=sdpa in --model-shape or the model's table "
+                            "for torch's fused kernel)")
     if args.seq_len is None:
         defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
     if cpu_batch:
