@@ -1,6 +1,7 @@
 """torch's fused attention against partita's explicit scores, forward + backward, on CPU.
 
-    PYTHONPATH=src python tools/attention_kernels.py [--repeats 9]
+    PYTHONPATH=src python tools/attention_kernels.py [--repeats 9] [--dtypes bfloat16]
+        [--shapes "2,8,384,64;2,8,448,64"]
 
 One thread; causal; kv heads half the query heads. For each shape and dtype, the median
 time of `scaled_dot_product_attention` and of `partita.models.transformer.
@@ -36,11 +37,18 @@ def _time(fn, q, k, v, grad) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--shapes", default=None,
+                        help="shapes to time instead of the built-in list, "
+                             "'batch,heads,seq,head_size' separated by ';'")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
     args = parser.parse_args()
+    shapes = SHAPES if args.shapes is None else [
+        tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     torch.set_num_threads(1)
     print("batch, heads, seq, head size | scores | dtype | fused ms | explicit ms")
-    for b, h, s, d in SHAPES:
-        for dtype in (torch.bfloat16, torch.float32):
+    for b, h, s, d in shapes:
+        for dtype in dtypes:
             q = torch.randn(b, h, s, d, dtype=dtype, requires_grad=True)
             k, v = (torch.randn(b, h // 2, s, d, dtype=dtype, requires_grad=True)
                     for _ in range(2))

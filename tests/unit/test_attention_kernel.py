@@ -14,7 +14,12 @@ import torch.nn.functional as F
 
 from partita.errors import PartitaError
 from partita.models import ModelConfig, build_model
-from partita.models.attention_kernel import EXPLICIT_SCORES_LIMIT, uses_explicit_scores
+from partita.models.attention_kernel import (
+    BF16_UNITS,
+    bf16_units_from_flags,
+    explicit_scores_limit,
+    uses_explicit_scores,
+)
 from partita.models.documents import attention_mask
 from partita.models.transformer import AttentionCore, explicit_attention
 
@@ -72,17 +77,42 @@ def test_explicit_scores_in_bf16_stay_within_two_bf16_steps_of_exact(shape):
         assert err <= scale * 2 ** -6, (name, err, scale)
 
 
-def test_auto_takes_explicit_scores_only_for_short_bf16_sequences_on_a_cpu():
-    limit = EXPLICIT_SCORES_LIMIT
-    assert uses_explicit_scores("auto", "cpu", "bfloat16", limit)
-    assert not uses_explicit_scores("auto", "cpu", "bfloat16", limit + 1)
-    assert not uses_explicit_scores("auto", "cpu", "float32", 16)
-    assert not uses_explicit_scores("auto", "cuda", "bfloat16", 16)
-    assert uses_explicit_scores("explicit", "cuda", "float32", 10 * limit)
-    assert not uses_explicit_scores("sdpa", "cpu", "bfloat16", 16)
+@pytest.mark.parametrize("units", ["avx512", "amx"])
+def test_auto_takes_explicit_scores_only_for_short_bf16_sequences_on_a_cpu(units):
+    limit = explicit_scores_limit(units)
+    assert uses_explicit_scores("auto", "cpu", "bfloat16", limit, units)
+    assert not uses_explicit_scores("auto", "cpu", "bfloat16", limit + 1, units)
+    assert not uses_explicit_scores("auto", "cpu", "float32", 16, units)
+    assert not uses_explicit_scores("auto", "cuda", "bfloat16", 16, units)
+    assert uses_explicit_scores("explicit", "cuda", "float32", 10 * limit, units)
+    assert not uses_explicit_scores("sdpa", "cpu", "bfloat16", 16, units)
     # A CPU without bf16 instructions keeps torch's kernel; "explicit" is still obeyed.
-    assert not uses_explicit_scores("auto", "cpu", "bfloat16", 16, bf16_units=False)
-    assert uses_explicit_scores("explicit", "cpu", "bfloat16", 16, bf16_units=False)
+    assert not uses_explicit_scores("auto", "cpu", "bfloat16", 16, "none")
+    assert uses_explicit_scores("explicit", "cpu", "bfloat16", 16, "none")
+
+
+def test_amx_crosses_over_to_torchs_kernel_sooner():
+    """AMX speeds up torch's own flash kernel too, so explicit scores lead it over a
+    shorter range there (docs/performance.md)."""
+    assert 0 == explicit_scores_limit("none") < explicit_scores_limit("amx") \
+        < explicit_scores_limit("avx512")
+
+
+@pytest.mark.parametrize("flags, units", [
+    ({"avx2", "avx512f"}, "none"), ({"avx512f", "avx512_bf16"}, "avx512"),
+    ({"avx512_bf16", "amx_tile", "amx_bf16"}, "amx"), ({"fp", "asimd", "bf16"}, "none")])
+def test_bf16_units_are_read_from_the_cpus_flags(flags, units):
+    assert bf16_units_from_flags(flags) == units
+
+
+def test_the_planner_refuses_an_unknown_kind_of_bf16_unit():
+    from dataclasses import replace
+
+    from partita.planner import Assumptions
+
+    assert set(BF16_UNITS) == {"none", "avx512", "amx"}
+    with pytest.raises(PartitaError, match="cpu_bf16_units='avx'.*'amx'"):
+        replace(Assumptions(), cpu_bf16_units="avx")
 
 
 def test_the_planner_counts_scores_only_where_the_model_takes_them():
@@ -100,10 +130,10 @@ def test_the_planner_counts_scores_only_where_the_model_takes_them():
     cpu, layout = Assumptions.measured_cpu(), Layout(microbatch_size=2)
     lse = 4.0 * 4 * 32 * 2  # fp32, per head and query
     assert attention_score_bytes(model, layout, 32, Precision(), cpu) == 2 * 4 * 32 * 32 * 2
-    no_units = replace(cpu, cpu_bf16_units=False)
+    no_units = replace(cpu, cpu_bf16_units="none")
     assert attention_score_bytes(model, layout, 32, Precision(), no_units) == lse
     assert attention_score_bytes(model, layout, 32, Precision.fp32(), cpu) == lse
-    long = EXPLICIT_SCORES_LIMIT  # 2 x 4 x 2048^2 scores per call: past it
+    long = explicit_scores_limit(cpu.cpu_bf16_units)  # 2 x 4 x 2048^2 per call: past it
     assert attention_score_bytes(model, layout, 2048, Precision(), cpu) == lse * 2048 / 32
     assert long < 2 * 4 * 2048 ** 2
 
@@ -117,6 +147,8 @@ def test_the_core_calls_the_kernel_its_setting_names(kernel, explicit, monkeypat
     real = transformer.explicit_attention
     monkeypatch.setattr(transformer, "explicit_attention",
                         lambda *a: calls.append(1) or real(*a))
+    # On a CPU with bf16 units whichever this machine has.
+    monkeypatch.setattr(transformer, "cpu_bf16_units", lambda: "avx512")
     (q, k, v), _ = _inputs(2, 4, 2, 16, 8, torch.bfloat16)
     AttentionCore(kernel)(q, k, v)
     assert bool(calls) == explicit

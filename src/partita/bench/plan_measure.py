@@ -172,9 +172,9 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     step time and communication need `gpu`."""
     model, layout, prec = plan_model(case), case.layout, case.precision
     if assumptions is None:  # this machine's: its CPU's bf16 units decide the attention
-        from partita.models.transformer import cpu_has_bf16_units
+        from partita.models.transformer import cpu_bf16_units
 
-        assumptions = replace(Assumptions.measured_cpu(), cpu_bf16_units=cpu_has_bf16_units())
+        assumptions = replace(Assumptions.measured_cpu(), cpu_bf16_units=cpu_bf16_units())
     a = compiled_activations(assumptions, model, case.compile)
     seq, m = case.shape.seq_len, case.microbatches
     out = dict(model_state_bytes(model, layout, prec, stage, a))

@@ -164,13 +164,12 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu_type.lower() == "cpu" and not args.hardware:
         from dataclasses import replace
 
-        from partita.planner.cpu_profile import cached_local_cpu
+        from partita.planner.cpu_profile import cached_local_cpu, local_bf16_units
 
         gpu, measured = cached_local_cpu(remeasure=args.remeasure)
         defaults.append(measured)
-        # The model's "auto" attention follows this CPU's bf16 units; the profile shows
-        # them as bf16 products at least as fast as fp32 ones.
-        base = replace(base, cpu_bf16_units=gpu.bf16_flops >= gpu.peak_flops)
+        # The model's "auto" attention follows this CPU's bf16 units.
+        base = replace(base, cpu_bf16_units=local_bf16_units(gpu))
     cpu_batch = args.global_batch is None and args.gpu_type.lower() == "cpu"
     if cpu_batch:  # a plan for `partita train` here: its own batch, not ~4M tokens
         from partita.config import TrainSection
@@ -185,12 +184,13 @@ def run(args: argparse.Namespace) -> int:
     a = req.assumptions
     if (a.attention_kernel == "model" and req.model.config.attention == "auto"
             and req.precision.activation == 2):
-        from partita.models.attention_kernel import EXPLICIT_SCORES_LIMIT, uses_explicit_scores
+        from partita.models.attention_kernel import explicit_scores_limit, uses_explicit_scores
 
         # Named where the model's own rule would take explicit scores at some size.
         if uses_explicit_scores("auto", a.device_type, "bfloat16", 0, a.cpu_bf16_units):
             defaults.append(f"model.attention auto (explicit bf16 scores while a call's "
-                            f"number at most {EXPLICIT_SCORES_LIMIT:,}, as partita does on "
+                            f"number at most {explicit_scores_limit(a.cpu_bf16_units):,}, "
+                            "as partita does on "
                             "this CPU; attention=sdpa in --model-shape or the model's table "
                             "for torch's fused kernel)")
     if args.seq_len is None:

@@ -190,7 +190,7 @@ class AttentionCore(nn.Module):
     def __init__(self, kernel: str = "auto") -> None:
         super().__init__()
         self.kernel = kernel
-        self.bf16_units = cpu_has_bf16_units()
+        self.bf16_units = cpu_bf16_units()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,11 +210,13 @@ class AttentionCore(nn.Module):
 
 
 @cache
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU has bf16 instructions (AVX-512 BF16 or AMX tiles), where bf16
-    GEMMs run at about twice the fp32 rate (`model.attention = "auto"` reads it)."""
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+def cpu_bf16_units() -> str:
+    """This CPU's bf16 units as torch sees them (`attention_kernel.BF16_UNITS`): AMX
+    tiles, AVX-512 BF16 or none (`model.attention = "auto"` reads it)."""
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return "amx"
+    return "avx512" if getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)() \
+        else "none"
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 from partita.config_ranges import AT_LEAST_0, POSITIVE, Rule, number_range
 from partita.errors import PartitaError, did_you_mean
+from partita.models.attention_kernel import BF16_UNITS
 
 # torch's CPU flash-attention kernel as a fraction of the rate the planner gives a GEMM
 # with the head dimension as its inner dimension (the preset's `gemm_peak_fraction`
@@ -92,9 +93,10 @@ class Assumptions:
     attention_kernel: str = "flash"
     # "cpu" or "cuda": the device partita's model runs on, where its choices depend on it.
     device_type: str = "cuda"
-    # Whether that CPU has bf16 instructions (bf16 GEMMs at least at the fp32 rate):
-    # "auto" attention takes explicit scores only there (`models.attention_kernel`).
-    cpu_bf16_units: bool = True
+    # That CPU's bf16 instructions, "none", "avx512" (AVX-512 BF16) or "amx": "auto"
+    # attention takes explicit scores only with them, up to a limit that depends on
+    # which (`models.attention_kernel`).
+    cpu_bf16_units: str = "avx512"
     # Tensors of width h a norm saves: 1 with a fused kernel (its input), 2 in eager
     # PyTorch (input and normalised output, for the weight's gradient).
     norm_saved_tensors: int = 1
@@ -237,6 +239,9 @@ class Assumptions:
                 f"attention_kernel={self.attention_kernel!r}: use 'flash', 'eager' or "
                 "'model'."
             )
+        if self.cpu_bf16_units not in BF16_UNITS:
+            raise PartitaError(f"cpu_bf16_units={self.cpu_bf16_units!r}: use "
+                               f"{', '.join(repr(u) for u in BF16_UNITS)}.")
         if self.norm_kernel not in ("fused", "eager", "compiled"):
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused', 'eager' or "
                                "'compiled'.")

@@ -129,6 +129,22 @@ def eager_op_cost(budget_s: float = 0.3) -> float:
     return times[len(times) // 2] / ops
 
 
+def local_bf16_units(profile: GPUSpec) -> str:
+    """This CPU's bf16 units (`models.attention_kernel.BF16_UNITS`) from the feature flags
+    in /proc/cpuinfo, the ones torch's own checks read; where there is no such file,
+    from `profile`: bf16 products at least as fast as fp32 ones mean AVX-512 BF16."""
+    from partita.models.attention_kernel import bf16_units_from_flags
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return bf16_units_from_flags(set(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return "avx512" if profile.bf16_flops >= profile.peak_flops else "none"
+
+
 def _physical_memory() -> float:
     try:
         with open("/proc/meminfo") as f:
