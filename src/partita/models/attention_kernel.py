@@ -19,10 +19,10 @@ while the scores stay small. Measured forward + backward, one thread
   2.5; (1, 8, 512, 64) 24.1 and 11.9; (2, 8, 512, 64) 48.0 and 24.3; (1, 8, 1024, 64),
   8M scores, 58.7 and 47.6 in one run and 63.5 and 68.0 in another; past that flash is
   the faster ((4, 8, 1024, 64) 245 and 352).
-* An Intel Xeon with AMX (2026-12-05), whose flash kernel runs its bf16 products on
-  AMX tiles: (4, 4, 128, 32) 4.9-5.2 and 1.3-2.1; at 2M scores level (11-16 each);
-  from 3M flash is the faster ((1, 8, 640, 64) 16.3 and 23.1; (1, 8, 1024, 64) 28.9
-  and 60.5).
+* An Intel Xeon with AMX (2026-12-05, three runs), whose flash kernel runs its bf16
+  products on AMX tiles: (4, 4, 128, 32) 4.9-5.2 and 1.3-2.2; (1, 8, 512, 64), 2M
+  scores, 10.7-12.1 and 7.0-11.5; from 3M either leads by run ((2, 8, 512, 64) 22.3-25.6
+  and 26.7-27.4), and at 8M flash mostly ((1, 8, 1024, 64) 27.7-28.9 and 30.8-60.5).
 
 In fp32 flash is as fast or faster at every shape measured, and on GPUs the flash
 kernels are. Torch-free, so the planner applies the same rule.
@@ -40,7 +40,7 @@ BF16_UNITS = ("none", "avx512", "amx")
 # attention on a CPU explicitly, by the CPU's bf16 units: on the AVX-512 CPU above half
 # of where the two kernels' times cross, where explicit scores still took half to three
 # quarters of flash's time (and keep 8 MB of bf16 softmax output per call for
-# backward); with AMX where they are level.
+# backward); with AMX the largest size where explicit scores never lost.
 EXPLICIT_SCORES_LIMITS = {"avx512": 2 ** 22, "amx": 2 ** 21}
 
 
