@@ -20,7 +20,7 @@ import torch
 from partita.compile import compile_block_modules
 from partita.layout import Layout
 from partita.models.catalog import get_model_config
-from partita.models.transformer import build_model
+from partita.models.transformer import build_model, cpu_bf16_units
 from partita.planner.activation_memory import layer_activation_bytes
 from partita.planner.assumptions import Assumptions
 from partita.planner.compiled import compiled_activations
@@ -58,8 +58,9 @@ def test_a_block_saves_what_the_planner_counts(dtype, compiled, tmp_path_factory
     cfg = replace(get_model_config("tiny"), dim=64, n_heads=4, n_kv_heads=2, vocab_size=128)
     model = PlanModel("tiny", cfg)
     precision = Precision.fp32() if dtype == torch.float32 else Precision()
-    a = compiled_activations(Assumptions.measured_cpu(), model,
-                             "blocks" if compiled else "none")
+    # bf16 attention takes explicit scores or torch's kernel by this CPU's bf16 units.
+    cpu = replace(Assumptions.measured_cpu(), cpu_bf16_units=cpu_bf16_units())
+    a = compiled_activations(cpu, model, "blocks" if compiled else "none")
     assert (a.norm_kernel == "compiled") == compiled
     predicted = layer_activation_bytes(model, Layout(microbatch_size=BATCH), SEQ, precision, a)
     assert _saved_per_block(dtype, compiled) == pytest.approx(predicted, rel=1e-9)

@@ -3,7 +3,8 @@ paired rounds' intervals (the statistics are unit-tested in unit/test_bench_pair
 a tiny `bench recompute` compares both modes with torch's checkpoint, and a tiny
 `bench offload` (without its DeepSpeed peer, which builds for minutes) runs partita's
 modes and measures the disk.;
-`bench checkpoint --quick` prints its time and bytes tables and its verdict line."""
+`bench checkpoint --quick` prints the machine, its time and bytes tables and its verdict
+line."""
 
 
 def test_bench_dp_prints_its_table_with_intervals(cli):
@@ -50,22 +51,23 @@ def test_bench_checkpoint_quick_prints_both_tables(cli, tmp_path):
     out = cli("bench", "checkpoint", "--quick", "--dir", str(tmp_path), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
-    formula = int(re.search(r"= ([\d,]+) bytes", lines[2]).group(1).replace(",", ""))
-    times = [line.split() for line in lines[4:9]]
+    assert lines[0].startswith("machine: ") and "bf16 units " in lines[0], lines[0]
+    formula = int(re.search(r"= ([\d,]+) bytes", lines[3]).group(1).replace(",", ""))
+    times = [line.split() for line in lines[5:10]]
     assert [(r[0], " ".join(r[1:-5])) for r in times] == [
         ("4", "save"), ("4", "load"), ("2", "save"), ("2", "load"), ("2", "load 4->2")]
     for row in times:
         low, high = (float(x) for x in row[-2].split("-"))
         assert low <= float(row[-3]) <= high
         assert int(row[-1]) == 2
-    sizes = [line.split() for line in lines[10:12]]
+    sizes = [line.split() for line in lines[11:13]]
     assert [r[0] for r in sizes] == ["4", "2"]
     for row in sizes:  # every byte of the state is on disk, for both
         assert int(row[1].replace(",", "")) >= formula
         assert int(row[3].replace(",", "")) >= formula
     assert re.fullmatch(r"checkpoint: worst partita/dcp time ratio \d+\.\d{3}; "
                         r"async stall \d+\.\d% of sync save", lines[-1]), lines[-1]
-    assert len(lines) == 13, lines
+    assert len(lines) == 14, lines
 
 
 def test_bench_gpu_names_the_runners_when_profile_names_none(cli):

@@ -2,13 +2,15 @@
 
 Each benchmark is a module under partita.bench exposing `add_arguments(parser)` and
 `run(args) -> int`; its last printed line is a one-line verdict such as
-`dp: partita/torch-ddp step-time ratio 0.97`.
+`dp: partita/torch-ddp step-time ratio 0.97`. Every run's first line names the machine
+(`partita.bench.machine`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Callable
 
 BENCHMARKS = {
     "dp": "partita.bench.dp",
@@ -47,4 +49,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, module in _available().items():
         sub = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(sub)
-        sub.set_defaults(func=module.run)
+        sub.set_defaults(func=_naming_the_machine(module.run))
+
+
+def _naming_the_machine(run: Callable[[argparse.Namespace], int]
+                        ) -> Callable[[argparse.Namespace], int]:
+    def run_here(args: argparse.Namespace) -> int:
+        from partita.bench.machine import describe_machine
+
+        print(describe_machine(), flush=True)
+        return run(args)
+
+    return run_here

@@ -177,7 +177,7 @@ def machine_key() -> dict[str, str]:
         torch_version = version("torch")
     except PackageNotFoundError:
         torch_version = "none"
-    return {"host": platform.node(), "processor": _processor_name(),
+    return {"host": platform.node(), "processor": processor_name(),
             "cores": str(os.cpu_count()), "torch": torch_version,
             "partita": partita.__version__, "method": PROFILE_METHOD}
 
@@ -238,7 +238,8 @@ def _utc(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
 
 
-def _processor_name() -> str:
+def processor_name() -> str:
+    """This machine's processor as /proc/cpuinfo names it (else what platform says)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
