@@ -135,13 +135,9 @@ def local_bf16_units(profile: GPUSpec) -> str:
     from `profile`: bf16 products at least as fast as fp32 ones mean AVX-512 BF16."""
     from partita.models.attention_kernel import bf16_units_from_flags
 
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return bf16_units_from_flags(set(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
+    flags = _cpuinfo_value(("flags", "Features"))
+    if flags is not None:
+        return bf16_units_from_flags(set(flags.split()))
     return "avx512" if profile.bf16_flops >= profile.peak_flops else "none"
 
 
@@ -240,13 +236,22 @@ def _utc(seconds: float) -> str:
 
 def processor_name() -> str:
     """This machine's processor as /proc/cpuinfo names it (else what platform says)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    name = _cpuinfo_value(("model name",))
+    if name is not None:
+        return name
     import platform
 
     return platform.processor() or platform.machine()
+
+
+def _cpuinfo_value(keys: tuple[str, ...]) -> str | None:
+    """The value of the first /proc/cpuinfo line starting with one of `keys`; None
+    where there is no such line or file."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
