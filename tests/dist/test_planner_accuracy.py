@@ -81,7 +81,11 @@ CASES = {
         Case(dp=2, zero=3, offload="optimizer+params"),
         Case(dp=2, zero=3, offload="optimizer+params+disk", dtype=BF16),
         # Context parallelism: activations 1/c, the ring's and the all-gather's bytes.
-        Case(cp=2), Case(cp=2, cp_kind="allgather", dtype=BF16)],
+        Case(cp=2), Case(cp=2, cp_kind="allgather", dtype=BF16),
+        # fp32 reductions under bf16: stages 0-1 hold whole fp32 gradient buckets, stage
+        # 3 its fp32 shards and the fp32 unit gradients it reduce-scatters.
+        Case(dp=2, zero=1, dtype=BF16, reduce="float32"),
+        Case(dp=2, zero=3, dtype=BF16, reduce="float32")],
     # tp=4 > 2 kv heads: K and V projections are replicated on every tp rank.
     4: [Case(dp=4, zero=1), Case(dp=4, zero=3, dtype=BF16), Case(tp=4, sp=True),
         Case(tp=4, dtype=BF16), Case(dp=2, tp=2, zero=1),

@@ -29,14 +29,18 @@ BF16_LOSS_TOL = 2e-2
 STEPS = 6
 
 
-def _bf16(stage: int, microbatches: int = 1, **precision) -> Case:
-    cfg = parity_config(parallel=dict(zero_stage=stage, bucket_mb=0.02),
+def _bf16(stage: int, microbatches: int = 1, pp: int = 1, **precision) -> Case:
+    cfg = parity_config(parallel=dict(zero_stage=stage, bucket_mb=0.02, pp=pp),
                         precision=dict(param_dtype="bfloat16", **precision),
                         train=dict(microbatches=microbatches, lr=1e-2))
-    return Case(f"zero{stage}-bf16", cfg, tol=BF16_LOSS_TOL)
+    return Case(f"zero{stage}-pp{pp}-bf16", cfg, tol=BF16_LOSS_TOL)
 
 
-BF16_CASES = [_bf16(2, microbatches=2, reduce_dtype="float32"), _bf16(3)]
+# fp32 reductions: stage 2 holds fp32 shards; stage 1 and a pipeline's stage 0 (one rank
+# per stage: nothing to reduce, but fp32 buckets to accumulate in) hold fp32 buckets.
+BF16_CASES = [_bf16(2, microbatches=2, reduce_dtype="float32"), _bf16(3),
+              _bf16(1, microbatches=2, reduce_dtype="float32"),
+              _bf16(0, microbatches=4, pp=2, reduce_dtype="float32")]
 
 
 def test_bf16_tracks_fp32() -> None:
@@ -100,3 +104,71 @@ def test_repeated_fp16_overflow_stops_with_advice() -> None:
     bad = {step: "loss" for step in range(6)}
     with pytest.raises(RuntimeError, match="overflowed on 3 consecutive steps"):
         run_distributed(_fp16_worker, 2, args=([2], bad, 3), timeout=120)
+
+
+def _bucket_grads(dp: DataParallel) -> dict[str, torch.Tensor]:
+    """What each bucket holds after finish_grad_sync, per parameter name, in the owned
+    range (stage 1 reduces only the slice a rank owns)."""
+    out = {}
+    for buf in dp.buckets:
+        lo, hi = dp._owned_range(buf)
+        for i, e in enumerate(buf.entries):
+            a, b = max(e.offset, lo), min(e.offset + e.numel, hi)
+            if a < b:
+                out[e.name] = (buf.full_grad[a:b].clone(), a - e.offset, b - e.offset)
+    return out
+
+
+def _fp32_accumulation_worker(rank: int, world: int, stage: int,
+                              microbatches: int) -> dict:
+    mesh = Mesh(Layout(dp=world), rank, world)
+    model = zp.make_model({}, torch.bfloat16)
+    ref_model = zp.make_model({}, torch.bfloat16)
+    ref_model.load_state_dict(model.state_dict())
+    dp = DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=0.02),
+                      precision=MixedPrecision(param_dtype=torch.bfloat16,
+                                               reduce_dtype=torch.float32),
+                      optim=zp.OPTIM)
+    ref = dict(ref_model.named_parameters())
+    tokens = zp.batch(0).chunk(world)[rank]
+    fp32_sum = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in ref.items()}
+    bf16_sum = {n: torch.zeros_like(p) for n, p in ref.items()}
+    for k, micro in enumerate(tokens.chunk(microbatches)):
+        with dp.grad_sync(k == microbatches - 1):
+            dp.backward(zp.lm_loss(dp.module(micro[:, :-1]).float(), micro) / microbatches)
+        ref_model.zero_grad()
+        (zp.lm_loss(ref_model(micro[:, :-1]).float(), micro) / microbatches).backward()
+        for n, p in ref.items():
+            fp32_sum[n] += p.grad.float()
+            bf16_sum[n] += p.grad
+    dp.finish_grad_sync()
+    # The mean over ranks of each rank's fp32 sum: what the buckets must hold exactly.
+    for n in sorted(fp32_sum):
+        fp32_sum[n].mul_(1.0 / world)
+        torch.distributed.all_reduce(fp32_sum[n])
+    got = _bucket_grads(dp)
+    exact = all(torch.equal(g, fp32_sum[n].flatten()[a:b]) for n, (g, a, b) in got.items())
+    bf16_differs = any(not torch.equal(bf16_sum[n].float(), fp32_sum[n] * world)
+                       for n in fp32_sum)
+    dtypes = {str(buf.full_grad.dtype) for buf in dp.buckets}
+    grads_bound = any(p.grad is not None for p in model.parameters())
+    # The step reads those fp32 gradients; it must still train.
+    dp.clip_grad_norm_(1.0)
+    dp.step()
+    dp.zero_grad()
+    return {"exact": exact, "bf16_differs": bf16_differs, "dtypes": dtypes,
+            "grads_bound": grads_bound, "named": len(got)}
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_stages_0_1_accumulate_bf16_gradients_in_fp32(stage: int) -> None:
+    """bf16 parameters with fp32 reductions: stages 0-1 hold their buckets in fp32, and
+    after 4 microbatches they hold exactly the rank mean of each rank's fp32 sum of its
+    bf16 microbatch gradients (the bf16 sums differ from those, so bf16 buckets fail)."""
+    results = run_distributed(_fp32_accumulation_worker, 2, args=(stage, 4), timeout=240)
+    for got in results:
+        assert got["dtypes"] == {"torch.float32"}
+        assert got["exact"]
+        assert got["bf16_differs"]
+        assert not got["grads_bound"]  # a bf16 .grad cannot view an fp32 bucket
+        assert got["named"] > 0

@@ -72,6 +72,8 @@ class Case:
     zero: int = 0
     sp: bool = False
     dtype: str = "float32"  # or "bfloat16": bf16 parameters, fp32 master weights
+    # precision.reduce_dtype ("" = dtype): "float32" under bf16 holds gradients in fp32.
+    reduce: str = ""
     mb: int = 2  # sequences per microbatch
     pp: int = 1  # pipeline stages
     microbatches: int = 1  # per rank and step
@@ -102,7 +104,9 @@ class Case:
 
     @property
     def precision(self) -> Precision:
-        return Precision.fp32() if self.dtype == "float32" else Precision()
+        if self.dtype == "float32":
+            return Precision.fp32()
+        return Precision(grad=4) if self.reduce == "float32" else Precision()
 
     @property
     def label(self) -> str:
@@ -128,6 +132,8 @@ class Case:
         if self.recompute != "none":
             kind += f" rc-{self.recompute}" + (f"{self.recompute_layers}"
                                                if self.recompute_layers else "")
+        if self.reduce and self.reduce != self.dtype:
+            kind += f" reduce-{'fp32' if self.reduce == 'float32' else self.reduce}"
         return f"{'x'.join(parts)} z{self.zero} {'bf16' if self.dtype != 'float32' else 'fp32'}{kind}"
 
 
@@ -145,6 +151,7 @@ def run_config(case: Case, offload_dir: str = ""):
     cfg.train.global_batch = case.dp * case.mb * case.microbatches
     cfg.train.microbatches = case.microbatches
     cfg.train.dtype = case.dtype
+    cfg.precision.reduce_dtype = case.reduce
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = case.dp, case.tp, case.pp
     cfg.parallel.schedule = case.schedule
     cfg.parallel.virtual_stages = case.vpp

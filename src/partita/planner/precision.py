@@ -17,7 +17,9 @@ class Precision:
 
     Default: bf16 parameters and gradients with fp32 master weights and fp32 Adam
     moments, the 2 + 2 + 4 + 8 = 16 bytes of the ZeRO paper. `fp32()` trains in fp32
-    with no separate master copy: 4 + 4 + 0 + 8.
+    with no separate master copy: 4 + 4 + 0 + 8. `grad` is the dtype gradients are held
+    in, which is the reduce dtype where that is wider: bf16 parameters with fp32
+    reductions (`precision.reduce_dtype = "float32"`) are `Precision(grad=4)`, 18 bytes.
     """
 
     param: int = 2

@@ -131,7 +131,8 @@ class DataParallel:
         _check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if not self.stage.shards_gradients:
-                buf.full_grad = torch.zeros(buf.padded, dtype=dtype, device=device)
+                buf.full_grad = torch.zeros(buf.padded, dtype=precision.grad_dtype,
+                                            device=device)
             else:
                 buf.shard_grad = torch.zeros(buf.shard_numel, dtype=precision.reduce,
                                              device=device)

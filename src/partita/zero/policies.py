@@ -86,7 +86,9 @@ class MixedPrecision:
     """Parameter/compute dtype, gradient-reduction dtype and master-weight dtype.
 
     reduce_dtype None = param_dtype; master_dtype None = the wider of param_dtype and
-    float32. When master_dtype equals param_dtype no separate master copy is kept: the
+    float32. A reduce_dtype wider than param_dtype (bf16 parameters, float32 reductions)
+    is also the dtype stages 0-1 hold and accumulate their whole gradients in
+    (`grad_dtype`), as stages 2-3 hold their gradient shards in reduce_dtype. When master_dtype equals param_dtype no separate master copy is kept: the
     optimizer updates the owned parameter slice in place. float16 turns on dynamic loss
     scaling (initial_scale, halved on overflow, doubled after growth_interval clean steps;
     max_skips consecutive overflows stop training).
@@ -116,6 +118,14 @@ class MixedPrecision:
     @property
     def reduce(self) -> torch.dtype:
         return self.reduce_dtype or self.param_dtype
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of stages 0-1's gradient buckets: the wider of param_dtype and
+        reduce_dtype, so that microbatches accumulate, and the clipping and the update
+        read, at the precision the gradients are reduced in."""
+        return self.reduce if self.reduce.itemsize > self.param_dtype.itemsize \
+            else self.param_dtype
 
     @property
     def master(self) -> torch.dtype:

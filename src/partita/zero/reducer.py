@@ -31,6 +31,13 @@ ranks, 39 hooks, cost 0.6-1.7 ms of a 37 ms backward (a step without them: 0.98-
 of one with them). With a group of one rank (pure tensor or pipeline parallelism, one
 process) nothing is communicated and no hook is registered at all.
 
+Stages 0-1 with a reduce dtype wider than the parameters' (bf16 parameters, fp32
+reductions: `MixedPrecision.grad_dtype`) hold their buckets in that dtype. A .grad can
+only have its parameter's dtype, so there nothing is bound: the hooks add each gradient
+into the bucket (as in stages 2-3) and .grad stays None. Microbatches then accumulate,
+and clipping and the update read, at the reduction's precision; the cost is 2 more
+bytes per parameter than bf16 buckets.
+
 A round that reduces (the last microbatch's, or every one in stages 2-3 "reduce")
 reduces every bucket at its end, complete or not: a parameter that got no gradient
 (unused this step, on every rank alike) leaves its bucket incomplete, and it is
@@ -84,9 +91,15 @@ class GradReducer:
         self.live_bytes = 0
         self.peak_bytes = 0  # communication / staging buffers, high-water mark
         self._reset()
-        # See the module docstring: .grad bound to the buckets (stages 0-1), and no hooks
-        # at all when there is nobody to communicate with.
-        self.bound = not stage.shards_gradients
+        # See the module docstring: .grad bound to the buckets (stages 0-1, unless they
+        # hold gradients in a wider dtype than the parameters'), and no hooks at all when
+        # there is nobody to communicate with.
+        self.bound = not stage.shards_gradients and all(
+            b.full_grad.dtype == b.dtype for b in buckets)
+        # Stages 0-1 keep their buckets from step to step, so the division by the group
+        # size waits for the launch, where it covers whatever the bucket holds (a step
+        # without zero_grad adds to reduced gradients, as torch's own .grad does).
+        self.scale_at_launch = not stage.shards_gradients
         self.hookless = self.bound and comm.size == 1 and on_reduced is None
         # Bound mode: the buffers hold gradients reduced since the optimizer last used
         # them, so a second finish_grad_sync (step() calls it again) reduces nothing.
@@ -182,11 +195,13 @@ class GradReducer:
             self._allocate(buf, b)
         view = buf.grad_view(i)
         # One fused pass, as DDP does: copy (or add) the gradient into the bucket already
-        # divided by the group size, so nothing is left to do after the collective.
+        # divided by the group size, so nothing is left to do after the collective
+        # (stages 0-1 divide at the launch instead: `scale_at_launch`).
+        scale = 1.0 if self.scale_at_launch else self.scale
         if i in self.written[b]:
-            view.add_(grad, alpha=self.scale)
+            view.add_(grad, alpha=scale)
         else:
-            torch.mul(grad, self.scale, out=view)
+            torch.mul(grad, scale, out=view)
             self.written[b].add(i)
 
     @staticmethod
@@ -241,10 +256,10 @@ class GradReducer:
             if not self.hooked[b]:  # what a hook would have folded on arrival
                 for i, p in enumerate(buf.params):
                     self._fold(p, buf.grad_view(i))
-            if self.scale != 1.0:  # one rank: the mean is the gradient itself
-                buf.full_grad.mul_(self.scale)
         else:
             self._zero_unwritten(b)
+        if self.scale_at_launch and self.scale != 1.0:  # one rank: nothing to divide
+            buf.full_grad.mul_(self.scale)
         src = buf.full_grad
         send = src if src.dtype == self.reduce_dtype else src.to(self.reduce_dtype)
         if send is not src:
