@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from partita.errors import PartitaError
 from partita.models.catalog import MODELS
 from partita.models.model_config import ModelConfig
 from partita.pipeline.actions import Kind
@@ -49,6 +50,14 @@ def test_zero_stages_exact_bytes():
     # fp32 training keeps no master copy: 4 + 4 + 8.
     assert sum(zero_state_bytes(p, 0, 1, Precision.fp32()).values()) == 16 * p
     assert zero_state_bytes(p, 0, 1, Precision.fp32())["master_weights"] == 0
+    # Gradients held and reduced in fp32 under bf16 (`precision.reduce_dtype`): 4 bytes
+    # each, whole in stages 0-1 and sharded from stage 2 on.
+    fp32_grads = Precision.named("bf16-fp32-grads")
+    assert zero_state_bytes(p, 1, n, fp32_grads)["gradients"] == 4 * p
+    assert zero_state_bytes(p, 2, n, fp32_grads)["gradients"] == 4 * p / n
+    assert sum(zero_state_bytes(p, 0, n, fp32_grads).values()) == 18 * p
+    with pytest.raises(PartitaError, match="bf16-fp32-grads"):
+        Precision.named("bf16-fp32")
     # Offload moves master weights and moments off the GPU.
     off = zero_state_bytes(p, 1, n, offload="optimizer")
     assert off["master_weights"] == off["optimizer_states"] == 0

@@ -7,6 +7,7 @@ import argparse
 from partita.commands import check_output_file
 from partita.errors import PartitaError, require_in_range
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY
+from partita.planner.precision import NAMES as PRECISION_NAMES
 
 
 def register(subparsers) -> None:
@@ -49,9 +50,10 @@ def register(subparsers) -> None:
                    help="also search context parallelism and offload, which a default "
                         "search leaves out, and judge the options partita train does "
                         "not run yet (shown as rejected, never ranked)")
-    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
+    p.add_argument("--precision", default=None, choices=PRECISION_NAMES,
                    help="default: bf16 (mixed, fp32 master weights); fp32 with "
-                        "--gpu-type cpu")
+                        "--gpu-type cpu; bf16-fp32-grads: gradients held and reduced in "
+                        "fp32 (precision.reduce_dtype=float32, Megatron-LM's bf16)")
     p.add_argument("--hardware", default=None,
                    help="TOML file of [gpu.NAME] profiles (fields of GPUSpec)")
     p.add_argument("--implementation", default=None, choices=("fused", "partita"),

@@ -36,13 +36,16 @@ class Precision:
     def named(cls, name: str) -> Precision:
         if name in ("bf16", "fp16", "mixed"):
             return cls()
+        if name == "bf16-fp32-grads":  # fp32 reductions and accumulation (Megatron-LM's bf16)
+            return cls(grad=4)
         if name == "fp32":
             return cls.fp32()
-        raise PartitaError(f"unknown precision '{name}'; use bf16 (mixed, default) or fp32.")
+        raise PartitaError(f"unknown precision '{name}'; use {', '.join(NAMES)}.")
 
     @property
     def total(self) -> int:
         return self.param + self.grad + self.master + self.optimizer
 
 
+NAMES = ("bf16", "bf16-fp32-grads", "fp32")  # what `partita plan --precision` accepts
 MIXED = Precision()  # the default policy (immutable, shared as a default argument)
