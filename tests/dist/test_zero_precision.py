@@ -152,12 +152,27 @@ def _fp32_accumulation_worker(rank: int, world: int, stage: int,
                        for n in fp32_sum)
     dtypes = {str(buf.full_grad.dtype) for buf in dp.buckets}
     grads_bound = any(p.grad is not None for p in model.parameters())
+    # Stage 0 without zero_grad: the next backward adds to the reduced gradients, as
+    # torch's .grad does, and the buckets then hold the old mean plus the new one. (Stage
+    # 1's buckets hold reduced values only in the owned slice, so there, as with bf16
+    # buckets, a step needs its zero_grad.)
+    micro = zp.batch(1).chunk(world)[rank]
+    dp.backward(zp.lm_loss(dp.module(micro[:, :-1]).float(), micro))
+    dp.finish_grad_sync()
+    ref_model.zero_grad()
+    zp.lm_loss(ref_model(micro[:, :-1]).float(), micro).backward()
+    new_mean = {n: ref[n].grad.float() / world for n in sorted(ref)}
+    for n in sorted(new_mean):  # every rank, every name, in the same order
+        torch.distributed.all_reduce(new_mean[n])
+    added = all(torch.allclose(g, (fp32_sum[n] + new_mean[n]).flatten()[a:b],
+                               rtol=1e-5, atol=1e-7)
+                for n, (g, a, b) in _bucket_grads(dp).items())
     # The step reads those fp32 gradients; it must still train.
     dp.clip_grad_norm_(1.0)
     dp.step()
     dp.zero_grad()
     return {"exact": exact, "bf16_differs": bf16_differs, "dtypes": dtypes,
-            "grads_bound": grads_bound, "named": len(got)}
+            "grads_bound": grads_bound, "named": len(got), "added": added}
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -171,4 +186,6 @@ def test_stages_0_1_accumulate_bf16_gradients_in_fp32(stage: int) -> None:
         assert got["exact"]
         assert got["bf16_differs"]
         assert not got["grads_bound"]  # a bf16 .grad cannot view an fp32 bucket
+        if stage == 0:
+            assert got["added"]
         assert got["named"] > 0

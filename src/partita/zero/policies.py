@@ -88,8 +88,9 @@ class MixedPrecision:
     reduce_dtype None = param_dtype; master_dtype None = the wider of param_dtype and
     float32. A reduce_dtype wider than param_dtype (bf16 parameters, float32 reductions)
     is also the dtype stages 0-1 hold and accumulate their whole gradients in
-    (`grad_dtype`), as stages 2-3 hold their gradient shards in reduce_dtype. When master_dtype equals param_dtype no separate master copy is kept: the
-    optimizer updates the owned parameter slice in place. float16 turns on dynamic loss
+    (`grad_dtype`), as stages 2-3 hold their gradient shards in reduce_dtype. When
+    master_dtype equals param_dtype no separate master copy is kept: the optimizer
+    updates the owned parameter slice in place. float16 turns on dynamic loss
     scaling (initial_scale, halved on overflow, doubled after growth_interval clean steps;
     max_skips consecutive overflows stop training).
     """

@@ -97,8 +97,8 @@ class GradReducer:
         self.bound = not stage.shards_gradients and all(
             b.full_grad.dtype == b.dtype for b in buckets)
         # Stages 0-1 keep their buckets from step to step, so the division by the group
-        # size waits for the launch, where it covers whatever the bucket holds (a step
-        # without zero_grad adds to reduced gradients, as torch's own .grad does).
+        # size waits for the launch, where it covers whatever the bucket holds (at stage
+        # 0 a step without zero_grad adds to reduced gradients, as torch's .grad does).
         self.scale_at_launch = not stage.shards_gradients
         self.hookless = self.bound and comm.size == 1 and on_reduced is None
         # Bound mode: the buffers hold gradients reduced since the optimizer last used
