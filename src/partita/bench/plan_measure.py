@@ -106,7 +106,7 @@ class Case:
     def precision(self) -> Precision:
         if self.dtype == "float32":
             return Precision.fp32()
-        return Precision(grad=4) if self.reduce == "float32" else Precision()
+        return Precision.named("bf16-fp32-grads" if self.reduce == "float32" else "bf16")
 
     @property
     def label(self) -> str:
