@@ -9,16 +9,19 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, reduce-scatter and all-gather of flat buffers run as one all-to-all each.
-gloo's own reduce_scatter_tensor costs as much as a full all-reduce (measured here: 4
-ranks, 1 Mi fp32 elements, 8-10 ms against 4.2-4.9 ms for all-to-all + sum; 2 ranks,
-256 Ki: 3.0 ms against 0.6 ms), and its all-gather stages the output in a flat buffer of
-its own and moves shards around the ring one step at a time (all-to-all of the repeated
-shard: 10-30% faster in the same measurements). The all-to-all sends the same (n-1)/n * S
-per rank as a ring; it reads from or writes to a scratch buffer of S while in flight
-(reduce-scatter: the received slices; all-gather: the repeated shard, in place of gloo's
-own staging buffer). Sums run in rank order, so every rank's result is deterministic.
-NCCL keeps its native collectives.
+On gloo, flat reduce-scatters run as one all-to-all, and flat all-gathers as one
+all-to-all (small) or one broadcast per member straight into its slot of the output
+(large). gloo's own reduce_scatter_tensor costs as much as a full all-reduce (measured
+here: 4 ranks, 1 Mi fp32 elements, 8-10 ms against 4.2-4.9 ms for all-to-all + sum; 2
+ranks, 256 Ki: 3.0 ms against 0.6 ms), and its all-gather stages the output in a flat
+buffer of its own and moves shards around the ring one step at a time. The all-to-all of
+the repeated shard is 10-30% faster than that, but copies the shard n times first; the
+broadcasts copy nothing but the shard into its own slot, and above half a MiB per slot
+take 0.65-0.75 of the all-to-all's time (84 MB of fp32 at 2 ranks: 35 ms against 49-55;
+at 4 ranks 68-72 against 96; below a quarter of a MiB per slot the all-to-all's one
+message wins). Both send the same (n-1)/n * S per rank as a ring. The reduce-scatter
+writes the received slices to a scratch buffer of S while in flight; sums run in rank
+order, so every rank's result is deterministic. NCCL keeps its native collectives.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ from partita.eager_only import EagerOnly
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# gloo all-gathers whose shard is at least this large run as one broadcast per member
+# (module docstring): the crossover measured at 2 and 4 ranks lies between 1/4 and 1 MiB.
+BROADCAST_GATHER_BYTES = 512 * 1024
 
 
 @dataclass
@@ -88,6 +95,21 @@ class _SumOnWait:
     def is_completed(self) -> bool:
         """The all-to-all is done (wait() then only sums)."""
         return self.done or self.work.is_completed()
+
+
+class _AllOf:
+    """Work handle over several collectives that together make one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
 
 class _Holding:
@@ -156,9 +178,19 @@ class GroupComm:
                 output.copy_(shard)
             return _Done() if async_op else None
         self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
+        if self.flat_by_all_to_all and _nbytes(shard) >= BROADCAST_GATHER_BYTES:
+            # gloo, large: each member broadcasts its slot of the output to the others.
+            flat, slot = output.view(-1), shard.numel()
+            mine = flat[self.index * slot:(self.index + 1) * slot]
+            if mine.data_ptr() != shard.data_ptr():
+                mine.copy_(shard.reshape(-1))
+            works = [dist.broadcast(flat[i * slot:(i + 1) * slot], src=src, group=self.group,
+                                    async_op=async_op)
+                     for i, src in enumerate(self.ranks)]
+            return _AllOf(works) if async_op else None
         if self.flat_by_all_to_all:
-            # gloo: every member sends its shard to every other in one all-to-all; the
-            # repeated input takes the place of the flat staging buffer gloo's own
+            # gloo, small: every member sends its shard to every other in one all-to-all;
+            # the repeated input takes the place of the flat staging buffer gloo's own
             # all-gather allocates and copies back from.
             send = shard.reshape(-1).repeat(self.size)
             work = dist.all_to_all_single(output.view(-1), send, group=self.group,

@@ -1,4 +1,5 @@
-"""GroupComm's flat collectives on gloo (all-to-all based) against plain arithmetic."""
+"""GroupComm's flat collectives on gloo (all-to-all and broadcast based) against plain
+arithmetic."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita.comm import copy_each_to_region
+from partita.comm import BROADCAST_GATHER_BYTES, copy_each_to_region
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.testing import run_distributed
@@ -59,23 +60,27 @@ def _worker(rank: int, world: int) -> list[str]:
     if sent <= 0:
         problems.append("reduce-scatter bytes were not counted")
     # All-gather: out of a separate shard, and in place (the shard is the output's slot,
-    # as stage 3 gathers), synchronous and asynchronous.
+    # as stage 1 gathers), synchronous and asynchronous; small shards go by all-to-all,
+    # large ones by one broadcast per member.
     for dtype in (torch.float64, torch.bfloat16):
-        expected = torch.cat([_full(r, 5, dtype) for r in range(world)])
-        for async_op in (False, True):
-            for in_place in (False, True):
-                output = torch.zeros(5 * world, dtype=dtype)
-                if in_place:
-                    shard = output[rank * 5:(rank + 1) * 5]
-                    shard.copy_(_full(rank, 5, dtype))
-                else:
-                    shard = _full(rank, 5, dtype)
-                work = comm.all_gather_flat(output, shard, async_op=async_op)
-                if async_op:
-                    work.wait()
-                if not torch.equal(output, expected):
-                    problems.append(f"all-gather {dtype} async={async_op} "
-                                    f"in_place={in_place} wrong")
+        large = BROADCAST_GATHER_BYTES // dtype.itemsize + 3
+        for n in (5, large):
+            expected = torch.cat([_full(r, n, dtype) for r in range(world)])
+            for async_op in (False, True):
+                for in_place in (False, True):
+                    output = torch.zeros(n * world, dtype=dtype)
+                    if in_place:
+                        shard = output[rank * n:(rank + 1) * n]
+                        shard.copy_(_full(rank, n, dtype))
+                    else:
+                        shard = _full(rank, n, dtype)
+                    work = comm.all_gather_flat(output, shard, async_op=async_op)
+                    if async_op:
+                        work.wait()
+                        assert work.is_completed()
+                    if not torch.equal(output, expected):
+                        problems.append(f"all-gather of {n} {dtype} async={async_op} "
+                                        f"in_place={in_place} wrong")
     return problems
 
 
