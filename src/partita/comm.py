@@ -9,19 +9,22 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat reduce-scatters run as one all-to-all, and flat all-gathers as one
-all-to-all (small) or one broadcast per member straight into its slot of the output
-(large). gloo's own reduce_scatter_tensor costs as much as a full all-reduce (measured
+On gloo, flat reduce-scatters of slices under 4 MiB and all-gathers of shards under
+512 KiB run as one all-to-all each, and larger ones point to point: a reduce-scatter as one exchange per
+pair of members (each sends every other member the slice it owns and sums what it
+receives), an all-gather as one broadcast per member straight into its slot of the
+output. gloo's own reduce_scatter_tensor costs as much as a full all-reduce (measured
 here: 4 ranks, 1 Mi fp32 elements, 8-10 ms against 4.2-4.9 ms for all-to-all + sum; 2
 ranks, 256 Ki: 3.0 ms against 0.6 ms), and its all-gather stages the output in a flat
-buffer of its own and moves shards around the ring one step at a time. The all-to-all of
-the repeated shard is 10-30% faster than that, but copies the shard n times first; the
-broadcasts copy nothing but the shard into its own slot, and above half a MiB per slot
-take 0.65-0.75 of the all-to-all's time (84 MB of fp32 at 2 ranks: 35 ms against 49-55;
-at 4 ranks 68-72 against 96; below a quarter of a MiB per slot the all-to-all's one
-message wins). Both send the same (n-1)/n * S per rank as a ring. The reduce-scatter
-writes the received slices to a scratch buffer of S while in flight; sums run in rank
-order, so every rank's result is deterministic. NCCL keeps its native collectives.
+buffer of its own and moves shards around the ring one step at a time. The all-to-all
+of the repeated shard is 10-30% faster than that, but copies the shard n times first;
+the broadcasts copy nothing but the shard into its own slot. Measured on 84 MB of fp32
+(Intel Xeon, 2 cores, 2026-12-05): all-gather 35 ms against 49-55 for the all-to-all at
+2 ranks, 68-72 against 96 at 4; reduce-scatter 40 against 59 at 2 ranks, level (94
+against 93) at 4, with (n-1)/n of the buffer as scratch instead of all of it. For small
+slots the all-to-all's one message wins (the thresholds below). Every form sends the same
+(n-1)/n * S per rank as a ring. Sums run in rank order, so every rank's result is
+deterministic. NCCL keeps its native collectives.
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 # gloo all-gathers whose shard is at least this large run as one broadcast per member
 # (module docstring): the crossover measured at 2 and 4 ranks lies between 1/4 and 1 MiB.
 BROADCAST_GATHER_BYTES = 512 * 1024
+# gloo reduce-scatters whose slices are at least this large run as pairwise exchanges:
+# measured at 2 and 4 ranks they win from 4 MiB per slice on, and are level or behind
+# between a quarter of a MiB and 2 MiB.
+PAIRWISE_REDUCE_BYTES = 4 * 1024 * 1024
+# The pairwise reduce-scatter's sends and receives carry their own tag: a group may also
+# carry other point-to-point traffic at the same time (ring attention's, when the ZeRO
+# group is the context-parallel group), and gloo matches messages by peer and tag in
+# the order they were posted.
+_EXCHANGE_TAG = 0x5A
 
 
 @dataclass
@@ -77,24 +89,46 @@ class _Done:
 
 
 class _SumOnWait:
-    """Work handle of a gloo reduce-scatter: waits for the all-to-all, then sums the
-    received slices (one per member, in rank order) into the output shard."""
+    """Work handle of a gloo reduce-scatter: waits for the transfers, then sums the
+    members' slices in rank order into the output shard. `pieces`: the received
+    (members, slice) block of an all-to-all, or the list of slices of a pairwise
+    exchange (`_sum_in_rank_order`)."""
 
-    def __init__(self, work, received: torch.Tensor, shard: torch.Tensor, members: int) -> None:
-        self.work, self.received, self.shard, self.members = work, received, shard, members
+    def __init__(self, works: list, pieces: torch.Tensor | list[torch.Tensor],
+                 shard: torch.Tensor) -> None:
+        self.works, self.pieces, self.shard = works, pieces, shard
         self.done = False
 
     def wait(self) -> bool:
         if not self.done:
-            self.work.wait()
-            torch.sum(self.received.view(self.members, -1), dim=0, out=self.shard.view(-1))
-            self.received = None  # the scratch buffer goes as soon as it is summed
+            for work in self.works:
+                work.wait()
+            if isinstance(self.pieces, torch.Tensor):
+                torch.sum(self.pieces, dim=0, out=self.shard.view(-1))
+            else:
+                _sum_in_rank_order(self.pieces, self.shard.view(-1))
+            self.pieces = None  # the scratch goes as soon as it is summed
             self.done = True
         return True
 
     def is_completed(self) -> bool:
-        """The all-to-all is done (wait() then only sums)."""
-        return self.done or self.work.is_completed()
+        """The transfers are done (wait() then only sums)."""
+        return self.done or all(work.is_completed() for work in self.works)
+
+
+def _sum_in_rank_order(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
+    """out = ((p0 + p1) + p2) + ..., also when `out` is one of the pieces (stage 1 reduces
+    into its own slot); every other piece is scratch the sum may overwrite."""
+    j = next((i for i, p in enumerate(pieces) if p.data_ptr() == out.data_ptr()), None)
+    if j is None:
+        torch.add(pieces[0], pieces[1], out=out)
+        j = 1
+    elif j > 0:  # the pieces before out's summed into the first; then a + b == b + a
+        for p in pieces[1:j]:
+            pieces[0].add_(p)
+        out.add_(pieces[0])
+    for p in pieces[j + 1:]:
+        out.add_(p)
 
 
 class _AllOf:
@@ -206,11 +240,33 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
+        slot = full.numel() // self.size
+        if (self.flat_by_all_to_all and op == dist.ReduceOp.SUM
+                and _nbytes(shard) >= PAIRWISE_REDUCE_BYTES):
+            # gloo, large: every pair of members exchanges the slices each owns, and each
+            # sums its own in rank order.
+            flat = full.view(-1)
+            received = full.new_empty((self.size - 1, slot))
+            pieces, works = [], []
+            for i, peer in enumerate(self.ranks):
+                piece = flat[i * slot:(i + 1) * slot]  # what member i owns
+                if i == self.index:
+                    pieces.append(piece)
+                    continue
+                into = received[len(works) // 2]
+                works += [dist.irecv(into, src=peer, group=self.group, tag=_EXCHANGE_TAG),
+                          dist.isend(piece, dst=peer, group=self.group, tag=_EXCHANGE_TAG)]
+                pieces.append(into)
+            work = _SumOnWait(works, pieces, shard)
+            if async_op:
+                return work
+            work.wait()
+            return None
         if self.flat_by_all_to_all and op == dist.ReduceOp.SUM:
             received = torch.empty_like(full)
-            work = _SumOnWait(dist.all_to_all_single(received, full, group=self.group,
-                                                     async_op=True),
-                              received, shard, self.size)
+            work = _SumOnWait([dist.all_to_all_single(received, full, group=self.group,
+                                                      async_op=True)],
+                              received.view(self.size, slot), shard)
             if async_op:
                 return work
             work.wait()
@@ -219,7 +275,11 @@ class GroupComm:
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
-        return _nbytes(full) if self.flat_by_all_to_all else 0
+        if not self.flat_by_all_to_all:
+            return 0
+        if _nbytes(full) // self.size >= PAIRWISE_REDUCE_BYTES:
+            return _nbytes(full) // self.size * (self.size - 1)
+        return _nbytes(full)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: list[int], input_splits: list[int],

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita.comm import BROADCAST_GATHER_BYTES, copy_each_to_region
+from partita.comm import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES, copy_each_to_region
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.testing import run_distributed
@@ -49,6 +49,27 @@ def _worker(rank: int, world: int) -> list[str]:
         comm.reduce_scatter_flat(in_place, full, async_op=True).wait()
         if not torch.allclose(in_place.double(), expected, rtol=1e-2, atol=1e-2):
             problems.append(f"{dtype}: in-place output wrong")
+    # Large slices go by pairwise exchange, summed in rank order: in float64 every rank's
+    # slice equals ((x0 + x1) + x2) + ... exactly, into a separate shard or in place.
+    slot = PAIRWISE_REDUCE_BYTES // 8 + 5
+    inputs = [_full(r, slot * world, torch.float64) for r in range(world)]
+    expected = inputs[0].clone()
+    for x in inputs[1:]:
+        expected += x
+    expected = expected.view(world, -1)[rank]
+    for async_op in (False, True):
+        for in_place in (False, True):
+            full = inputs[rank].clone()
+            shard = full[rank * slot:(rank + 1) * slot] if in_place else torch.empty(slot, dtype=torch.float64)
+            work = comm.reduce_scatter_flat(shard, full, async_op=async_op)
+            if async_op:
+                work.wait()
+                assert work.is_completed()
+            if not torch.equal(shard, expected):
+                problems.append(f"pairwise reduce-scatter async={async_op} "
+                                f"in_place={in_place} wrong")
+    if comm.reduce_scatter_scratch_bytes(full) != 8 * slot * (world - 1):
+        problems.append("pairwise reduce-scatter scratch is not (n-1)/n of the buffer")
     # Other reductions keep gloo's own collective.
     full = _full(rank, 4 * world, torch.float64)
     shard = torch.empty(4, dtype=torch.float64)
