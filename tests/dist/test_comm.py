@@ -18,6 +18,13 @@ def _full(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
 
 
+def _finish(work, async_op: bool) -> None:
+    """Wait for an asynchronous collective (a synchronous one returns nothing)."""
+    if async_op:
+        work.wait()
+        assert work.is_completed()
+
+
 def _worker(rank: int, world: int) -> list[str]:
     comm = Mesh(Layout(dp=world), rank, world).comm("zero_shard")
     problems = []
@@ -60,11 +67,9 @@ def _worker(rank: int, world: int) -> list[str]:
     for async_op in (False, True):
         for in_place in (False, True):
             full = inputs[rank].clone()
-            shard = full[rank * slot:(rank + 1) * slot] if in_place else torch.empty(slot, dtype=torch.float64)
-            work = comm.reduce_scatter_flat(shard, full, async_op=async_op)
-            if async_op:
-                work.wait()
-                assert work.is_completed()
+            shard = (full[rank * slot:(rank + 1) * slot] if in_place
+                     else torch.empty(slot, dtype=torch.float64))
+            _finish(comm.reduce_scatter_flat(shard, full, async_op=async_op), async_op)
             if not torch.equal(shard, expected):
                 problems.append(f"pairwise reduce-scatter async={async_op} "
                                 f"in_place={in_place} wrong")
@@ -95,10 +100,7 @@ def _worker(rank: int, world: int) -> list[str]:
                         shard.copy_(_full(rank, n, dtype))
                     else:
                         shard = _full(rank, n, dtype)
-                    work = comm.all_gather_flat(output, shard, async_op=async_op)
-                    if async_op:
-                        work.wait()
-                        assert work.is_completed()
+                    _finish(comm.all_gather_flat(output, shard, async_op=async_op), async_op)
                     if not torch.equal(output, expected):
                         problems.append(f"all-gather of {n} {dtype} async={async_op} "
                                         f"in_place={in_place} wrong")
