@@ -10,20 +10,13 @@ all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
 On gloo, flat reduce-scatters of slices under 4 MiB and all-gathers of shards under
-512 KiB run as one all-to-all each, and larger ones point to point: a reduce-scatter as one exchange per
-pair of members (each sends every other member the slice it owns and sums what it
-receives), an all-gather as one broadcast per member straight into its slot of the
-output. gloo's own reduce_scatter_tensor costs as much as a full all-reduce (measured
-here: 4 ranks, 1 Mi fp32 elements, 8-10 ms against 4.2-4.9 ms for all-to-all + sum; 2
-ranks, 256 Ki: 3.0 ms against 0.6 ms), and its all-gather stages the output in a flat
-buffer of its own and moves shards around the ring one step at a time. The all-to-all
-of the repeated shard is 10-30% faster than that, but copies the shard n times first;
-the broadcasts copy nothing but the shard into its own slot. Measured on 84 MB of fp32
-(Intel Xeon, 2 cores, 2026-12-05): all-gather 35 ms against 49-55 for the all-to-all at
-2 ranks, 68-72 against 96 at 4; reduce-scatter 40 against 59 at 2 ranks, level (94
-against 93) at 4, with (n-1)/n of the buffer as scratch instead of all of it. For small
-slots the all-to-all's one message wins (the thresholds below). Every form sends the same
-(n-1)/n * S per rank as a ring. Sums run in rank order, so every rank's result is
+512 KiB run as one all-to-all each, larger ones point to point: a reduce-scatter as one
+exchange per pair of members (each sends every other the slice it owns and sums what it
+receives in rank order), an all-gather as one broadcast per member straight into its
+slot of the output. gloo's own reduce_scatter_tensor costs as much as a full
+all-reduce, and its all-gather stages the output in a buffer of its own and walks the
+ring step by step; the forms here send the same (n-1)/n * S per rank as a ring, in
+less time (figures in docs/zero.md). Sums run in rank order, so every rank's result is
 deterministic. NCCL keeps its native collectives.
 """
 
