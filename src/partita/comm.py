@@ -89,13 +89,12 @@ class _SumOnWait:
 
     def __init__(self, works: list, pieces: torch.Tensor | list[torch.Tensor],
                  shard: torch.Tensor) -> None:
-        self.works, self.pieces, self.shard = works, pieces, shard
+        self.transfers, self.pieces, self.shard = _AllOf(works), pieces, shard
         self.done = False
 
     def wait(self) -> bool:
         if not self.done:
-            for work in self.works:
-                work.wait()
+            self.transfers.wait()
             if isinstance(self.pieces, torch.Tensor):
                 torch.sum(self.pieces, dim=0, out=self.shard.view(-1))
             else:
@@ -106,7 +105,7 @@ class _SumOnWait:
 
     def is_completed(self) -> bool:
         """The transfers are done (wait() then only sums)."""
-        return self.done or all(work.is_completed() for work in self.works)
+        return self.done or self.transfers.is_completed()
 
 
 def _sum_in_rank_order(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -234,8 +233,7 @@ class GroupComm:
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
         slot = full.numel() // self.size
-        if (self.flat_by_all_to_all and op == dist.ReduceOp.SUM
-                and _nbytes(shard) >= PAIRWISE_REDUCE_BYTES):
+        if op == dist.ReduceOp.SUM and self._pairwise(full):
             # gloo, large: every pair of members exchanges the slices each owns, and each
             # sums its own in rank order.
             flat = full.view(-1)
@@ -270,9 +268,13 @@ class GroupComm:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
         if not self.flat_by_all_to_all:
             return 0
-        if _nbytes(full) // self.size >= PAIRWISE_REDUCE_BYTES:
+        if self._pairwise(full):
             return _nbytes(full) // self.size * (self.size - 1)
         return _nbytes(full)
+
+    def _pairwise(self, full: torch.Tensor) -> bool:
+        """A gloo reduce-scatter of `full` runs as pairwise exchanges (module docstring)."""
+        return self.flat_by_all_to_all and _nbytes(full) // self.size >= PAIRWISE_REDUCE_BYTES
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: list[int], input_splits: list[int],
