@@ -199,6 +199,23 @@ def stop_worker_server() -> None:
     if pid is not None:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # it ignores SIGTERM (start_worker_server)
+        _await_exit(pid)
+
+
+def _await_exit(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until the child `pid` has exited, leaving it for the standard library to
+    reap. Its `ensure_running` takes a server that has not exited yet for a live one, so
+    a process starting right after a kill (a second `partita train` in one Python
+    session, a test world) would connect to a dying server and fail with EOFError or
+    "Connection refused"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+        except ChildProcessError:
+            return  # not our child, or reaped already: nothing to wait for
+        time.sleep(0.002)
 
 
 def launched_externally() -> bool:
