@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 
 class PartitaError(Exception):
@@ -162,6 +163,27 @@ def stop_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
+
+
+@contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends, then take them as usual.
+
+    For importing torch in a process that turns signals into `Stopped`: an exception
+    raised inside that import is not safe. Its C++ numpy probe clears whatever error the
+    import of numpy raised, so a `Stopped` from there vanished and the job trained on;
+    cut short elsewhere, its half-done initialisation can abort the process at exit.
+    The signals are blocked, not ignored, so one sent meanwhile waits and arrives when
+    the block ends (threads started inside keep them blocked, which only leaves them to
+    the main thread, where Python runs its handlers anyway)."""
+    import signal
+
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)  # delivers what waited
 
 
 def require_in_range(flag: str, value: int | None, low: int, high: int, why: str = "") -> None:

@@ -19,6 +19,8 @@ import subprocess
 import sys
 from multiprocessing import forkserver
 
+import pytest
+
 PROBE = """
 import os, signal, time
 from multiprocessing import forkserver
@@ -59,3 +61,39 @@ def test_a_second_start_leaves_the_signals_alone(monkeypatch):
     monkeypatch.setattr(signal, "pthread_sigmask", lambda *args: touched.append(args))
     launch.start_worker_server(())
     assert touched == []
+
+
+HELD = """
+import os, signal, sys, threading, time
+from partita.errors import Stopped, signals_held, stop_on_signals
+
+stop_on_signals()
+swallowed = False
+try:
+    with signals_held():
+        if sys.argv[1] == "swallow":
+            try:  # what torch's numpy probe does with an error raised inside it
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.2)
+            except BaseException:
+                swallowed = True
+        else:  # a SIGTERM at some moment of the import itself
+            threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGTERM)).start()
+            import torch
+    time.sleep(5)
+    print("lost", swallowed)
+except Stopped as exc:
+    print(exc.name, swallowed, "torch" not in sys.modules or hasattr(sys.modules["torch"], "Tensor"))
+"""
+
+
+@pytest.mark.parametrize("case", [("swallow",), ("import", "0.05"), ("import", "0.3")])
+def test_a_sigterm_held_around_an_import_arrives_after_it(case):
+    """A SIGTERM while the launcher imports torch once raised `Stopped` inside the
+    import, where torch's numpy probe cleared it: the stop was lost (and later SIGTERMs
+    ignored, as the first was taken). Held, it arrives after the block, in full."""
+    done = subprocess.run([sys.executable, "-c", HELD, *case], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # stopped by SIGTERM, nothing inside the block saw it, torch whole where imported
+    assert done.stdout.split() == ["SIGTERM", "False", "True"], done.stdout + done.stderr[-2000:]

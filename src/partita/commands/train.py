@@ -24,6 +24,7 @@ from partita.errors import (
     PeerFailure,
     Stopped,
     StoppedBeforeStart,
+    signals_held,
 )
 from partita.launch import (
     LaunchSpec,
@@ -128,7 +129,8 @@ def _while_starting(exc: Stopped) -> bool:
 def _run(args: argparse.Namespace) -> int:
     cfg = with_absolute_inputs(load_config(args.config, args.overrides))
     if launched_externally():
-        from partita.trainer import train
+        with signals_held():  # a SIGTERM meanwhile arrives after, not inside torch's import
+            from partita.trainer import train
 
         if int(os.environ["RANK"]) == 0:
             prepare_run_dir(cfg)
@@ -149,6 +151,8 @@ def _run(args: argparse.Namespace) -> int:
     # The workers' imports (in the fork server) run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
+        with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
+            import torch  # noqa: F401  (the launch needs it; imported while the server does)
         nproc = args.nproc or default_nproc()
         validate_before_launch(cfg, nproc * args.nnodes)
         for note in pipeline_notes(cfg, nproc * args.nnodes):
