@@ -9,15 +9,8 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat reduce-scatters of slices under 4 MiB and all-gathers of shards under
-512 KiB run as one all-to-all each, larger ones point to point: a reduce-scatter as one
-exchange per pair of members (each sends every other the slice it owns and sums what it
-receives in rank order), an all-gather as one broadcast per member straight into its
-slot of the output. gloo's own reduce_scatter_tensor costs as much as a full
-all-reduce, and its all-gather stages the output in a buffer of its own and walks the
-ring step by step; the forms here send the same (n-1)/n * S per rank as a ring, in
-less time (figures in docs/zero.md). Sums run in rank order, so every rank's result is
-deterministic. NCCL keeps its native collectives.
+On gloo, flat all-gathers and reduce-scatters take faster forms than gloo's own
+(`partita.gloo_collectives`); NCCL keeps its native collectives.
 """
 
 from __future__ import annotations
@@ -29,24 +22,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from partita import gloo_collectives
 from partita.eager_only import EagerOnly
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-# gloo all-gathers whose shard is at least this large run as one broadcast per member
-# (module docstring): the crossover measured at 2 and 4 ranks lies between 1/4 and 1 MiB.
-BROADCAST_GATHER_BYTES = 512 * 1024
-# gloo reduce-scatters whose slices are at least this large run as pairwise exchanges:
-# measured at 2 and 4 ranks they win from 4 MiB per slice on, and are level or behind
-# between a quarter of a MiB and 2 MiB.
-PAIRWISE_REDUCE_BYTES = 4 * 1024 * 1024
-# The pairwise reduce-scatter's sends and receives carry their own tag: a group may also
-# carry other point-to-point traffic at the same time (ring attention's, when the ZeRO
-# group is the context-parallel group), and gloo matches messages by peer and tag in
-# the order they were posted.
-_EXCHANGE_TAG = 0x5A
 
 
 @dataclass
@@ -81,78 +62,6 @@ class _Done:
         return True
 
 
-class _SumOnWait:
-    """Work handle of a gloo reduce-scatter: waits for the transfers, then sums the
-    members' slices in rank order into the output shard. `pieces`: the received
-    (members, slice) block of an all-to-all, or the list of slices of a pairwise
-    exchange (`_sum_in_rank_order`)."""
-
-    def __init__(self, works: list, pieces: torch.Tensor | list[torch.Tensor],
-                 shard: torch.Tensor) -> None:
-        self.transfers, self.pieces, self.shard = _AllOf(works), pieces, shard
-        self.done = False
-
-    def wait(self) -> bool:
-        if not self.done:
-            self.transfers.wait()
-            if isinstance(self.pieces, torch.Tensor):
-                torch.sum(self.pieces, dim=0, out=self.shard.view(-1))
-            else:
-                _sum_in_rank_order(self.pieces, self.shard.view(-1))
-            self.pieces = None  # the scratch goes as soon as it is summed
-            self.done = True
-        return True
-
-    def is_completed(self) -> bool:
-        """The transfers are done (wait() then only sums)."""
-        return self.done or self.transfers.is_completed()
-
-
-def _sum_in_rank_order(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
-    """out = ((p0 + p1) + p2) + ..., also when `out` is one of the pieces (stage 1 reduces
-    into its own slot); every other piece is scratch the sum may overwrite."""
-    j = next((i for i, p in enumerate(pieces) if p.data_ptr() == out.data_ptr()), None)
-    if j is None:
-        torch.add(pieces[0], pieces[1], out=out)
-        j = 1
-    elif j > 0:  # the pieces before out's summed into the first; then a + b == b + a
-        for p in pieces[1:j]:
-            pieces[0].add_(p)
-        out.add_(pieces[0])
-    for p in pieces[j + 1:]:
-        out.add_(p)
-
-
-class _AllOf:
-    """Work handle over several collectives that together make one."""
-
-    def __init__(self, works: list) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for work in self.works:
-            work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-
-class _Holding:
-    """Work handle that keeps the tensor a collective reads from alive until waited."""
-
-    def __init__(self, work, held: torch.Tensor) -> None:
-        self.work, self.held = work, held
-
-    def wait(self) -> bool:
-        self.work.wait()
-        self.held = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
 class GroupComm:
     """Collectives over one process group, counted under one purpose."""
 
@@ -183,8 +92,8 @@ class GroupComm:
 
     @property
     def flat_by_all_to_all(self) -> bool:
-        """See the module docstring: on gloo, flat reduce-scatters and all-gathers are
-        all-to-alls."""
+        """Flat reduce-scatters and all-gathers take partita's own forms
+        (`partita.gloo_collectives`: all-to-alls, or point to point when large)."""
         return self.backend == dist.Backend.GLOO
 
     def _count(self, op: str, nbytes: float) -> None:
@@ -204,24 +113,9 @@ class GroupComm:
                 output.copy_(shard)
             return _Done() if async_op else None
         self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
-        if self.flat_by_all_to_all and _nbytes(shard) >= BROADCAST_GATHER_BYTES:
-            # gloo, large: each member broadcasts its slot of the output to the others.
-            flat, slot = output.view(-1), shard.numel()
-            mine = flat[self.index * slot:(self.index + 1) * slot]
-            if mine.data_ptr() != shard.data_ptr():
-                mine.copy_(shard.reshape(-1))
-            works = [dist.broadcast(flat[i * slot:(i + 1) * slot], src=src, group=self.group,
-                                    async_op=async_op)
-                     for i, src in enumerate(self.ranks)]
-            return _AllOf(works) if async_op else None
         if self.flat_by_all_to_all:
-            # gloo, small: every member sends its shard to every other in one all-to-all;
-            # the repeated input takes the place of the flat staging buffer gloo's own
-            # all-gather allocates and copies back from.
-            send = shard.reshape(-1).repeat(self.size)
-            work = dist.all_to_all_single(output.view(-1), send, group=self.group,
-                                          async_op=async_op)
-            return _Holding(work, send) if async_op else None
+            return gloo_collectives.all_gather_flat(output, shard, self.group, self.ranks,
+                                                    self.index, async_op)
         return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_flat(self, shard: torch.Tensor, full: torch.Tensor,
@@ -232,49 +126,16 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
-        slot = full.numel() // self.size
-        if op == dist.ReduceOp.SUM and self._pairwise(full):
-            # gloo, large: every pair of members exchanges the slices each owns, and each
-            # sums its own in rank order.
-            flat = full.view(-1)
-            received = full.new_empty((self.size - 1, slot))
-            pieces, works = [], []
-            for i, peer in enumerate(self.ranks):
-                piece = flat[i * slot:(i + 1) * slot]  # what member i owns
-                if i == self.index:
-                    pieces.append(piece)
-                    continue
-                into = received[len(works) // 2]
-                works += [dist.irecv(into, src=peer, group=self.group, tag=_EXCHANGE_TAG),
-                          dist.isend(piece, dst=peer, group=self.group, tag=_EXCHANGE_TAG)]
-                pieces.append(into)
-            work = _SumOnWait(works, pieces, shard)
-            if async_op:
-                return work
-            work.wait()
-            return None
         if self.flat_by_all_to_all and op == dist.ReduceOp.SUM:
-            received = torch.empty_like(full)
-            work = _SumOnWait([dist.all_to_all_single(received, full, group=self.group,
-                                                      async_op=True)],
-                              received.view(self.size, slot), shard)
-            if async_op:
-                return work
-            work.wait()
-            return None
+            return gloo_collectives.reduce_scatter_flat(shard, full, self.group, self.ranks,
+                                                        self.index, async_op)
         return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
         if not self.flat_by_all_to_all:
             return 0
-        if self._pairwise(full):
-            return _nbytes(full) // self.size * (self.size - 1)
-        return _nbytes(full)
-
-    def _pairwise(self, full: torch.Tensor) -> bool:
-        """A gloo reduce-scatter of `full` runs as pairwise exchanges (module docstring)."""
-        return self.flat_by_all_to_all and _nbytes(full) // self.size >= PAIRWISE_REDUCE_BYTES
+        return gloo_collectives.reduce_scatter_scratch_bytes(full, self.size)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_splits: list[int], input_splits: list[int],

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita.comm import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES, copy_each_to_region
+from partita.comm import copy_each_to_region
+from partita.gloo_collectives import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES
 from partita.layout import Layout
 from partita.mesh import Mesh
 from partita.testing import run_distributed

@@ -7,7 +7,7 @@ Layers, lowest first (docs/architecture.md explains each):
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges   the typed run configuration and its valid ranges
-    core         comm, mesh, sharding, loss, saved_tensors
+    core         comm, gloo_collectives, mesh, sharding, loss, saved_tensors
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
@@ -40,7 +40,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges")),
-    ("core", ("partita.comm", "partita.mesh", "partita.sharding", "partita.loss",
+    ("core", ("partita.comm", "partita.gloo_collectives", "partita.mesh", "partita.sharding", "partita.loss",
               "partita.saved_tensors")),
     ("optim", ("partita.optim",)),
     ("memory", ("partita.memory",)),
