@@ -170,12 +170,15 @@ def signals_held() -> Iterator[None]:
     """Hold SIGINT and SIGTERM until the block ends, then take them as usual.
 
     For importing torch in a process that turns signals into `Stopped`: an exception
-    raised inside that import is not safe. Its C++ numpy probe clears whatever error the
-    import of numpy raised, so a `Stopped` from there vanished and the job trained on;
-    cut short elsewhere, its half-done initialisation can abort the process at exit.
-    The signals are blocked, not ignored, so one sent meanwhile waits and arrives when
-    the block ends (threads started inside keep them blocked, which only leaves them to
-    the main thread, where Python runs its handlers anyway)."""
+    raised inside that import is not safe. Where numpy is not imported yet, torch's C++
+    numpy probe clears whatever error numpy's import raised, so a `Stopped` from there
+    vanishes, and the process, which took the signal, ignores the next ones as repeats
+    (`tests/unit/test_launch_signals.py` shows it); partita's commands import numpy
+    before they take signals, so this guards torch's import against any such handler,
+    not against one failure seen. The signals are blocked, not ignored, so one sent
+    meanwhile waits and arrives when the block ends (threads started inside keep them
+    blocked, which only leaves them to the main thread, where Python runs its handlers
+    anyway)."""
     import signal
 
     held = {signal.SIGINT, signal.SIGTERM}

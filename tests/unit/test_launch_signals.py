@@ -97,3 +97,25 @@ def test_a_sigterm_held_around_an_import_arrives_after_it(case):
     assert done.returncode == 0, done.stderr[-2000:]
     # stopped by SIGTERM, nothing inside the block saw it, torch whole where imported
     assert done.stdout.split() == ["SIGTERM", "False", "True"], done.stdout + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("signum", "stopped_before_start"),
+                         [(signal.SIGTERM, True), (signal.SIGINT, False)])
+def test_a_signal_before_the_workers_could_be_told_is_a_stop_before_start(
+        monkeypatch, signum, stopped_before_start):
+    """Until the launcher passes SIGTERM on to its workers, the command line's handler
+    raises `Stopped` wherever the launcher is. One raised while it imported torch's
+    elastic agent (a few tenths of a second) was taken for the second SIGTERM of a
+    running job, exit 143, where a SIGTERM during start-up is a stop on request (75).
+    Ctrl-C stays a stop at once."""
+    from partita import launch
+    from partita.errors import Stopped, StoppedBeforeStart
+
+    def cut_short(preload):  # where the handler fired: preparing the agent
+        raise Stopped(signum)
+
+    monkeypatch.setattr(launch, "start_worker_server", cut_short)
+    with pytest.raises(Stopped) as stopped:
+        launch.launch(launch.LaunchSpec(forward_sigterm=True), print)
+    assert isinstance(stopped.value, StoppedBeforeStart) == stopped_before_start
+    assert stopped.value.signum == signum
