@@ -245,49 +245,49 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
 
         config, forward_sigterm = _launch_config(spec, log_dir)
         running.enter_context(_sigterm_to_workers(forward_sigterm, stop_file(config.run_id)))
-    with running:
-        try:
+    try:
+        with running:  # SIGTERM is passed on while the workers run
             results = elastic_launch(config, _run_reporting_errors)(fn, *args)
-        except RendezvousTimeoutError:
-            others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
-            count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
-                     else "")
-            raise PartitaError(
-                f"the job's {spec.nnodes} nodes did not all join the rendezvous at "
-                f"{config.rdzv_endpoint} within {spec.join_timeout_s:g} s{count}, so nothing was "
-                "started. Start the same command on every node with the same --rdzv-id and "
-                "--rdzv-endpoint (an address every node can reach), check --nnodes, or give "
-                "slow nodes longer with --rdzv-timeout SECONDS."
-            ) from None
-        except RendezvousError as exc:  # the host node's store went away, or refused us
-            raise PartitaError(
-                f"the rendezvous at {config.rdzv_endpoint} failed ({type(exc).__name__}): the "
-                "node hosting it gave up, died or is unreachable. Start every node of the job "
-                "again with the same --rdzv-id and --rdzv-endpoint."
-            ) from None
-        except SignalException as exc:
-            # The agent caught SIGINT/SIGTERM and has already stopped the workers.
-            raise Stopped(int(exc.sigval)) from None
-        except ChildFailedError as exc:
-            rank, failure = _first_cause(exc.failures)
-            if failure.exitcode == CHECKPOINT_STOP_EXIT:  # a worker's SIGTERM while starting
-                raise StoppedBeforeStart() from None
-            if failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
-                raise Stopped(failure.exitcode - 128) from None
-            if failure.exitcode < 0:  # killed by a signal nobody handled
-                how = f"was killed by {signal.Signals(-failure.exitcode).name}"
-                said = ("it printed nothing: a kill, the out-of-memory killer, a crash in "
-                        "native code, or partita's own peers ending it after it stopped "
-                        "responding (then the messages above say so)")
-            elif failure.exitcode == PEER_FAILURE_EXIT:  # every failure was a victim's
-                how = "timed out waiting for another process"
-                said = "the messages above name the process that was behind, where one could tell"
-            else:
-                how, said = f"stopped with exit code {failure.exitcode}", "its message is above"
-            raise PartitaError(
-                f"process {rank} of the job {how}, the first to fail; {said}. The other "
-                "processes were stopped."
-            ) from None
+    except RendezvousTimeoutError:
+        others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
+        count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
+                 else "")
+        raise PartitaError(
+            f"the job's {spec.nnodes} nodes did not all join the rendezvous at "
+            f"{config.rdzv_endpoint} within {spec.join_timeout_s:g} s{count}, so nothing was "
+            "started. Start the same command on every node with the same --rdzv-id and "
+            "--rdzv-endpoint (an address every node can reach), check --nnodes, or give "
+            "slow nodes longer with --rdzv-timeout SECONDS."
+        ) from None
+    except RendezvousError as exc:  # the host node's store went away, or refused us
+        raise PartitaError(
+            f"the rendezvous at {config.rdzv_endpoint} failed ({type(exc).__name__}): the "
+            "node hosting it gave up, died or is unreachable. Start every node of the job "
+            "again with the same --rdzv-id and --rdzv-endpoint."
+        ) from None
+    except SignalException as exc:
+        # The agent caught SIGINT/SIGTERM and has already stopped the workers.
+        raise Stopped(int(exc.sigval)) from None
+    except ChildFailedError as exc:
+        rank, failure = _first_cause(exc.failures)
+        if failure.exitcode == CHECKPOINT_STOP_EXIT:  # a worker's SIGTERM while starting
+            raise StoppedBeforeStart() from None
+        if failure.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+            raise Stopped(failure.exitcode - 128) from None
+        if failure.exitcode < 0:  # killed by a signal nobody handled
+            how = f"was killed by {signal.Signals(-failure.exitcode).name}"
+            said = ("it printed nothing: a kill, the out-of-memory killer, a crash in "
+                    "native code, or partita's own peers ending it after it stopped "
+                    "responding (then the messages above say so)")
+        elif failure.exitcode == PEER_FAILURE_EXIT:  # every failure was a victim's
+            how = "timed out waiting for another process"
+            said = "the messages above name the process that was behind, where one could tell"
+        else:
+            how, said = f"stopped with exit code {failure.exitcode}", "its message is above"
+        raise PartitaError(
+            f"process {rank} of the job {how}, the first to fail; {said}. The other "
+            "processes were stopped."
+        ) from None
     return [results[r] for r in sorted(results)]
 
 
