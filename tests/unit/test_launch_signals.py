@@ -119,3 +119,27 @@ def test_a_signal_before_the_workers_could_be_told_is_a_stop_before_start(
         launch.launch(launch.LaunchSpec(forward_sigterm=True), print)
     assert isinstance(stopped.value, StoppedBeforeStart) == stopped_before_start
     assert stopped.value.signum == signum
+
+
+PENDING = """
+import os, signal
+from partita import launch
+
+# As a worker starts from the fork server: SIGTERM ignored and blocked, and the
+# launcher's forwarded SIGTERM already sent, so it waits.
+signal.pthread_sigmask(signal.SIG_BLOCK, launch.SERVER_IGNORES)
+for sig in launch.SERVER_IGNORES:
+    signal.signal(sig, signal.SIG_IGN)
+os.kill(os.getpid(), signal.SIGTERM)
+assert signal.SIGTERM in signal.sigpending()
+launch._run_reporting_errors(sum, [1, 2])
+"""
+
+
+def test_a_sigterm_that_waited_while_a_worker_started_is_a_stop_before_start():
+    """The SIGTERM arrives as the worker lifts the block, before the trainer's own code
+    can take it for a stop before the first step; the worker exited 143 (and the job
+    with it) where a stop during start-up is 75."""
+    done = subprocess.run([sys.executable, "-c", PENDING], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 75, (done.returncode, done.stderr[-2000:])
