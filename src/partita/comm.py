@@ -91,7 +91,7 @@ class GroupComm:
         return torch.device("cpu")
 
     @property
-    def flat_by_all_to_all(self) -> bool:
+    def gloo_forms(self) -> bool:
         """Flat reduce-scatters and all-gathers take partita's own forms
         (`partita.gloo_collectives`: all-to-alls, or point to point when large)."""
         return self.backend == dist.Backend.GLOO
@@ -113,7 +113,7 @@ class GroupComm:
                 output.copy_(shard)
             return _Done() if async_op else None
         self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
-        if self.flat_by_all_to_all:
+        if self.gloo_forms:
             return gloo_collectives.all_gather_flat(output, shard, self.group, self.ranks,
                                                     self.index, async_op)
         return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
@@ -126,14 +126,14 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
-        if self.flat_by_all_to_all and op == dist.ReduceOp.SUM:
+        if self.gloo_forms and op == dist.ReduceOp.SUM:
             return gloo_collectives.reduce_scatter_flat(shard, full, self.group, self.ranks,
                                                         self.index, async_op)
         return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
-        if not self.flat_by_all_to_all:
+        if not self.gloo_forms:
             return 0
         return gloo_collectives.reduce_scatter_scratch_bytes(full, self.size)
 

@@ -40,7 +40,7 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: dist.Proce
                     ranks: list[int], index: int, async_op: bool):
     """Concatenate every member's equal-sized `shard` into `output`, in rank order."""
     size = len(ranks)
-    if _nbytes(shard) >= BROADCAST_GATHER_BYTES:
+    if shard.nbytes >= BROADCAST_GATHER_BYTES:
         # Large: each member broadcasts its slot of the output to the others.
         flat, slot = output.view(-1), shard.numel()
         mine = flat[index * slot:(index + 1) * slot]
@@ -91,13 +91,13 @@ def reduce_scatter_flat(shard: torch.Tensor, full: torch.Tensor, group: dist.Pro
 def reduce_scatter_scratch_bytes(full: torch.Tensor, size: int) -> int:
     """Extra bytes `reduce_scatter_flat(_, full, ...)` holds while in flight."""
     if is_pairwise(full, size):
-        return _nbytes(full) // size * (size - 1)
-    return _nbytes(full)
+        return full.nbytes // size * (size - 1)
+    return full.nbytes
 
 
 def is_pairwise(full: torch.Tensor, size: int) -> bool:
     """A reduce-scatter of `full` over `size` members runs as pairwise exchanges."""
-    return _nbytes(full) // size >= PAIRWISE_REDUCE_BYTES
+    return full.nbytes // size >= PAIRWISE_REDUCE_BYTES
 
 
 class _SumOnWait:
@@ -169,7 +169,3 @@ class _Holding:
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

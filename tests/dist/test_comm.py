@@ -29,7 +29,7 @@ def _finish(work, async_op: bool) -> None:
 def _worker(rank: int, world: int) -> list[str]:
     comm = Mesh(Layout(dp=world), rank, world).comm("zero_shard")
     problems = []
-    assert comm.flat_by_all_to_all  # gloo: the all-to-all path is the one under test
+    assert comm.gloo_forms  # gloo: the all-to-all path is the one under test
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         numel = 12 * world
         expected = sum(_full(r, numel, dtype).double() for r in range(world))
