@@ -149,6 +149,15 @@ class StopRequest:
 STOP_REQUEST = StopRequest()
 
 
+def before_stop_request(exc: Stopped) -> bool:
+    """Whether `exc` is a SIGTERM that came before this process installed its
+    `STOP_REQUEST`, while the job was starting: nothing of it was trained or saved, so
+    it is a stop on request (`StoppedBeforeStart`, exit 75) and not a stop at once."""
+    import signal
+
+    return exc.signum == signal.SIGTERM and not STOP_REQUEST.installed
+
+
 def stop_on_signals() -> None:
     """Turn SIGINT and SIGTERM into `Stopped` in this process (main thread only)."""
     import signal

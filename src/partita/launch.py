@@ -28,6 +28,7 @@ from partita.errors import (
     PartitaError,
     Stopped,
     StoppedBeforeStart,
+    before_stop_request,
     stop_file,
     stop_on_signals,
 )
@@ -443,7 +444,7 @@ def _run_reporting_errors(fn: Callable, *args):
         # A SIGTERM that waited while this process started (the server blocks it) arrives
         # as the block lifts, before `fn` can take it for a stop before the first step:
         # it is one all the same (exit 75, not 143) until the trainer takes SIGTERM over.
-        if exc.signum == signal.SIGTERM and not STOP_REQUEST.installed:
+        if before_stop_request(exc):
             exc = StoppedBeforeStart()
         # Leave at once: the agent sends SIGTERM to every worker once one fails or is
         # signalled, and one arriving during the interpreter's own shutdown would print

@@ -18,12 +18,12 @@ from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
     PEER_FAILURE_EXIT,
-    STOP_REQUEST,
     AgreedError,
     PartitaError,
     PeerFailure,
     Stopped,
     StoppedBeforeStart,
+    before_stop_request,
     signals_held,
 )
 from partita.launch import (
@@ -81,10 +81,8 @@ def _worker(config_toml: str) -> dict:
 
         cfg = config_from_toml(config_toml)
         return train(cfg, fault_from_env())
-    except Stopped as exc:
-        if not _while_starting(exc):
-            raise
-        raise StoppedBeforeStart() from None  # exit 75, which the launcher maps back
+    # A SIGTERM before the trainer took it over leaves as a stop before the start (exit
+    # 75, which the launcher maps back): `launch._run_reporting_errors` sees to it.
     except PartitaError as exc:
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 or not isinstance(exc, AgreedError):
@@ -118,12 +116,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _while_starting(exc: Stopped) -> bool:
-    """Whether `exc` is a SIGTERM that came while the job was starting: before this
-    process's StopRequest was installed (a worker, or the trainer under torchrun) and,
-    in the launcher, before the workers ran (from the launch, a Stopped is the second
+    """Whether `exc` is a SIGTERM that came while the job was starting
+    (`before_stop_request`: in the launcher, or the trainer under torchrun) and, in the
+    launcher, before the workers ran (from the launch, a Stopped is the second
     SIGTERM's). Such a stop has nothing to save: a stop on request, exit 75."""
-    return (exc.name == "SIGTERM" and not STOP_REQUEST.installed
-            and not getattr(exc, "after_launch", False))
+    return before_stop_request(exc) and not getattr(exc, "after_launch", False)
 
 
 def _run(args: argparse.Namespace) -> int:
