@@ -149,6 +149,7 @@ class ParallelSection:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    # Over a ZeRO group (dp x cp) of one rank every stage runs as 0: nothing to shard.
     zero_stage: int = 0
     # ZeRO 0-2: gradient bucket size; ZeRO-3: consecutive blocks gathered as one unit
     # up to this size (docs/zero.md).

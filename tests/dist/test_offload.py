@@ -93,11 +93,15 @@ def test_ledger_puts_offloaded_states_on_the_host(stage: int, offload: str) -> N
     owned = sum(s.exp_avg.numel() for s in off.slots)  # elements this rank updates
     assert b["master_weights"] == b["optimizer_states"] == 0
     assert b["host_master_weights"] == 4 * owned  # fp32 master of bf16 parameters
-    assert b["host_optimizer_states"] == a["optimizer_states"] == 8 * owned
+    assert b["host_optimizer_states"] == 8 * owned
     assert b["host_gradients"] == 2 * owned  # staging for the bf16 gradients
-    assert b["gradients"] == a["gradients"]  # the reduced gradients stay on the device
+    assert b["gradients"] == 2 * owned  # the reduced gradients stay on the device
+    # Without offload a group of one rank runs every stage as stage 0 (`DataParallel`),
+    # so only stage 0 has a like-for-like engine here.
+    if int(plain.stage) == int(off.stage):
+        assert a["optimizer_states"] == 8 * owned and a["gradients"] == b["gradients"]
     if offload == "optimizer+params":
-        assert b["parameters"] == 0 and b["host_parameters"] == a["parameters"] == 2 * owned
+        assert b["parameters"] == 0 and b["host_parameters"] == 2 * owned
     else:
         assert b["parameters"] == a["parameters"] and b["host_parameters"] == 0
     assert b["host_model_states"] == sum(b[k] for k in b if k.startswith("host_")

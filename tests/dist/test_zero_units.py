@@ -9,6 +9,7 @@ import torch.nn as nn
 from partita.bench import zero_memory
 from partita.errors import PartitaError
 from partita.layout import Layout
+from partita.memory.offload import OffloadPolicy
 from partita.mesh import Mesh
 from partita.models.transformer import transformer_init
 from partita.testing import run_distributed
@@ -17,8 +18,8 @@ from partita.zero.units import gather_units, resolve_blocks
 from tests.dist import dp_cases as zp
 
 
-def _mesh() -> Mesh:
-    return Mesh(Layout())
+def _mesh(rank: int = 0, world: int = 1) -> Mesh:
+    return Mesh(Layout(dp=world), rank, world)
 
 
 def test_flat_buffer_pads_to_aligned_equal_slices_and_maps_back() -> None:
@@ -49,6 +50,21 @@ def test_stage3_without_blocks_says_what_to_pass() -> None:
         DataParallel(zp.Toy(), _mesh(), zero=ZeroConfig(stage=3))
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_group_of_one_rank_runs_every_stage_as_stage_0(stage: int) -> None:
+    # A shard of a one-rank group is the whole buffer: nothing to save, copies to pay.
+    toy = zp.Toy().double()
+    dp = DataParallel(toy, _mesh(), zero=ZeroConfig(stage=stage),
+                      precision=MixedPrecision(param_dtype=torch.float64), blocks=zp.ToyLayer)
+    assert int(dp.stage) == 0 and dp.gatherer is None
+    assert all(p.numel() > 0 for p in toy.parameters())  # at rest, whole
+    # Offloading moves the shards elsewhere, so it keeps the stage it was given.
+    offloaded = DataParallel(zp.Toy().double(), _mesh(), zero=ZeroConfig(stage=stage),
+                             precision=MixedPrecision(param_dtype=torch.float64),
+                             blocks=zp.ToyLayer, offload=OffloadPolicy("optimizer"))
+    assert int(offloaded.stage) == stage
+
+
 def test_meta_model_without_init_fn_is_refused() -> None:
     model = zp.make_model({}, torch.float32, meta=True)
     with pytest.raises(PartitaError, match="init_fn"):
@@ -72,11 +88,11 @@ def test_second_backward_without_grad_sync_is_an_error_not_a_wrong_gradient() ->
         dp.backward(zp.lm_loss(dp.module(tokens[:, :-1]), tokens))
 
 
-def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
-    model = zp.make_model({}, torch.float32, meta=True)
+def _writeback(rank: int, world: int) -> None:
     from partita.zero import model_init_fn
 
-    dp = DataParallel(model, _mesh(), zero=ZeroConfig(stage=3),
+    model = zp.make_model({}, torch.float32, meta=True)
+    dp = DataParallel(model, _mesh(rank, world), zero=ZeroConfig(stage=3),
                       precision=MixedPrecision(param_dtype=torch.bfloat16),
                       init_fn=model_init_fn(transformer_init(zp.CFG)))
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())  # at rest
@@ -84,8 +100,13 @@ def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
         for p in model.parameters():
             p.fill_(0.5)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-    assert all(bool((b.shard[: b.numel] == 0.5).all()) for b in dp.buckets if b.numel >= b.hi)
-    assert all(bool((s.master == 0.5).sum() > 0) for s in dp.slots)
+    assert all(bool((b.shard[: b.numel - b.lo] == 0.5).all()) for b in dp.buckets
+               if b.numel > b.lo)
+    assert all(bool((s.master == 0.5).sum() > 0) for s in dp.slots if s.master.numel())
+
+
+def test_gathered_parameters_writeback_reaches_shards_and_master() -> None:
+    run_distributed(_writeback, 2)
 
 
 def test_memory_ledger_matches_zero_formulas_and_stage3_draws_only_its_shard() -> None:
@@ -235,9 +256,13 @@ def test_stage3_frees_parameters_that_autograd_saved_for_backward() -> None:
     """A linear layer saves its weight for backward. Freeing a unit after its forward
     must release that memory too (the saved views are re-filled by the backward gather),
     or stage 3 holds every unit from forward until backward, more than stage 2."""
+    run_distributed(_frees_saved_parameters, 2)
+
+
+def _frees_saved_parameters(rank: int, world: int) -> None:
     torch.manual_seed(0)
     toy = zp.Toy().double()
-    dp = DataParallel(toy, _mesh(), zero=ZeroConfig(stage=3, bucket_mb=1e-6),
+    dp = DataParallel(toy, _mesh(rank, world), zero=ZeroConfig(stage=3, bucket_mb=1e-6),
                       precision=MixedPrecision(param_dtype=torch.float64), blocks=zp.ToyLayer)
     saved: list[torch.Tensor] = []
 
