@@ -117,8 +117,9 @@ class TrainSection:
     # A collective that does not complete within this many seconds fails the run (a dead
     # or stalled rank) instead of hanging it.
     collective_timeout_s: float = 600.0
-    # Warn (rank 0, once per stall) when a step runs this many times the median step time,
-    # naming the ranks that are behind; 0 turns the watchdog off.
+    # Warn (rank 0, once per stall) when a step runs this many times the median step time
+    # (an evaluation or a checkpoint write: its own median), naming the ranks that are
+    # behind; 0 turns the watchdog off.
     stall_warning_factor: float = 20.0
     timeline_png: str = ""  # pipeline runs: draw the last step's measured timeline here
     # Checkpoints (docs/checkpoints.md). Every N steps (0: only when stopped by SIGTERM

@@ -8,7 +8,11 @@ background thread bumps a heartbeat counter four times a second. Two uses:
   (stopped, hung or dead) or, failing that, the ones behind the others;
 * on rank 0 the thread compares how long the current step has run with the median step
   time; past `factor` times the median (and at least `min_seconds`) it prints once which
-  ranks are behind or silent, well before the collective timeout ends the job.
+  ranks are behind or silent, well before the collective timeout ends the job. The
+  phases around the training steps (`OWN_CLOCK`: evaluation, checkpoint and weight
+  writes) are timed apart, each against its own earlier lengths: a first evaluation
+  that compiles its graphs, or a checkpoint written to a slow disk, is not a stall of
+  the step it follows.
 
 A stalled rank cannot report itself, so the report comes from the ones waiting for it.
 """
@@ -30,6 +34,10 @@ from collections import deque
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
           "clipping", "loss average", "optimizer step", "evaluation", "checkpoint copy",
           "checkpoint write", "weight write")
+# Phases that are not part of a training step's own work, each timed against itself.
+OWN_CLOCK = ("checkpoint load", "evaluation", "checkpoint copy", "checkpoint write",
+             "weight write")
+STEP = "step"  # the part of a step made of the other phases
 BEAT_S = 0.25  # heartbeat period
 SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running
 
@@ -58,8 +66,10 @@ class Progress:
         self.factor, self.min_seconds, self.timeout_s = factor, min_seconds, timeout_s
         self.enabled = world_size > 1 and "MASTER_ADDR" in os.environ
         self.step, self.phase = 0, "setup"
-        self.step_started = time.monotonic()
-        self.durations: deque[float] = deque(maxlen=50)
+        # The part now running (STEP or a phase of OWN_CLOCK), since when, and the
+        # lengths of the earlier ones of each kind.
+        self.part, self.part_started = STEP, time.monotonic()
+        self.durations: dict[str, deque[float]] = {}
         self._store = _store_client() if self.enabled else None
         self._stop = threading.Event()
         self._thread = None
@@ -75,11 +85,13 @@ class Progress:
 
     def enter(self, step: int, phase: str) -> None:
         """This rank starts `phase` of `step` (1-based)."""
-        if step != self.step:
+        part = phase if phase in OWN_CLOCK else STEP
+        if step != self.step or part != self.part:
             now = time.monotonic()
             if self.step > 0:
-                self.durations.append(now - self.step_started)
-            self.step, self.step_started = step, now
+                self.durations.setdefault(self.part, deque(maxlen=50)).append(
+                    now - self.part_started)
+            self.step, self.part, self.part_started = step, part, now
         self.phase = phase
         if self._store is not None:
             self._store.set(self.STEP_KEY.format(rank=self.rank), f"{step}|{phase}")
@@ -134,27 +146,32 @@ class Progress:
     # The background thread -----------------------------------------------------------------
     def _background(self) -> None:
         store = _store_client()
-        beat, reported = 0, -1
+        beat, reported = 0, None
         key = self.BEAT_KEY.format(rank=self.rank)
         while not self._stop.wait(BEAT_S):
             beat += 1
             try:
                 store.set(key, str(beat))
-                if self.rank == 0 and self.factor > 0 and self.step != reported:
-                    if self._stalled():
-                        reported = self.step
-                        waited = time.monotonic() - self.step_started
-                        print(stall_report(self.step, waited, statistics.median(self.durations),
-                                           describe(self.positions(store), self.silent(store)),
-                                           self.timeout_s), file=sys.stderr, flush=True)
+                at = (self.step, self.part)
+                if self.rank == 0 and self.factor > 0 and at != reported and self._stalled():
+                    reported = at
+                    waited = time.monotonic() - self.part_started
+                    print(stall_report(self.step, waited,
+                                       statistics.median(self.durations[self.part]),
+                                       describe(self.positions(store), self.silent(store)),
+                                       self.timeout_s, self.part), file=sys.stderr, flush=True)
             except Exception:
                 return  # the job is ending; the main thread reports why
 
     def _stalled(self) -> bool:
-        if len(self.durations) < 2:
+        """The part now running has run `factor` times the median of its kind (and at
+        least `min_seconds`). Steps are judged from the third (the first ones may compile
+        or warm up), the other parts from their second."""
+        history = self.durations.get(self.part, ())
+        if len(history) < (2 if self.part == STEP else 1):
             return False
-        waited = time.monotonic() - self.step_started
-        return waited >= max(self.factor * statistics.median(self.durations), self.min_seconds)
+        waited = time.monotonic() - self.part_started
+        return waited >= max(self.factor * statistics.median(history), self.min_seconds)
 
 
 def describe(where: dict[int, tuple[int, str]], silent: list[int]) -> str:
@@ -180,9 +197,11 @@ def ranks_behind(where: dict[int, tuple[int, str]]) -> list[int]:
     return sorted(r for r, pos in position.items() if pos < furthest)
 
 
-def stall_report(step: int, waited: float, median: float, who: str, timeout_s: float) -> str:
-    """The warning for a stalled step."""
+def stall_report(step: int, waited: float, median: float, who: str, timeout_s: float,
+                 part: str = STEP) -> str:
+    """The warning for a stalled step (or `part` of it, a phase of OWN_CLOCK)."""
     who = who or "every rank is at the same point, so one is stuck inside it"
-    return (f"partita: warning: step {step} has run {waited:.1f} s, {waited / median:.0f}x the "
-            f"median step time ({median:.2f} s); {who}. If it does not recover the job stops "
-            f"after train.collective_timeout_s={timeout_s:g} s.")
+    what = f"step {step}" if part == STEP else f"the {part} of step {step}"
+    return (f"partita: warning: {what} has run {waited:.1f} s, {waited / median:.0f}x the "
+            f"median {part} time ({median:.2f} s); {who}. If it does not recover the job "
+            f"stops after train.collective_timeout_s={timeout_s:g} s.")

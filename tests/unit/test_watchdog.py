@@ -1,0 +1,57 @@
+"""The stall watch of `partita.watchdog.Progress`, on a clock the test moves."""
+
+from __future__ import annotations
+
+import pytest
+
+from partita import watchdog
+from partita.watchdog import Progress, stall_report
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(watchdog.time, "monotonic", lambda: now[0])
+    return now
+
+
+def _steps(progress: Progress, clock: list[float], first: int, last: int,
+           seconds: float = 0.1) -> None:
+    for step in range(first, last + 1):
+        progress.enter(step, "forward and backward")
+        clock[0] += seconds
+        progress.enter(step, "optimizer step")
+
+
+def test_an_evaluation_is_timed_against_evaluations_not_steps(clock) -> None:
+    # One process: no store, no thread; the checks are called directly.
+    progress = Progress(0, 1, factor=20, min_seconds=2.0, timeout_s=600)
+    _steps(progress, clock, 1, 4)
+    # The first evaluation compiles its graphs: 25 times a training step, not a stall.
+    progress.enter(4, "evaluation")
+    clock[0] += 2.5
+    assert not progress._stalled()
+    _steps(progress, clock, 5, 8)
+    progress.enter(8, "evaluation")
+    clock[0] += 3.0
+    assert not progress._stalled()  # against the 2.5 s evaluation before it
+    clock[0] += 47.0
+    assert progress._stalled()  # 50 s: 20 times it
+    _steps(progress, clock, 9, 9)
+    # A training step is still judged against training steps alone, evaluations left out.
+    progress.enter(10, "forward and backward")
+    clock[0] += 1.9
+    assert not progress._stalled()
+    clock[0] += 0.2
+    assert progress._stalled()
+    assert list(progress.durations["evaluation"]) == [2.5, 50.0]
+    assert max(progress.durations[watchdog.STEP]) == pytest.approx(0.1)
+
+
+def test_the_warning_names_the_part_that_stalled() -> None:
+    step = stall_report(4, 12.0, 0.3, "", 600)
+    assert step.startswith("partita: warning: step 4 has run 12.0 s, 40x the median step time")
+    evaluation = stall_report(8, 60.0, 2.5, "rank 1 (step 8, evaluation) behind the others",
+                              600, "evaluation")
+    assert evaluation.startswith("partita: warning: the evaluation of step 8 has run 60.0 s, "
+                                 "24x the median evaluation time (2.50 s); rank 1")
