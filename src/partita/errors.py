@@ -9,12 +9,21 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
 class PartitaError(Exception):
     """An error caused by input the user can change; the message says how."""
+
+
+def print_line(text: str) -> None:
+    """`text` and its newline on stderr in one write. The processes of a job share the
+    terminal, and print() writes the two apart (stderr writes through), so two ranks'
+    messages could run together on one line."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 def closest(name: str, candidates: Iterable[str]) -> str | None:

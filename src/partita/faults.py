@@ -16,10 +16,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, print_line
 
 # Points of a training step, in the order a step reaches them.
 POINTS = ("forward", "backward", "reduction", "optimizer", "weight_write")
@@ -87,7 +86,7 @@ class Faults:
         self.plan = None  # once
         # Said first, so that a test can tell a job that failed before its fault was due
         # (a rank slower than the timeouts on a loaded machine) from the fault's effect.
-        print(f"{INJECTED} {plan.do} at {point} of step {step}", file=sys.stderr, flush=True)
+        print_line(f"{INJECTED} {plan.do} at {point} of step {step}")
         if plan.do == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif plan.do == "stop":

@@ -29,6 +29,7 @@ from partita.errors import (
     Stopped,
     StoppedBeforeStart,
     before_stop_request,
+    print_line,
     stop_file,
     stop_on_signals,
 )
@@ -460,7 +461,7 @@ def _run_reporting_errors(fn: Callable, *args):
             detail = (f": {type(exc).__name__}: {str(exc).strip()[:300]}. This is a fault "
                       "inside partita, not in your settings; PARTITA_DEBUG=1 shows the "
                       "traceback to report.")
-        print(f"partita: process {rank} failed{detail}", file=sys.stderr, flush=True)
+        print_line(f"partita: process {rank} failed{detail}")
         _exit_now(1)
     # Done: while the agent collects the results, a SIGTERM (another process failed)
     # or Ctrl-C ends this one quietly.

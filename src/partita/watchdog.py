@@ -25,10 +25,11 @@ import os
 import signal
 import socket
 import statistics
-import sys
 import threading
 import time
 from collections import deque
+
+from partita.errors import print_line
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
@@ -156,10 +157,10 @@ class Progress:
                 if self.rank == 0 and self.factor > 0 and at != reported and self._stalled():
                     reported = at
                     waited = time.monotonic() - self.part_started
-                    print(stall_report(self.step, waited,
-                                       statistics.median(self.durations[self.part]),
-                                       describe(self.positions(store), self.silent(store)),
-                                       self.timeout_s, self.part), file=sys.stderr, flush=True)
+                    print_line(stall_report(self.step, waited,
+                                            statistics.median(self.durations[self.part]),
+                                            describe(self.positions(store), self.silent(store)),
+                                            self.timeout_s, self.part))
             except Exception:
                 return  # the job is ending; the main thread reports why
 

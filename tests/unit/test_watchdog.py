@@ -1,10 +1,12 @@
-"""The stall watch of `partita.watchdog.Progress`, on a clock the test moves."""
+"""The stall watch of `partita.watchdog.Progress`, on a clock the test moves, and the
+one-write lines the ranks print."""
 
 from __future__ import annotations
 
 import pytest
 
-from partita import watchdog
+from partita import errors, watchdog
+from partita.errors import print_line
 from partita.watchdog import Progress, stall_report
 
 
@@ -55,3 +57,21 @@ def test_the_warning_names_the_part_that_stalled() -> None:
                               600, "evaluation")
     assert evaluation.startswith("partita: warning: the evaluation of step 8 has run 60.0 s, "
                                  "24x the median evaluation time (2.50 s); rank 1")
+
+
+def test_a_message_and_its_newline_leave_in_one_write(monkeypatch) -> None:
+    # Ranks share the terminal; print() would write the text and the newline apart, and
+    # another rank's line could land between them.
+    writes: list[str] = []
+
+    class Recorder:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(errors.sys, "stderr", Recorder())
+    print_line("partita: error (rank 1): the file is corrupt")
+    assert writes == ["partita: error (rank 1): the file is corrupt\n"]

@@ -24,6 +24,7 @@ from partita.errors import (
     Stopped,
     StoppedBeforeStart,
     before_stop_request,
+    print_line,
     signals_held,
 )
 from partita.launch import (
@@ -87,7 +88,7 @@ def _worker(config_toml: str) -> dict:
         rank = int(os.environ.get("RANK", 0))
         if rank == 0 or not isinstance(exc, AgreedError):
             where = f" (rank {rank})" if rank else ""
-            print(f"partita: error{where}: {exc}", file=sys.stderr, flush=True)
+            print_line(f"partita: error{where}: {exc}")
         if isinstance(exc, PeerFailure):
             # Let the launcher see the death that caused this first: it reports one
             # failure, whichever it notices first, and this one is only a consequence.
