@@ -85,7 +85,7 @@ class DataParallel:
         if self.comm.size == 1 and not offload.optimizer:
             # Over a group of one rank a shard is the whole buffer: sharding saves nothing
             # and costs copies (stage 3 gathers every unit into a second buffer, stage 2
-            # moves every gradient into its slice; on one CPU rank of a 20M model 1.12 and
+            # moves every gradient into its slice; on one CPU rank of a 20M model 1.11 and
             # 1.09 of stage 0's step, docs/zero.md). Every stage runs as stage 0 there,
             # which is what the planner counts. Offload keeps its stage: it moves the
             # shards elsewhere.
