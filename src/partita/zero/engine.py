@@ -23,7 +23,6 @@ engine decides which flat slice each rank updates and which elements it counts.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +46,7 @@ from partita.optim import (
 from partita.zero.families import by_family, family_buffer, split_families, with_family_units
 from partita.zero.flat import FlatBuffer, InitFn, Piece
 from partita.zero.ledger import memory_ledger
+from partita.zero.materialize import check_nothing_left_on_meta, flat_init_fn
 from partita.zero.owned import OwnedSlice, owned_slices, owned_slices_loaded, writes_piece
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
@@ -80,15 +80,14 @@ class DataParallel:
         optim = optim or AdamWConfig()
         self.comm = mesh.comm("zero_shard")
         self.mp_comm = mesh.comm("model_parallel")
-        if zero.stage.shards_parameters:  # checked wherever it runs, to fail alike at scale
-            require_blocks(module, resolve_blocks(module, blocks))
+        # Checked however many ranks share the shards, so that a setting fails alike on one.
+        names = resolve_blocks(module, blocks) if zero.stage.shards_parameters else []
+        if zero.stage.shards_parameters:
+            require_blocks(module, names)
         if self.comm.size == 1 and not offload.optimizer:
-            # Over a group of one rank a shard is the whole buffer: sharding saves nothing
-            # and costs copies (stage 3 gathers every unit into a second buffer, stage 2
-            # moves every gradient into its slice; on one CPU rank of a 20M model 1.11 and
-            # 1.09 of stage 0's step, docs/zero.md). Every stage runs as stage 0 there,
-            # which is what the planner counts. Offload keeps its stage: it moves the
-            # shards elsewhere.
+            # A one-rank group's shard is the whole buffer: sharding would only copy
+            # (docs/zero.md), so every stage runs as 0, as the planner counts it there.
+            # Offload keeps its stage: it moves the shards elsewhere.
             zero = dataclasses.replace(zero, stage=0)
         self.module, self.mesh, self.zero = module, mesh, zero
         self.precision, self.optim = precision, optim
@@ -96,10 +95,9 @@ class DataParallel:
         n, index = self.comm.size, self.comm.index
         device = self.device = device or _device_of(module)
         dtype = precision.param_dtype
-        init_fn = _flat_init(init_fn)
+        init_fn = flat_init_fn(init_fn)
         self.gatherer: ParamGatherer | None = None
         if self.stage.shards_parameters:
-            names = resolve_blocks(module, blocks)
             root_params, per_block = partition(module, names)
             # Parameters reduced over another group (experts) gather as units of their
             # own, one per owning submodule, right after their block's unit.
@@ -138,7 +136,7 @@ class DataParallel:
                             for g in by_family(groups)]
             for buf in self.buckets:
                 buf.materialize_full(init_fn)
-        _check_nothing_left_on_meta(module)
+        check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if not self.stage.shards_gradients:
                 buf.full_grad = torch.zeros(buf.padded, dtype=precision.grad_dtype,
@@ -475,18 +473,6 @@ class DataParallel:
         owned_slices_loaded(self)
 
 
-def _check_nothing_left_on_meta(module: nn.Module) -> None:
-    left = [n for n, p in module.named_parameters() if p.is_meta]
-    left += [n for n, b in module.named_buffers() if b.is_meta]
-    if left:
-        raise PartitaError(
-            f"'{left[0]}' is still on the meta device: DataParallel materialises trainable "
-            "parameters only. Build frozen parameters (requires_grad=False) and buffers on "
-            "a real device before wrapping, e.g. module.get_submodule(...).to_empty("
-            "device=...) followed by their own initialisation."
-        )
-
-
 def _device_of(module: nn.Module) -> torch.device:
     for p in module.parameters():
         if not p.is_meta:
@@ -494,11 +480,3 @@ def _device_of(module: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _flat_init(init_fn) -> InitFn | None:
-    """Accept init_fn(info, start, stop) or the simpler init_fn(info) -> local tensor
-    (the latter materialises one parameter at a time, never the model)."""
-    if init_fn is None or len(inspect.signature(init_fn).parameters) >= 3:
-        return init_fn
-    return lambda info, start, stop: init_fn(info).reshape(-1)[start:stop]
