@@ -58,6 +58,11 @@ class PeerFailure(PartitaError):
     victims from the process that failed first."""
 
 
+class PeerReported(PeerFailure):
+    """Another process failed at a point every process passes together (reading a
+    checkpoint) and reports why; this one stops without repeating the message."""
+
+
 PEER_FAILURE_EXIT = 3
 
 

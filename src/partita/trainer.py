@@ -26,7 +26,13 @@ from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX
 from partita.device_specs import slow_cpu_matmul_warning
-from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure
+from partita.errors import (
+    STOP_REQUEST,
+    AgreedError,
+    PartitaError,
+    PeerFailure,
+    PeerReported,
+)
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
@@ -462,6 +468,8 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     try:
         trainer = Trainer(cfg, fault)
         return trainer.run()
+    except PeerReported:  # another process prints why
+        raise
     except PeerFailure as exc:  # a pipeline transfer that timed out: say who to look at
         raise PeerFailure(f"{exc} {_culprit_sentence(trainer, launcher)}.") from None
     except (RuntimeError, dist.DistError) as exc:

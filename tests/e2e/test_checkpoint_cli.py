@@ -222,6 +222,14 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
         damaged.stderr, damaged.stderr[-2000:]
     assert "Traceback" not in damaged.stderr
     assert not (tmp_path / "r2" / "model.safetensors").exists()
+    # both files damaged: the job stops with one message, not one per process
+    other = copy / "rank-00000-of-00002.safetensors"
+    intact = other.read_bytes()
+    other.write_bytes(intact[:-20] + bytes([intact[-20] ^ 0xFF]) + intact[-19:])
+    both = cli.train(tmp_path / "r4", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
+    assert both.returncode == 2 and both.stderr.count("' is corrupt") == 1, \
+        both.stderr[-2000:]
+    other.write_bytes(intact)
     shard.write_bytes(bytes(data[:-100]))
     cut = cli.train(tmp_path / "r3", "--nproc", "2", *F64, longer, f"--train.resume={copy}")
     assert cut.returncode == 2 and "truncated" in cut.stderr, cut.stderr[-2000:]

@@ -29,6 +29,7 @@ from partita.checkpoint.state import (
 )
 from partita.errors import PartitaError
 from partita.layout import DEGREES
+from partita.process_setup import stop_together
 
 
 @dataclass
@@ -128,6 +129,26 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
     """Load the checkpoint in `folder` into this rank's part of `pm` (every rank calls
     it; collective only where stages 1-2 rebuild their full parameter buffers)."""
     folder = Path(folder)
+    opened: list[SavedPieces] = []
+    try:
+        # Every process reads and checks its own part; what one finds wrong (a damaged
+        # file, another model) stops them all, with one message, before the collective.
+        try:
+            loaded = _read_own_part(pm, folder, seed, opened)
+        except Exception as exc:
+            stop_together(exc, pm.device, "reading the checkpoint")
+            raise  # not reached: stop_together raises
+        stop_together(None, pm.device, "reading the checkpoint")
+        pm.dp.owned_slices_loaded()
+        return loaded
+    finally:
+        for sources in opened:
+            sources.close()
+
+
+def _read_own_part(pm, folder: Path, seed: int, opened: list) -> Loaded:
+    """`load_checkpoint` up to its collective: this rank's slices, optimizer step and
+    scaler, and its random state."""
     manifest = read_manifest(folder)
     check_model(manifest, pm.model_cfg, folder)
     check_tensors(manifest, pm, folder)
@@ -139,36 +160,33 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
             "that optimizer's run."
         )
     sources = SavedPieces(folder, manifest)
-    try:
-        for sl in pm.dp.owned_slices():
-            for pc in sl.pieces:
-                info = pc.entry.info
-                wanted = Region.of(info, pc.start, pc.stop)
-                offset = pc.buf_start - sl.lo
-                part = slice(offset, offset + wanted.numel)
-                best = MASTER if sources.has(info.name, MASTER) else WEIGHTS
-                same_dtype = manifest["precision"]["param_dtype"] == str(sl.param.dtype)
-                sources.fill(sl.param[part], info.name, WEIGHTS if same_dtype else best,
-                             wanted)
-                if sl.master is not None:
-                    sources.fill(sl.master[part], info.name, best, wanted)
-                sources.fill(sl.exp_avg[part], info.name, EXP_AVG, wanted)
-                sources.fill(sl.exp_avg_sq[part], info.name, EXP_AVG_SQ, wanted)
-        pm.dp.owned_slices_loaded()
-        pm.dp.step_count = int(optimizer["steps"])
-        pm.dp.scaler.load_state_dict(manifest["scaler"])
-        mesh = pm.mesh
-        saved = manifest.get("layout", {})
-        same_layout = (manifest["world_size"] == mesh.world_size
-                       and all(saved.get(k) == getattr(mesh.dims, k) for k in DEGREES))
-        if same_layout:
-            index = next(i for i, f in enumerate(manifest["files"]) if f["rank"] == mesh.rank)
-            restore_rng(pm.module, pm.device, manifest["files"][index]["rng"],
-                        lambda key: sources.read_whole(index, key))
-        else:
-            reseed_rng(pm.module, pm.device, seed, mesh.rank, manifest["step"])
-        return Loaded(folder, int(manifest["step"]), manifest.get("training", {}),
-                      same_layout, sources.bytes_read)
-    finally:
-        sources.close()
+    opened.append(sources)
+    for sl in pm.dp.owned_slices():
+        for pc in sl.pieces:
+            info = pc.entry.info
+            wanted = Region.of(info, pc.start, pc.stop)
+            offset = pc.buf_start - sl.lo
+            part = slice(offset, offset + wanted.numel)
+            best = MASTER if sources.has(info.name, MASTER) else WEIGHTS
+            same_dtype = manifest["precision"]["param_dtype"] == str(sl.param.dtype)
+            sources.fill(sl.param[part], info.name, WEIGHTS if same_dtype else best,
+                         wanted)
+            if sl.master is not None:
+                sources.fill(sl.master[part], info.name, best, wanted)
+            sources.fill(sl.exp_avg[part], info.name, EXP_AVG, wanted)
+            sources.fill(sl.exp_avg_sq[part], info.name, EXP_AVG_SQ, wanted)
+    pm.dp.step_count = int(optimizer["steps"])
+    pm.dp.scaler.load_state_dict(manifest["scaler"])
+    mesh = pm.mesh
+    saved = manifest.get("layout", {})
+    same_layout = (manifest["world_size"] == mesh.world_size
+                   and all(saved.get(k) == getattr(mesh.dims, k) for k in DEGREES))
+    if same_layout:
+        index = next(i for i, f in enumerate(manifest["files"]) if f["rank"] == mesh.rank)
+        restore_rng(pm.module, pm.device, manifest["files"][index]["rng"],
+                    lambda key: sources.read_whole(index, key))
+    else:
+        reseed_rng(pm.module, pm.device, seed, mesh.rank, manifest["step"])
+    return Loaded(folder, int(manifest["step"]), manifest.get("training", {}),
+                  same_layout, sources.bytes_read)
 

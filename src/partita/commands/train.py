@@ -21,6 +21,7 @@ from partita.errors import (
     AgreedError,
     PartitaError,
     PeerFailure,
+    PeerReported,
     Stopped,
     StoppedBeforeStart,
     before_stop_request,
@@ -86,7 +87,8 @@ def _worker(config_toml: str) -> dict:
     # 75, which the launcher maps back): `launch._run_reporting_errors` sees to it.
     except PartitaError as exc:
         rank = int(os.environ.get("RANK", 0))
-        if rank == 0 or not isinstance(exc, AgreedError):
+        quiet = isinstance(exc, PeerReported) or (rank and isinstance(exc, AgreedError))
+        if not quiet:
             where = f" (rank {rank})" if rank else ""
             print_line(f"partita: error{where}: {exc}")
         if isinstance(exc, PeerFailure):

@@ -1,0 +1,46 @@
+"""Work that may fail on some processes only (reading a checkpoint) stops the whole job
+with one message: the lowest-numbered failing process raises its own error, every
+other process a quiet PeerReported, and none waits for a collective to time out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from partita.errors import PartitaError, PeerReported
+from partita.local_world import run_distributed
+from partita.process_setup import stop_together
+
+pytestmark = pytest.mark.fault_suite("checkpoints")
+
+
+def _outcome(rank: int, world: int, failing: tuple[int, ...]) -> str:
+    failure = PartitaError(f"file of rank {rank} is damaged") if rank in failing else None
+    try:
+        stop_together(failure, torch.device("cpu"), "reading the checkpoint")
+    except PeerReported as exc:
+        return f"quiet: {exc}"
+    except PartitaError as exc:
+        return f"own: {exc}"
+    return "went on"
+
+
+@pytest.mark.parametrize("failing", [(), (2,), (1, 2), (0, 1, 2)])
+def test_the_first_failing_process_reports_and_the_others_stop_quietly(failing):
+    outcomes = run_distributed(_outcome, 3, (failing,), timeout=60)
+    if not failing:
+        assert outcomes == ["went on"] * 3
+        return
+    first = min(failing)
+    for rank, outcome in enumerate(outcomes):
+        if rank == first:
+            assert outcome == f"own: file of rank {rank} is damaged"
+        else:
+            assert outcome == (f"quiet: process {first} failed while reading the "
+                               "checkpoint and reports why; this process stopped with it.")
+
+
+def test_one_process_raises_its_own_error():
+    with pytest.raises(PartitaError, match="damaged"):
+        stop_together(PartitaError("damaged"), torch.device("cpu"), "reading")
+    stop_together(None, torch.device("cpu"), "reading")  # nothing failed: nothing raised
