@@ -9,7 +9,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from partita.errors import PartitaError, PeerReported
+from partita.errors import PartitaError
 
 
 def pick_device_name(name: str) -> str:
@@ -90,25 +90,3 @@ def default_threads() -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, (os.cpu_count() or 1) // local)
 
-
-def stop_together(failure: BaseException | None, device: torch.device, what: str) -> None:
-    """Every process calls this at the same point, after work that may fail on some of
-    them only (`what`, e.g. "reading the checkpoint"): if any failed, the lowest-numbered
-    of those raises its own error and every other process raises PeerReported. So the job
-    stops everywhere at once, with one message, rather than with one per process or with
-    the others waiting in their next collective until it times out."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if failure is not None:
-            raise failure
-        return
-    world, rank = dist.get_world_size(), dist.get_rank()
-    place = device if device.type == "cuda" else torch.device("cpu")
-    first = torch.tensor([rank if failure is not None else world], device=place)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    first = int(first.item())
-    if first == world:
-        return
-    if first == rank:
-        raise failure
-    raise PeerReported(f"process {first} failed while {what} and reports why; this "
-                       "process stopped with it.")

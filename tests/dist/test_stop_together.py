@@ -9,7 +9,7 @@ import torch
 
 from partita.errors import PartitaError, PeerReported
 from partita.local_world import run_distributed
-from partita.process_setup import stop_together
+from partita.agreement import stop_together
 
 pytestmark = pytest.mark.fault_suite("checkpoints")
 

@@ -7,7 +7,7 @@ Layers, lowest first (docs/architecture.md explains each):
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges   the typed run configuration and its valid ranges
-    core         comm, gloo_collectives, mesh, sharding, loss, saved_tensors
+    core         comm, gloo_collectives, mesh, sharding, loss, saved_tensors, agreement
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
@@ -41,7 +41,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges")),
     ("core", ("partita.comm", "partita.gloo_collectives", "partita.mesh", "partita.sharding", "partita.loss",
-              "partita.saved_tensors")),
+              "partita.saved_tensors", "partita.agreement")),
     ("optim", ("partita.optim",)),
     ("memory", ("partita.memory",)),
     ("dimensions", ("partita.zero", "partita.tensor_parallel", "partita.pipeline",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from partita.agreement import stop_together
 from partita.checkpoint.files import FileReader, record_from_json
 from partita.checkpoint.manifest import CheckpointMismatch, check_model, read_manifest
 from partita.checkpoint.regions import Region, RunIndex
@@ -29,7 +30,6 @@ from partita.checkpoint.state import (
 )
 from partita.errors import PartitaError
 from partita.layout import DEGREES
-from partita.process_setup import stop_together
 
 
 @dataclass
