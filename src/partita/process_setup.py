@@ -89,4 +89,3 @@ def default_threads() -> int:
     """Share the machine's cores among the local ranks (at least one thread each)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     return max(1, (os.cpu_count() or 1) // local)
-
