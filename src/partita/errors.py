@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 
@@ -196,20 +196,37 @@ def signals_held() -> Iterator[None]:
     raised inside that import is not safe. Where numpy is not imported yet, torch's C++
     numpy probe clears whatever error numpy's import raised, so a `Stopped` from there
     vanishes, and the process, which took the signal, ignores the next ones as repeats
-    (`tests/unit/test_launch_signals.py` shows it); partita's commands import numpy
-    before they take signals, so this guards torch's import against any such handler,
-    not against one failure seen. The signals are blocked, not ignored, so one sent
-    meanwhile waits and arrives when the block ends (threads started inside keep them
-    blocked, which only leaves them to the main thread, where Python runs its handlers
-    anyway)."""
-    import signal
+    (`tests/unit/test_launch_signals.py` shows it); raised inside torch's C++ bindings, it
+    aborts the process (exit -6). So the block guards torch's import twice:
 
-    held = {signal.SIGINT, signal.SIGTERM}
+    * the signals are blocked (not ignored) in this thread, so one sent meanwhile waits
+      and arrives when the block ends; threads started inside inherit the block;
+    * threads that existed before (numpy's BLAS workers) do not block them, and the
+      kernel may hand the signal to one of those; Python then runs the handler in the
+      main thread all the same, inside the block. So while the block lasts, a Python
+      handler only notes the signal, and the handler it stood in for runs after.
+    """
+    import signal
+    import threading
+
+    held = (signal.SIGINT, signal.SIGTERM)
+    noted: list[int] = []
+    standing_in: dict[int, Callable] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in held:
+            handler = signal.getsignal(sig)
+            if callable(handler):  # ignored, default and C-level handlers stay as they are
+                standing_in[sig] = handler
+                signal.signal(sig, lambda signum, _frame: noted.append(signum))
     before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield
     finally:
+        for sig, handler in standing_in.items():
+            signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_SETMASK, before)  # delivers what waited
+        for signum in noted:
+            standing_in[signum](signum, None)
 
 
 def require_in_range(flag: str, value: int | None, low: int, high: int, why: str = "") -> None:

@@ -69,9 +69,27 @@ from partita.errors import Stopped, signals_held, stop_on_signals
 
 stop_on_signals()
 swallowed = False
+inside = threading.Event()
+
+
+def signal_this_thread():  # a thread from before the block, which does not block SIGTERM
+    inside.wait()
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+
+if sys.argv[1] == "other thread":
+    threading.Thread(target=signal_this_thread).start()
 try:
     with signals_held():
-        if sys.argv[1] == "swallow":
+        if sys.argv[1] == "other thread":
+            try:  # Python code running when the handler is due
+                inside.set()
+                deadline = time.monotonic() + 0.3
+                while time.monotonic() < deadline:
+                    pass
+            except BaseException:
+                swallowed = True
+        elif sys.argv[1] == "swallow":
             try:  # what torch's numpy probe does with an error raised inside it
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.2)
@@ -87,11 +105,14 @@ except Stopped as exc:
 """
 
 
-@pytest.mark.parametrize("case", [("swallow",), ("import", "0.05"), ("import", "0.3")])
+@pytest.mark.parametrize("case", [("swallow",), ("import", "0.05"), ("import", "0.3"),
+                                  ("other thread",)])
 def test_a_sigterm_held_around_an_import_arrives_after_it(case):
     """A SIGTERM while the launcher imports torch once raised `Stopped` inside the
     import, where torch's numpy probe cleared it: the stop was lost (and later SIGTERMs
-    ignored, as the first was taken). Held, it arrives after the block, in full."""
+    ignored, as the first was taken), or inside torch's C++ bindings, which aborted the
+    process. Held, it arrives after the block, in full, also when a thread that existed
+    before the block (numpy's BLAS workers) is the one the kernel gives it to."""
     done = subprocess.run([sys.executable, "-c", HELD, *case], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
