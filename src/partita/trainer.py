@@ -26,13 +26,7 @@ from partita.data import TokenDataset, num_windows
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX
 from partita.device_specs import slow_cpu_matmul_warning
-from partita.errors import (
-    STOP_REQUEST,
-    AgreedError,
-    PartitaError,
-    PeerFailure,
-    PeerReported,
-)
+from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure, PeerReported
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
