@@ -129,12 +129,14 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
     """Load the checkpoint in `folder` into this rank's part of `pm` (every rank calls
     it; collective only where stages 1-2 rebuild their full parameter buffers)."""
     folder = Path(folder)
-    opened: list[SavedPieces] = []
+    sources = None
     try:
         # Every process reads and checks its own part; what one finds wrong (a damaged
         # file, another model) stops them all, with one message, before the collective.
         try:
-            loaded = _read_own_part(pm, folder, seed, opened)
+            manifest = _usable_manifest(pm, folder)
+            sources = SavedPieces(folder, manifest)
+            loaded = _read_own_part(pm, folder, manifest, sources, seed)
         except Exception as exc:
             stop_together(exc, pm.device, "reading the checkpoint")
             raise  # not reached: stop_together raises
@@ -142,25 +144,28 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
         pm.dp.owned_slices_loaded()
         return loaded
     finally:
-        for sources in opened:
+        if sources is not None:
             sources.close()
 
 
-def _read_own_part(pm, folder: Path, seed: int, opened: list) -> Loaded:
-    """`load_checkpoint` up to its collective: this rank's slices, optimizer step and
-    scaler, and its random state."""
+def _usable_manifest(pm, folder: Path) -> dict:
+    """The checkpoint's manifest, once it is known to fit `pm` and partita's optimizer."""
     manifest = read_manifest(folder)
     check_model(manifest, pm.model_cfg, folder)
     check_tensors(manifest, pm, folder)
-    optimizer = manifest.get("optimizer", {})
-    if optimizer.get("name") != "adamw":
+    name = manifest.get("optimizer", {}).get("name")
+    if name != "adamw":
         raise CheckpointMismatch(
-            f"checkpoint '{folder}' holds the state of optimizer "
-            f"'{optimizer.get('name')}', but partita trains with AdamW; it cannot continue "
-            "that optimizer's run."
+            f"checkpoint '{folder}' holds the state of optimizer '{name}', but partita "
+            "trains with AdamW; it cannot continue that optimizer's run."
         )
-    sources = SavedPieces(folder, manifest)
-    opened.append(sources)
+    return manifest
+
+
+def _read_own_part(pm, folder: Path, manifest: dict, sources: SavedPieces,
+                   seed: int) -> Loaded:
+    """`load_checkpoint` up to its collective: this rank's slices, optimizer step and
+    scaler, and its random state."""
     for sl in pm.dp.owned_slices():
         for pc in sl.pieces:
             info = pc.entry.info
@@ -175,7 +180,7 @@ def _read_own_part(pm, folder: Path, seed: int, opened: list) -> Loaded:
                 sources.fill(sl.master[part], info.name, best, wanted)
             sources.fill(sl.exp_avg[part], info.name, EXP_AVG, wanted)
             sources.fill(sl.exp_avg_sq[part], info.name, EXP_AVG_SQ, wanted)
-    pm.dp.step_count = int(optimizer["steps"])
+    pm.dp.step_count = int(manifest["optimizer"]["steps"])
     pm.dp.scaler.load_state_dict(manifest["scaler"])
     mesh = pm.mesh
     saved = manifest.get("layout", {})
