@@ -126,8 +126,10 @@ def check_tensors(manifest: dict, pm, folder: Path) -> None:
 
 @torch.no_grad()
 def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
-    """Load the checkpoint in `folder` into this rank's part of `pm` (every rank calls
-    it; collective only where stages 1-2 rebuild their full parameter buffers)."""
+    """Load the checkpoint in `folder` into this rank's part of `pm`. Every rank calls
+    it: the ranks agree whether each read its part (if any failed, the lowest-numbered
+    of those raises its error and the others `PeerReported`), and stages 1-2 then
+    rebuild their full parameter buffers collectively."""
     folder = Path(folder)
     sources = None
     try:
