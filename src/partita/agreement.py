@@ -20,18 +20,27 @@ def stop_together(failure: BaseException | None, device: torch.device, what: str
     of those raises its own error and every other process raises PeerReported. So the job
     stops everywhere at once, with one message, rather than with one per process or with
     the others waiting in their next collective until it times out."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if failure is not None:
-            raise failure
-        return
-    world, rank = dist.get_world_size(), dist.get_rank()
-    place = device if device.type == "cuda" else torch.device("cpu")
-    first = torch.tensor([rank if failure is not None else world], device=place)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN)
-    first = int(first.item())
+    alone = not dist.is_initialized() or dist.get_world_size() == 1
+    world, rank = (1, 0) if alone else (dist.get_world_size(), dist.get_rank())
+    (first,) = over_all_ranks([rank if failure is not None else world], dist.ReduceOp.MIN,
+                              device)
+    first = int(first)
     if first == world:
         return
     if first == rank:
         raise failure
     raise PeerReported(f"process {first} failed while {what} and reports why; this "
                        "process stopped with it.")
+
+
+def over_all_ranks(values: list[float], op: dist.ReduceOp, device: torch.device
+                   ) -> list[float]:
+    """`values` reduced with `op` over every process of the job (as they are in a job of
+    one process). Small integers come back exactly."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    # NCCL reduces CUDA tensors only, gloo CPU ones.
+    place = device if device.type == "cuda" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=place)
+    dist.all_reduce(t, op=op)
+    return t.tolist()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from partita.agreement import over_all_ranks
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
@@ -428,12 +429,8 @@ class Trainer:
 
     def _agree(self, flags: list[bool]) -> list[bool]:
         """Flags or-ed over every rank, so that every rank takes the same branch."""
-        if self.mesh.world_size == 1:
-            return flags
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
-        t = torch.tensor([float(f) for f in flags], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
+        either = over_all_ranks([float(f) for f in flags], dist.ReduceOp.MAX, self.device)
+        return [v > 0 for v in either]
 
     def _healthy(self, result: StepResult) -> bool:
         if not math.isfinite(result.loss):

@@ -81,8 +81,9 @@ class DataParallel:
         self.comm = mesh.comm("zero_shard")
         self.mp_comm = mesh.comm("model_parallel")
         # Checked however many ranks share the shards, so that a setting fails alike on one.
-        names = resolve_blocks(module, blocks) if zero.stage.shards_parameters else []
+        names: list[str] = []
         if zero.stage.shards_parameters:
+            names = resolve_blocks(module, blocks)
             require_blocks(module, names)
         if self.comm.size == 1 and not offload.optimizer:
             # A one-rank group's shard is the whole buffer: sharding would only copy
