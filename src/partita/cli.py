@@ -1,8 +1,9 @@
 """`partita` command line: one subcommand per module, each registered here.
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
-`func` (called with the parsed arguments, returns an exit code). A `PartitaError` is
-printed as its one paragraph, without a traceback.
+`func` (called with the parsed arguments, returns an exit code) and, where that needs
+torch, `imports_torch`. A `PartitaError` is printed as its one paragraph, without a
+traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import importlib
 import os
 import sys
 
-from partita.errors import PartitaError, Stopped, closest, stop_on_signals
+from partita.errors import PartitaError, Stopped, closest, signals_held, stop_on_signals
 
 # Module paths, imported lazily so `partita --help` stays fast and one broken command
 # does not take the others down.
@@ -99,8 +100,29 @@ def _setting_hint(word: str, words: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
+    stop_on_signals()
+    try:
+        return _run_command(words)
+    except PartitaError as exc:
+        print(f"partita: error: {exc}", file=sys.stderr)
+        return 2
+    except Stopped as exc:
+        print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
+        return exc.exit_code
+    except BrokenPipeError:
+        # The reader went away (`partita plan ... | head`): end quietly. Python flushes
+        # stdout again at exit, so point it at nothing first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run_command(words: list[str]) -> int:
     names = {path.rsplit(".", 1)[1] for path in COMMANDS}
-    parser = build_parser(words[0] if words and words[0] in names else None)
+    # Where torch is imported, a Ctrl-C must wait until the import is done (an exception
+    # raised inside it can abort the process: `signals_held` says why). `bench` imports
+    # it to build its options; commands that set `imports_torch` import it first here.
+    with signals_held():
+        parser = build_parser(words[0] if words and words[0] in names else None)
     args, extra = parser.parse_known_args(words)
     if args.command is None:
         parser.print_help()
@@ -124,20 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
         extra = [w for w in words if w == config or w in extra]
     args.overrides = extra
-    stop_on_signals()
-    try:
-        return int(args.func(args) or 0)
-    except PartitaError as exc:
-        print(f"partita: error: {exc}", file=sys.stderr)
-        return 2
-    except Stopped as exc:
-        print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
-        return exc.exit_code
-    except BrokenPipeError:
-        # The reader went away (`partita plan ... | head`): end quietly. Python flushes
-        # stdout again at exit, so point it at nothing first.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    if getattr(args, "imports_torch", False):
+        with signals_held():
+            import torch  # noqa: F401
+    return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

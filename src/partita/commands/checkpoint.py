@@ -21,12 +21,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     info.set_defaults(func=run_info)
     verify = sub.add_parser("verify", help="read every byte and check every checksum")
     verify.add_argument("dir")
-    verify.set_defaults(func=run_verify)
+    verify.set_defaults(func=run_verify, imports_torch=True)
     export = sub.add_parser("export", help="write full, unsharded weights (safetensors)")
     export.add_argument("dir")
     export.add_argument("--out", required=True, help="the .safetensors file to write")
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    export.set_defaults(func=run_export)
+    export.set_defaults(func=run_export, imports_torch=True)
 
 
 def _folder(text: str) -> Path:

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="the folder to write (must not exist)")
     p.add_argument("--dtype", default="", help="cast the weights (float32, bfloat16, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, imports_torch=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=at_least(0), default=0,
                    help="sample among the k likeliest (0 = all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, imports_torch=True)
 
 
 def run(args: argparse.Namespace) -> int:
