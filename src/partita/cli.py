@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 from partita.errors import PartitaError, Stopped, closest, signals_held, stop_on_signals
@@ -100,15 +101,23 @@ def _setting_hint(word: str, words: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parse(words)
+    except KeyboardInterrupt:  # a Ctrl-C before the handler below is in place
+        return _stopped(Stopped(signal.SIGINT))
+    if args is None:
+        return 0
     stop_on_signals()
     try:
-        return _run_command(words)
+        if getattr(args, "imports_torch", False):
+            with signals_held():  # see _parse
+                import torch  # noqa: F401
+        return int(args.func(args) or 0)
     except PartitaError as exc:
         print(f"partita: error: {exc}", file=sys.stderr)
         return 2
     except Stopped as exc:
-        print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
-        return exc.exit_code
+        return _stopped(exc)
     except BrokenPipeError:
         # The reader went away (`partita plan ... | head`): end quietly. Python flushes
         # stdout again at exit, so point it at nothing first.
@@ -116,17 +125,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _run_command(words: list[str]) -> int:
+def _stopped(exc: Stopped) -> int:
+    print(f"partita: {exc}; every process was stopped.", file=sys.stderr)
+    return exc.exit_code
+
+
+def _parse(words: list[str]) -> argparse.Namespace | None:
+    """The command's arguments, or None where there is no command (help was printed)."""
     names = {path.rsplit(".", 1)[1] for path in COMMANDS}
     # Where torch is imported, a Ctrl-C must wait until the import is done (an exception
     # raised inside it can abort the process: `signals_held` says why). `bench` imports
-    # it to build its options; commands that set `imports_torch` import it first here.
+    # it to build its options; commands that set `imports_torch` import it before they
+    # run, in `main`.
     with signals_held():
         parser = build_parser(words[0] if words and words[0] in names else None)
     args, extra = parser.parse_known_args(words)
     if args.command is None:
         parser.print_help()
-        return 0
+        return None
     # A word in option form without a section ("--nprocs") is no setting: it was meant
     # for one of the command's own options.
     overrides = getattr(args, "accepts_overrides", False)
@@ -146,10 +162,7 @@ def _run_command(words: list[str]) -> int:
         args.config = None
         extra = [w for w in words if w == config or w in extra]
     args.overrides = extra
-    if getattr(args, "imports_torch", False):
-        with signals_held():
-            import torch  # noqa: F401
-    return int(args.func(args) or 0)
+    return args
 
 
 if __name__ == "__main__":

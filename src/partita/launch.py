@@ -56,7 +56,7 @@ class LaunchSpec:
     preload: tuple[str, ...] = ()
 
 
-SERVER_IGNORES = (signal.SIGTERM, signal.SIGHUP)
+SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
 
 
@@ -152,7 +152,9 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
     # The launcher learns its workers' exit codes through the server, so the server must
     # outlive a SIGTERM or SIGHUP sent to the whole job (a scheduler's stop, a closed
-    # terminal). An ignored signal stays ignored across the exec that starts the server;
+    # terminal). It ignores Ctrl-C once its imports are done; ignored from the start, a
+    # Ctrl-C during those imports no longer prints their traceback under partita's own
+    # line. An ignored signal stays ignored across the exec that starts the server;
     # each worker restores the default (`_run_reporting_errors`). While this process
     # ignores them too, the signals are also blocked: Linux discards an ignored signal
     # when it is sent, but queues a blocked one, so a SIGTERM sent in that window reaches

@@ -123,6 +123,40 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+def test_ctrl_c_while_the_worker_server_imports_says_one_line(tmp_path):
+    """Ctrl-C in the first seconds of a run reaches the fork server the workers come from
+    while it imports torch. It used to die there of a KeyboardInterrupt and print the
+    import's traceback under partita's own line (9 of 30 Ctrl-Cs sent at random 0.3-6 s
+    into `partita train`); now it ignores Ctrl-C from its start, as it does after its
+    imports, and the launcher stops it."""
+    run = tmp_path / "run"
+    proc = _endless_run(run, tmp_path / "cache")
+    try:
+        deadline = time.monotonic() + 60
+        server = None
+        while server is None and time.monotonic() < deadline:
+            for child in _children(proc.pid):
+                with contextlib.suppress(OSError):
+                    if b"forkserver" in open(f"/proc/{child}/cmdline", "rb").read():
+                        server = child
+            time.sleep(0.01)
+        assert server is not None, "the worker server did not start"
+        os.killpg(proc.pid, signal.SIGINT)  # its imports take seconds: it is inside them
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "stopped by SIGINT" in err, err[-3000:]
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_workers_of_a_killed_launcher_stop_and_say_why(nproc, tmp_path):
     """SIGKILL to the launcher alone (the out-of-memory killer, `kill -9`): its workers
