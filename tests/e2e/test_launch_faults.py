@@ -128,7 +128,8 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="reads /proc/PID/task/PID/children")
 def test_ctrl_c_while_the_worker_server_imports_says_one_line(tmp_path):
     """Ctrl-C in the first seconds of a run reaches the fork server the workers come from
     while it imports torch. It used to die there of a KeyboardInterrupt and print the
