@@ -14,6 +14,7 @@ it while it is ignored).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -190,14 +191,17 @@ print(code, "torch" in sys.modules)
     ["checkpoint", "verify", "missing-checkpoint"],
     ["checkpoint", "export", "missing-checkpoint", "--out", "missing.safetensors"],
     ["bench", "dp", "--help"],
+    ["plan", "--model", "tiny", "--gpus", "2", "--gpu-type", "cpu", "--remeasure"],
 ])
 def test_ctrl_c_while_a_command_imports_torch_arrives_after_the_import(command, tmp_path):
     """Commands other than `train` imported torch with the Ctrl-C handler live, so a
     Ctrl-C raised `Stopped` inside the import; inside torch's C++ bindings that aborts
     the process (exit -6; seen in 1 of 40 Ctrl-Cs sent at random to `partita generate`
-    as it started). Held, the stop comes after the import: exit 130, torch whole."""
+    as it started); `plan --gpu-type cpu` imports it to measure this machine. Held, the
+    stop comes after the import: exit 130, torch whole."""
     done = subprocess.run([sys.executable, "-c", AT_TORCH, *command], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+                          text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PARTITA_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["130", "True"], done.stdout + done.stderr[-2000:]
     assert "stopped by SIGINT" in done.stderr, done.stderr[-2000:]

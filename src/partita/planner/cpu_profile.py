@@ -37,7 +37,10 @@ def measure_local_cpu(budget_s: float = 0.6, size: int = 256) -> GPUSpec:
     memory_bandwidth: best large-tensor copy rate, both measured; memory: physical RAM
     divided by the cores that share it. Loopback links are nominal gloo figures.
     """
-    import torch
+    from partita.errors import signals_held
+
+    with signals_held():  # a Ctrl-C meanwhile waits for torch's import (see there)
+        import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what every test rank uses; restored below
