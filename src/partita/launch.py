@@ -33,6 +33,7 @@ from partita.errors import (
     stop_file,
     stop_on_signals,
 )
+from partita.local_world import SERVER_IGNORES, start_fork_server, stop_fork_server
 
 SHUTDOWN_TIMEOUT_S = 5
 
@@ -56,7 +57,6 @@ class LaunchSpec:
     preload: tuple[str, ...] = ()
 
 
-SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
 
 
@@ -145,23 +145,10 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
         # and one that does not block the signal would take it while it is ignored: a
         # SIGTERM in that moment was lost and the job trained on.
         return
-    from multiprocessing import forkserver
-
-    from partita.local_world import short_socket_folder
-
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(preload))
-    # The launcher learns its workers' exit codes through the server, so the server must
-    # outlive a SIGTERM or SIGHUP sent to the whole job (a scheduler's stop, a closed
-    # terminal). It ignores Ctrl-C once its imports are done; ignored from the start, a
-    # Ctrl-C during those imports no longer prints their traceback under partita's own
-    # line. An ignored signal stays ignored across the exec that starts the server;
-    # each worker restores the default (`_run_reporting_errors`). While this process
-    # ignores them too, the signals are also blocked: Linux discards an ignored signal
-    # when it is sent, but queues a blocked one, so a SIGTERM sent in that window reaches
-    # the launcher's own handler once it is back (it used to be lost, and the job trained
-    # on). The server and its workers inherit the block; the workers lift it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
+    # The server ignores SIGINT, SIGTERM and SIGHUP (`start_fork_server` says why; a
+    # SIGTERM sent while it starts used to be lost, and the job trained on); each worker
+    # restores them (`_run_reporting_errors`).
     environ = dict(os.environ)
     # torch's C++ warnings carry a native stack trace each: when a job ends badly (its
     # launcher killed, a peer gone) every worker prints dozens of frames around the one
@@ -177,49 +164,21 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(
         x for x in (os.environ.get("PYTHONWARNINGS"), TRACKER_QUIET) if x)
     try:
-        short_socket_folder()
-        forkserver.ensure_running()  # the server inherits this environment
+        start_fork_server()  # the server inherits this environment
         _server_started_by = os.getpid()
     finally:
         os.environ.clear()
         os.environ.update(environ)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)  # delivers one pending
 
 
 def stop_worker_server() -> None:
     """Stop the fork server at once, once its workers have exited or the job was refused
-    before launch. Left alone it exits by itself after this process, but only after
-    finishing its imports or unloading torch (1-4 s), and it holds this process's stdout
-    and stderr open until then, for whatever reads them to the end (a pipe, `tee`).
-    (multiprocessing has no public call for it: the server's pid is read where the
-    standard library keeps it, and nothing happens where it is not found.)"""
+    before launch (`local_world.stop_fork_server`): left alone, it holds this process's
+    stdout and stderr open for 1-4 s after it, for whatever reads them to the end (a
+    pipe, `tee`)."""
     global _server_started_by
-    from multiprocessing import forkserver
-
     _server_started_by = None  # a later launch starts a new one
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    if pid is not None:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # it ignores SIGTERM (start_worker_server)
-        _await_exit(pid)
-
-
-def _await_exit(pid: int, timeout_s: float = 5.0) -> None:
-    """Wait until the child `pid` has exited, leaving it for the standard library to
-    reap. Its `ensure_running` takes a server that has not exited yet for a live one, so
-    a process starting right after a kill (a second `partita train` in one Python
-    session, a test world) would connect to a dying server and fail with EOFError or
-    "Connection refused"."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return
-        except ChildProcessError:
-            return  # not our child, or reaped already: nothing to wait for
-        time.sleep(0.002)
+    stop_fork_server()
 
 
 def launched_externally() -> bool:

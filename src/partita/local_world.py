@@ -19,13 +19,17 @@ which makes a world start in well under a second instead of re-importing torch.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import tempfile
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +70,84 @@ def short_socket_folder() -> None:
         tempfile.tempdir = saved
 
 
+# What a terminal or a scheduler sends to a whole process group, which the fork server
+# ignores: see `start_fork_server`.
+SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def start_fork_server() -> None:
+    """Start multiprocessing's fork server, its preload set by the caller, ignoring
+    `SERVER_IGNORES`.
+
+    Its parent learns its workers' exit codes through it, so it must outlive a SIGTERM
+    or SIGHUP sent to the whole job (a scheduler's stop, a closed terminal). It ignores
+    Ctrl-C by itself only once its imports are done; ignored from its start, a Ctrl-C
+    during those imports (seconds, with torch) no longer prints their traceback. An
+    ignored signal stays ignored across the exec that starts the server. While this
+    process ignores them the signals are also blocked: Linux discards an ignored signal
+    when it is sent but queues a blocked one, so one sent in that moment reaches this
+    process's own handler once it is back. The server and its workers inherit the block;
+    a worker lifts it once its own handlers are in place (`restore_signals`, or the
+    launcher's workers' own)."""
+    from multiprocessing import forkserver
+
+    short_socket_folder()
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()  # only the main thread may set handlers
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
+    try:
+        forkserver.ensure_running()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)  # delivers one pending
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server at once (SIGKILL: it ignores the others) and wait until it
+    has exited. Left alone it exits after this process, but only after finishing its
+    imports (1-4 s), serving whatever it was asked meanwhile and holding this process's
+    stdout and stderr open. (multiprocessing has no public call for it: the server's pid
+    is read where the standard library keeps it; nothing happens where it is not found.)
+    The next world starts a new one."""
+    global _CONTEXT
+    from multiprocessing import forkserver
+
+    _CONTEXT = None
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        _await_exit(pid)
+
+
+def _await_exit(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until the child `pid` has exited, leaving it for the standard library to
+    reap. Its `ensure_running` takes a server that has not exited yet for a live one, so
+    a process starting right after a kill (a second `partita train` in one Python
+    session, a test world) would connect to a dying server and fail with EOFError or
+    "Connection refused"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return
+        except ChildProcessError:
+            return  # not our child, or reaped already: nothing to wait for
+        time.sleep(0.002)
+
+
+def restore_signals() -> None:
+    """In a process forked from the server: the signals as a fresh Python process has
+    them (Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGHUP end it), unblocked."""
+    for sig in SERVER_IGNORES:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)
+
+
 def _context() -> mp.context.BaseContext:
     global _CONTEXT  # one fork server per test session is the point of having one
     if _CONTEXT is None:
@@ -74,13 +156,14 @@ def _context() -> mp.context.BaseContext:
         # parallel layers): each rank would otherwise import it again, ~0.3 s apiece.
         ctx.set_forkserver_preload(["torch", "torch.distributed", "partita.local_world",
                                     "partita.testing", "partita.trainer"])
-        short_socket_folder()
+        start_fork_server()
         _CONTEXT = ctx
     return _CONTEXT
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
             results: mp.Queue, collective_timeout: float, backend: str) -> None:
+    restore_signals()  # the server's are ignored (start_fork_server)
     import torch
     import torch.distributed as dist
 
@@ -119,11 +202,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                                           max(timeout - 5, 5), backend), daemon=True)
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
     out: dict[int, Any] = {}
     deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
     try:
+        for p in procs:
+            p.start()  # waits while the server still imports its preload
         while len(out) < world_size:
             remaining = (deadline - datetime.datetime.now()).total_seconds()
             if remaining <= 0:
@@ -145,8 +228,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = pickle.loads(value)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            # Ctrl-C or a stop: this process is leaving, and a worker the server starts
+            # for it now would find its queue gone and print a traceback about that.
+            stop_fork_server()
+        raise
     finally:
         for p in procs:
+            if p.pid is None:
+                continue  # never started
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()

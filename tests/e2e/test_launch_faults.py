@@ -130,14 +130,23 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="reads /proc/PID/task/PID/children")
-def test_ctrl_c_while_the_worker_server_imports_says_one_line(tmp_path):
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_ctrl_c_while_the_worker_server_imports_says_one_line(command, tmp_path):
     """Ctrl-C in the first seconds of a run reaches the fork server the workers come from
     while it imports torch. It used to die there of a KeyboardInterrupt and print the
     import's traceback under partita's own line (9 of 30 Ctrl-Cs sent at random 0.3-6 s
-    into `partita train`); now it ignores Ctrl-C from its start, as it does after its
-    imports, and the launcher stops it."""
-    run = tmp_path / "run"
-    proc = _endless_run(run, tmp_path / "cache")
+    into `partita train`, 3 of 12 into `partita bench dp`); now it ignores Ctrl-C from
+    its start, as it does after its imports, and is stopped with the command. A worker
+    `bench` had asked for and the server started after the command left printed a
+    traceback about the command's vanished queue (7 of 20 once the server survived
+    Ctrl-C); the command now stops the server first."""
+    if command == "train":
+        proc = _endless_run(tmp_path / "run", tmp_path / "cache")
+    else:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "partita.cli", "bench", "dp", "--rounds", "1",
+             "--max-rounds", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True, cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 60
         server = None
@@ -156,6 +165,18 @@ def test_ctrl_c_while_the_worker_server_imports_says_one_line(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert "stopped by SIGINT" in err, err[-3000:]
+    # Nothing of the command left running (an orphaned server would leave only once its
+    # imports were done).
+    assert not _running(server), f"the fork server (pid {server}) outlived the command"
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
