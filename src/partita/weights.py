@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from partita.agreement import stop_together
 from partita.comm import gather_along
 from partita.errors import PartitaError
 from partita.run_dir import PARTIAL_SUFFIX
@@ -77,26 +78,39 @@ def current_umask() -> int:
 
 
 def save_weights(pm, path: str | Path) -> None:
-    """Gather and write the full weights (rank 0 writes; every rank must call)."""
+    """Gather and write the full weights (rank 0 writes; every rank must call).
+
+    The file takes its name only once every process has come through the write: one
+    that stopped or hung meanwhile (those with no part left to send included) fails the
+    job within the collective timeout, leaving nothing, where the job used to wait for
+    it forever."""
     state = full_state_dict(pm)
-    if state is None:
-        return
     path = Path(path)
     tmp = path.with_suffix(path.suffix + PARTIAL_SUFFIX)
     try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                  metadata={"format": "partita", "model": "transformer"})
-        # safetensors creates its file private (0600); a run's weights are read like its
-        # other results, so give them the mode a new file gets here.
-        os.chmod(tmp, 0o666 & ~current_umask())
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise PartitaError(
-            f"writing the weights to '{path}' failed ({exc.strerror or exc}); nothing was "
-            "left behind. Free disk space or choose another train.out_dir."
-        ) from None
+        failure = None
+        if state is not None:
+            try:
+                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
+                          metadata={"format": "partita", "model": "transformer"})
+                # safetensors creates its file private (0600); a run's weights are read
+                # like its other results, so give them the mode a new file gets here.
+                os.chmod(tmp, 0o666 & ~current_umask())
+            except OSError as exc:
+                failure = PartitaError(
+                    f"writing the weights to '{path}' failed ({exc.strerror or exc}); "
+                    "nothing was left behind. Free disk space or choose another "
+                    "train.out_dir.")
+        stop_together(failure, pm.device, "writing the weights")
+        if state is not None:
+            try:
+                os.replace(tmp, path)
+            except OSError as exc:
+                raise PartitaError(f"naming the weights '{path}' failed "
+                                   f"({exc.strerror or exc}); nothing was left behind.") from None
     finally:
-        tmp.unlink(missing_ok=True)  # a write that did not finish leaves nothing
+        if state is not None:
+            tmp.unlink(missing_ok=True)  # a write that did not finish leaves nothing
 
 
 def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[str]:

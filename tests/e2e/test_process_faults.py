@@ -50,6 +50,9 @@ def _cases() -> list[tuple[str, str, str, int]]:
     # A pipeline's own transfers: each fault at a send and at a receive.
     for i, (kind, point) in enumerate(itertools.product(KINDS, PIPELINE_POINTS)):
         cases.append(("pp", kind, point, i % 2))
+    # A process with no part of the weights to send, stopped while rank 0 writes them:
+    # rank 0 finished, and the job waited for the stopped one forever.
+    cases.append(("dp", "stop", "weight_write", 1))
     return cases
 
 

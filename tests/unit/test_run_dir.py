@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from partita import run_dir
 from partita.commands.train import _print_notes, check_run_dir, prepare_run_dir
@@ -71,6 +73,10 @@ def test_too_little_free_space_is_an_error_before_training(tmp_path, monkeypatch
         prepare_out_dir(tmp_path, overwrite=False, bytes_needed=100 << 20)
 
 
+# What save_weights reads of a parallel model beyond the state `full_state_dict` gives.
+_ONE_PROCESS = SimpleNamespace(device=torch.device("cpu"))
+
+
 def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
     import torch
 
@@ -83,7 +89,7 @@ def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
     monkeypatch.setattr(weights, "save_file", full_disk)
     with pytest.raises(PartitaError, match="No space left on device"):
-        weights.save_weights(None, tmp_path / "model.safetensors")
+        weights.save_weights(_ONE_PROCESS, tmp_path / "model.safetensors")
     assert not list(tmp_path.iterdir())
 
 
@@ -99,7 +105,7 @@ def test_the_weights_file_gets_a_new_files_mode(tmp_path, monkeypatch):
     monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
     old = os.umask(0o022)
     try:
-        weights.save_weights(None, tmp_path / "model.safetensors")
+        weights.save_weights(_ONE_PROCESS, tmp_path / "model.safetensors")
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
