@@ -82,8 +82,8 @@ def save_weights(pm, path: str | Path) -> None:
 
     The file takes its name only once every process has come through the write: one
     that stopped or hung meanwhile (those with no part left to send included) fails the
-    job within the collective timeout, leaving nothing, where the job used to wait for
-    it forever."""
+    job within the collective timeout and leaves nothing, rather than being waited for
+    without end after rank 0 has finished."""
     state = full_state_dict(pm)
     path = Path(path)
     tmp = path.with_suffix(path.suffix + PARTIAL_SUFFIX)
