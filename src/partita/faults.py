@@ -26,6 +26,8 @@ POINTS = ("forward", "backward", "reduction", "optimizer", "weight_write")
 PIPELINE_POINTS = ("pipeline_send", "pipeline_recv")
 # On the checkpoint writer's thread, before it writes the checkpoint of that step.
 CHECKPOINT_POINTS = ("checkpoint_write",)
+# Process 0 alone, after the weights are written, before it exports them (train.export).
+END_POINTS = ("export",)
 KINDS = ("kill", "stop", "raise")
 INJECTED = "partita: injecting fault:"  # the line a rank prints as it fires its fault
 # The write at this point fails as on a full disk.
@@ -48,7 +50,7 @@ class FaultPlan:
     attempt: int = 0
 
     def __post_init__(self) -> None:
-        points = POINTS + PIPELINE_POINTS + CHECKPOINT_POINTS
+        points = POINTS + PIPELINE_POINTS + CHECKPOINT_POINTS + END_POINTS
         if self.at not in points or self.do not in KINDS + WRITE_KINDS:
             raise PartitaError(f"{ENV}: at must be one of {', '.join(points)} and do one "
                                f"of {', '.join(KINDS + WRITE_KINDS)}; got at={self.at}, "

@@ -34,6 +34,12 @@ from partita.errors import (
     stop_on_signals,
 )
 from partita.local_world import SERVER_IGNORES, start_fork_server, stop_fork_server
+from partita.worker_watch import (
+    mark_finished,
+    mark_started,
+    process_state,
+    watching_stopped_workers,
+)
 
 SHUTDOWN_TIMEOUT_S = 5
 
@@ -55,6 +61,9 @@ class LaunchSpec:
     # Modules every worker imports, imported once by the fork server the workers start
     # from (`start_worker_server`).
     preload: tuple[str, ...] = ()
+    # Once some workers have finished, one left stopped this long is ended
+    # (`worker_watch`); 0: never. `partita train` gives its collective timeout.
+    stopped_worker_timeout_s: float = 0.0
 
 
 LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
@@ -116,11 +125,8 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:  # it exists but is not ours to signal
         return True
-    try:  # an exited process not yet reaped still answers: "pid (name) Z ..."
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):  # no /proc: not Linux
-        return True
+    # An exited process not yet reaped still answers; without /proc, assume alive.
+    return process_state(pid) != "Z"
 
 
 TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
@@ -209,8 +215,10 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
         config, forward_sigterm = _launch_config(spec, log_dir)
         running.enter_context(_sigterm_to_workers(forward_sigterm, stop_file(config.run_id)))
     try:
-        with running:  # SIGTERM is passed on while the workers run
-            results = elastic_launch(config, _run_reporting_errors)(fn, *args)
+        # SIGTERM is passed on while the workers run
+        markers = os.path.join(log_dir, "workers")
+        with running, watching_stopped_workers(spec.stopped_worker_timeout_s, markers):
+            results = elastic_launch(config, _run_reporting_errors)(markers, fn, *args)
     except RendezvousTimeoutError:
         others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
         count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
@@ -389,14 +397,16 @@ def _first_cause(failures: dict) -> tuple[int, object]:
     return rank, pool[rank]
 
 
-def _run_reporting_errors(fn: Callable, *args):
+def _run_reporting_errors(markers: str, fn: Callable, *args):
     """A launched process's entry: an exception it does not handle is printed here,
     with the process's rank, before the process dies. (The elastic agent files it in
     an error record that nothing shows, which left the parent pointing at a message
-    no one printed.) Functions that print their own message exit via SystemExit."""
+    no one printed.) Functions that print their own message exit via SystemExit. A
+    process marks its start and its end in the folder `markers` (`worker_watch`)."""
     for sig in SERVER_IGNORES:  # ignored (and blocked) in the fork server it comes from
         signal.signal(sig, signal.SIG_DFL)
     stop_on_signals()
+    mark_started(markers)
     try:
         # Unblocked once the handlers are in place: a SIGTERM sent while this process
         # started is a stop before the first step, not a death by signal.
@@ -428,6 +438,7 @@ def _run_reporting_errors(fn: Callable, *args):
     # or Ctrl-C ends this one quietly.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: _exit_now(128 + signum))
+    mark_finished(markers)
     return result
 
 

@@ -334,6 +334,7 @@ class Trainer:
         if c.train.export and self.is_logger:
             from partita.export import export_run
 
+            self._enter(c.train.steps, "export", "export")
             export_run(self.out_dir, self.out_dir / c.train.export, c.train.export,
                        overwrite=True)  # this run owns out_dir (checked at launch)
         if c.train.timeline_png and hasattr(self.pm.runner, "save_timeline"):

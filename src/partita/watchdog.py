@@ -34,10 +34,10 @@ from partita.errors import print_line
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
           "clipping", "loss average", "optimizer step", "evaluation", "checkpoint copy",
-          "checkpoint write", "weight write")
+          "checkpoint write", "weight write", "export")
 # Phases that are not part of a training step's own work, each timed against itself.
 OWN_CLOCK = ("checkpoint load", "evaluation", "checkpoint copy", "checkpoint write",
-             "weight write")
+             "weight write", "export")
 STEP = "step"  # the part of a step made of the other phases
 BEAT_S = 0.25  # heartbeat period
 SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running

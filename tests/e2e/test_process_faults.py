@@ -53,6 +53,9 @@ def _cases() -> list[tuple[str, str, str, int]]:
     # A process with no part of the weights to send, stopped while rank 0 writes them:
     # rank 0 finished, and the job waited for the stopped one forever.
     cases.append(("dp", "stop", "weight_write", 1))
+    # Process 0 stopped while it exports the written weights (train.export), the others
+    # finished: nothing waited on it, and the job waited forever; the launcher ends it.
+    cases.append(("dp", "stop", "export", 0))
     return cases
 
 
@@ -77,13 +80,15 @@ def _run_case(case: tuple[str, str, str, int], root: Path, cache: str) -> Outcom
 def _job(case: tuple[str, str, str, int], root: Path, cache: str, timeout_s: int) -> Outcome:
     layout, kind, point, rank = case
     steps = 3
-    step = steps if point == "weight_write" else 2
+    step = steps if point in ("weight_write", "export") else 2
+    export = ["--train.export=hf"] if point == "export" else []
     run = root / f"{layout}-{kind}-{point}-{rank}-{timeout_s}s"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PARTITA_FAULT": f"rank={rank},step={step},at={point},do={kind}"}
     start = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "partita.cli", "train", *SMALL, *LAYOUTS[layout], "--nproc", "2",
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, *LAYOUTS[layout], *export,
+         "--nproc", "2",
          f"--train.steps={steps}", f"--data.cache_dir={cache}", f"--train.out_dir={run}",
          f"--train.collective_timeout_s={timeout_s}", f"--parallel.pp_timeout_s={timeout_s}"],
         capture_output=True, text=True, timeout=BOUND_S + 60, env=env)
@@ -115,11 +120,17 @@ def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, ra
     assert "Traceback" not in err, err[-3000:]
     last = [line for line in err.splitlines() if line.startswith("partita:")][-1]
     assert last.startswith("partita: error: process "), last
-    if kind == "stop" and point != "weight_write":  # the waiting ranks name it
+    if kind == "stop" and point not in ("weight_write", "export"):  # the waiting ranks name it
         assert f"The process to look at: rank {rank} " in err, err[-3000:]
     if kind != "stop":  # the faulty process is the first to fail
         assert f"process {rank} of the job" in last, last
-    assert not (result.run / "model.safetensors").exists()
+    if point == "export":  # the launcher ends the last process; the weights were complete
+        assert f"partita: process {rank} (pid " in err and "was stopped (SIGSTOP)" in err
+        assert f"process {rank} of the job" in last, last
+        assert (result.run / "model.safetensors").exists()
+        assert not (result.run / "hf").exists()
+    else:
+        assert not (result.run / "model.safetensors").exists()
     assert not list(result.run.glob("*.partial"))
 
 

@@ -154,7 +154,7 @@ for sig in launch.SERVER_IGNORES:
     signal.signal(sig, signal.SIG_IGN)
 os.kill(os.getpid(), signal.SIGTERM)
 assert signal.SIGTERM in signal.sigpending()
-launch._run_reporting_errors(sum, [1, 2])
+launch._run_reporting_errors("", sum, [1, 2])
 """
 
 

@@ -12,7 +12,7 @@ Layers, lowest first (docs/architecture.md explains each):
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
     services     checkpoint, data.*, weights, sampling, metrics, run_dir
-    trainer      trainer, launch, faults, watchdog
+    trainer      trainer, launch, worker_watch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
     testing      testing             the test harness: nothing in the library imports it
@@ -49,8 +49,8 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("parallelize", ("partita.parallelize", "partita.compile", "partita.compile_once")),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.metrics", "partita.run_dir", "partita.export")),
-    ("trainer", ("partita.trainer", "partita.launch", "partita.faults", "partita.watchdog",
-                 "partita.process_setup")),
+    ("trainer", ("partita.trainer", "partita.launch", "partita.worker_watch", "partita.faults",
+                 "partita.watchdog", "partita.process_setup")),
     ("bench", ("partita.bench",)),
     ("commands", ("partita.commands", "partita.cli")),
     ("testing", ("partita.testing",)),

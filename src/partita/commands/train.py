@@ -164,7 +164,8 @@ def _run(args: argparse.Namespace) -> int:
         spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                           rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                           join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
-                          preload=WORKER_IMPORTS)
+                          preload=WORKER_IMPORTS,
+                          stopped_worker_timeout_s=cfg.train.collective_timeout_s)
         try:
             results = launch(spec, _worker, cfg.to_toml())
         except Stopped as exc:

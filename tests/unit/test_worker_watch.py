@@ -1,0 +1,95 @@
+"""The launcher's watch ends a worker left stopped after the others finished, and no
+other: not one whose peers still run, not one of a later start, not a job that was
+suspended whole."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from partita.worker_watch import SAMPLE_S, StoppedWorkerWatch, process_state
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.fixture
+def stopped():
+    """A process stopped with SIGSTOP, as a stand-in for a worker."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    proc.send_signal(signal.SIGSTOP)
+    for _ in range(200):
+        if process_state(proc.pid) == "T":
+            break
+        subprocess.run(["sleep", "0.01"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _marker(folder, name, text=""):
+    (folder / name).write_text(text)
+
+
+def _run(watch, start, seconds):
+    """Samples every SAMPLE_S from `start` for `seconds`; the time after the last."""
+    now = start
+    while now < start + seconds:
+        watch.check(now)
+        now += SAMPLE_S
+    return now
+
+
+def test_a_worker_stopped_after_another_finished_is_ended(tmp_path, stopped):
+    watch = StoppedWorkerWatch(timeout_s=2.0, folder=str(tmp_path))
+    watch.last = 0.0
+    _marker(tmp_path, f"{stopped.pid}.started", "0")
+    _marker(tmp_path, "999999.started", "1")
+    now = _run(watch, 0.0, 1.0)
+    _marker(tmp_path, "999999.finished")  # rank 1 is done; rank 0 stays stopped
+    now = _run(watch, now, 0.5)
+    assert watch.ended == []  # stopped for 1.5 s of the 2 s allowed
+    _run(watch, now, 1.0)
+    assert watch.ended == [stopped.pid]
+    assert stopped.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_no_worker_is_ended_while_none_has_finished(tmp_path, stopped):
+    """Its peers still run: they find it themselves, through their collectives."""
+    watch = StoppedWorkerWatch(timeout_s=1.0, folder=str(tmp_path))
+    watch.last = 0.0
+    _marker(tmp_path, f"{stopped.pid}.started", "0")
+    _marker(tmp_path, "999999.started", "1")
+    _run(watch, 0.0, 5.0)
+    assert watch.ended == []
+    assert process_state(stopped.pid) == "T"
+
+
+def test_a_finish_of_an_earlier_start_does_not_count(tmp_path, stopped):
+    """After a restart (--max-restarts), the previous start's markers are still there."""
+    watch = StoppedWorkerWatch(timeout_s=1.0, folder=str(tmp_path))
+    watch.last = 0.0
+    _marker(tmp_path, "999998.started", "1")
+    _marker(tmp_path, "999998.finished")
+    now = _run(watch, 0.0, 1.0)
+    _marker(tmp_path, f"{stopped.pid}.started", "0")
+    _run(watch, now, 5.0)
+    assert watch.ended == []
+
+
+def test_a_gap_in_the_watch_own_samples_restarts_the_clock(tmp_path, stopped):
+    """Ctrl-Z stops the launcher with its workers; once resumed, a worker not yet
+    continued is not one stopped for the whole pause."""
+    watch = StoppedWorkerWatch(timeout_s=2.0, folder=str(tmp_path))
+    watch.last = 0.0
+    _marker(tmp_path, f"{stopped.pid}.started", "0")
+    _marker(tmp_path, "999999.started", "1")
+    now = _run(watch, 0.0, 0.5)
+    _marker(tmp_path, "999999.finished")
+    now = _run(watch, now, 0.5)
+    watch.check(now + 600.0)  # the launcher itself was stopped for ten minutes
+    assert watch.ended == []
+    _run(watch, now + 600.0 + SAMPLE_S, 2.5)
+    assert watch.ended == [stopped.pid]
