@@ -300,6 +300,7 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
     """
     known = [f.name for f in fields(Layout)]
     values: dict[str, object] = {}
+    given: dict[str, str] = {}  # name -> the item that set it
     for item in text.replace(",", " ").split():
         key, sep, raw = item.partition("=")
         key = key.strip().lower()
@@ -311,7 +312,20 @@ def parse_layout(text: str, world_size: int | None = None) -> Layout:
                 f"cannot read '{item}' in layout '{text}'.{pair_hint(key, known)} Write "
                 f"name=value pairs with names among {', '.join(known)}."
             )
+        if key in given:  # a later value would silently win over the first
+            raise PartitaError(
+                f"layout '{text}' gives {key} twice ('{given[key]}' and '{item}'); "
+                "give each name once."
+            )
+        given[key] = item
         values[key] = _convert(key, raw.strip(), text)
+    for name in DEGREES:  # before dp is derived from them, so none divides by zero
+        value = values.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PartitaError(
+                f"layout '{text}': {name}={value} is invalid: every degree is a positive "
+                "integer (1 turns that dimension off)."
+            )
     if "dp" not in values and world_size is not None:
         other = math.prod(int(values.get(k, 1)) for k in ("tp", "pp", "cp"))
         if world_size % other:
@@ -343,5 +357,7 @@ def _convert(key: str, raw: str, text: str) -> object:
 
 
 def divisors(n: int) -> list[int]:
-    """Every divisor of n, ascending (the degrees a message can suggest)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Every divisor of n, ascending (the degrees a message can suggest); pairs up to
+    sqrt(n), so a model dimension in the billions costs milliseconds, not minutes."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0] if n > 0 else []
+    return sorted(set(small + [n // d for d in small]))

@@ -7,10 +7,18 @@ from pathlib import Path
 
 from partita.errors import PartitaError
 
+# Picture formats matplotlib writes with its own backends and Pillow (one of its
+# dependencies), named here so that checking a file name does not import it.
+PICTURE_FORMATS = ("png", "pdf", "svg", "svgz", "eps", "ps", "jpg", "jpeg", "tif", "tiff",
+                   "webp")
 
-def check_output_file(path: str, option: str) -> None:
+
+def check_output_file(path: str, option: str, formats: tuple[str, ...] = ()) -> None:
     """Refuse, before any work, a file option whose folder does not exist or cannot be
-    written, rather than failing at the end with the operating system's error."""
+    written (or, given `formats`, whose name does not end in one of them), rather than
+    failing at the end with the operating system's or the writer's error."""
+    if not path.strip():
+        raise PartitaError(f"{option} is empty: give a file name, e.g. {option} out.png.")
     folder = Path(path).expanduser().parent
     if not folder.is_dir():
         raise PartitaError(f"{option} {path}: the folder {folder} does not exist. Create it "
@@ -21,3 +29,22 @@ def check_output_file(path: str, option: str) -> None:
     if Path(path).is_dir():
         raise PartitaError(f"{option} {path} is a folder; give a file name, e.g. "
                            f"{Path(path) / 'out.png'}.")
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if formats and suffix not in formats:
+        got = f"'.{suffix}'" if suffix else "no extension"
+        raise PartitaError(f"{option} {path}: the file name has {got}, and the format is "
+                           "read from it; end it in one of "
+                           f"{', '.join('.' + f for f in formats)}, e.g. "
+                           f"{Path(path).with_suffix('.png')}.")
+    # The permission bits do not tell everything (a superuser, /proc, a read-only
+    # mount): open the file as the writer will, and leave no empty file behind.
+    target = Path(path).expanduser()
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise PartitaError(f"{option} {path} cannot be written ({exc.strerror or exc}). "
+                           "Choose a file in a folder you can write to.") from None
+    if not existed:
+        target.unlink(missing_ok=True)

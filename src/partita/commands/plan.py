@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from partita.commands import check_output_file
+from partita.commands import PICTURE_FORMATS, check_output_file
 from partita.errors import PartitaError, require_in_range
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY
 from partita.planner.precision import NAMES as PRECISION_NAMES
@@ -102,8 +102,8 @@ def run(args: argparse.Namespace) -> int:
     require_in_range("--seq-len", args.seq_len, 2, 1 << 22)
     require_in_range("--global-batch", args.global_batch, 1, 1 << 24, "sequences per step")
     require_in_range("--top", args.top, 1, 10_000)
-    if args.png:
-        check_output_file(args.png, "--png")
+    if args.png is not None:  # an empty name too: it would silently draw nothing
+        check_output_file(args.png, "--png", PICTURE_FORMATS)
     if (args.model is None) == (args.model_shape is None):
         raise PartitaError("give the model with --model NAME_OR_TOML or --model-shape "
                            "layers=...,hidden=...,heads=...,vocab=...,seq=... (one of them).")
@@ -231,8 +231,8 @@ def run(args: argparse.Namespace) -> int:
             print(report.format_evaluation(req, ev))
             _print_advice(advice)
             _print_defaults(defaults)
-        if args.png and ev.memory:
-            report.draw_memory([ev], args.png)
+        if args.png is not None:
+            _draw(report, [ev], args.png, args.json, "")
         # --json: a plan was printed (its "fits" says whether it fits).
         return 0 if ev.fits or args.json else 1
     space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
@@ -255,9 +255,27 @@ def run(args: argparse.Namespace) -> int:
         print(report.format_search(result, args.top))
         _print_advice(advice, nothing_fits=not result.ranked, fixed=space.fixed)
         _print_defaults(defaults)
-    if args.png and result.ranked:
-        report.draw_memory(result.ranked[:args.top], args.png)
+    if args.png is not None:
+        if result.ranked:
+            _draw(report, result.ranked[:args.top], args.png, args.json, "")
+        else:  # the closest misses, against the capacity line they cross
+            closest = [e for e in result.examples.get("memory", []) if e.memory]
+            _draw(report, closest, args.png, args.json, " (the closest layouts, none fits)")
     return 0 if result.ranked or args.json else 1
+
+
+def _draw(report, evals: list, path: str, json_out: bool, what: str) -> None:
+    """Draw `evals` into `path` and say so (on stderr under --json, whose stdout is the
+    JSON alone), or say why nothing was drawn."""
+    import sys
+
+    stream = sys.stderr if json_out else sys.stdout
+    if not evals:
+        print(f"--png {path}: nothing drawn, as no layout has a memory breakdown.",
+              file=stream)
+        return
+    report.draw_memory(evals, path)
+    print(f"wrote {path}{what}", file=stream)
 
 
 def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
@@ -365,6 +383,9 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
         if not sep or key not in known:
             raise PartitaError(f"--fix: cannot read '{item}'.{pair_hint(key, known)} "
                                f"Write NAME=VALUE pairs with names among {', '.join(known)}.")
+        if key in out:  # a later value would silently win over the first
+            raise PartitaError(f"--fix {text}: {key} is given twice ('{item}' and "
+                               f"{key}={out[key]}); give each name once.")
         value = convert(key, raw.strip(), text)
         if key == "schedule":
             from partita.layout import canonical_schedule

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from partita.commands import check_output_file
+from partita.commands import PICTURE_FORMATS, check_output_file
 from partita.errors import require_in_range
 from partita.pipeline import (
     build_schedule,
@@ -49,8 +49,8 @@ def run(args: argparse.Namespace) -> int:
     require_in_range("--stages", args.stages, 1, MAX_CELLS)
     require_in_range("--microbatches", args.microbatches, 1, MAX_CELLS)
     require_in_range("--virtual", args.virtual, 1, 64)
-    if args.png:
-        check_output_file(args.png, "--png")
+    if args.png is not None:  # an empty name too: it would silently draw nothing
+        check_output_file(args.png, "--png", PICTURE_FORMATS)
     cells = args.stages * args.microbatches * (args.virtual or 1)
     require_in_range("--stages x --microbatches x --virtual", cells, 1, MAX_CELLS,
                      "draw a smaller pipeline (the schedule's shape repeats)")
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     print(legend(sched.n_virtual))
     if args.actions:
         print(sched.format())
-    if args.png:
+    if args.png is not None:
         title = f"{sched.name}  p={sched.n_ranks} m={sched.n_microbatches} v={sched.n_virtual}"
         path = draw_timeline(timeline.rows, args.png, title=title, n_virtual=sched.n_virtual)
         print(f"wrote {path}")

@@ -62,6 +62,15 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
         raise PartitaError(f"hardware file '{path}' does not exist.") from None
     except tomllib.TOMLDecodeError as exc:
         raise PartitaError(f"hardware file '{path}' is not valid TOML: {exc}.") from None
+    except IsADirectoryError:
+        raise PartitaError(f"hardware file '{path}' is a folder; give a TOML file of "
+                           "[gpu.NAME] tables.") from None
+    except UnicodeDecodeError as exc:
+        raise PartitaError(f"hardware file '{path}' is not UTF-8 text (byte {exc.start}); "
+                           "give a TOML file of [gpu.NAME] tables.") from None
+    except OSError as exc:  # unreadable: permissions, a device, ...
+        raise PartitaError(f"hardware file '{path}' cannot be read: "
+                           f"{exc.strerror or exc}.") from None
     tables = data.get("gpu")
     if not isinstance(tables, dict) or not tables:
         raise PartitaError(

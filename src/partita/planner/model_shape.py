@@ -157,6 +157,16 @@ def resolve_model(name_or_path: str) -> PlanModel:
             ) from None
         except tomllib.TOMLDecodeError as exc:
             raise PartitaError(f"model config '{name_or_path}' is not valid TOML: {exc}.") from None
+        except IsADirectoryError:
+            raise PartitaError(f"model config '{name_or_path}' is a folder; give a TOML "
+                               "file with a [model] table, or a catalog name.") from None
+        except UnicodeDecodeError as exc:
+            raise PartitaError(f"model config '{name_or_path}' is not UTF-8 text (byte "
+                               f"{exc.start}); give a TOML file with a [model] "
+                               "table.") from None
+        except OSError as exc:  # unreadable: permissions, a device, ...
+            raise PartitaError(f"model config '{name_or_path}' cannot be read: "
+                               f"{exc.strerror or exc}.") from None
         if "model" not in data:
             raise PartitaError(
                 f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
@@ -169,6 +179,7 @@ def resolve_model(name_or_path: str) -> PlanModel:
                     f"settings under a [{section}] line, e.g. [model] then n_layers = 8."
                 )
         moe = _moe_from(data.get("moe", {}), name_or_path)
+        _check_experts(data["model"], data.get("moe", {}), name_or_path)
         # Same [model] table as a training config: an optional catalog `name` whose
         # shape the other fields override (so a run's config.toml plans as it trained).
         # Each value is read as `partita train` reads it: its type, then its range.
@@ -188,6 +199,26 @@ def resolve_model(name_or_path: str) -> PlanModel:
     return PlanModel(name_or_path, get_model_config(name_or_path))
 
 
+def _check_experts(model: dict, moe: dict, source: str) -> None:
+    """Experts given once, with their top_k: [model] n_experts and [moe] num_experts
+    name the same count (one would silently win), and top_k sets the expert compute and
+    traffic, so it is not filled in unseen."""
+    where = f"model config '{source}'"
+    if "n_experts" in model and "num_experts" in moe:
+        raise PartitaError(f"{where} gives the experts twice, [model] n_experts = "
+                           f"{model['n_experts']!r} and [moe] num_experts = "
+                           f"{moe['num_experts']!r}; keep one of them.")
+    if "top_k" in model and "top_k" in moe:
+        raise PartitaError(f"{where} gives top_k twice, in [model] and [moe]; keep one.")
+    for table, count, name in ((moe, "num_experts", "[moe]"), (model, "n_experts", "[model]")):
+        experts = table.get(count)
+        if (isinstance(experts, int) and experts > 1 and "top_k" not in table
+                and "name" not in model and "init_from" not in model):
+            raise PartitaError(f"{where}, {name} {count} = {experts} without top_k: give "
+                               f"top_k in {name} too (the experts each token is routed "
+                               "to; it sets the expert compute and traffic).")
+
+
 def _moe_from(table: dict, source: str) -> MoEShape:
     known = set(MoEShape.__dataclass_fields__)
     unknown = sorted(set(table) - known)
@@ -203,7 +234,10 @@ def _moe_from(table: dict, source: str) -> MoEShape:
 # `--model-shape` names: short ones first, then every ModelConfig field by its own name.
 SHAPE_NAMES = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads",
                "kv_heads": "n_kv_heads", "vocab": "vocab_size", "seq": "max_seq_len",
-               "ffn": "ffn_dim", "tie": "tie_embeddings"}
+               "ffn": "ffn_dim", "tie": "tie_embeddings",
+               # ModelConfig's name for the expert count: the [moe] one, so that either
+               # spelling describes the same experts and needs top_k alike.
+               "n_experts": "num_experts"}
 
 
 def parse_model_shape(text: str) -> PlanModel:
@@ -218,6 +252,7 @@ def parse_model_shape(text: str) -> PlanModel:
     known = sorted(set(SHAPE_NAMES) | fields_ | moe_fields)
     model: dict[str, object] = {}
     moe: dict[str, object] = {}
+    given: dict[str, str] = {}  # setting -> the item that set it
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -229,6 +264,10 @@ def parse_model_shape(text: str) -> PlanModel:
                 f"--model-shape: cannot read '{item}'.{pair_hint(key, known)} Write "
                 f"name=value pairs among {', '.join(known)}."
             )
+        if name in given:  # a later value (or another spelling) would silently win
+            raise PartitaError(f"--model-shape gives {name} twice ('{given[name]}' and "
+                               f"'{item}'); give each setting once, by one name.")
+        given[name] = item
         raw = raw.strip()
         if name == "flavour":
             raw = raw.lower()
@@ -240,8 +279,9 @@ def parse_model_shape(text: str) -> PlanModel:
         raise PartitaError(f"--model-shape: give {', '.join(missing)} too (a shape has no "
                            "defaults, so that none changes the answer unseen).")
     if int(moe.get("num_experts", 1)) > 1 and "top_k" not in moe:
-        raise PartitaError("--model-shape: give top_k with num_experts (the experts each "
-                           "token is routed to; it sets the expert compute and traffic).")
+        raise PartitaError(f"--model-shape {given['num_experts']}: give top_k with "
+                           "num_experts (the experts each token is routed to; it sets the "
+                           "expert compute and traffic).")
     model.setdefault("tie_embeddings", model.get("flavour") == "gpt2")
     name = f"custom-{model['n_layers']}x{model['dim']}"
     return PlanModel(name, ModelConfig(**model), MoEShape(**moe))
@@ -287,4 +327,20 @@ def _read_value(name: str, raw: object, label: str, key: str = "") -> object:
     rule = RANGES.get(f"model.{name}") or _EXTRA_RANGES.get(name)
     if value is not None and rule is not None and not rule.ok(value):
         raise PartitaError(f"{label} is out of range: use {rule.text}.")
+    limit = PLAN_LIMITS.get(name)
+    if limit is not None and isinstance(value, int) and value > limit:
+        raise PartitaError(f"{label} is out of range for the planner: use at most "
+                           f"{limit:,} (far beyond any model trained; larger shapes "
+                           "only make the search run for minutes).")
     return value
+
+
+# Upper bounds of the shapes the planner takes, 16x or more the largest published
+# models: a width in the billions makes the search run for minutes, and its per-stage
+# sums grow with the square of the layers (2,048 layers on 131,072 GPUs: about 4 s).
+# The sequence bound is --seq-len's.
+PLAN_LIMITS = {"n_layers": 2048, "dim": 1 << 20, "n_heads": 1 << 16,
+               "n_kv_heads": 1 << 16, "vocab_size": 1 << 24, "max_seq_len": 1 << 22,
+               "ffn_dim": 1 << 22, "num_experts": 1 << 14, "n_experts": 1 << 14,
+               "top_k": 1 << 14, "expert_ffn_dim": 1 << 22, "moe_every": 10_000,
+               "shared_experts": 1 << 14}

@@ -32,12 +32,20 @@ def describe_request(req: Request) -> str:
     moe = req.model.moe
     experts = (f", {moe.num_experts} experts of ffn {req.model.expert_ffn}, top-{moe.top_k}"
                if req.model.is_moe else "")
+    # Every shape figure the prediction reads, filled-in ones (ffn, flavour, tie) too.
+    tie = "tied" if c.tie_embeddings else "untied"
     return (f"{req.model.name}: {count} parameters "
-            f"({c.n_layers} layers, dim {c.dim}, {c.n_heads} heads, {c.kv_heads} kv heads"
-            f"{experts})"
+            f"({c.n_layers} layers, dim {c.dim}, ffn {c.ffn_hidden}, {c.n_heads} heads, "
+            f"{c.kv_heads} kv heads, vocab {c.vocab_size}, {c.flavour} flavour, {tie} "
+            f"embeddings{experts})"
             f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
             f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
-            f"{req.global_batch} sequences ({req.global_batch * req.seq_len / 1e6:.2f} M tokens)")
+            f"{req.global_batch} sequences ({_tokens(req.global_batch * req.seq_len)})")
+
+
+def _tokens(n: int) -> str:
+    """A token count in millions where that shows it, else in full (a CPU plan's batch)."""
+    return f"{n / 1e6:.2f} M tokens" if n >= 1e6 else f"{n:,} tokens"
 
 
 def format_table(evals: list[Evaluation]) -> str:

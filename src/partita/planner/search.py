@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from partita.layout import MOE_TP, OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout
+from partita.layout import MOE_TP, OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout, divisors
 from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
@@ -110,11 +110,6 @@ def default_sequence_parallel(tp: int) -> bool:
     """Sequence parallelism whenever tensor parallelism is on (MoE blocks included: they
     compute on the gathered sequence, `partita.tensor_parallel.moe`)."""
     return tp > 1
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def search(req: Request, space: SearchSpace = DEFAULT_SPACE, keep_examples: int = 3) -> SearchResult:

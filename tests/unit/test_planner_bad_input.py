@@ -1,0 +1,148 @@
+"""`partita plan` and `partita schedule` refuse bad input with a clear message, before
+any work: degrees, files, picture names, shapes beyond reason, names given twice."""
+
+import time
+
+import pytest
+
+from partita.cli import main
+from partita.errors import PartitaError
+from partita.layout import divisors, parse_layout
+from partita.planner.model_shape import parse_model_shape, resolve_model
+
+SHAPE = "layers=4,hidden=64,heads=4,vocab=256,seq=64"
+
+
+def _refused(capsys, *argv: str) -> str:
+    """The error of a command that must exit 2 having printed nothing on stdout."""
+    assert main(list(argv)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "Traceback" not in captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize("degree", ["tp", "pp", "cp", "dp"])
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_a_degree_below_one_is_named_as_given(capsys, degree, value):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--layout", f"{degree}={value}")
+    assert f"{degree}={value} is invalid: every degree is a positive integer" in err
+    assert "parallel.dp" not in err  # a field the user did not give
+
+
+def test_names_given_twice_are_refused():
+    for text, says in (("tp=2 tp=4", "gives tp twice ('tp=2' and 'tp=4')"),
+                       ("mb=2 microbatch_size=4", "gives microbatch_size twice")):
+        with pytest.warns(FutureWarning) if "mb=" in text else _no_warning():
+            with pytest.raises(PartitaError, match=f"(?s).*{_escape(says)}"):
+                parse_layout(text, 8)
+    for extra, says in (("layers=8", "n_layers twice ('layers=4' and 'layers=8')"),
+                        ("n_layers=8", "n_layers twice"), ("dim=128", "dim twice"),
+                        ("num_experts=8,top_k=2,n_experts=4", "num_experts twice")):
+        with pytest.raises(PartitaError, match=_escape(says)):
+            parse_model_shape(f"{SHAPE},{extra}")
+
+
+def test_a_pin_given_twice_is_refused(capsys):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--fix", "tp=2,tp=4")
+    assert "tp is given twice" in err
+
+
+def test_expert_names_are_one_setting_with_its_top_k(tmp_path):
+    # n_experts is num_experts: both need top_k, and both plan the same model.
+    for name in ("n_experts", "num_experts"):
+        with pytest.raises(PartitaError, match="give top_k with num_experts"):
+            parse_model_shape(f"{SHAPE},{name}=8")
+    a = parse_model_shape(f"{SHAPE},n_experts=8,top_k=2")
+    b = parse_model_shape(f"{SHAPE},num_experts=8,top_k=2")
+    assert (a.moe, a.total_params()) == (b.moe, b.total_params())
+    assert a.moe.num_experts == 8 and a.moe.top_k == 2
+    shape = "[model]\nn_layers = 4\ndim = 64\nn_heads = 4\nvocab_size = 256\n"
+    for tables, says in (("[moe]\nnum_experts = 8\n", "[moe] num_experts = 8 without top_k"),
+                         ("", "[model] n_experts = 8 without top_k")):
+        path = tmp_path / "moe.toml"
+        text = shape + ("n_experts = 8\n" if not tables else "") + tables
+        path.write_text(text)
+        with pytest.raises(PartitaError, match=_escape(says)):
+            resolve_model(str(path))
+    path.write_text(shape + "n_experts = 8\n[moe]\nnum_experts = 4\ntop_k = 2\n")
+    with pytest.raises(PartitaError, match="gives the experts twice"):
+        resolve_model(str(path))
+
+
+@pytest.mark.parametrize("option", ["--model", "--hardware"])
+def test_a_folder_or_binary_file_is_refused(tmp_path, capsys, option):
+    folder = tmp_path / "dir.toml"
+    folder.mkdir()
+    binary = tmp_path / "bytes.toml"
+    binary.write_bytes(b"\xff\xfe[model]\n")
+    for path, says in ((folder, "is a folder"), (binary, "is not UTF-8 text")):
+        argv = (["--model", str(path)] if option == "--model"
+                else ["--model", "llama3-8b", "--hardware", str(path)])
+        assert says in _refused(capsys, "plan", *argv, "--gpus", "8")
+
+
+@pytest.mark.parametrize("command", [
+    ["schedule", "1f1b", "-p", "2", "-m", "2"],
+    ["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "1"],
+])
+def test_a_picture_name_is_checked_before_any_work(tmp_path, capsys, command):
+    for png, says in ((str(tmp_path / "out.txt"), "the file name has '.txt'"),
+                      (str(tmp_path / "out.pdfx"), "'.pdfx'"),
+                      (str(tmp_path / "out"), "no extension"),
+                      ("", "--png is empty"),
+                      ("/proc/partita-test.png", "cannot be written")):
+        assert says in _refused(capsys, *command, "--png", png)
+    assert not list(tmp_path.iterdir())  # the write probe leaves no file behind
+    png = tmp_path / "out.svg"
+    assert main([*command, "--png", str(png)]) == 0
+    assert f"wrote {png}" in capsys.readouterr().out and png.stat().st_size > 0
+
+
+def test_a_plan_where_nothing_fits_draws_the_closest(tmp_path, capsys):
+    png = tmp_path / "closest.png"
+    assert main(["plan", "--model", "llama3-405b", "--gpus", "8", "--png", str(png)]) == 1
+    assert f"wrote {png} (the closest layouts, none fits)" in capsys.readouterr().out
+    assert png.stat().st_size > 0
+
+
+def test_shapes_beyond_reason_are_refused_at_once():
+    for extra, limit in (("seq=999999999", "4,194,304"), ("hidden=999999999", "1,048,576"),
+                         ("layers=100000000", "2,048"), ("vocab=999999999", "16,777,216"),
+                         ("heads=999999999", "65,536")):
+        name = extra.partition("=")[0]
+        kept = ",".join(i for i in SHAPE.split(",") if not i.startswith(name + "="))
+        with pytest.raises(PartitaError, match=f"out of range for the planner: use at most "
+                                               f"{limit}"):
+            parse_model_shape(f"{kept},{extra}")
+    start = time.perf_counter()
+    big = divisors(999_999_999)
+    assert time.perf_counter() - start < 0.5  # square root, not n, trial divisions
+    assert big[:5] == [1, 3, 9, 27, 37] and big[-1] == 999_999_999
+    assert all(999_999_999 % d == 0 for d in big)
+    for n in range(1, 600):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+
+
+def test_a_cpu_plan_shows_its_batch_in_tokens(capsys):
+    from partita.planner.api import make_request
+    from partita.planner.report import describe_request
+
+    line = describe_request(make_request(parse_model_shape(SHAPE), 2, global_batch=16))
+    assert "(1,024 tokens)" in line
+    # The filled-in shape figures are on the first line too.
+    assert "ffn 192" in line and "llama flavour" in line and "untied embeddings" in line
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
