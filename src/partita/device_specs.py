@@ -111,8 +111,18 @@ def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
     """Best float32 FLOP/s of `size`^3 matmuls on the current thread setting."""
     import torch
 
-    return best_rate(lambda a, b: torch.mm(a, b), torch.randn(size, size),
-                     torch.randn(size, size), 2.0 * size**3, budget_s)
+    a, b = _operands(size, torch.float32)
+    return best_rate(lambda x, y: torch.mm(x, y), a, b, 2.0 * size**3, budget_s)
+
+
+def _operands(size: int, dtype):
+    """Two random `size` x `size` matrices drawn from a generator of their own: a
+    measurement made while a run starts must not move the global random stream its
+    dropout masks come from (a resumed run would no longer match an unbroken one)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(size, size, generator=generator).to(dtype) for _ in range(2))
 
 
 def training_matmul_rate(size: int, budget_s: float, dtype_name: str = "bfloat16") -> float:
@@ -124,7 +134,7 @@ def training_matmul_rate(size: int, budget_s: float, dtype_name: str = "bfloat16
     import torch
 
     dtype = getattr(torch, dtype_name)
-    a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+    a, b = _operands(size, dtype)
     work = 2.0 * size**3
     layouts = (lambda x, y: torch.mm(x, y.t()), lambda x, y: torch.mm(x, y),
                lambda x, y: torch.mm(x.t(), y))

@@ -94,6 +94,21 @@ def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
     assert again.returncode == 0, again.stderr
 
 
+def test_a_dropout_run_resumed_in_its_layout_continues_bitwise(tmp_path, cli):
+    """The restored random streams are the ones the dropout masks draw from: nothing
+    the run does as it starts (measuring the CPU's rate for MFU) may draw from them."""
+    dropout = ("--nproc", "1", "--model.dropout=0.1", "--train.dtype=float64",
+               "--train.steps=5", "--train.eval_every=100")
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert cli.train(whole, *dropout).returncode == 0
+    stopped = cli.train(part, *dropout, "--train.stop_after=3")
+    assert stopped.returncode == CHECKPOINT_STOP_EXIT, stopped.stderr[-2000:]
+    resumed = cli.train(part, *dropout, "--train.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "random streams restored" in resumed.stdout
+    _same(_losses(part), _losses(whole))
+
+
 def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_75(run_dir, cli):
     """SIGTERM lands whenever it lands; the ranks agree on the step to stop after."""
     proc = subprocess.Popen([sys.executable, "-m", "partita.cli",

@@ -20,3 +20,16 @@ def test_a_cpu_peak_is_capped_by_the_processes_sharing_the_cores(monkeypatch):
         assert metrics.device_peak_flops(torch.device("cpu"), 3.0) == 3.0e12  # as set
     finally:
         torch.set_num_threads(threads)
+
+
+def test_measuring_the_peak_leaves_the_global_random_stream_alone():
+    """A run measures the CPU's rate after a resume restored its random streams; had
+    the measurement drawn from the global generator, a dropout run resumed in the same
+    layout would no longer match the run it continues."""
+    from partita.device_specs import slow_cpu_matmul_warning
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    metrics.device_peak_flops(torch.device("cpu"))
+    slow_cpu_matmul_warning("bfloat16", budget_s=0.01)
+    assert torch.equal(torch.get_rng_state(), before)
