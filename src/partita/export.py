@@ -64,7 +64,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
               bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
     """Write `state` (full weights, partita names) of model `cfg` as a Hugging Face
     Llama folder at `out`; returns `out`. `dtype`: cast the floating tensors (None: keep)."""
-    from safetensors.torch import save_file
+    from partita.checkpoint.files import write_file
 
     check_exportable(cfg)  # first: what no weights can fix
     out = Path(out)
@@ -84,8 +84,10 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
         weight_map, total = {}, 0
         for i, names in enumerate(groups):
             file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            save_file({n: hf_state[n] for n in names}, str(tmp / file),
-                      metadata={"format": "pt"})
+            # The same writer as the run's weights (`weights.save_weights` says why);
+            # transformers reads files whose metadata says "pt".
+            write_file(tmp / file, {n: hf_state[n].contiguous() for n in names},
+                       {"format": "pt"})
             weight_map.update({n: file for n in names})
             total += sum(hf_state[n].numel() * hf_state[n].element_size() for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

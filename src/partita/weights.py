@@ -7,14 +7,16 @@ is atomic: a temporary file is renamed into place only when complete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from partita.agreement import stop_together
+from partita.checkpoint.files import write_file
 from partita.comm import gather_along
 from partita.errors import PartitaError
 from partita.run_dir import PARTIAL_SUFFIX
@@ -71,12 +73,6 @@ def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
     return state if mesh.rank == 0 else None
 
 
-def current_umask() -> int:
-    mask = os.umask(0o022)  # reading the mask means setting it; put it straight back
-    os.umask(mask)
-    return mask
-
-
 def save_weights(pm, path: str | Path) -> None:
     """Gather and write the full weights (rank 0 writes; every rank must call).
 
@@ -91,11 +87,13 @@ def save_weights(pm, path: str | Path) -> None:
         failure = None
         if state is not None:
             try:
-                save_file({k: v.contiguous() for k, v in state.items()}, str(tmp),
-                          metadata={"format": "partita", "model": "transformer"})
-                # safetensors creates its file private (0600); a run's weights are read
-                # like its other results, so give them the mode a new file gets here.
-                os.chmod(tmp, 0o666 & ~current_umask())
+                # partita's own safetensors writer, not the safetensors package's: its
+                # errors are OSErrors (a full disk is said as such), it syncs the file
+                # before the name is given, and the file gets the mode of the run's
+                # other results rather than 0600.
+                tmp.unlink(missing_ok=True)
+                write_file(tmp, {k: v.contiguous() for k, v in state.items()},
+                           {"format": "partita", "model": "transformer"})
             except OSError as exc:
                 failure = PartitaError(
                     f"writing the weights to '{path}' failed ({exc.strerror or exc}); "
@@ -109,8 +107,9 @@ def save_weights(pm, path: str | Path) -> None:
                 raise PartitaError(f"naming the weights '{path}' failed "
                                    f"({exc.strerror or exc}); nothing was left behind.") from None
     finally:
-        if state is not None:
-            tmp.unlink(missing_ok=True)  # a write that did not finish leaves nothing
+        if state is not None:  # a write that did not finish leaves nothing
+            with contextlib.suppress(OSError):  # (a read-only folder: there is nothing)
+                tmp.unlink(missing_ok=True)
 
 
 def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[str]:

@@ -87,14 +87,59 @@ def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
-    monkeypatch.setattr(weights, "save_file", full_disk)
+    monkeypatch.setattr(weights, "write_file", full_disk)
     with pytest.raises(PartitaError, match="No space left on device"):
         weights.save_weights(_ONE_PROCESS, tmp_path / "model.safetensors")
     assert not list(tmp_path.iterdir())
 
 
+def _disk_fills_after(monkeypatch, nbytes: int) -> None:
+    """The safetensors writer's writes fail with ENOSPC once `nbytes` are written."""
+    import os
+
+    from partita.checkpoint import files
+
+    written = [0]
+
+    def write(fd, data):
+        if written[0] + len(data) > nbytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written[0] += len(data)
+        return os.write(fd, data)
+
+    monkeypatch.setattr(files.os, "write", write)
+
+
+def test_a_disk_that_fills_during_the_weight_write_is_said_so(tmp_path, monkeypatch):
+    """The real writer, not a stand-in: the safetensors package raised its own error
+    type here, which was reported as a fault inside partita."""
+    import torch
+
+    from partita import weights
+
+    monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(4096)})
+    _disk_fills_after(monkeypatch, 1000)
+    with pytest.raises(PartitaError, match="writing the weights .* failed .No space left"):
+        weights.save_weights(_ONE_PROCESS, tmp_path / "model.safetensors")
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_disk_that_fills_during_an_export_is_said_so(tmp_path, monkeypatch):
+    from partita.export import export_hf
+    from partita.models.model_config import ModelConfig
+    from partita.models.transformer import build_model
+
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2)
+    state = build_model(cfg).state_dict()
+    _disk_fills_after(monkeypatch, 4000)
+    with pytest.raises(PartitaError, match="writing the export to .* failed .No space left"):
+        export_hf(state, cfg, tmp_path / "hf")
+    assert not list(tmp_path.iterdir())
+
+
 def test_the_weights_file_gets_a_new_files_mode(tmp_path, monkeypatch):
-    """safetensors writes 0600; the run's weights are readable like its other results."""
+    """The safetensors package writes 0600; the run's weights are readable like its
+    other results."""
     import os
     import stat
 
@@ -214,3 +259,46 @@ def test_a_timeline_png_without_a_pipeline_gets_one_note(tmp_path, capsys):
     assert "note: train.timeline_png" in err and "is ignored" in err and "pp=1" in err
     _print_notes(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
     assert capsys.readouterr().err == ""
+
+
+def test_an_export_gets_a_new_files_mode(tmp_path):
+    import os
+    import stat
+
+    from partita.export import export_hf
+    from partita.models.model_config import ModelConfig
+    from partita.models.transformer import build_model
+
+    cfg = ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2)
+    old = os.umask(0o022)
+    try:
+        out = export_hf(build_model(cfg).state_dict(), cfg, tmp_path / "hf")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_checkpoint_export_to_a_read_only_folder_says_so(tmp_path, monkeypatch):
+    """On a read-only file system removing the (absent) half-written file fails too;
+    that error used to replace the message about the write."""
+    import argparse
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from partita.checkpoint import export, files
+    from partita.commands import checkpoint
+
+    def read_only(*_a, **_k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(checkpoint, "_folder", lambda _d: tmp_path)
+    monkeypatch.setattr(export, "full_tensors", lambda _f: iter([("w", torch.ones(2))]))
+    monkeypatch.setattr(files, "write_file", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    args = argparse.Namespace(dir=str(tmp_path), out=str(tmp_path / "w.safetensors"),
+                              overwrite=False)
+    with pytest.raises(PartitaError, match="Read-only file system"):
+        checkpoint.run_export(args)

@@ -7,6 +7,7 @@ run's out_dir (then its newest checkpoint).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -129,7 +130,10 @@ def run_export(args: argparse.Namespace) -> int:
                            "behind. Check that the folder can be written and has free "
                            "space, or choose another --out.") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        # On a read-only folder even removing a file that is not there fails, and that
+        # error would hide the one above.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     print(f"wrote {out}: {len(state)} tensors, "
           f"{sum(t.numel() for t in state.values()):,} parameters from {folder}")
     return 0
