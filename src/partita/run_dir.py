@@ -1,7 +1,8 @@
 """The run's output folder: checked before launch, never shared by two runs.
 
 A run writes `config.toml`, `metrics.jsonl`, TensorBoard events and at its end
-`model.safetensors` into `train.out_dir`. Everything that can go wrong with that folder
+`model.safetensors` (with `train.export`, also an export folder such as `hf/`) into
+`train.out_dir`. Everything that can go wrong with that folder
 is found before any process starts: a path that is a file, a folder that cannot be
 written (permissions, a read-only mount), too little free space for the weights, and
 another run's results already there; an empty `train.out_dir` (the current folder) is
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 
 # Files a run writes; any of them present means the folder holds a run's results.
 RESULT_FILES = ("config.toml", "metrics.jsonl", "model.safetensors")
+# Folders `train.export` writes into out_dir, one per format (`export.FORMATS`).
+EXPORT_FOLDERS = ("hf",)
 PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when complete
 # Room kept beyond the weights' own size: metrics, config, filesystem overhead.
 SPARE_BYTES = 16 << 20
@@ -41,6 +44,10 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
     if not resuming:
         for name in _results(path):
             (path / name).unlink()
+        # The previous run's export: left in place, it would pass for this run's.
+        for name in EXPORT_FOLDERS:
+            if (path / name).is_dir():
+                shutil.rmtree(path / name)
         for events in path.glob("events.out.tfevents.*"):
             events.unlink()
     free = shutil.disk_usage(path).free
@@ -133,9 +140,13 @@ def _trained(path: Path) -> bool:
 
 
 def remove_partial_files(path: Path) -> None:
-    """Remove files a killed writer left half-written (they never look complete)."""
+    """Remove files (and export folders) a killed writer left half-written; they never
+    look complete."""
     for partial in path.glob(f"*{PARTIAL_SUFFIX}"):
-        partial.unlink(missing_ok=True)
+        if partial.is_dir() and not partial.is_symlink():
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.unlink(missing_ok=True)
 
 
 def weight_bytes(num_params: int, dtype_bytes: int) -> int:

@@ -54,6 +54,8 @@ def test_overwrite_removes_the_old_results_first(tmp_path):
     for name in RESULT_FILES:
         (tmp_path / name).write_text("old")
     (tmp_path / "events.out.tfevents.1.host").write_text("old")
+    (tmp_path / "hf").mkdir()  # the old run's export (train.export=hf)
+    (tmp_path / "hf" / "config.json").write_text("old")
     (tmp_path / "notes.txt").write_text("mine")
     prepare_out_dir(tmp_path, overwrite=True, bytes_needed=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
@@ -61,6 +63,8 @@ def test_overwrite_removes_the_old_results_first(tmp_path):
 
 def test_half_written_files_are_removed(tmp_path):
     (tmp_path / "model.safetensors.partial").write_bytes(b"\0" * 100)
+    (tmp_path / "hf.partial").mkdir()  # an export that was killed
+    (tmp_path / "hf.partial" / "config.json").write_text("{}")
     prepare_out_dir(tmp_path, overwrite=False, bytes_needed=1)
     assert not list(tmp_path.iterdir())
 
