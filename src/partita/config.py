@@ -9,6 +9,7 @@ so any run can be repeated from its own directory.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import tomllib
 import types
 import typing
@@ -374,19 +375,50 @@ def convert_value(dotted: str, raw: object, target: type) -> object:
                 return False
             raise ValueError(raw)
         if target is int:
-            if isinstance(raw, float) and not raw.is_integer():
-                raise ValueError(raw)
-            return int(float(raw)) if isinstance(raw, str) and "e" in raw.lower() else int(raw)
+            return _integer(raw)
         if target is float:
             return float(raw)
         if isinstance(raw, dict):  # a TOML table given for a text setting (data.mix)
             return ", ".join(f"{k}={v}" for k, v in raw.items())
         return str(raw)
-    except (TypeError, ValueError):
+    except OverflowError:
+        limit = f"within ±{INT_LIMIT:,} (64 bits)" if target is int else "a finite number"
+        raise PartitaError(
+            f"{dotted}={raw!r} is too large: {dotted} must be {limit}; give a smaller value."
+        ) from None
+    except (TypeError, ValueError, ArithmeticError):
         raise PartitaError(
             f"{dotted}={raw!r} is not {_KIND[target][0]}; give {_KIND[target][0]}, for "
             f"example --{dotted}={_KIND[target][1]}."
         ) from None
+
+
+def _integer(raw: object) -> int:
+    """An integer from an int, an integral float, or text such as "300" or "1e3".
+
+    Text with an exponent is read exactly (as a decimal) and taken only when integral,
+    so "1.5e0" is refused like "1.5" rather than truncated to 1, and "1e400" is refused
+    rather than overflowing.
+    """
+    if isinstance(raw, float):
+        if not raw.is_integer():  # also NaN and infinity
+            raise ValueError(raw)
+        raw = int(raw)
+    if isinstance(raw, str) and "e" in raw.lower():
+        exact = decimal.Decimal(raw.strip().replace("_", ""))
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            raise ValueError(raw)
+        if exact.adjusted() > 18:  # past 64 bits; before building a 400-digit int
+            raise OverflowError(raw)
+        raw = int(exact)
+    value = int(raw)  # type: ignore[call-overload]
+    if abs(value) > INT_LIMIT:
+        raise OverflowError(raw)
+    return value
+
+
+# Integer settings end up in 64-bit integers (torch seeds, numpy indices, counters).
+INT_LIMIT = 2**63 - 1
 
 
 _KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
@@ -468,14 +500,30 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then the TOML file at `path`, then the overrides, each checked."""
     cfg = Config()
     if path:
-        p = Path(path)
-        if not p.is_file():
-            raise PartitaError(f"config file '{path}' does not exist; check the path.")
-        _apply_toml(cfg, p.read_text(), str(path))
+        _apply_toml(cfg, _read_config_file(Path(path)), str(path))
     for key, value in parse_overrides(overrides or []):
         _set(cfg, key, value)
     check_ranges(cfg)
     return cfg
+
+
+def _read_config_file(path: Path) -> str:
+    """The text of a TOML config file, or a PartitaError saying why it cannot be read."""
+    if path.is_dir():
+        raise PartitaError(f"config file '{path}' is a folder; give the path of a TOML file "
+                           "(for example a run's config.toml).")
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a regular file"
+        raise PartitaError(f"config file '{path}' {what}; check the path.")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PartitaError(f"config file '{path}' is not UTF-8 text (byte {exc.start} is "
+                           f"{exc.object[exc.start]:#04x}); TOML files are UTF-8: save it "
+                           "as UTF-8.") from None
+    except OSError as exc:
+        raise PartitaError(f"config file '{path}' cannot be read: "
+                           f"{exc.strerror or exc}.") from None
 
 
 def config_from_toml(text: str) -> Config:

@@ -103,3 +103,28 @@ def test_a_resume_with_another_learning_rate_schedule_is_named():
         "--train.steps=8", "--train.lr=0.001"])) == ["train.steps 4 -> 8",
                                                      "train.lr 0.003 -> 0.001"]
     assert _schedule_changes({}, load_config(None, [])) == []
+
+
+@pytest.mark.parametrize("value", ["1.5e0", "2.9e0", "1e-1", "1e400", "9.3e18", "inf", "nan"])
+def test_an_integer_with_an_exponent_must_be_integral_and_fit(value):
+    """"1.5e0" was truncated to 1 and "1e400" raised OverflowError."""
+    with pytest.raises(PartitaError, match=r"train.steps='.*' is (not an integer|too large)"):
+        load_config(None, [f"--train.steps={value}"])
+
+
+def test_an_integral_exponent_is_an_integer(tmp_path):
+    assert load_config(None, ["--train.steps=1e3"]).train.steps == 1000
+    assert load_config(None, ["--train.global_batch=2.0e1"]).train.global_batch == 20
+    path = tmp_path / "run.toml"
+    path.write_text("[train]\nsteps = 1e400\n")  # TOML reads it as float infinity
+    with pytest.raises(PartitaError, match="not an integer"):
+        load_config(path)
+
+
+def test_a_config_path_that_is_a_folder_or_not_utf8_is_named_as_such(tmp_path):
+    with pytest.raises(PartitaError, match="is a folder; give the path of a TOML file"):
+        load_config(tmp_path)
+    path = tmp_path / "run.toml"
+    path.write_bytes(b"[train]\nsteps = 3 # caf\xe9\n")
+    with pytest.raises(PartitaError, match=r"not UTF-8 text \(byte 23 is 0xe9\)"):
+        load_config(path)
