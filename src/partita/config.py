@@ -139,8 +139,9 @@ class TrainSection:
     checkpoint_failure: str = "stop"
     export: str = ""  # "hf": also write out_dir/hf, a Hugging Face folder (partita export)
     # torch.compile: "none"; "blocks" each transformer block; "model" the whole local model
-    # (layouts without pipeline, ZeRO-3, cp or recompute); "auto" blocks when the compiler
-    # toolchain works, else eager with a message (docs/performance.md).
+    # (layouts without pipeline, ZeRO-3 or cp; with recompute, except full recompute under
+    # tp or with MoE blocks); "auto" blocks when the compiler toolchain works, else eager
+    # with a message (docs/performance.md).
     compile: str = "none"
 
 
@@ -253,6 +254,9 @@ class Config:
         default; train.microbatches (a count) the microbatch size in sequences. Raises
         only when those cannot be resolved; `partita.layout_rules.validate` judges the rest.
         """
+        # Zero or negative degrees would otherwise surface as a product that "does not
+        # divide" the world; each is named at once instead.
+        check_ranges(self, section_only="parallel")
         p, t = self.parallel, self.train
         other = p.tp * p.pp * p.cp
         dp = p.dp

@@ -3,8 +3,10 @@
 `config.py` gives each setting a type; this table gives the values that make sense,
 so a zero step count, a negative learning rate or `beta1 = 1.5` is refused with one
 message instead of "succeeding" with nonsense or failing inside every worker. The
-parallel degrees and the pipeline schedule are not here: they are a layout's, checked
-by the layout's own validation with the model and world in view.
+parallel degrees and policies have their own ranges here (a degree is a positive
+integer, a recompute policy one of three); how they combine with each other, the model
+and the world is the layout's, checked by its own validation with those in view. The
+pipeline schedule's names (and old spellings) are the layout's too.
 
 `check_ranges(cfg)` raises one PartitaError listing every setting out of range. A test
 checks that every numeric setting of `Config` has an entry, so a new one cannot be
@@ -18,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from partita.errors import PartitaError
+from partita.layout import OFFLOAD, RECOMPUTE
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16", "fp32", "fp64", "bf16", "fp16")
 
@@ -41,13 +44,19 @@ def number_range(lo: float | None = None, hi: float | None = None, lo_open: bool
             return False
         return not (hi is not None and (v >= hi if hi_open else v > hi))
 
-    left = "" if lo is None else (f"> {lo:g}" if lo_open else f">= {lo:g}")
-    right = "" if hi is None else (f"< {hi:g}" if hi_open else f"<= {hi:g}")
+    left = "" if lo is None else (f"> {_number(lo)}" if lo_open else f">= {_number(lo)}")
+    right = "" if hi is None else (f"< {_number(hi)}" if hi_open else f"<= {_number(hi)}")
     text = " and ".join(p for p in (left, right) if p)
     outside = tuple(x for x in ((lo - 1 if not lo_open else lo) if lo is not None else None,
                                 (hi + 1 if not hi_open else hi) if hi is not None else None)
                     if x is not None)
     return Rule(ok, text, outside)
+
+
+def _number(x: float) -> str:
+    """A bound as written in messages: integers in full (a seed's 4294967295, not
+    4.29497e+09), other numbers short."""
+    return f"{int(x)}" if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
 def _choice(*options: str) -> Rule:
@@ -69,10 +78,26 @@ def _dtype(optional: bool) -> Rule:
     return Rule(lambda v: v in names, text, ("float8", "int32"))
 
 
+def _degree(zero_means: str = "") -> Rule:
+    """A parallel degree: a positive integer (1 turns the dimension off), or for dp also
+    0, which `Config.layout` resolves from the world size."""
+    low = 0 if zero_means else 1
+    text = "a positive integer (1 turns that dimension off)" + (
+        f", or 0: {zero_means}" if zero_means else "")
+    return Rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low, text,
+                (low - 1,))
+
+
 AT_LEAST_1 = number_range(1)
 AT_LEAST_0 = number_range(0)
 POSITIVE = number_range(0, lo_open=True)
 FRACTION = number_range(0, 1, hi_open=True)  # [0, 1)
+# Seeds feed torch.manual_seed (64 bits) after adding a rank or an index, and numpy's
+# SeedSequence; 32 bits leave room for any such offset.
+SEED = number_range(0, 2**32 - 1)
+# gloo and NCCL take timeouts as C++ durations, which overflow somewhere past 1e11 s; a
+# week is longer than any collective should wait and far inside that.
+TIMEOUT = number_range(0, 7 * 24 * 3600, lo_open=True)
 
 RANGES: dict[str, Rule] = {
     # [model]: only the keys set override the catalog entry (None means "keep").
@@ -89,7 +114,7 @@ RANGES: dict[str, Rule] = {
     "model.max_seq_len": AT_LEAST_1,
     "model.flavour": _choice("llama", "gpt2"),
     "model.dropout": FRACTION,
-    "model.seed": AT_LEAST_0,
+    "model.seed": SEED,
     "model.rope_theta": POSITIVE,
     "model.norm_eps": POSITIVE,
     "model.rope_scaling": _choice("", "llama3"),
@@ -111,7 +136,7 @@ RANGES: dict[str, Rule] = {
     "data.seq_len": number_range(2),  # a window needs an input and a next token
     "data.val_fraction": FRACTION,
     "data.max_bytes": AT_LEAST_1,
-    "data.seed": AT_LEAST_0,
+    "data.seed": SEED,
     "data.bad_lines": _choice("error", "skip"),
     "data.workers": AT_LEAST_0,
     # [train]
@@ -133,7 +158,7 @@ RANGES: dict[str, Rule] = {
     "train.device": _device(),
     "train.max_bad_steps": AT_LEAST_0,
     "train.threads": AT_LEAST_0,
-    "train.collective_timeout_s": POSITIVE,
+    "train.collective_timeout_s": TIMEOUT,
     "train.stall_warning_factor": AT_LEAST_0,
     "train.checkpoint_every": AT_LEAST_0,
     "train.keep_last": AT_LEAST_0,
@@ -141,13 +166,25 @@ RANGES: dict[str, Rule] = {
     "train.checkpoint_failure": _choice("stop", "continue"),
     "train.export": _choice("", "hf"),
     "train.compile": _choice("none", "blocks", "model", "auto"),
-    # [parallel] policies with a plain range (degrees and schedules: see the layout).
+    # [parallel]: each value alone (how they combine, and schedules: see the layout).
+    "parallel.dp": _degree("what the world size leaves after tp*pp*cp"),
+    "parallel.tp": _degree(),
+    "parallel.pp": _degree(),
+    "parallel.cp": _degree(),
+    "parallel.ep": _degree(),
+    "parallel.zero_stage": Rule(lambda v: v in (0, 1, 2, 3) and not isinstance(v, bool),
+                                "0 (plain data parallel), 1 (shard optimizer state), 2 "
+                                "(+ gradients) or 3 (+ parameters)", (-1, 4)),
+    "parallel.virtual_stages": AT_LEAST_0,
+    "parallel.recompute": _choice(*RECOMPUTE),
+    "parallel.recompute_layers": AT_LEAST_0,
+    "parallel.offload": _choice(*OFFLOAD),
     "parallel.bucket_mb": POSITIVE,
     "parallel.prefetch": AT_LEAST_0,
     "parallel.keep_gathered": AT_LEAST_0,
     "parallel.accumulation": _choice("reduce", "buffer"),
     "parallel.pp_balance": _choice("even", "params", "flops"),
-    "parallel.pp_timeout_s": POSITIVE,
+    "parallel.pp_timeout_s": TIMEOUT,
     "parallel.host_memory_budget_gb": POSITIVE,
     "parallel.cp_kind": _choice("ring", "allgather"),
     "parallel.moe_tp": _choice("replicate", "experts", "hidden"),
@@ -159,11 +196,14 @@ RANGES: dict[str, Rule] = {
 }
 
 
-def out_of_range(cfg) -> list[str]:
-    """One line per setting of `cfg` outside its range (empty when all are valid)."""
+def out_of_range(cfg, section_only: str = "") -> list[str]:
+    """One line per setting of `cfg` outside its range (empty when all are valid); with
+    `section_only`, only that section's own ranges."""
     problems = []
     for dotted, rule in RANGES.items():
         section, key = dotted.split(".")
+        if section_only and section != section_only:
+            continue
         value = getattr(getattr(cfg, section), key)
         if value is None and section == "model":
             continue  # not set: the catalog's value, which is valid
@@ -171,14 +211,34 @@ def out_of_range(cfg) -> list[str]:
             problems.append(f"{dotted}={value!r} is not a finite number: use {rule.text}")
         elif not rule.ok(value):
             problems.append(f"{dotted}={value!r} is out of range: use {rule.text}")
+    if section_only:
+        return problems
     if cfg.train.min_lr > cfg.train.lr >= 0:
         problems.append(f"train.min_lr={cfg.train.min_lr:g} exceeds train.lr="
                         f"{cfg.train.lr:g}: the schedule decays from lr down to min_lr")
+    param_dtype = cfg.precision.param_dtype or cfg.train.dtype
+    if param_dtype in ("float16", "fp16") and not cfg.precision.master_weights:
+        # Most of Adam's updates are below float16's resolution near the weights' values,
+        # and the run diverges (loss 5.5 -> 13, infinite norms on most steps) with exit 0.
+        given = ("precision.param_dtype" if cfg.precision.param_dtype else "train.dtype")
+        problems.append(f"precision.master_weights=false with {given}={param_dtype}: "
+                        "float16 parameters updated in float16 lose most of each update "
+                        "to rounding and the run diverges; keep precision.master_weights="
+                        "true (an fp32 master copy), or train in bfloat16 "
+                        "(precision.param_dtype=bfloat16), which may go without one")
+    max_len = cfg.model.max_seq_len
+    if (max_len is not None and RANGES["model.max_seq_len"].ok(max_len)
+            and RANGES["data.seq_len"].ok(cfg.data.seq_len) and cfg.data.seq_len > max_len):
+        problems.append(f"data.seq_len={cfg.data.seq_len} exceeds model.max_seq_len="
+                        f"{max_len}: the model would be built with {cfg.data.seq_len} "
+                        f"positions instead; raise model.max_seq_len to at least "
+                        f"{cfg.data.seq_len}, leave it unset, or shorten data.seq_len")
     return problems
 
 
-def check_ranges(cfg) -> None:
-    """Raise PartitaError naming every setting of `cfg` that is out of range."""
-    problems = out_of_range(cfg)
+def check_ranges(cfg, section_only: str = "") -> None:
+    """Raise PartitaError naming every setting of `cfg` that is out of range (with
+    `section_only`, of that section)."""
+    problems = out_of_range(cfg, section_only)
     if problems:
         raise PartitaError("invalid settings: " + "; ".join(problems) + ".")

@@ -21,10 +21,7 @@ pytestmark = pytest.mark.fault_suite("settings")
 # Settings that belong to the layout (validated with the model and world in view) or
 # are free text.
 LAYOUT_OR_TEXT = {
-    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
-    "parallel.zero_stage", "parallel.virtual_stages", "parallel.schedule",
-    "parallel.recompute", "parallel.recompute_layers", "parallel.offload",
-    "parallel.offload_dir",
+    "parallel.schedule", "parallel.offload_dir",
     "model.name", "data.source", "data.cache_dir", "train.out_dir", "train.timeline_png",
     "train.checkpoint_dir", "train.resume",
     "model.init_from", "data.tokenizer", "data.text_field", "data.mix",
@@ -109,3 +106,52 @@ def test_disk_offload_without_a_folder_says_which_setting_to_give():
     with pytest.raises(PartitaError, match=r"parallel.offload_dir, which is not set: give a "
                                            r"folder .* --parallel.offload_dir="):
         check_offload_dir("", 1 << 20)
+
+
+def test_every_parallel_value_out_of_range_is_named_before_any_layout_is_built():
+    """`--parallel.tp=0` read "tp*pp*cp=0 does not divide the world size 2; start a
+    multiple of 0 processes", and of two bad policies only the first was named (as
+    "layout recompute='foo'")."""
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, ["--parallel.tp=0", "--parallel.dp=-2", "--parallel.recompute=foo",
+                           "--parallel.offload=bar"])
+    text = str(exc.value)
+    for part in ("parallel.tp=0", "parallel.dp=-2", "parallel.recompute='foo'",
+                 "parallel.offload='bar'", "positive integer"):
+        assert part in text
+    assert "multiple of 0" not in text and "layout recompute" not in text
+    cfg = Config()
+    cfg.parallel.pp = 0  # a Config built in code, never loaded: the layout checks too
+    with pytest.raises(PartitaError, match="parallel.pp=0 is out of range: use a positive"):
+        cfg.layout(2)
+
+
+def test_float16_parameters_without_master_weights_are_refused():
+    """They diverged silently (loss 5.5 -> 13, infinite gradient norms) and exited 0."""
+    for dtype in ("--precision.param_dtype=fp16", "--train.dtype=float16"):
+        with pytest.raises(PartitaError, match=r"master_weights=false with .*16.*"
+                                               r"master_weights=\s?true.*bfloat16"):
+            load_config(None, [dtype, "--precision.master_weights=false"])
+    load_config(None, ["--precision.param_dtype=bf16", "--precision.master_weights=false"])
+    load_config(None, ["--precision.param_dtype=fp16"])
+
+
+def test_timeouts_and_seeds_have_an_upper_bound():
+    """1e30 s overflowed gloo's timeout in every worker, and a seed of 2**64 - 1
+    overflowed torch.manual_seed(seed + rank), both after launch."""
+    with pytest.raises(PartitaError) as exc:
+        load_config(None, ["--train.collective_timeout_s=1e30", "--parallel.pp_timeout_s=1e30",
+                           "--data.seed=4294967296", "--model.seed=4294967296"])
+    for key in ("train.collective_timeout_s", "parallel.pp_timeout_s", "data.seed",
+                "model.seed"):
+        assert key in str(exc.value)
+    assert "<= 4294967295" in str(exc.value)  # written in full, not 4.29497e+09
+    with pytest.raises(PartitaError, match="data.seed.*too large"):
+        load_config(None, ["--data.seed=18446744073709551615"])
+
+
+def test_a_sequence_longer_than_the_models_positions_is_refused():
+    """model.max_seq_len=64 with data.seq_len=128 quietly built 128 positions."""
+    with pytest.raises(PartitaError, match="data.seq_len=128 exceeds model.max_seq_len=64"):
+        load_config(None, ["--model.max_seq_len=64", "--data.seq_len=128"])
+    assert load_config(None, ["--data.seq_len=512"]).model_config().max_seq_len >= 512
