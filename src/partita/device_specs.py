@@ -52,12 +52,20 @@ class GPUSpec:
     # back (Zen 4, one thread: an add at 31 GB/s, fp32's at 72-83, a copy at 90). 0: the
     # same as memory_bandwidth.
     bf16_memory_bandwidth: float = 0.0
+    # The float32 matmul rate where it is not `peak_flops` (a GPU's peak is bf16): CUDA
+    # cores, not TF32 tensor cores, which torch uses for float32 matmuls only when
+    # torch.backends.cuda.matmul.allow_tf32 (or set_float32_matmul_precision) says so.
+    # 0: peak_flops (a CPU profile's peak is already its float32 rate).
+    fp32_flops: float = 0.0
     source: str = ""
 
     def for_dtype_bytes(self, elem_bytes: int) -> GPUSpec:
         """This device as a run in `elem_bytes`-wide parameters sees it: its 16-bit
         matmul rate as the peak and its 16-bit elementwise rate as the bandwidth, where
-        they are given separately (`bf16_flops`, `bf16_memory_bandwidth`)."""
+        they are given separately (`bf16_flops`, `bf16_memory_bandwidth`); in 4-byte
+        parameters its float32 matmul rate (`fp32_flops`), where given."""
+        if elem_bytes == 4 and self.fp32_flops > 0:
+            return replace(self, peak_flops=self.fp32_flops)
         if elem_bytes != 2:
             return self
         given = {"peak_flops": self.bf16_flops, "memory_bandwidth": self.bf16_memory_bandwidth}
@@ -67,32 +75,36 @@ class GPUSpec:
 # Every figure below is from the vendor datasheet named in `source`. Network: one
 # ConnectX NIC per GPU as in the DGX reference designs (HDR 200 Gb/s on A100, NDR
 # 400 Gb/s on Hopper and Blackwell); PCIe: Gen4 x16 on A100, Gen5 x16 from Hopper on.
+# float32 (CUDA cores, no TF32): A100 19.5 TFLOPS, H100/H200 SXM 67 (their datasheets);
+# B200 75, NVIDIA's HGX B200 specification (600 TFLOPS FP32 for 8 GPUs).
 GPUS: dict[str, GPUSpec] = {
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4): 312 TFLOPS bf16 dense, 40 GB HBM2
     # at 1,555 GB/s, NVLink 600 GB/s bidirectional; DGX A100 datasheet: 8x HDR 200 Gb/s.
     "A100-40GB": GPUSpec("A100-40GB", 312e12, 40 * GB, 1555e9, 300e9, 25e9,
                          host_link_bandwidth=32e9, host_memory_per_node=1000 * GB,
+                         fp32_flops=19.5e12,
                          source="NVIDIA A100 datasheet; DGX A100 datasheet"),
     # Same datasheet, 80 GB HBM2e at 2,039 GB/s; DGX A100 (640 GB) has 2 TB of host RAM.
     "A100-80GB": GPUSpec("A100-80GB", 312e12, 80 * GB, 2039e9, 300e9, 25e9,
                          host_link_bandwidth=32e9, host_memory_per_node=2000 * GB,
+                         fp32_flops=19.5e12,
                          source="NVIDIA A100 datasheet; DGX A100 datasheet"),
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989 TFLOPS bf16 dense (1,979 with
     # sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s bidirectional; DGX H100
     # datasheet: 8x ConnectX-7 400 Gb/s, 2 TB host memory.
     "H100": GPUSpec("H100", 989e12, 80 * GB, 3350e9, 450e9, 50e9,
-                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB,
+                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB, fp32_flops=67e12,
                     source="NVIDIA H100 datasheet; DGX H100 datasheet"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS bf16 dense, 141 GB HBM3e
     # at 4.8 TB/s, NVLink 900 GB/s; DGX H200 datasheet: 8x 400 Gb/s, 2 TB host memory.
     "H200": GPUSpec("H200", 989e12, 141 * GB, 4800e9, 450e9, 50e9,
-                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB,
+                    host_link_bandwidth=64e9, host_memory_per_node=2000 * GB, fp32_flops=67e12,
                     source="NVIDIA H200 datasheet; DGX H200 datasheet"),
     # NVIDIA DGX B200 datasheet: 8 GPUs, 72 PFLOPS FP8 training with sparsity
     # (=> 2.25 PFLOPS bf16 dense per GPU), 1,440 GB HBM3e (180 GB each) at 64 TB/s
     # (8 TB/s each), NVLink 5 at 1.8 TB/s bidirectional, 8x 400 Gb/s, 4 TB host memory.
     "B200": GPUSpec("B200", 2250e12, 180 * GB, 8000e9, 900e9, 50e9,
-                    host_link_bandwidth=64e9, host_memory_per_node=4000 * GB,
+                    host_link_bandwidth=64e9, host_memory_per_node=4000 * GB, fp32_flops=75e12,
                     source="NVIDIA DGX B200 datasheet; NVIDIA Blackwell datasheet"),
 }
 ALIASES = {"H100-SXM": "H100", "H100-80GB": "H100", "H200-SXM": "H200", "A100": "A100-80GB"}

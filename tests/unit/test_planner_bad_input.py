@@ -146,3 +146,60 @@ class _no_warning:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_a_schedule_too_large_to_draw_is_refused_at_once(capsys):
+    start = time.perf_counter()
+    err = _refused(capsys, "schedule", "zb-h1", "-p", "8192", "-m", "1")
+    assert time.perf_counter() - start < 1.0  # refused, not simulated (111 s before)
+    assert "more than the 1,048,576" in err and "at most 1,024" in err
+    assert main(["schedule", "zb-h1", "-p", "1024", "-m", "1"]) == 0
+
+
+def _step(gpu, precision="bf16", layout="dp=8", **request):
+    from partita.planner.api import evaluate_layout
+
+    return evaluate_layout("llama3-8b", 8, layout, gpu_type=gpu, precision=precision,
+                           **request).time
+
+
+def test_a_profile_runs_its_bases_gemm_fraction(tmp_path):
+    path = tmp_path / "hw.toml"
+    path.write_text('[gpu.my-h100]\nbase = "H100"\n[gpu.my-copy]\nbase = "my-h100"\n')
+    h100 = _step("H100")["step_s"]
+    for name in ("my-h100", "my-copy"):  # the default fraction (0.75) before
+        assert _step(name, hardware_file=str(path))["step_s"] == pytest.approx(h100)
+
+
+def test_fp32_runs_at_the_float32_peak():
+    bf16, fp32 = _step("H100", "bf16"), _step("H100", "fp32")
+    # 67 of 989 TFLOP/s: the GEMMs about 15x slower, not as fast as bf16.
+    assert fp32["compute_s"] > 10 * bf16["compute_s"]
+    assert fp32["mfu"] == pytest.approx(fp32["model_flops_per_gpu"] / 67e12)
+
+
+def test_parameter_offload_costs_its_copies():
+    base = "zero_stage=3 overlap_param_gather=0 offload="
+    opt, params = (_step("H100", layout=base + o) for o in ("optimizer", "optimizer+params"))
+    assert opt["stage_in_s"] == 0 and params["stage_in_s"] > 0
+    assert params["step_s"] == pytest.approx(opt["step_s"] + params["stage_in_s"], rel=1e-3)
+
+
+def test_the_default_batch_divides_over_data_parallel_degrees(capsys):
+    from partita.planner.api import default_global_batch
+
+    assert default_global_batch(8196) == 256 and default_global_batch(8192) == 512
+    assert default_global_batch(1 << 22) == 1
+    # 511 sequences before: no dp > 1 divided them.
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "8196",
+                 "--layout", "dp=8 zero_stage=3 recompute=full"]) == 0
+    assert "--global-batch 256 (the power of two" in capsys.readouterr().out
+
+
+def test_json_names_the_figures_it_used(capsys):
+    import json
+
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--json", "--top", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["assumptions"]["gemm_peak_fraction"] == 0.68  # H100's, not 0.0
+    assert data["keep_gathered"] == 0  # as the defaults line says, not null

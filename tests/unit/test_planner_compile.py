@@ -23,7 +23,8 @@ from partita.planner.timing import step_time
 def _cpu_like_step(model: str, batch: int, compile: str) -> float:
     # A fixed CPU-like device (the measured profile varies from run to run): 90 GFLOP/s,
     # 25 GB/s, 8 us per eager operation.
-    gpu = replace(GPUS["H100"], peak_flops=90e9, memory_bandwidth=25e9, eager_op_s=8e-6)
+    gpu = replace(GPUS["H100"], peak_flops=90e9, memory_bandwidth=25e9, eager_op_s=8e-6,
+                  fp32_flops=0.0)  # a CPU's peak is its float32 rate
     return step_time(PlanModel(model, get_model_config(model)),
                      Layout(microbatch_size=batch), Cluster(gpu, 1, 8), 128, batch,
                      Precision.fp32(), Assumptions.measured_cpu(), compile=compile)["step_s"]

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
                    help="default: the GPU type's node size (8 for DGX/HGX)")
     p.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
     p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step; default: about 4M tokens "
+                   help="sequences per optimizer step; default: the power of two at or below 4M "
+                        "tokens "
                         "(with --gpu-type cpu: partita train's, 16)")
     p.add_argument("--layout", default=None,
                    help='evaluate one layout, e.g. "dp=8 tp=2 pp=2 zero_stage=1 '
@@ -200,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
     if cpu_batch:
         defaults.append(f"--global-batch {req.global_batch} (partita train's default)")
     elif args.global_batch is None:
-        defaults.append(f"--global-batch {req.global_batch} (about "
-                        f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens)")
+        defaults.append(f"--global-batch {req.global_batch} (the power of two at or below "
+                        f"{DEFAULT_BATCH_TOKENS / 1e6:.1f} M tokens / --seq-len: "
+                        f"{req.global_batch * req.seq_len / 1e6:.2f} M tokens)")
     if args.gpus_per_node is None:
         defaults.append(f"--gpus-per-node {req.cluster.gpus_per_node}")
     per_node = req.cluster.gpus_per_node

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from partita.commands import PICTURE_FORMATS, check_output_file
-from partita.errors import require_in_range
+from partita.errors import PartitaError, require_in_range
 from partita.pipeline import (
     build_schedule,
     draw_timeline,
@@ -40,9 +40,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-# Actions (stages x microbatches x virtual stages) a schedule may have: about 2 s to
-# build, validate, simulate and print on one CPU core; a bigger one is no drawing to read.
+# Two things cost time, each bounded to about 1 s on one CPU core (2 s together), and
+# a bigger schedule is no drawing to read anyway:
+# - the actions (stages x microbatches x virtual stages), each built, validated and
+#   simulated;
+# - the printed grid, ranks x time steps: the simulation sweeps every rank at each step,
+#   and a schedule lasts about stages - 1 + microbatches x virtual steps of each rank,
+#   so the cost grows with the square of the stages (8,192 stages took 111 s).
 MAX_CELLS = 8192
+MAX_GRID = 1 << 20
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,15 @@ def run(args: argparse.Namespace) -> int:
     cells = args.stages * args.microbatches * (args.virtual or 1)
     require_in_range("--stages x --microbatches x --virtual", cells, 1, MAX_CELLS,
                      "draw a smaller pipeline (the schedule's shape repeats)")
+    grid = args.stages * (args.stages - 1 + args.microbatches * (args.virtual or 1))
+    if grid > MAX_GRID:
+        raise PartitaError(
+            f"--stages {args.stages} gives a grid of about {grid:,} cells (stages x "
+            f"(stages - 1 + microbatches x virtual)), more than the {MAX_GRID:,} "
+            "drawn in a few seconds; draw fewer stages (at most "
+            f"{_most_stages(args.microbatches * (args.virtual or 1)):,} with these "
+            "microbatches): the schedule's shape repeats."
+        )
     sched = build_schedule(args.name, args.stages, args.microbatches, args.virtual)
     validate(sched)
     timeline = simulate(sched)
@@ -67,3 +82,11 @@ def run(args: argparse.Namespace) -> int:
         path = draw_timeline(timeline.rows, args.png, title=title, n_virtual=sched.n_virtual)
         print(f"wrote {path}")
     return 0
+
+
+def _most_stages(per_rank: int) -> int:
+    """The most stages whose grid stays within MAX_GRID with `per_rank` steps each."""
+    p = 1
+    while (p + 1) * (p + per_rank) <= MAX_GRID:
+        p += 1
+    return p

@@ -44,7 +44,7 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
         # the model is built for the sequence, GPT-2's learned positions grown to it
         plan_model = dataclasses.replace(
             plan_model, config=dataclasses.replace(plan_model.config, max_seq_len=seq))
-    batch = global_batch or max(1, DEFAULT_BATCH_TOKENS // seq)
+    batch = global_batch or default_global_batch(seq)
     prec = Precision.named(precision) if isinstance(precision, str) else precision
     cluster = Cluster(gpu, gpus, gpus_per_node or gpu.gpus_per_node)
     if compile not in MODES:
@@ -55,6 +55,14 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
                            "units >= 0 or auto (the most that fit).")
     return Request(plan_model, cluster, seq, batch, prec,
                    assumptions or Assumptions.for_device(gpu.name), compile, keep_gathered)
+
+
+def default_global_batch(seq_len: int) -> int:
+    """About DEFAULT_BATCH_TOKENS in sequences of `seq_len`, rounded down to a power of
+    two so that it divides over power-of-two data-parallel degrees and microbatches
+    (4,194,304 // 8,196 is 511, which no dp > 1 divides: every dp layout was excluded)."""
+    sequences = max(1, DEFAULT_BATCH_TOKENS // seq_len)
+    return 1 << (sequences.bit_length() - 1)
 
 
 def plan(model: str | PlanModel, gpus: int, space: SearchSpace = DEFAULT_SPACE,

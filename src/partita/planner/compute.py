@@ -91,8 +91,15 @@ def gemm_fraction(gpu: GPUSpec, a: Assumptions) -> float:
     per-family default of `GEMM_PEAK_FRACTION`)."""
     if a.gemm_peak_fraction > 0:
         return a.gemm_peak_fraction
+    return family_gemm_fraction(gpu)
+
+
+def family_gemm_fraction(gpu: GPUSpec) -> float:
+    """`GEMM_PEAK_FRACTION` of `gpu`'s family: a --hardware profile's is its base's
+    (`[gpu.my-h100] base = "H100"` runs H100 kernels, whatever its own name)."""
+    name = (getattr(gpu, "family", "") or gpu.name).upper()
     for family, frac in GEMM_PEAK_FRACTION.items():
-        if gpu.name.upper().startswith(family):
+        if name.startswith(family):
             return frac
     return GEMM_PEAK_FRACTION["default"]
 
@@ -134,9 +141,10 @@ def attention_core(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     bh = b * heads
     scores = bh * q * kv
     per_score = elem_bytes / 2  # the softmax bytes are given for 16-bit scores
-    fwd = (gemm_time(q, kv, hd, gpu, a, bh) + gemm_time(q, hd, kv, gpu, a, bh)
+    e = elem_bytes
+    fwd = (gemm_time(q, kv, hd, gpu, a, bh, e) + gemm_time(q, hd, kv, gpu, a, bh, e)
            + memory_time(a.eager_softmax_bytes_fwd * per_score * scores, gpu, a, 2))
-    bwd = (2 * gemm_time(q, kv, hd, gpu, a, bh) + 2 * gemm_time(q, hd, kv, gpu, a, bh)
+    bwd = (2 * gemm_time(q, kv, hd, gpu, a, bh, e) + 2 * gemm_time(q, hd, kv, gpu, a, bh, e)
            + memory_time(a.eager_softmax_bytes_bwd * per_score * scores, gpu, a, 2))
     return fwd, bwd
 
@@ -176,9 +184,12 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
         (mlp_rows, up / mlp_t, h, mlp_count),  # MLP up (and gate)
         (mlp_rows, h, ffn / mlp_t, mlp_count),  # MLP down
     ]
-    gemm_fwd = sum(n_ * gemm_time(m, n, k, gpu, a) for m, n, k, n_ in weights)
+    # Operands as wide as the parameters: fp32 training moves twice a bf16 one's bytes.
+    e = elem_bytes
+    gemm_fwd = sum(n_ * gemm_time(m, n, k, gpu, a, elem_bytes=e) for m, n, k, n_ in weights)
     # Backward: the input gradient (m x k from m x n) and the weight gradient (k x n).
-    gemm_bwd = sum(n_ * (gemm_time(m, k, n, gpu, a) + gemm_time(k, n, m, gpu, a))
+    gemm_bwd = sum(n_ * (gemm_time(m, k, n, gpu, a, elem_bytes=e)
+                         + gemm_time(k, n, m, gpu, a, elem_bytes=e))
                    for m, n, k, n_ in weights)
     core_fwd, core_bwd = attention_core(model, layout, seq_len, gpu, a, elem_bytes)
     # Memory-bound elementwise work per token: two norms (read + write h each), two
@@ -223,8 +234,10 @@ def head_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     c = model.config
     tokens = layout.microbatch_size * seq_len / layout.cp
     v = vocab_rows(model, layout)  # rows per rank
-    fwd = gemm_time(tokens, v, c.dim, gpu, a)
-    bwd = gemm_time(tokens, c.dim, v, gpu, a) + gemm_time(c.dim, v, tokens, gpu, a)
+    e = elem_bytes
+    fwd = gemm_time(tokens, v, c.dim, gpu, a, elem_bytes=e)
+    bwd = (gemm_time(tokens, c.dim, v, gpu, a, elem_bytes=e)
+           + gemm_time(c.dim, v, tokens, gpu, a, elem_bytes=e))
     loss = memory_time(a.loss_bytes_per_logit * tokens * v, gpu, a, 4)
     if compiled:
         ops_fwd, ops_bwd = (e + r for e, r in zip(COMPILED_EDGE_OPS, COMPILED_REGION_OPS))

@@ -24,6 +24,15 @@ REQUIRED = ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_bandwi
             "inter_node_bandwidth")
 
 
+@dataclass(frozen=True)
+class GPUProfile(GPUSpec):
+    """A --hardware profile that starts from a catalog entry (`base = "H100"`): it runs
+    that family's kernels, so the family's figures that are not a GPUSpec field (the
+    GEMM fraction, compute.gemm_fraction) follow `family`, not the profile's name."""
+
+    family: str = ""
+
+
 def known_gpu_names(extra: dict[str, GPUSpec] | None = None) -> list[str]:
     return [*GPUS, *(extra or {}), LOCAL_CPU]
 
@@ -102,7 +111,10 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
             if not isinstance(base_name, str):
                 raise PartitaError(f"{where}: base = {base_name!r} is not a GPU name; give "
                                    f"one in quotes, e.g. base = \"H100\".")
-            out[name] = replace(get_gpu(base_name, out), name=name, **table)
+            base = get_gpu(base_name, out)
+            family = getattr(base, "family", "") or base.name
+            out[name] = GPUProfile(**{**vars(replace(base, name=name, **table)),
+                                      "family": family})
             continue
         missing = [f for f in REQUIRED if f not in table]
         if missing:
@@ -116,10 +128,10 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
 
 # What each GPUSpec figure may be: rates, bandwidths and sizes divide or bound
 # everything, so they are > 0; latencies and host costs may be 0 (not modelled);
-# bf16_flops 0 means "peak_flops".
+# bf16_flops and fp32_flops 0 mean "peak_flops".
 _POSITIVE = (*REQUIRED, "host_link_bandwidth", "host_memory_per_node")
 _AT_LEAST_0 = ("intra_node_latency", "inter_node_latency", "runtime_reserved_bytes",
-               "eager_op_s", "bf16_flops")
+               "eager_op_s", "bf16_flops", "fp32_flops")
 
 
 def _check_field(where: str, key: str, value: object) -> None:

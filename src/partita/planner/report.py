@@ -9,7 +9,7 @@ from pathlib import Path
 from partita.config import layout_overrides
 from partita.errors import PartitaError
 from partita.models.model_config import aligned_vocab_multiple
-from partita.planner.compute import misaligned
+from partita.planner.compute import family_gemm_fraction, misaligned
 from partita.planner.evaluate import MEMORY, Evaluation, Request
 from partita.planner.search import SearchResult
 from partita.planner.stage_params import vocab_rows
@@ -210,6 +210,11 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
                    f"{compile_text(req, ev)}")
         out += [note for note in (alignment_note(req, ev.layout), host_note(req, ev)) if note]
+        if t.get("stage_in_s"):
+            out.append(f"Parameter shards copied from host memory for every gather "
+                       f"(optimizer+params): {t['stage_in_s']:.3f} s per step, part of the "
+                       "parameter gathers" + (", hidden under compute as they are"
+                                              if ev.layout.overlap_param_gather else ""))
         out.append("Bytes sent per GPU per step: " + ", ".join(
             f"{k[:2]} {t[k] / 1e9:.3g} GB" for k in ("tp_bytes", "cp_bytes", "ep_bytes",
                                                      "pp_bytes", "dp_bytes") if t[k]))
@@ -229,12 +234,18 @@ def _unit(largest: float) -> tuple[float, str]:
 def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | None = None,
             top: int = 10, advice: list[str] | None = None,
             defaults: list[str] | None = None) -> str:
+    assumptions = req.assumptions.to_dict()
+    if not assumptions.get("gemm_peak_fraction"):  # 0: the GPU family's, named here
+        assumptions["gemm_peak_fraction"] = family_gemm_fraction(req.cluster.gpu)
     data: dict = {
         "model": req.model.name, "parameters": req.model.total_params(),
         "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
         "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
-        "global_batch": req.global_batch, "assumptions": req.assumptions.to_dict(),
-        "compile": req.compile, "keep_gathered": req.keep_gathered,
+        "global_batch": req.global_batch, "assumptions": assumptions,
+        "compile": req.compile,
+        # The count the prediction used where none was asked for (the implementation's).
+        "keep_gathered": (req.assumptions.zero3_kept_units if req.keep_gathered is None
+                          else req.keep_gathered),
     }
     if defaults is not None:
         data["defaults_filled_in"] = defaults

@@ -334,6 +334,9 @@ class DataParallelTimes:
     dp_bytes: float
     optimizer_s: float  # on the GPU (0 with offload)
     offload_s: float
+    # optimizer+params: the parameter shards copied from host memory for every gather
+    # (memory.offload.stage_in), part of `param_s`
+    stage_in_s: float = 0.0
 
 
 # Once per ZeRO group, ZeRO stage, offload and microbatch count: every schedule,
@@ -399,6 +402,15 @@ def data_parallel_times(model: PlanModel, layout: Layout, cluster: Cluster, micr
     dp_s = _collective_time(dp_vol, n, messages, link, le, a)
     grad_s = dp_s * grad_vol / dp_vol if dp_vol else 0.0
     param_s = dp_s - grad_s
+    stage_in_s = 0.0
+    if z == 3 and "+params" in layout.offload:
+        # The shard at rest lives in host memory: each gather first copies it to the
+        # device, prefetched with the gathers (docs/memory.md), so it adds to their time.
+        full = frac * p_bytes  # one full gather's bytes on the network
+        gathers = param_vol / full if full else 2.0 * m  # per step (kept units once)
+        shard_bytes = precision.param * (counts["dense"] / n + counts["expert"] / n_exp)
+        stage_in_s = gathers * shard_bytes / gpu.host_link_bandwidth
+        param_s += stage_in_s
     # The optimizer step on the GPU (with offload it runs on the host: `offload_s`).
     shard = counts["dense"] / n + counts["expert"] / n_exp if z >= 1 else local
     # After clipping's norm (read on the host) the host launches the step's operations
@@ -412,12 +424,18 @@ def data_parallel_times(model: PlanModel, layout: Layout, cluster: Cluster, micr
         offload_s = (moved / gpu.host_link_bandwidth + shard / a.cpu_adam_params_per_s)
         if layout.offload.endswith("+disk"):  # master and moments read and written back
             states = (precision.master or precision.param) + precision.optimizer
+            if "+params" in layout.offload:
+                # ... and the parameter shard's file, rewritten by the step and read
+                # (synchronously) at the first gather; the step's later gathers find
+                # the unchanged file in the page cache.
+                states += precision.param
             offload_s += 2 * states * shard / a.disk_bandwidth
         offload_s *= 1 - a.offload_overlap
 
     return DataParallelTimes(grad_s=grad_s, param_s=param_s, grad_per_microbatch=grad_per_mb,
                              param_per_microbatch=param_per_mb, dp_bytes=dp_vol,
-                             optimizer_s=optim_s, offload_s=offload_s)
+                             optimizer_s=optim_s, offload_s=offload_s,
+                             stage_in_s=stage_in_s)
 
 
 def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
@@ -452,6 +470,8 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
         "bubble_fraction": p.bubble_s / p.pipeline_s if p.pipeline_s else 0.0,
         "comm_exposed_s": comm_exposed,
         "offload_s": offload_s,
+        # Of the parameter gathers' time, the host-to-device copies of optimizer+params.
+        "stage_in_s": d.stage_in_s,
         "tokens_per_s": tokens / step,
         "optimizer_s": optim_s,
         # Host seconds per microbatch of the slowest stage (partita's eager operations
