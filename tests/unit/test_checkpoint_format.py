@@ -244,11 +244,16 @@ def test_a_path_that_holds_no_checkpoint_is_named_as_it_was_given(tmp_path):
     assert "train.resume" not in str(err.value)
 
 
-def test_a_run_folder_that_saved_no_checkpoint_says_how_runs_save_them(tmp_path):
-    """A finished run without train.checkpoint_every keeps an empty checkpoints/ folder
-    (the writer makes it at start, for a SIGTERM save): say so, not 'give a run's
-    out_dir', which is what was given."""
-    (tmp_path / "checkpoints").mkdir()
+@pytest.mark.parametrize("left", ["checkpoints", "model.safetensors"])
+def test_a_run_folder_that_saved_no_checkpoint_says_how_runs_save_them(tmp_path, left):
+    """A run without train.checkpoint_every leaves an empty checkpoints/ folder when it
+    dies (the writer makes it at start, for a SIGTERM save), or, finished, removes that
+    folder and leaves its weights: say so, not 'give a run's out_dir', which is what
+    was given."""
+    if left == "checkpoints":
+        (tmp_path / "checkpoints").mkdir()
+    else:
+        (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(CheckpointFileError) as err:
         resolve(tmp_path, given_as="")
     text = str(err.value)
@@ -385,3 +390,59 @@ def test_a_checkpoint_missing_a_file_names_the_newest_whole_one(tmp_path):
     with pytest.raises(CheckpointFileError, match=r"is missing.*Resume from step-00000003, "
                        r"the newest whole one \(train.resume=.*step-00000003\)"):
         check_files(newest, manifest)
+
+
+@pytest.fixture(scope="module")
+def saved_one_process(tmp_path_factory):
+    """A real checkpoint of the parity model, written by one process after 2 steps."""
+    from partita.testing import parity_config, single_process, train_layout
+
+    cfg = single_process(parity_config())
+    folder = tmp_path_factory.mktemp("one") / "ckpt"
+    train_layout(0, 1, cfg, 2, save_to=str(folder))
+    return cfg, resolve(folder)
+
+
+def _edited(tmp_path, saved, edit):
+    """A copy of the checkpoint whose manifest `edit` changed and signed again, as a
+    hand edit or another tool would leave it: its checksum matches."""
+    import shutil
+
+    copy = tmp_path / "edited"
+    shutil.copytree(saved, copy)
+    manifest = read_manifest(copy)
+    edit(manifest)
+    write_manifest(copy, {k: v for k, v in manifest.items() if k != "crc32"})
+    return copy
+
+
+def _drop_pieces(manifest):
+    name = manifest["pieces"][0]["name"]
+    manifest["pieces"] = [p for p in manifest["pieces"] if p["name"] != name]
+
+
+def _drop_rank_file(manifest):
+    manifest["files"] = [dict(f, rank=7) for f in manifest["files"]]
+
+
+@pytest.mark.parametrize("edit", [_drop_pieces, _drop_rank_file],
+                         ids=["a parameter's pieces gone", "no file of this rank"])
+def test_a_manifest_that_does_not_hold_together_is_refused_clearly(tmp_path,
+                                                                  saved_one_process, edit):
+    """Its checksum matches, so only its contents can tell: each case used to end in
+    a KeyError or StopIteration reported as a fault inside partita."""
+    from partita.errors import PartitaError
+    from partita.testing import train_layout
+
+    cfg, saved = saved_one_process
+    edited = _edited(tmp_path, saved, edit)
+    with pytest.raises(PartitaError, match="Resume from another|resume from another"):
+        train_layout(0, 1, cfg, 3, resume_from=str(edited))
+
+
+@pytest.mark.parametrize("step", [-5, "3", 2.5, None])
+def test_a_manifest_step_that_is_no_count_is_refused(tmp_path, saved_one_process, step):
+    _, saved = saved_one_process
+    edited = _edited(tmp_path, saved, lambda m: m.update(step=step))
+    with pytest.raises(CheckpointFileError, match="not a step count"):
+        read_manifest(edited)

@@ -197,6 +197,11 @@ def read_manifest(folder: Path) -> dict:
         )
     if manifest.get("format") != FORMAT:
         raise CheckpointFileError(f"'{path}' is not a partita checkpoint manifest.")
+    step = manifest.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointFileError(
+            f"the manifest '{path}' gives step {step!r}, not a step count (0 or more); it "
+            "was edited, or written by something else. Resume from another checkpoint.")
     if int(manifest.get("version", 0)) > VERSION:
         raise CheckpointFileError(
             f"checkpoint '{folder}' has format version {manifest['version']}, written by "
@@ -333,7 +338,9 @@ def resolve(path: Path, given_as: str = RESUME) -> Path:
                 if given_as == RESUME else "")
         raise CheckpointFileError(f"{subject} does not exist; give {choices}{auto}.")
     instead = f", or start without {RESUME}" if given_as == RESUME else ""
-    if (path / "checkpoints").is_dir():  # a run's out_dir whose run saved none
+    # A run's out_dir whose run saved none (a finished run removes its empty
+    # checkpoints/ folder, and leaves its weights).
+    if (path / "checkpoints").is_dir() or (path / "model.safetensors").is_file():
         fresh = f" Start without {RESUME} to train from scratch." if given_as == RESUME else ""
         raise CheckpointFileError(
             f"{subject} is a run folder whose run saved no checkpoint: its checkpoints/ "

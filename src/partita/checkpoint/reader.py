@@ -18,7 +18,12 @@ import torch
 
 from partita.agreement import stop_together
 from partita.checkpoint.files import FileReader, record_from_json
-from partita.checkpoint.manifest import CheckpointMismatch, check_model, read_manifest
+from partita.checkpoint.manifest import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    check_model,
+    read_manifest,
+)
 from partita.checkpoint.regions import Region, RunIndex
 from partita.checkpoint.state import (
     EXP_AVG,
@@ -70,12 +75,13 @@ class SavedPieces:
         return self.readers[file_index]
 
     def has(self, name: str, state: str) -> bool:
-        return all(state in p["keys"] for p in self.pieces.get(name, [{}]))
+        pieces = self.pieces.get(name, [])
+        return bool(pieces) and all(state in p["keys"] for p in pieces)
 
     @torch.no_grad()
     def fill(self, dst: torch.Tensor, name: str, state: str, wanted: Region) -> None:
         """dst (1-D, wanted.numel elements) <- the saved `state` of `wanted`."""
-        found = self.index[name].find(wanted)
+        found = self.index[name].find(wanted) if name in self.index else []
         if sum(o.length for o in found) != wanted.numel:
             raise PartitaError(
                 f"checkpoint '{self.folder}' lacks part of '{name}' ({state}): its pieces "
@@ -140,6 +146,14 @@ def load_checkpoint(pm, folder: str | Path, seed: int = 0) -> Loaded:
             sources = SavedPieces(folder, manifest)
             loaded = _read_own_part(pm, folder, manifest, sources, seed)
         except Exception as exc:
+            if isinstance(exc, (KeyError, IndexError, TypeError)):
+                # A manifest whose checksum matches but whose entries do not fit each
+                # other (edited by hand, or written by another tool): say so, with the
+                # entry, rather than report a fault inside partita.
+                exc = CheckpointFileError(
+                    f"the manifest of checkpoint '{folder}' does not hold together "
+                    f"({type(exc).__name__}: {exc}); it was edited, or written by "
+                    "something else. Resume from another checkpoint.")
             stop_together(exc, pm.device, "reading the checkpoint")
             raise  # not reached: stop_together raises
         stop_together(None, pm.device, "reading the checkpoint")
@@ -189,7 +203,13 @@ def _read_own_part(pm, folder: Path, manifest: dict, sources: SavedPieces,
     same_layout = (manifest["world_size"] == mesh.world_size
                    and all(saved.get(k) == getattr(mesh.dims, k) for k in DEGREES))
     if same_layout:
-        index = next(i for i, f in enumerate(manifest["files"]) if f["rank"] == mesh.rank)
+        index = next((i for i, f in enumerate(manifest["files"]) if f["rank"] == mesh.rank),
+                     None)
+        if index is None:
+            raise CheckpointFileError(
+                f"the manifest of checkpoint '{folder}' lists no file of rank {mesh.rank}, "
+                f"though it was written by {manifest['world_size']} processes: it is "
+                "incomplete or was edited. Resume from another checkpoint.")
         restore_rng(pm.module, pm.device, manifest["files"][index]["rng"],
                     lambda key: sources.read_whole(index, key))
     else:
