@@ -306,3 +306,19 @@ def test_checkpoint_export_to_a_read_only_folder_says_so(tmp_path, monkeypatch):
                               overwrite=False)
     with pytest.raises(PartitaError, match="Read-only file system"):
         checkpoint.run_export(args)
+
+
+def test_a_run_refused_for_its_disk_leaves_no_folders(tmp_path, monkeypatch):
+    """The folders made to check the run (out_dir, its checkpoints/) go again when the
+    run is refused; a folder that was there before stays."""
+    class Usage:
+        free = 1 << 20
+
+    monkeypatch.setattr(run_dir.shutil, "disk_usage", lambda _p: Usage)
+    with pytest.raises(PartitaError, match="MiB free"):
+        prepare_run_dir(_cfg(tmp_path))
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run").mkdir()
+    with pytest.raises(PartitaError, match="MiB free"):
+        prepare_run_dir(_cfg(tmp_path))
+    assert (tmp_path / "run").is_dir() and not list((tmp_path / "run").iterdir())

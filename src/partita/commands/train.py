@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -154,13 +155,14 @@ def _run(args: argparse.Namespace) -> int:
         with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
             import torch  # noqa: F401  (the launch needs it; imported while the server does)
         nproc = args.nproc or default_nproc()
+        from partita.process_setup import check_one_gpu_per_process, pick_device_name
+
+        # Before the run folder is prepared: a refused job leaves no folder behind.
+        if pick_device_name(cfg.train.device) == "cuda":
+            check_one_gpu_per_process(nproc)
         validate_before_launch(cfg, nproc * args.nnodes)
         for note in pipeline_notes(cfg, nproc * args.nnodes):
             print(note, file=sys.stderr, flush=True)
-        from partita.process_setup import check_one_gpu_per_process, pick_device_name
-
-        if pick_device_name(cfg.train.device) == "cuda":
-            check_one_gpu_per_process(nproc)
         spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
                           rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                           join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
@@ -253,20 +255,30 @@ def prepare_run_dir(cfg: Config) -> None:
     create the folders the run writes into, then, with train.overwrite, remove the
     earlier run's checkpoints and results."""
     target = check_run_dir(cfg)
-    # Every folder the run writes is made and proven writable before anything of an
-    # earlier run is removed (and not after training, where a failure loses the run).
-    prepare_folder(given_out_dir(cfg.train.out_dir), OUT_DIR)
-    root = prepare_folder(checkpoint_root(cfg), checkpoint_setting(cfg))
+    folders = [(given_out_dir(cfg.train.out_dir), OUT_DIR),
+               (checkpoint_root(cfg), checkpoint_setting(cfg))]
     if (png_folder := timeline_folder(cfg)) is not None:
-        prepare_folder(png_folder, TIMELINE_FOLDER)
-    if target is None:
-        for folder in complete_checkpoints(root):
-            shutil.rmtree(folder)
-        (root / "latest").unlink(missing_ok=True)
-    wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
-    prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
-                    weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
-                    resuming=target is not None)
+        folders.append((png_folder, TIMELINE_FOLDER))
+    made = [Path(folder) for folder, _ in folders if not Path(folder).exists()]
+    try:
+        # Every folder the run writes is made and proven writable before anything of an
+        # earlier run is removed (and not after training, where a failure loses the run).
+        root = [prepare_folder(folder, setting) for folder, setting in folders][1]
+        if target is None:
+            for folder in complete_checkpoints(root):
+                shutil.rmtree(folder)
+            (root / "latest").unlink(missing_ok=True)
+        wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
+        prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
+                        weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
+                        resuming=target is not None)
+    except PartitaError:
+        # Refused (too little space, say): the folders made for it go again, innermost
+        # first; one that something else wrote into stays.
+        for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
 
 
 def checkpoint_setting(cfg: Config) -> str:
