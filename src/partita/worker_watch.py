@@ -83,8 +83,9 @@ class StoppedWorkerWatch:
         with contextlib.suppress(OSError):
             for name in os.listdir(self.folder):
                 pid, _, what = name.partition(".")
-                seen = self.first_seen if what == "started" else self.finished
-                seen.setdefault(int(pid), self.sample)
+                if pid.isdigit() and what in ("started", "finished"):
+                    seen = self.first_seen if what == "started" else self.finished
+                    seen.setdefault(int(pid), self.sample)
         for pid in self.first_seen.keys() - self.gone:
             state = process_state(pid)
             if state == "T":
