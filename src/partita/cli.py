@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`partita plan ... | head`): end quietly. Python flushes
         # stdout again at exit, so point it at nothing first.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        # The status a command settled before printing (plan's does not-fits = 1).
+        return getattr(args, "exit_status", 0)
 
 
 def _stopped(exc: Stopped) -> int:

@@ -44,18 +44,21 @@ class Problem(NamedTuple):
 
 
 def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: int,
-                  global_batch: int) -> list[Problem]:
+                  global_batch: int, planner: bool = False) -> list[Problem]:
     """Every reason `layout` cannot train `model` on `world_size` processes with
-    `global_batch` sequences of `seq_len` tokens per step; empty when it can."""
+    `global_batch` sequences of `seq_len` tokens per step; empty when it can.
+    `planner`: the world and the batch are named by `partita plan`'s options (--gpus,
+    --layout, --global-batch), not by `partita train`'s."""
     out: list[Problem] = []
     lay = layout
     if lay.world_size != world_size:
-        out.append(Problem(DIVISIBILITY, world_size_message(lay.degrees, world_size)))
+        out.append(Problem(DIVISIBILITY, plan_world_size_message(lay.degrees, world_size)
+                           if planner else world_size_message(lay.degrees, world_size)))
     out += _experts(lay, model)
     out += _recompute(lay, model)
     out += _tensor_parallel(lay, model, seq_len)
     out += _pipeline(lay, model)
-    out += _batch(lay, global_batch)
+    out += _batch(lay, global_batch, planner)
     if lay.tp_comm_overlap:
         out.append(Problem(UNAVAILABLE, "tensor-parallel communication overlap "
                                         "(tp_comm_overlap) is not available yet in partita "
@@ -90,6 +93,21 @@ def world_size_message(degrees: Degrees, world_size: int) -> str:
             f"{d.world_size} processes but {world_size} were started. Start "
             f"{d.world_size} processes (--nproc {d.world_size}), or choose degrees whose "
             f"product is {world_size}: {change}.")
+
+
+def plan_world_size_message(degrees: Degrees, gpus: int) -> str:
+    """`world_size_message` in `partita plan`'s words."""
+    d = degrees
+    other = d.tp * d.pp * d.cp
+    if gpus % other == 0:
+        change = (f"--layout dp={gpus // other} (or leave dp out: it takes what tp x pp x "
+                  "cp leave)")
+    else:
+        change = (f"tp x pp x cp = {other} does not divide {gpus}, so change tp, pp or cp "
+                  "and leave dp out to take what they leave")
+    return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs "
+            f"{d.world_size} GPUs but --gpus is {gpus}. Plan for --gpus {d.world_size}, or "
+            f"choose degrees whose product is {gpus}: {change}.")
 
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
@@ -249,17 +267,26 @@ def _pipeline(lay: Layout, model: ModelConfig) -> list[Problem]:
     return out
 
 
-def _batch(lay: Layout, global_batch: int) -> list[Problem]:
+def _batch(lay: Layout, global_batch: int, planner: bool = False) -> list[Problem]:
+    # partita plan sets the batch with --global-batch and the microbatch by its size in
+    # the layout; partita train with train.global_batch and train.microbatches.
+    batch = f"--global-batch {global_batch}" if planner else f"train.global_batch={global_batch}"
     if global_batch < 1 or global_batch % lay.dp:
-        return [Problem(DIVISIBILITY, f"train.global_batch={global_batch} is not divisible by "
-                                      f"the {lay.dp} data-parallel replicas; choose a multiple "
-                                      f"of {lay.dp}.")]
+        return [Problem(DIVISIBILITY, f"{batch} is not divisible by the {lay.dp} "
+                                      f"data-parallel replicas; choose a multiple of "
+                                      f"{lay.dp}.")]
     local = global_batch // lay.dp
     if local % lay.microbatch_size:
+        if planner:
+            fix = (f"choose a microbatch_size that divides {local} (at most {local}), or "
+                   f"a --global-batch that is a multiple of dp x microbatch_size = "
+                   f"{lay.dp * lay.microbatch_size}")
+        else:
+            fix = (f"choose a number of microbatches (train.microbatches) that divides "
+                   f"{local}")
         return [Problem(DIVISIBILITY, f"each replica's batch of {local} sequences cannot be "
                                       f"cut into microbatches of {lay.microbatch_size} "
-                                      "sequences; choose a number of microbatches "
-                                      f"(train.microbatches) that divides {local}.")]
+                                      f"sequences; {fix}.")]
     m = local // lay.microbatch_size
     if lay.pp > 1 and lay.schedule == "interleaved-1f1b" and m % lay.pp:
         lower, upper = (m // lay.pp) * lay.pp, (m // lay.pp + 1) * lay.pp
@@ -267,6 +294,8 @@ def _batch(lay: Layout, global_batch: int) -> list[Problem]:
         return [Problem(CONSTRAINT, f"interleaved-1f1b sends microbatches round the {lay.pp} "
                                     f"pipeline stages in groups of {lay.pp}, so the number "
                                     f"of microbatches must be a multiple of {lay.pp}; got "
-                                    f"{m}. Use {hint} microbatches (train.microbatches), or "
-                                    "the 1f1b schedule.")]
+                                    f"{m}. Use {hint} microbatches ("
+                                    + ("--global-batch = dp x microbatch_size x microbatches"
+                                       if planner else "train.microbatches")
+                                    + "), or the 1f1b schedule.")]
     return []

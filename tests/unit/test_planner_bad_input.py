@@ -203,3 +203,97 @@ def test_json_names_the_figures_it_used(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["assumptions"]["gemm_peak_fraction"] == 0.68  # H100's, not 0.0
     assert data["keep_gathered"] == 0  # as the defaults line says, not null
+
+
+def test_pins_the_loops_do_not_vary_are_kept():
+    from partita.planner import plan
+    from partita.planner.search import SearchSpace
+
+    space = SearchSpace(recompute=("full",), fixed=(("recompute", "full"),
+                                                     ("recompute_layers", 5)))
+    result = plan("llama3-8b", 8, space)
+    assert result.ranked and all(e.layout.recompute_layers == 5 for e in result.ranked)
+
+
+def test_an_impossible_microbatch_pin_is_named(capsys):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--fix", "microbatch_size=100")
+    assert "microbatch_size=100:" in err and "microbatch_size=1:" not in err
+    assert "choose a microbatch_size that divides" in err and "train." not in err
+
+
+def test_plan_errors_speak_plans_options(capsys):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--layout", "dp=2 tp=2")
+    assert "--gpus 4" in err and "--layout dp=4" in err
+    assert "--nproc" not in err and "parallel." not in err
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--global-batch", "511", "--layout", "dp=8")
+    assert "--global-batch 511 is not divisible" in err and "train." not in err
+    # One rule, said once (the planner repeated the trainer's ep rule).
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "ep=2")
+    assert "breaks 1 rule" in err and "ep=2 spreads experts" in err
+
+
+def test_a_schedule_without_a_pipeline_is_named(capsys):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--fix", "schedule=gpipe,pp=1")
+    assert "pp=1 has no pipeline" in err
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--layout", "pp=1 schedule=zb-h1")
+    assert "pp=1 has no pipeline" in err
+
+
+def test_every_default_that_changes_the_answer_is_printed(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "tp=2 pp=2",
+                 "--global-batch", "64"]) in (0, 1)
+    defaults = capsys.readouterr().out.splitlines()[-1]
+    assert "schedule=1f1b" in defaults and "virtual_stages=1" in defaults
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--fix", "cp=2",
+                 "--top", "1"]) == 0
+    assert "cp_kind=ring" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_layout_that_fits_but_cannot_run_says_so(capsys):
+    import json
+
+    argv = ["plan", "--model", "llama3-8b", "--gpus", "8", "--layout", "tp=8 tp_comm_overlap=1"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "tp_comm_overlap=1" in out.split("Layout: ")[1].splitlines()[0]
+    assert "Fits in memory (25.1 of 80 GB), but partita train cannot run it yet" in out
+    assert main([*argv, "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)["evaluation"]
+    assert ev["fits_in_memory"] and not ev["fits"]
+
+
+def test_a_bad_base_names_its_file_and_table(tmp_path, capsys):
+    for body, says in (('[gpu.x]\nbase = "V100"\n', "[gpu.x]: base = \"V100\" is no catalog"),
+                       ('[gpu.x]\nbase = "x"\n', "names this table itself")):
+        path = tmp_path / "hw.toml"
+        path.write_text(body)
+        err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                       "--hardware", str(path))
+        assert f"hardware file '{path}'" in err and says in err
+
+
+def test_a_closed_pipe_keeps_the_plans_status():
+    import subprocess
+    import sys
+
+    cmd = (f"{sys.executable} -m partita.cli plan --model llama3-405b --gpus 8 | head -1 "
+           "> /dev/null; echo ${PIPESTATUS[0]}")
+    done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "1", done.stderr  # nothing fits: 1, as with | cat
+
+
+def test_assumption_and_kept_unit_values_are_checked(capsys):
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--set", "device_type=bogus")
+    assert "device_type='bogus'" in err
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--keep-gathered", "1000")
+    assert "give at most 32" in err
+    err = _refused(capsys, "plan", "--model", "llama3-8b", "--gpus", "8",
+                   "--keep-gathered", "2", "--layout", "zero_stage=1")
+    assert "applies to ZeRO-3" in err

@@ -181,6 +181,15 @@ def run(args: argparse.Namespace) -> int:
     req = make_request(model, args.gpus, gpu, args.gpus_per_node,
                        args.seq_len, args.global_batch, args.precision,
                        base.override(settings), args.hardware, args.compile, keep)
+    if isinstance(keep, int):  # at most every gather unit of the model
+        from partita.layout import Layout
+        from partita.planner.zero_buffers import zero3_buffers
+
+        units = len(zero3_buffers(req.model, Layout(zero_stage=3), req.precision, 0,
+                                  req.assumptions)["units"])
+        if keep > units:
+            raise PartitaError(f"--keep-gathered {keep}: {req.model.name} has {units} "
+                               f"ZeRO-3 gather units; give at most {units}, or auto.")
     if keep is None and "zero3_kept_units" not in settings:
         defaults.append(f"--keep-gathered {req.assumptions.zero3_kept_units} (ZeRO-3 units "
                         "kept into backward, as the implementation does)")
@@ -216,17 +225,30 @@ def run(args: argparse.Namespace) -> int:
               "Set --gpus-per-node if that is not the machine.", file=sys.stderr)
     if args.layout is not None:
         layout = parse_layout(args.layout, args.gpus)
-        if not _given_fields(args.layout) & {"sequence_parallel", "sp"}:
+        given = _given_fields(args.layout)
+        if not given & {"sequence_parallel", "sp"}:
             layout = layout.with_(sequence_parallel=default_sequence_parallel(layout.tp))
+        if "schedule" in given and layout.pp == 1:  # it would be dropped unseen
+            raise PartitaError(f"--layout {args.layout}: schedule={layout.schedule} is a "
+                               "pipeline schedule, but pp=1 has no pipeline; set pp > 1 or "
+                               "drop schedule=.")
+        if keep is not None and layout.zero_stage != 3:
+            raise PartitaError(f"--keep-gathered {args.keep_gathered} applies to ZeRO-3, "
+                               f"which gathers parameters; this layout is zero_stage="
+                               f"{layout.zero_stage}: drop --keep-gathered or set "
+                               "zero_stage=3.")
         defaults += _layout_defaults(args.layout, layout, req.model.is_moe)
         ev = evaluate(req, layout)
         broken = [text for kind, text in ev.reasons if kind in RULES]
         if broken:  # not a layout partita can train: bad input, whatever its memory
-            raise PartitaError(f"--layout {layout.describe()}: partita cannot train this "
+            raise PartitaError(f"--layout {report.layout_text(layout)}: partita cannot train this "
                                f"layout on {args.gpus} GPUs, as it breaks "
                                f"{_count(len(broken), 'rule')}: "
                                f"{'; '.join(r.rstrip('.') for r in broken)}.")
         advice = advise_layout(req, ev)
+        # The status is known before anything is printed: a reader that closes the pipe
+        # early (`| head`) must not turn it into another (partita.cli).
+        args.exit_status = 0 if ev.fits or args.json else 1
         if args.json:
             print(report.to_json(req, ev=ev, advice=advice, defaults=defaults))
         else:
@@ -236,12 +258,15 @@ def run(args: argparse.Namespace) -> int:
         if args.png is not None:
             _draw(report, [ev], args.png, args.json, "")
         # --json: a plan was printed (its "fits" says whether it fits).
-        return 0 if ev.fits or args.json else 1
+        return args.exit_status
     space = SearchSpace.everything() if args.all_options else DEFAULT_SPACE
     if args.fix:
         space = _pinned_space(space, _parse_fix(args.fix))
     if not any(k == "sequence_parallel" for k, _ in space.fixed):
         defaults.append("sequence_parallel on whenever tp > 1")
+    pinned = dict(space.fixed)
+    if (space.context_parallel or int(pinned.get("cp", 1)) > 1) and "cp_kind" not in pinned:
+        defaults.append("cp_kind=ring (context-parallel attention, where cp > 1)")
     result = search(req, space)
     if result.searched == 0:
         raise PartitaError(_no_layout_to_search(space.fixed, req))
@@ -250,6 +275,7 @@ def run(args: argparse.Namespace) -> int:
         # cluster, is what must change.
         raise PartitaError(_every_layout_breaks_a_rule(result, space.fixed, req))
     advice = advise_search(req, space) if not result.ranked else []
+    args.exit_status = 0 if result.ranked or args.json else 1  # before printing (above)
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice,
                              defaults=defaults))
@@ -263,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         else:  # the closest misses, against the capacity line they cross
             closest = [e for e in result.examples.get("memory", []) if e.memory]
             _draw(report, closest, args.png, args.json, " (the closest layouts, none fits)")
-    return 0 if result.ranked or args.json else 1
+    return args.exit_status
 
 
 def _draw(report, evals: list, path: str, json_out: bool, what: str) -> None:
@@ -321,6 +347,12 @@ def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
     elif "ep" in pins:
         why = (f"ep must divide the model's {req.model.moe.num_experts} experts and "
                f"dp x cp; pin an ep among those divisors")
+    elif "schedule" in pins and int(pins.get("pp", 0)) == 1:
+        why = (f"schedule={pins['schedule']} is a pipeline schedule, and pp=1 has no "
+               "pipeline; pin pp > 1, or drop schedule")
+    elif "schedule" in pins and n == math.prod(v for k, v in degrees.items() if k != "pp"):
+        why = (f"schedule={pins['schedule']} needs a pipeline (pp > 1), and the pinned "
+               f"degrees leave pp=1; pin fewer of them, or drop schedule")
     else:
         why = _first_rule_broken(pins, req) or ("no combination of the other degrees "
                                                 "completes these to a layout")
@@ -422,6 +454,10 @@ def _layout_defaults(text: str, layout, moe: bool = False) -> list[str]:
                  "overlap_param_gather", "tp_comm_overlap"):
         if name not in given:
             out.append(f"{name}={getattr(layout, name)}")
+    if layout.pp > 1 and "schedule" not in given:
+        out.append(f"schedule={layout.schedule}")
+    if layout.pp > 1 and not given & {"virtual_stages", "vpp", "v"}:
+        out.append(f"virtual_stages={layout.virtual_stages}")
     if layout.cp > 1 and "cp_kind" not in given:
         out.append(f"cp_kind={layout.cp_kind}")
     if moe and layout.tp > 1 and "moe_tp" not in given:

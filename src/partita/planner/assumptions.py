@@ -242,6 +242,8 @@ class Assumptions:
         if self.cpu_bf16_units not in BF16_UNITS:
             raise PartitaError(f"cpu_bf16_units={self.cpu_bf16_units!r}: use "
                                f"{', '.join(repr(u) for u in BF16_UNITS)}.")
+        if self.device_type not in ("cuda", "cpu"):  # what the model's kernel rules read
+            raise PartitaError(f"device_type={self.device_type!r}: use 'cuda' or 'cpu'.")
         if self.norm_kernel not in ("fused", "eager", "compiled"):
             raise PartitaError(f"norm_kernel={self.norm_kernel!r}: use 'fused', 'eager' or "
                                "'compiled'.")

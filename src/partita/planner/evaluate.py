@@ -8,6 +8,7 @@ the same the trainer checks; only memory and the cluster's shape are the planner
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from partita.layout import Layout
@@ -66,6 +67,9 @@ class Evaluation:
             "layout": self.layout.describe(),
             "degrees": self.layout.to_dict(),
             "fits": self.fits,
+            # Whether memory alone would allow it (false also where it was not judged).
+            "fits_in_memory": bool(self.memory) and not any(k == MEMORY
+                                                            for k, _ in self.reasons),
             "rejected_because": [{"kind": k, "reason": r} for k, r in self.reasons],
             "memory_bytes": self.memory,
             "peak_stage": self.peak_stage,
@@ -83,8 +87,9 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     `partita.layout_rules.find_problems`, the trainer's own), then what the planner's model of
     a cluster adds (tensor parallelism within a node, MoE experts)."""
     c = req.model.config
-    out: list[tuple[str, str]] = list(find_problems(
-        layout, c, req.cluster.num_gpus, seq_len=req.seq_len, global_batch=req.global_batch))
+    out: list[tuple[str, str]] = [(kind, plan_words(text)) for kind, text in find_problems(
+        layout, c, req.cluster.num_gpus, seq_len=req.seq_len, global_batch=req.global_batch,
+        planner=True)]
     if layout.tp > 1 and c.kv_heads % layout.tp and layout.tp % c.kv_heads:
         out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
                                   "divides the other"))
@@ -95,13 +100,24 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
             c.n_layers and min(stage_layers(c.n_layers, layout.pp)) < layout.virtual_stages:
         out.append((DIVISIBILITY, f"virtual_stages={layout.virtual_stages} exceeds the "
                                   "layers of a stage"))
-    if layout.ep > 1:
-        if not req.model.is_moe:
-            out.append((CONSTRAINT, "ep > 1 needs a mixture-of-experts model"))
-        elif req.model.moe.num_experts % layout.ep:
-            out.append((DIVISIBILITY, f"ep={layout.ep} does not divide "
-                                      f"{req.model.moe.num_experts} experts"))
+    # Expert parallelism is judged by find_problems alone: the plan model's config
+    # carries its experts (PlanModel), and a second sentence would count one rule twice.
     return out
+
+
+# The trainer's rules name config keys; a plan names the layout's fields and its own
+# options (--seq-len, --model), which is what its user can change.
+_PLAN_WORDS = ((re.compile(r"--parallel\.(\w+)="), r"\1="),
+               (re.compile(r"parallel\.(\w+)"), r"\1"),
+               (re.compile(r"data\.seq_len"), "--seq-len"),
+               (re.compile(r"--model\.name="), "--model "))
+
+
+def plan_words(text: str) -> str:
+    """A layout rule's sentence in `partita plan`'s words."""
+    for pattern, words in _PLAN_WORDS:
+        text = pattern.sub(words, text)
+    return text
 
 
 def evaluate(req: Request, layout: Layout, timed: bool = True) -> Evaluation:

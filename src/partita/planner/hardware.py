@@ -111,7 +111,18 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
             if not isinstance(base_name, str):
                 raise PartitaError(f"{where}: base = {base_name!r} is not a GPU name; give "
                                    f"one in quotes, e.g. base = \"H100\".")
-            base = get_gpu(base_name, out)
+            if base_name.lower() == name.lower():
+                raise PartitaError(f"{where}: base = \"{base_name}\" names this table "
+                                   "itself; give a catalog GPU ("
+                                   f"{', '.join(GPUS)}) or a table above this one.")
+            try:
+                base = get_gpu(base_name, out)
+            except PartitaError:  # name the file and table the bad base is in
+                raise PartitaError(
+                    f"{where}: base = \"{base_name}\" is no catalog GPU and no table "
+                    f"above this one.{did_you_mean(base_name, [*GPUS, *out])} Catalog "
+                    f"GPUs: {', '.join(GPUS)}"
+                    + (f"; tables above: {', '.join(out)}" if out else "") + ".") from None
             family = getattr(base, "family", "") or base.name
             out[name] = GPUProfile(**{**vars(replace(base, name=name, **table)),
                                       "family": family})

@@ -10,7 +10,7 @@ from partita.config import layout_overrides
 from partita.errors import PartitaError
 from partita.models.model_config import aligned_vocab_multiple
 from partita.planner.compute import family_gemm_fraction, misaligned
-from partita.planner.evaluate import MEMORY, Evaluation, Request
+from partita.planner.evaluate import MEMORY, UNAVAILABLE, Evaluation, Request
 from partita.planner.search import SearchResult
 from partita.planner.stage_params import vocab_rows
 
@@ -185,8 +185,18 @@ def footer(result: SearchResult) -> str:
     return f"searched {result.searched} layouts in {result.seconds:.2f} s"
 
 
+def layout_text(layout) -> str:
+    """`layout.describe()` and the overlap options it leaves out where they are not
+    their defaults (tp_comm_overlap=1 changes the prediction and the verdict)."""
+    defaults = {"tp_comm_overlap": False, "overlap_grad_reduce": True,
+                "overlap_param_gather": True}
+    extra = [f"{k}={int(getattr(layout, k))}" for k, v in defaults.items()
+             if getattr(layout, k) != v]
+    return " ".join([layout.describe(), *extra])
+
+
 def format_evaluation(req: Request, ev: Evaluation) -> str:
-    out = [describe_request(req), "", f"Layout: {ev.layout.describe()}"]
+    out = [describe_request(req), "", f"Layout: {layout_text(ev.layout)}"]
     if ev.memory:
         scale, unit = _unit(ev.memory["total"])
         out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), {unit}:")
@@ -220,6 +230,12 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                                                      "pp_bytes", "dp_bytes") if t[k]))
     if ev.fits:
         out.append("Fits.")
+    elif ev.memory and all(k == UNAVAILABLE for k, _ in ev.reasons):
+        # It fits; what rejects it is an option partita train does not run yet.
+        out.append(f"Fits in memory ({ev.memory['total'] / 1e9:.1f} of "
+                   f"{ev.capacity / 1e9:.0f} GB), but partita train cannot run it yet, so "
+                   "it is not a plan that fits:")
+        out += [f"  {KIND_TITLES.get(k, k)}: {r}" for k, r in ev.reasons]
     else:
         out.append("Rejected:")
         out += [f"  {KIND_TITLES.get(k, k)}: {r}" for k, r in ev.reasons]

@@ -28,7 +28,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from partita.layout import MOE_TP, OFFLOAD, OVERLAP_OPTIONS, RECOMPUTE, Layout, divisors
+from partita.layout import (
+    DEGREES,
+    MOE_TP,
+    OFFLOAD,
+    RECOMPUTE,
+    Layout,
+    default_schedule,
+    divisors,
+)
 from partita.planner.evaluate import (
     CONSTRAINT,
     DIVISIBILITY,
@@ -153,6 +161,16 @@ def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResul
     ok = space.allows
     any_cp = space.context_parallel or any(k == "cp" for k, _ in space.fixed)
     any_ep = space.expert_parallel or any(k == "ep" for k, _ in space.fixed)
+    # Every pin the loops below do not vary is the base's, so that no pin is dropped and
+    # the layouts shown (rejected examples, the closest) carry the pinned values; the
+    # inner loop varies the schedule, virtual stages, microbatch and recompute, from
+    # these pinned values when pinned.
+    looped = {*DEGREES, "zero_stage", "offload", "moe_tp", "sequence_parallel"}
+    base_pins = {k: v for k, v in space.fixed if k not in looped}
+    if "recompute_layers" in base_pins and "recompute" not in base_pins:
+        base_pins["recompute"] = "full"  # a count of blocks to recompute needs recompute
+    if "virtual_stages" in base_pins and "schedule" not in base_pins:
+        base_pins["schedule"] = default_schedule(int(base_pins["virtual_stages"]))
     for tp in [d for d in divisors(n) if ok("tp", d)]:
         for cp in divisors(n // tp) if any_cp else [1]:
             if not ok("cp", cp) or (cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank
@@ -184,8 +202,7 @@ def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResul
                                       offload=offload, moe_tp=moe_tp, sequence_parallel=bool(
                                           space.pinned("sequence_parallel",
                                                        default_sequence_parallel(tp))),
-                                      **{k: v for k, v in space.fixed
-                                         if k in (*OVERLAP_OPTIONS, "cp_kind")})
+                                      **base_pins)
                         reasons = structural_reasons(req, base)
                         # Options partita cannot train yet are judged in full only
                         # when pinned (--fix); otherwise counted here, unevaluated.
