@@ -92,7 +92,7 @@ def test_bad_jsonl_line_is_an_error_with_its_line_number_or_skipped(tmp_path, ca
     assert not list((tmp_path / "c").glob("*.tok"))  # nothing half-written is kept
     ds = load_dataset(src, tmp_path / "c", 8, bad_lines="skip")
     assert "skipped 1 bad line(s)" in capsys.readouterr().err
-    assert ds.num_tokens == sum(len(d.encode()) for d in DOCS[:40])
+    assert ds.num_tokens == sum(len(d.encode()) + 1 for d in DOCS[:40])  # + newlines
     wrong_field = write_jsonl(tmp_path / "other.jsonl", DOCS[:5])
     with pytest.raises(PartitaError, match="line 1: no string field 'body'"):
         load_dataset(wrong_field, tmp_path / "c", 8, text_field="body")
@@ -104,7 +104,7 @@ def test_parquet_and_saved_dataset_sources(tmp_path):
     table = pa.table({"content": DOCS, "n": list(range(len(DOCS)))})
     pq.write_table(table, tmp_path / "docs.parquet", row_group_size=17)
     ds = load_dataset(tmp_path / "docs.parquet", tmp_path / "c", 8, text_field="content")
-    assert ds.num_tokens == sum(len(d.encode()) for d in DOCS)
+    assert ds.num_tokens == sum(len(d.encode()) + 1 for d in DOCS)  # + newlines
     with pytest.raises(PartitaError, match=r"docs.parquet' has no column 'text'.*content, n"):
         load_dataset(tmp_path / "docs.parquet", tmp_path / "c", 8)
     datasets = pytest.importorskip("datasets")
@@ -125,7 +125,7 @@ def test_mix_takes_sources_in_proportion_and_is_deterministic(tmp_path):
     train = np.asarray(ds.train)
     share_b = (train == ord("b")).sum() / len(train)
     assert abs(share_b - 0.25) < 0.01  # b (1/6 of the text) upsampled to a quarter
-    assert set(np.asarray(ds.val).tolist()) == {ord("a"), ord("b")}  # both validate
+    assert set(np.asarray(ds.val).tolist()) == {ord("a"), ord("b"), ord("\n")}  # both validate
     again = load_mixture(mix, tmp_path / "c", 8, val_fraction=0.1)
     assert again.path == ds.path and np.array_equal(np.asarray(again.train), train)
     toml = tmp_path / "run.toml"

@@ -7,7 +7,8 @@ once into `cache_dir`, memory-maps the result and splits off a validation tail.
 Concurrency: `prepare_tokens` is idempotent and atomic, so every rank of a job may call
 `load_dataset` at the same time without any coordination. The cache file's name is a
 hash of everything that determines its content (the source files' paths, sizes and
-mtimes, the byte budget, the tokenizer name); a rank that finds it present reads it,
+mtimes, the byte budget, the tokenizer name, and how documents are framed: BOS / EOS
+ids and the separator between records, see `framing`); a rank that finds it present reads it,
 and ranks that miss it each write a private temporary file and `os.replace` it into
 place, so readers only ever see a complete file. The cost of a simultaneous miss is
 duplicated CPU work, not corruption. A trainer that wants to avoid even that can let
@@ -26,17 +27,35 @@ from pathlib import Path
 import numpy as np
 
 from partita.data.corpus import DEFAULT_STDLIB_BYTES, Corpus, stdlib_corpus, text_corpus
-from partita.data.sampler import BatchSampler, eval_batches
+from partita.data.sampler import BatchSampler, eval_batch_size, eval_batches, too_few_windows
 from partita.data.tokenfile import TokenFileWriter, is_token_file, read_token_file
 from partita.data.tokenizer import ByteTokenizer, Tokenizer
 from partita.errors import PartitaError
 
+RECORD_SEPARATOR = "\n"
+
+
+def framing(corpus, tokenizer: Tokenizer) -> tuple[int | None, int | None, str]:
+    """(BOS id, EOS id, record separator): what a token file holds besides the
+    documents' own tokens, so part of its cache key.
+
+    A tokenizer's BOS / EOS frame every document. Records (JSONL lines, Parquet rows)
+    under a tokenizer without EOS, the byte tokenizer included, would otherwise run into
+    one another ("record 0.record 1."): each that does not end with a newline gets one,
+    as a text file does. Text files and folders are left as they are.
+    """
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    records = getattr(corpus, "records", False)
+    return bos, eos, RECORD_SEPARATOR if records and eos is None else ""
+
 
 def cache_path(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike) -> Path:
     """Where the token file for `corpus` under `tokenizer` lives in `cache_dir`."""
-    key = hashlib.sha256(
-        f"{corpus.fingerprint()}|{tokenizer.name}|{tokenizer.vocab_size}".encode()
-    ).hexdigest()[:16]
+    desc = f"{corpus.fingerprint()}|{tokenizer.name}|{tokenizer.vocab_size}"
+    bos, eos, separator = framing(corpus, tokenizer)
+    if (bos, eos, separator) != (None, None, ""):  # unframed streams keep their old keys
+        desc += f"|bos={bos}|eos={eos}|separator={separator!r}"
+    key = hashlib.sha256(desc.encode()).hexdigest()[:16]
     label = "".join(c if c.isalnum() or c in "-_" else "_" for c in corpus.name)[:40]
     return Path(cache_dir) / f"{label}-{key}.tok"
 
@@ -46,29 +65,51 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Pat
     """Tokenize `corpus` into its cache file unless present; return the file's path.
 
     Idempotent and atomic (see the module docstring): safe to call from many
-    processes at once. With the byte tokenizer documents are concatenated with no
-    separator (it has none, and source files already end with a newline); a tokenizer
-    with BOS/EOS tokens (`encode_documents`) frames every document with them, encoded
-    by `workers` processes.
+    processes at once. Documents are written back to back, framed as `framing` says:
+    a tokenizer with BOS/EOS tokens (`encode_documents`) frames every document with
+    them, encoded by `workers` processes; records under a tokenizer without EOS end
+    with a newline.
     """
+    check_cache_dir(cache_dir)
     path = cache_path(corpus, tokenizer, cache_dir)
     if path.exists():
         return path
+    documents = corpus.documents()
+    if framing(corpus, tokenizer)[2]:
+        documents = _separated(documents)
     try:
         with TokenFileWriter(path, tokenizer.vocab_size) as out:
             if hasattr(tokenizer, "encode_documents"):
                 from partita.data.hf_tokenizer import encode_parallel
 
-                for ids in encode_parallel(tokenizer, corpus.documents(), workers):
+                for ids in encode_parallel(tokenizer, documents, workers):
                     out.write(ids)
             else:
-                for text in corpus.documents():
+                for text in documents:
                     out.write(tokenizer.encode(text))
     except OSError as e:
         raise PartitaError(f"Cannot write the token cache '{path}': {e.strerror or e}. Pass a "
                            "cache folder that exists or can be created and is writable, "
                            "with room for about one byte per source byte.") from e
     return path
+
+
+def _separated(documents):
+    for text in documents:
+        yield text if text.endswith(RECORD_SEPARATOR) else text + RECORD_SEPARATOR
+
+
+def check_cache_dir(cache_dir: str | os.PathLike) -> None:
+    """Refuse a data.cache_dir that is a file, or lies under one, naming which: writing
+    into it fails with a bare "File exists" or "Not a directory" otherwise."""
+    folder = Path(cache_dir).expanduser()
+    for above in (folder, *folder.parents):
+        if above.exists():
+            if not above.is_dir():
+                where = "is a file" if above == folder else f"lies under the file '{above}'"
+                raise PartitaError(f"data.cache_dir '{folder}' {where}, not a folder; give "
+                                   "a folder (created when missing) for the token cache.")
+            return
 
 
 @dataclass(frozen=True)
@@ -88,6 +129,16 @@ class TokenDataset:
     @property
     def num_tokens(self) -> int:
         return len(self.train) + len(self.val)
+
+    def check_batches(self, global_batch: int, dp_size: int, evaluates: bool = True) -> None:
+        """Raise what the samplers would raise on every rank, from here once: too few
+        training windows for one global batch, or (when the run `evaluates`) a
+        validation split with fewer windows than the `dp_size` replicas."""
+        if problem := too_few_windows(len(self.train), self.seq_len, global_batch):
+            raise PartitaError(problem)
+        if evaluates:
+            eval_batch_size(len(self.val), self.seq_len, global_batch, dp_size,
+                            self.num_tokens)
 
     def train_sampler(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                       seed: int = 0) -> BatchSampler:
@@ -178,6 +229,7 @@ def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
     from partita.data.mix import check_same_vocab, mix_plan, mixture_path, parse_mix, write_mixture
 
     parts = parse_mix(mix)
+    check_cache_dir(cache_dir)  # the mixture is written there even from token files
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     prepared, trains, vals, vocabs = [], [], [], []
     for part in parts:
@@ -195,6 +247,11 @@ def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
         vocabs.append(vocab)
     vocab = check_same_vocab(prepared, vocabs)
     takes = mix_plan([len(t) for t in trains], [p.weight for p in parts])
+    if empty := [p.source for p, take in zip(parts, takes) if take == 0]:
+        raise PartitaError(
+            f"data.mix source(s) {', '.join(empty)} would contribute no training tokens: "
+            f"their weight is too small a share of the mixture's {sum(takes):,} tokens. "
+            "Raise their weight, or leave them out of data.mix.")
     path = mixture_path(cache_dir, prepared, [p.weight for p in parts], seq_len, val_fraction)
     if not path.exists():
         write_mixture(path, trains, vals, takes, vocab)

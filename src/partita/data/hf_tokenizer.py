@@ -63,13 +63,27 @@ class HFTokenizer:
         self._tok = _load(self.path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         special = _special_tokens(self.path.parent)
-        self.bos_id = self._id(special.get("bos_token"))
-        self.eos_id = self._id(special.get("eos_token"))
+        self.bos_id = self._id(special, "bos_token")
+        self.eos_id = self._id(special, "eos_token")
         if self.bos_id is None and self.eos_id is None:
             self.bos_id, self.eos_id = _ids_from_model_config(self.path.parent)
 
-    def _id(self, token: str | None) -> int | None:
-        return None if token is None else self._tok.token_to_id(token)
+    def _id(self, special: dict[str, str], key: str) -> int | None:
+        """The id of tokenizer_config.json's `key` token (None when it names none).
+
+        A token missing from the vocabulary is refused: ignoring it left documents
+        unframed and unmasked without a word."""
+        token = special.get(key)
+        if token is None:
+            return None
+        found = self._tok.token_to_id(token)
+        if found is None:
+            raise PartitaError(
+                f"{self.path.parent / 'tokenizer_config.json'} names {key} {token!r}, which "
+                f"is not in the vocabulary of {self.path}; give the token that file uses "
+                f"for it, add the token to the tokenizer, or remove {key} from "
+                "tokenizer_config.json (documents are then not framed by it).")
+        return int(found)
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_tok"}

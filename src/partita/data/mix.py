@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,16 +45,27 @@ def parse_mix(text: str) -> list[MixPart]:
             w = float(weight)
         except ValueError:
             w = -1.0
-        if not sep or not source.strip() or not w > 0:
+        if not sep or not source.strip() or not (w > 0 and math.isfinite(w)):
             raise PartitaError(
-                f"data.mix entry '{item}' is not SOURCE=WEIGHT with a positive weight; write "
-                "e.g. data.mix=\"code.jsonl=0.7, prose/=0.3\".")
+                f"data.mix entry '{item}' is not SOURCE=WEIGHT with a positive, finite "
+                "weight; write e.g. data.mix=\"code.jsonl=0.7, prose/=0.3\".")
         parts.append(MixPart(source.strip(), w))
     if len(parts) < 2:
         raise PartitaError("data.mix needs at least two SOURCE=WEIGHT entries (for one "
                            "source use data.source).")
-    total = sum(p.weight for p in parts)
-    return [MixPart(p.source, p.weight / total) for p in parts]
+    # Scaled by the largest first, so weights near the float limit (1e308 + 1e308) do
+    # not sum to infinity and normalise to zero.
+    largest = max(p.weight for p in parts)
+    scaled = [p.weight / largest for p in parts]
+    total = sum(scaled)
+    weights = [w / total for w in scaled]
+    if not all(w > 0 for w in weights):
+        tiny = [p.source for p, w in zip(parts, weights) if not w > 0]
+        raise PartitaError(
+            f"data.mix weights differ so much that {', '.join(tiny)} would contribute no "
+            "tokens (weights are relative: give each source a share such as 0.1, not one "
+            "that vanishes next to the largest).")
+    return [MixPart(p.source, w) for p, w in zip(parts, weights)]
 
 
 def mix_plan(train_sizes: list[int], weights: list[float]) -> list[int]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from partita.errors import PartitaError
+from partita.errors import AgreedError, PartitaError
 
 if TYPE_CHECKING:
     import torch
@@ -91,10 +91,8 @@ class BatchSampler:
         self.num_windows = num_windows(len(tokens), self.seq_len)
         self.steps_per_epoch = self.num_windows // self.global_batch
         if self.steps_per_epoch == 0:
-            raise PartitaError(f"the training data has {len(tokens)} tokens, which make "
-                               f"{self.num_windows} windows of seq_len {self.seq_len}: fewer "
-                               f"than one global batch of {self.global_batch}. Use more data, "
-                               "a shorter seq_len or a smaller global batch.")
+            # Every replica finds this from the same tokens: one report, not one per rank.
+            raise AgreedError(too_few_windows(len(tokens), self.seq_len, self.global_batch))
         self.epoch = 0
         self.step = 0
         self._perm: tuple[int, np.ndarray] | None = None
@@ -154,6 +152,40 @@ class BatchSampler:
                                f"{self.steps_per_epoch}). Start a fresh run or use another "
                                "checkpoint.")
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def too_few_windows(num_tokens: int, seq_len: int, global_batch: int) -> str | None:
+    """Why `num_tokens` training tokens cannot fill one global batch (None: they can)."""
+    windows = num_windows(num_tokens, seq_len)
+    if windows >= global_batch:
+        return None
+    return (f"the training data has {num_tokens:,} tokens, which make {windows:,} windows "
+            f"of seq_len {seq_len}: fewer than one global batch of {global_batch:,}. Use more "
+            f"data, a shorter data.seq_len or a train.global_batch of at most "
+            f"{max(windows, 1):,}.")
+
+
+def eval_batch_size(num_tokens: int, seq_len: int, global_batch: int, dp_size: int,
+                    total_tokens: int | None = None) -> int:
+    """Sequences per evaluation batch: the global batch, or what a small validation split
+    of `num_tokens` allows (a multiple of the `dp_size` replicas); 0 when there is no
+    split. Raises AgreedError when the split cannot give each replica one window: the
+    run would otherwise go without validation unannounced. `total_tokens` (training and
+    validation) lets the message say which val_fraction would do."""
+    if num_tokens == 0:
+        return 0
+    windows = num_windows(num_tokens, seq_len)
+    if windows < dp_size:
+        needed = dp_size * seq_len + 1
+        fraction = (f" (about data.val_fraction={needed / total_tokens:.2g})"
+                    if total_tokens and needed < total_tokens else "")
+        raise AgreedError(
+            f"the validation split has {num_tokens:,} tokens, {windows} window(s) of "
+            f"seq_len {seq_len}, fewer than the {dp_size} data-parallel replicas that each "
+            f"need one to validate. Raise data.val_fraction so that at least {needed:,} "
+            f"tokens are held out{fraction}, use fewer replicas, or set "
+            "data.val_fraction=0 (or train.eval_batches=0) to train without validation.")
+    return min(global_batch, windows // dp_size * dp_size)
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,

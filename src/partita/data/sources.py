@@ -6,10 +6,13 @@ documents stream out one at a time (JSONL line by line, Parquet and Arrow in rec
 batches), so a source larger than memory is never loaded whole. The text of a document
 is the field `text_field` of each record.
 
-Bad records: a JSONL line that is not JSON, or a record without a string `text_field`,
-is an error naming the file and line (`bad_lines="error"`), or skipped and counted
-(`bad_lines="skip"`; the count is printed when the source has been read). A Parquet file
-or dataset without the field is always an error naming the columns it has.
+Bad records: a JSONL line that is not UTF-8 or not JSON, a record without a string
+`text_field`, or a Parquet / dataset row whose text is null, is an error naming the file
+and line or row (`bad_lines="error"`), or skipped and counted (`bad_lines="skip"`; the
+count is printed when the source has been read). A Parquet file or dataset without the
+field, or whose field is not a string column, is always an error naming what it has. A
+folder is one kind of source: JSONL files, Parquet files, or (read elsewhere) text
+files; one that mixes them is refused, naming the odd files.
 pyarrow and datasets are imported only when such a source is used (pyproject's `data`
 extra installs them).
 """
@@ -46,13 +49,41 @@ def _stat_fingerprint(kind: str, files: list[Path], *extra: object) -> str:
     return hashlib.sha256(json.dumps(desc).encode()).hexdigest()
 
 
+class _BadRecords:
+    """The bad_lines policy for one file: raise on the first bad record, or count them
+    and print the count when the file is done."""
+
+    def __init__(self, path: object, bad_lines: str, unit: str) -> None:
+        self.path, self.bad_lines, self.unit = path, bad_lines, unit
+        self.skipped, self.first = 0, None
+
+    def bad(self, where: int, problem: str) -> None:
+        if self.bad_lines == "error":
+            raise PartitaError(
+                f"{self.path} {self.unit} {where}: {problem}. Fix the {self.unit}, or set "
+                f"data.bad_lines=skip to skip such {self.unit}s (they are counted).")
+        self.skipped += 1
+        self.first = self.first or where
+
+    def report(self) -> None:
+        if self.skipped:
+            print(f"partita: skipped {self.skipped} bad {self.unit}(s) of {self.path} "
+                  f"(first: {self.unit} {self.first}; data.bad_lines=skip)", file=sys.stderr)
+
+
+def _check_bad_lines(bad_lines: str) -> None:
+    if bad_lines not in BAD_LINES:
+        raise PartitaError(f"data.bad_lines='{bad_lines}' is unknown; use "
+                           f"{' or '.join(BAD_LINES)}.")
+
+
 class JsonlCorpus:
     """The `text_field` of every record of one or more JSONL files, in sorted file order."""
 
+    records = True  # documents are records: see partita.data.dataset.framing
+
     def __init__(self, root: Path, text_field: str, bad_lines: str = "error") -> None:
-        if bad_lines not in BAD_LINES:
-            raise PartitaError(f"data.bad_lines='{bad_lines}' is unknown; use "
-                               f"{' or '.join(BAD_LINES)}.")
+        _check_bad_lines(bad_lines)
         self.name, self.files = root.stem or "jsonl", _files(root, JSONL_SUFFIXES)
         self.text_field, self.bad_lines = text_field, bad_lines
         if not self.files:
@@ -63,26 +94,26 @@ class JsonlCorpus:
 
     def documents(self) -> Iterator[str]:
         for path in self.files:
-            skipped, first = 0, None
-            with open(path, encoding="utf-8", errors="replace") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
+            bad = _BadRecords(f"'{path}'", self.bad_lines, "line")
+            # Bytes, decoded line by line: invalid UTF-8 is a bad line like invalid JSON,
+            # not text silently replaced with U+FFFD (a text file's is refused too).
+            with open(path, "rb") as fh:
+                for lineno, raw in enumerate(fh, 1):
+                    if not raw.strip():
                         continue
-                    text, problem = self._text(line)
+                    text, problem = self._text(raw)
                     if problem is None:
                         yield text
-                        continue
-                    if self.bad_lines == "error":
-                        raise PartitaError(
-                            f"'{path}' line {lineno}: {problem}. Fix the line, or set "
-                            "data.bad_lines=skip to skip such lines (they are counted).")
-                    skipped += 1
-                    first = first or lineno
-            if skipped:
-                print(f"partita: skipped {skipped} bad line(s) of '{path}' (first: line "
-                      f"{first}; data.bad_lines=skip)", file=sys.stderr)
+                    else:
+                        bad.bad(lineno, problem)
+            bad.report()
 
-    def _text(self, line: str) -> tuple[str, str | None]:
+    def _text(self, raw: bytes) -> tuple[str, str | None]:
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return "", (f"not UTF-8 (byte {raw[exc.start]:#04x} at byte {exc.start + 1} of "
+                        "the line)")
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -93,24 +124,49 @@ class JsonlCorpus:
         return record[self.text_field], None
 
 
+def _text_rows(values: Iterator[str | None], bad: _BadRecords, field: str) -> Iterator[str]:
+    """The strings of a string column, rows counted from 1; a null is a bad row."""
+    for row, text in enumerate(values, 1):
+        if text is None:
+            bad.bad(row, f"'{field}' is null")
+        else:
+            yield text
+    bad.report()
+
+
+def _string_column(where: str, field: str, kind: str) -> None:
+    """Refuse a text field stored as anything but strings (binary, numbers): its values
+    were dropped one by one, and the run failed with "the data has 0 tokens"."""
+    if kind not in ("string", "large_string", "string_view", "utf8", "large_utf8"):
+        raise PartitaError(
+            f"{where} column '{field}' holds {kind}, not text: the text field must be a "
+            "string column. Convert it to strings (binary holding UTF-8 text: decode it), "
+            "or set data.text_field to a string column.")
+
+
 class ParquetCorpus:
     """The `text_field` column of one or more Parquet files, read a record batch at a time."""
 
-    def __init__(self, root: Path, text_field: str) -> None:
+    records = True  # documents are records: see partita.data.dataset.framing
+
+    def __init__(self, root: Path, text_field: str, bad_lines: str = "error") -> None:
         pq = _import("pyarrow.parquet", "Parquet sources need pyarrow")
+        _check_bad_lines(bad_lines)
         self.name, self.files = root.stem or "parquet", _files(root, PARQUET_SUFFIXES)
-        self.text_field = text_field
+        self.text_field, self.bad_lines = text_field, bad_lines
         if not self.files:
             raise PartitaError(f"'{root}' holds no .parquet files.")
         for path in self.files:  # fail before any tokenizing, naming the file
             try:
-                names = pq.ParquetFile(path).schema_arrow.names
+                schema = pq.ParquetFile(path).schema_arrow
             except Exception as exc:
                 raise PartitaError(f"'{path}' cannot be read as Parquet ({exc}).") from None
-            if text_field not in names:
+            if text_field not in schema.names:
                 raise PartitaError(
-                    f"'{path}' has no column '{text_field}' (its columns: {', '.join(names)}); "
-                    "set data.text_field to the column that holds the text.")
+                    f"'{path}' has no column '{text_field}' (its columns: "
+                    f"{', '.join(schema.names)}); set data.text_field to the column that "
+                    "holds the text.")
+            _string_column(f"'{path}'", text_field, str(schema.field(text_field).type))
 
     def fingerprint(self) -> str:
         return _stat_fingerprint("parquet", self.files, self.text_field)
@@ -119,21 +175,30 @@ class ParquetCorpus:
         pq = _import("pyarrow.parquet", "Parquet sources need pyarrow")
         for path in self.files:
             reader = pq.ParquetFile(path)
-            for batch in reader.iter_batches(batch_size=RECORD_BATCH, columns=[self.text_field]):
-                yield from (t for t in batch.column(0).to_pylist() if isinstance(t, str))
+            batches = reader.iter_batches(batch_size=RECORD_BATCH, columns=[self.text_field])
+            values = (t for batch in batches for t in batch.column(0).to_pylist())
+            yield from _text_rows(values, _BadRecords(f"'{path}'", self.bad_lines, "row"),
+                                  self.text_field)
 
 
 class DiskDatasetCorpus:
     """A `datasets.Dataset` saved with `save_to_disk` (its "train" split for a
     DatasetDict), iterated in batches over its memory-mapped Arrow files."""
 
-    def __init__(self, root: Path, text_field: str) -> None:
+    records = True  # documents are records: see partita.data.dataset.framing
+
+    def __init__(self, root: Path, text_field: str, bad_lines: str = "error") -> None:
+        _check_bad_lines(bad_lines)
         self.root, self.name, self.text_field = root, root.name or "dataset", text_field
+        self.bad_lines = bad_lines
         ds = self._open()
         if text_field not in ds.column_names:
             raise PartitaError(
                 f"the dataset at '{root}' has no column '{text_field}' (its columns: "
                 f"{', '.join(ds.column_names)}); set data.text_field to the text column.")
+        feature = ds.features[text_field]
+        _string_column(f"the dataset at '{root}'", text_field,
+                       str(getattr(feature, "dtype", type(feature).__name__)))
         self._fingerprint = getattr(ds, "_fingerprint", "")
 
     def _open(self):
@@ -154,8 +219,9 @@ class DiskDatasetCorpus:
 
     def documents(self) -> Iterator[str]:
         ds = self._open().select_columns([self.text_field])
-        for batch in ds.iter(batch_size=RECORD_BATCH):
-            yield from (t for t in batch[self.text_field] if isinstance(t, str))
+        values = (t for batch in ds.iter(batch_size=RECORD_BATCH) for t in batch[self.text_field])
+        yield from _text_rows(values, _BadRecords(f"the dataset at '{self.root}'",
+                                                  self.bad_lines, "row"), self.text_field)
 
 
 def is_disk_dataset(root: Path) -> bool:
@@ -171,22 +237,38 @@ def structured_corpus(source: str | os.PathLike, text_field: str = "text",
     if not root.exists():
         return None
     if is_disk_dataset(root):
-        return DiskDatasetCorpus(root, text_field)
-    if root.suffix in PARQUET_SUFFIXES or _only(root, PARQUET_SUFFIXES):
-        return ParquetCorpus(root, text_field)
-    if root.suffix in JSONL_SUFFIXES or _only(root, JSONL_SUFFIXES):
+        return DiskDatasetCorpus(root, text_field, bad_lines)
+    if root.suffix in PARQUET_SUFFIXES or _folder_kind(root) == "Parquet":
+        return ParquetCorpus(root, text_field, bad_lines)
+    if root.suffix in JSONL_SUFFIXES or _folder_kind(root) == "JSONL":
         return JsonlCorpus(root, text_field, bad_lines)
     return None
 
 
-def _only(root: Path, suffixes: tuple[str, ...]) -> bool:
-    """A folder whose (non-hidden) files all end in one of `suffixes`; a folder mixing
-    kinds stays a folder of text files, as before these sources existed."""
+def _folder_kind(root: Path) -> str | None:
+    """"JSONL" or "Parquet" for a folder whose (non-hidden) files are all of that kind,
+    None for any other folder or a file. A folder mixing records with other files is
+    refused: read as text it trained on raw JSON, and read as records it would drop
+    the other files without a word."""
     if not root.is_dir():
-        return False
-    files = [p for p in root.rglob("*") if p.is_file()
-             and not any(part.startswith(".") for part in p.relative_to(root).parts)]
-    return bool(files) and all(p.suffix in suffixes for p in files)
+        return None
+    files = sorted(p for p in root.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    kinds = {"JSONL": JSONL_SUFFIXES, "Parquet": PARQUET_SUFFIXES}
+    found = {kind: [p for p in files if p.suffix in suffixes] for kind, suffixes in kinds.items()}
+    present = [kind for kind, paths in found.items() if paths]
+    if not present:
+        return None
+    odd = [p for p in files if p not in found[present[0]]]
+    if odd:
+        names = ", ".join(str(p.relative_to(root)) for p in odd[:5])
+        more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+        raise PartitaError(
+            f"data source '{root}' mixes {len(found[present[0]])} {present[0]} file(s) with "
+            f"{len(odd)} other file(s): {names}{more}. A folder is read as one kind of "
+            "source; move the other files out (or point at a folder holding only one "
+            "kind), or give each kind as its own source in data.mix.")
+    return present[0]
 
 
 def _import(module: str, why: str):
