@@ -23,9 +23,9 @@ from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manife
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
 from partita.config import Config, default_cache_dir
-from partita.data import TokenDataset, num_windows
+from partita.data import TokenDataset
 from partita.data.dataset import load_configured
-from partita.data.sampler import IGNORE_INDEX
+from partita.data.sampler import IGNORE_INDEX, eval_batch_size
 from partita.device_specs import slow_cpu_matmul_warning
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure, PeerReported
 from partita.experts import moe_step_stats
@@ -113,9 +113,11 @@ class Trainer:
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
         # Evaluate with the global batch, or with what a small validation split allows
-        # (a multiple of the replicas); 0 means there is nothing to validate on.
-        windows = num_windows(len(self.data.val), cfg.data.seq_len)
-        self.eval_batch = min(cfg.train.global_batch, windows // dp_size * dp_size)
+        # (a multiple of the replicas); 0 means there is nothing to validate on. A split
+        # too small for one window per replica is an error, not validation skipped.
+        self.eval_batch = 0 if cfg.train.eval_batches == 0 else eval_batch_size(
+            len(self.data.val), cfg.data.seq_len, cfg.train.global_batch, dp_size,
+            self.data.num_tokens)
 
     def _resume(self, folder: Path | None) -> Loaded | None:
         """Load the checkpoint in `folder` (None: a fresh run) with the data position."""

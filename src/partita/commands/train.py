@@ -160,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         # Before the run folder is prepared: a refused job leaves no folder behind.
         if pick_device_name(cfg.train.device) == "cuda":
             check_one_gpu_per_process(nproc)
-        validate_before_launch(cfg, nproc * args.nnodes)
+        validate_before_launch(cfg, nproc * args.nnodes, local_processes=nproc)
         for note in pipeline_notes(cfg, nproc * args.nnodes):
             print(note, file=sys.stderr, flush=True)
         spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
@@ -203,22 +203,55 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
     check_run_dir(cfg)
 
 
-def validate_before_launch(cfg: Config, world_size: int) -> None:
+def validate_before_launch(cfg: Config, world_size: int,
+                           local_processes: int | None = None) -> None:
     """Catch layout and data mistakes here, once, instead of in every process.
 
     Preparing the data here also means the token cache is written once per node before
-    any worker starts; the workers then only open it.
+    any worker starts; the workers then only open it, and its token counts are checked
+    against the batches here (too few for one global batch, or a validation split
+    with fewer windows than replicas) rather than by every rank after launch.
+    `local_processes` (this node's, default `world_size`) judge train.threads.
     """
     from partita.parallelize import check_layout
     from partita.trainer import open_dataset
 
-    check_layout(cfg, cfg.model_config(), cfg.layout(world_size), world_size)
+    layout = cfg.layout(world_size)
+    check_layout(cfg, cfg.model_config(), layout, world_size)
     if cfg.model.init_from:  # every tensor present with its shape (headers only)
         from partita.models.hf_weights import HFWeights
 
         HFWeights(cfg.model.init_from, cfg.model_config()).close()
-    open_dataset(cfg)
+    data = open_dataset(cfg)
+    data.check_batches(cfg.train.global_batch, layout.dp,
+                       evaluates=cfg.train.eval_batches > 0)
     prepare_run_dir(cfg)
+    if note := threads_note(cfg, local_processes or world_size):
+        print(note, file=sys.stderr, flush=True)
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity, where the platform tells)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_note(cfg: Config, local_processes: int, cores: int | None = None) -> str | None:
+    """A warning when train.threads x the local processes exceed this machine's cores:
+    oversubscribed threads wait on one another (1000 threads on 2 cores ran 200x
+    slower) without any other sign."""
+    threads = cfg.train.threads
+    cores = cores or available_cores()
+    if not threads or threads * local_processes <= cores:
+        return None
+    share = max(1, cores // local_processes)
+    return (f"partita: warning: train.threads={threads} x {local_processes} process(es) on "
+            f"this machine is {threads * local_processes:,} threads for {cores} core(s); "
+            "oversubscribed threads wait on one another and every step slows down, many "
+            f"times over. Set train.threads to at most {share}, or to 0 (the cores shared "
+            "among the local processes).")
 
 
 def check_run_dir(cfg: Config) -> Path | None:
