@@ -63,12 +63,19 @@ def test_two_launchers_form_one_two_node_job(run_dir, cli):
     (["--model.n_heads=3"], "not divisible by model.n_heads"),
     (["--train.stepz=3"], "Did you mean 'train.steps'"),
     (["--data.source=/no/such/place"], "does not exist"),
+    (["--train.steps=1e400"], "train.steps='1e400' is too large"),
+    (["--parallel.tp=0"], "parallel.tp=0 is out of range: use a positive integer"),
+    (["--precision.param_dtype=fp16", "--precision.master_weights=false"],
+     "keep precision.master_weights=true"),
+    (["--train.collective_timeout_s=1e30"], "train.collective_timeout_s=1e+30 is out of range"),
+    (["--train.global_batch=100000"], "fewer than one global batch of 100,000"),
 ])
 def test_bad_input_is_one_paragraph_not_a_traceback(args, message, run_dir, cli):
     result = cli.train(run_dir, "--nproc", "2", *args)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+    assert not run_dir.exists()  # refused before launch: nothing of the run written
 
 
 def test_unreadable_token_file_is_reported(tmp_path, run_dir, cli):
