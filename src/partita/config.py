@@ -81,7 +81,9 @@ class DataSection:
     # A tokenizer.json, or a Hugging Face model folder holding one; "" = bytes (vocab 256).
     tokenizer: str = ""
     text_field: str = "text"  # JSONL / Parquet / saved-dataset sources: the text field
-    bad_lines: str = "error"  # a JSONL line that is not JSON: "error", or "skip" (counted)
+    # A bad record (a JSONL line not UTF-8 or not JSON, a null Parquet text): "error",
+    # or "skip" (counted).
+    bad_lines: str = "error"
     # Tokenizer processes when preparing the cache; 0 or 1: this process, whose batch
     # encoding already runs on every core (the tokenizers library's own threads).
     workers: int = 0
