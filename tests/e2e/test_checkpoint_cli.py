@@ -217,6 +217,13 @@ def test_bad_checkpoints_are_refused(tmp_path, run_dir, cli, whole_run):
     assert longer_seqs.returncode == 2, longer_seqs.stderr[-2000:]
     assert "partita: error: cannot resume the data sampler: the checkpoint has seq_len=32 " \
         "but this run has seq_len=16" in longer_seqs.stderr, longer_seqs.stderr[-2000:]
+    # Other data (more of it): the windows are counted before launch, said once.
+    more_data = cli.train(run_dir, "--nproc", "2", *F64, f"--train.resume={folder}",
+                          "--data.max_bytes=400000")
+    assert more_data.returncode == 2, more_data.stderr[-2000:]
+    assert more_data.stderr.count("cannot resume the data sampler: the checkpoint has "
+                                  "num_windows=") == 1, more_data.stderr[-2000:]
+    assert "process 0 of the job" not in more_data.stderr
     # a damaged newest manifest: the older checkpoint is used, and said to be
     every = tmp_path / "every"
     shutil.copytree(whole_run / "checkpoints", every)

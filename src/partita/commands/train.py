@@ -225,6 +225,11 @@ def validate_before_launch(cfg: Config, world_size: int,
     data = open_dataset(cfg)
     data.check_batches(cfg.train.global_batch, layout.dp,
                        evaluates=cfg.train.eval_batches > 0)
+    if (target := resume_target(cfg)) is not None:  # other data than the checkpoint's
+        from partita.data.sampler import num_windows
+
+        check_resumable(read_manifest(target).get("training", {}).get("sampler", {}),
+                        {"num_windows": num_windows(len(data.train), cfg.data.seq_len)})
     prepare_run_dir(cfg)
     if note := threads_note(cfg, local_processes or world_size):
         print(note, file=sys.stderr, flush=True)
