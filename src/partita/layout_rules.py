@@ -52,8 +52,7 @@ def find_problems(layout: Layout, model: ModelConfig, world_size: int, *, seq_le
     out: list[Problem] = []
     lay = layout
     if lay.world_size != world_size:
-        out.append(Problem(DIVISIBILITY, plan_world_size_message(lay.degrees, world_size)
-                           if planner else world_size_message(lay.degrees, world_size)))
+        out.append(Problem(DIVISIBILITY, world_size_message(lay.degrees, world_size, planner)))
     out += _experts(lay, model)
     out += _recompute(lay, model)
     out += _tensor_parallel(lay, model, seq_len)
@@ -80,34 +79,28 @@ def validate(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: in
                            "\n".join(f"  - {p.message}" for p in problems))
 
 
-def world_size_message(degrees: Degrees, world_size: int) -> str:
+def world_size_message(degrees: Degrees, world_size: int, planner: bool = False) -> str:
+    """Why `degrees` do not fill `world_size` processes, and what to change, in
+    `partita train`'s options or (`planner`) in `partita plan`'s."""
     d = degrees
     other = d.tp * d.pp * d.cp
+    take_rest = ("dp left out" if planner else "--parallel.dp=0") + (
+        ", which takes what tp x pp x cp leave")
     if world_size % other == 0:
-        change = (f"--parallel.dp={world_size // other} (or 0, which takes what tp x pp x "
-                  "cp leave)")
+        dp = f"dp={world_size // other}"
+        change = f"--layout {dp}" if planner else f"--parallel.{dp}"
+        change += f" (or {take_rest})"
     else:
         change = (f"tp x pp x cp = {other} does not divide {world_size}, so change tp, pp "
-                  "or cp, with --parallel.dp=0 taking what they leave")
-    return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs "
-            f"{d.world_size} processes but {world_size} were started. Start "
-            f"{d.world_size} processes (--nproc {d.world_size}), or choose degrees whose "
-            f"product is {world_size}: {change}.")
-
-
-def plan_world_size_message(degrees: Degrees, gpus: int) -> str:
-    """`world_size_message` in `partita plan`'s words."""
-    d = degrees
-    other = d.tp * d.pp * d.cp
-    if gpus % other == 0:
-        change = (f"--layout dp={gpus // other} (or leave dp out: it takes what tp x pp x "
-                  "cp leave)")
+                  f"or cp, with {take_rest}")
+    if planner:
+        wanted = (f"{d.world_size} GPUs but --gpus is {world_size}. Plan for --gpus "
+                  f"{d.world_size}")
     else:
-        change = (f"tp x pp x cp = {other} does not divide {gpus}, so change tp, pp or cp "
-                  "and leave dp out to take what they leave")
-    return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs "
-            f"{d.world_size} GPUs but --gpus is {gpus}. Plan for --gpus {d.world_size}, or "
-            f"choose degrees whose product is {gpus}: {change}.")
+        wanted = (f"{d.world_size} processes but {world_size} were started. Start "
+                  f"{d.world_size} processes (--nproc {d.world_size})")
+    return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs {wanted}, "
+            f"or choose degrees whose product is {world_size}: {change}.")
 
 
 def _experts(lay: Layout, model: ModelConfig) -> list[Problem]:
