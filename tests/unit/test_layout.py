@@ -158,7 +158,7 @@ def test_world_size_mismatch_says_how_many_to_start():
     (problem,) = _problems(Layout(dp=2, tp=2), world=2)
     assert "needs 4 processes but 2 were started" in problem.message
     assert "--nproc 4" in problem.message
-    assert "--parallel.dp=1 (or 0" in problem.message  # 1 x 2 = 2: a change that works
+    assert "--parallel.dp=1 (or --parallel.dp=0" in problem.message  # 1 x 2 = 2: works
     # A dp change cannot fix tp x pp = 6 on 4 processes: said so, no dp suggested.
     (problem,) = _problems(Layout(dp=1, tp=2, pp=3), world=4)
     assert "tp x pp x cp = 6 does not divide 4, so change tp, pp or cp" in problem.message
