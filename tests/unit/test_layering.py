@@ -6,7 +6,8 @@ Layers, lowest first (docs/architecture.md explains each):
     base         partita (the package), errors, device_specs, host_memory, local_world, lazy
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
-    config       config, config_ranges   the typed run configuration and its valid ranges
+    config       config, config_ranges,  the typed run configuration, its valid ranges
+                 config_values           and the typing of given values
     core         comm, gloo_collectives, mesh, sharding, loss, saved_tensors, agreement
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
@@ -39,7 +40,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
               "partita.arg_types")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
-    ("config", ("partita.config", "partita.config_ranges")),
+    ("config", ("partita.config", "partita.config_ranges", "partita.config_values")),
     ("core", ("partita.comm", "partita.gloo_collectives", "partita.mesh", "partita.sharding", "partita.loss",
               "partita.saved_tensors", "partita.agreement")),
     ("optim", ("partita.optim",)),

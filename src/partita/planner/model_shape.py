@@ -315,7 +315,7 @@ def _read_value(name: str, raw: object, label: str, key: str = "") -> object:
     checked: the conversion and ranges `partita train` applies to [model] (partita.config,
     partita.config_ranges), so plan and train accept the same values. `label` names
     the value in the message, `key` the setting as the user wrote it (default `name`)."""
-    from partita.config import convert_value
+    from partita.config_values import convert_value
     target = _TYPES[name]
     base = next((t for t in typing.get_args(target) if t is not type(None)), target)
     try:

@@ -1,0 +1,82 @@
+"""Typed setting values from TOML values and command-line text.
+
+One function, `convert_value`, turns what a user wrote into the type a setting is
+annotated with, or a PartitaError that names the setting and shows a valid value.
+"""
+
+from __future__ import annotations
+
+import decimal
+import types
+import typing
+
+from partita.errors import PartitaError
+
+
+def convert_value(dotted: str, raw: object, target: type) -> object:
+    """Convert `raw` (TOML value or override string) to the annotated type."""
+    optional = isinstance(target, types.UnionType) and type(None) in typing.get_args(target)
+    if optional:
+        target = next(t for t in typing.get_args(target) if t is not type(None))
+        if isinstance(raw, str) and raw.lower() in ("none", "null", ""):
+            return None
+    try:
+        if isinstance(raw, bool) and target is not bool:  # TOML `steps = true`: int(True) is 1
+            raise ValueError(raw)
+        if target is bool:
+            if isinstance(raw, bool):
+                return raw
+            if str(raw).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(raw).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if target is int:
+            return _integer(raw)
+        if target is float:
+            return float(raw)
+        if isinstance(raw, dict):  # a TOML table given for a text setting (data.mix)
+            return ", ".join(f"{k}={v}" for k, v in raw.items())
+        return str(raw)
+    except OverflowError:
+        limit = f"within ±{INT_LIMIT:,} (64 bits)" if target is int else "a finite number"
+        raise PartitaError(
+            f"{dotted}={raw!r} is too large: {dotted} must be {limit}; give a smaller value."
+        ) from None
+    except (TypeError, ValueError, ArithmeticError):
+        raise PartitaError(
+            f"{dotted}={raw!r} is not {_KIND[target][0]}; give {_KIND[target][0]}, for "
+            f"example --{dotted}={_KIND[target][1]}."
+        ) from None
+
+
+def _integer(raw: object) -> int:
+    """An integer from an int, an integral float, or text such as "300" or "1e3".
+
+    Text with an exponent is read exactly (as a decimal) and taken only when integral,
+    so "1.5e0" is refused like "1.5" rather than truncated to 1, and "1e400" is refused
+    rather than overflowing.
+    """
+    if isinstance(raw, float):
+        if not raw.is_integer():  # also NaN and infinity
+            raise ValueError(raw)
+        raw = int(raw)
+    if isinstance(raw, str) and "e" in raw.lower():
+        exact = decimal.Decimal(raw.strip().replace("_", ""))
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            raise ValueError(raw)
+        if exact.adjusted() > 18:  # past 64 bits; before building a 400-digit int
+            raise OverflowError(raw)
+        raw = int(exact)
+    value = int(raw)  # type: ignore[call-overload]
+    if abs(value) > INT_LIMIT:
+        raise OverflowError(raw)
+    return value
+
+
+# Integer settings end up in 64-bit integers (torch seeds, numpy indices, counters).
+INT_LIMIT = 2**63 - 1
+
+
+_KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
+         float: ("a number", "0.001"), str: ("text", "text")}
