@@ -77,3 +77,18 @@ def test_bench_gpu_names_the_runners_when_profile_names_none(cli):
     assert out.returncode == 2, out.stdout + out.stderr[-2000:]
     assert "'partita stage 0 model'" in out.stdout and "'stage 0'" in out.stdout
 
+
+
+def test_every_benchmarks_arguments_can_go_to_its_workers():
+    """Several benchmarks send their parsed arguments to their worker processes; a
+    closure among them (the function that names the machine) made `bench tp`, `pp`
+    and `pp-bubble` fail at start with a pickling traceback."""
+    import pickle
+
+    from partita.cli import build_parser
+    from partita.commands.bench import _available
+
+    parser = build_parser()
+    for name in _available():
+        args = parser.parse_args(["bench", name])
+        pickle.dumps(args)

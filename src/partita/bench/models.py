@@ -74,3 +74,27 @@ def block_names(model: nn.Module) -> list[str]:
     """The blocks' module names, for partita's `DataParallel(blocks=...)`."""
     attr = "blocks" if hasattr(model, "blocks") else "layers"
     return [f"{attr}.{key}" for key in getattr(model, attr)]
+
+
+def pipeline_config(stages: int, schedule: str, virtual_stages: int, layers: int,
+                    args: argparse.Namespace, vocab: int):
+    """The run configuration of the pipeline benchmarks (`bench pp`, `pp-bubble`): a
+    model `args.dim` wide, one head per 64 of it, kv heads in pairs where the heads
+    allow (so any --dim gives a valid model), `args.microbatches` microbatches of
+    `args.microbatch_size` sequences of `args.seq` tokens."""
+    import math
+
+    from partita.config import Config
+
+    cfg = Config()
+    heads = max(1, args.dim // 64)
+    cfg.model.vocab_size, cfg.model.dim, cfg.model.n_layers = vocab, args.dim, layers
+    cfg.model.n_heads, cfg.model.n_kv_heads = heads, math.gcd(heads, 2)
+    cfg.data.seq_len = args.seq
+    cfg.train.microbatches = args.microbatches
+    cfg.train.global_batch = args.microbatches * args.microbatch_size
+    cfg.parallel.pp, cfg.parallel.schedule = stages, schedule
+    cfg.parallel.virtual_stages = virtual_stages
+    cfg.model_config()  # a shape the model cannot take is said here, not by a worker
+    return cfg
+

@@ -38,6 +38,7 @@ import argparse
 import statistics
 
 from partita.arg_types import count
+from partita.bench.models import pipeline_config
 from partita.local_world import run_distributed
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
@@ -57,16 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(p: int, schedule: str, v: int, args: argparse.Namespace):
-    from partita.config import Config
-
-    cfg = Config()
-    cfg.model.vocab_size, cfg.model.dim = 32, args.dim
-    cfg.model.n_layers, cfg.model.n_heads = p * args.blocks_per_rank, max(1, args.dim // 64)
-    cfg.data.seq_len = args.seq
-    cfg.train.microbatches = args.microbatches
-    cfg.train.global_batch = args.microbatches * args.microbatch_size
-    cfg.parallel.pp, cfg.parallel.schedule, cfg.parallel.virtual_stages = p, schedule, v
-    return cfg
+    return pipeline_config(p, schedule, v, p * args.blocks_per_rank, args, vocab=32)
 
 
 def _worker(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
@@ -146,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'p':>2} {'schedule':<22} {'formula':>7} {'simul.':>6} {'replay':>6} "
           f"{'measured':>8} {'xfer':>5} {'R':>5} {'R sim':>5}  {'held, stage 0 (theory)':<22} "
           "pass ms F/B/I/W")
+    for p in args.stages:  # a shape the model cannot take is said here, not by a worker
+        for name, v in SCHEDULES:
+            _config(p, name, v, args)
     for p in args.stages:
         results = run_distributed(_worker, p, (args,), timeout=1200)[0]
         for r in results:

@@ -9,6 +9,7 @@ Each benchmark is a module under partita.bench exposing `add_arguments(parser)` 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 from collections.abc import Callable
 
@@ -49,15 +50,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for name, module in _available().items():
         sub = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
         module.add_arguments(sub)
-        sub.set_defaults(func=_naming_the_machine(module.run))
+        # A partial of module-level functions, not a closure: several benchmarks send
+        # their parsed arguments (this `func` among them) to their worker processes,
+        # and a closure cannot be pickled.
+        sub.set_defaults(func=functools.partial(_naming_the_machine, module.run))
 
 
-def _naming_the_machine(run: Callable[[argparse.Namespace], int]
-                        ) -> Callable[[argparse.Namespace], int]:
-    def run_here(args: argparse.Namespace) -> int:
-        from partita.bench.machine import describe_machine
+def _naming_the_machine(run: Callable[[argparse.Namespace], int],
+                        args: argparse.Namespace) -> int:
+    """`run(args)` after a first line that names the machine."""
+    from partita.bench.machine import describe_machine
 
-        print(describe_machine(), flush=True)
-        return run(args)
-
-    return run_here
+    print(describe_machine(), flush=True)
+    return run(args)
