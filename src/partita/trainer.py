@@ -297,7 +297,10 @@ class Trainer:
                 val_loss = self.evaluate()
                 if val_loss is not None and not math.isfinite(val_loss):
                     self._fail(step, StepResult(val_loss, result.grad_norm, False), "validation ")
-            if (step + 1) % c.train.log_every == 0 or last or step == first:
+            # A step that evaluated is logged too: its validation loss belongs to it,
+            # not to the next logged step (eval_every need not be a multiple of log_every).
+            if (step + 1) % c.train.log_every == 0 or last or step == first \
+                    or val_loss is not None:
                 elapsed = time.perf_counter() - window_start
                 tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 mfu = (flops_per_step * window_steps / max(elapsed, 1e-9)

@@ -1,5 +1,6 @@
 """The real command line, end to end: training runs, layouts agree, errors are clean."""
 
+import json
 import os
 import re
 import subprocess
@@ -138,3 +139,16 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, 
     assert code == 2
     err = capsys.readouterr().err
     assert "2 processes on this node but 1 GPU(s) visible" in err and "--nproc 1" in err
+
+
+def test_a_validation_loss_is_logged_at_the_step_it_was_measured(run_dir, cli):
+    """eval_every=3 with log_every=2: the step-3 evaluation was reported on the step-4
+    line, as if measured on step 4's weights."""
+    result = cli.train(run_dir, "--nproc", "1", "--train.steps=6", "--train.eval_every=3",
+                       "--train.log_every=2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r.get("val_loss") for r in records if "step" in r}
+    assert val[3] is not None and val[6] is not None, val
+    assert val.get(2) is None and val.get(4) is None, val
+

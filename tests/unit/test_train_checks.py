@@ -48,3 +48,6 @@ def test_threads_beyond_the_cores_are_warned_about(tmp_path):
     assert threads_note(cfg, local_processes=2, cores=4000) is None
     assert threads_note(load_config(None, []), local_processes=2, cores=2) is None  # 0: shared
     assert threads_note(load_config(None, ["--train.threads=1"]), 2, cores=2) is None
+    # More processes than cores at one thread each: no thread setting can help, so no
+    # advice to set one (it used to say "at most 1" to a run at 1).
+    assert threads_note(load_config(None, ["--train.threads=1"]), 4, cores=2) is None

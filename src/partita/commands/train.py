@@ -249,7 +249,9 @@ def threads_note(cfg: Config, local_processes: int, cores: int | None = None) ->
     slower) without any other sign."""
     threads = cfg.train.threads
     cores = cores or available_cores()
-    if not threads or threads * local_processes <= cores:
+    # One thread each is the least there is: more processes than cores is the user's
+    # choice of layout (the README's 4-process examples on 2 cores), not the threads'.
+    if threads <= 1 or threads * local_processes <= cores:
         return None
     share = max(1, cores // local_processes)
     return (f"partita: warning: train.threads={threads} x {local_processes} process(es) on "
