@@ -155,11 +155,28 @@ def run_source(run_dir: str | Path):
     return load_config(config), lambda: load_weights(weights)
 
 
+def check_not_over_source(source: Path, out: Path) -> None:
+    """Refuse an export folder that would replace what it is exported from: `--out` the
+    run itself, a folder holding it, or one of its own folders (its checkpoints/) that
+    is not an earlier export. With --overwrite the folder is replaced whole, and the
+    run was deleted."""
+    src, dst = source.resolve(), out.resolve()
+    holds_source = dst == src or dst in src.parents
+    inside_not_an_export = (src in dst.parents and dst.exists()
+                            and not (dst / INDEX).is_file())
+    if holds_source or inside_not_an_export:
+        what = "is the run's own folder or holds it" if holds_source else \
+            "is a folder of the run that is not an earlier export"
+        raise PartitaError(f"--out '{out}' {what}; the export would replace what it is "
+                           f"read from. Choose another --out, such as '{source / 'hf'}'.")
+
+
 def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
                overwrite: bool = False, dtype: torch.dtype | None = None) -> Path:
     """Export a finished run's weights with the model shape and tokenizer of its config."""
     if fmt not in FORMATS:
         raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
+    check_not_over_source(Path(run_dir), Path(out))
     cfg, read = run_source(run_dir)
     # First: a model with no Llama form is named as such before any weight is read (and
     # not blamed on the weights when their names are compared).

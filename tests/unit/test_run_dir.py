@@ -37,9 +37,11 @@ def test_an_unwritable_place_is_refused():
 def test_another_runs_results_are_refused_without_overwrite(tmp_path, name):
     (tmp_path / "config.toml").write_text("old")
     (tmp_path / name).write_text("old")
-    with pytest.raises(PartitaError, match="already holds another run's results"):
+    with pytest.raises(PartitaError, match="already holds another run's results") as err:
         prepare_out_dir(tmp_path, overwrite=False, bytes_needed=1)
     assert (tmp_path / name).read_text() == "old"  # nothing touched
+    # A run with checkpoints is refused earlier, with the resume hint; this one has none.
+    assert "--train.resume=auto" not in str(err.value)
 
 
 def test_a_run_that_died_before_its_first_step_does_not_block_the_folder(tmp_path):
@@ -322,3 +324,20 @@ def test_a_run_refused_for_its_disk_leaves_no_folders(tmp_path, monkeypatch):
     with pytest.raises(PartitaError, match="MiB free"):
         prepare_run_dir(_cfg(tmp_path))
     assert (tmp_path / "run").is_dir() and not list((tmp_path / "run").iterdir())
+
+
+def test_an_export_may_not_replace_what_it_is_read_from(tmp_path):
+    """`partita export RUN --out RUN --overwrite` replaced the run, checkpoints and all,
+    with the export."""
+    from partita.export import INDEX, check_not_over_source
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for out in (run, tmp_path, run / "checkpoints"):
+        with pytest.raises(PartitaError, match="would replace what it is read from"):
+            check_not_over_source(run, out)
+    check_not_over_source(run, run / "hf")  # new, inside the run: as train.export writes
+    (run / "hf").mkdir()
+    (run / "hf" / INDEX).write_text("{}")
+    check_not_over_source(run, run / "hf")  # an earlier export, replaced
+    check_not_over_source(run, tmp_path / "elsewhere")
