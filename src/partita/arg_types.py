@@ -15,8 +15,10 @@ import math
 from collections.abc import Callable
 
 
-def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | float]:
-    """A type for a number of `kind` (int or float) that is `minimum` or more."""
+def at_least(minimum: int | float, kind: type = int,
+             maximum: int | float | None = None) -> Callable[[str], int | float]:
+    """A type for a number of `kind` (int or float) that is `minimum` or more (and
+    `maximum` or less, when given)."""
     def parse(text: str) -> int | float:
         what = "a whole number" if kind is int else "a finite number"
         try:
@@ -25,8 +27,10 @@ def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | fl
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         if not math.isfinite(value):  # float("nan") compares false with any minimum
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is out of range: use {minimum} or more")
+        if value < minimum or (maximum is not None and value > maximum):
+            use = (f"{minimum} or more" if maximum is None
+                   else f"{minimum} to {maximum:,}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: use {use}")
         return value
     return parse
 

@@ -93,7 +93,10 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
-            logits = logits / temperature
+            # The largest logit subtracted first (softmax does not change): divided by
+            # a tiny temperature the others then go to -inf, rather than every logit
+            # overflowing to inf and the probabilities to NaN.
+            logits = (logits.double() - logits.max()) / temperature  # float64: 1e-300 too
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits[logits < kth] = -float("inf")

@@ -152,3 +152,13 @@ def test_a_validation_loss_is_logged_at_the_step_it_was_measured(run_dir, cli):
     assert val[3] is not None and val[6] is not None, val
     assert val.get(2) is None and val.get(4) is None, val
 
+
+
+@pytest.mark.parametrize("seed", ["18446744073709551616", "-1"])
+def test_a_sampling_seed_beyond_64_bits_is_refused_by_the_parser(seed, capsys):
+    """torch's generator raised an overflow traceback (or wrapped a negative seed)."""
+    from partita.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--seed", seed])
+    assert "out of range" in capsys.readouterr().err

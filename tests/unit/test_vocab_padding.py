@@ -161,3 +161,12 @@ def test_other_differences_are_listed_with_the_padding(tmp_path):
     with pytest.raises(CheckpointMismatch, match=r"n_layers: checkpoint 2, this run 3; padded "
                                                  r"vocabulary: checkpoint 256 rows"):
         check_model(saved, other, tmp_path)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300])
+def test_a_temperature_near_zero_samples_like_greedy(temperature):
+    """Logits divided by 1e-40 overflowed float32 (NaN probabilities, a traceback in
+    `partita generate`); near zero, sampling is the argmax, as at temperature 0."""
+    model = build_model(PADDED).eval()
+    greedy = generate(model, [1, 2, 3], 8, temperature=0.0)
+    assert generate(model, [1, 2, 3], 8, temperature=temperature, seed=3) == greedy

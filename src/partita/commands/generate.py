@@ -20,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="0 = greedy")
     p.add_argument("--top-k", type=at_least(0), default=0,
                    help="sample among the k likeliest (0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
+    # torch's generator takes 64 bits; larger (or negative) seeds would wrap around.
+    p.add_argument("--seed", type=at_least(0, int, 2**64 - 1), default=0,
+                   help="seed of the sampling")
     p.set_defaults(func=run, imports_torch=True)
 
 
