@@ -79,10 +79,12 @@ def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = 
             "--train.overwrite=true."
         )
     if found and not overwrite and _trained(path):
+        # No resume hint: a run with checkpoints to continue is refused earlier, by the
+        # check of its checkpoint folder, whose message offers --train.resume=auto.
         raise PartitaError(
             f"train.out_dir '{path}' already holds another run's results ({', '.join(found)}); "
-            "choose a new folder with --train.out_dir=PATH, continue that run with "
-            "--train.resume=auto, or replace them with --train.overwrite=true."
+            "choose a new folder with --train.out_dir=PATH, or replace them with "
+            "--train.overwrite=true (that run saved no checkpoint to continue from)."
         )
     return path
 
