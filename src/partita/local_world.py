@@ -34,6 +34,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from partita.errors import PartitaError, PeerFailure
+
 _CONTEXT: mp.context.BaseContext | None = None
 
 
@@ -184,11 +186,23 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple,
         # would share storages by file descriptor, which breaks once this process exits.
         value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, value))
+    except PartitaError as exc:
+        # Bad input found by a rank (a layout the model cannot take): its message is
+        # the whole story. A peer's failure or timeout keeps its traceback.
+        # Sent as a plain PartitaError: a subclass may take other arguments, and fail
+        # to unpickle on the other side.
+        results.put((rank, False, PartitaError(str(exc)) if not isinstance(exc, PeerFailure)
+                     else traceback.format_exc()))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class RankRefused(PartitaError, RuntimeError):
+    """A rank of `run_distributed` stopped on bad input (a PartitaError): shown as one
+    line by the command line, and still a RuntimeError for callers that catch those."""
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
@@ -225,6 +239,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                         f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
                     ) from None
                 continue
+            if isinstance(value, PartitaError):
+                raise RankRefused(f"rank {rank} of {world_size} failed: {value}") from None
             if not ok:
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = pickle.loads(value)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from partita.agreement import stop_together
 from partita.errors import PartitaError, PeerReported
 from partita.local_world import run_distributed
-from partita.agreement import stop_together
 
 pytestmark = pytest.mark.fault_suite("checkpoints")
 
@@ -44,3 +44,19 @@ def test_one_process_raises_its_own_error():
     with pytest.raises(PartitaError, match="damaged"):
         stop_together(PartitaError("damaged"), torch.device("cpu"), "reading")
     stop_together(None, torch.device("cpu"), "reading")  # nothing failed: nothing raised
+
+
+def _refuses(rank: int, world: int) -> None:
+    raise PartitaError("heads=4 is not divisible by tp=3; valid tp degrees: [1, 2, 4].")
+
+
+def test_a_rank_refusing_bad_input_is_one_line_for_the_command_line():
+    """Benchmarks run their ranks through run_distributed: a layout a rank refused
+    reached the user as two nested tracebacks with exit 1."""
+    from partita.local_world import RankRefused
+
+    with pytest.raises(RankRefused) as info:
+        run_distributed(_refuses, 2, timeout=60)
+    text = str(info.value)
+    assert isinstance(info.value, PartitaError) and isinstance(info.value, RuntimeError)
+    assert "failed: heads=4 is not divisible by tp=3" in text and "Traceback" not in text

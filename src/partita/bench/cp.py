@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from partita.arg_types import count
+from partita.arg_types import count, counts
 from partita.bench import paired
 from partita.context_parallel import (
     KINDS,
@@ -54,7 +54,8 @@ from partita.saved_tensors import SavedTensorMeter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--degrees", default="2,4", help="cp degrees, comma-separated")
+    parser.add_argument("--degrees", type=counts, default=[2, 4],
+                        help="cp degrees, comma-separated")
     parser.add_argument("--seq", type=count, default=4096,
                         help="tokens per sequence (long enough that attention dominates)")
     parser.add_argument("--batch", type=count, default=1)
@@ -173,7 +174,7 @@ def _balance(per_rank: list[list[tuple[float, float]]]) -> tuple[float, float, l
 def run(args: argparse.Namespace) -> int:
     opts = dict(dim=args.dim, heads=args.heads, kv_heads=args.kv_heads, layers=args.layers,
                 seq=args.seq, batch=args.batch)
-    degrees = [int(c) for c in args.degrees.split(",")]
+    degrees = args.degrees
     for c in degrees:
         sharding.check_length(args.seq, c)
     rounds = args.steps if args.steps is not None else args.rounds
