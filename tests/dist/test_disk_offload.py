@@ -149,8 +149,11 @@ def test_bad_directory_or_budget_fails_before_training(tmp_path: Path, monkeypat
     def check(cfg) -> None:
         check_layout(cfg, cfg.model_config(), cfg.layout(1), 1)
 
-    with pytest.raises(PartitaError, match="not an existing directory"):
-        check(_cfg(str(tmp_path / "missing")))
+    check(_cfg(str(tmp_path / "missing" / "nested")))  # created, like the run's folders
+    assert (tmp_path / "missing" / "nested").is_dir()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(PartitaError, match="is a file, not a folder"):
+        check(_cfg(str(tmp_path / "a-file")))
     with pytest.raises(PartitaError, match="parallel.offload_dir, which is not set"):
         check(_cfg(""))
     with pytest.raises(PartitaError, match="smaller than one disk-offload sub-group"):

@@ -6,6 +6,8 @@ modes and measures the disk.;
 `bench checkpoint --quick` prints the machine, its time and bytes tables and its verdict
 line."""
 
+import pytest
+
 
 def test_bench_dp_prints_its_table_with_intervals(cli):
     out = cli("bench", "dp", "--world", "2", "--batch", "1", "--seq", "16", "--rounds", "2",
@@ -75,7 +77,17 @@ def test_bench_gpu_names_the_runners_when_profile_names_none(cli):
     before the profile takes minutes), listing the runners it can profile."""
     out = cli("bench", "gpu", "--compile", "--profile", "stage 0", timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr[-2000:]
-    assert "'partita stage 0 model'" in out.stdout and "'stage 0'" in out.stdout
+    assert "'partita stage 0 model'" in out.stderr and "'stage 0'" in out.stderr
+    assert "partita: error: bench gpu: --profile" in out.stderr  # a refusal, said as one
+
+
+def test_bench_gpu_without_a_gpu_is_refused_as_any_error(cli):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    out = cli("bench", "gpu", "--rounds", "1", timeout=120)
+    assert out.returncode == 2 and "partita: error: bench gpu: no CUDA device" in out.stderr
 
 
 

@@ -35,6 +35,7 @@ import torch
 from partita.arg_types import at_least, count
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of, model_name
+from partita.errors import PartitaError
 from partita.local_world import run_distributed
 
 BF16 = torch.bfloat16
@@ -210,18 +211,17 @@ def run(args: argparse.Namespace) -> int:
 
     pairs = COMPILE_PAIRS if args.compile else PAIRS
     runners = list(dict.fromkeys(name for pair in pairs for name in pair))
+    # Refusals are PartitaErrors: one `partita: error:` line, exit 2, as everywhere.
     if args.profile and args.profile not in runners:
-        print(f"gpu: --profile {args.profile!r} is not a runner of this run; choose one of "
-              f"{', '.join(repr(n) for n in runners)}")
-        return 2
+        raise PartitaError(f"bench gpu: --profile {args.profile!r} is not a runner of this "
+                           f"run; choose one of {', '.join(repr(n) for n in runners)}.")
     if not torch.cuda.is_available():
-        print("gpu: no CUDA device visible; this benchmark needs at least one GPU")
-        return 1
+        raise PartitaError("bench gpu: no CUDA device is visible; this benchmark needs at "
+                           "least one GPU (bench dp and bench zero measure on CPUs).")
     world = args.gpus or torch.cuda.device_count()
     if world > torch.cuda.device_count():
-        print(f"gpu: --gpus {world} but {torch.cuda.device_count()} GPU(s) visible; NCCL "
-              "runs one rank per GPU")
-        return 1
+        raise PartitaError(f"bench gpu: --gpus {world} but {torch.cuda.device_count()} GPU(s) "
+                           "are visible; NCCL runs one rank per GPU.")
     setup = harness.Setup(model=args.model, batch=args.batch, seq=args.seq,
                           rounds=args.rounds, device="cuda")
     cfg = get_model_config(setup.model)

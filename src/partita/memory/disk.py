@@ -95,11 +95,17 @@ def check_offload_dir(directory: str, bytes_needed: int) -> None:
             "parallel.offload_dir, which is not set: give a folder on a fast local disk, "
             "e.g. --parallel.offload_dir=/scratch/offload, or set parallel.offload to a "
             "mode without disk.")
-    if not path.is_dir():
+    if path.exists() and not path.is_dir():
         raise PartitaError(
-            f"parallel.offload_dir={directory!r} is not an existing directory; disk offload "
-            f"writes the optimizer state there ({bytes_needed:,} bytes). Create it, or set "
-            "parallel.offload to a mode without disk.")
+            f"parallel.offload_dir={directory!r} is a file, not a folder; disk offload "
+            f"writes the optimizer state there ({bytes_needed:,} bytes). Give a folder (it "
+            "is created when missing), or set parallel.offload to a mode without disk.")
+    try:  # created when missing, like the run's other folders
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PartitaError(
+            f"parallel.offload_dir={directory!r} cannot be created ({exc.strerror or exc}); "
+            "give a folder on a writable local disk.") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise PartitaError(f"parallel.offload_dir={directory!r} is not writable; disk "
                            f"offload needs to write {bytes_needed:,} bytes there.")
