@@ -343,8 +343,8 @@ def resolve(path: Path, given_as: str = RESUME) -> Path:
     if (path / "checkpoints").is_dir() or (path / "model.safetensors").is_file():
         fresh = f" Start without {RESUME} to train from scratch." if given_as == RESUME else ""
         raise CheckpointFileError(
-            f"{subject} is a run folder whose run saved no checkpoint: its checkpoints/ "
-            f"folder holds no step-N folder with a {MANIFEST}. A run saves one every N "
+            f"{subject} is a run folder whose run saved no checkpoint: it has no "
+            f"checkpoints/step-N folder with a {MANIFEST}. A run saves one every N "
             "steps with train.checkpoint_every=N, and when stopped by SIGTERM or "
             "train.stop_after; a run that finished without one left only its final "
             f"weights, {path / 'model.safetensors'}.{fresh}")
