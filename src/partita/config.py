@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partita.config_ranges import check_ranges
-from partita.config_values import convert_value
+from partita.config_values import convert_value, read_user_file
 from partita.errors import PartitaError, did_you_mean
 from partita.layout import Layout, canonical_schedule
 from partita.models.catalog import get_model_config
@@ -436,30 +436,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Defaults, then the TOML file at `path`, then the overrides, each checked."""
     cfg = Config()
     if path:
-        _apply_toml(cfg, _read_config_file(Path(path)), str(path))
+        text = read_user_file(Path(path), "config file", "give the path of a TOML file (for "
+                              "example a run's config.toml)")
+        _apply_toml(cfg, text, str(path))
     for key, value in parse_overrides(overrides or []):
         _set(cfg, key, value)
     check_ranges(cfg)
     return cfg
-
-
-def _read_config_file(path: Path) -> str:
-    """The text of a TOML config file, or a PartitaError saying why it cannot be read."""
-    if path.is_dir():
-        raise PartitaError(f"config file '{path}' is a folder; give the path of a TOML file "
-                           "(for example a run's config.toml).")
-    if not path.is_file():
-        what = "does not exist" if not path.exists() else "is not a regular file"
-        raise PartitaError(f"config file '{path}' {what}; check the path.")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PartitaError(f"config file '{path}' is not UTF-8 text (byte {exc.start} is "
-                           f"{exc.object[exc.start]:#04x}); TOML files are UTF-8: save it "
-                           "as UTF-8.") from None
-    except OSError as exc:
-        raise PartitaError(f"config file '{path}' cannot be read: "
-                           f"{exc.strerror or exc}.") from None
 
 
 def config_from_toml(text: str) -> Config:

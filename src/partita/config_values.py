@@ -1,7 +1,9 @@
-"""Typed setting values from TOML values and command-line text.
+"""Typed setting values from TOML values and command-line text, and the text of the
+files users write them in.
 
-One function, `convert_value`, turns what a user wrote into the type a setting is
-annotated with, or a PartitaError that names the setting and shows a valid value.
+`convert_value` turns what a user wrote into the type a setting is annotated with, or
+a PartitaError that names the setting and shows a valid value; `read_user_file` reads
+a user's TOML file (a run config, a planner model or hardware file) or says why not.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import decimal
 import types
 import typing
+from pathlib import Path
 
 from partita.errors import PartitaError
 
@@ -80,3 +83,23 @@ INT_LIMIT = 2**63 - 1
 
 _KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
          float: ("a number", "0.001"), str: ("text", "text")}
+
+
+def read_user_file(path: Path, what: str, give: str, missing: str = "check the path") -> str:
+    """The UTF-8 text of the file `what` ('config file') at `path`, or a PartitaError:
+    missing (then `missing`), a folder or not a regular file (then `give`), not UTF-8,
+    or unreadable."""
+    if path.is_dir():
+        raise PartitaError(f"{what} '{path}' is a folder; {give}.")
+    if not path.is_file():
+        state = "does not exist" if not path.exists() else "is not a regular file"
+        raise PartitaError(f"{what} '{path}' {state}; {missing}.")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PartitaError(f"{what} '{path}' is not UTF-8 text (byte {exc.start} is "
+                           f"{exc.object[exc.start]:#04x}); TOML files are UTF-8: save it "
+                           "as UTF-8.") from None
+    except OSError as exc:  # permissions, a device, ...
+        raise PartitaError(f"{what} '{path}' cannot be read: {exc.strerror or exc}.") from None
+

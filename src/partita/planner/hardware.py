@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from partita.config_ranges import AT_LEAST_0, AT_LEAST_1, POSITIVE
+from partita.config_values import read_user_file
 from partita.device_specs import ALIASES, GB, GPUS, GPUSpec
 from partita.errors import PartitaError, did_you_mean
 from partita.planner.cpu_profile import measure_local_cpu
@@ -65,21 +66,12 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
     fields, e.g. `[gpu.h100-slow-net]  base = "H100"  inter_node_bandwidth = 25e9`.
     """
     path = Path(path)
+    give = "give a TOML file of [gpu.NAME] tables"
+    text = read_user_file(path, "hardware file", give, missing=give)
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise PartitaError(f"hardware file '{path}' does not exist.") from None
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise PartitaError(f"hardware file '{path}' is not valid TOML: {exc}.") from None
-    except IsADirectoryError:
-        raise PartitaError(f"hardware file '{path}' is a folder; give a TOML file of "
-                           "[gpu.NAME] tables.") from None
-    except UnicodeDecodeError as exc:
-        raise PartitaError(f"hardware file '{path}' is not UTF-8 text (byte {exc.start}); "
-                           "give a TOML file of [gpu.NAME] tables.") from None
-    except OSError as exc:  # unreadable: permissions, a device, ...
-        raise PartitaError(f"hardware file '{path}' cannot be read: "
-                           f"{exc.strerror or exc}.") from None
     tables = data.get("gpu")
     if not isinstance(tables, dict) or not tables:
         raise PartitaError(

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from partita.config_ranges import AT_LEAST_1, POSITIVE, RANGES
+from partita.config_values import convert_value, read_user_file
 from partita.errors import PartitaError, did_you_mean, pair_hint
 from partita.models.catalog import MODELS, get_model_config
 from partita.models.model_config import ModelConfig
@@ -148,25 +149,13 @@ def resolve_model(name_or_path: str) -> PlanModel:
     """A catalog name (`llama3-70b`) or a TOML file with `[model]` (and optional `[moe]`)."""
     path = Path(name_or_path)
     if name_or_path.endswith(".toml") or path.is_file():
+        text = read_user_file(path, "model config file",
+                              "give a TOML file with a [model] table, or a catalog name",
+                              missing=f"Known models: {', '.join(MODELS)}")
         try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise PartitaError(
-                f"model config file '{name_or_path}' does not exist. Known models: "
-                f"{', '.join(MODELS)}."
-            ) from None
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise PartitaError(f"model config '{name_or_path}' is not valid TOML: {exc}.") from None
-        except IsADirectoryError:
-            raise PartitaError(f"model config '{name_or_path}' is a folder; give a TOML "
-                               "file with a [model] table, or a catalog name.") from None
-        except UnicodeDecodeError as exc:
-            raise PartitaError(f"model config '{name_or_path}' is not UTF-8 text (byte "
-                               f"{exc.start}); give a TOML file with a [model] "
-                               "table.") from None
-        except OSError as exc:  # unreadable: permissions, a device, ...
-            raise PartitaError(f"model config '{name_or_path}' cannot be read: "
-                               f"{exc.strerror or exc}.") from None
         if "model" not in data:
             raise PartitaError(
                 f"model config '{name_or_path}' has no [model] table of ModelConfig fields."
@@ -315,7 +304,6 @@ def _read_value(name: str, raw: object, label: str, key: str = "") -> object:
     checked: the conversion and ranges `partita train` applies to [model] (partita.config,
     partita.config_ranges), so plan and train accept the same values. `label` names
     the value in the message, `key` the setting as the user wrote it (default `name`)."""
-    from partita.config_values import convert_value
     target = _TYPES[name]
     base = next((t for t in typing.get_args(target) if t is not type(None)), target)
     try:
