@@ -238,9 +238,10 @@ def structured_corpus(source: str | os.PathLike, text_field: str = "text",
         return None
     if is_disk_dataset(root):
         return DiskDatasetCorpus(root, text_field, bad_lines)
-    if root.suffix in PARQUET_SUFFIXES or _folder_kind(root) == "Parquet":
+    kind = _folder_kind(root)  # one walk of a folder (None for a file)
+    if root.suffix in PARQUET_SUFFIXES or kind == "Parquet":
         return ParquetCorpus(root, text_field, bad_lines)
-    if root.suffix in JSONL_SUFFIXES or _folder_kind(root) == "JSONL":
+    if root.suffix in JSONL_SUFFIXES or kind == "JSONL":
         return JsonlCorpus(root, text_field, bad_lines)
     return None
 
