@@ -38,6 +38,26 @@ def at_least(minimum: int | float, kind: type = int,
 count = at_least(1)  # a number of things (ranks, rounds, layers, tokens): 1 or more
 
 
-def counts(text: str) -> list[int]:
-    """A comma-separated list of counts, such as world sizes: `1,2,4`."""
-    return [count(part.strip()) for part in text.split(",")]
+class _Flatten(argparse.Action):
+    """Joins the lists that `several`'s type returns for each word into one list."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: list[list[object]], option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, [value for word in values for value in word])
+
+
+def several(item: Callable[[str], object], choices: tuple | None = None) -> dict:
+    """`add_argument` keywords for an option that takes one or more values, each word
+    itself comma-separated: `--worlds 2 4`, `--worlds 2,4` and `--worlds 2,4 8` all
+    read [2, 4(, 8)], so every list option of the command line takes both spellings."""
+    def parse(word: str) -> list[object]:
+        values = []
+        for part in word.split(","):
+            value = item(part.strip())
+            if choices is not None and value not in choices:
+                raise argparse.ArgumentTypeError(
+                    f"{part.strip()!r} is not one of {', '.join(map(str, choices))}")
+            values.append(value)
+        return values
+    parse.__name__ = getattr(item, "__name__", "value")  # argparse names it in errors
+    return dict(nargs="+", type=parse, action=_Flatten)

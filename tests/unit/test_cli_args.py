@@ -96,3 +96,46 @@ def test_a_setting_without_its_section_gets_the_setting_form(words, hint, capsys
         main(["train", *words])
     assert stop.value.code == 2
     assert hint in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,dest,expected", [
+    (["bench", "zero", "--worlds", "2", "4"], "worlds", [2, 4]),
+    (["bench", "zero", "--worlds", "2,4"], "worlds", [2, 4]),
+    (["bench", "zero", "--stages", "0,3", "2"], "stages", [0, 3, 2]),
+    (["bench", "compile", "--worlds", "1", "2"], "worlds", [1, 2]),
+    (["bench", "ep", "--worlds", "4"], "worlds", [4]),
+    (["bench", "cp", "--degrees", "2", "4"], "degrees", [2, 4]),
+    (["bench", "checkpoint", "--worlds", "4,2"], "worlds", [4, 2]),
+    (["bench", "plan-accuracy", "--worlds", "1", "2,4"], "worlds", [1, 2, 4]),
+    (["bench", "pp", "--stages", "2,4", "--schedules", "1f1b,gpipe"], "schedules",
+     ["1f1b", "gpipe"]),
+    (["bench", "pp-bubble", "-p", "2", "4"], "stages", [2, 4]),
+])
+def test_every_list_option_takes_spaces_and_commas(argv, dest, expected):
+    """Some benchmarks read `--worlds 2 4`, others `--worlds 2,4`, and each refused the
+    other's spelling; every list option now takes both, and mixes of them."""
+    from partita.cli import build_parser
+
+    assert getattr(build_parser().parse_args(argv), dest) == expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "zero", "--stages", "4"], "argument --stages: '4' is not one of 0, 1, 2, 3"),
+    (["bench", "pp", "--schedules", "1f1b,gpipe2"],
+     "argument --schedules: 'gpipe2' is not one of"),
+    (["bench", "zero", "--worlds", "2,,4"], "argument --worlds: '' is not a whole number"),
+])
+def test_a_bad_item_of_a_list_option_is_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_round_cap_below_the_first_rounds_is_refused(capsys):
+    """Rounds double from --rounds up to --max-rounds; a cap the user gave below the
+    start was silently ignored. (A --rounds beyond the default cap still lifts it.)"""
+    assert main(["bench", "dp", "--rounds", "8", "--max-rounds", "4"]) == 2
+    err = capsys.readouterr().err
+    assert ("--rounds 8 is more than --max-rounds 4, the most rounds a pair may take: "
+            "give --max-rounds 8 or more, or fewer --rounds." in err)

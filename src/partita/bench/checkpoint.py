@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from partita.arg_types import count
+from partita.arg_types import count, several
 from partita.bench import paired
 from partita.local_world import run_distributed
 
@@ -352,7 +352,7 @@ def parameter_count(setup: Setup) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", type=count, nargs="+", default=[4, 2],
+    parser.add_argument("--worlds", **several(count), default=[4, 2],
                         help="world sizes, run largest first; the later ones also load "
                              "the first one's checkpoints (default 4 2)")
     parser.add_argument("--dim", type=count, default=Setup.dim)

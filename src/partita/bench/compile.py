@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from partita.arg_types import count, counts
+from partita.arg_types import count, several
 from partita.bench import dp as harness
 from partita.bench import paired
 from partita.bench.models import CHOICES, blocks_of, model_name
@@ -117,7 +117,8 @@ def _first_steps(rank: int, world: int, setup: harness.Setup, precision: str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", type=counts, default="1,2", help="world sizes (default 1,2)")
+    parser.add_argument("--worlds", **several(count), default=[1, 2],
+                        help="world sizes (default 1 2)")
     parser.add_argument("--model", type=model_name, default="tiny",
                         help=f"{', '.join(CHOICES)} (tiny-moe: a mixture of experts) or any "
                         "catalog model (default tiny)")

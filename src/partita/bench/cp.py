@@ -35,7 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from partita.arg_types import count, counts
+from partita.arg_types import count, several
 from partita.bench import paired
 from partita.context_parallel import (
     KINDS,
@@ -54,8 +54,8 @@ from partita.saved_tensors import SavedTensorMeter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--degrees", type=counts, default=[2, 4],
-                        help="cp degrees, comma-separated")
+    parser.add_argument("--degrees", **several(count), default=[2, 4],
+                        help="cp degrees (default 2 4)")
     parser.add_argument("--seq", type=count, default=4096,
                         help="tokens per sequence (long enough that attention dominates)")
     parser.add_argument("--batch", type=count, default=1)

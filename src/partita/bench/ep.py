@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from partita.arg_types import count, counts
+from partita.arg_types import count, several
 from partita.bench import paired
 from partita.experts import apply_expert_parallel
 from partita.layout import Layout
@@ -47,7 +47,8 @@ from partita.models.moe import MoE, SwiGLU
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--worlds", type=counts, default="2,4", help="world sizes, comma-separated")
+    parser.add_argument("--worlds", **several(count), default=[2, 4],
+                        help="world sizes (default 2 4)")
     parser.add_argument("--ep", type=count, default=2, help="expert-parallel degree")
     parser.add_argument("--experts", type=count, default=4)
     parser.add_argument("--dim", type=count, default=256)

@@ -34,7 +34,7 @@ import os
 import statistics
 from dataclasses import replace
 
-from partita.arg_types import count, counts
+from partita.arg_types import count, several
 from partita.bench import paired
 from partita.bench.plan_measure import (
     COMM_NAMES,
@@ -174,8 +174,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=count, default=32, help="sequence length (default 32)")
     parser.add_argument("--steps", type=count, default=5,
                         help="timed steps per layout after one warm-up (default 5)")
-    parser.add_argument("--worlds", type=counts, default="1,2,4,8",
-                        help="world sizes to run, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--worlds", **several(count), default=[1, 2, 4, 8],
+                        help="world sizes to run (default 1 2 4 8)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from partita.arg_types import count
+from partita.arg_types import count, several
 from partita.bench import paired
 from partita.bench.models import pipeline_config
 from partita.local_world import run_distributed
@@ -36,9 +36,9 @@ OURS = [name for name, _, peer in PAIRS if peer != SELF]  # each against its tor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=count, nargs="+", default=[2, 4])
+    parser.add_argument("--stages", "-p", **several(count), default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=count, default=8)
-    parser.add_argument("--schedules", nargs="+", default=OURS, choices=OURS,
+    parser.add_argument("--schedules", **several(str, choices=OURS), default=OURS,
                         help="our schedules to time against their torch peers (default: "
                              "all three; the noise-floor row runs with 1f1b)")
     # 16: with 6 our 1F1B timed against itself read 0.987-1.030; R is the worst of six

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from partita.arg_types import count
+from partita.arg_types import count, several
 from partita.bench.models import pipeline_config
 from partita.local_world import run_distributed
 
@@ -45,7 +45,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1)]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--stages", "-p", type=count, nargs="+", default=[2, 4])
+    parser.add_argument("--stages", "-p", **several(count), default=[2, 4])
     parser.add_argument("--microbatches", "-m", type=count, default=8)
     parser.add_argument("--steps", type=count, default=5, help="measured steps (after 1 warm-up)")
     parser.add_argument("--dim", type=count, default=256)

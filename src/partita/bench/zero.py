@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from partita.arg_types import count
+from partita.arg_types import count, several
 from partita.bench import dp as harness
 from partita.bench.models import blocks_of
 from partita.local_world import run_distributed
@@ -161,12 +161,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # At least 20 rounds: with 6, stage 0 timed against itself strayed up to 4% from 1.0
     # at 4 ranks, with 10 up to 6%. Pairs whose verdict is still open double from there.
     parser.set_defaults(rounds=20)
-    parser.add_argument("--worlds", type=count, nargs="+", default=[2, 4],
+    parser.add_argument("--worlds", **several(count), default=[2, 4],
                         help="world sizes to run (default 2 4)")
     parser.add_argument("--no-deepspeed", action="store_true",
                         help="skip DeepSpeed even where it is installed")
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3],
-                        choices=(0, 1, 2, 3),
+    parser.add_argument("--stages", **several(int, choices=(0, 1, 2, 3)),
+                        default=[0, 1, 2, 3],
                         help="the stages whose rows to time (default all; S is a stage 3 "
                              "row, the noise row a stage 0 one)")
 

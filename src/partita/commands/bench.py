@@ -53,13 +53,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         # A partial of module-level functions, not a closure: several benchmarks send
         # their parsed arguments (this `func` among them) to their worker processes,
         # and a closure cannot be pickled.
-        sub.set_defaults(func=functools.partial(_naming_the_machine, module.run))
+        sub.set_defaults(func=functools.partial(_naming_the_machine, module.run,
+                                                sub.get_default("max_rounds")))
 
 
 def _naming_the_machine(run: Callable[[argparse.Namespace], int],
-                        args: argparse.Namespace) -> int:
+                        default_cap: int | None, args: argparse.Namespace) -> int:
     """`run(args)` after a first line that names the machine."""
     from partita.bench.machine import describe_machine
+    from partita.errors import PartitaError
+
+    # Rounds start at --rounds and double up to --max-rounds while the ratio's interval
+    # is wide. A --rounds beyond the default cap lifts it; a cap the user gave below
+    # the start would be ignored without a word, so it is refused.
+    rounds, cap = getattr(args, "rounds", None), getattr(args, "max_rounds", None)
+    if rounds is not None and cap is not None and cap != default_cap and rounds > cap:
+        raise PartitaError(f"--rounds {rounds} is more than --max-rounds {cap}, the most "
+                           f"rounds a pair may take: give --max-rounds {rounds} or more, "
+                           f"or fewer --rounds.")
 
     print(describe_machine(), flush=True)
     return run(args)
