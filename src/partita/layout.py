@@ -249,6 +249,9 @@ class Layout:
             parts.append(f"cp_kind={self.cp_kind}")
         if self.moe_tp != "replicate":
             parts.append(f"moe_tp={self.moe_tp}")
+        defaults = {f.name: f.default for f in fields(self)}  # what partita itself does
+        parts += [f"{name}={int(getattr(self, name))}" for name in OVERLAP_OPTIONS
+                  if getattr(self, name) != defaults[name]]
         return " ".join(parts)
 
     def __str__(self) -> str:

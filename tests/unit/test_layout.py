@@ -46,6 +46,16 @@ def test_text_form_round_trips():
     assert parse_layout("pp=2 virtual_stages=2", 2).schedule == "interleaved-1f1b"
 
 
+def test_text_form_names_the_overlap_options_that_are_not_partitas():
+    """The overlap options change the planner's prediction; the text form left them out,
+    so a layout printed by the planner read back as another one."""
+    lay = Layout(dp=2, tp=2, sequence_parallel=True, tp_comm_overlap=True,
+                 overlap_grad_reduce=False)
+    assert lay.describe().endswith("tp_comm_overlap=1 overlap_grad_reduce=0")
+    assert parse_layout(lay.describe()) == lay
+    assert "overlap" not in Layout(dp=2).describe()
+
+
 @pytest.mark.parametrize("old,new", [
     ("zero=2", dict(zero_stage=2)),
     ("vpp=2 pp=2", dict(virtual_stages=2, pp=2, schedule="interleaved-1f1b")),

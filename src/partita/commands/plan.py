@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         ev = evaluate(req, layout)
         broken = [text for kind, text in ev.reasons if kind in RULES]
         if broken:  # not a layout partita can train: bad input, whatever its memory
-            raise PartitaError(f"--layout {report.layout_text(layout)}: partita cannot train this "
+            raise PartitaError(f"--layout {layout.describe()}: partita cannot train this "
                                f"layout on {args.gpus} GPUs, as it breaks "
                                f"{_count(len(broken), 'rule')}: "
                                f"{'; '.join(r.rstrip('.') for r in broken)}.")

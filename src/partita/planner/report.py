@@ -185,18 +185,8 @@ def footer(result: SearchResult) -> str:
     return f"searched {result.searched} layouts in {result.seconds:.2f} s"
 
 
-def layout_text(layout) -> str:
-    """`layout.describe()` and the overlap options it leaves out where they are not
-    their defaults (tp_comm_overlap=1 changes the prediction and the verdict)."""
-    defaults = {"tp_comm_overlap": False, "overlap_grad_reduce": True,
-                "overlap_param_gather": True}
-    extra = [f"{k}={int(getattr(layout, k))}" for k, v in defaults.items()
-             if getattr(layout, k) != v]
-    return " ".join([layout.describe(), *extra])
-
-
 def format_evaluation(req: Request, ev: Evaluation) -> str:
-    out = [describe_request(req), "", f"Layout: {layout_text(ev.layout)}"]
+    out = [describe_request(req), "", f"Layout: {ev.layout.describe()}"]
     if ev.memory:
         scale, unit = _unit(ev.memory["total"])
         out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), {unit}:")
