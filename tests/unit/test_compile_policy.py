@@ -94,3 +94,21 @@ def test_without_a_toolchain_auto_falls_back_and_explicit_modes_stop():
             resolve_mode(CompilePolicy(explicit), Layout(dp=2), CPU, broken)
     assert resolve_mode(CompilePolicy("none"), Layout(pp=2), CPU, broken) == ("none", "")
     assert resolve_mode(CompilePolicy("auto"), Layout(dp=2), CPU, works) == ("blocks", "")
+
+
+def test_compile_model_on_a_layout_it_cannot_take_is_refused_before_torch(tmp_path):
+    """The refusal needs only the degrees; it came after torch was imported (seconds),
+    and after the default world size was asked of torch, where it can come at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from partita.cli import main\n"
+            "status = main(['train', '--train.compile=model', '--parallel.zero_stage=3', "
+            f"'--train.out_dir={tmp_path / 'run'}'])\n"
+            "print(status, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["2", "False"], out.stderr
+    assert "ZeRO-3 gathers each block's parameters" in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -14,6 +14,7 @@ from pathlib import Path
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
 from partita.checkpoint.resume import checkpoint_root, resume_target
+from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
 from partita.errors import (
@@ -36,6 +37,7 @@ from partita.launch import (
     start_worker_server,
     stop_worker_server,
 )
+from partita.layout import Layout
 from partita.layout_rules import validate
 from partita.models.hf_config import check_exportable
 from partita.run_dir import (
@@ -198,6 +200,12 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
     if world_size is not None:
         validate(cfg.layout(world_size), cfg.model_config(), world_size,
                  seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
+    if cfg.train.compile == "model":  # its rules read the degrees, not the world size
+        p = cfg.parallel
+        degrees = Layout(tp=p.tp, pp=p.pp, cp=p.cp, zero_stage=p.zero_stage,
+                         recompute=p.recompute)
+        if refusal := model_refusal(degrees, moe=cfg.model_config().n_experts > 0):
+            raise PartitaError(refusal)
     if cfg.train.export == "hf":  # found now, not after training
         check_exportable(cfg.model_config())
     check_run_dir(cfg)
