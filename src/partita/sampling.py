@@ -113,10 +113,16 @@ def generate_text(run_dir: str | Path, prompt: str, new_tokens: int,
 
         tok = HFTokenizer(cfg.data.tokenizer)
         start = [tok.bos_id] if tok.bos_id is not None else []
-        ids = generate(model, start + tok.encode(prompt).tolist(), new_tokens, temperature,
-                       top_k, seed)
+        prompt_ids = start + tok.encode(prompt).tolist()
+        if not prompt_ids:
+            raise PartitaError(f"the prompt is empty and the run's tokenizer "
+                               f"({cfg.data.tokenizer}) has no BOS token to start from; "
+                               "give --prompt some text.")
+        ids = generate(model, prompt_ids, new_tokens, temperature, top_k, seed)
         return tok.decode(ids[len(start):])
+    # The byte tokenizer has no BOS: an empty prompt starts after a newline (a line's
+    # start, as the training text has), which is not printed.
     tok = ByteTokenizer()
-    ids = generate(model, tok.encode(prompt).tolist() or [10], new_tokens, temperature,
-                   top_k, seed)
-    return tok.decode(ids)
+    prompt_ids = tok.encode(prompt).tolist()
+    ids = generate(model, prompt_ids or [ord("\n")], new_tokens, temperature, top_k, seed)
+    return tok.decode(ids if prompt_ids else ids[1:])
