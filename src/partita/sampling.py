@@ -9,6 +9,7 @@ import torch
 from partita.config import load_config
 from partita.data import ByteTokenizer
 from partita.errors import PartitaError
+from partita.kv_cache import KVCache
 from partita.models.transformer import build_model
 from partita.weights import load_weights, nonfinite_tensors
 
@@ -82,27 +83,43 @@ def _checkpoint_state(folder: Path):
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float = 0.8,
              top_k: int = 0, seed: int = 0) -> list[int]:
-    """Autoregressive sampling (greedy when temperature is 0)."""
+    """Autoregressive sampling (greedy when temperature is 0).
+
+    Keys and values are kept between tokens (`partita.kv_cache`) while the sequence fits
+    the model's length; past it every token sees the last max_seq_len tokens, at
+    positions from 0, which a cache cannot give, so each runs the whole window. A
+    mixture of experts with a capacity (`capacity_factor`) always runs the whole
+    sequence: its tokens compete for each expert's places over the sequence."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    ids, end = list(prompt_ids), len(prompt_ids) + new_tokens
     limit, vocab = model.cfg.max_seq_len, model.cfg.vocab_size
-    for _ in range(new_tokens):
+
+    def pick(logits: torch.Tensor) -> None:
         # Only the real vocabulary: the columns of a padded one (model.vocab_multiple)
         # are no token, whatever their (untrained) rows of the head give them.
-        logits = model(ids[:, -limit:])[0, -1, :vocab].float()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            # The largest logit subtracted first (softmax does not change): divided by
-            # a tiny temperature the others then go to -inf, rather than every logit
-            # overflowing to inf and the probabilities to NaN.
-            logits = (logits.double() - logits.max()) / temperature  # float64: 1e-300 too
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits[logits < kth] = -float("inf")
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return ids[0].tolist()
+        ids.append(_sample(logits[0, -1, :vocab].float(), temperature, top_k, gen))
+
+    if model.cfg.n_experts == 0 or model.cfg.capacity_factor is None:
+        with KVCache(model) as cache:
+            while len(ids) < end and len(ids) <= limit:
+                pick(cache.logits(torch.tensor([ids[cache.length:]])))
+    while len(ids) < end:
+        pick(model(torch.tensor([ids[-limit:]])))
+    return ids
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int,
+            gen: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    # The largest logit subtracted first (softmax does not change): divided by a tiny
+    # temperature the others then go to -inf, rather than every logit overflowing to
+    # inf and the probabilities to NaN.
+    logits = (logits.double() - logits.max()) / temperature  # float64: 1e-300 too
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits[logits < kth] = -float("inf")
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
 
 
 def generate_text(run_dir: str | Path, prompt: str, new_tokens: int,
