@@ -172,6 +172,10 @@ def before_stop_request(exc: Stopped) -> bool:
     return exc.signum == signal.SIGTERM and not STOP_REQUEST.installed
 
 
+def _after_the_first(_signum: int, _frame: object) -> None:
+    """SIGINT and SIGTERM once `stop_on_signals` has stopped the process: nothing to do."""
+
+
 def stop_on_signals() -> None:
     """Turn SIGINT and SIGTERM into `Stopped` in this process (main thread only)."""
     import signal
@@ -179,9 +183,12 @@ def stop_on_signals() -> None:
     def handler(signum, _frame):
         # The first signal stops the process; later ones (Ctrl-C reaches every process
         # of the group, and the launcher forwards its own copy) must not interrupt the
-        # exit with a second exception and its traceback.
+        # exit with a second exception and its traceback. They go to a handler that
+        # does nothing, not to SIG_IGN: a signal already received but not yet handled
+        # when SIG_IGN is set makes Python raise "OSError: Signal 15 ignored due to race
+        # condition" at the next line it runs, wherever that is.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
+            signal.signal(sig, _after_the_first)
         raise Stopped(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
