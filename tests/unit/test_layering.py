@@ -12,7 +12,7 @@ Layers, lowest first (docs/architecture.md explains each):
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
-    services     checkpoint, data.*, weights, sampling, kv_cache, metrics, run_dir
+    services     checkpoint, data.*, weights, sampling, kv_cache, metrics, run_dir, folder_lock
     trainer      trainer, launch, worker_watch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
@@ -49,7 +49,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
                     "partita.context_parallel", "partita.experts")),
     ("parallelize", ("partita.parallelize", "partita.compile", "partita.compile_once")),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
-                  "partita.kv_cache",
+                  "partita.kv_cache", "partita.folder_lock",
                   "partita.metrics", "partita.run_dir", "partita.export")),
     ("trainer", ("partita.trainer", "partita.launch", "partita.worker_watch", "partita.faults",
                  "partita.watchdog", "partita.process_setup")),

@@ -30,6 +30,7 @@ from partita.errors import (
     print_line,
     signals_held,
 )
+from partita.folder_lock import LOCK_FILE, check_not_in_use, lock_folder
 from partita.launch import (
     LaunchSpec,
     launch,
@@ -135,12 +136,18 @@ def _run(args: argparse.Namespace) -> int:
         with signals_held():  # a SIGTERM meanwhile arrives after, not inside torch's import
             from partita.trainer import train
 
+        locks = []  # held by rank 0 until it returns, on one node (folder_lock)
         if int(os.environ["RANK"]) == 0:
-            prepare_run_dir(cfg)
+            single_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+            locks = prepare_run_dir(cfg, lock=single_node)
             _print_notes(cfg)
             for note in pipeline_notes(cfg, int(os.environ["WORLD_SIZE"])):
                 print(note, file=sys.stderr, flush=True)
-        return _exit_status([train(cfg)])
+        try:
+            return _exit_status([train(cfg)])
+        finally:
+            for handle in filter(None, locks):
+                handle.close()
     for flag, value in (("--nproc", args.nproc), ("--nnodes", args.nnodes)):
         if value is not None and value < 1:
             raise PartitaError(f"{flag} {value} is out of range: give 1 or more processes "
@@ -162,7 +169,10 @@ def _run(args: argparse.Namespace) -> int:
         # Before the run folder is prepared: a refused job leaves no folder behind.
         if pick_device_name(cfg.train.device) == "cuda":
             check_one_gpu_per_process(nproc)
-        validate_before_launch(cfg, nproc * args.nnodes, local_processes=nproc)
+        # One node's launcher holds the folders' locks for the whole job, restarts
+        # included; with several nodes each prepares the folders and none locks them.
+        locks = validate_before_launch(cfg, nproc * args.nnodes, local_processes=nproc,
+                                       lock=args.nnodes == 1)
         for note in pipeline_notes(cfg, nproc * args.nnodes):
             print(note, file=sys.stderr, flush=True)
         spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
@@ -175,6 +185,9 @@ def _run(args: argparse.Namespace) -> int:
         except Stopped as exc:
             exc.after_launch = True  # see run()
             raise
+        finally:
+            for handle in filter(None, locks):
+                handle.close()
     finally:
         stop_worker_server()  # the workers are gone, or were never started
     return _exit_status(results)
@@ -212,14 +225,15 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
 
 
 def validate_before_launch(cfg: Config, world_size: int,
-                           local_processes: int | None = None) -> None:
+                           local_processes: int | None = None, lock: bool = True) -> list:
     """Catch layout and data mistakes here, once, instead of in every process.
 
     Preparing the data here also means the token cache is written once per node before
     any worker starts; the workers then only open it, and its token counts are checked
     against the batches here (too few for one global batch, or a validation split
     with fewer windows than replicas) rather than by every rank after launch.
-    `local_processes` (this node's, default `world_size`) judge train.threads.
+    `local_processes` (this node's, default `world_size`) judge train.threads. Returns
+    the run folders' locks (`prepare_run_dir`), which the caller holds for the job.
     """
     from partita.parallelize import check_layout
     from partita.trainer import open_dataset
@@ -238,9 +252,10 @@ def validate_before_launch(cfg: Config, world_size: int,
 
         check_resumable(read_manifest(target).get("training", {}).get("sampler", {}),
                         {"num_windows": num_windows(len(data.train), cfg.data.seq_len)})
-    prepare_run_dir(cfg)
+    locks = prepare_run_dir(cfg, lock)
     if note := threads_note(cfg, local_processes or world_size):
         print(note, file=sys.stderr, flush=True)
+    return locks
 
 
 def available_cores() -> int:
@@ -276,6 +291,9 @@ def check_run_dir(cfg: Config) -> Path | None:
     run's results unless train.overwrite; the checkpoint, or None."""
     given_out_dir(cfg.train.out_dir)  # before any path is derived from it
     check_folder(checkpoint_root(cfg), checkpoint_setting(cfg))
+    # A live job's folders are refused first: what is in them is still changing.
+    check_not_in_use(cfg.train.out_dir, OUT_DIR)
+    check_not_in_use(checkpoint_root(cfg), checkpoint_setting(cfg))
     timeline_folder(cfg)
     target = resume_target(cfg)
     if target is not None:
@@ -298,20 +316,34 @@ def check_run_dir(cfg: Config) -> Path | None:
     return target
 
 
-def prepare_run_dir(cfg: Config) -> None:
+def prepare_run_dir(cfg: Config, lock: bool = True) -> list:
     """Check and claim train.out_dir for this run (see partita.run_dir): `check_run_dir`,
-    create the folders the run writes into, then, with train.overwrite, remove the
-    earlier run's checkpoints and results."""
+    create the folders the run writes into, lock them (`lock`: see partita.folder_lock;
+    the locks last while the returned files stay open), then, with train.overwrite,
+    remove the earlier run's checkpoints and results."""
     target = check_run_dir(cfg)
     folders = [(given_out_dir(cfg.train.out_dir), OUT_DIR),
                (checkpoint_root(cfg), checkpoint_setting(cfg))]
     if (png_folder := timeline_folder(cfg)) is not None:
         folders.append((png_folder, TIMELINE_FOLDER))
     made = [Path(folder) for folder, _ in folders if not Path(folder).exists()]
+    locks: list = []
+    new_lock_files: list[Path] = []  # removed again when the run is refused
     try:
         # Every folder the run writes is made and proven writable before anything of an
         # earlier run is removed (and not after training, where a failure loses the run).
         root = [prepare_folder(folder, setting) for folder, setting in folders][1]
+        if lock:  # the run's folders are this job's alone until it ends (folder_lock)
+            # The default checkpoint folder is inside out_dir, whose lock covers it (and
+            # a run that saved nothing removes it, which a lock file in it would stop).
+            mine = folders[:2] if cfg.train.checkpoint_dir else folders[:1]
+            seen = set()  # one lock per folder: a second flock of it would refuse itself
+            for folder, setting in mine:
+                if (where := Path(folder).resolve()) not in seen:
+                    seen.add(where)
+                    if not (where / LOCK_FILE).exists():
+                        new_lock_files.append(where / LOCK_FILE)
+                    locks.append(lock_folder(folder, setting))
         if target is None:
             for folder in complete_checkpoints(root):
                 shutil.rmtree(folder)
@@ -323,10 +355,15 @@ def prepare_run_dir(cfg: Config) -> None:
     except PartitaError:
         # Refused (too little space, say): the folders made for it go again, innermost
         # first; one that something else wrote into stays.
+        for path in new_lock_files:
+            path.unlink(missing_ok=True)
+        for handle in filter(None, locks):
+            handle.close()
         for folder in sorted(made, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
+    return locks
 
 
 def checkpoint_setting(cfg: Config) -> str:
