@@ -15,7 +15,9 @@ from safetensors import safe_open
 from partita.checkpoint.files import CRC_BLOCK, CheckpointFileError, FileReader, write_file
 from partita.checkpoint.manifest import (
     LATEST,
+    complete_checkpoints,
     find_latest,
+    is_checkpoint,
     prune,
     read_manifest,
     remove_partials,
@@ -446,3 +448,41 @@ def test_a_manifest_step_that_is_no_count_is_refused(tmp_path, saved_one_process
     edited = _edited(tmp_path, saved, lambda m: m.update(step=step))
     with pytest.raises(CheckpointFileError, match="not a step count"):
         read_manifest(edited)
+
+
+def test_a_roll_back_sets_the_later_branch_aside(tmp_path):
+    """Resuming from an older checkpoint of the run's own folder (a roll-back) left the
+    newer ones in place: resume=auto then returned to the abandoned branch, and the
+    run's saves replaced them one by one. They are renamed, not deleted."""
+    from partita.checkpoint.resume import set_aside_later_branch
+
+    root = tmp_path / "checkpoints"
+    two, four, six = (_checkpoint(root, s) for s in (2, 4, 6))
+    write_latest(root, six.name)
+    moved = set_aside_later_branch(two, root)
+    assert [p.name.rsplit("-", 1)[0] for p in moved] == ["abandoned-step-00000004",
+                                                          "abandoned-step-00000006"]
+    assert all(is_checkpoint(p) for p in moved)  # kept whole
+    assert complete_checkpoints(root) == [two] and find_latest(root) == two
+    assert (root / LATEST).read_text().strip() == two.name
+    assert set_aside_later_branch(_checkpoint(tmp_path / "elsewhere", 1), root) == []
+
+
+def test_a_restart_resumes_what_the_run_saved_after_its_given_checkpoint(tmp_path):
+    """With --max-restarts and train.resume=PATH, a restart went back to PATH though the
+    run had saved later checkpoints, and redid that work."""
+    from partita.checkpoint.resume import resume_target
+    from partita.config import load_config
+
+    root = tmp_path / "run" / "checkpoints"
+    given = _checkpoint(root, 2)
+    cfg = load_config(None, [f"--train.out_dir={tmp_path / 'run'}",
+                             f"--train.resume={given}"])
+    assert resume_target(cfg, restarted=True) == given  # nothing saved since
+    later = _checkpoint(root, 5)
+    assert resume_target(cfg, restarted=True) == later
+    assert resume_target(cfg) == given  # a first start takes what was asked
+    # A checkpoint folder of another run given: this run's older checkpoints stay unused.
+    other = _checkpoint(tmp_path / "other", 9)
+    cfg = load_config(None, [f"--train.out_dir={tmp_path / 'run'}", f"--train.resume={other}"])
+    assert resume_target(cfg, restarted=True) == other

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
-from partita.checkpoint.manifest import all_damaged, find_latest, resolve
+from partita.checkpoint.manifest import (
+    STEP_DIR,
+    all_damaged,
+    complete_checkpoints,
+    find_latest,
+    resolve,
+    write_latest,
+)
 from partita.config import Config
 
 
@@ -18,8 +26,14 @@ def checkpoint_root(cfg: Config) -> Path:
 def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
     """The checkpoint this run starts from: train.resume resolved ("auto": the newest
     complete one, or None for a fresh start). A worker restarted by the launcher
-    (--max-restarts) resumes as with "auto" when nothing else was asked."""
+    (--max-restarts) resumes from the newest checkpoint in the run's folder, or from
+    train.resume when the run has saved none there."""
     wanted = cfg.train.resume or ("auto" if restarted else "")
+    if restarted and wanted != "auto":
+        # What the run saved since it started is newer than the checkpoint it was told
+        # to start from (a roll-back's later branch was set aside at launch).
+        given, latest = resolve(Path(wanted)), find_latest(checkpoint_root(cfg))
+        return latest if latest is not None and _step(latest) > _step(given) else given
     if not wanted:
         return None
     if wanted == "auto":
@@ -29,6 +43,32 @@ def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
             raise damaged
         return latest
     return resolve(Path(wanted))
+
+
+def _step(folder: Path) -> int:
+    found = STEP_DIR.match(folder.name)
+    return int(found.group(1)) if found else -1
+
+
+def set_aside_later_branch(target: Path, root: Path) -> list[Path]:
+    """Rename the checkpoints in `root` newer than `target`, when a run resumes from an
+    older checkpoint of its own folder (a roll-back, say after a loss spike), to
+    `abandoned-<name>-<time>`; point `latest` at `target`. Left as they were, they
+    would pass for this run's: `resume=auto` takes the newest checkpoint, which would
+    return to the abandoned branch, and this run's own saves would replace them one by
+    one. Nothing is deleted. Returns the new names."""
+    if _step(target) < 0 or target.parent.resolve() != root.resolve():
+        return []
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    moved = []
+    for folder in complete_checkpoints(root):
+        if _step(folder) > _step(target):
+            aside = folder.with_name(f"abandoned-{folder.name}-{stamp}")
+            folder.rename(aside)
+            moved.append(aside)
+    if moved:
+        write_latest(root, target.name)
+    return moved
 
 
 def restart_target(cfg: Config, rank: int) -> Path | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
-from partita.checkpoint.resume import checkpoint_root, resume_target
+from partita.checkpoint.resume import checkpoint_root, resume_target, set_aside_later_branch
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
@@ -352,6 +352,11 @@ def prepare_run_dir(cfg: Config, lock: bool = True) -> list:
         prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
                         weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
                         resuming=target is not None)
+        if target is not None and (moved := set_aside_later_branch(target, root)):
+            print(f"partita: note: resuming {target.name}, older than the checkpoints "
+                  f"after it in {root}; those are kept, set aside as "
+                  f"{', '.join(p.name for p in moved)}, so that this run's saves and "
+                  "--train.resume=auto continue from here.", file=sys.stderr, flush=True)
     except PartitaError:
         # Refused (too little space, say): the folders made for it go again, innermost
         # first; one that something else wrote into stays.
