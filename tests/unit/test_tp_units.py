@@ -181,3 +181,20 @@ def test_cross_entropy_bf16_logits_compute_in_fp32() -> None:
     assert loss.dtype == torch.float32 and abs(loss.item() - want.item()) < 1e-6
     loss.backward()
     assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("moe_tp", ["experts", "hidden"])
+def test_frozen_parameters_stay_frozen(moe_tp: str) -> None:
+    """Fine-tuning part of a model: every shard keeps its source's requires_grad, or the
+    optimizer trains weights the user froze (split linears, the vocabulary, experts)."""
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_experts=4,
+                      top_k=2, moe_every=2, shared_experts=1)
+    model = build_model(cfg)
+    frozen = {n for n in dict(model.named_parameters())
+              if ".attn." in n or "tok_embeddings" in n or ".experts.w_up" in n
+              or ".shared.w_down" in n or n == "norm.weight"}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    apply_tensor_parallel(model, model.plan(), _fake_comm(2, 1), moe_tp=moe_tp)
+    still = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert still == frozen

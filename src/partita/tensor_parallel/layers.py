@@ -102,9 +102,13 @@ def _first_parameter(module: nn.Module) -> str | None:
     return None
 
 
-def _local_param(source: torch.Tensor | None, dim: int, start: int, stop: int,
-                 requires_grad: bool = True) -> nn.Parameter | None:
-    """The [start, stop) slice of `source` along `dim` (a meta tensor for a meta source)."""
+def _local_param(source: torch.Tensor | None, dim: int, start: int,
+                 stop: int) -> nn.Parameter | None:
+    """The [start, stop) slice of `source` along `dim` (a meta tensor for a meta source).
+
+    The slice keeps the source's `requires_grad`: a frozen weight (fine-tuning only some
+    of a model) must stay frozen, or the optimizer would train it.
+    """
     if source is None:
         return None
     if source.is_meta:
@@ -113,7 +117,7 @@ def _local_param(source: torch.Tensor | None, dim: int, start: int, stop: int,
         value = torch.empty(shape, device="meta", dtype=source.dtype)
     else:
         value = source.detach().narrow(dim, start, stop - start).clone()
-    return nn.Parameter(value, requires_grad=requires_grad)
+    return nn.Parameter(value, requires_grad=source.requires_grad)
 
 
 def _whole_param(source: torch.Tensor | None) -> nn.Parameter | None:

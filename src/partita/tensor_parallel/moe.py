@@ -139,9 +139,11 @@ def _keep_slice(module: nn.Module, attr: str, full_name: str, dim: int, start: i
     shape = list(old.shape)
     shape[dim] = stop - start
     if old.is_meta:
-        new = nn.Parameter(torch.empty(shape, device="meta", dtype=old.dtype))
+        value = torch.empty(shape, device="meta", dtype=old.dtype)
     else:
-        new = nn.Parameter(old.detach().narrow(dim, start, stop - start).clone())
+        value = old.detach().narrow(dim, start, stop - start).clone()
+    # A frozen expert weight stays frozen (fine-tuning only part of a model).
+    new = nn.Parameter(value, requires_grad=old.requires_grad)
     set_shard_info(new, ShardInfo(full_name, tuple(before.global_shape), dim, start, stop))
     setattr(module, attr, new)
 
