@@ -15,6 +15,7 @@ import signal
 import sys
 
 from partita.errors import PartitaError, Stopped, closest, signals_held, stop_on_signals
+from partita.local_world import note_ignored_hangup
 
 # Module paths, imported lazily so `partita --help` stays fast and one broken command
 # does not take the others down.
@@ -100,6 +101,7 @@ def _setting_hint(word: str, words: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    note_ignored_hangup()  # before any handler changes (nohup: see there)
     words = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parse(words)

@@ -33,7 +33,13 @@ from partita.errors import (
     stop_file,
     stop_on_signals,
 )
-from partita.local_world import SERVER_IGNORES, start_fork_server, stop_fork_server
+from partita.local_world import (
+    SERVER_IGNORES,
+    hangup_ignored,
+    start_fork_server,
+    stop_fork_server,
+    worker_signal_defaults,
+)
 from partita.worker_watch import (
     mark_finished,
     mark_started,
@@ -283,7 +289,9 @@ def _launch_config(spec: LaunchSpec, log_dir: str):
     if "shutdown_timeout" in LaunchConfig.__dataclass_fields__:
         extra["shutdown_timeout"] = SHUTDOWN_TIMEOUT_S
     if spec.forward_sigterm and "signals_to_handle" in LaunchConfig.__dataclass_fields__:
-        extra["signals_to_handle"] = "SIGINT,SIGHUP,SIGQUIT"  # SIGTERM is ours
+        # SIGTERM is ours; SIGHUP stays ignored in a job started under nohup.
+        extra["signals_to_handle"] = ("SIGINT,SIGQUIT" if hangup_ignored()
+                                      else "SIGINT,SIGHUP,SIGQUIT")
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc,
         run_id=spec.rdzv_id or uuid.uuid4().hex[:12],
@@ -403,8 +411,7 @@ def _run_reporting_errors(markers: str, fn: Callable, *args):
     an error record that nothing shows, which left the parent pointing at a message
     no one printed.) Functions that print their own message exit via SystemExit. A
     process marks its start and its end in the folder `markers` (`worker_watch`)."""
-    for sig in SERVER_IGNORES:  # ignored (and blocked) in the fork server it comes from
-        signal.signal(sig, signal.SIG_DFL)
+    worker_signal_defaults()  # ignored (and blocked) in the fork server it comes from
     stop_on_signals()
     mark_started(markers)
     try:

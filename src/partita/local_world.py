@@ -75,6 +75,32 @@ def short_socket_folder() -> None:
 # What a terminal or a scheduler sends to a whole process group, which the fork server
 # ignores: see `start_fork_server`.
 SERVER_IGNORES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Set (to "1") by the command line when it started with SIGHUP ignored (`nohup`).
+NOHUP_ENV = "PARTITA_NOHUP"
+
+
+def note_ignored_hangup() -> None:
+    """Record, before anything changes the handlers, whether this command started with
+    SIGHUP ignored (`nohup partita train ... &`). The launcher's agent and the workers
+    then keep ignoring it, as the user asked: a closed terminal stopped a nohup'd job
+    (exit 129) when they set their own handlers. Workers read it from the environment."""
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        os.environ[NOHUP_ENV] = "1"
+    else:
+        os.environ.pop(NOHUP_ENV, None)
+
+
+def hangup_ignored() -> bool:
+    """Whether the job was started with SIGHUP ignored (`note_ignored_hangup`)."""
+    return os.environ.get(NOHUP_ENV) == "1"
+
+
+def worker_signal_defaults() -> None:
+    """The signals a launched process starts from: the defaults, but SIGHUP stays
+    ignored in a job started under nohup."""
+    for sig in SERVER_IGNORES:
+        ignored = sig == signal.SIGHUP and hangup_ignored()
+        signal.signal(sig, signal.SIG_IGN if ignored else signal.SIG_DFL)
 
 
 def start_fork_server() -> None:
@@ -143,9 +169,9 @@ def _await_exit(pid: int, timeout_s: float = 5.0) -> None:
 
 def restore_signals() -> None:
     """In a process forked from the server: the signals as a fresh Python process has
-    them (Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGHUP end it), unblocked."""
-    for sig in SERVER_IGNORES:
-        signal.signal(sig, signal.SIG_DFL)
+    them (Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGHUP end it, SIGHUP ignored
+    under nohup), unblocked."""
+    worker_signal_defaults()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)
 

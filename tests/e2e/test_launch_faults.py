@@ -77,14 +77,16 @@ SMALL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--data.se
          "--metrics.tensorboard=false", "--train.log_every=1", "--train.progress=false"]
 
 
-def _endless_run(run, cache, nproc: int = 2) -> subprocess.Popen:
+def _endless_run(run, cache, nproc: int = 2, nohup: bool = False) -> subprocess.Popen:
     """A `partita train` of the small model that would run for hours, in a session of
-    its own (so a test can signal its whole process group)."""
+    its own (so a test can signal its whole process group); `nohup`: started with
+    SIGHUP ignored, as `nohup` starts it."""
     return subprocess.Popen(
         [sys.executable, "-m", "partita.cli", "train", *SMALL, "--nproc", str(nproc),
          "--train.steps=100000", f"--data.cache_dir={cache}", f"--train.out_dir={run}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
 
 
 def _wait_for_a_logged_step(run, within_s: float = 120) -> None:
@@ -121,6 +123,30 @@ def test_a_signal_stops_every_rank_with_one_line(sig, code, tmp_path):
     else:
         assert f"stopped by {signal.Signals(sig).name}" in err
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
+
+
+def test_a_job_started_under_nohup_trains_on_when_its_terminal_closes(tmp_path):
+    """`nohup partita train ... &`, then the terminal closes (SIGHUP to the group): the
+    launcher's agent and the workers set their own SIGHUP handlers, and the job stopped
+    (exit 129). It trains on now; a SIGTERM then stops it as usual."""
+    run = tmp_path / "run"
+    proc = _endless_run(run, tmp_path / "cache", nohup=True)
+    try:
+        _wait_for_a_logged_step(run)
+        os.killpg(proc.pid, signal.SIGHUP)
+        logged = len((run / "metrics.jsonl").read_text().splitlines())
+        deadline = time.monotonic() + 60
+        while len((run / "metrics.jsonl").read_text().splitlines()) < logged + 5:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no step after the SIGHUP"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    assert "SIGHUP" not in err and "Traceback" not in err, err[-3000:]
 
 
 def _children(pid: int) -> list[int]:
