@@ -12,11 +12,13 @@ import contextlib
 import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from partita.agreement import over_all_ranks
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
@@ -41,6 +43,20 @@ from partita.parallelize import DTYPES, ParallelModel, build_parallel_model, dim
 from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
 from partita.watchdog import Progress
 from partita.weights import save_weights
+
+
+@contextlib.contextmanager
+def evaluation_mode(module: nn.Module) -> Iterator[None]:
+    """Every submodule of `module` in eval mode (dropout draws no mask, so evaluation
+    neither adds noise to the loss nor advances the dropout generators that training
+    and checkpoints rely on), then each back to the mode it had."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 @dataclass
@@ -112,9 +128,9 @@ class Trainer:
                                     resume_at=self.resumed.step if self.resumed else None)
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
-        # Evaluate with the global batch, or with what a small validation split allows
-        # (a multiple of the replicas); 0 means there is nothing to validate on. A split
-        # too small for one window per replica is an error, not validation skipped.
+        # Windows per evaluation batch (the global batch); 0 means there is nothing to
+        # validate on. A split with fewer windows than replicas is an error, not
+        # validation skipped.
         self.eval_batch = 0 if cfg.train.eval_batches == 0 else eval_batch_size(
             len(self.data.val), cfg.data.seq_len, cfg.train.global_batch, dp_size,
             self.data.num_tokens)
@@ -225,16 +241,30 @@ class Trainer:
         return total / self.loss_comm.size
 
     def evaluate(self) -> float | None:
+        """The validation loss: mean cross-entropy over every counted target of the
+        evaluated windows (`data.sampler.eval_batches`: the same windows at every
+        layout), with the model in eval mode (no dropout). None: nothing to validate."""
         c = self.cfg
         if self.eval_batch == 0:
             return None
-        batches = self.data.val_batches(self.eval_batch, self.mesh.index("data"),
-                                        self.mesh.size("data"), c.train.eval_batches)
-        losses = [self.pm.runner.evaluate(x, y, self._segments(x), self._targets_per_rank(y))
-                  for x, y in batches]
-        if not losses:
+
+        def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return self.data.val_batches(self.eval_batch, self.mesh.index("data"),
+                                         self.mesh.size("data"), c.train.eval_batches)
+
+        # Every batch is weighted by its counted targets over those of all batches (a
+        # first pass over the tokens alone), so the sum over batches and ranks is the
+        # mean over all counted targets: batches of unequal counts (packed documents,
+        # a short last batch, padding rows) are not averaged as equals.
+        counted = sum(int((y != IGNORE_INDEX).sum()) for _, y in batches())
+        (total,) = self.mesh.comm("data").all_reduce_scalars([counted])
+        if total == 0:
             return None
-        return self._mean_loss(sum(losses) / len(losses))
+        per_rank = total / self.loss_comm.size
+        with evaluation_mode(self.pm.module):
+            local = sum(self.pm.runner.evaluate(x, y, self._segments(x), per_rank)
+                        for x, y in batches())
+        return self._mean_loss(local)
 
     # The loop ----------------------------------------------------------------------------
     def run(self) -> dict:

@@ -167,11 +167,11 @@ def too_few_windows(num_tokens: int, seq_len: int, global_batch: int) -> str | N
 
 def eval_batch_size(num_tokens: int, seq_len: int, global_batch: int, dp_size: int,
                     total_tokens: int | None = None) -> int:
-    """Sequences per evaluation batch: the global batch, or what a small validation split
-    of `num_tokens` allows (a multiple of the `dp_size` replicas); 0 when there is no
-    split. Raises AgreedError when the split cannot give each replica one window: the
-    run would otherwise go without validation unannounced. `total_tokens` (training and
-    validation) lets the message say which val_fraction would do."""
+    """Windows per evaluation batch: the global batch (a small split's one batch holds
+    fewer, see `eval_batches`); 0 when there is no split. Raises AgreedError when the
+    split has fewer windows than the `dp_size` replicas, before any rank starts
+    evaluating on a split that small. `total_tokens` (training and validation) lets
+    the message say which val_fraction would do."""
     if num_tokens == 0:
         return 0
     windows = num_windows(num_tokens, seq_len)
@@ -185,31 +185,39 @@ def eval_batch_size(num_tokens: int, seq_len: int, global_batch: int, dp_size: i
             f"need one to validate. Raise data.val_fraction so that at least {needed:,} "
             f"tokens are held out{fraction}, use fewer replicas, or set "
             "data.val_fraction=0 (or train.eval_batches=0) to train without validation.")
-    return min(global_batch, windows // dp_size * dp_size)
+    return global_batch
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, max_batches: int | None = None,
                  boundary: int | None = None) -> Iterator[Batch]:
-    """Fixed evaluation batches: windows 0, 1, 2, ... in order, G per batch, split by
-    replica like training batches; a remainder smaller than G is not used. Empty when
-    `tokens` is empty (no validation split)."""
+    """Fixed evaluation batches over the first min(windows, max_batches x G) windows of
+    `tokens`, in order, G per batch (the last batch holds the rest), each split by
+    replica like a training batch. Empty when `tokens` make no window.
+
+    The windows evaluated depend only on the split, G and `max_batches`, never on the
+    number of replicas: a batch of n windows gives each replica ceil(n / D) rows, and a
+    replica left with fewer real windows fills its rows with padding whose targets are
+    all IGNORE_INDEX. A loss weighted by counted targets (as the trainer's validation
+    is) then takes nothing from the padding, and every replica runs the same shapes,
+    so collectives inside the forward (ZeRO-3 gathers, pipeline transfers) match."""
     _check_layout(global_batch, dp_rank, dp_size)
-    total = num_windows(len(tokens), seq_len)
-    if len(tokens) and total < global_batch:
-        raise PartitaError(f"The validation split has {total} windows of seq_len {seq_len}, "
-                           f"fewer than one evaluation batch of {global_batch}. Raise "
-                           "val_fraction, or evaluate with a smaller global batch (a multiple "
-                           f"of {dp_size}).")
-    count = total // global_batch
+    used = num_windows(len(tokens), seq_len)
     if max_batches is not None:
-        count = min(count, max_batches)
-    local = global_batch // dp_size
+        used = min(used, max_batches * global_batch)
 
     def generate() -> Iterator[Batch]:
-        for b in range(count):
-            start = b * global_batch + dp_rank * local
-            yield windows_to_batch(tokens, np.arange(start, start + local), seq_len, boundary)
+        for lo in range(0, used, global_batch):
+            n = min(global_batch, used - lo)
+            rows = -(-n // dp_size)
+            start = min(lo + dp_rank * rows, lo + n)
+            real = np.arange(start, min(start + rows, lo + n))
+            # Padding rows repeat the batch's first window as inputs (any real tokens
+            # would do) and count no target.
+            padded = np.concatenate([real, np.full(rows - len(real), lo)])
+            inputs, targets = windows_to_batch(tokens, padded, seq_len, boundary)
+            targets[len(real):] = IGNORE_INDEX
+            yield inputs, targets
 
     return generate()
 
