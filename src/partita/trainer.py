@@ -297,7 +297,9 @@ class Trainer:
                 warning = slow_cpu_matmul_warning(half)
                 if warning:
                     self.logger.message(warning)
-        # Linear warm-up to train.lr, then cosine decay to train.min_lr at the last step.
+        # Linear warm-up to train.lr, then cosine decay towards train.min_lr, which it
+        # would reach at step train.steps: the last step run (train.steps - 1) is one
+        # short of it and trains slightly above min_lr (optim.WarmupCosine).
         schedule = WarmupCosine(lr=c.train.lr, min_lr=c.train.min_lr,
                                 warmup_steps=c.train.warmup_steps, total_steps=c.train.steps)
         tokens_per_step = c.train.global_batch * c.data.seq_len
