@@ -11,9 +11,11 @@ or, on a CPU, one thread's measured float32 matmul rate per thread, or
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -95,7 +97,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **values}
-        self._jsonl.write(json.dumps(record) + "\n")
+        # Strict JSON: Python's json writes inf and nan as bare Infinity / NaN, which
+        # JSON parsers other than Python's reject; null says "no finite value".
+        self._jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for key, value in values.items():
@@ -156,6 +160,17 @@ def _records_up_to(path: Path, step: int) -> list[str]:
     return kept
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float (in nested dicts and lists too) as None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
 def format_line(record: dict) -> str:
     parts = [f"step {record['step']:>5}"]
     formats = {"loss": "loss {:.4f}", "val_loss": "val {:.4f}", "lr": "lr {:.2e}",
@@ -165,4 +180,6 @@ def format_line(record: dict) -> str:
     for key, fmt in formats.items():
         if key in record and record[key] is not None:
             parts.append(fmt.format(record[key]))
+    if record.get("skipped"):
+        parts.append("step skipped")
     return " | ".join(parts)

@@ -65,6 +65,7 @@ class StepResult:
     grad_norm: float
     stepped: bool
     moe: dict = field(default_factory=dict)  # MoE figures (experts.moe_step_stats)
+    loss_scale: float | None = None  # fp16 loss scaling: the scale the step ran with
 
 
 def open_dataset(cfg: Config) -> TokenDataset:
@@ -178,9 +179,10 @@ class Trainer:
         # An asynchronous checkpoint copies the state beside this step's forward and
         # backward; the optimizer step is the first thing that changes it.
         self.checkpoint_waited += self.writer.wait_for_copy()
+        scale = dp.loss_scale if dp.precision.loss_scaling else None  # before an overflow halves it
         stepped = dp.step(lr) if healthy else False
         dp.zero_grad()
-        return StepResult(mean_loss, grad_norm, stepped, moe)
+        return StepResult(mean_loss, grad_norm, stepped, moe, scale)
 
     def _enter(self, step: int, phase: str, fault_point: str | None = None) -> None:
         """Record where this rank is (for the watchdog and error messages); fire an
@@ -337,11 +339,16 @@ class Trainer:
                 tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                 mfu = (flops_per_step * window_steps / max(elapsed, 1e-9)
                        / (self.peak * self.mesh.world_size)) if self.peak else 0.0
-                self.logger.log(step + 1, {
+                record = {
                     "loss": result.loss, "val_loss": val_loss, "lr": lr,
                     "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
                     "memory_gb": memory_bytes(self.device) / 1e9, **result.moe,
-                }, console=True)
+                }
+                if not result.stepped:  # an fp16 overflow, or a bad step tolerated
+                    record["skipped"] = True  # (train.max_bad_steps): weights unchanged
+                if result.loss_scale is not None:
+                    record["loss_scale"] = result.loss_scale
+                self.logger.log(step + 1, record, console=True)
                 val_loss = None if not last else val_loss
                 window_start, window_steps = time.perf_counter(), 0
             stopped = self._checkpoint_after(step + 1, last)
