@@ -16,7 +16,7 @@ from pathlib import Path
 
 from partita.config_ranges import check_ranges
 from partita.config_values import convert_value, read_user_file
-from partita.errors import PartitaError, did_you_mean
+from partita.errors import PartitaError, did_you_mean, process_count_option
 from partita.layout import Layout, canonical_schedule
 from partita.models.catalog import get_model_config
 from partita.models.model_config import ModelConfig
@@ -265,7 +265,7 @@ class Config:
             if other < 1 or world_size % other:
                 raise PartitaError(
                     f"tp*pp*cp={other} does not divide the world size {world_size}; start "
-                    f"a multiple of {other} processes (--nproc {other}) or choose degrees "
+                    f"a multiple of {other} processes ({process_count_option(other)}) or choose degrees "
                     "whose product divides the number of processes."
                 )
             dp = world_size // other

@@ -18,6 +18,14 @@ class PartitaError(Exception):
     """An error caused by input the user can change; the message says how."""
 
 
+def process_count_option(count: int) -> str:
+    """How to start `count` processes: `partita train --nproc`, or, under torchrun
+    (which sets RANK and WORLD_SIZE, and where --nproc is ignored), its own options."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return f"torchrun's --nproc-per-node x --nnodes = {count}"
+    return f"--nproc {count}"
+
+
 def print_line(text: str) -> None:
     """`text` and its newline on stderr in one write. The processes of a job share the
     terminal, and print() writes the two apart (stderr writes through), so two ranks'

@@ -15,7 +15,7 @@ import itertools
 import math
 from typing import TYPE_CHECKING, NamedTuple
 
-from partita.errors import PartitaError
+from partita.errors import PartitaError, process_count_option
 from partita.layout import divisors
 
 if TYPE_CHECKING:  # only fields are read; importing `partita.models` loads torch
@@ -98,7 +98,7 @@ def world_size_message(degrees: Degrees, world_size: int, planner: bool = False)
                   f"{d.world_size}")
     else:
         wanted = (f"{d.world_size} processes but {world_size} were started. Start "
-                  f"{d.world_size} processes (--nproc {d.world_size})")
+                  f"{d.world_size} processes ({process_count_option(d.world_size)})")
     return (f"the layout dp={d.dp} x tp={d.tp} x pp={d.pp} x cp={d.cp} needs {wanted}, "
             f"or choose degrees whose product is {world_size}: {change}.")
 

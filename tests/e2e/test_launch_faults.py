@@ -302,3 +302,22 @@ def test_sizes_beyond_the_stated_limits_are_refused_at_once(cli, args):
     assert result.returncode == 2 and "is out of range" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 30  # an import of torch at most, no search
+
+
+def test_a_layout_that_does_not_fit_torchruns_world_is_refused_by_every_rank(tmp_path):
+    """Under torchrun only rank 0 checked the layout: rank 1 waited in the process
+    group's rendezvous until torchrun killed it (38 s), the message pointed at
+    partita train's --nproc (ignored under torchrun), and a checkpoints/ folder was
+    left behind."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={free_port()}", "-m", "partita.cli", "train", *SMALL,
+         "--parallel.tp=4", f"--train.out_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert done.stderr.count("partita: error: tp*pp*cp=4 does not divide the world size "
+                             "2") == 1, done.stderr[-3000:]
+    assert "torchrun's --nproc-per-node x --nnodes = 4" in done.stderr
+    assert time.monotonic() - start < 30  # no rank waits for the one that refused
+    assert not (tmp_path / "run").exists()

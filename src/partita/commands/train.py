@@ -133,6 +133,12 @@ def _while_starting(exc: Stopped) -> bool:
 def _run(args: argparse.Namespace) -> int:
     cfg = with_absolute_inputs(load_config(args.config, args.overrides))
     if launched_externally():
+        try:
+            check_layout_before_torch(cfg, int(os.environ["WORLD_SIZE"]))
+        except PartitaError:
+            if int(os.environ["RANK"]) == 0:
+                raise  # printed once, by rank 0
+            return 2
         with signals_held():  # a SIGTERM meanwhile arrives after, not inside torch's import
             from partita.trainer import train
 
@@ -205,11 +211,10 @@ def _exit_status(results: list[dict]) -> int:
     return CHECKPOINT_STOP_EXIT
 
 
-def check_before_torch(cfg: Config, world_size: int | None) -> None:
-    """The checks that need no torch, run before anything imports it: a job refused for
-    its layout (when the world size is known without asking torch for GPUs), its
-    checkpoint or its output folder ends in a fraction of a second instead of several.
-    `validate_before_launch` repeats them with the rest."""
+def check_layout_before_torch(cfg: Config, world_size: int | None) -> None:
+    """The layout's checks that need no torch and read no folder (the world size's
+    when it is known without asking torch for GPUs); every rank under torchrun runs
+    them, so that none waits for a rank 0 that refused the layout."""
     if world_size is not None:
         validate(cfg.layout(world_size), cfg.model_config(), world_size,
                  seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
@@ -219,6 +224,14 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
                          recompute=p.recompute)
         if refusal := model_refusal(degrees, moe=cfg.model_config().n_experts > 0):
             raise PartitaError(refusal)
+
+
+def check_before_torch(cfg: Config, world_size: int | None) -> None:
+    """The checks that need no torch, run before anything imports it: a job refused for
+    its layout (when the world size is known without asking torch for GPUs), its
+    checkpoint or its output folder ends in a fraction of a second instead of several.
+    `validate_before_launch` repeats them with the rest."""
+    check_layout_before_torch(cfg, world_size)
     if cfg.train.export == "hf":  # found now, not after training
         check_exportable(cfg.model_config())
     check_run_dir(cfg)
