@@ -8,7 +8,9 @@ is atomic: a temporary file is renamed into place only when complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -87,6 +89,7 @@ def save_weights(pm, path: str | Path) -> None:
         failure = None
         if state is not None:
             try:
+                _folder_made_again(path.parent)
                 # partita's own safetensors writer, not the safetensors package's: its
                 # errors are OSErrors (a full disk is said as such), it syncs the file
                 # before the name is given, and the file gets the mode of the run's
@@ -95,10 +98,12 @@ def save_weights(pm, path: str | Path) -> None:
                 write_file(tmp, {k: v.contiguous() for k, v in state.items()},
                            {"format": "partita", "model": "transformer"})
             except OSError as exc:
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+                fix = ("Free disk space or choose another train.out_dir." if full else
+                       "Check that train.out_dir can be written, or choose another.")
                 failure = PartitaError(
                     f"writing the weights to '{path}' failed ({exc.strerror or exc}); "
-                    "nothing was left behind. Free disk space or choose another "
-                    "train.out_dir.")
+                    f"nothing was left behind. {fix}")
         stop_together(failure, pm.device, "writing the weights")
         if state is not None:
             try:
@@ -110,6 +115,19 @@ def save_weights(pm, path: str | Path) -> None:
         if state is not None:  # a write that did not finish leaves nothing
             with contextlib.suppress(OSError):  # (a read-only folder: there is nothing)
                 tmp.unlink(missing_ok=True)
+
+
+def _folder_made_again(folder: Path) -> None:
+    """Make `folder` again when it was removed while the run trained (an `rm -rf` of the
+    run's folder, a cleanup job): the weights, the run's whole result, still land, and
+    a warning says what went with the folder."""
+    if folder.is_dir():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"partita: warning: train.out_dir '{folder}' was removed while the run trained; "
+          "it is made again for the final weights. The run's config.toml and "
+          "metrics.jsonl went with it (the config is in the run's checkpoints, if any).",
+          file=sys.stderr, flush=True)
 
 
 def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[str]:

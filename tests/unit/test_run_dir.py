@@ -99,6 +99,39 @@ def test_a_failed_weight_write_leaves_nothing(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir())
 
 
+def test_weights_land_when_the_run_folder_was_removed_while_it_trained(tmp_path, monkeypatch,
+                                                                      capsys):
+    """An `rm -rf` of the run's folder mid-run lost the whole trained result at the end,
+    with advice to free disk space; the folder is made again and a warning says what
+    went with it."""
+    import torch
+    from safetensors.torch import load_file
+
+    from partita import weights
+
+    monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
+    gone = tmp_path / "run"  # the run made it at launch; a cleanup removed it since
+    weights.save_weights(_ONE_PROCESS, gone / "model.safetensors")
+    assert load_file(gone / "model.safetensors")["w"].tolist() == [1.0, 1.0]
+    assert "was removed while the run trained" in capsys.readouterr().err
+
+
+def test_a_weight_write_that_fails_for_another_reason_is_not_blamed_on_space(tmp_path,
+                                                                           monkeypatch):
+    import torch
+
+    from partita import weights
+
+    def refused(*_a, **_k):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(weights, "full_state_dict", lambda _pm: {"w": torch.ones(2)})
+    monkeypatch.setattr(weights, "write_file", refused)
+    with pytest.raises(PartitaError, match="Permission denied.*can be written") as err:
+        weights.save_weights(_ONE_PROCESS, tmp_path / "model.safetensors")
+    assert "disk space" not in str(err.value)
+
+
 def _disk_fills_after(monkeypatch, nbytes: int) -> None:
     """The safetensors writer's writes fail with ENOSPC once `nbytes` are written."""
     import os
