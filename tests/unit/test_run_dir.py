@@ -300,6 +300,17 @@ def test_a_timeline_png_without_a_pipeline_gets_one_note(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_stop_after_that_no_step_reaches_gets_one_note(tmp_path, capsys):
+    """train.stop_after beyond train.steps was ignored without a word."""
+    _print_notes(_cfg(tmp_path, "--train.steps=10", "--train.stop_after=20"))
+    err = capsys.readouterr().err
+    assert err == ("partita: note: train.stop_after=20 is ignored: the run ends at "
+                   "train.steps=10 first.\n")
+    for stop in ("5", "10"):  # reached: the run stops there (at 10, with a checkpoint)
+        _print_notes(_cfg(tmp_path, "--train.steps=10", f"--train.stop_after={stop}"))
+        assert capsys.readouterr().err == ""
+
+
 def test_an_export_gets_a_new_files_mode(tmp_path):
     import os
     import stat

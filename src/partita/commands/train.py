@@ -490,7 +490,8 @@ def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
 def _print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
     damaged newer checkpoint passed over, routing or learning-rate schedule settings
-    changed on resume, a train.timeline_png ignored without a pipeline."""
+    changed on resume, a train.stop_after that no step reaches, a train.timeline_png
+    ignored without a pipeline."""
     target = resume_target(cfg)
     if target is not None and (skipped := skipped_newer(target)):
         print(skipped, file=sys.stderr, flush=True)
@@ -502,6 +503,13 @@ def _print_notes(cfg: Config) -> None:
         print(f"partita: note: resuming {target.name} with another learning-rate schedule "
               f"than it was trained with ({'; '.join(schedule)}); the rate follows the new "
               "one from the checkpoint's step on.", file=sys.stderr, flush=True)
+    stop, steps = cfg.train.stop_after, cfg.train.steps
+    start = int(read_manifest(target)["step"]) if target is not None else 0
+    if stop and (stop > steps or stop <= start):
+        why = (f"the run ends at train.steps={steps} first" if stop > steps else
+               f"the run starts after step {start}, from its checkpoint")
+        print(f"partita: note: train.stop_after={stop} is ignored: {why}.", file=sys.stderr,
+              flush=True)
     if cfg.train.timeline_png and not draws_timeline(cfg):
         print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
               "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
