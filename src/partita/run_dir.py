@@ -9,7 +9,8 @@ another run's results already there; an empty `train.out_dir` (the current folde
 refused. The checkpoint folder gets the same checks of what it is and whether it can be
 written (`prepare_folder`). Re-using a folder needs `train.overwrite`, and then the old
 results are removed first, so a new run that dies early never leaves the previous run's
-weights looking like its own.
+weights looking like its own. A live job's folders are held by it alone
+(`partita.folder_lock`).
 """
 
 from __future__ import annotations
