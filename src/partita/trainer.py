@@ -27,7 +27,7 @@ from partita.compile import compile_summary
 from partita.config import Config, default_cache_dir
 from partita.data import TokenDataset
 from partita.data.dataset import load_configured
-from partita.data.sampler import IGNORE_INDEX, eval_batch_size
+from partita.data.sampler import IGNORE_INDEX, eval_batch_size, eval_batches
 from partita.device_specs import slow_cpu_matmul_warning
 from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure, PeerReported
 from partita.experts import moe_step_stats
@@ -250,9 +250,15 @@ class Trainer:
         if self.eval_batch == 0:
             return None
 
+        # A pipeline splits a batch into train.microbatches when they divide its rows,
+        # else runs it whole, which interleaved schedules cannot: a short last batch's
+        # rows are padded to a multiple of them.
+        multiple = c.train.microbatches if self.mesh.dims.pp > 1 else 1
+
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            return self.data.val_batches(self.eval_batch, self.mesh.index("data"),
-                                         self.mesh.size("data"), c.train.eval_batches)
+            return eval_batches(self.data.val, self.data.seq_len, self.eval_batch,
+                                self.mesh.index("data"), self.mesh.size("data"),
+                                c.train.eval_batches, self.data.boundary, multiple)
 
         # Every batch is weighted by its counted targets over those of all batches (a
         # first pass over the tokens alone), so the sum over batches and ranks is the

@@ -1,20 +1,21 @@
 """The trainer's validation loss is one number at every layout: the mean cross-entropy
 over every counted target of the same held-out windows, with dropout off.
 
-The splits here are packed documents (every target after an end token is not counted,
-so windows count different numbers of targets) and the global batch is 8. One split
-has 11 windows: a full batch and one of 3, which 2 replicas cannot split evenly; the
-other has 5, fewer than one batch. The model has dropout 0.3. `Trainer.evaluate` of
-the untrained model, at one process and at dp=2, dp=2 with ZeRO-3, tp=2 with sequence
-parallelism, pp=2 and cp=2, must equal the loss computed here directly (the summed
-cross-entropy of the one-process model in eval mode over all the split's windows,
+The splits here are packed documents (every target after an end token is not counted, so
+windows count different numbers of targets) and the global batch is 8. One split has 11
+windows: a full batch and one of 3, which 2 replicas cannot split evenly; the other has
+5, fewer than one batch. The model has dropout 0.3. `Trainer.evaluate` of the untrained
+model, at one process and at dp=2, dp=2 with ZeRO-3, tp=2 with sequence parallelism,
+pp=2 (1F1B and interleaved) and cp=2, must equal the loss computed here directly (the
+summed cross-entropy of the one-process model in eval mode over all the split's windows,
 divided by their counted targets), float64 within 1e-10.
 
 Each defect this guards against moved the number: evaluation with dropout on (the
 loss of random masks, different on every call), a remainder of fewer windows than the
 batch left out, 2 replicas evaluating 4 of the small split's 5 windows where one
-process evaluated all 5, and the mean of per-batch means (the 3-window batch weighted
-like the 8-window one).
+process evaluated all 5, the mean of per-batch means (the 3-window batch weighted
+like the 8-window one), and an interleaved pipeline refusing a batch of rows its
+microbatches do not divide.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LAYOUTS = {
     "dp2-zero3": dict(zero_stage=3, bucket_mb=0.001),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
     "pp2": dict(pp=2),
+    "pp2-interleaved": dict(pp=2, schedule="interleaved"),
     "cp2-ring": dict(cp=2, cp_kind="ring"),
 }
 
@@ -55,7 +57,7 @@ def _dataset(val_windows: int) -> TokenDataset:
 def _config(out_dir: str, parallel: dict, dropout: float = 0.3):
     micro = 2 if parallel.get("pp", 1) > 1 else 1
     return parity_config(
-        model=dict(dropout=dropout), parallel=parallel,
+        model=dict(dropout=dropout, n_layers=4), parallel=parallel,
         train=dict(global_batch=BATCH, microbatches=micro, eval_batches=4, out_dir=out_dir,
                    progress=False),
         metrics=dict(peak_tflops=1.0, tensorboard=False))

@@ -62,3 +62,15 @@ def test_padding_rows_repeat_real_inputs_and_count_nothing():
 def test_fewer_windows_than_replicas_is_still_refused_before_evaluating():
     with pytest.raises(Exception, match="fewer than the 4 data-parallel replicas"):
         eval_batch_size(3 * L + 1, L, 8, 4)
+
+
+
+def test_a_short_batch_is_padded_to_a_multiple_of_the_pipeline_microbatches():
+    """3 windows on one replica whose pipeline cuts batches into 2 microbatches: 4 rows
+    (the 4th padding), not 3, which an interleaved schedule could not run; a full batch
+    is unchanged."""
+    full, short = list(eval_batches(TOKENS, L, 8, rows_multiple=2))
+    assert full[0].shape[0] == 8 and short[0].shape[0] == 4
+    assert (short[1][3] == IGNORE_INDEX).all() and (short[1][:3] != IGNORE_INDEX).all()
+    per_rank = [list(eval_batches(TOKENS, L, 8, r, 2, rows_multiple=2))[1] for r in range(2)]
+    assert [x.shape[0] for x, _ in per_rank] == [2, 2]  # 3 windows, 2 replicas: 2 rows each

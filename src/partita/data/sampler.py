@@ -190,7 +190,7 @@ def eval_batch_size(num_tokens: int, seq_len: int, global_batch: int, dp_size: i
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, max_batches: int | None = None,
-                 boundary: int | None = None) -> Iterator[Batch]:
+                 boundary: int | None = None, rows_multiple: int = 1) -> Iterator[Batch]:
     """Fixed evaluation batches over the first min(windows, max_batches x G) windows of
     `tokens`, in order, G per batch (the last batch holds the rest), each split by
     replica like a training batch. Empty when `tokens` make no window.
@@ -200,7 +200,9 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: i
     replica left with fewer real windows fills its rows with padding whose targets are
     all IGNORE_INDEX. A loss weighted by counted targets (as the trainer's validation
     is) then takes nothing from the padding, and every replica runs the same shapes,
-    so collectives inside the forward (ZeRO-3 gathers, pipeline transfers) match."""
+    so collectives inside the forward (ZeRO-3 gathers, pipeline transfers) match.
+    `rows_multiple` rounds a short batch's rows up to a multiple of it, with padding
+    too (a pipeline evaluates a batch in its microbatches only when they divide it)."""
     _check_layout(global_batch, dp_rank, dp_size)
     used = num_windows(len(tokens), seq_len)
     if max_batches is not None:
@@ -209,7 +211,7 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: i
     def generate() -> Iterator[Batch]:
         for lo in range(0, used, global_batch):
             n = min(global_batch, used - lo)
-            rows = -(-n // dp_size)
+            rows = -(-n // (dp_size * rows_multiple)) * rows_multiple
             start = min(lo + dp_rank * rows, lo + n)
             real = np.arange(start, min(start + rows, lo + n))
             # Padding rows repeat the batch's first window as inputs (any real tokens
