@@ -15,6 +15,8 @@ from partita.models.model_config import ModelConfig
 from partita.models.param_init import ParamInit
 
 # Roles a module can play.
+# A colwise layer and the rowwise layer that adds its split outputs up again are children
+# of one module (an attention, an MLP), and every Linear of that module has one of the two.
 COLWISE = "colwise"  # Linear split along its output features
 ROWWISE = "rowwise"  # Linear split along its input features
 VOCAB_EMBEDDING = "vocab_embedding"  # Embedding split along the vocabulary
@@ -62,3 +64,13 @@ class ModelPlan:
     def block_names(self, model: nn.Module) -> list[str]:
         container = model.get_submodule(self.blocks)
         return [f"{self.blocks}.{key}" for key in container.keys()]
+
+
+def shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter reachable under more than one name (one tensor
+    shared by several modules, as `head.weight = embedding.weight` ties them), in
+    registration order; [] when every parameter has one name."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]

@@ -29,6 +29,7 @@ from partita.pipeline.p2p import validated_schedule
 from partita.pipeline.runtime import PipelineRunner
 from partita.pipeline.stage import (
     StageLayout,
+    check_stage_model,
     detach_tied_copy,
     keep_stages,
     local_stages,
@@ -48,6 +49,7 @@ class PipelineSetup:
     timeout_s: float
 
     def cut(self, model: nn.Module, plan: ModelPlan) -> None:
+        check_stage_model(model, plan, self.layout)
         keep_stages(model, plan, self.layout, self.rank)
 
     def detach_tied(self, model: nn.Module, plan: ModelPlan) -> None:

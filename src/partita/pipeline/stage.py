@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from partita.errors import PartitaError
 from partita.models.model_config import ModelConfig
-from partita.models.plan import ModelPlan
+from partita.models.plan import ModelPlan, shared_parameters
 from partita.pipeline.actions import StageGrid
 from partita.pipeline.split import split_blocks
 
@@ -88,6 +88,64 @@ def plan_stages(cfg: ModelConfig, pp: int, virtual: int, balance: str = "even",
         )
     ranges = split_blocks(cfg.n_layers, n_stages, costs, first, last)
     return StageLayout(pp, virtual, tuple(ranges), tied=cfg.tie_embeddings)
+
+
+def check_stage_model(model: nn.Module, plan: ModelPlan, layout: StageLayout) -> None:
+    """Raise PartitaError, before anything is cut, for a model the pipeline cannot run
+    in pieces: no index-keyed blocks matching the layout, no `embed` / `head` methods,
+    or a parameter shared by modules on different stages. Every rank holds the same
+    model, so every rank refuses alike, before any waits on another."""
+    try:
+        container: nn.Module | None = model.get_submodule(plan.blocks)
+    except AttributeError:
+        container = None
+    kind = type(model).__name__
+    n_blocks = sum(len(r) for r in layout.blocks)
+    wanted = [str(i) for i in range(n_blocks)]
+    if not isinstance(container, nn.ModuleDict) or list(container.keys()) != wanted:
+        found = (f"{type(container).__name__} with keys {list(container.keys())[:8]}"
+                 if isinstance(container, nn.ModuleDict)
+                 else type(container).__name__ if container is not None else "nothing")
+        raise PartitaError(
+            f"pipeline parallelism cuts the model's blocks between stages by index, so "
+            f"{kind}.{plan.blocks} (ModelPlan.blocks) must be an nn.ModuleDict with keys "
+            f"'0'..'{n_blocks - 1}' (the plan's shape has n_layers={n_blocks}); it is "
+            f"{found}. Keep the blocks in nn.ModuleDict({{str(i): block ...}}) under the "
+            "name the plan gives, with as many as ModelPlan.shape.n_layers."
+        )
+    missing = [m for m in ("embed", "head") if not callable(getattr(model, m, None))]
+    if missing:
+        raise PartitaError(
+            f"pipeline parallelism runs the model in pieces: model.embed(tokens) -> hidden "
+            f"states on the first stage, the blocks in model.{plan.blocks} one after another "
+            "(hidden states -> hidden states), and model.head(hidden) -> logits on the "
+            f"last stage; {kind} has no {' and no '.join(m + '()' for m in missing)}. "
+            "Give the model these two methods (its forward can then be head(blocks("
+            "embed(tokens))), everything before the first block in embed and after the "
+            "last in head), or train without pipeline parallelism (parallel.pp=1)."
+        )
+    for names in shared_parameters(model):
+        stages = {name: _stage_of(name, plan, layout) for name in names}
+        if len(set(stages.values())) > 1:
+            where = ", ".join(f"{n} (stage {s})" for n, s in stages.items())
+            raise PartitaError(
+                f"one parameter is shared by modules on different pipeline stages: "
+                f"{where}. Each stage would hold a copy of its own, and the copies would "
+                "train apart. For tied input and output embeddings declare the tie in the "
+                "plan, which the pipeline supports: leave the head module None on the "
+                "model, compute the logits from the embedding's weight while it is None, "
+                "name it in ModelPlan.tied_head and set tie_embeddings=True in "
+                "ModelPlan.shape, as partita's Transformer does. Otherwise give each "
+                "module a parameter of its own, or train without pipeline parallelism."
+            )
+
+
+def _stage_of(param_name: str, plan: ModelPlan, layout: StageLayout) -> int:
+    """The global stage `keep_stages` puts a parameter on (by its name)."""
+    if param_name.startswith(plan.blocks + "."):
+        index = int(param_name[len(plan.blocks) + 1:].split(".")[0])
+        return next(s for s, r in enumerate(layout.blocks) if index in r)
+    return layout.last_stage if param_name.split(".")[0] in plan.head else 0
 
 
 def keep_stages(model: nn.Module, plan: ModelPlan, layout: StageLayout, rank: int) -> None:

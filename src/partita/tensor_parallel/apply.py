@@ -40,6 +40,7 @@ from partita.tensor_parallel.layers import (
     region_pre_hook,
 )
 from partita.tensor_parallel.moe import SummedOutput, WholeSequence, split_moe_over_tp
+from partita.tensor_parallel.plan_check import check_plan
 from partita.tensor_parallel.sequence import SequenceParallelNorm, SequenceShardedPositions
 from partita.tensor_parallel.vocab import (
     VocabParallelEmbedding,
@@ -73,8 +74,9 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
                           moe_tp: str = "replicate") -> TensorParallelReport:
     """Swap the planned modules of `model` for tensor-parallel ones over `comm`.
 
-    Raises PartitaError for a layout the model cannot take (names the valid tp degrees)
-    and for planned modules left without a parallel type. `dropout_seed` seeds the
+    Raises PartitaError for a layout the model cannot take (names the valid tp degrees),
+    for a plan whose split layers lack their partners or share a parameter with another
+    module (plan_check.py), and for planned modules left without a parallel type. `dropout_seed` seeds the
     dropout generators; make it differ across data-parallel ranks. `moe_tp` says how
     MoE feed-forwards use the tp group ("replicate", "experts" or "hidden", see moe.py).
     """
@@ -95,6 +97,8 @@ def apply_tensor_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             f"{type(model.get_submodule(done[0])).__name__}); apply it once, to a model "
             "built from its single-device definition."
         )
+    # Before any module changes: a plan mistake then reads as one, not as a shape error.
+    check_plan(model, plan, moe_tp)
     report = TensorParallelReport(tp=tp, sequence_parallel=sequence_parallel)
     ctx = _Context(comm, sequence_parallel, plan.shape, report, moe_tp)
     planned = [(n, m, plan.role_of(n)) for n, m in model.named_modules() if n]
