@@ -130,11 +130,9 @@ class Trainer:
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
         # Windows per evaluation batch (the global batch); 0 means there is nothing to
-        # validate on. A split with fewer windows than replicas is an error, not
-        # validation skipped.
+        # validate on.
         self.eval_batch = 0 if cfg.train.eval_batches == 0 else eval_batch_size(
-            len(self.data.val), cfg.data.seq_len, cfg.train.global_batch, dp_size,
-            self.data.num_tokens)
+            len(self.data.val), cfg.train.global_batch)
 
     def _resume(self, folder: Path | None) -> Loaded | None:
         """Load the checkpoint in `folder` (None: a fresh run) with the data position."""

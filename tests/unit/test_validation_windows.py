@@ -49,7 +49,7 @@ def test_a_split_smaller_than_the_batch_is_evaluated_whole(dp):
     """5 windows, global batch 8: every window at every size (at 2 replicas the batch
     size was cut to 4 windows, at 4 replicas to 4, at 1 it was 5)."""
     small = TOKENS[:5 * L + 1]
-    assert eval_batch_size(len(small), L, 8, dp) == 8
+    assert eval_batch_size(len(small), 8) == 8
     assert _counted_windows(small, 8, dp) == [[0, 1, 2, 3, 4]]
 
 
@@ -59,9 +59,10 @@ def test_padding_rows_repeat_real_inputs_and_count_nothing():
     assert (y[0] != IGNORE_INDEX).all() and (y[1] == IGNORE_INDEX).all()
 
 
-def test_fewer_windows_than_replicas_is_still_refused_before_evaluating():
-    with pytest.raises(Exception, match="fewer than the 4 data-parallel replicas"):
-        eval_batch_size(3 * L + 1, L, 8, 4)
+def test_fewer_windows_than_replicas_are_evaluated_whole():
+    """3 windows for 4 replicas was refused before launch (each replica needed one);
+    the fourth replica now runs padding rows only."""
+    assert _counted_windows(TOKENS[:3 * L + 1], 8, 4) == [[0, 1, 2]]
 
 
 

@@ -242,9 +242,9 @@ def validate_before_launch(cfg: Config, world_size: int,
     """Catch layout and data mistakes here, once, instead of in every process.
 
     Preparing the data here also means the token cache is written once per node before
-    any worker starts; the workers then only open it, and its token counts are checked
-    against the batches here (too few for one global batch, or a validation split
-    with fewer windows than replicas) rather than by every rank after launch.
+    any worker starts; the workers then only open it, and its token count is checked
+    against the batches here (too few for one global batch) rather than by every rank
+    after launch.
     `local_processes` (this node's, default `world_size`) judge train.threads. Returns
     the run folders' locks (`prepare_run_dir`), which the caller holds for the job.
     """
@@ -258,8 +258,7 @@ def validate_before_launch(cfg: Config, world_size: int,
 
         HFWeights(cfg.model.init_from, cfg.model_config()).close()
     data = open_dataset(cfg)
-    data.check_batches(cfg.train.global_batch, layout.dp,
-                       evaluates=cfg.train.eval_batches > 0)
+    data.check_batches(cfg.train.global_batch)
     if (target := resume_target(cfg)) is not None:  # other data than the checkpoint's
         from partita.data.sampler import num_windows
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from partita.data.corpus import DEFAULT_STDLIB_BYTES, Corpus, stdlib_corpus, text_corpus
-from partita.data.sampler import BatchSampler, eval_batch_size, eval_batches, too_few_windows
+from partita.data.sampler import BatchSampler, too_few_windows
 from partita.data.tokenfile import TokenFileWriter, is_token_file, read_token_file
 from partita.data.tokenizer import ByteTokenizer, Tokenizer
 from partita.errors import PartitaError
@@ -130,26 +130,16 @@ class TokenDataset:
     def num_tokens(self) -> int:
         return len(self.train) + len(self.val)
 
-    def check_batches(self, global_batch: int, dp_size: int, evaluates: bool = True) -> None:
+    def check_batches(self, global_batch: int) -> None:
         """Raise what the samplers would raise on every rank, from here once: too few
-        training windows for one global batch, or (when the run `evaluates`) a
-        validation split with fewer windows than the `dp_size` replicas."""
+        training windows for one global batch."""
         if problem := too_few_windows(len(self.train), self.seq_len, global_batch):
             raise PartitaError(problem)
-        if evaluates:
-            eval_batch_size(len(self.val), self.seq_len, global_batch, dp_size,
-                            self.num_tokens)
 
     def train_sampler(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
                       seed: int = 0) -> BatchSampler:
         """The resumable sampler of training batches for one data-parallel replica."""
         return BatchSampler(self.train, self.seq_len, global_batch, dp_rank, dp_size, seed,
-                            boundary=self.boundary)
-
-    def val_batches(self, global_batch: int, dp_rank: int = 0, dp_size: int = 1,
-                    max_batches: int | None = None) -> list:
-        """Fixed validation batches (the first windows of the tail, in order)."""
-        return eval_batches(self.val, self.seq_len, global_batch, dp_rank, dp_size, max_batches,
                             boundary=self.boundary)
 
 

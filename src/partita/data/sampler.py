@@ -165,27 +165,12 @@ def too_few_windows(num_tokens: int, seq_len: int, global_batch: int) -> str | N
             f"{max(windows, 1):,}.")
 
 
-def eval_batch_size(num_tokens: int, seq_len: int, global_batch: int, dp_size: int,
-                    total_tokens: int | None = None) -> int:
+def eval_batch_size(num_tokens: int, global_batch: int) -> int:
     """Windows per evaluation batch: the global batch (a small split's one batch holds
-    fewer, see `eval_batches`); 0 when there is no split. Raises AgreedError when the
-    split has fewer windows than the `dp_size` replicas, before any rank starts
-    evaluating on a split that small. `total_tokens` (training and validation) lets
-    the message say which val_fraction would do."""
-    if num_tokens == 0:
-        return 0
-    windows = num_windows(num_tokens, seq_len)
-    if windows < dp_size:
-        needed = dp_size * seq_len + 1
-        fraction = (f" (about data.val_fraction={needed / total_tokens:.2g})"
-                    if total_tokens and needed < total_tokens else "")
-        raise AgreedError(
-            f"the validation split has {num_tokens:,} tokens, {windows} window(s) of "
-            f"seq_len {seq_len}, fewer than the {dp_size} data-parallel replicas that each "
-            f"need one to validate. Raise data.val_fraction so that at least {needed:,} "
-            f"tokens are held out{fraction}, use fewer replicas, or set "
-            "data.val_fraction=0 (or train.eval_batches=0) to train without validation.")
-    return global_batch
+    fewer, see `eval_batches`), at any number of replicas, since a replica with fewer
+    windows than the others pads its rows with ones that count nothing; 0 when there
+    is no split."""
+    return 0 if num_tokens == 0 else global_batch
 
 
 def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
