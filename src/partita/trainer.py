@@ -396,9 +396,12 @@ class Trainer:
         if self.is_logger:
             val = "n/a" if val_loss is None else f"{val_loss:.4f}"
             if result is None:
-                self.logger.message(f"the checkpoint is at step {first}, which train.steps="
-                                    f"{c.train.steps} already reaches; nothing to train. "
-                                    "Raise train.steps to train further.")
+                # The last line still starts with "done:" (the README's promise, which
+                # scripts read): a restart after the last step's checkpoint ends here.
+                self.logger.message(f"done: the checkpoint is at step {first}, which "
+                                    f"train.steps={c.train.steps} already reaches; nothing "
+                                    "to train, the weights are written. Raise train.steps "
+                                    "to train further.")
             else:
                 steady = summary["tokens_per_s_after_first"]
                 after = (f" ({steady:,.0f} in the training steps after the first)"
@@ -522,12 +525,21 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
             who += (f"; collectives wait at most train.collective_timeout_s="
                     f"{cfg.train.collective_timeout_s:g} s")
         raise PeerFailure(f"a collective in {phase} of step {step} failed: "
-                          f"{str(exc).strip().splitlines()[0][:160]}. {who}.") from None
+                          f"{_first_words(str(exc), 160)}. {who}.") from None
     finally:
         if trainer is not None:
             trainer.progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_words(text: str, limit: int) -> str:
+    """The first line of `text`, cut at a word within `limit` characters ("..." marks
+    a cut): torch's messages run long, and a cut mid-word read as a typo."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    if len(line) <= limit:
+        return line.rstrip(".")
+    return line[:limit].rsplit(" ", 1)[0].rstrip(" ,;:.") + "..."
 
 
 def _culprit_sentence(trainer: Trainer | None, launcher: int | None) -> str:

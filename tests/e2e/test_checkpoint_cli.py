@@ -292,3 +292,27 @@ def test_generate_samples_from_a_checkpoint_as_from_the_final_weights(tmp_path, 
     shard.write_bytes(bytes(data))
     with pytest.raises(PartitaError, match="rank-00000-of-00002.safetensors' is corrupt"):
         load_run_model(copy)
+
+
+def test_a_resume_with_nothing_left_to_train_ends_with_done_and_the_weights(tmp_path, cli,
+                                                                             whole_run):
+    """A restart after the last step's checkpoint (a failure in the final weight write,
+    say) ended with a line that did not start with `done:`, which the README promises
+    and scripts read."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "again"
+    result = cli.train(out, "--nproc", "1", *F64, f"--train.resume={whole_run}/checkpoints")
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = (result.stdout + result.stderr).strip().splitlines()[-1]
+    assert last.startswith("done: the checkpoint is at step 8"), last
+    mine, theirs = (load_file(p / "model.safetensors") for p in (out, whole_run))
+    assert all(bool((mine[k] == theirs[k]).all()) for k in theirs)
+
+
+def test_a_peer_failure_message_is_cut_at_a_word():
+    from partita.trainer import _first_words
+
+    text = "Connection closed by peer. This is typically caused by a remote process dying"
+    assert _first_words(text, 40) == "Connection closed by peer. This is..."
+    assert _first_words("short.\nsecond line", 40) == "short"
