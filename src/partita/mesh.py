@@ -119,18 +119,53 @@ def check_world_size(dims: Degrees, world_size: int) -> None:
         raise PartitaError(world_size_message(dims, world_size))
 
 
+def check_process_group(rank: int | None, world_size: int) -> int:
+    """The mesh's rank, checked against torch.distributed's world.
+
+    A mesh over several processes creates process groups over the whole world, so its
+    rank and world size must be the process group's: a wrong rank (e.g. left at 0 on
+    every process) would give several processes the same data and the same shards,
+    and train wrong without any error. A one-process mesh (world_size 1) needs no
+    process group and may be built inside a larger world."""
+    if world_size == 1:
+        if rank not in (None, 0):
+            raise PartitaError(f"Mesh(rank={rank}, world_size=1): a one-process mesh has "
+                               "only rank 0; pass the world size of the job.")
+        return 0
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PartitaError(
+            f"Mesh(world_size={world_size}) needs torch.distributed's default process "
+            "group: call torch.distributed.init_process_group(...) first (under torchrun, "
+            "init_process_group('gloo') or ('nccl') reads RANK and WORLD_SIZE), then build "
+            "the Mesh with rank=dist.get_rank(), world_size=dist.get_world_size().")
+    actual_rank, actual_world = dist.get_rank(), dist.get_world_size()
+    if world_size != actual_world or rank not in (None, actual_rank):
+        raise PartitaError(
+            f"Mesh(rank={rank}, world_size={world_size}) disagrees with torch.distributed "
+            f"(rank {actual_rank} of {actual_world}): every process would compute its "
+            "place in the grid from the wrong numbers, and processes sharing a rank train "
+            "on the same data. Build it as Mesh(layout, rank=dist.get_rank(), "
+            "world_size=dist.get_world_size()).")
+    return actual_rank
+
+
 class Mesh:
     """This rank's place in the grid and its process groups, one per purpose.
 
     Build it after `torch.distributed.init_process_group` (or with world_size 1 and no
     process group at all). Group handles are None when the group has one member, and
-    every collective in `partita.comm` treats None as "nothing to do".
+    every collective in `partita.comm` treats None as "nothing to do". `rank` defaults
+    to torch.distributed's rank when the mesh spans several processes; a rank or world
+    size that disagrees with the process group is refused (`check_process_group`).
     """
 
-    def __init__(self, layout: Layout | Degrees, rank: int = 0, world_size: int = 1,
-                 timeout_s: float | None = None) -> None:
+    def __init__(self, layout: Layout | Degrees, rank: int | None = None,
+                 world_size: int = 1, timeout_s: float | None = None) -> None:
         dims = layout.degrees if isinstance(layout, Layout) else layout
         check_world_size(dims, world_size)
+        rank = check_process_group(rank, world_size)
         self.dims: Degrees = dims
         self.rank = rank
         self.world_size = world_size
