@@ -115,7 +115,7 @@ class DataParallel:
             # (embeddings are the last gradients of all) at the end.
             self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
             for buf in self.buckets:
-                buf.materialize_shard(init_fn)
+                buf.materialize_shard(init_fn, buf.comm or self.comm)
             if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
@@ -136,7 +136,7 @@ class DataParallel:
             self.buckets = [family_buffer(mesh, g, dtype, device)
                             for g in by_family(groups)]
             for buf in self.buckets:
-                buf.materialize_full(init_fn)
+                buf.materialize_full(init_fn, buf.comm or self.comm)
         check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if not self.stage.shards_gradients:

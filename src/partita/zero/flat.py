@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from partita.comm import GroupComm
 from partita.sharding import ShardInfo, shard_info
 
 # Elements each rank's slice is aligned to: 64 elements is 128 bytes in bf16, enough
@@ -31,6 +32,17 @@ ALIGN = 64
 # init_fn(info, start, stop): elements [start, stop) of the flattened local tensor
 # described by `info`, drawn exactly as a full single-device initialisation would.
 InitFn = Callable[[ShardInfo, int, int], torch.Tensor]
+
+
+def _broadcast_first(full: torch.Tensor, replicas: GroupComm) -> None:
+    """Every replica starts from the values of the group's first member, as DDP does at
+    construction: replicas seeded differently would otherwise never agree (each update
+    is the same, so their difference stays forever). Uncounted: this is set-up, not a
+    step's traffic (`partita bench zero-comm` counts steps)."""
+    if replicas.size > 1:
+        import torch.distributed as dist
+
+        dist.broadcast(full, src=replicas.ranks[0], group=replicas.group)
 
 
 def decays(shape: tuple[int, ...] | torch.Size) -> bool:
@@ -155,25 +167,49 @@ class FlatBuffer:
             return init_fn(e.info, start, stop)
         return p.detach().reshape(-1)[start:stop]
 
-    @torch.no_grad()
-    def materialize_full(self, init_fn: InitFn | None) -> None:
-        """Allocate every element and make the parameters views into it (stages 0-2)."""
+    def _holds_values(self) -> bool:
+        """Some parameter came with values of its own (not meta, not drawn by init_fn)."""
+        return any(not p.is_meta and p.numel() == e.numel
+                   for p, e in zip(self.params, self.entries))
+
+    def _filled(self, init_fn: InitFn | None) -> torch.Tensor:
         full = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         for p, e in zip(self.params, self.entries):
             full[e.offset:e.offset + e.numel].copy_(self._values(p, e, 0, e.numel, init_fn))
+        return full
+
+    @torch.no_grad()
+    def materialize_full(self, init_fn: InitFn | None, replicas: GroupComm | None = None
+                         ) -> None:
+        """Allocate every element and make the parameters views into it (stages 0-2).
+        Values a module brought with it are made those of `replicas`' first member."""
+        full = self._filled(init_fn)
+        if replicas is not None and self._holds_values():
+            _broadcast_first(full, replicas)
         self.full = full
         self._unmeta()
         self.bind()
 
     @torch.no_grad()
-    def materialize_shard(self, init_fn: InitFn | None) -> None:
+    def materialize_shard(self, init_fn: InitFn | None, replicas: GroupComm | None = None
+                          ) -> None:
         """Allocate only the owned slice (stage 3 at rest); the full buffer exists with
-        an empty storage until a gather (`allocate_full`, then `bind`)."""
-        shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        for pc in self.owned_pieces():
-            p = self.params[self.entries.index(pc.entry)]
-            values = self._values(p, pc.entry, pc.start, pc.stop, init_fn)
-            shard[pc.buf_start - self.lo:pc.buf_start - self.lo + pc.stop - pc.start].copy_(values)
+        an empty storage until a gather (`allocate_full`, then `bind`). Values a module
+        brought with it are sliced from `replicas`' first member's."""
+        if replicas is not None and replicas.size > 1 and self._holds_values():
+            # Every rank holds the whole module already, so one transient full buffer
+            # costs no more than the module itself; drawn values stay per slice.
+            full = self._filled(init_fn)
+            _broadcast_first(full, replicas)
+            shard = full[self.lo:self.hi].clone()
+            del full
+        else:
+            shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+            for pc in self.owned_pieces():
+                p = self.params[self.entries.index(pc.entry)]
+                values = self._values(p, pc.entry, pc.start, pc.stop, init_fn)
+                start = pc.buf_start - self.lo
+                shard[start:start + pc.stop - pc.start].copy_(values)
         self.shard = shard
         self._unmeta()
         # The full buffer's shape over an empty storage: nothing is allocated until the
