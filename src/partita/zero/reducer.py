@@ -204,13 +204,14 @@ class GradReducer:
             torch.mul(grad, scale, out=view)
             self.written[b].add(i)
 
-    @staticmethod
-    def _fold(p: torch.nn.Parameter, view: torch.Tensor) -> None:
+    def _fold(self, p: torch.nn.Parameter, view: torch.Tensor) -> None:
         """Bound mode: if user code replaced or dropped this .grad, what .grad holds now
         is the gradient (None: nothing), and the bucket view takes it over."""
         if p.grad is view:
             return
         if p.grad is None:
+            if not p.requires_grad:
+                self._frozen_after_wrapping(p)
             view.zero_()
         else:
             view.copy_(p.grad)
@@ -247,6 +248,8 @@ class GradReducer:
             self._allocate(buf, b)
         for i in range(len(buf.params)):
             if i not in self.written[b]:
+                if not buf.params[i].requires_grad:
+                    self._frozen_after_wrapping(buf.params[i])
                 buf.grad_view(i).zero_()
                 self.written[b].add(i)
 
@@ -362,6 +365,14 @@ class GradReducer:
         """The optimizer consumed the reduced gradients: the next boundary reduces."""
         self.reduced = False
 
+    def _frozen_after_wrapping(self, p: torch.nn.Parameter) -> None:
+        """A bucket's parameter got no gradient and no longer requires one. Buckets hold
+        only parameters trainable when the engine was built, and every parameter without
+        a gradient passes here each step, so the check costs training nothing."""
+        name = next(buf.entries[i].name for buf in self.buckets
+                    for i, q in enumerate(buf.params) if q is p)
+        raise _frozen_error(name)
+
     @torch.no_grad()
     def _rebind(self) -> None:
         """Bound mode, at the boundary: fold back any .grad user code replaced."""
@@ -377,6 +388,16 @@ class GradReducer:
         for buf in self.buckets:
             for p in buf.params:
                 p.grad = None
+
+
+def _frozen_error(name: str) -> PartitaError:
+    return PartitaError(
+        f"parameter '{name}' was frozen (requires_grad=False) after DataParallel wrapped "
+        "the model: it still sits in the engine's flat buffers, where it would get a zero "
+        "gradient while AdamW's momentum and weight decay keep moving it. Freeze "
+        "parameters before wrapping the model (DataParallel leaves frozen parameters out "
+        "of its buffers), or call dp.close() and wrap the model again after changing "
+        "which parameters train.")
 
 
 def _late_gradient(what: str) -> None:
