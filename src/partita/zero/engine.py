@@ -189,6 +189,7 @@ class DataParallel:
                                           self.host.wait if self.host is not None else None)
                            if gathers or (self.host is not None and self.gatherer is None)
                            else None)
+        self.state_dict_handles = _state_dict_hooks(module, self)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
@@ -400,6 +401,8 @@ class DataParallel:
         for part in (self.reducer, self.gatherer, self.param_sync):
             for handle in getattr(part, "handles", None) or ():
                 handle.remove()
+        for handle in self.state_dict_handles:
+            handle.remove()
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -481,3 +484,32 @@ def _device_of(module: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _state_dict_hooks(module: nn.Module, engine: DataParallel) -> list:
+    """`state_dict()` pre-hooks on every module that holds parameters, so that a state
+    dict read at any level sees the current values: at stages 1-2 (and under host
+    offload) they wait for what step() left running, whose all-gathers otherwise land
+    only in the next forward; at stage 3 they refuse a read outside
+    gathered_parameters(), where a parameter at rest is an empty tensor."""
+
+    def hook(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        engine.wait_params()  # nothing to wait for costs two attribute checks
+        if engine.gatherer is not None and not all(
+                b.full_allocated for b in engine.buckets if id(b) in mine.get(id(mod), ())):
+            raise PartitaError(
+                f"state_dict() of '{prefix.rstrip('.') or type(mod).__name__}' was read "
+                "while ZeRO-3 keeps its parameters sharded (at rest each is an empty "
+                "tensor). Read it inside `with dp.gathered_parameters():` and clone the "
+                "tensors there (`{k: v.clone() for k, v in model.state_dict().items()}`): "
+                "the gathered buffers are freed when the block ends.")
+
+    where = {id(p): b for b in engine.buckets for p in b.params}
+    mine: dict[int, set[int]] = {}
+    handles = []
+    for m in module.modules():
+        bufs = {id(where[id(p)]) for p in m.parameters(recurse=False) if id(p) in where}
+        if bufs:
+            mine[id(m)] = bufs
+            handles.append(m.register_state_dict_pre_hook(hook))
+    return handles
