@@ -43,6 +43,7 @@ from partita.optim import (
     global_norm,
     squared_sum,
 )
+from partita.zero import ownership
 from partita.zero.families import by_family, family_buffer, split_families, with_family_units
 from partita.zero.flat import FlatBuffer, InitFn, Piece
 from partita.zero.ledger import memory_ledger
@@ -70,6 +71,21 @@ class DataParallel:
                  init_fn: InitFn | None = None, device: torch.device | None = None,
                  bucket_key: Callable[[str], object] | None = None,
                  offload: OffloadPolicy | None = None) -> None:
+        # Refused before anything touches the parameters, so that a second engine over
+        # them leaves the first one intact; given back if construction fails.
+        ownership.claim(self, _trainable(module))
+        try:
+            self._build(module, mesh, zero, precision, optim, blocks, init_fn, device,
+                        bucket_key, offload)
+        except BaseException:
+            ownership.release(self)
+            raise
+
+    def _build(self, module: nn.Module, mesh: Mesh, zero: ZeroConfig | None,
+               precision: MixedPrecision | None, optim: AdamWConfig | None,
+               blocks: BlockSpec, init_fn: InitFn | None, device: torch.device | None,
+               bucket_key: Callable[[str], object] | None,
+               offload: OffloadPolicy | None) -> None:
         zero, precision = zero or ZeroConfig(), precision or MixedPrecision()
         self.offload = offload = offload or OffloadPolicy()
         if offload.params and not zero.stage.shards_parameters:
@@ -189,6 +205,11 @@ class DataParallel:
                                           self.host.wait if self.host is not None else None)
                            if gathers or (self.host is not None and self.gatherer is None)
                            else None)
+        # A torch optimizer may step the parameters only where they are a plain replica
+        # whose .grad is the averaged gradient (`ownership`).
+        self.torch_optimizer_allowed = (self.reducer.bound and self.host is None
+                                        and self.disk is None
+                                        and not self.stage.shards_optimizer_states)
         self.state_dict_handles = _state_dict_hooks(module, self)
         self.scaler = LossScaler(precision)
         self.step_count = 0
@@ -403,6 +424,7 @@ class DataParallel:
                 handle.remove()
         for handle in self.state_dict_handles:
             handle.remove()
+        ownership.release(self)
 
     @torch.no_grad()
     def zero_grad(self) -> None:
@@ -484,6 +506,11 @@ def _device_of(module: nn.Module) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an engine over `module` owns: trainable ones, each once."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
 def _state_dict_hooks(module: nn.Module, engine: DataParallel) -> list:
