@@ -198,3 +198,18 @@ def test_frozen_parameters_stay_frozen(moe_tp: str) -> None:
     apply_tensor_parallel(model, model.plan(), _fake_comm(2, 1), moe_tp=moe_tp)
     still = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert still == frozen
+
+
+def test_frozen_experts_stay_frozen_under_expert_parallelism() -> None:
+    from partita.comm import CommCounter, GroupComm
+    from partita.experts.apply import apply_expert_parallel
+
+    cfg = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_experts=4, top_k=2,
+                      moe_every=1)
+    model = build_model(cfg)
+    frozen = {n for n in dict(model.named_parameters()) if ".experts.w_up" in n}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    ep = GroupComm(None, [0, 1], 1, "expert", CommCounter())  # no processes needed
+    assert apply_expert_parallel(model, model.plan(), ep) == 2
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == frozen

@@ -52,11 +52,14 @@ def apply_expert_parallel(model: nn.Module, plan: roles.ModelPlan, comm: GroupCo
             # within it) or each expert's width (moe_tp="hidden": a further cut).
             offset = before.start if before.dim == 0 else 0
             more = before.more if before.dim in (0, None) else before.cuts
+            # Frozen experts stay frozen (nn.Parameter would make them trainable).
             if old.is_meta:
                 new = nn.Parameter(torch.empty((n_local, *old.shape[1:]), device="meta",
-                                               dtype=old.dtype))
+                                               dtype=old.dtype),
+                                   requires_grad=old.requires_grad)
             else:  # a materialised model: keep this rank's rows
-                new = nn.Parameter(old.detach()[first:first + n_local].clone())
+                new = nn.Parameter(old.detach()[first:first + n_local].clone(),
+                                   requires_grad=old.requires_grad)
             set_shard_info(new, ShardInfo(full_name, before.global_shape, 0, offset + first,
                                           offset + first + n_local, before.replicated_over,
                                           more))
