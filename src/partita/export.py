@@ -28,9 +28,13 @@ from partita.models.model_config import ModelConfig
 FORMATS = ("hf",)
 DEFAULT_SHARD_BYTES = 2 << 30
 INDEX = "model.safetensors.index.json"
-# The tokenizer files transformers and other tools read, copied when present.
+# The tokenizer files transformers and other tools read, copied when present (a chat
+# template lives in its own file since transformers 4.43).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json")
+# Copied from the imported model's folder (model.init_from): its sampling defaults and
+# list of end ids, which chat models rely on.
+GENERATION_CONFIG = "generation_config.json"
 
 
 def shard_names(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -61,9 +65,11 @@ def tokenizer_files(tokenizer: str | Path | None) -> list[Path]:
 def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
               tokenizer: str | Path | None = None, dtype: torch.dtype | None = None,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-              bos_token_id: int | None = None, eos_token_id: int | None = None) -> Path:
+              bos_token_id: int | None = None, eos_token_id: int | list[int] | None = None,
+              pad_token_id: int | None = None, also_copy: tuple[Path, ...] = ()) -> Path:
     """Write `state` (full weights, partita names) of model `cfg` as a Hugging Face
-    Llama folder at `out`; returns `out`. `dtype`: cast the floating tensors (None: keep)."""
+    Llama folder at `out`; returns `out`. `dtype`: cast the floating tensors (None: keep).
+    `also_copy`: more files for the folder (the source model's generation config)."""
     from partita.checkpoint.files import write_file
 
     check_exportable(cfg)  # first: what no weights can fix
@@ -92,9 +98,10 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
             total += sum(hf_state[n].numel() * hf_state[n].element_size() for n in names)
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config_from_model(cfg, dtype_name, bos_token_id, eos_token_id)
+        config = hf_config_from_model(cfg, dtype_name, bos_token_id, eos_token_id,
+                                      pad_token_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for path in tokenizer_files(tokenizer):
+        for path in [*tokenizer_files(tokenizer), *also_copy]:
             shutil.copyfile(path, tmp / path.name)
         if out.exists():
             shutil.rmtree(out)
@@ -182,16 +189,26 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
     # not blamed on the weights when their names are compared).
     check_exportable(cfg.model_config())
     state = read()
-    bos = eos = None
+    bos = eos = pad = None
+    also_copy: tuple[Path, ...] = ()
     if cfg.model.init_from:
-        from partita.models.hf_config import read_hf_config
+        from partita.models.hf_config import config_path, read_hf_config
 
         source = read_hf_config(cfg.model.init_from)
-        bos, eos = source.get("bos_token_id"), source.get("eos_token_id")
+        bos, eos, pad = (source.get(k) for k in ("bos_token_id", "eos_token_id",
+                                                 "pad_token_id"))
+        if (generation := config_path(cfg.model.init_from).parent / GENERATION_CONFIG).is_file():
+            also_copy = (generation,)
     tokenizer = cfg.data.tokenizer or None
     if tokenizer is not None:
         from partita.data.hf_tokenizer import special_token_ids
 
-        bos, eos = special_token_ids(tokenizer, bos, eos)
+        # A source's list of end ids (chat models stop at any of them) is kept when
+        # the tokenizer's own EOS is among them.
+        ends = eos if isinstance(eos, list) else None
+        bos, eos = special_token_ids(tokenizer, bos, None if ends else eos)
+        if ends is not None and (eos is None or eos in ends):
+            eos = ends
     return export_hf(state, cfg.model_config(), out, tokenizer=tokenizer, dtype=dtype,
-                     overwrite=overwrite, bos_token_id=bos, eos_token_id=eos)
+                     overwrite=overwrite, bos_token_id=bos, eos_token_id=eos,
+                     pad_token_id=pad, also_copy=also_copy)

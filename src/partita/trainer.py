@@ -76,11 +76,14 @@ def open_dataset(cfg: Config) -> TokenDataset:
     model_vocab = cfg.model_config().vocab_size
     if data.vocab_size > model_vocab:
         what = f"tokenizer '{d.tokenizer}'" if d.tokenizer else "the data"
+        # An imported model's vocabulary is its weights' and cannot be set.
+        fix = ("use the model's own tokenizer (the one in model.init_from's folder)"
+               if cfg.model.init_from else
+               f"set --model.vocab_size={data.vocab_size} or use a tokenizer that fits the "
+               "model")
         raise PartitaError(
             f"{what} uses {data.vocab_size} token ids but the model's vocabulary has "
-            f"{model_vocab}; set --model.vocab_size={data.vocab_size} or use a "
-            "tokenizer that fits the model (with model.init_from: the model's own tokenizer)."
-        )
+            f"{model_vocab}; {fix}.")
     return data
 
 

@@ -61,12 +61,17 @@ class HFTokenizer:
         digest = hashlib.sha256(raw).hexdigest()[:16]
         self.name = f"hf-{digest}"
         self._tok = _load(self.path)
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        # The largest id + 1, not the count of tokens: ids may have gaps, and the
+        # embedding needs a row for the largest.
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(int(self._tok.get_vocab_size(with_added_tokens=True)),
+                              max(ids, default=-1) + 1)
         special = _special_tokens(self.path.parent)
-        self.bos_id = self._id(special, "bos_token")
-        self.eos_id = self._id(special, "eos_token")
-        if self.bos_id is None and self.eos_id is None:
-            self.bos_id, self.eos_id = _ids_from_model_config(self.path.parent)
+        # Each from tokenizer_config.json, else from the folder's config.json.
+        fallback_bos, fallback_eos = _ids_from_model_config(self.path.parent)
+        bos, eos = self._id(special, "bos_token"), self._id(special, "eos_token")
+        self.bos_id = bos if bos is not None else fallback_bos
+        self.eos_id = eos if eos is not None else fallback_eos
 
     def _id(self, special: dict[str, str], key: str) -> int | None:
         """The id of tokenizer_config.json's `key` token (None when it names none).
@@ -137,13 +142,22 @@ def _load(path: Path):
 
 
 def _ids_from_model_config(folder: Path) -> tuple[int | None, int | None]:
+    """bos_token_id and eos_token_id of the folder's config.json; of a list of end ids
+    (Llama 3.1 Instruct's [128001, 128008, 128009]) the first frames documents."""
     config = folder / "config.json"
     try:
         data = json.loads(config.read_text()) if config.is_file() else {}
     except (OSError, json.JSONDecodeError):
         return None, None
-    ids = [data.get("bos_token_id"), data.get("eos_token_id")]
-    return tuple(i if isinstance(i, int) else None for i in ids)  # type: ignore[return-value]
+    if not isinstance(data, dict):
+        return None, None
+
+    def one(value: object) -> int | None:
+        if isinstance(value, list) and value:
+            value = value[0]
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    return one(data.get("bos_token_id")), one(data.get("eos_token_id"))
 
 
 def special_token_ids(path: str | os.PathLike, bos: int | None = None,

@@ -79,6 +79,12 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
         raise PartitaError(f"'{path}' lacks integer {', '.join(missing)}; it is not a "
                            "complete Llama config.")
     problems = []
+    if data.get("quantization_config"):
+        method = data["quantization_config"]
+        method = method.get("quant_method", "?") if isinstance(method, dict) else method
+        problems.append(f"quantization_config (quant_method {method!r}: its weights are "
+                        "stored quantised with scales, which partita does not apply; "
+                        "import the model's unquantised release)")
     if data.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={data['hidden_act']!r} (partita's MLP is SwiGLU: 'silu')")
     for key in ("attention_bias", "mlp_bias"):
@@ -98,6 +104,15 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
                            "transformer does not compute; it cannot be imported.")
     scaling = {}
     if rope["kind"] == "llama3":
+        # As transformers reads it: the original length defaults to the model's.
+        rope.setdefault("original_max_position_embeddings",
+                        data.get("max_position_embeddings", 2048))
+        lacking = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
+                   if not isinstance(rope.get(k), (int, float))]
+        if lacking:
+            raise PartitaError(f"'{path}' asks for llama3 RoPE scaling without "
+                               f"{', '.join(lacking)}; the model's config is incomplete "
+                               "(copy it again from the model's release).")
         scaling = dict(rope_scaling="llama3", rope_factor=float(rope["factor"]),
                        rope_low_freq_factor=float(rope["low_freq_factor"]),
                        rope_high_freq_factor=float(rope["high_freq_factor"]),
@@ -135,16 +150,19 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                          bos_token_id: int | None = None,
-                         eos_token_id: int | None = None) -> dict[str, Any]:
+                         eos_token_id: int | list[int] | None = None,
+                         pad_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of `cfg` as a transformers LlamaForCausalLM."""
     check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    older: dict[str, Any] = {}  # the same, for tools that predate rope_parameters
     if cfg.rope_scaling == "llama3":
         rope.update(rope_type="llama3", factor=cfg.rope_factor,
                     low_freq_factor=cfg.rope_low_freq_factor,
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_len)
-    return {
+        older["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {**older,
         "architectures": list(SUPPORTED_ARCHITECTURES), "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
@@ -155,6 +173,6 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id, "pad_token_id": None, "use_cache": True,
+        "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "use_cache": True,
         "dtype": dtype, "torch_dtype": dtype,
     }

@@ -164,7 +164,21 @@ class HFWeights:
                     f"'{self.folder}' has no tensor '{key}' (partita's '{name}'), which its "
                     "config.json implies; the folder is incomplete or its config does not "
                     "belong to these weights.")
-            got = tuple(self._open(self.files[key]).get_slice(key).get_shape())
+            try:
+                part = self._open(self.files[key]).get_slice(key)
+            except Exception as exc:  # safetensors' own error type: the index is wrong
+                raise PartitaError(
+                    f"'{self.files[key]}' does not hold '{key}', which the folder's index "
+                    f"places there ({exc}); the index does not belong to these files. Copy "
+                    "the model folder again.") from None
+            # Floating point only: quantised or integer tensors would be cast as they
+            # are, without their scales, and train silently as other weights.
+            if part.get_dtype() not in FLOAT_DTYPES:
+                raise PartitaError(
+                    f"'{self.files[key]}' holds '{key}' as {part.get_dtype()}, not floating "
+                    "point (a quantised or converted checkpoint); import the model's "
+                    "unquantised release (bf16, fp16 or fp32 weights).")
+            got = tuple(part.get_shape())
             if got != shape:
                 raise PartitaError(
                     f"'{self.files[key]}' holds '{key}' of shape {got} but config.json "
@@ -212,6 +226,10 @@ class HFWeights:
         return self._rows(name, 0, shape[0])
 
 
+# safetensors' names of the dtypes a Llama's weights are released in.
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """tensor name -> the safetensors file holding it (index or a single file)."""
     index = folder / "model.safetensors.index.json"
@@ -221,6 +239,10 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise PartitaError(f"'{index}' cannot be read ({exc}); copy the model folder "
                                "again.") from None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise PartitaError(f"'{index}' has a weight_map that is not an object of tensor "
+                               "name -> file name; copy the model folder again.")
         files = {name: folder / file for name, file in weight_map.items()}
         absent = sorted({str(p) for p in files.values() if not p.is_file()})
         if absent:
