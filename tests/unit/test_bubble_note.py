@@ -3,7 +3,7 @@ a microbatch count that would idle less."""
 
 from __future__ import annotations
 
-from partita.commands.train import bubble_note, compiled_zero_bubble_note
+from partita.commands.train_notes import bubble_note, compiled_zero_bubble_note
 from partita.config import load_config
 
 

@@ -94,15 +94,15 @@ def test_relative_input_paths_are_stored_absolute(tmp_path, monkeypatch):
 def test_a_resume_with_another_learning_rate_schedule_is_named():
     """Resuming with other steps, lr, min_lr or warmup reshapes the schedule from the
     checkpoint's step on: the note names each change; the same settings, none."""
-    from partita.commands.train import _schedule_changes
+    from partita.commands.train_notes import schedule_changes
     from partita.config import load_config
 
     trained = {"config": load_config(None, ["--train.steps=4"]).to_toml()}
-    assert _schedule_changes(trained, load_config(None, ["--train.steps=4"])) == []
-    assert _schedule_changes(trained, load_config(None, [
+    assert schedule_changes(trained, load_config(None, ["--train.steps=4"])) == []
+    assert schedule_changes(trained, load_config(None, [
         "--train.steps=8", "--train.lr=0.001"])) == ["train.steps 4 -> 8",
                                                      "train.lr 0.003 -> 0.001"]
-    assert _schedule_changes({}, load_config(None, [])) == []
+    assert schedule_changes({}, load_config(None, [])) == []
 
 
 @pytest.mark.parametrize("value", ["1.5e0", "2.9e0", "1e-1", "1e400", "9.3e18", "inf", "nan"])

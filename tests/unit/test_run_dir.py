@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from partita import run_dir
-from partita.commands.train import _print_notes, check_run_dir, prepare_run_dir
+from partita.commands.train import check_run_dir, prepare_run_dir
+from partita.commands.train_notes import print_notes
 from partita.config import load_config
 from partita.errors import PartitaError
 from partita.run_dir import RESULT_FILES, prepare_folder, prepare_out_dir
@@ -292,22 +293,22 @@ def test_a_timeline_png_without_a_pipeline_gets_one_note(tmp_path, capsys):
     prepare_run_dir(cfg)  # pp=1 draws nothing: its folder is neither checked nor made
     assert not png.parent.exists()
     assert capsys.readouterr().err == ""
-    _print_notes(cfg)
+    print_notes(cfg)
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "note: train.timeline_png" in err and "is ignored" in err and "pp=1" in err
-    _print_notes(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
+    print_notes(_cfg(tmp_path, "--parallel.pp=2", f"--train.timeline_png={png}"))
     assert capsys.readouterr().err == ""
 
 
 def test_a_stop_after_that_no_step_reaches_gets_one_note(tmp_path, capsys):
     """train.stop_after beyond train.steps was ignored without a word."""
-    _print_notes(_cfg(tmp_path, "--train.steps=10", "--train.stop_after=20"))
+    print_notes(_cfg(tmp_path, "--train.steps=10", "--train.stop_after=20"))
     err = capsys.readouterr().err
     assert err == ("partita: note: train.stop_after=20 is ignored: the run ends at "
                    "train.steps=10 first.\n")
     for stop in ("5", "10"):  # reached: the run stops there (at 10, with a checkpoint)
-        _print_notes(_cfg(tmp_path, "--train.steps=10", f"--train.stop_after={stop}"))
+        print_notes(_cfg(tmp_path, "--train.steps=10", f"--train.stop_after={stop}"))
         assert capsys.readouterr().err == ""
 
 

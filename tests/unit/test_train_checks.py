@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from partita.commands.train import threads_note, validate_before_launch
+from partita.commands.train import validate_before_launch
+from partita.commands.train_notes import threads_note
 from partita.config import load_config
 from partita.errors import PartitaError
 

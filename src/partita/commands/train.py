@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
-from partita.checkpoint.manifest import check_files, routing_changes, skipped_newer
+from partita.checkpoint.manifest import check_files
 from partita.checkpoint.resume import checkpoint_root, resume_target, set_aside_later_branch
+from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
 from partita.data.sampler import check_resumable
@@ -146,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         if int(os.environ["RANK"]) == 0:
             single_node = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
             locks = prepare_run_dir(cfg, lock=single_node)
-            _print_notes(cfg)
+            print_notes(cfg)
             for note in pipeline_notes(cfg, int(os.environ["WORLD_SIZE"])):
                 print(note, file=sys.stderr, flush=True)
         try:
@@ -163,7 +164,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.rdzv_timeout <= 0:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     check_before_torch(cfg, args.nproc * args.nnodes if args.nproc else None)
-    _print_notes(cfg)
+    print_notes(cfg)
     # The workers' imports (in the fork server) run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
@@ -270,32 +271,6 @@ def validate_before_launch(cfg: Config, world_size: int,
     return locks
 
 
-def available_cores() -> int:
-    """Cores this process may run on (its affinity, where the platform tells)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def threads_note(cfg: Config, local_processes: int, cores: int | None = None) -> str | None:
-    """A warning when train.threads x the local processes exceed this machine's cores:
-    oversubscribed threads wait on one another (1000 threads on 2 cores ran 200x
-    slower) without any other sign."""
-    threads = cfg.train.threads
-    cores = cores or available_cores()
-    # One thread each is the least there is: more processes than cores is the user's
-    # choice of layout (the README's 4-process examples on 2 cores), not the threads'.
-    if threads <= 1 or threads * local_processes <= cores:
-        return None
-    share = max(1, cores // local_processes)
-    return (f"partita: warning: train.threads={threads} x {local_processes} process(es) on "
-            f"this machine is {threads * local_processes:,} threads for {cores} core(s); "
-            "oversubscribed threads wait on one another and every step slows down, many "
-            f"times over. Set train.threads to at most {share}, or to 0 (the cores shared "
-            "among the local processes).")
-
-
 def check_run_dir(cfg: Config) -> Path | None:
     """Check, changing nothing, the checkpoint to resume from (it must exist, be whole
     and be of this model), that train.out_dir, the checkpoint folder and the folder of
@@ -393,11 +368,6 @@ def checkpoint_setting(cfg: Config) -> str:
 TIMELINE_FOLDER = "the folder of train.timeline_png"
 
 
-def draws_timeline(cfg: Config) -> bool:
-    """Whether the run draws train.timeline_png: only a pipeline (pp > 1) records one."""
-    return bool(cfg.train.timeline_png) and cfg.parallel.pp > 1
-
-
 def timeline_folder(cfg: Config) -> Path | None:
     """The folder the run draws train.timeline_png into (created when missing, like
     train.out_dir), checked changing nothing; None when the run draws no timeline."""
@@ -412,104 +382,3 @@ def timeline_folder(cfg: Config) -> Path | None:
         raise PartitaError(f"train.timeline_png '{png}' is a folder; give the name of a "
                            f"PNG file, e.g. {png / 'timeline.png'}.")
     return check_folder(png.parent, TIMELINE_FOLDER)
-
-
-def _schedule_changes(manifest: dict, cfg: Config) -> list[str]:
-    """The learning-rate schedule's settings (WarmupCosine's) that differ from those the
-    checkpoint was trained with, as 'train.lr 0.003 -> 0.001'."""
-    if "config" not in manifest:
-        return []
-    before = config_from_toml(manifest["config"]).train
-    return [f"train.{k} {getattr(before, k):g} -> {getattr(cfg.train, k):g}"
-            for k in ("steps", "lr", "min_lr", "warmup_steps")
-            if getattr(before, k) != getattr(cfg.train, k)]
-
-
-BUBBLE_NOTE_ABOVE = 0.25  # idle share of a pipeline step worth a note before launch
-BUBBLE_SIMULATED_CELLS = 20_000  # stages x microbatches x virtual: ~0.1 s to simulate
-
-
-def bubble_note(cfg: Config, world_size: int) -> str | None:
-    """A note when the pipeline's stages would idle much of every step (few microbatches
-    for its stages), with a train.microbatches that would idle less; None otherwise."""
-    from partita.pipeline.schedules import build_schedule
-    from partita.pipeline.simulate import simulate
-
-    layout = cfg.layout(world_size)
-    m, pp, v = layout.microbatches(cfg.train.global_batch), layout.pp, layout.virtual_stages
-
-    def idle(count: int) -> float | None:  # None: no such schedule, or too big to simulate
-        if pp * count * v > BUBBLE_SIMULATED_CELLS:
-            return None
-        try:
-            return simulate(build_schedule(layout.schedule, pp, count, v)).bubble_fraction
-        except PartitaError:
-            return None
-
-    now = idle(m) if pp > 1 and m > 0 else None
-    if now is None or now <= BUBBLE_NOTE_ABOVE:
-        return None
-    per_replica = cfg.train.global_batch // layout.dp
-    pick = None  # the fewest microbatches idling at most half the threshold, else the least idle
-    for k in (k for k in range(m + 1, per_replica + 1) if per_replica % k == 0):
-        b = idle(k)
-        if b is not None and b < (pick[1] if pick else now):
-            pick = (k, b)
-            if b <= BUBBLE_NOTE_ABOVE / 2:
-                break
-    fix = (f"train.microbatches={pick[0]} would bring it to {pick[1]:.0%}, a larger "
-           "train.global_batch lower still" if pick else
-           f"each replica's {per_replica} sequences allow no more microbatches: a larger "
-           "train.global_batch would")
-    return (f"partita: note: the pipeline's {pp} stages run {m} microbatch"
-            f"{'es' if m > 1 else ''} a step ({layout.schedule}), so each stage idles "
-            f"about {now:.0%} of it (the bubble, simulated with a backward twice a "
-            f"forward); {fix}.")
-
-
-def compiled_zero_bubble_note(cfg: Config) -> str | None:
-    """A note when zb-h1 runs compiled blocks that are not fully recomputed: their
-    backward is one node, so it has nothing of theirs to defer (docs/performance.md)."""
-    p = cfg.parallel
-    if (p.pp < 2 or p.schedule != "zb-h1" or cfg.train.compile == "none"
-            or p.recompute == "full"):
-        return None
-    return (f"partita: note: parallel.schedule=zb-h1 with train.compile={cfg.train.compile}: "
-            "a compiled block yields its weight gradients with its input gradient, so the "
-            "schedule has none of the blocks' to defer into the bubble, and each "
-            "microbatch waiting for its weight pass holds them; parallel.schedule=1f1b runs "
-            "as fast with less memory.")
-
-
-def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
-    """What to say before launch about how the pipeline will spend its step."""
-    return [n for n in (bubble_note(cfg, world_size), compiled_zero_bubble_note(cfg)) if n]
-
-
-def _print_notes(cfg: Config) -> None:
-    """Say once, before launch, what the run will do other than asked or than before: a
-    damaged newer checkpoint passed over, routing or learning-rate schedule settings
-    changed on resume, a train.stop_after that no step reaches, a train.timeline_png
-    ignored without a pipeline."""
-    target = resume_target(cfg)
-    if target is not None and (skipped := skipped_newer(target)):
-        print(skipped, file=sys.stderr, flush=True)
-    changed = routing_changes(read_manifest(target), cfg.model_config()) if target else []
-    if changed:
-        print(f"partita: note: resuming {target.name} with other routing settings than it "
-              f"was trained with ({'; '.join(changed)}).", file=sys.stderr, flush=True)
-    if target is not None and (schedule := _schedule_changes(read_manifest(target), cfg)):
-        print(f"partita: note: resuming {target.name} with another learning-rate schedule "
-              f"than it was trained with ({'; '.join(schedule)}); the rate follows the new "
-              "one from the checkpoint's step on.", file=sys.stderr, flush=True)
-    stop, steps = cfg.train.stop_after, cfg.train.steps
-    start = int(read_manifest(target)["step"]) if target is not None else 0
-    if stop and (stop > steps or stop <= start):
-        why = (f"the run ends at train.steps={steps} first" if stop > steps else
-               f"the run starts after step {start}, from its checkpoint")
-        print(f"partita: note: train.stop_after={stop} is ignored: {why}.", file=sys.stderr,
-              flush=True)
-    if cfg.train.timeline_png and not draws_timeline(cfg):
-        print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
-              "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
-              f"parallel.pp={cfg.parallel.pp}.", file=sys.stderr, flush=True)
