@@ -124,13 +124,25 @@ def start_fork_server() -> None:
         forkserver.ensure_running()  # only the main thread may set handlers
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in SERVER_IGNORES}
+    # Setting SIG_IGN discards a signal already waiting: one that came since the block
+    # (a SIGTERM as the job starts, under load: lost, the job trained on) is noted just
+    # before and sent again once the handler is back. The blocked server still needs
+    # the ignore: something in its start lifts the block (a SIGTERM to the job killed a
+    # server that was only blocked). What stays is the moment between the note and the
+    # ignore, a few bytecodes.
+    previous, waiting = {}, []
+    for sig in SERVER_IGNORES:
+        if sig in signal.sigpending():
+            waiting.append(sig)
+        previous[sig] = signal.signal(sig, signal.SIG_IGN)
     try:
         forkserver.ensure_running()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SERVER_IGNORES)  # delivers one pending
+        for sig in waiting:
+            os.kill(os.getpid(), sig)
 
 
 def stop_fork_server() -> None:

@@ -5,7 +5,9 @@ stop), and it inherits that from the launcher, which ignores the signal for the 
 it starts the server. A signal sent in that moment used to be discarded, and the job
 trained on as if never asked to stop (seen once in CI: a SIGTERM right after start-up,
 the run still training 120 s later). The launcher now also blocks the signal then, so
-it waits, and its own handler receives it once it is back.
+it waits, and its own handler receives it once it is back; one that came between the
+block and the ignore (which discards a waiting signal; seen again under load) is noted
+and sent again.
 
 Run in a fresh interpreter, as the launcher is when it starts the server: before torch
 is imported, with no other thread (a thread that does not block the signal would take
@@ -46,6 +48,41 @@ def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher():
     assert done.returncode == 0, done.stderr[-2000:]
     # received, still ignored afterwards, still blocked afterwards
     assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr[-2000:]
+
+
+BETWEEN = """
+import os, signal, time
+from multiprocessing import forkserver
+from partita import launch
+
+received = []
+signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
+forkserver.ensure_running = lambda: None
+real_mask = signal.pthread_sigmask
+
+def mask_then_signal(how, signals):
+    old = real_mask(how, signals)
+    if how == signal.SIG_BLOCK:  # right after the block, before anything else
+        os.kill(os.getpid(), signal.SIGTERM)
+    return old
+
+signal.pthread_sigmask = mask_then_signal
+launch.start_worker_server(())
+signal.pthread_sigmask = real_mask
+deadline = time.monotonic() + 5
+while not received and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(received == [signal.SIGTERM])
+"""
+
+
+def test_a_sigterm_right_after_the_block_is_not_discarded():
+    """Setting SIG_IGN discards a signal that is waiting blocked: one that came between
+    the block and that (the job trained on, under load) is noted and sent again."""
+    done = subprocess.run([sys.executable, "-c", BETWEEN], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"], done.stdout + done.stderr[-2000:]
 
 
 def test_a_second_start_leaves_the_signals_alone(monkeypatch):
