@@ -47,7 +47,7 @@ from partita.zero import ownership
 from partita.zero.families import by_family, family_buffer, split_families, with_family_units
 from partita.zero.flat import FlatBuffer, InitFn, Piece
 from partita.zero.ledger import memory_ledger
-from partita.zero.materialize import check_nothing_left_on_meta, flat_init_fn
+from partita.zero.materialize import check_nothing_left_on_meta, device_of, flat_init_fn
 from partita.zero.owned import OwnedSlice, owned_slices, owned_slices_loaded, writes_piece
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
@@ -73,7 +73,7 @@ class DataParallel:
                  offload: OffloadPolicy | None = None) -> None:
         # Refused before anything touches the parameters, so that a second engine over
         # them leaves the first one intact; given back if construction fails.
-        ownership.claim(self, _trainable(module))
+        ownership.claim(self, ownership.trainable(module))
         try:
             self._build(module, mesh, zero, precision, optim, blocks, init_fn, device,
                         bucket_key, offload)
@@ -110,7 +110,7 @@ class DataParallel:
         self.precision, self.optim = precision, optim
         self.stage = zero.stage  # a ZeroStage: read its properties, not its number
         n, index = self.comm.size, self.comm.index
-        device = self.device = device or _device_of(module)
+        device = self.device = device or device_of(module)
         dtype = precision.param_dtype
         init_fn = flat_init_fn(init_fn)
         self.gatherer: ParamGatherer | None = None
@@ -210,7 +210,7 @@ class DataParallel:
         self.torch_optimizer_allowed = (self.reducer.bound and self.host is None
                                         and self.disk is None
                                         and not self.stage.shards_optimizer_states)
-        self.state_dict_handles = _state_dict_hooks(module, self)
+        self.state_dict_handles = ownership.state_dict_hooks(module, self)
         self.scaler = LossScaler(precision)
         self.step_count = 0
         self._overflow: bool | None = None  # decided once per step, see _prepare
@@ -474,9 +474,7 @@ class DataParallel:
         return stage_in(buf.shard, self.device)
 
     def _refresh_master(self) -> None:
-        if self.disk is not None:
-            raise PartitaError("writing parameters back under disk offload is not supported "
-                               "yet; load a checkpoint into a run without disk offload.")
+        """After a writeback (refused under disk offload by `gathered_parameters`)."""
         for buf, slot in zip(self.buckets, self.slots):
             slot.load_param_(self._owned_param(buf))
 
@@ -497,46 +495,3 @@ class DataParallel:
     def owned_slices_loaded(self) -> None:
         """The owned slices were written from outside (a checkpoint was loaded)."""
         owned_slices_loaded(self)
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        if not p.is_meta:
-            return p.device
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters an engine over `module` owns: trainable ones, each once."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-def _state_dict_hooks(module: nn.Module, engine: DataParallel) -> list:
-    """`state_dict()` pre-hooks on every module that holds parameters, so that a state
-    dict read at any level sees the current values: at stages 1-2 (and under host
-    offload) they wait for what step() left running, whose all-gathers otherwise land
-    only in the next forward; at stage 3 they refuse a read outside
-    gathered_parameters(), where a parameter at rest is an empty tensor."""
-
-    def hook(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
-        engine.wait_params()  # nothing to wait for costs two attribute checks
-        if engine.gatherer is not None and not all(
-                b.full_allocated for b in engine.buckets if id(b) in mine.get(id(mod), ())):
-            raise PartitaError(
-                f"state_dict() of '{prefix.rstrip('.') or type(mod).__name__}' was read "
-                "while ZeRO-3 keeps its parameters sharded (at rest each is an empty "
-                "tensor). Read it inside `with dp.gathered_parameters():` and clone the "
-                "tensors there (`{k: v.clone() for k, v in model.state_dict().items()}`): "
-                "the gathered buffers are freed when the block ends.")
-
-    where = {id(p): b for b in engine.buckets for p in b.params}
-    mine: dict[int, set[int]] = {}
-    handles = []
-    for m in module.modules():
-        bufs = {id(where[id(p)]) for p in m.parameters(recurse=False) if id(p) in where}
-        if bufs:
-            mine[id(m)] = bufs
-            handles.append(m.register_state_dict_pre_hook(hook))
-    return handles

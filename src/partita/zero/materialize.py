@@ -49,3 +49,14 @@ def check_nothing_left_on_meta(module: nn.Module) -> None:
             "a real device before wrapping, e.g. module.get_submodule(...).to_empty("
             "device=...) followed by their own initialisation."
         )
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's materialised parameters are (meta ones aside); else the current
+    GPU, or the CPU."""
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -12,6 +12,10 @@ gradient (stage 1: reduced only on the owned slice; stages 2-3: None, so the opt
 silently skips them) and the engine's master weights would overwrite any update at its
 next step. The hook costs partita's own step nothing, and a torch optimizer one
 dictionary lookup per step once it has been checked against the current engines.
+
+`state_dict_hooks` catches the other way of reading parameters the engine keeps
+elsewhere: a state dict read right after step() (stages 1-2) or outside
+gathered_parameters() (stage 3).
 """
 
 from __future__ import annotations
@@ -105,3 +109,37 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                     "equal to param_dtype, where .grad holds the averaged gradient.")
     _checked[optimizer] = _generation
     return None
+
+
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an engine over `module` owns: trainable ones, each once."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def state_dict_hooks(module: nn.Module, engine: DataParallel) -> list:
+    """`state_dict()` pre-hooks on every module that holds parameters, so that a state
+    dict read at any level sees the current values: at stages 1-2 (and under host
+    offload) they wait for what step() left running, whose all-gathers otherwise land
+    only in the next forward; at stage 3 they refuse a read outside
+    gathered_parameters(), where a parameter at rest is an empty tensor."""
+
+    def hook(mod: nn.Module, prefix: str, keep_vars: bool) -> None:
+        engine.wait_params()  # nothing to wait for costs two attribute checks
+        if engine.gatherer is not None and not all(
+                b.full_allocated for b in engine.buckets if id(b) in mine.get(id(mod), ())):
+            raise PartitaError(
+                f"state_dict() of '{prefix.rstrip('.') or type(mod).__name__}' was read "
+                "while ZeRO-3 keeps its parameters sharded (at rest each is an empty "
+                "tensor). Read it inside `with dp.gathered_parameters():` and clone the "
+                "tensors there (`{k: v.clone() for k, v in model.state_dict().items()}`): "
+                "the gathered buffers are freed when the block ends.")
+
+    where = {id(p): b for b in engine.buckets for p in b.params}
+    mine: dict[int, set[int]] = {}
+    handles = []
+    for m in module.modules():
+        bufs = {id(where[id(p)]) for p in m.parameters(recurse=False) if id(p) in where}
+        if bufs:
+            mine[id(m)] = bufs
+            handles.append(m.register_state_dict_pre_hook(hook))
+    return handles
