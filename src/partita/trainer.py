@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from partita.agreement import over_all_ranks
-from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint, manifest_fields
+from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
 from partita.config import Config, default_cache_dir
@@ -41,6 +40,7 @@ from partita.models.model_config import vocab_alignment_warning
 from partita.optim import WarmupCosine
 from partita.parallelize import DTYPES, ParallelModel, build_parallel_model, dims_from_config
 from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
+from partita.trainer_checkpoints import CheckpointSteps
 from partita.watchdog import Progress
 from partita.weights import save_weights
 
@@ -91,7 +91,7 @@ def open_dataset(cfg: Config) -> TokenDataset:
 STALL_MIN_SECONDS = 2.0
 
 
-class Trainer:
+class Trainer(CheckpointSteps):
     def __init__(self, cfg: Config, fault: FaultPlan | None = None) -> None:
         self.cfg = cfg
         self.device = pick_device(cfg.train.device)
@@ -415,77 +415,6 @@ class Trainer:
                 )
         self.logger.close()
         return summary
-
-    # Checkpoints ---------------------------------------------------------------------
-    def _checkpoint_after(self, step: int, last: bool) -> bool:
-        """Save when due; True when the run stops here (SIGTERM, train.stop_after, or a
-        failed save with train.checkpoint_failure=stop). Every rank decides alike."""
-        c = self.cfg.train
-        signalled, failed = self._agree([STOP_REQUEST.signum > 0, bool(self.writer.failure)])
-        if failed:
-            self._checkpoint_failed()
-        stop = signalled or step == c.stop_after
-        every = c.checkpoint_every > 0 and step % c.checkpoint_every == 0
-        if stop or every or (last and c.checkpoint_every > 0):
-            self._enter(step, "checkpoint copy")
-            self.writer.wait()  # the save before this one must have succeeded, or be handled
-            (failed,) = self._agree([bool(self.writer.failure)])
-            if failed:
-                self._checkpoint_failed(must_stop=stop)
-            training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
-            fields = manifest_fields(self.pm, training, self.cfg.to_toml(),
-                                     self.cfg.layout(self.mesh.world_size))
-            began = time.perf_counter()
-            self.writer.save(step, self.pm, fields)
-            self.checkpoint_waited += time.perf_counter() - began
-            self._report_save()
-        return stop and not last
-
-    def _finish_saves(self) -> None:
-        """Wait for the save in flight. It is the run's last, which no later save can
-        replace, so its failure fails the run under either checkpoint_failure policy."""
-        self.writer.wait()
-        self._report_save()
-        (failed,) = self._agree([bool(self.writer.failure)])
-        if failed:
-            self._checkpoint_failed(must_stop=True, final=True)
-
-    def _report_save(self) -> None:
-        """Log the newest finished save once (with async saves, during the next one)."""
-        report = self.writer.last
-        if report is None or report.folder is None or report.step == self._reported:
-            return
-        self._reported = report.step
-        how = ("copied beside training" if self.cfg.train.async_checkpoint
-               else "written while training waited")
-        self.logger.message(
-            f"checkpoint {report.folder.name}: complete {report.total_s:.2f} s after it "
-            f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0, {how}); training has "
-            f"waited {self.checkpoint_waited:.3f} s for checkpoints so far")
-
-    def _checkpoint_failed(self, must_stop: bool = False, final: bool = False) -> None:
-        message = self.writer.failure or "another rank could not write its part"
-        self.writer.failure = ""
-        policy = self.cfg.train.checkpoint_failure
-        if policy == "stop" or must_stop:
-            what = "the run's last checkpoint" if final else "a checkpoint"
-            fix = ("Free disk space or choose another train.checkpoint_dir, then resume "
-                   "with --train.resume=auto")
-            if final or policy == "continue":  # nothing left to train on to
-                fix += " to redo the steps after the newest intact checkpoint."
-            else:
-                fix += ("; or set train.checkpoint_failure=continue to keep training "
-                        "when a save fails.")
-            raise AgreedError(f"{what} could not be saved ({message}); earlier checkpoints "
-                              f"are intact. {fix}")
-        self.logger.message(f"warning: a checkpoint could not be saved ({message}); "
-                            "training goes on (train.checkpoint_failure=continue) and "
-                            "earlier checkpoints are intact.")
-
-    def _agree(self, flags: list[bool]) -> list[bool]:
-        """Flags or-ed over every rank, so that every rank takes the same branch."""
-        either = over_all_ranks([float(f) for f in flags], dist.ReduceOp.MAX, self.device)
-        return [v > 0 for v in either]
 
     def _healthy(self, result: StepResult) -> bool:
         if not math.isfinite(result.loss):

@@ -13,7 +13,7 @@ Layers, lowest first (docs/architecture.md explains each):
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
     services     checkpoint, data.*, weights, sampling, kv_cache, metrics, run_dir, folder_lock
-    trainer      trainer, launch, worker_watch, faults, watchdog
+    trainer      trainer, trainer_checkpoints, launch, worker_watch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
     testing      testing             the test harness: nothing in the library imports it
@@ -51,7 +51,8 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
                   "partita.kv_cache", "partita.folder_lock",
                   "partita.metrics", "partita.run_dir", "partita.export")),
-    ("trainer", ("partita.trainer", "partita.launch", "partita.worker_watch", "partita.faults",
+    ("trainer", ("partita.trainer", "partita.trainer_checkpoints", "partita.launch",
+                 "partita.worker_watch", "partita.faults",
                  "partita.watchdog", "partita.process_setup")),
     ("bench", ("partita.bench",)),
     ("commands", ("partita.commands", "partita.cli")),

@@ -1,0 +1,91 @@
+"""The training loop's checkpoints: when a step saves, what the log says of a save, and
+what a failed save does (`train.checkpoint_failure`).
+
+`Trainer` takes these from `CheckpointSteps`; they read the trainer's writer, sampler,
+logger and settings. Every rank decides alike: the flags that choose a branch (a stop
+request, a failed save) are or-ed over all ranks first (`_agree`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from partita.agreement import over_all_ranks
+from partita.checkpoint import manifest_fields
+from partita.errors import STOP_REQUEST, AgreedError
+
+
+class CheckpointSteps:
+    """The checkpoint part of `partita.trainer.Trainer`."""
+
+    def _checkpoint_after(self, step: int, last: bool) -> bool:
+        """Save when due; True when the run stops here (SIGTERM, train.stop_after, or a
+        failed save with train.checkpoint_failure=stop). Every rank decides alike."""
+        c = self.cfg.train
+        signalled, failed = self._agree([STOP_REQUEST.signum > 0, bool(self.writer.failure)])
+        if failed:
+            self._checkpoint_failed()
+        stop = signalled or step == c.stop_after
+        every = c.checkpoint_every > 0 and step % c.checkpoint_every == 0
+        if stop or every or (last and c.checkpoint_every > 0):
+            self._enter(step, "checkpoint copy")
+            self.writer.wait()  # the save before this one must have succeeded, or be handled
+            (failed,) = self._agree([bool(self.writer.failure)])
+            if failed:
+                self._checkpoint_failed(must_stop=stop)
+            training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+            fields = manifest_fields(self.pm, training, self.cfg.to_toml(),
+                                     self.cfg.layout(self.mesh.world_size))
+            began = time.perf_counter()
+            self.writer.save(step, self.pm, fields)
+            self.checkpoint_waited += time.perf_counter() - began
+            self._report_save()
+        return stop and not last
+
+    def _finish_saves(self) -> None:
+        """Wait for the save in flight. It is the run's last, which no later save can
+        replace, so its failure fails the run under either checkpoint_failure policy."""
+        self.writer.wait()
+        self._report_save()
+        (failed,) = self._agree([bool(self.writer.failure)])
+        if failed:
+            self._checkpoint_failed(must_stop=True, final=True)
+
+    def _report_save(self) -> None:
+        """Log the newest finished save once (with async saves, during the next one)."""
+        report = self.writer.last
+        if report is None or report.folder is None or report.step == self._reported:
+            return
+        self._reported = report.step
+        how = ("copied beside training" if self.cfg.train.async_checkpoint
+               else "written while training waited")
+        self.logger.message(
+            f"checkpoint {report.folder.name}: complete {report.total_s:.2f} s after it "
+            f"began ({report.nbytes / 2**20:,.1f} MiB from rank 0, {how}); training has "
+            f"waited {self.checkpoint_waited:.3f} s for checkpoints so far")
+
+    def _checkpoint_failed(self, must_stop: bool = False, final: bool = False) -> None:
+        message = self.writer.failure or "another rank could not write its part"
+        self.writer.failure = ""
+        policy = self.cfg.train.checkpoint_failure
+        if policy == "stop" or must_stop:
+            what = "the run's last checkpoint" if final else "a checkpoint"
+            fix = ("Free disk space or choose another train.checkpoint_dir, then resume "
+                   "with --train.resume=auto")
+            if final or policy == "continue":  # nothing left to train on to
+                fix += " to redo the steps after the newest intact checkpoint."
+            else:
+                fix += ("; or set train.checkpoint_failure=continue to keep training "
+                        "when a save fails.")
+            raise AgreedError(f"{what} could not be saved ({message}); earlier checkpoints "
+                              f"are intact. {fix}")
+        self.logger.message(f"warning: a checkpoint could not be saved ({message}); "
+                            "training goes on (train.checkpoint_failure=continue) and "
+                            "earlier checkpoints are intact.")
+
+    def _agree(self, flags: list[bool]) -> list[bool]:
+        """Flags or-ed over every rank, so that every rank takes the same branch."""
+        either = over_all_ranks([float(f) for f in flags], dist.ReduceOp.MAX, self.device)
+        return [v > 0 for v in either]
