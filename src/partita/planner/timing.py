@@ -47,31 +47,64 @@ from partita.planner.zero_buffers import zero3_buffers, zero_param_counts
 
 
 @memoised()  # a search asks for every layout's recomputation
-def layer_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
+def layer_forward_flops(model: PlanModel, seq_len: int, mb: int,
+                        moe_block: bool | None = None) -> float:
     """Forward FLOPs of one block for `mb` sequences on one device (no parallelism):
-    2 per matmul weight (top_k experts for MoE) per token, plus 4*h*s per token for
-    the score and value products (the MFU convention: no causal discount)."""
+    2 per matmul weight per token, plus 4*h*s per token for the score and value
+    products (the MFU convention: no causal discount). An MoE block (`moe_block`,
+    default: whether the model has experts) multiplies with its router, its shared
+    experts and top_k routed experts; a dense block with its MLP. Biases are negligible."""
     c = model.config
-    split = model.block_split(1)
-    matmul = split["sharded"]  # attention (+ dense MLP) weights; biases are negligible
-    if model.is_moe:
-        matmul += model.moe.top_k * model.mlp_params(model.expert_ffn)
+    moe = model.is_moe if moe_block is None else moe_block and model.is_moe
+    matmul = model.block_split(1, moe=moe)["sharded"]  # attention (+ a dense MLP)
+    if moe:
+        matmul += (c.dim * model.moe.num_experts  # the router
+                   + (c.shared_experts + model.moe.top_k) * model.mlp_params(model.expert_ffn))
     tokens = mb * seq_len
     return 2 * matmul * tokens + 4 * c.dim * seq_len * tokens
+
+
+def mean_layer_forward_flops(model: PlanModel, seq_len: int) -> float:
+    """Forward FLOPs per token of the model's average block: a model with moe_every > 1
+    alternates MoE and dense blocks, as `pipeline_times` mixes their times."""
+    n_moe = model.moe_layers(0, model.config.n_layers)
+    moe, dense = (layer_forward_flops(model, seq_len, 1, kind) / seq_len
+                  for kind in (True, False))
+    return (n_moe * moe + (model.config.n_layers - n_moe) * dense) / model.config.n_layers
 
 
 def head_forward_flops(model: PlanModel, seq_len: int, mb: int) -> float:
     return 2 * model.config.padded_vocab_size * model.config.dim * mb * seq_len
 
 
-def recompute_flops_per_token(model: PlanModel, layout: Layout, seq_len: int) -> float:
-    """FLOPs per token that recomputation adds: the blocks' forward (full) or the
-    attention score and value products (selective); the output layer is not repeated."""
+def recomputed_share(model: PlanModel, layout: Layout) -> float:
+    """The share of a stage's blocks that recomputation reruns: the first
+    `recompute_layers` of each stage (all by default; none without recompute)."""
+    per_stage = max(1, model.config.n_layers // layout.pp)
+    return recomputed_layers(layout, per_stage) / per_stage
+
+
+def forward_reruns(layout: Layout) -> float:
+    """Forward reruns of each recomputed block per microbatch: one, and two under a
+    zero-bubble split, whose I and W each rerun it (partita.memory.recompute)."""
+    return 2.0 if layout.schedule == "zb-h1" and layout.pp > 1 else 1.0
+
+
+def recompute_flops_per_token(model: PlanModel, layout: Layout, seq_len: int,
+                              compile: str = "none") -> float:
+    """FLOPs per token that recomputation adds, as `pipeline_times` charges its time:
+    the recomputed blocks' forward (full) or attention score and value products
+    (selective), once per rerun; the output layer is not repeated. Compiled (`compile`
+    blocks or model) under a zero-bubble split, a fully recomputed block also runs its
+    backward (twice the forward's FLOPs) once more."""
     c = model.config
+    rerun_blocks = c.n_layers * recomputed_share(model, layout)
     if layout.recompute == "full":
-        return c.n_layers * layer_forward_flops(model, seq_len, 1) / seq_len
+        forward = rerun_blocks * mean_layer_forward_flops(model, seq_len)
+        split_compiled = compile != "none" and layout.schedule == "zb-h1" and layout.pp > 1
+        return forward * (forward_reruns(layout) + (2 if split_compiled else 0))
     if selective_reruns_core(layout):
-        return c.n_layers * 4 * c.dim * seq_len
+        return rerun_blocks * forward_reruns(layout) * 4 * c.dim * seq_len
     return 0.0
 
 
@@ -191,9 +224,7 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
     # of them by default): full the whole block (4 passes for 3), selective only the
     # attention core; a zero-bubble split reruns it in I and again in W
     # (partita.memory.recompute).
-    per_stage = max(1, c.n_layers // pp)
-    share = recomputed_layers(layout, per_stage) / per_stage
-    reruns = 2.0 if layout.schedule == "zb-h1" and pp > 1 else 1.0
+    share, reruns = recomputed_share(model, layout), forward_reruns(layout)
     rerun_s = {"none": 0.0, "selective": blk.attention_core_fwd, "full": blk.fwd}[
         layout.recompute]
     if layout.recompute == "selective" and not selective_reruns_core(layout):
@@ -319,7 +350,7 @@ def pipeline_times(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: 
                                   for i, n in enumerate(layers)),
         pp_bytes=pp_vol, model_flops=model_flops,
         hardware_flops=(model_flops
-                        + recompute_flops_per_token(model, layout, seq_len) * tokens))
+                        + recompute_flops_per_token(model, layout, seq_len, compile) * tokens))
 
 
 @dataclass(frozen=True)
