@@ -337,6 +337,13 @@ def layout_overrides(layout: Layout, global_batch: int) -> list[str]:
         out.append(f"--parallel.cp_kind={layout.cp_kind}")
     if layout.moe_tp != "replicate":
         out.append(f"--parallel.moe_tp={layout.moe_tp}")
+    # The overlap options where the layout departs from train's defaults (a plan that
+    # assumed a reduction after backward must not train with it overlapped).
+    defaults = ParallelSection()
+    for option in ("tp_comm_overlap", "overlap_grad_reduce", "overlap_param_gather"):
+        value = getattr(layout, option)
+        if value != getattr(defaults, option):
+            out.append(f"--parallel.{option}={'true' if value else 'false'}")
     return out
 
 

@@ -169,6 +169,8 @@ def train_command(req: Request, ev: Evaluation) -> str:
     args = layout_overrides(ev.layout, req.global_batch)
     if req.precision.param == 2:  # what the plan assumed; partita train's default is fp32
         args.append("--precision.param_dtype=bfloat16")
+        if req.precision.grad == 4:  # bf16-fp32-grads: gradients held and reduced in fp32
+            args.append("--precision.reduce_dtype=float32")
     if ev.compile != "none":
         args.append(f"--train.compile={ev.compile}")
     if ev.kept_units is not None and ev.kept_units != 1:
