@@ -194,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         defaults.append(f"--keep-gathered {req.assumptions.zero3_kept_units} (ZeRO-3 units "
                         "kept into backward, as the implementation does)")
     a = req.assumptions
+    if not a.gemm_peak_fraction:  # the GPU family's figure: named where it has none
+        defaults += _gemm_fraction_default(req.cluster.gpu)
     if (a.attention_kernel == "model" and req.model.config.attention == "auto"
             and req.precision.activation == 2):
         from partita.models.attention_kernel import explicit_scores_limit, uses_explicit_scores
@@ -463,6 +465,19 @@ def _layout_defaults(text: str, layout, moe: bool = False) -> list[str]:
     if moe and layout.tp > 1 and "moe_tp" not in given:
         out.append(f"moe_tp={layout.moe_tp} (experts whole on every tp rank)")
     return out
+
+
+def _gemm_fraction_default(gpu) -> list[str]:
+    """The GEMM rate a GPU of no catalog family is planned with, and how to set it."""
+    from partita.planner.compute import GEMM_PEAK_FRACTION, gemm_family
+    from partita.planner.hardware import GPUProfile
+
+    if gemm_family(gpu):
+        return []
+    how = (f'no base GPU given: set base = "H100" (or another catalog GPU) in '
+           f"[gpu.{gpu.name}], or --set gemm_peak_fraction=..."
+           if isinstance(gpu, GPUProfile) else "--set gemm_peak_fraction=... to change it")
+    return [f"gemm_peak_fraction {GEMM_PEAK_FRACTION['default']} ({how})"]
 
 
 def _print_defaults(defaults: list[str]) -> None:

@@ -43,7 +43,7 @@ from partita.planner.eager_ops import (
     compiled_block_ops,
     edge_ops,
 )
-from partita.planner.hardware import GPUSpec
+from partita.planner.hardware import GPUSpec, gpu_family
 from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.stage_params import vocab_rows
@@ -95,13 +95,19 @@ def gemm_fraction(gpu: GPUSpec, a: Assumptions) -> float:
 
 
 def family_gemm_fraction(gpu: GPUSpec) -> float:
-    """`GEMM_PEAK_FRACTION` of `gpu`'s family: a --hardware profile's is its base's
-    (`[gpu.my-h100] base = "H100"` runs H100 kernels, whatever its own name)."""
-    name = (getattr(gpu, "family", "") or gpu.name).upper()
-    for family, frac in GEMM_PEAK_FRACTION.items():
-        if name.startswith(family):
-            return frac
-    return GEMM_PEAK_FRACTION["default"]
+    """`GEMM_PEAK_FRACTION` of the catalog family whose kernels `gpu` runs
+    (`hardware.gpu_family`: a --hardware profile's base, whatever the profile's own
+    name); the default for a profile without a base."""
+    family = gemm_family(gpu)
+    return GEMM_PEAK_FRACTION[family] if family else GEMM_PEAK_FRACTION["default"]
+
+
+def gemm_family(gpu: GPUSpec) -> str:
+    """The `GEMM_PEAK_FRACTION` family `gpu` belongs to ("" for none: the default)."""
+    family = gpu_family(gpu).upper()
+    # By prefix of a catalog name: A100-40GB and A100-80GB are A100s.
+    return next((f for f in GEMM_PEAK_FRACTION if f != "default" and family.startswith(f)),
+                "")
 
 
 # What large bf16 GEMMs sustain in a training step, as a fraction of dense datasheet

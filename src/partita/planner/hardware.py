@@ -17,8 +17,8 @@ from partita.device_specs import ALIASES, GB, GPUS, GPUSpec
 from partita.errors import PartitaError, did_you_mean
 from partita.planner.cpu_profile import measure_local_cpu
 
-__all__ = ["GB", "GPUS", "GPUSpec", "Cluster", "get_gpu", "known_gpu_names",
-           "load_gpu_profiles"]
+__all__ = ["GB", "GPUS", "GPUProfile", "GPUSpec", "Cluster", "get_gpu", "gpu_family",
+           "known_gpu_names", "load_gpu_profiles"]
 
 LOCAL_CPU = "cpu"
 REQUIRED = ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_bandwidth",
@@ -27,11 +27,19 @@ REQUIRED = ("peak_flops", "memory_bytes", "memory_bandwidth", "intra_node_bandwi
 
 @dataclass(frozen=True)
 class GPUProfile(GPUSpec):
-    """A --hardware profile that starts from a catalog entry (`base = "H100"`): it runs
-    that family's kernels, so the family's figures that are not a GPUSpec field (the
-    GEMM fraction, compute.gemm_fraction) follow `family`, not the profile's name."""
+    """A --hardware profile. One that starts from a catalog entry (`base = "H100"`, or
+    a profile that does) runs that family's kernels, so the family's figures that are
+    not a GPUSpec field (the GEMM fraction, compute.gemm_fraction) follow `family`, the
+    catalog entry's name, never the profile's own name. Without a base, `family` is ""
+    and those figures are the documented defaults."""
 
     family: str = ""
+
+
+def gpu_family(gpu: GPUSpec) -> str:
+    """The catalog GPU whose kernels `gpu` runs: a catalog entry's own name, a
+    --hardware profile's base's ("" for a profile without one)."""
+    return gpu.family if isinstance(gpu, GPUProfile) else gpu.name
 
 
 def known_gpu_names(extra: dict[str, GPUSpec] | None = None) -> list[str]:
@@ -115,9 +123,8 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
                     f"above this one.{did_you_mean(base_name, [*GPUS, *out])} Catalog "
                     f"GPUs: {', '.join(GPUS)}"
                     + (f"; tables above: {', '.join(out)}" if out else "") + ".") from None
-            family = getattr(base, "family", "") or base.name
             out[name] = GPUProfile(**{**vars(replace(base, name=name, **table)),
-                                      "family": family})
+                                      "family": gpu_family(base)})
             continue
         missing = [f for f in REQUIRED if f not in table]
         if missing:
@@ -125,7 +132,8 @@ def load_gpu_profiles(path: str | Path) -> dict[str, GPUSpec]:
                 f"{where}: missing {', '.join(missing)} "
                 "(or set base = \"H100\" to start from a catalog entry)."
             )
-        out[name] = GPUSpec(name=name, **table)
+        # No family: its name, however like a catalog GPU's, says nothing of its kernels.
+        out[name] = GPUProfile(name=name, **table)
     return out
 
 
