@@ -167,8 +167,7 @@ def resolve_model(name_or_path: str) -> PlanModel:
                     f"{_kind_of(data[section])}, not a [{section}] table; write the "
                     f"settings under a [{section}] line, e.g. [model] then n_layers = 8."
                 )
-        moe = _moe_from(data.get("moe", {}), name_or_path)
-        _check_experts(data["model"], data.get("moe", {}), name_or_path)
+        experts = _experts_from(data.get("moe", {}), name_or_path)
         # Same [model] table as a training config: an optional catalog `name` whose
         # shape the other fields override (so a run's config.toml plans as it trained).
         # Each value is read as `partita train` reads it: its type, then its range.
@@ -184,14 +183,25 @@ def resolve_model(name_or_path: str) -> PlanModel:
         else:
             base = get_model_config(table.pop("name")) if "name" in table else ModelConfig()
         table.pop("name", None)
-        return PlanModel(path.stem, ModelConfig.from_dict({**base.to_dict(), **table}), moe)
+        _check_experts(data["model"], data.get("moe", {}), name_or_path, base.moe)
+        shape_of_experts = sorted(set(experts) - {"n_experts"})  # top_k, expert_ffn_dim
+        if shape_of_experts and not experts.get("n_experts",
+                                                table.get("n_experts", base.n_experts)):
+            raise PartitaError(
+                f"model config '{name_or_path}', [moe] {', '.join(shape_of_experts)}: "
+                "this model has no experts for them to describe; give num_experts > 1 "
+                "in [moe] (or [model] n_experts).")
+        # The [moe] table overrides the base's experts as [model] fields would: one
+        # description of them, which PlanModel reads back as its MoEShape.
+        return PlanModel(path.stem, ModelConfig.from_dict({**base.to_dict(), **table,
+                                                           **experts}))
     return PlanModel(name_or_path, get_model_config(name_or_path))
 
 
-def _check_experts(model: dict, moe: dict, source: str) -> None:
+def _check_experts(model: dict, moe: dict, source: str, base_has_experts: bool) -> None:
     """Experts given once, with their top_k: [model] n_experts and [moe] num_experts
     name the same count (one would silently win), and top_k sets the expert compute and
-    traffic, so it is not filled in unseen."""
+    traffic, so it is not filled in unseen (a base model with experts has its own)."""
     where = f"model config '{source}'"
     if "n_experts" in model and "num_experts" in moe:
         raise PartitaError(f"{where} gives the experts twice, [model] n_experts = "
@@ -201,14 +211,16 @@ def _check_experts(model: dict, moe: dict, source: str) -> None:
         raise PartitaError(f"{where} gives top_k twice, in [model] and [moe]; keep one.")
     for table, count, name in ((moe, "num_experts", "[moe]"), (model, "n_experts", "[model]")):
         experts = table.get(count)
-        if (isinstance(experts, int) and experts > 1 and "top_k" not in table
-                and "name" not in model and "init_from" not in model):
+        if (isinstance(experts, int) and experts > 1 and "top_k" not in model
+                and "top_k" not in moe and not base_has_experts):
             raise PartitaError(f"{where}, {name} {count} = {experts} without top_k: give "
                                f"top_k in {name} too (the experts each token is routed "
                                "to; it sets the expert compute and traffic).")
 
 
-def _moe_from(table: dict, source: str) -> MoEShape:
+def _experts_from(table: dict, source: str) -> dict[str, object]:
+    """A [moe] table as the `ModelConfig` fields it sets (num_experts is n_experts; one
+    expert is a dense model, n_experts 0)."""
     known = set(MoEShape.__dataclass_fields__)
     unknown = sorted(set(table) - known)
     if unknown:
@@ -216,8 +228,12 @@ def _moe_from(table: dict, source: str) -> MoEShape:
             f"model config '{source}', [moe]: unknown setting '{unknown[0]}'."
             f"{did_you_mean(unknown[0], known)} Settings: {', '.join(sorted(known))}."
         )
-    return MoEShape(**{k: _read_value(k, v, f"model config '{source}', [moe] {k} = {v!r}")
-                       for k, v in table.items()})
+    values = {k: _read_value(k, v, f"model config '{source}', [moe] {k} = {v!r}")
+              for k, v in table.items()}
+    if "num_experts" in values:
+        experts = values.pop("num_experts")
+        values["n_experts"] = experts if experts > 1 else 0
+    return values
 
 
 # `--model-shape` names: short ones first, then every ModelConfig field by its own name.
