@@ -93,9 +93,19 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     if layout.tp > 1 and c.kv_heads % layout.tp and layout.tp % c.kv_heads:
         out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
                                   "divides the other"))
-    if layout.tp > req.cluster.gpus_per_node:
-        out.append((CONSTRAINT, f"tp={layout.tp} spans nodes of {req.cluster.gpus_per_node} "
+    per_node = req.cluster.gpus_per_node
+    if layout.tp > per_node:
+        out.append((CONSTRAINT, f"tp={layout.tp} spans nodes of {per_node} "
                                 "GPUs; tensor parallelism is placed within a node"))
+    elif not req.cluster.within_node(layout.tp):
+        # Consecutive ranks form a tp group: one that does not divide the node size
+        # leaves some group across two nodes (ranks tp..2tp-1 on 6 per node, tp 4).
+        fits = ", ".join(str(d) for d in range(1, per_node + 1) if per_node % d == 0)
+        out.append((CONSTRAINT, f"tp={layout.tp} does not divide the {per_node} GPUs of a "
+                                f"node, so some tp groups would straddle two nodes (ranks "
+                                f"{layout.tp * (per_node // layout.tp)}-"
+                                f"{layout.tp * (per_node // layout.tp + 1) - 1}); tensor "
+                                f"parallelism is placed within a node: use tp among {fits}"))
     if layout.pp > 1 and layout.virtual_stages > 1 and layout.pp * layout.virtual_stages <= \
             c.n_layers and min(stage_layers(c.n_layers, layout.pp)) < layout.virtual_stages:
         out.append((DIVISIBILITY, f"virtual_stages={layout.virtual_stages} exceeds the "

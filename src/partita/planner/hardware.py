@@ -184,12 +184,19 @@ class Cluster:
         """GPUs in use on one node: a cluster smaller than a node uses only its own."""
         return min(self.num_gpus, self.gpus_per_node)
 
+    def within_node(self, span: int) -> bool:
+        """Whether every group of `span` consecutive ranks (ranks 0..span-1, span..2span-1,
+        ...) lies in one node: the whole cluster does, or `span` divides the node size.
+        Otherwise some group straddles a node boundary (6 per node, span 4: ranks 4-7)."""
+        return self.num_gpus <= self.gpus_per_node or self.gpus_per_node % span == 0
+
     def link(self, span: int) -> tuple[float, float]:
         """(bandwidth, latency) of a group whose members lie within `span` consecutive ranks.
 
-        Groups that fit in a node use NVLink; any group that crosses a node boundary is
-        limited by each GPU's own network port (one NIC per GPU).
+        Groups that lie in a node use NVLink; where any group crosses a node boundary
+        (`within_node`), the collective is paced by each GPU's own network port (one NIC
+        per GPU).
         """
-        if span <= self.gpus_per_node:
+        if self.within_node(span):
             return self.gpu.intra_node_bandwidth, self.gpu.intra_node_latency
         return self.gpu.inter_node_bandwidth, self.gpu.inter_node_latency

@@ -167,7 +167,7 @@ def rate_for_dtype(gpu: GPUSpec, elem_bytes: int) -> GPUSpec:
 
 def _link(cluster: Cluster, a: Assumptions, span: int) -> tuple[tuple[float, float], float]:
     """The link a group of `span` consecutive ranks talks over, and its efficiency."""
-    efficiency = (a.intra_node_efficiency if span <= cluster.gpus_per_node
+    efficiency = (a.intra_node_efficiency if cluster.within_node(span)
                   else a.inter_node_efficiency)
     return cluster.link(span), efficiency
 
