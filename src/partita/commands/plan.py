@@ -78,6 +78,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+# The names --layout takes for virtual_stages, and what partita train fills in for
+# interleaved-1f1b without one (Config.layout).
+VIRTUAL_STAGES_NAMES = {"virtual_stages", "vpp", "v"}
+INTERLEAVED_DEFAULT_VIRTUAL_STAGES = 2
+
 # Rejections that no amount of memory lifts: a layout breaking one cannot be trained.
 RULES = (DIVISIBILITY, CONSTRAINT)
 MAX_GPUS = 1 << 17  # 131,072: beyond the largest clusters; a search there takes seconds
@@ -230,6 +235,9 @@ def run(args: argparse.Namespace) -> int:
         given = _given_fields(args.layout)
         if not given & {"sequence_parallel", "sp"}:
             layout = layout.with_(sequence_parallel=default_sequence_parallel(layout.tp))
+        if (layout.schedule == "interleaved-1f1b" and layout.pp > 1
+                and not given & VIRTUAL_STAGES_NAMES):  # partita train's default for it
+            layout = layout.with_(virtual_stages=INTERLEAVED_DEFAULT_VIRTUAL_STAGES)
         if "schedule" in given and layout.pp == 1:  # it would be dropped unseen
             raise PartitaError(f"--layout {args.layout}: schedule={layout.schedule} is a "
                                "pipeline schedule, but pp=1 has no pipeline; set pp > 1 or "
@@ -349,6 +357,11 @@ def _no_layout_to_search(fixed: tuple[tuple[str, object], ...], req) -> str:
     elif "ep" in pins:
         why = (f"ep must divide the model's {req.model.moe.num_experts} experts and "
                f"dp x cp; pin an ep among those divisors")
+    elif pins.get("schedule") == "interleaved-1f1b" and int(pins.get("virtual_stages",
+                                                                     2)) < 2:
+        why = (f"schedule=interleaved-1f1b with virtual_stages={pins['virtual_stages']} has "
+               "nothing to interleave (partita train runs it as plain 1f1b); pin "
+               "virtual_stages=2 or more, or schedule=1f1b")
     elif "schedule" in pins and int(pins.get("pp", 0)) == 1:
         why = (f"schedule={pins['schedule']} is a pipeline schedule, and pp=1 has no "
                "pipeline; pin pp > 1, or drop schedule")
@@ -458,8 +471,10 @@ def _layout_defaults(text: str, layout, moe: bool = False) -> list[str]:
             out.append(f"{name}={getattr(layout, name)}")
     if layout.pp > 1 and "schedule" not in given:
         out.append(f"schedule={layout.schedule}")
-    if layout.pp > 1 and not given & {"virtual_stages", "vpp", "v"}:
-        out.append(f"virtual_stages={layout.virtual_stages}")
+    if layout.pp > 1 and not given & VIRTUAL_STAGES_NAMES:
+        why = (" (interleaved-1f1b's default, as partita train fills it in)"
+               if layout.schedule == "interleaved-1f1b" else "")
+        out.append(f"virtual_stages={layout.virtual_stages}{why}")
     if layout.cp > 1 and "cp_kind" not in given:
         out.append(f"cp_kind={layout.cp_kind}")
     if moe and layout.tp > 1 and "moe_tp" not in given:

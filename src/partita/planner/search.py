@@ -135,6 +135,8 @@ def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResul
     closest: list[float] = []  # how far each memory example is from fitting, ascending
 
     def reject(kind: str, ev: Evaluation | None, count: int) -> None:
+        if not count:  # a base with no inner options stands for no layout: nothing to say
+            return
         result.rejected[kind] += count
         result.searched += count
         if ev is None:
@@ -171,6 +173,15 @@ def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResul
         base_pins["recompute"] = "full"  # a count of blocks to recompute needs recompute
     if "virtual_stages" in base_pins and "schedule" not in base_pins:
         base_pins["schedule"] = default_schedule(int(base_pins["virtual_stages"]))
+
+    def interleaved_base(pp: int) -> dict[str, int]:
+        """A pinned interleaved-1f1b's base has the fewest virtual stages it runs with
+        (the inner loop varies them from there), not 1, which it is refused with."""
+        if (pp > 1 and base_pins.get("schedule") == "interleaved-1f1b"
+                and "virtual_stages" not in base_pins):
+            return {"virtual_stages": 2}
+        return {}
+
     for tp in [d for d in divisors(n) if ok("tp", d)]:
         for cp in divisors(n // tp) if any_cp else [1]:
             if not ok("cp", cp) or (cp > 1 and req.seq_len / cp < space.min_tokens_per_cp_rank
@@ -202,7 +213,7 @@ def _search(req: Request, space: SearchSpace, keep_examples: int) -> SearchResul
                                       offload=offload, moe_tp=moe_tp, sequence_parallel=bool(
                                           space.pinned("sequence_parallel",
                                                        default_sequence_parallel(tp))),
-                                      **base_pins)
+                                      **base_pins, **interleaved_base(pp))
                         reasons = structural_reasons(req, base)
                         # Options partita cannot train yet are judged in full only
                         # when pinned (--fix); otherwise counted here, unevaluated.
