@@ -125,7 +125,11 @@ def run(args: argparse.Namespace) -> int:
         name, sep, value = item.partition("=")
         if not sep:
             raise PartitaError(f"--set {item}: write NAME=VALUE.")
-        settings[name.strip()] = value.strip()
+        name = name.strip()
+        if name in settings:  # a later value would silently win, as in --fix and --layout
+            raise PartitaError(f"--set gives {name} twice ({name}={settings[name]} and "
+                               f"{item.strip()}); give each name once.")
+        settings[name] = value.strip()
     if args.layout is not None and (args.fix or args.all_options):
         raise PartitaError(f"--layout evaluates one layout and --"
                            f"{'fix' if args.fix else 'all-options'} shapes a search: give "
