@@ -57,7 +57,8 @@ def test_expert_names_are_one_setting_with_its_top_k(tmp_path):
     b = parse_model_shape(f"{SHAPE},num_experts=8,top_k=2")
     assert (a.moe, a.total_params()) == (b.moe, b.total_params())
     assert a.moe.num_experts == 8 and a.moe.top_k == 2
-    shape = "[model]\nn_layers = 4\ndim = 64\nn_heads = 4\nvocab_size = 256\n"
+    shape = ("[model]\nn_layers = 4\ndim = 64\nn_heads = 4\nvocab_size = 256\n"
+             "max_seq_len = 64\n")
     for tables, says in (("[moe]\nnum_experts = 8\n", "[moe] num_experts = 8 without top_k"),
                          ("", "[model] n_experts = 8 without top_k")):
         path = tmp_path / "moe.toml"

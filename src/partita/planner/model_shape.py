@@ -180,8 +180,17 @@ def resolve_model(name_or_path: str) -> PlanModel:
             from partita.models.hf_config import model_config_from_hf
 
             base = model_config_from_hf(init_from)
-        else:
-            base = get_model_config(table.pop("name")) if "name" in table else ModelConfig()
+        elif "name" in table:
+            base = get_model_config(table.pop("name"))
+        else:  # the whole shape, as --model-shape gives it: no default changes the answer
+            missing = [k for k in REQUIRED_SHAPE if k not in table]
+            if missing:
+                raise PartitaError(
+                    f"model config '{name_or_path}' names no catalog model ([model] name) "
+                    f"and no init_from, so it gives the whole shape: add "
+                    f"{', '.join(missing)} to its [model] table (or name = \"...\", a "
+                    "catalog model whose shape the other fields override).")
+            base = ModelConfig()
         table.pop("name", None)
         _check_experts(data["model"], data.get("moe", {}), name_or_path, base.moe)
         shape_of_experts = sorted(set(experts) - {"n_experts"})  # top_k, expert_ffn_dim
@@ -243,6 +252,10 @@ SHAPE_NAMES = {"layers": "n_layers", "hidden": "dim", "heads": "n_heads",
                # ModelConfig's name for the expert count: the [moe] one, so that either
                # spelling describes the same experts and needs top_k alike.
                "n_experts": "num_experts"}
+
+
+# What a shape must give (`--model-shape`, a model file without a catalog name).
+REQUIRED_SHAPE = ("n_layers", "dim", "n_heads", "vocab_size", "max_seq_len")
 
 
 def parse_model_shape(text: str) -> PlanModel:
