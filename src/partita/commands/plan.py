@@ -156,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
     if args.precision is None:  # what partita train uses there by default
         args.precision = "fp32" if args.gpu_type.lower() == "cpu" else "bf16"
         defaults.append(f"--precision {args.precision}")
+    implementation = args.implementation or ("partita" if args.gpu_type.lower() == "cpu"
+                                             else "fused")
     if args.implementation == "partita":
         base = (Assumptions.measured_cpu() if args.gpu_type.lower() == "cpu"
                 else Assumptions.partita_on_gpu())
@@ -172,6 +174,9 @@ def run(args: argparse.Namespace) -> int:
     keep = int(keep) if keep is not None and keep.isdigit() else keep
     model = (parse_model_shape(args.model_shape) if args.model_shape is not None
              else resolve_model(args.model))
+    if args.model_shape is not None and "dropout" not in _shape_names(args.model_shape):
+        defaults.append(f"dropout={model.config.dropout:g} (--model-shape without dropout; "
+                        "it sets the dropout masks' memory and time)")
     gpu = args.gpu_type
     if args.gpu_type.lower() == "cpu" and not args.hardware:
         from dataclasses import replace
@@ -264,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
         # early (`| head`) must not turn it into another (partita.cli).
         args.exit_status = 0 if ev.fits or args.json else 1
         if args.json:
-            print(report.to_json(req, ev=ev, advice=advice, defaults=defaults))
+            print(report.to_json(req, ev=ev, advice=advice, defaults=defaults,
+                                 implementation=implementation))
         else:
             print(report.format_evaluation(req, ev))
             _print_advice(advice)
@@ -292,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
     args.exit_status = 0 if result.ranked or args.json else 1  # before printing (above)
     if args.json:
         print(report.to_json(req, result=result, top=args.top, advice=advice,
-                             defaults=defaults))
+                             defaults=defaults, implementation=implementation))
     else:
         print(report.format_search(result, args.top))
         _print_advice(advice, nothing_fits=not result.ranked, fixed=space.fixed)
@@ -453,6 +459,12 @@ def _parse_fix(text: str) -> tuple[tuple[str, object], ...]:
             raise PartitaError(f"--fix {key}={out[key]} is invalid: every degree is a "
                                "positive integer (1 turns that dimension off).")
     return tuple(out.items())
+
+
+def _shape_names(text: str) -> set[str]:
+    """The setting names a `--model-shape` text gives."""
+    return {item.partition("=")[0].strip().lower()
+            for item in text.replace(" ", ",").split(",") if item}
 
 
 def _given_fields(text: str) -> set[str]:

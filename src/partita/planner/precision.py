@@ -43,6 +43,11 @@ class Precision:
         raise PartitaError(f"unknown precision '{name}'; use {', '.join(NAMES)}.")
 
     @property
+    def name(self) -> str:
+        """The `--precision` name of this policy ("custom" for one no name gives)."""
+        return next((n for n in NAMES if Precision.named(n) == self), "custom")
+
+    @property
     def total(self) -> int:
         return self.param + self.grad + self.master + self.optimizer
 

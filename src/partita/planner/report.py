@@ -34,13 +34,45 @@ def describe_request(req: Request) -> str:
                if req.model.is_moe else "")
     # Every shape figure the prediction reads, filled-in ones (ffn, flavour, tie) too.
     tie = "tied" if c.tie_embeddings else "untied"
+    dropout = f", dropout {c.dropout:g}" if c.dropout else ""
     return (f"{req.model.name}: {count} parameters "
             f"({c.n_layers} layers, dim {c.dim}, ffn {c.ffn_hidden}, {c.n_heads} heads, "
             f"{c.kv_heads} kv heads, vocab {c.vocab_size}, {c.flavour} flavour, {tie} "
-            f"embeddings{experts})"
+            f"embeddings{dropout}{experts})"
             f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
             f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
-            f"{req.global_batch} sequences ({_tokens(req.global_batch * req.seq_len)})")
+            f"{req.global_batch} sequences ({_tokens(req.global_batch * req.seq_len)}); "
+            f"precision {req.precision.name}")
+
+
+def model_shape(req: Request) -> dict:
+    """Every shape figure the prediction reads (filled-in ones too), for --json."""
+    m, c = req.model, req.model.config
+    experts = ({"num_experts": m.moe.num_experts, "top_k": m.moe.top_k,
+                "expert_ffn": m.expert_ffn, "moe_every": c.moe_every,
+                "shared_experts": c.shared_experts} if m.is_moe else None)
+    return {"layers": c.n_layers, "hidden": c.dim, "ffn": c.ffn_hidden, "heads": c.n_heads,
+            "kv_heads": c.kv_heads, "vocab": c.vocab_size,
+            "padded_vocab": c.padded_vocab_size, "seq": c.max_seq_len,
+            "flavour": c.flavour, "tie": c.tie_embeddings, "dropout": c.dropout,
+            "experts": experts}
+
+
+def mfu_peak(req: Request) -> float:
+    """The peak FLOP/s MFU and HFU are over: the GPU's rate at the run's parameter
+    width (`GPUSpec.for_dtype_bytes`)."""
+    return req.cluster.gpu.for_dtype_bytes(req.precision.param).peak_flops
+
+
+def mfu_peak_note(req: Request) -> str:
+    """Which peak MFU is over, where it is not the 16-bit tensor peak; "" where it is."""
+    gpu = req.cluster.gpu
+    peak, tensor = mfu_peak(req), gpu.for_dtype_bytes(2).peak_flops
+    if req.precision.param == 2 or peak == tensor:
+        return ""
+    return (f"MFU and HFU are over {gpu.name}'s fp32 peak, {_tflops(peak)} TFLOP/s (fp32 "
+            f"matmuls do not run on the 16-bit tensor cores), not its 16-bit peak of "
+            f"{_tflops(tensor)} TFLOP/s.")
 
 
 def _tokens(n: int) -> str:
@@ -131,6 +163,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(f"Best {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
                    "that fit, fastest first:")
         out.append(format_table(result.ranked[:top]))
+        if mfu_peak_note(req):
+            out.append(mfu_peak_note(req))
         out.append("Assumed " + overlap_text(result.ranked[0].layout) + "; "
                    + compile_text(req, result.ranked[0]) + ".")
         for note in (alignment_note(req, result.ranked[0].layout),
@@ -211,7 +245,8 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{_tflops(t['hardware_flops_per_gpu'])} hardware TFLOP/s (with "
                    f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
                    f"{compile_text(req, ev)}")
-        out += [note for note in (alignment_note(req, ev.layout), host_note(req, ev)) if note]
+        out += [note for note in (mfu_peak_note(req), alignment_note(req, ev.layout),
+                                  host_note(req, ev)) if note]
         if t.get("stage_in_s"):
             out.append(f"Parameter shards copied from host memory for every gather "
                        f"(optimizer+params): {t['stage_in_s']:.3f} s per step, part of the "
@@ -241,12 +276,20 @@ def _unit(largest: float) -> tuple[float, str]:
 
 def to_json(req: Request, result: SearchResult | None = None, ev: Evaluation | None = None,
             top: int = 10, advice: list[str] | None = None,
-            defaults: list[str] | None = None) -> str:
+            defaults: list[str] | None = None, implementation: str | None = None) -> str:
+    """The plan as JSON. `implementation`: the --implementation planned for (default:
+    read from the assumptions, partita's where they count its eager operations)."""
     assumptions = req.assumptions.to_dict()
     if not assumptions.get("gemm_peak_fraction"):  # 0: the GPU family's, named here
         assumptions["gemm_peak_fraction"] = family_gemm_fraction(req.cluster.gpu)
     data: dict = {
         "model": req.model.name, "parameters": req.model.total_params(),
+        "model_shape": model_shape(req),
+        "precision": req.precision.name,
+        "precision_bytes_per_param": dataclasses.asdict(req.precision),
+        "implementation": implementation or ("partita" if req.assumptions.eager_elementwise
+                                             else "fused"),
+        "mfu_peak_flops": mfu_peak(req),
         "gpu": req.cluster.gpu.name, "gpus": req.cluster.num_gpus,
         "gpus_per_node": req.cluster.gpus_per_node, "seq_len": req.seq_len,
         "global_batch": req.global_batch, "assumptions": assumptions,
