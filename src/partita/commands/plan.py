@@ -335,7 +335,7 @@ def _pinned_space(space, fixed: tuple[tuple[str, object], ...]):
     widen = {"recompute": "recompute", "offload": "offload", "schedule": "schedules",
              "zero_stage": "zero_stages"}
     changes: dict[str, object] = {widen[k]: (v,) for k, v in pinned.items() if k in widen}
-    if "cp" in pinned:
+    if "cp" in pinned or "cp_kind" in pinned:  # a cp_kind is a choice for cp > 1
         changes["context_parallel"] = True
     if "ep" in pinned:
         changes["expert_parallel"] = True

@@ -93,6 +93,7 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     if layout.tp > 1 and c.kv_heads % layout.tp and layout.tp % c.kv_heads:
         out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
                                   "divides the other"))
+    out += _options_without_effect(req, layout)
     per_node = req.cluster.gpus_per_node
     if layout.tp > per_node:
         out.append((CONSTRAINT, f"tp={layout.tp} spans nodes of {per_node} "
@@ -119,6 +120,25 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
                                   "layers of a stage"))
     # Expert parallelism is judged by find_problems alone: the plan model's config
     # carries its experts (PlanModel), and a second sentence would count one rule twice.
+    # A broken rule first: it is what a layout is rejected as (the first reason), before
+    # an option that is merely not available yet.
+    return sorted(out, key=lambda reason: reason[0] == UNAVAILABLE)
+
+
+def _options_without_effect(req: Request, layout: Layout) -> list[tuple[str, str]]:
+    """Options set away from their defaults on a layout where they do nothing: a
+    prediction that seems to honour them would be the plain layout's."""
+    out = []
+    if layout.tp_comm_overlap and layout.tp == 1:
+        out.append((CONSTRAINT, "tp_comm_overlap=1 overlaps tensor-parallel communication, "
+                                "and tp=1 has none; set tp > 1 or drop tp_comm_overlap"))
+    if layout.cp_kind != "ring" and layout.cp == 1:
+        out.append((CONSTRAINT, f"cp_kind={layout.cp_kind} chooses how context-parallel "
+                                "attention communicates, and cp=1 has none; set cp > 1 or "
+                                "drop cp_kind"))
+    if layout.moe_tp != "replicate" and not req.model.is_moe:
+        out.append((CONSTRAINT, f"moe_tp={layout.moe_tp} splits mixture-of-experts blocks "
+                                f"over tp, and {req.model.name} has none; drop moe_tp"))
     return out
 
 

@@ -174,7 +174,11 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append("")
         out.append("Train the first with: " + train_command(req, result.ranked[0]))
     else:
-        out.append("No layout fits.")
+        if result.modelled:  # they fit, but use options partita train does not run yet
+            out.append(f"No layout partita can train fits: {len(result.modelled)} fit in "
+                       "memory but use options partita train does not run yet (below).")
+        else:
+            out.append("No layout fits.")
         closest = result.examples.get(MEMORY, [])
         if closest and closest[0].memory:
             e = closest[0]
@@ -190,8 +194,10 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         f"{n} {KIND_TITLES.get(k, k)}" for k, n in result.rejected.most_common()) or "none"))
     for kind, examples in result.examples.items():
         for e in examples:
-            out.append(f"  {KIND_TITLES.get(kind, kind)}: {e.layout.describe()}: "
-                       f"{e.reasons[0][1]}")
+            # The reason it is listed under (a layout that overflows may also use an
+            # option not available yet).
+            reason = next((r for k, r in e.reasons if k == kind), e.reasons[0][1])
+            out.append(f"  {KIND_TITLES.get(kind, kind)}: {e.layout.describe()}: {reason}")
     out.append("")
     out.append(footer(result))
     return "\n".join(out)
