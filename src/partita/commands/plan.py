@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from partita.planner.advice import advise_layout, advise_search
     from partita.planner.api import DEFAULT_BATCH_TOKENS, make_request
     from partita.planner.assumptions import Assumptions
-    from partita.planner.evaluate import evaluate
+    from partita.planner.evaluate import evaluate, layout_text
     from partita.planner.model_shape import parse_model_shape, resolve_model
     from partita.planner.search import (
         DEFAULT_SPACE,
@@ -247,7 +247,9 @@ def run(args: argparse.Namespace) -> int:
         if (layout.schedule == "interleaved-1f1b" and layout.pp > 1
                 and not given & VIRTUAL_STAGES_NAMES):  # partita train's default for it
             layout = layout.with_(virtual_stages=INTERLEAVED_DEFAULT_VIRTUAL_STAGES)
-        if "schedule" in given and layout.pp == 1:  # it would be dropped unseen
+        # A pipeline schedule other than the default would be dropped unseen at pp=1;
+        # the default is what every layout carries (a plan's JSON degrees too).
+        if "schedule" in given and layout.pp == 1 and layout.schedule != "1f1b":
             raise PartitaError(f"--layout {args.layout}: schedule={layout.schedule} is a "
                                "pipeline schedule, but pp=1 has no pipeline; set pp > 1 or "
                                "drop schedule=.")
@@ -260,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         ev = evaluate(req, layout)
         broken = [text for kind, text in ev.reasons if kind in RULES]
         if broken:  # not a layout partita can train: bad input, whatever its memory
-            raise PartitaError(f"--layout {layout.describe()}: partita cannot train this "
+            raise PartitaError(f"--layout {layout_text(layout)}: partita cannot train this "
                                f"layout on {args.gpus} GPUs, as it breaks "
                                f"{_count(len(broken), 'rule')}: "
                                f"{'; '.join(r.rstrip('.') for r in broken)}.")
@@ -392,6 +394,7 @@ def _every_layout_breaks_a_rule(result, fixed: tuple[tuple[str, object], ...], r
     """Why a search found nothing trainable: the most common rule broken, with one
     layout that breaks it, and how many layouts each kind of rule rejected."""
     from partita.planner.advice import fix_text
+    from partita.planner.evaluate import layout_text
 
     kind = result.rejected.most_common(1)[0][0]
     example = result.examples[kind][0]  # the search keeps examples of every rule kind
@@ -403,7 +406,7 @@ def _every_layout_breaks_a_rule(result, fixed: tuple[tuple[str, object], ...], r
            else "change the model, --seq-len, --global-batch or --gpus")
     return (f"{where} on {req.cluster.num_gpus} GPUs: each of the {result.searched:,} "
             f"layouts searched breaks a rule ({kinds}; none was rejected for memory). "
-            f"The most common ({kind}), e.g. {example.layout.describe()}: {reason}. "
+            f"The most common ({kind}), e.g. {layout_text(example.layout)}: {reason}. "
             f"To get a plan, {fix} so that the rule holds.")
 
 

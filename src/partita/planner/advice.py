@@ -13,7 +13,7 @@ import itertools
 from dataclasses import replace
 
 from partita.layout import MOE_TP, OFFLOAD, Layout
-from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate
+from partita.planner.evaluate import MEMORY, Evaluation, Request, evaluate, layout_text
 from partita.planner.hardware import GPUS
 from partita.planner.search import DEFAULT_SPACE, SearchSpace, search
 
@@ -46,7 +46,7 @@ def advise_layout(req: Request, ev: Evaluation, limit: int = 3) -> list[str]:
         result = evaluate(req, trial)
         if result.fits:
             found.append((off != lay.offload, len(changes), result.time["step_s"],
-                          f"{' '.join(changes)}: {trial.describe()} fits"
+                          f"{' '.join(changes)}: {layout_text(trial)} fits"
                           f"{_offload_note(result)}"))
     found.sort()
     out = [text for *_, text in found[:limit]]
@@ -69,7 +69,7 @@ def advise_search(req: Request, space: SearchSpace = DEFAULT_SPACE, limit: int =
         if best is not None:
             relax = (f"drop --fix {fix_text(space.fixed)}" if space.fixed
                      else "allow every ZeRO stage, schedule and microbatch size")
-            out.append(f"{relax}: {best.layout.describe()} fits")
+            out.append(f"{relax}: {layout_text(best.layout)} fits")
 
     if len(out) < limit:
         out += _offload_changes(req, space, limit - len(out))
@@ -103,7 +103,7 @@ def _offload_changes(req: Request, space: SearchSpace, limit: int) -> list[str]:
         best = search(req, replace(base, offload=(mode,), fixed=fixed)).best
         if best is not None:
             where = "disk" if mode.endswith("+disk") else "host memory"
-            return [f"offload to {where}, --fix {fix_text(fixed)}: {best.layout.describe()} "
+            return [f"offload to {where}, --fix {fix_text(fixed)}: {layout_text(best.layout)} "
                     f"fits{_offload_note(best)}"]
     return []
 
@@ -128,7 +128,7 @@ def _request_changes(req: Request, fits, limit: int, keeping: str = "") -> list[
     while seq >= 128 and len(out) < limit:
         layout = fits(replace(req, seq_len=seq))
         if layout is not None:
-            out.append(f"a shorter sequence, --seq-len {seq}{keeping}: {layout.describe()} "
+            out.append(f"a shorter sequence, --seq-len {seq}{keeping}: {layout_text(layout)} "
                        "fits")
             break
         seq //= 2
@@ -136,7 +136,7 @@ def _request_changes(req: Request, fits, limit: int, keeping: str = "") -> list[
     while n <= req.cluster.num_gpus * 64 and len(out) < limit:
         layout = fits(replace(req, cluster=replace(req.cluster, num_gpus=n)))
         if layout is not None:
-            out.append(f"more GPUs, --gpus {n}{keeping}: {layout.describe()} fits")
+            out.append(f"more GPUs, --gpus {n}{keeping}: {layout_text(layout)} fits")
             break
         n *= 2
     for name, gpu in sorted(GPUS.items(), key=lambda kv: kv[1].memory_bytes):
@@ -145,7 +145,7 @@ def _request_changes(req: Request, fits, limit: int, keeping: str = "") -> list[
         layout = fits(replace(req, cluster=replace(req.cluster, gpu=gpu)))
         if layout is not None:
             out.append(f"a GPU with more memory, --gpu-type {name}{keeping}: "
-                       f"{layout.describe()} fits")
+                       f"{layout_text(layout)} fits")
             break
     return out
 

@@ -26,7 +26,7 @@ from partita.planner.zero_buffers import zero3_buffers
 
 MEMORY = "memory"
 __all__ = ["CONSTRAINT", "DIVISIBILITY", "MEMORY", "UNAVAILABLE", "Evaluation", "Request",
-           "add_step_time", "evaluate", "memory_reasons", "structural_reasons"]
+           "add_step_time", "evaluate", "layout_text", "memory_reasons", "structural_reasons"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Evaluation:
 
     def to_dict(self) -> dict:
         return {
-            "layout": self.layout.describe(),
+            "layout": layout_text(self.layout),
             "degrees": self.layout.to_dict(),
             "fits": self.fits,
             # Whether memory alone would allow it (false also where it was not judged).
@@ -80,6 +80,15 @@ class Evaluation:
             "compile": self.compile,
             "keep_gathered": self.kept_units,
         }
+
+
+def layout_text(layout: Layout) -> str:
+    """The layout as a plan prints it, which `--layout` reads back as the same layout:
+    `Layout.describe`, and sequence parallelism off where tp > 1 (where --layout would
+    otherwise turn it on)."""
+    text = layout.describe()
+    return text + " sequence_parallel=0" if layout.tp > 1 and not layout.sequence_parallel \
+        else text
 
 
 def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:

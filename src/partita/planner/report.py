@@ -10,7 +10,7 @@ from partita.config import layout_overrides
 from partita.errors import PartitaError
 from partita.models.model_config import aligned_vocab_multiple
 from partita.planner.compute import family_gemm_fraction, misaligned
-from partita.planner.evaluate import MEMORY, UNAVAILABLE, Evaluation, Request
+from partita.planner.evaluate import MEMORY, UNAVAILABLE, Evaluation, Request, layout_text
 from partita.planner.search import SearchResult
 from partita.planner.stage_params import vocab_rows
 
@@ -82,7 +82,7 @@ def _tokens(n: int) -> str:
 
 def format_table(evals: list[Evaluation]) -> str:
     """One row per layout: memory terms in GB on its peak stage, then time figures."""
-    layouts = [e.layout.describe() for e in evals]
+    layouts = [layout_text(e.layout) for e in evals]
     scale, unit = _unit(max(e.memory.get("total", 0.0) for e in evals))
     width = max([len("layout")] + [len(s) for s in layouts])
     head = (f"{'#':>3}  {'layout':<{width}}  "
@@ -183,7 +183,7 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         if closest and closest[0].memory:
             e = closest[0]
             misses = "; ".join(r for k, r in e.reasons if k == MEMORY)
-            out.append(f"The closest, {e.layout.describe()}: {misses}.")
+            out.append(f"The closest, {layout_text(e.layout)}: {misses}.")
     if result.modelled:
         out.append("")
         out.append(f"Modelled but not trainable by partita yet ({len(result.modelled)} would "
@@ -197,7 +197,7 @@ def format_search(result: SearchResult, top: int = 10) -> str:
             # The reason it is listed under (a layout that overflows may also use an
             # option not available yet).
             reason = next((r for k, r in e.reasons if k == kind), e.reasons[0][1])
-            out.append(f"  {KIND_TITLES.get(kind, kind)}: {e.layout.describe()}: {reason}")
+            out.append(f"  {KIND_TITLES.get(kind, kind)}: {layout_text(e.layout)}: {reason}")
     out.append("")
     out.append(footer(result))
     return "\n".join(out)
@@ -228,7 +228,7 @@ def footer(result: SearchResult) -> str:
 
 
 def format_evaluation(req: Request, ev: Evaluation) -> str:
-    out = [describe_request(req), "", f"Layout: {ev.layout.describe()}"]
+    out = [describe_request(req), "", f"Layout: {layout_text(ev.layout)}"]
     if ev.memory:
         scale, unit = _unit(ev.memory["total"])
         out.append(f"Memory per GPU on stage {ev.peak_stage} (the peak stage), {unit}:")
@@ -337,7 +337,7 @@ def draw_memory(evals: list[Evaluation], path: str | Path) -> None:
         ) from None
     if not evals:
         raise PartitaError("nothing to draw: no layout was evaluated.")
-    names = [e.layout.describe() for e in evals][::-1]
+    names = [layout_text(e.layout) for e in evals][::-1]
     fig, ax = plt.subplots(figsize=(11, 0.5 * len(evals) + 1.8))
     left = [0.0] * len(evals)
     for title, key in MEMORY_COLUMNS[:-1]:
