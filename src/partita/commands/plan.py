@@ -117,8 +117,12 @@ def run(args: argparse.Namespace) -> int:
     for flag, value, what in (("--model", args.model, "a catalog name (e.g. llama3-8b) "
                                                       "or a TOML file"),
                               ("--model-shape", args.model_shape, "the shape, e.g. layers=32,"
-                               "hidden=4096,heads=32,vocab=32000,seq=4096")):
-        if value is not None and not value.strip():
+                               "hidden=4096,heads=32,vocab=32000,seq=4096"),
+                              ("--layout", args.layout, 'a layout, e.g. "dp=8 tp=2 '
+                               'zero_stage=1", or leave --layout out to search'),
+                              ("--fix", args.fix, "NAME=VALUE pins, e.g. tp=8,pp=2, or "
+                               "leave --fix out to search every layout")):
+        if value is not None and not value.replace(",", " ").strip():  # "," names nothing
             raise PartitaError(f"{flag} is empty: give {what}.")
     settings = {}
     for item in args.set:

@@ -96,9 +96,11 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
     `partita.layout_rules.find_problems`, the trainer's own), then what the planner's model of
     a cluster adds (tensor parallelism within a node, MoE experts)."""
     c = req.model.config
-    out: list[tuple[str, str]] = [(kind, plan_words(text)) for kind, text in find_problems(
-        layout, c, req.cluster.num_gpus, seq_len=req.seq_len, global_batch=req.global_batch,
-        planner=True)]
+    tp_limit = min(req.cluster.gpus_per_node, req.cluster.num_gpus)
+    out: list[tuple[str, str]] = [
+        (kind, _tp_choices_within(plan_words(text), tp_limit))
+        for kind, text in find_problems(layout, c, req.cluster.num_gpus, seq_len=req.seq_len,
+                                        global_batch=req.global_batch, planner=True)]
     if layout.tp > 1 and c.kv_heads % layout.tp and layout.tp % c.kv_heads:
         out.append((DIVISIBILITY, f"tp={layout.tp} and {c.kv_heads} kv heads: neither "
                                   "divides the other"))
@@ -157,6 +159,20 @@ _PLAN_WORDS = ((re.compile(r"--parallel\.(\w+)="), r"\1="),
                (re.compile(r"parallel\.(\w+)"), r"\1"),
                (re.compile(r"data\.seq_len"), "--seq-len"),
                (re.compile(r"--model\.name="), "--model "))
+
+
+_TP_CHOICES = re.compile(r"a tp degree among \[([0-9, ]+)\]")
+
+
+def _tp_choices_within(text: str, limit: int) -> str:
+    """A rule's list of tp degrees cut to those a plan can use, at most `limit` (the
+    GPUs of a node, where tensor parallelism is placed): a sequence of 8192 divides by
+    every power of two up to 8192, but no node holds that many."""
+    def within(match: re.Match) -> str:
+        degrees = [d for d in (int(x) for x in match.group(1).split(",")) if d <= limit]
+        return f"a tp degree among {degrees}"
+
+    return _TP_CHOICES.sub(within, text)
 
 
 def plan_words(text: str) -> str:
@@ -233,11 +249,23 @@ def with_kept_units(assumptions: Assumptions, kept: int) -> Assumptions:
     return replace(assumptions, zero3_kept_units=kept)
 
 
+def _distinct_gb(need: float, have: float) -> tuple[str, str]:
+    """`need` (one decimal at least) and `have` in GB, with as many decimals as it takes
+    for an overflow not to read as equal (80.0 against 80 when 80.04 is needed)."""
+    for digits in range(1, 10):
+        need_text = f"{need / 1e9:.{digits}f}"
+        have_text = f"{have / 1e9:.{digits}f}".rstrip("0").rstrip(".")
+        if float(need_text) > float(have_text):
+            return need_text, have_text
+    return f"{need / 1e9:.9f}", f"{have / 1e9:.9f}"
+
+
 def memory_reasons(req: Request, ev: Evaluation) -> list[tuple[str, str]]:
     gpu, out = req.cluster.gpu, []
     if ev.memory["total"] > gpu.memory_bytes:
-        out.append((MEMORY, f"needs {ev.memory['total'] / 1e9:.1f} GB per GPU on stage "
-                            f"{ev.peak_stage}, {gpu.name} has {gpu.memory_bytes / 1e9:.0f} GB"))
+        need, have = _distinct_gb(ev.memory["total"], gpu.memory_bytes)
+        out.append((MEMORY, f"needs {need} GB per GPU on stage {ev.peak_stage}, "
+                            f"{gpu.name} has {have} GB"))
     if ev.host_bytes_per_node > gpu.host_memory_per_node:
         out.append((MEMORY, f"offloaded states need {ev.host_bytes_per_node / 1e9:.0f} GB of "
                             f"host memory per node, a node has "
