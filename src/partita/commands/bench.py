@@ -48,13 +48,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="measure partita side by side with a peer")
     names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module in _available().items():
-        sub = names.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+        doc = (module.__doc__ or "").strip()
+        options = {"description": doc} if name == "plan-accuracy" else {}
+        sub = names.add_parser(name, help=doc.splitlines()[0], **options)
         module.add_arguments(sub)
+        run = _plan_accuracy_checked if name == "plan-accuracy" else module.run
         # A partial of module-level functions, not a closure: several benchmarks send
         # their parsed arguments (this `func` among them) to their worker processes,
         # and a closure cannot be pickled.
-        sub.set_defaults(func=functools.partial(_naming_the_machine, module.run,
+        sub.set_defaults(func=functools.partial(_naming_the_machine, run,
                                                 sub.get_default("max_rounds")))
+
+
+def _plan_accuracy_checked(args: argparse.Namespace) -> int:
+    """`partita bench plan-accuracy`, its model's shape checked before any rank starts:
+    --dim must split into the model's heads, each of even width (rotary positions)."""
+    from partita.bench import plan_accuracy
+    from partita.bench.plan_measure import Shape
+    from partita.errors import PartitaError
+
+    heads = Shape.n_heads
+    multiple = 2 * heads  # heads of even width
+    if args.dim % multiple:
+        lower = args.dim // multiple * multiple
+        near = " or ".join(str(d) for d in (lower, lower + multiple) if d > 0)
+        raise PartitaError(f"--dim {args.dim}: plan-accuracy's model has {heads} attention "
+                           f"heads of even width (rotary positions), so --dim must be a "
+                           f"multiple of {multiple}; try --dim {near}.")
+    return plan_accuracy.run(args)
 
 
 def _naming_the_machine(run: Callable[[argparse.Namespace], int],
