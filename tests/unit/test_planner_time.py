@@ -12,7 +12,7 @@ from partita.planner import (
     resolve_model,
     step_time,
 )
-from partita.planner.timing import layer_forward_flops
+from partita.planner.flops import layer_forward_flops
 
 H100 = get_gpu("H100")
 MODEL = resolve_model("llama3-8b")
