@@ -39,6 +39,7 @@ takes their parameters as graph inputs, so the second block reuses the first one
 from __future__ import annotations
 
 import functools
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,9 +89,24 @@ def toolchain_problem(device_type: str) -> str | None:
         if not torch.allclose(got, probe(x)):
             return "the compiled probe computed a wrong result"
     except Exception as exc:  # any failure of the toolchain counts, whatever its type
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return f"{type(exc).__name__}: {first[:300]}"
+        return f"{type(exc).__name__}: {_compiler_complaint(exc)}"
+    global _probe_graphs
+    _probe_graphs = compile_counts()["unique_graphs"]
     return None
+
+
+_probe_graphs = 0  # graphs the toolchain probe compiled: not the model's, not reported
+
+
+def _compiler_complaint(exc: Exception) -> str:
+    """The lines of a failed compile that say why: the exception's first line and the
+    compiler's own error lines (inductor wraps them deep in a long message, after the
+    command it ran)."""
+    lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+    first = lines[0] if lines else ""
+    errors = [x for x in lines[1:] if "error" in x.lower() and x != first][:3]
+    said = "; ".join(x[:300] for x in [first, *errors] if x)
+    return said or "no message"
 
 
 def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
@@ -114,12 +130,14 @@ def resolve_mode(policy: CompilePolicy, layout: Layout, device: torch.device,
                         " training eagerly.")
     raise PartitaError(
         f"train.compile={policy.mode}: torch.compile does not work on this machine "
-        f"({problem}). Install a C++ compiler (CPU) or Triton (CUDA), or use "
-        "train.compile=auto to fall back to eager, or train.compile=none.")
+        f"({problem}). Install a working C++ compiler (CPU: inductor runs $CXX, else g++ "
+        "or c++ from PATH) or Triton (CUDA), or use train.compile=auto to fall back to "
+        "eager, or train.compile=none.")
 
 
 def _compiled(fn: Callable) -> Callable:
     keep_out_of_compiled_graphs()  # collectives: deliberate breaks, never traced
+    _COMPILED_CODE.add(getattr(fn, "__func__", fn).__code__)
     # Static shapes: a step's shapes never change; dynamic shapes would only add guards.
     # Inductor, with the ranks of one machine taking turns on identical graphs.
     return torch.compile(fn, dynamic=False, backend=once_per_machine)
@@ -156,14 +174,33 @@ def compiled_units(model: nn.Module, plan: ModelPlan, mode: str) -> list[nn.Modu
 
 # Reading what dynamo did --------------------------------------------------------------
 
+# The code objects partita compiled (a block class's forward, the model's): their
+# dynamo cache entries beyond the first are recompilations.
+_COMPILED_CODE: set = set()
+
+
 def compile_counts() -> dict[str, int]:
-    """Dynamo's process-wide counters: frames compiled, graphs, breaks, recompiles."""
+    """Dynamo's process-wide counters (graphs, breaks) and the recompilations of what
+    partita compiled: torch's own "recompiles" counter stays empty in recent releases,
+    so they are read from dynamo's cache, one entry per compiled version of a code
+    object (another grad mode, e.g. evaluation or a recomputed forward, or a shape)."""
     from torch._dynamo.utils import counters
 
     stats = counters["stats"]
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        recompiles = sum(max(0, len(_debug_get_cache_entry_list(code)) - 1)
+                         for code in _COMPILED_CODE)
+    except (ImportError, AttributeError):  # a torch without it: its counter, if any
+        recompiles = int(sum(counters["recompiles"].values()))
     return {"unique_graphs": int(stats.get("unique_graphs", 0)),
             "graph_breaks": int(sum(counters["graph_break"].values())),
-            "recompiles": int(sum(counters["recompiles"].values()))}
+            "recompiles": recompiles}
+
+
+_EAGER_ONLY_CALL = re.compile(r"<function EagerOnly\.__call__ at 0x[0-9a-f]+>")
+_ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def break_reasons() -> list[str]:
@@ -176,7 +213,12 @@ def break_reasons() -> list[str]:
         lines = [x.strip() for x in str(reason).splitlines() if x.strip()]
         # Dynamo's first line names the kind; the "Explanation" line names the call.
         detail = next((x for x in lines if x.startswith("Explanation:")), "")
-        seen[" -- ".join(x for x in (lines[0] if lines else "", detail) if x)] += n
+        said = " -- ".join(x for x in (lines[0] if lines else "", detail) if x)
+        # partita's own breaks all go through EagerOnly's call: say what they are.
+        said = _EAGER_ONLY_CALL.sub("partita's eager-only call (a tensor- or "
+                                    "context-parallel exchange, or the expert dispatch)",
+                                    said)
+        seen[_ADDRESS.sub("", said)] += n
     return [f"{reason} ({n}x)" for reason, n in seen.most_common()]
 
 
@@ -185,9 +227,13 @@ def compile_summary(report: CompileReport) -> str:
     once (a model that breaks in every block lists each reason once, with a count)."""
     counts = compile_counts()
     what = "each block" if report.mode == "blocks" else "the whole model"
-    line = (f"compile: {what} ({len(report.modules)} module(s)); {counts['unique_graphs']}"
+    graphs = counts["unique_graphs"] - _probe_graphs
+    line = (f"compile: {what} ({len(report.modules)} module(s)); {graphs}"
             f" graph(s), {counts['graph_breaks']} graph break(s), "
             f"{counts['recompiles']} recompilation(s)")
+    if counts["recompiles"]:
+        line += (" (versions for another grad mode or input shape, such as a recomputed "
+                 "forward run without autograd: compiled once, not per step)")
     reasons = break_reasons()
     if reasons:
         line += ". Graph breaks (each compiled around once, not per step):\n  " + \

@@ -25,7 +25,7 @@ def model_refusal(layout: Layout, moe: bool = False) -> str | None:
     reasons = []
     if layout.pp > 1:
         reasons.append("a pipeline (pp > 1) runs the model stage by stage")
-    if layout.zero_stage == 3:
+    if layout.zero_stage == 3 and layout.zero_group > 1:  # one rank: runs as stage 0
         reasons.append("ZeRO-3 gathers each block's parameters in hooks on the block")
     if layout.cp > 1:
         reasons.append("context parallelism exchanges keys and values inside attention")

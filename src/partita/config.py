@@ -269,6 +269,13 @@ class Config:
                     "whose product divides the number of processes."
                 )
             dp = world_size // other
+        elif dp * other != world_size:
+            # Named before the batch: a batch that dp does not divide is a consequence.
+            from partita.layout import Degrees
+            from partita.layout_rules import world_size_message
+
+            raise PartitaError(world_size_message(
+                Degrees(dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep), world_size))
         schedule = canonical_schedule(p.schedule)
         virtual = p.virtual_stages or (2 if schedule == "interleaved-1f1b" and p.pp > 1 else 1)
         if dp < 1 or t.global_batch % dp:

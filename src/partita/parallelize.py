@@ -324,6 +324,15 @@ def make_runner(sharded: ShardedModel, dp: DataParallel, mesh: Mesh,
     return runner
 
 
+def dropout_seed(seed: int, mesh: Mesh) -> int:
+    """The seed of a rank's tensor-parallel dropout streams: different between replicas
+    (they see different tokens) and between pipeline stages (each holds other layers,
+    whose masks would otherwise repeat the first stage's, draw for draw), and the same
+    on the tp ranks of one stage, which the replicated kind relies on."""
+    replicas = mesh.size("loss_average")
+    return seed + mesh.index("loss_average") + replicas * mesh.index("pipeline")
+
+
 def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
                 device: torch.device) -> ParallelModel:
     """This rank's part of `model` under the layout of `cfg` on `mesh`.
@@ -348,9 +357,8 @@ def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
     zero, precision, optim = engine_policies(cfg)
     pipeline = prepare_pipeline(cfg, plan.shape, mesh, layout) if layout.pp > 1 else None
     staged = cut_pipeline(model, plan, pipeline)
-    # Dropout masks must differ between replicas (they see different tokens).
     sharded = shard_tensor_parallel(staged, mesh.comm("tensor"), cfg.parallel.sequence_parallel,
-                                    dropout_seed=cfg.data.seed + mesh.index("loss_average"),
+                                    dropout_seed=dropout_seed(cfg.data.seed, mesh),
                                     moe_tp=layout.moe_tp)
     shard_context_parallel(sharded, mesh.comm("context"), cfg.parallel.cp_kind)
     moe_layers = apply_expert_parallel(sharded.module, plan, mesh.comm("expert"))

@@ -82,8 +82,9 @@ def _checkpoint_state(folder: Path):
 
 @torch.no_grad()
 def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """Autoregressive sampling (greedy when temperature is 0).
+             top_k: int = 0, seed: int = 0, stop_id: int | None = None) -> list[int]:
+    """Autoregressive sampling (greedy when temperature is 0), ending early after a
+    sampled `stop_id` (the tokenizer's end of document), which is kept in the result.
 
     Keys and values are kept between tokens (`partita.kv_cache`) while the sequence fits
     the model's length; past it every token sees the last max_seq_len tokens, at
@@ -99,11 +100,15 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
         # are no token, whatever their (untrained) rows of the head give them.
         ids.append(_sample(logits[0, -1, :vocab].float(), temperature, top_k, gen))
 
+    def more() -> bool:
+        return len(ids) < end and not (stop_id is not None and len(ids) > len(prompt_ids)
+                                       and ids[-1] == stop_id)
+
     if model.cfg.n_experts == 0 or model.cfg.capacity_factor is None:
         with KVCache(model) as cache:
-            while len(ids) < end and len(ids) <= limit:
+            while more() and len(ids) <= limit:
                 pick(cache.logits(torch.tensor([ids[cache.length:]])))
-    while len(ids) < end:
+    while more():
         pick(model(torch.tensor([ids[-limit:]])))
     return ids
 
@@ -135,7 +140,11 @@ def generate_text(run_dir: str | Path, prompt: str, new_tokens: int,
             raise PartitaError(f"the prompt is empty and the run's tokenizer "
                                f"({cfg.data.tokenizer}) has no BOS token to start from; "
                                "give --prompt some text.")
-        ids = generate(model, prompt_ids, new_tokens, temperature, top_k, seed)
+        # A document ends at the tokenizer's EOS: what it samples after is another one.
+        ids = generate(model, prompt_ids, new_tokens, temperature, top_k, seed,
+                       stop_id=tok.eos_id)
+        if tok.eos_id is not None and len(ids) > len(prompt_ids) and ids[-1] == tok.eos_id:
+            ids = ids[:-1]
         return tok.decode(ids[len(start):])
     # The byte tokenizer has no BOS: an empty prompt starts after a newline (a line's
     # start, as the training text has), which is not printed.

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -105,6 +107,10 @@ class Trainer(CheckpointSteps):
                                  STALL_MIN_SECONDS, cfg.train.collective_timeout_s)
         self.launcher = LauncherWatch(launcher_pid())
         torch.manual_seed(cfg.data.seed + rank)
+        # Python's and numpy's generators are saved in checkpoints too: seeded, two runs
+        # of one configuration write the same checkpoint files byte for byte.
+        random.seed(cfg.data.seed + rank)
+        np.random.seed((cfg.data.seed + rank) % 2**32)
         self.out_dir = Path(cfg.train.out_dir)
         self.is_logger = rank == 0
         self.data = self._load_data()

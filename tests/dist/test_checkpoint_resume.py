@@ -7,7 +7,7 @@ another continues like one process trained without interruption, float64 within 
 relative (only the reduction order differs). The pairs below together change every
 dimension: world size (4 -> 2, 2 -> 4, 8 -> 1), ZeRO stage (3 -> 0, 0 -> 3), tp
 (2 -> 1, 1 -> 2), pp (pp 2 -> tp 2) and schedule (gpipe -> interleaved), plus precision
-(float32 -> bfloat16 with fp32 master weights).
+(float32 -> bfloat16 with fp32 master weights), and sequence parallelism switched off.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ RESHARD = {
     "zero0->3": ("dp2", 2, parity_config(parallel=dict(zero_stage=3)), 2),
     "tp2->1": ("tp2-sp", 2, parity_config(), 2),
     "tp1->2": ("dp2", 2, parity_config(parallel=dict(tp=2, sequence_parallel=True)), 2),
+    # The same degrees, but the saved run had no replicated dropout stream to restore.
+    "tp2 sequence parallelism off": ("tp2-sp", 2, parity_config(parallel=dict(tp=2)), 2),
     "pp2->tp2": ("pp2-gpipe-2l", 2, parity_config(parallel=dict(tp=2)), 2),
     "host offload->none": ("zero3-host-offload", 2, parity_config(parallel=dict(tp=2)), 2),
     "gpipe->interleaved": ("pp2-gpipe", 2,
@@ -167,6 +169,37 @@ def test_another_optimizers_checkpoint_is_refused(runs, tmp_path):
     pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, 1), 0, 1), torch.device("cpu"))
     with pytest.raises(CheckpointMismatch, match="optimizer 'sgd'"):
         load_checkpoint(pm, copy)
+
+
+def test_loss_scaling_state_carries_only_between_float16_runs(runs, tmp_path):
+    """A float16 run's loss scale resumed in float32 would multiply every loss with
+    nothing dividing it out (the pipeline and the MoE losses scale by it); a float32
+    run's scale of 1 resumed in float16 would start scaling from 1 instead of its
+    initial scale."""
+    import shutil
+
+    fp16_like = tmp_path / "fp16"
+    shutil.copytree(resolve(runs["root"] / "zero3-fp32"), fp16_like)
+    manifest = read_manifest(fp16_like)
+    manifest["scaler"] = {"scale": 65536.0, "clean_steps": 2, "skips": 0, "enabled": True}
+    write_manifest(fp16_like, manifest)
+
+    def loaded_scale(folder: Path, precision: dict) -> float:
+        cfg = parity_config(precision=precision, **F32)
+        pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, 1), 0, 1),
+                                  torch.device("cpu"))
+        load_checkpoint(pm, folder)
+        return pm.dp.loss_scale
+
+    assert loaded_scale(fp16_like, {}) == 1.0
+    assert loaded_scale(fp16_like, dict(param_dtype="bfloat16")) == 1.0
+    assert loaded_scale(fp16_like, dict(param_dtype="float16")) == 65536.0
+    fresh = parity_config(precision=dict(param_dtype="float16"), **F32)
+    initial = build_parallel_model(fresh, Mesh(dims_from_config(fresh, 1), 0, 1),
+                                   torch.device("cpu")).dp.loss_scale
+    assert initial > 1.0
+    assert loaded_scale(resolve(runs["root"] / "zero3-fp32"),
+                        dict(param_dtype="float16")) == initial
 
 
 def test_precision_changes_on_load(runs):

@@ -102,3 +102,29 @@ def test_dropout_rule_and_sequence_length_error() -> None:
     assert got[False] is True and got[False, "kinds"] == {"replicated"}
     assert got[True, "kinds"] == {"split"}
     assert "sequence length 15 is not divisible by tp=2" in got["error"]
+
+
+def _dropout_seeds(rank: int, world: int) -> dict:
+    from partita.parallelize import build_parallel_model, dims_from_config
+    from tests.dist.pipeline_cases import pipeline_config
+
+    cfg = pipeline_config(tp=2, sequence_parallel=False, model={"dropout": 0.1})
+    mesh = Mesh(dims_from_config(cfg, world), rank, world)
+    pm = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    rngs = {id(m.rng): m.rng for m in pm.module.modules()
+            if type(m).__name__ == "ParallelDropout"}
+    (rng,) = rngs.values()
+    return {"stage": mesh.index("pipeline"), "tp": mesh.index("tensor"), **rng.seeds}
+
+
+def test_dropout_streams_differ_between_pipeline_stages() -> None:
+    # With tp, dropout draws from RegionRNG's generators, not torch's (seeded per rank):
+    # a seed without the stage gave every stage the first stage's masks, draw for draw.
+    got = {(r["stage"], r["tp"]): r for r in run_distributed(_dropout_seeds, 4)}
+    assert set(got) == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for stage in (0, 1):  # one stage's tp ranks: one replicated stream, split ones apart
+        assert got[stage, 0]["replicated"] == got[stage, 1]["replicated"]
+        assert got[stage, 0]["split"] != got[stage, 1]["split"]
+    for tp in (0, 1):
+        for kind in ("replicated", "split"):
+            assert got[0, tp][kind] != got[1, tp][kind], (tp, kind)

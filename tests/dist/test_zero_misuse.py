@@ -1,7 +1,7 @@
 """What a script driving `DataParallel` itself can get wrong, and what the engine does
 about it: state dicts read right after a step, torch optimizers stepping sharded
 parameters, replicas built from different weights, a Mesh given the wrong rank,
-parameters frozen after wrapping, and a module wrapped twice.
+parameters frozen or unfrozen after wrapping, and a module wrapped twice.
 
 Every check runs in one spawned world of 2 ranks (one start-up for all of them); each
 returns what it saw, and a PartitaError is caught and returned as its message, so that
@@ -24,9 +24,11 @@ from tests.dist import dp_cases as zp
 STAGES = (0, 1, 2, 3)
 
 
-def _engine(mesh: Mesh, stage: int, seed: int = 0) -> DataParallel:
+def _engine(mesh: Mesh, stage: int, seed: int = 0, frozen: str = "") -> DataParallel:
     torch.manual_seed(seed)
     model = zp.Toy().to(torch.float64)
+    if frozen:
+        model.get_submodule(frozen).requires_grad_(False)
     return DataParallel(model, mesh, zero=ZeroConfig(stage=stage, bucket_mb=0.02),
                         precision=MixedPrecision(param_dtype=torch.float64),
                         optim=AdamWConfig(lr=1e-2, weight_decay=0.0), blocks=zp.ToyLayer)
@@ -124,6 +126,17 @@ def _freeze_after_wrapping(rank: int, world: int, mesh: Mesh) -> dict:
     return out
 
 
+def _unfreeze_after_wrapping(rank: int, world: int, mesh: Mesh) -> dict:
+    out = {}
+    for stage in STAGES:
+        dp = _engine(mesh, stage, frozen="layers.1")
+        _train(dp, rank, world, steps=1)
+        dp.module.layers[1].requires_grad_(True)
+        out[stage] = _refused(lambda dp=dp: _train(dp, rank, world, steps=1))
+        dp.close()
+    return out
+
+
 def _wrapped_twice(rank: int, world: int, mesh: Mesh) -> dict:
     out = {}
     for stage in STAGES:
@@ -149,7 +162,8 @@ def _worker(rank: int, world: int) -> dict:
                         ("torch_optimizer", _torch_optimizer),
                         ("replicas", _replicas_start_equal),
                         ("twice", _wrapped_twice),
-                        ("freeze", _freeze_after_wrapping)):
+                        ("freeze", _freeze_after_wrapping),
+                        ("unfreeze", _unfreeze_after_wrapping)):
         # Another error (a misuse that is not caught ends deep in torch) fails only the
         # test of its own check.
         try:
@@ -206,6 +220,14 @@ def test_freezing_after_wrapping_is_refused_before_the_update(seen) -> None:
         for stage in STAGES:
             assert "frozen (requires_grad=False) after DataParallel" in rank["freeze"][stage]
             assert not rank["freeze"][stage, "moved"], stage
+
+
+def test_unfreezing_after_wrapping_is_refused(seen) -> None:
+    # The engine left the frozen layer out of its buffers: once trainable, its gradient
+    # would stay per replica and no step would ever update it.
+    for rank in seen:
+        for stage in STAGES:
+            assert "unfrozen (requires_grad=True) after DataParallel" in rank["unfreeze"][stage]
 
 
 def test_wrapping_a_module_twice_is_refused(seen) -> None:

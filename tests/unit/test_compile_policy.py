@@ -45,6 +45,64 @@ def test_model_mode_names_what_stands_in_its_way():
     assert "context parallelism" in model_refusal(Layout(cp=2))
 
 
+def test_model_mode_takes_zero3_over_one_rank():
+    # A ZeRO group of one rank runs every stage as 0: no gathers in hooks to refuse.
+    assert model_refusal(Layout(zero_stage=3)) is None
+    assert model_refusal(Layout(tp=2, zero_stage=3)) is None
+    assert "ZeRO-3" in model_refusal(Layout(dp=2, zero_stage=3))
+    assert "ZeRO-3" in model_refusal(Layout(cp=2, zero_stage=3))
+
+
+def test_a_broken_compiler_is_quoted_not_just_named():
+    from partita.compile import _compiler_complaint
+
+    exc = RuntimeError("backend='once_per_machine' raised:\nCppCompileError: C++ compile "
+                       "error\n\nCommand:\ng++ /tmp/x.cpp -shared -o /tmp/x.so\n\nOutput:\n"
+                       "g++: fatal error: no input files\ncompilation terminated.")
+    said = _compiler_complaint(exc)
+    assert said.startswith("backend='once_per_machine' raised:")
+    assert "g++: fatal error: no input files" in said and "C++ compile error" in said
+    assert _compiler_complaint(RuntimeError("")) == "no message"
+
+
+def test_recompilations_are_read_from_dynamos_cache():
+    # torch's own "recompiles" counter is never filled in recent releases: a compiled
+    # function run again without autograd (a new version) must still count as one.
+    from partita import compile as compiled_code
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    before = compiled_code.compile_counts()["recompiles"]
+    compiled_code._COMPILED_CODE.add(double.__code__)
+    try:
+        run = torch.compile(double, backend="eager")
+        x = torch.ones(3, requires_grad=True)
+        run(x)
+        assert compiled_code.compile_counts()["recompiles"] == before
+        with torch.no_grad():
+            run(x)
+        assert compiled_code.compile_counts()["recompiles"] == before + 1
+    finally:
+        compiled_code._COMPILED_CODE.discard(double.__code__)
+
+
+def test_break_reasons_name_partitas_eager_calls_without_addresses():
+    from torch._dynamo.utils import counters
+
+    from partita.compile import break_reasons
+
+    key = ("Skip inlining function <function EagerOnly.__call__ at 0x7f3a9c1d2e80> since "
+           "it was wrapped with torch.compiler.disable")
+    counters["graph_break"][key] += 2
+    try:
+        (said,) = [r for r in break_reasons() if "eager-only" in r]
+    finally:
+        del counters["graph_break"][key]
+    assert "0x" not in said and said.endswith("(2x)")
+    assert "tensor- or context-parallel exchange, or the expert dispatch" in said
+
+
 def test_model_mode_takes_recomputation_that_traces_whole():
     # A dense block, or any attention core, is a checkpoint region of the compiled model.
     for layout in (Layout(dp=2, recompute="full"), Layout(dp=2, recompute="selective"),
@@ -104,7 +162,8 @@ def test_compile_model_on_a_layout_it_cannot_take_is_refused_before_torch(tmp_pa
 
     code = ("import sys\n"
             "from partita.cli import main\n"
-            "status = main(['train', '--train.compile=model', '--parallel.zero_stage=3', "
+            "status = main(['train', '--nproc', '2', '--train.compile=model', "
+            "'--parallel.zero_stage=3', "
             f"'--train.out_dir={tmp_path / 'run'}'])\n"
             "print(status, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -128,3 +128,16 @@ def test_a_config_path_that_is_a_folder_or_not_utf8_is_named_as_such(tmp_path):
     path.write_bytes(b"[train]\nsteps = 3 # caf\xe9\n")
     with pytest.raises(PartitaError, match=r"not UTF-8 text \(byte 23 is 0xe9\)"):
         load_config(path)
+
+
+def test_a_dp_that_does_not_fill_the_world_is_named_before_the_batch() -> None:
+    # dp=3 on 4 processes: the batch of 16 that 3 does not divide is only a consequence.
+    from partita.config import Config
+    from partita.errors import PartitaError
+
+    cfg = Config()
+    cfg.parallel.dp = 3
+    with pytest.raises(PartitaError, match="needs 3 processes but 4 were started") as got:
+        cfg.layout(4)
+    assert "global_batch" not in str(got.value)
+    assert "--parallel.dp=4" in str(got.value)

@@ -312,6 +312,21 @@ def test_a_stop_after_that_no_step_reaches_gets_one_note(tmp_path, capsys):
         assert capsys.readouterr().err == ""
 
 
+def test_zero_settings_of_another_stage_get_one_note(tmp_path, capsys):
+    """parallel.accumulation (stage 2) and prefetch / keep_gathered (stage 3) were
+    ignored without a word at the other stages."""
+    print_notes(_cfg(tmp_path, "--parallel.zero_stage=1", "--parallel.accumulation=buffer",
+                     "--parallel.prefetch=2"))
+    assert capsys.readouterr().err == (
+        "partita: note: parallel.accumulation=buffer (a ZeRO stage 2 setting); "
+        "parallel.prefetch=2 (a ZeRO stage 3 setting) ignored at parallel.zero_stage=1.\n")
+    for args in (("--parallel.zero_stage=2", "--parallel.accumulation=buffer"),
+                 ("--parallel.zero_stage=3", "--parallel.keep_gathered=0"),
+                 ("--parallel.zero_stage=1",)):
+        print_notes(_cfg(tmp_path, *args))
+        assert capsys.readouterr().err == "", args
+
+
 def test_an_export_gets_a_new_files_mode(tmp_path):
     import os
     import stat

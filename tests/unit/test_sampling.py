@@ -96,3 +96,18 @@ def test_sampling_past_the_models_length_is_as_without_a_cache(name, overrides):
     new = model.cfg.max_seq_len + 6 - 3  # the last tokens see a window of max_seq_len
     assert generate(model, [1, 2, 3], new, temperature=0.0) == \
         _whole_sequence_greedy(model, [1, 2, 3], new)
+
+
+def test_sampling_ends_at_the_end_of_document_token():
+    """A run's tokenizer with an EOS: the text ended there, rather than printing the
+    EOS and sampling another document after it."""
+    model = _float64_model("tiny")
+    free = generate(model, [5, 6, 7], 30, temperature=0.0)
+    # The greedy sequence's first new token is the stop token: sampling ends after it.
+    stop = free[5]
+    got = generate(model, [5, 6, 7], 30, temperature=0.0, stop_id=stop)
+    assert got == free[:free.index(stop, 3) + 1]
+    assert len(got) < len(free)
+    # A stop token inside the prompt ends nothing.
+    assert generate(model, [5, stop, 7], 4, temperature=0.0,
+                    stop_id=-1) == generate(model, [5, stop, 7], 4, temperature=0.0)

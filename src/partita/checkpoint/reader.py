@@ -30,6 +30,7 @@ from partita.checkpoint.state import (
     EXP_AVG_SQ,
     MASTER,
     WEIGHTS,
+    holds_every_stream,
     reseed_rng,
     restore_rng,
 )
@@ -210,6 +211,9 @@ def _read_own_part(pm, folder: Path, manifest: dict, sources: SavedPieces,
                 f"the manifest of checkpoint '{folder}' lists no file of rank {mesh.rank}, "
                 f"though it was written by {manifest['world_size']} processes: it is "
                 "incomplete or was edited. Resume from another checkpoint.")
+        same_layout = holds_every_stream(pm.module, pm.device,
+                                         sources.reader(index).tensors)
+    if same_layout:
         restore_rng(pm.module, pm.device, manifest["files"][index]["rng"],
                     lambda key: sources.read_whole(index, key))
     else:

@@ -161,6 +161,13 @@ def restore_rng(module: nn.Module, device: torch.device, rng: dict,
     np.random.set_state((kind, keys, pos, has_gauss, cached))
 
 
+def holds_every_stream(module: nn.Module, device: torch.device, saved_keys) -> bool:
+    """Whether a rank's file holds every module generator this run draws from. With the
+    same degrees it may not: sequence parallelism switched off on resume adds the
+    replicated dropout stream, which the saved run never had; fresh streams then."""
+    return all(RNG_PREFIX + name in saved_keys for name in _module_generators(module, device))
+
+
 def reseed_rng(module: nn.Module, device: torch.device, seed: int, rank: int,
                step: int) -> None:
     """A different layout cannot take the saved streams (rank r no longer plays the

@@ -15,7 +15,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "folder of checkpoints or an unfinished run's out_dir: its newest)")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--tokens", type=at_least(0), default=200,
-                   help="tokens to generate")
+                   help="tokens to generate (fewer when the run's tokenizer has an end "
+                   "of document and it is sampled: the text ends there)")
     p.add_argument("--temperature", type=at_least(0.0, float), default=0.8,
                    help="0 = greedy")
     p.add_argument("--top-k", type=at_least(0), default=0,

@@ -216,13 +216,17 @@ def check_layout_before_torch(cfg: Config, world_size: int | None) -> None:
     """The layout's checks that need no torch and read no folder (the world size's
     when it is known without asking torch for GPUs); every rank under torchrun runs
     them, so that none waits for a rank 0 that refused the layout."""
+    layout = None
     if world_size is not None:
-        validate(cfg.layout(world_size), cfg.model_config(), world_size,
+        layout = cfg.layout(world_size)
+        validate(layout, cfg.model_config(), world_size,
                  seq_len=cfg.data.seq_len, global_batch=cfg.train.global_batch)
-    if cfg.train.compile == "model":  # its rules read the degrees, not the world size
+    if cfg.train.compile == "model":
         p = cfg.parallel
-        degrees = Layout(tp=p.tp, pp=p.pp, cp=p.cp, zero_stage=p.zero_stage,
-                         recompute=p.recompute)
+        # Without the world size the ZeRO group is unknown (ZeRO-3 over one rank runs
+        # as stage 0, which compile=model takes): that rule waits for parallelize.
+        degrees = layout or Layout(tp=p.tp, pp=p.pp, cp=p.cp, dp=max(p.dp, 1),
+                                   zero_stage=p.zero_stage, recompute=p.recompute)
         if refusal := model_refusal(degrees, moe=cfg.model_config().n_experts > 0):
             raise PartitaError(refusal)
 

@@ -11,7 +11,7 @@ import sys
 from partita.checkpoint import read_manifest
 from partita.checkpoint.manifest import routing_changes, skipped_newer
 from partita.checkpoint.resume import resume_target
-from partita.config import Config, config_from_toml
+from partita.config import Config, ParallelSection, config_from_toml
 from partita.errors import PartitaError
 
 
@@ -113,6 +113,16 @@ def compiled_zero_bubble_note(cfg: Config) -> str | None:
             "as fast with less memory.")
 
 
+def ignored_zero_settings(cfg: Config) -> list[str]:
+    """ZeRO settings given a value other than their default at a stage that never reads
+    them: parallel.accumulation is stage 2's, prefetch and keep_gathered stage 3's."""
+    p, default = cfg.parallel, ParallelSection()
+    by_stage = {"accumulation": 2, "prefetch": 3, "keep_gathered": 3}
+    return [f"parallel.{key}={getattr(p, key)} (a ZeRO stage {stage} setting)"
+            for key, stage in by_stage.items()
+            if getattr(p, key) != getattr(default, key) and p.zero_stage != stage]
+
+
 def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
     """What to say before launch about how the pipeline will spend its step."""
     return [n for n in (bubble_note(cfg, world_size), compiled_zero_bubble_note(cfg)) if n]
@@ -121,8 +131,8 @@ def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
 def print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
     damaged newer checkpoint passed over, routing or learning-rate schedule settings
-    changed on resume, a train.stop_after that no step reaches, a train.timeline_png
-    ignored without a pipeline."""
+    changed on resume, a train.stop_after that no step reaches, ZeRO settings of another
+    stage, a train.timeline_png ignored without a pipeline."""
     target = resume_target(cfg)
     if target is not None and (skipped := skipped_newer(target)):
         print(skipped, file=sys.stderr, flush=True)
@@ -141,6 +151,9 @@ def print_notes(cfg: Config) -> None:
                f"the run starts after step {start}, from its checkpoint")
         print(f"partita: note: train.stop_after={stop} is ignored: {why}.", file=sys.stderr,
               flush=True)
+    if ignored := ignored_zero_settings(cfg):
+        print(f"partita: note: {'; '.join(ignored)} ignored at "
+              f"parallel.zero_stage={cfg.parallel.zero_stage}.", file=sys.stderr, flush=True)
     if cfg.train.timeline_png and not draws_timeline(cfg):
         print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
               "pipeline runs (parallel.pp > 1) record a timeline, and this run has "

@@ -74,6 +74,7 @@ class DataParallel:
         # Refused before anything touches the parameters, so that a second engine over
         # them leaves the first one intact; given back if construction fails.
         ownership.claim(self, ownership.trainable(module))
+        self.left_out = ownership.frozen(module)
         try:
             self._build(module, mesh, zero, precision, optim, blocks, init_fn, device,
                         bucket_key, offload)
@@ -280,6 +281,7 @@ class DataParallel:
 
     def finish_grad_sync(self) -> None:
         """After the last microbatch: launch what is left and wait for every reduction."""
+        ownership.check_still_frozen(self.left_out)
         self.reducer.finish()
         if self.gatherer is not None:
             self.gatherer.free_all()

@@ -116,6 +116,27 @@ def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
+def frozen(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters an engine over `module` leaves alone: frozen ones, each once."""
+    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+
+
+def check_still_frozen(left_out: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuse a parameter that was frozen when the engine was built and trains now: the
+    engine neither averages its gradient nor updates it, so each replica would keep its
+    own gradient and the parameter would never move. One flag read per frozen parameter
+    and step (microseconds even for a LoRA fine-tune's hundreds of frozen tensors)."""
+    for name, p in left_out:
+        if p.requires_grad:
+            raise PartitaError(
+                f"parameter '{name}' was unfrozen (requires_grad=True) after "
+                "DataParallel wrapped the model: the engine leaves parameters that were "
+                "frozen at wrapping out of its buffers, so it would neither average its "
+                "gradient over the replicas nor update it. Unfreeze parameters before "
+                "wrapping the model, or call dp.close() and wrap the model again after "
+                "changing which parameters train.")
+
+
 def state_dict_hooks(module: nn.Module, engine: DataParallel) -> list:
     """`state_dict()` pre-hooks on every module that holds parameters, so that a state
     dict read at any level sees the current values: at stages 1-2 (and under host

@@ -43,8 +43,19 @@ class LossScaler:
             self.scale *= 2
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skips": self.skips}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skips": self.skips,
+                "enabled": self.enabled}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take a saved run's scaling state only when both runs scale the loss. A float16
+        checkpoint resumed in bfloat16 or float32 keeps scale 1 (a saved 65536 would
+        multiply the loss with nothing dividing it out again); a bfloat16 or float32
+        one resumed in float16 starts from the initial scale, not the saved 1 (which
+        would grow back only after thousands of clean steps)."""
+        # Checkpoints written before "enabled" was saved: a scaler that was off never
+        # counted a clean step nor moved from 1.
+        saved_enabled = state.get("enabled", state["clean_steps"] > 0 or state["scale"] != 1.0)
+        if not (self.enabled and saved_enabled):
+            return
         self.scale, self.clean_steps = state["scale"], state["clean_steps"]
         self.skips = state["skips"]
