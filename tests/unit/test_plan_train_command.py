@@ -24,7 +24,7 @@ def test_every_layout_field_reaches_partita_train():
     args = layout_overrides(layout, BATCH)
     assert {"--parallel.tp_comm_overlap=true", "--parallel.overlap_grad_reduce=false",
             "--parallel.overlap_param_gather=false"} <= set(args)
-    assert load_config(overrides=args).layout(32) == layout
+    assert load_config(overrides=args).layout(layout.world_size) == layout
 
 
 def test_one_overlap_option_off_round_trips():

@@ -190,6 +190,19 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
         (mlp_rows, up / mlp_t, h, mlp_count),  # MLP up (and gate)
         (mlp_rows, h, ffn / mlp_t, mlp_count),  # MLP down
     ]
+    shared_elems = 0.0
+    if model.is_moe:
+        # The router scores every token against every expert (whole on each tp rank),
+        # and the shared experts run every token (their width split over tp where the
+        # experts are, `PlanModel.block_split`): GEMMs as large as an expert's.
+        weights.append((tokens, model.moe.num_experts, h, 1.0))
+        if c.shared_experts:
+            width = c.shared_experts * model.expert_ffn
+            shared_t = t if layout.moe_tp != "replicate" else 1
+            shared_up = width * (2 if c.gated_mlp else 1)
+            weights += [(tokens, shared_up / shared_t, h, 1.0),
+                        (tokens, h, width / shared_t, 1.0)]
+            shared_elems = (shared_up + width) / shared_t
     # Operands as wide as the parameters: fp32 training moves twice a bf16 one's bytes.
     e = elem_bytes
     gemm_fwd = sum(n_ * gemm_time(m, n, k, gpu, a, elem_bytes=e) for m, n, k, n_ in weights)
@@ -205,6 +218,7 @@ def block_times(model: PlanModel, layout: Layout, seq_len: int, gpu: GPUSpec,
     h_share = h / t if layout.sequence_parallel or t == 1 else h
     h_elems = (2 * 2 + 2 * 3 + (2 * 1.5 if c.dropout > 0 else 0)) * h_share
     f_elems = (up + ffn) / mlp_t * (mlp_count * mlp_rows / tokens if model.is_moe else 1)
+    f_elems += shared_elems
     moved_fwd = a.activation_elem_bytes * tokens * (h_elems + f_elems)
     moved_bwd = 2 * moved_fwd
     explicit = explicit_scores(model, layout, seq_len, elem_bytes, a)
