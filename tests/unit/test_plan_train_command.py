@@ -43,3 +43,12 @@ def test_printed_command_carries_the_precision_and_overlap(capsys):
     assert "--precision.param_dtype=bfloat16 --precision.reduce_dtype=float32" in line
     assert "--parallel.overlap_grad_reduce=false" in line
     assert "--parallel.overlap_param_gather" not in line  # left at train's default, on
+
+
+def test_printed_command_carries_the_sequence_length(capsys):
+    # The plan's batch counts sequences of its length: train's default (128) would run
+    # another batch in tokens, and another memory.
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "4096"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("Train the first with:"))
+    assert "--data.seq_len=4096" in line

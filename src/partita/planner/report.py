@@ -204,9 +204,9 @@ def format_search(result: SearchResult, top: int = 10) -> str:
 
 
 def train_command(req: Request, ev: Evaluation) -> str:
-    """The `partita train` settings of a ranked layout (the model and data settings are
-    the user's own)."""
-    args = layout_overrides(ev.layout, req.global_batch)
+    """The `partita train` settings of a ranked layout (the model and data source are
+    the user's own; the sequence length is the plan's, whose batch counts sequences)."""
+    args = layout_overrides(ev.layout, req.global_batch) + [f"--data.seq_len={req.seq_len}"]
     if req.precision.param == 2:  # what the plan assumed; partita train's default is fp32
         args.append("--precision.param_dtype=bfloat16")
         if req.precision.grad == 4:  # bf16-fp32-grads: gradients held and reduced in fp32
