@@ -63,6 +63,31 @@ def memory_bytes(device: torch.device) -> int:
     return 0
 
 
+class StepWindow:
+    """Training time since the last logged step, for its tokens/s and MFU: the steps
+    alone, so that an evaluation or a checkpoint save between them does not make the
+    step that runs it read several times slower."""
+
+    def __init__(self, tokens_per_step: float, flops_per_step: float,
+                 peak_flops: float) -> None:
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.peak_flops = peak_flops  # of all devices together; 0: unknown (no MFU)
+        self.seconds, self.steps = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.steps += 1
+
+    def take(self) -> tuple[float, float]:
+        """(tokens/s, MFU) of the steps since the last take, and start again."""
+        seconds = max(self.seconds, 1e-9)
+        tps = self.tokens_per_step * self.steps / seconds
+        mfu = (self.flops_per_step * self.steps / seconds / self.peak_flops
+               if self.peak_flops else 0.0)
+        self.seconds, self.steps = 0.0, 0
+        return tps, mfu
+
+
 class MetricsLogger:
     """Writes metrics on the logging rank only; other ranks get a silent logger."""
 

@@ -36,7 +36,7 @@ from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.launch import LauncherGone, LauncherWatch, launcher_pid, process_gone
 from partita.mesh import Mesh
-from partita.metrics import MetricsLogger, device_peak_flops, memory_bytes
+from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory_bytes
 from partita.models.documents import document_ids
 from partita.models.model_config import vocab_alignment_warning
 from partita.optim import WarmupCosine
@@ -321,16 +321,31 @@ class Trainer(CheckpointSteps):
         flops_per_step = self.pm.model_cfg.flops_per_token(c.data.seq_len) * tokens_per_step
         val_loss, result, stopped = None, None, False
         start = time.perf_counter()
-        window_start, window_steps = start, 0
+        window = StepWindow(tokens_per_step, flops_per_step, self.peak * self.mesh.world_size)
         steady_s = 0.0  # training steps after the first: no warm-up, evaluation or saving
+
+        def log(step: int) -> None:
+            tps, mfu = window.take()
+            record = {
+                "loss": result.loss, "val_loss": val_loss, "lr": lr,
+                "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
+                "memory_gb": memory_bytes(self.device) / 1e9, **result.moe,
+            }
+            if not result.stepped:  # an fp16 overflow, or a bad step tolerated
+                record["skipped"] = True  # (train.max_bad_steps): weights unchanged
+            if result.loss_scale is not None:
+                record["loss_scale"] = result.loss_scale
+            self.logger.log(step + 1, record, console=True)
+
         for step in range(first, c.train.steps):
             step_start = time.perf_counter()
             inputs, targets = next(self.sampler)
             lr = schedule(step)
             result = self.train_step(inputs, targets, lr, step + 1)
-            window_steps += 1
+            step_s = time.perf_counter() - step_start
+            window.add(step_s)
             if step > first:  # the first step also warms up (allocator, compiling)
-                steady_s += time.perf_counter() - step_start
+                steady_s += step_s
             if step == first and self.is_logger and self.pm.compiled is not None \
                     and self.pm.compiled.mode != "none":  # once: what compiled, what broke
                 self.logger.message(compile_summary(self.pm.compiled))
@@ -346,26 +361,15 @@ class Trainer(CheckpointSteps):
                     self._fail(step, StepResult(val_loss, result.grad_norm, False), "validation ")
             # A step that evaluated is logged too: its validation loss belongs to it,
             # not to the next logged step (eval_every need not be a multiple of log_every).
-            if (step + 1) % c.train.log_every == 0 or last or step == first \
-                    or val_loss is not None:
-                elapsed = time.perf_counter() - window_start
-                tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
-                mfu = (flops_per_step * window_steps / max(elapsed, 1e-9)
-                       / (self.peak * self.mesh.world_size)) if self.peak else 0.0
-                record = {
-                    "loss": result.loss, "val_loss": val_loss, "lr": lr,
-                    "grad_norm": result.grad_norm, "tokens_per_s": tps, "mfu": mfu,
-                    "memory_gb": memory_bytes(self.device) / 1e9, **result.moe,
-                }
-                if not result.stepped:  # an fp16 overflow, or a bad step tolerated
-                    record["skipped"] = True  # (train.max_bad_steps): weights unchanged
-                if result.loss_scale is not None:
-                    record["loss_scale"] = result.loss_scale
-                self.logger.log(step + 1, record, console=True)
+            logged = ((step + 1) % c.train.log_every == 0 or last or step == first
+                      or val_loss is not None)
+            if logged:
+                log(step)
                 val_loss = None if not last else val_loss
-                window_start, window_steps = time.perf_counter(), 0
             stopped = self._checkpoint_after(step + 1, last)
             if stopped:
+                if not logged:  # the step a run stops at ends its record, and resumes
+                    log(step)
                 break
         self._enter(c.train.steps, "checkpoint write")
         self._finish_saves()
