@@ -243,6 +243,12 @@ def _pipeline(lay: Layout, model: ModelConfig) -> list[Problem]:
                                        f"but parallel.virtual_stages={v}; use "
                                        "parallel.schedule=interleaved-1f1b for several "
                                        "virtual stages per rank, or set virtual_stages=1."))
+    if lay.pp > 1 and lay.schedule == "interleaved-1f1b" and v < 2:
+        out.append(Problem(CONSTRAINT, "parallel.schedule=interleaved-1f1b with "
+                                       f"parallel.virtual_stages={v} has nothing to interleave "
+                                       "(it would run as plain 1F1B under another name); set "
+                                       "virtual_stages=2 or more (0 takes the default, 2), or "
+                                       "parallel.schedule=1f1b."))
     if lay.pp == 1:
         if v > 1:
             out.append(Problem(CONSTRAINT, f"parallel.virtual_stages={v} needs a pipeline "

@@ -149,6 +149,8 @@ def test_a_good_layout_has_no_problems():
     (Layout(dp=2, microbatch_size=3), DIVISIBILITY, "batch of 8 sequences"),
     (Layout(pp=4, schedule="interleaved-1f1b", virtual_stages=1, microbatch_size=8),
      CONSTRAINT, "multiple of 4; got 2"),
+    (Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=1), CONSTRAINT,
+     "virtual_stages=1 has nothing to interleave"),
 ])
 def test_each_rule_gives_its_reason(layout, kind, text):
     problems = _problems(layout)

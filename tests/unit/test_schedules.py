@@ -42,8 +42,10 @@ def test_every_schedule_validates():
             sched = build_schedule(name, p, m, v)
         except PartitaError:
             # Only the documented preconditions may refuse: v > 1 outside interleaved,
-            # and interleaved with m not a multiple of p.
-            assert (v > 1 and name != "interleaved-1f1b") or m % p != 0
+            # and interleaved with m not a multiple of p or one stage per rank.
+            interleaved = name == "interleaved-1f1b"
+            assert ((v > 1 and not interleaved) or m % p != 0
+                    or (interleaved and v == 1 and p > 1))
             continue
         validate(sched)
         assert sched.n_stages == p * v and len(sched.ranks) == p
@@ -372,3 +374,10 @@ def test_balanced_split_is_optimal(seed):
     loads[0] += first
     loads[-1] += last
     assert max(loads) == pytest.approx(_best_max_cost(costs, stages, first, last))
+
+
+def test_interleaving_one_virtual_stage_is_refused():
+    # It drew (and trained) plain 1F1B under the interleaved name.
+    with pytest.raises(PartitaError, match="nothing to interleave"):
+        build_schedule("interleaved-1f1b", 2, 4, 1)
+    assert build_schedule("interleaved-1f1b", 2, 4).n_virtual == 2

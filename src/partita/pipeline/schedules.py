@@ -174,6 +174,11 @@ def one_f_one_b(p: int, m: int, v: int = 1) -> Schedule:
 
 
 def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+    if v < 2 and p > 1:
+        raise PartitaError(
+            f"interleaved-1f1b with {v} virtual stage per rank has nothing to interleave: "
+            "it would be 1F1B under another name. Use 2 or more virtual stages, or the "
+            "1f1b schedule.")
     if m % p != 0:
         lower, upper = (m // p) * p, (m // p + 1) * p
         hint = f"{lower} or {upper}" if lower else f"{upper}"
@@ -212,7 +217,8 @@ def build_schedule(
 ) -> Schedule:
     """The named schedule for `stages` pipeline ranks, `microbatches`, and `virtual`
     stages per rank (so the model is cut into stages*virtual pieces). `virtual`
-    defaults to 2 for interleaved-1f1b (with 1 it is plain 1F1B) and 1 otherwise.
+    defaults to 2 for interleaved-1f1b (which refuses 1: that is plain 1F1B) and 1
+    otherwise.
 
     Raises `PartitaError` for an unknown name or impossible sizes, before any process
     could wait on a schedule that does not exist.
