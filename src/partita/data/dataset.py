@@ -31,22 +31,27 @@ from partita.data.sampler import BatchSampler, too_few_windows
 from partita.data.tokenfile import TokenFileWriter, is_token_file, read_token_file
 from partita.data.tokenizer import ByteTokenizer, Tokenizer
 from partita.errors import PartitaError
+from partita.models.documents import DocumentStart
 
 RECORD_SEPARATOR = "\n"
 
 
 def framing(corpus, tokenizer: Tokenizer) -> tuple[int | None, int | None, str]:
-    """(BOS id, EOS id, record separator): what a token file holds besides the
-    documents' own tokens, so part of its cache key.
+    """(BOS id, EOS id written at documents' ends, record separator): what a token file
+    holds besides the documents' own tokens, so part of its cache key.
 
-    A tokenizer's BOS / EOS frame every document. Records (JSONL lines, Parquet rows)
-    under a tokenizer without EOS, the byte tokenizer included, would otherwise run into
-    one another ("record 0.record 1."): each that does not end with a newline gets one,
-    as a text file does. Text files and folders are left as they are.
+    A tokenizer's BOS / EOS frame every document; an EOS that is the BOS token is not
+    written at the end (the next document's BOS separates them, see
+    partita.data.hf_tokenizer), so it reads None here. Records (JSONL lines, Parquet
+    rows) under a tokenizer with neither, the byte tokenizer included, would otherwise
+    run into one another ("record 0.record 1."): each that does not end with a newline
+    gets one, as a text file does. Text files and folders are left as they are.
     """
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if eos == bos:
+        eos = None
     records = getattr(corpus, "records", False)
-    return bos, eos, RECORD_SEPARATOR if records and eos is None else ""
+    return bos, eos, RECORD_SEPARATOR if records and bos is None and eos is None else ""
 
 
 def cache_path(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike) -> Path:
@@ -122,8 +127,10 @@ class TokenDataset:
     vocab_size: int
     seq_len: int
     tokenizer: Tokenizer | None  # None for a supplied token file: its tokenizer is unknown
-    # The end-of-document token: a target that follows it (the next document's start)
-    # is not trained (ignore_index); None: documents are not marked.
+    # The token between documents (`boundary_token`): an end token, after which a target
+    # (the next document's start) is not trained (ignore_index), or a
+    # partita.models.documents.DocumentStart that opens each document; None: documents
+    # are not marked.
     boundary: int | None = None
 
     @property
@@ -207,8 +214,16 @@ def open_corpus(source: str | os.PathLike | None, max_bytes: int | None = None,
 
 
 def boundary_token(tokenizer: Tokenizer | None) -> int | None:
-    """The token that ends a document in streams `tokenizer` writes (None: unmarked)."""
-    return getattr(tokenizer, "eos_id", None)
+    """The token between documents in streams `tokenizer` writes (None: unmarked).
+
+    EOS, when the tokenizer has one that is not its BOS: it closes each document. A BOS
+    that is also the EOS (GPT-2's `<|endoftext|>`), or a BOS without EOS, opens each
+    document instead: a `DocumentStart`, which the loss and the document mask treat
+    as such (partita.models.documents)."""
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if eos is not None and eos != bos:
+        return eos
+    return None if bos is None else DocumentStart(bos)
 
 
 def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
