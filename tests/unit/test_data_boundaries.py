@@ -1,5 +1,7 @@
 """Where documents meet: the token between them (BOS == EOS tokenizers such as GPT-2's
-included), and the loss's targets and document ids around it."""
+included), the loss's targets and document ids around it, the same boundary for a token
+file given alone or in a mix, junctions of a mixture, and a mixture's validation windows
+covering every source."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from partita.data import load_dataset
-from partita.data.dataset import boundary_token
-from partita.data.sampler import IGNORE_INDEX, windows_to_batch
+from partita.data import load_dataset, write_token_file
+from partita.data.dataset import boundary_token, load_mixture
+from partita.data.sampler import IGNORE_INDEX, eval_batches, windows_to_batch
 from partita.models.documents import DocumentStart, document_ids
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -83,3 +85,59 @@ def test_document_ids_put_a_start_token_in_the_document_it_opens():
     assert document_ids(tokens, 7).tolist() == [[0, 0, 1, 1, 1, 2, 2, 3, 4]]
     _, targets = windows_to_batch(tokens[0].numpy(), np.array([0]), 8, DocumentStart(7))
     assert targets[0].tolist() == tokens[0, 1:].tolist()
+
+
+def test_a_token_file_is_marked_by_the_configured_tokenizer_alone_or_in_a_mix(tmp_path):
+    """One rule for a token file as data.source and inside data.mix: documents marked by
+    data.tokenizer's boundary when one is given, unmarked when none is."""
+    tok = make_tokenizer(tmp_path / "tok", "<s>", "</s>")
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS * 10)
+    prepared = load_dataset(source, tmp_path / "c", 4, val_fraction=0, tokenizer=tok).path
+    alone = load_dataset(prepared, tmp_path / "c", 4, tokenizer=tok)
+    mixed = load_mixture(f"{prepared}=1, {source}=1", tmp_path / "c", 4, tokenizer=tok)
+    assert alone.boundary == mixed.boundary == tok.eos_id
+    assert alone.tokenizer is tok
+    assert load_dataset(prepared, tmp_path / "c", 4).boundary is None
+    plain = write_token_file(tmp_path / "plain.tok", np.arange(300) % 256, 256)
+    assert load_mixture(f"{plain}=1, {plain}=1", tmp_path / "c", 4).boundary is None
+    from partita.errors import PartitaError
+
+    with pytest.raises(PartitaError, match=r"vocab size 256 but the tokenizer .* has \d+"):
+        load_dataset(plain, tmp_path / "c", 4, tokenizer=tok)
+
+
+def test_a_mixture_junction_is_a_document_boundary(tmp_path):
+    """Each source's training part ends inside a document; the next part (or the same
+    one, repeated) starts with BOS. An EOS is written between them, so no BOS follows
+    anything but an EOS and document ids never join two sources."""
+    tok = make_tokenizer(tmp_path / "tok", "<s>", "</s>")
+    big = write_jsonl(tmp_path / "big.jsonl", TEXTS * 30)
+    small = write_jsonl(tmp_path / "small.jsonl", TEXTS[::-1] * 3)
+    ds = load_mixture(f"{big}=1, {small}=1", tmp_path / "c", 4, val_fraction=0.1,
+                      tokenizer=tok)
+    for region in (np.asarray(ds.train), np.asarray(ds.val)):
+        starts = np.flatnonzero(region == tok.bos_id)
+        starts = starts[starts > 0]
+        assert len(starts) > 10
+        assert (region[starts - 1] == tok.eos_id).all()
+    # Every training part starts at its source's start, so every document (the small
+    # source's repeats included) opens with BOS right after the EOS before it.
+    train = np.asarray(ds.train)
+    ends = np.flatnonzero(train[:-1] == tok.eos_id)
+    assert train[0] == tok.bos_id and (train[ends + 1] == tok.bos_id).all()
+
+
+def test_a_mixture_validation_evaluates_every_source(tmp_path):
+    """With a large first source, the first windows of the validation part used to be
+    all of it: A=0.5,B=0.5 and A=0.5,C=0.5 evaluated the same windows. The validation
+    part now interleaves the sources, each by its weight, so the windows of even a
+    single evaluation batch hold both, in proportion."""
+    a = write_jsonl(tmp_path / "a.jsonl", ["a" * 99] * 2000)
+    b = write_jsonl(tmp_path / "b.jsonl", ["b" * 99] * 100)
+    ds = load_mixture(f"{a}=0.5, {b}=0.5", tmp_path / "c", 16, val_fraction=0.05)
+    x = torch.cat([x for x, _ in eval_batches(ds.val, 16, 8, max_batches=1)])
+    from_a, from_b = int((x == ord("a")).sum()), int((x == ord("b")).sum())
+    assert from_b > 0 and 0.4 < from_a / (from_a + from_b) < 0.6
+    val = np.asarray(ds.val)
+    in_a, in_b = int((val == ord("a")).sum()), int((val == ord("b")).sum())
+    assert 0.45 < in_a / (in_a + in_b) < 0.55  # weighted like the training part
