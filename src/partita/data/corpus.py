@@ -14,7 +14,8 @@ extension are all taken, while images, archives and our own token files are skip
 A file is text when its first 8 KiB contain no NUL byte and decode as UTF-8 (a
 character cut at the 8 KiB boundary is allowed). Hidden entries (name starting with
 ".", e.g. `.git`) and `__pycache__` are skipped. Files are read as UTF-8; the rare
-invalid byte further in becomes U+FFFD.
+invalid byte further in becomes U+FFFD, and a byte order mark at a file's start is
+dropped (it is no text, and would be the first token of the document).
 
 Walks are in sorted order so that the same tree always gives the same token stream.
 A byte budget takes whole files in that order and cuts the last one to fill it
@@ -82,7 +83,7 @@ class Corpus:
             try:
                 with open(f.path, "rb") as fh:
                     if f.take <= PIECE_BYTES:
-                        yield fh.read(f.take).decode("utf-8", errors="replace")
+                        yield fh.read(f.take).decode("utf-8-sig", errors="replace")
                     else:
                         yield from _framed(_pieces(fh, f.take))
             except OSError:
@@ -104,7 +105,7 @@ class Piece(str):
 def _pieces(fh, take: int) -> Iterator[str]:
     """The first `take` bytes of `fh` as text, PIECE_BYTES at a time, each piece cut
     after its last newline (the rest starts the next), so a tokenizer sees whole lines."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
     carry, left = "", take
     while left > 0:
         raw = fh.read(min(PIECE_BYTES, left))

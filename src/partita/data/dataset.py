@@ -7,8 +7,10 @@ once into `cache_dir`, memory-maps the result and splits off a validation tail.
 Concurrency: `prepare_tokens` is idempotent and atomic, so every rank of a job may call
 `load_dataset` at the same time without any coordination. The cache file's name is a
 hash of everything that determines its content (the source files' paths, sizes and
-mtimes, the byte budget, the tokenizer name, and how documents are framed: BOS / EOS
-ids and the separator between records, see `framing`); a rank that finds it present reads it,
+mtimes -- not their bytes, which would mean reading every source on every start -- the
+byte budget, a record source's text field and bad_lines policy, the tokenizer name,
+and how documents are framed: BOS / EOS ids and the separator between records, see
+`framing`); a rank that finds it present reads it,
 and ranks that miss it each write a private temporary file and `os.replace` it into
 place, so readers only ever see a complete file. The cost of a simultaneous miss is
 duplicated CPU work, not corruption. A trainer that wants to avoid even that can let
@@ -21,6 +23,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,22 +35,27 @@ from partita.data.sampler import BatchSampler, too_few_windows
 from partita.data.tokenfile import TokenFileWriter, is_token_file, read_token_file
 from partita.data.tokenizer import ByteTokenizer, Tokenizer
 from partita.errors import PartitaError
+from partita.models.documents import DocumentStart
 
 RECORD_SEPARATOR = "\n"
 
 
 def framing(corpus, tokenizer: Tokenizer) -> tuple[int | None, int | None, str]:
-    """(BOS id, EOS id, record separator): what a token file holds besides the
-    documents' own tokens, so part of its cache key.
+    """(BOS id, EOS id written at documents' ends, record separator): what a token file
+    holds besides the documents' own tokens, so part of its cache key.
 
-    A tokenizer's BOS / EOS frame every document. Records (JSONL lines, Parquet rows)
-    under a tokenizer without EOS, the byte tokenizer included, would otherwise run into
-    one another ("record 0.record 1."): each that does not end with a newline gets one,
-    as a text file does. Text files and folders are left as they are.
+    A tokenizer's BOS / EOS frame every document; an EOS that is the BOS token is not
+    written at the end (the next document's BOS separates them, see
+    partita.data.hf_tokenizer), so it reads None here. Records (JSONL lines, Parquet
+    rows) under a tokenizer with neither, the byte tokenizer included, would otherwise
+    run into one another ("record 0.record 1."): each that does not end with a newline
+    gets one, as a text file does. Text files and folders are left as they are.
     """
     bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if eos == bos:
+        eos = None
     records = getattr(corpus, "records", False)
-    return bos, eos, RECORD_SEPARATOR if records and eos is None else ""
+    return bos, eos, RECORD_SEPARATOR if records and bos is None and eos is None else ""
 
 
 def cache_path(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.PathLike) -> Path:
@@ -67,12 +76,19 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Pat
     Idempotent and atomic (see the module docstring): safe to call from many
     processes at once. Documents are written back to back, framed as `framing` says:
     a tokenizer with BOS/EOS tokens (`encode_documents`) frames every document with
-    them, encoded by `workers` processes; records under a tokenizer without EOS end
-    with a newline.
+    them, encoded by `workers` processes; records under a tokenizer without BOS or EOS
+    end with a newline.
+
+    What reading the source reported (records skipped under data.bad_lines=skip) is
+    kept beside the cache file (`notes_path`) and printed again whenever the cache is
+    used, so a later run still says that the data lacks those records.
     """
     check_cache_dir(cache_dir)
     path = cache_path(corpus, tokenizer, cache_dir)
     if path.exists():
+        for note in cached_notes(path):
+            print(f"{note} [counted when the token cache {path.name} was written]",
+                  file=sys.stderr)
         return path
     documents = corpus.documents()
     if framing(corpus, tokenizer)[2]:
@@ -87,11 +103,39 @@ def prepare_tokens(corpus: Corpus, tokenizer: Tokenizer, cache_dir: str | os.Pat
             else:
                 for text in documents:
                     out.write(tokenizer.encode(text))
+            # Before the token file is published, so whoever finds it finds its notes.
+            _write_notes(path, getattr(corpus, "notes", []))
     except OSError as e:
         raise PartitaError(f"Cannot write the token cache '{path}': {e.strerror or e}. Pass a "
                            "cache folder that exists or can be created and is writable, "
                            "with room for about one byte per source byte.") from e
     return path
+
+
+def notes_path(path: Path) -> Path:
+    """The file beside token cache `path` that keeps what preparing it reported (hidden,
+    so a cache kept inside a source folder is not read as a source file)."""
+    return path.with_name(f".{path.name}.notes")
+
+
+def cached_notes(path: Path) -> list[str]:
+    """The notes kept for token cache `path` (none when it has none)."""
+    try:
+        return notes_path(path).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+
+
+def _write_notes(path: Path, notes: list[str]) -> None:
+    target = notes_path(path)
+    if not notes:
+        target.unlink(missing_ok=True)  # stale notes of an earlier, failed preparation
+        return
+    fd, tmp = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write("\n".join(notes) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
 
 
 def _separated(documents):
@@ -121,9 +165,11 @@ class TokenDataset:
     val: np.ndarray
     vocab_size: int
     seq_len: int
-    tokenizer: Tokenizer | None  # None for a supplied token file: its tokenizer is unknown
-    # The end-of-document token: a target that follows it (the next document's start)
-    # is not trained (ignore_index); None: documents are not marked.
+    tokenizer: Tokenizer | None  # None for a token file given without data.tokenizer
+    # The token between documents (`boundary_token`): an end token, after which a target
+    # (the next document's start) is not trained (ignore_index), or a
+    # partita.models.documents.DocumentStart that opens each document; None: documents
+    # are not marked.
     boundary: int | None = None
 
     @property
@@ -143,22 +189,31 @@ class TokenDataset:
                             boundary=self.boundary)
 
 
-def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float, what: str = "the data"
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float, what: str = "the data",
+                 why: str = "") -> tuple[np.ndarray, np.ndarray]:
     """(train, val): val is the last ceil(fraction * N) tokens, at least one window of
     seq_len + 1 (none when fraction is 0); train must keep at least one window. `what`
-    names the tokens in the message (one source of a mix)."""
+    names the tokens in the message (one source of a mix); `why`, when given, explains
+    a count that is too small (every record skipped)."""
     if not 0.0 <= val_fraction < 1.0:
         raise PartitaError(f"val_fraction must be in [0, 1), got {val_fraction}. Use e.g. "
                            "0.01 to hold out the last 1% of tokens, or 0 for no validation.")
     n = len(tokens)
     n_val = 0 if val_fraction == 0 else max(math.ceil(val_fraction * n), seq_len + 1)
     if n - n_val < seq_len + 1:
-        raise PartitaError(f"{what} has {n} tokens, too few for seq_len {seq_len}: training "
-                           f"needs at least {seq_len + 1} tokens after holding out {n_val} for "
-                           "validation. Use more data (or a larger byte budget), a shorter "
-                           "seq_len, or a smaller val_fraction.")
+        raise PartitaError(f"{what} has {n} tokens{why}, too few for seq_len {seq_len}: "
+                           f"training needs at least {seq_len + 1} tokens after holding out "
+                           f"{n_val} for validation. Use more data (or a larger byte budget), "
+                           "a shorter seq_len, or a smaller val_fraction.")
     return tokens[: n - n_val], tokens[n - n_val:]
+
+
+def _skipped_why(path: Path, n_tokens: int) -> str:
+    """For an empty token cache whose source had bad records skipped: say so."""
+    if n_tokens or not cached_notes(path):
+        return ""
+    return (" because every record was skipped as bad under data.bad_lines=skip (the "
+            "counts are printed above)")
 
 
 def load_dataset(source: str | os.PathLike | None, cache_dir: str | os.PathLike,
@@ -173,26 +228,43 @@ def load_dataset(source: str | os.PathLike | None, cache_dir: str | os.PathLike,
     given); JSONL or Parquet files or folders, or a dataset saved with `datasets`'
     save_to_disk (the `text_field` of each record, see partita.data.sources); or a
     partita token file, used in place without copying.
-    tokenizer: defaults to the byte tokenizer; ignored for a token file.
+    tokenizer: defaults to the byte tokenizer. A token file is taken as written by it
+    when given (its vocabulary must match; its documents are marked by the tokenizer's
+    boundary, `boundary_token`), and as of unknown, unmarked documents when not -- the
+    same rule as for a token file in `load_mixture`.
     The dataset's `vocab_size` comes from the token file header.
     """
     if seq_len < 1:
         raise PartitaError(f"seq_len must be at least 1, got {seq_len}.")
     if max_bytes is not None and max_bytes <= 0:
         raise PartitaError(f"max_bytes must be positive (or None), got {max_bytes}.")
-    tok = tokenizer if tokenizer is not None else ByteTokenizer()
     if source is not None and is_token_file(source):
-        path, tok = Path(source), None
+        path, tok = Path(source), tokenizer
+        tokens, vocab_size = read_token_file(path)
+        check_token_file_vocab(path, vocab_size, tok)
     else:
+        tok = tokenizer if tokenizer is not None else ByteTokenizer()
         path = prepare_tokens(open_corpus(source, max_bytes, text_field, bad_lines), tok,
                               cache_dir, workers)
-    tokens, vocab_size = read_token_file(path)
-    if tok is not None and vocab_size != tok.vocab_size:
-        raise PartitaError(f"Token cache '{path}' has vocab size {vocab_size} but tokenizer "
-                           f"'{tok.name}' has {tok.vocab_size}; the cache is stale or corrupt. "
-                           "Delete it and run again.")
-    train, val = split_tokens(tokens, seq_len, val_fraction)
+        tokens, vocab_size = read_token_file(path)
+        if vocab_size != tok.vocab_size:
+            raise PartitaError(f"Token cache '{path}' has vocab size {vocab_size} but "
+                               f"tokenizer '{tok.name}' has {tok.vocab_size}; the cache is "
+                               "stale or corrupt. Delete it and run again.")
+    train, val = split_tokens(tokens, seq_len, val_fraction,
+                              why=_skipped_why(path, len(tokens)))
     return TokenDataset(path, train, val, vocab_size, seq_len, tok, boundary_token(tok))
+
+
+def check_token_file_vocab(path: Path, vocab_size: int, tokenizer: Tokenizer | None) -> None:
+    """A token file used with a tokenizer must have its vocabulary: its boundary token
+    and its decoding would otherwise mean nothing for the file's ids."""
+    if tokenizer is not None and vocab_size != tokenizer.vocab_size:
+        raise PartitaError(
+            f"token file '{path}' has vocab size {vocab_size} but the tokenizer "
+            f"'{tokenizer.name}' (data.tokenizer) has {tokenizer.vocab_size}, so it was "
+            "not written with that tokenizer. Give the tokenizer that wrote it, or none "
+            "(its documents are then not marked).")
 
 
 def open_corpus(source: str | os.PathLike | None, max_bytes: int | None = None,
@@ -207,8 +279,16 @@ def open_corpus(source: str | os.PathLike | None, max_bytes: int | None = None,
 
 
 def boundary_token(tokenizer: Tokenizer | None) -> int | None:
-    """The token that ends a document in streams `tokenizer` writes (None: unmarked)."""
-    return getattr(tokenizer, "eos_id", None)
+    """The token between documents in streams `tokenizer` writes (None: unmarked).
+
+    EOS, when the tokenizer has one that is not its BOS: it closes each document. A BOS
+    that is also the EOS (GPT-2's `<|endoftext|>`), or a BOS without EOS, opens each
+    document instead: a `DocumentStart`, which the loss and the document mask treat
+    as such (partita.models.documents)."""
+    bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+    if eos is not None and eos != bos:
+        return eos
+    return None if bos is None else DocumentStart(bos)
 
 
 def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
@@ -216,39 +296,60 @@ def load_mixture(mix: str, cache_dir: str | os.PathLike, seq_len: int, *,
                  text_field: str = "text", bad_lines: str = "error",
                  workers: int = 1) -> TokenDataset:
     """Several sources mixed by weight (`data.mix`, see partita.data.mix)."""
-    from partita.data.mix import check_same_vocab, mix_plan, mixture_path, parse_mix, write_mixture
+    from partita.data.mix import (
+        MixtureLayout,
+        check_same_vocab,
+        mixture_path,
+        parse_mix,
+        write_mixture,
+    )
 
     parts = parse_mix(mix)
     check_cache_dir(cache_dir)  # the mixture is written there even from token files
     tok = tokenizer if tokenizer is not None else ByteTokenizer()
     prepared, trains, vals, vocabs = [], [], [], []
     for part in parts:
+        if not Path(part.source).expanduser().exists():
+            raise PartitaError(f"data.mix source '{part.source}' does not exist. Give an "
+                               "existing text file or folder, JSONL or Parquet file or "
+                               "folder, saved dataset or partita token file, or leave the "
+                               "source out of data.mix.")
         if is_token_file(part.source):
             path = Path(part.source)
+            tokens, vocab = read_token_file(path)
+            check_token_file_vocab(path, vocab, tokenizer)
         else:
             path = prepare_tokens(open_corpus(part.source, None, text_field, bad_lines), tok,
                                   cache_dir, workers)
-        tokens, vocab = read_token_file(path)
+            tokens, vocab = read_token_file(path)
         train, val = split_tokens(tokens, seq_len, val_fraction,
-                                  f"data.mix source '{part.source}'")
+                                  f"data.mix source '{part.source}'",
+                                  _skipped_why(path, len(tokens)))
         prepared.append(path)
         trains.append(train)
         vals.append(val)
         vocabs.append(vocab)
     vocab = check_same_vocab(prepared, vocabs)
-    takes = mix_plan([len(t) for t in trains], [p.weight for p in parts])
-    if empty := [p.source for p, take in zip(parts, takes) if take == 0]:
+    boundary = boundary_token(tok)
+    layout = MixtureLayout.plan(trains, vals, [p.weight for p in parts], seq_len, boundary)
+    if empty := [p.source for p, take in zip(parts, layout.train_takes) if take == 0]:
         raise PartitaError(
             f"data.mix source(s) {', '.join(empty)} would contribute no training tokens: "
-            f"their weight is too small a share of the mixture's {sum(takes):,} tokens. "
-            "Raise their weight, or leave them out of data.mix.")
-    path = mixture_path(cache_dir, prepared, [p.weight for p in parts], seq_len, val_fraction)
+            f"their weight is too small a share of the mixture's "
+            f"{sum(layout.train_takes):,} tokens. Raise their weight, or leave them out of "
+            "data.mix.")
+    path = mixture_path(cache_dir, prepared, [p.weight for p in parts], seq_len, val_fraction,
+                        boundary)
     if not path.exists():
-        write_mixture(path, trains, vals, takes, vocab)
+        try:
+            write_mixture(path, layout, vocab)
+        except OSError as e:
+            raise PartitaError(f"Cannot write the mixture file '{path}': {e.strerror or e}. "
+                               "Give a data.cache_dir that is writable, with room for the "
+                               "mixture (as many tokens as its sources together).") from e
     tokens, _ = read_token_file(path)
-    n_train = sum(takes)
-    return TokenDataset(path, tokens[:n_train], tokens[n_train:], vocab, seq_len, tok,
-                        boundary_token(tok))
+    return TokenDataset(path, tokens[:layout.train_tokens], tokens[layout.train_tokens:], vocab,
+                        seq_len, tok, boundary)
 
 
 def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
@@ -258,6 +359,8 @@ def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
         from partita.data.hf_tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(data.tokenizer)
+        if note := tokenizer.framing_note():
+            print(note, file=sys.stderr)
     workers = max(data.workers, 1)
     options = dict(val_fraction=data.val_fraction, tokenizer=tokenizer,
                    text_field=data.text_field, bad_lines=data.bad_lines, workers=workers)

@@ -4,7 +4,12 @@ as partita's `Tokenizer`, and parallel encoding of many documents.
 The tokenizer's `name` holds a hash of its tokenizer.json, so the token cache of a
 corpus is rebuilt when the tokenizer changes. Its `bos_id` / `eos_id` (from
 tokenizer_config.json, else the folder's config.json) mark document boundaries in the
-token stream: every document is written as BOS, its tokens, EOS (those it has).
+token stream: every document is written as BOS, its tokens, EOS (those it has). When BOS
+and EOS are one token (GPT-2's `<|endoftext|>`, Pythia, GPT-NeoX, OPT) a document is
+written as that token and its tokens, so one token separates two documents, as GPT-2
+style pretraining packs them, rather than two (`frame`).
+A tokenizer.json alone, without tokenizer_config.json or config.json beside it, names
+no BOS or EOS: its documents are packed unframed and unmarked (`framing_note` says so).
 `tokenizers` is imported lazily (it ships with transformers; see pyproject's `hf` extra).
 """
 
@@ -116,10 +121,26 @@ class HFTokenizer:
         return [self.frame(e.ids, getattr(t, "opens", True), getattr(t, "closes", True))
                 for t, e in zip(texts, encoded)]
 
+    @property
+    def closes_documents(self) -> bool:
+        """Whether documents end with EOS: not when EOS is BOS, which opens the next
+        document instead (see the module docstring)."""
+        return self.eos_id is not None and self.eos_id != self.bos_id
+
     def frame(self, ids: list[int], opens: bool = True, closes: bool = True) -> np.ndarray:
+        """BOS (if `opens`), `ids`, EOS (if `closes` and EOS differs from BOS)."""
         head = [self.bos_id] if self.bos_id is not None and opens else []
-        tail = [self.eos_id] if self.eos_id is not None and closes else []
+        tail = [self.eos_id] if self.closes_documents and closes else []
         return np.asarray(head + ids + tail, dtype=self.dtype)
+
+    def framing_note(self) -> str | None:
+        """A warning when this tokenizer names neither BOS nor EOS (None otherwise)."""
+        if self.bos_id is not None or self.eos_id is not None:
+            return None
+        return (f"partita: the tokenizer {self.path} names no BOS or EOS token (no "
+                "tokenizer_config.json or config.json beside it says which), so documents "
+                "are packed without separators and not masked from one another; add a "
+                "tokenizer_config.json with bos_token / eos_token to frame them.")
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

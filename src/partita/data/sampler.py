@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from partita.errors import AgreedError, PartitaError
+from partita.models.documents import starts_documents
 
 if TYPE_CHECKING:
     import torch
@@ -49,9 +50,12 @@ def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int,
                      boundary: int | None = None) -> Batch:
     """(inputs, targets) int64 tensors of shape (len(windows), seq_len).
 
-    With `boundary` (an end-of-document token), a target whose input is that token --
+    With `boundary` an end-of-document token, a target whose input is that token --
     the first token of the next packed document -- becomes IGNORE_INDEX: the loss never
-    asks the model to predict one document from another.
+    asks the model to predict one document from another. A start token
+    (`partita.models.documents.DocumentStart`) masks nothing: the document before it
+    learns to end by predicting it, and the first token after it is predicted from it
+    alone, as from a BOS.
     """
     import torch
 
@@ -59,7 +63,7 @@ def windows_to_batch(tokens: np.ndarray, windows: np.ndarray, seq_len: int,
     # Fancy indexing a memmap reads only the pages touched and returns a private copy.
     block = np.asarray(tokens[offsets], dtype=np.int64)
     inputs, targets = block[:, :-1].copy(), block[:, 1:].copy()
-    if boundary is not None:
+    if boundary is not None and not starts_documents(boundary):
         targets[inputs == boundary] = IGNORE_INDEX
     return torch.from_numpy(inputs), torch.from_numpy(targets)
 
@@ -178,7 +182,9 @@ def eval_batches(tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: i
                  boundary: int | None = None, rows_multiple: int = 1) -> Iterator[Batch]:
     """Fixed evaluation batches over the first min(windows, max_batches x G) windows of
     `tokens`, in order, G per batch (the last batch holds the rest), each split by
-    replica like a training batch. Empty when `tokens` make no window.
+    replica like a training batch. Empty when `tokens` make no window. (A mixture's
+    validation part interleaves its sources, so these first windows cover every
+    source: partita.data.mix.)
 
     The windows evaluated depend only on the split, G and `max_batches`, never on the
     number of replicas: a batch of n windows gives each replica ceil(n / D) rows, and a

@@ -9,10 +9,14 @@ is the field `text_field` of each record.
 Bad records: a JSONL line that is not UTF-8 or not JSON, a record without a string
 `text_field`, or a Parquet / dataset row whose text is null, is an error naming the file
 and line or row (`bad_lines="error"`), or skipped and counted (`bad_lines="skip"`; the
-count is printed when the source has been read). A Parquet file or dataset without the
-field, or whose field is not a string column, is always an error naming what it has. A
-folder is one kind of source: JSONL files, Parquet files, or (read elsewhere) text
-files; one that mixes them is refused, naming the odd files.
+count is printed when the source has been read, and kept in `notes` so that a cached
+preparation can repeat it). A JSONL line's text holding a lone surrogate ("\ud800",
+valid JSON but no character) is a bad line too: no tokenizer can encode it. A UTF-8
+byte order mark before a JSONL file's first line is dropped. A Parquet file or dataset
+without the field, or whose field is not a string column, is always an error naming
+what it has. A folder is one kind of source: JSONL files, Parquet files, or (read
+elsewhere) text files; one that mixes them is refused, naming the odd files (partita's
+own token files, a token cache kept in the folder, are not counted).
 pyarrow and datasets are imported only when such a source is used (pyproject's `data`
 extra installs them).
 """
@@ -26,12 +30,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from partita.data.tokenfile import is_token_file
 from partita.errors import PartitaError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 BAD_LINES = ("error", "skip")
 RECORD_BATCH = 1024
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def _files(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
@@ -51,10 +57,10 @@ def _stat_fingerprint(kind: str, files: list[Path], *extra: object) -> str:
 
 class _BadRecords:
     """The bad_lines policy for one file: raise on the first bad record, or count them
-    and print the count when the file is done."""
+    and print the count when the file is done (also appended to `notes`)."""
 
-    def __init__(self, path: object, bad_lines: str, unit: str) -> None:
-        self.path, self.bad_lines, self.unit = path, bad_lines, unit
+    def __init__(self, path: object, bad_lines: str, unit: str, notes: list[str]) -> None:
+        self.path, self.bad_lines, self.unit, self.notes = path, bad_lines, unit, notes
         self.skipped, self.first = 0, None
 
     def bad(self, where: int, problem: str) -> None:
@@ -67,8 +73,10 @@ class _BadRecords:
 
     def report(self) -> None:
         if self.skipped:
-            print(f"partita: skipped {self.skipped} bad {self.unit}(s) of {self.path} "
-                  f"(first: {self.unit} {self.first}; data.bad_lines=skip)", file=sys.stderr)
+            note = (f"partita: skipped {self.skipped} bad {self.unit}(s) of {self.path} "
+                    f"(first: {self.unit} {self.first}; data.bad_lines=skip)")
+            self.notes.append(note)
+            print(note, file=sys.stderr)
 
 
 def _check_bad_lines(bad_lines: str) -> None:
@@ -86,6 +94,7 @@ class JsonlCorpus:
         _check_bad_lines(bad_lines)
         self.name, self.files = root.stem or "jsonl", _files(root, JSONL_SUFFIXES)
         self.text_field, self.bad_lines = text_field, bad_lines
+        self.notes: list[str] = []  # skipped-record counts of the last documents() pass
         if not self.files:
             raise PartitaError(f"'{root}' holds no {'/'.join(JSONL_SUFFIXES)} files.")
 
@@ -93,12 +102,15 @@ class JsonlCorpus:
         return _stat_fingerprint("jsonl", self.files, self.text_field, self.bad_lines)
 
     def documents(self) -> Iterator[str]:
+        self.notes = []
         for path in self.files:
-            bad = _BadRecords(f"'{path}'", self.bad_lines, "line")
+            bad = _BadRecords(f"'{path}'", self.bad_lines, "line", self.notes)
             # Bytes, decoded line by line: invalid UTF-8 is a bad line like invalid JSON,
             # not text silently replaced with U+FFFD (a text file's is refused too).
             with open(path, "rb") as fh:
                 for lineno, raw in enumerate(fh, 1):
+                    if lineno == 1 and raw.startswith(UTF8_BOM):  # editors on Windows add one
+                        raw = raw[len(UTF8_BOM):]
                     if not raw.strip():
                         continue
                     text, problem = self._text(raw)
@@ -121,7 +133,14 @@ class JsonlCorpus:
         if not isinstance(record, dict) or not isinstance(record.get(self.text_field), str):
             return "", (f"no string field '{self.text_field}' (set data.text_field to the "
                         "field that holds the text)")
-        return record[self.text_field], None
+        text = record[self.text_field]
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            # JSON lets "\ud800" through; it is half of a UTF-16 pair, not a character.
+            return "", (f"'{self.text_field}' holds a lone surrogate "
+                        f"({text[exc.start]!r} at character {exc.start + 1}), not text")
+        return text, None
 
 
 def _text_rows(values: Iterator[str | None], bad: _BadRecords, field: str) -> Iterator[str]:
@@ -154,6 +173,7 @@ class ParquetCorpus:
         _check_bad_lines(bad_lines)
         self.name, self.files = root.stem or "parquet", _files(root, PARQUET_SUFFIXES)
         self.text_field, self.bad_lines = text_field, bad_lines
+        self.notes: list[str] = []  # skipped-record counts of the last documents() pass
         if not self.files:
             raise PartitaError(f"'{root}' holds no .parquet files.")
         for path in self.files:  # fail before any tokenizing, naming the file
@@ -169,16 +189,17 @@ class ParquetCorpus:
             _string_column(f"'{path}'", text_field, str(schema.field(text_field).type))
 
     def fingerprint(self) -> str:
-        return _stat_fingerprint("parquet", self.files, self.text_field)
+        return _stat_fingerprint("parquet", self.files, self.text_field, self.bad_lines)
 
     def documents(self) -> Iterator[str]:
         pq = _import("pyarrow.parquet", "Parquet sources need pyarrow")
+        self.notes = []
         for path in self.files:
             reader = pq.ParquetFile(path)
             batches = reader.iter_batches(batch_size=RECORD_BATCH, columns=[self.text_field])
             values = (t for batch in batches for t in batch.column(0).to_pylist())
-            yield from _text_rows(values, _BadRecords(f"'{path}'", self.bad_lines, "row"),
-                                  self.text_field)
+            yield from _text_rows(values, _BadRecords(f"'{path}'", self.bad_lines, "row",
+                                                      self.notes), self.text_field)
 
 
 class DiskDatasetCorpus:
@@ -191,6 +212,7 @@ class DiskDatasetCorpus:
         _check_bad_lines(bad_lines)
         self.root, self.name, self.text_field = root, root.name or "dataset", text_field
         self.bad_lines = bad_lines
+        self.notes: list[str] = []  # skipped-record counts of the last documents() pass
         ds = self._open()
         if text_field not in ds.column_names:
             raise PartitaError(
@@ -209,19 +231,28 @@ class DiskDatasetCorpus:
             raise PartitaError(f"'{self.root}' cannot be opened with datasets.load_from_disk "
                                f"({exc}).") from None
         if isinstance(ds, datasets.DatasetDict):
-            split = "train" if "train" in ds else next(iter(ds))
-            ds = ds[split]
+            if "train" not in ds:
+                # Training on whichever split came first (often "test") went unnoticed.
+                raise PartitaError(
+                    f"the DatasetDict at '{self.root}' has no 'train' split (its splits: "
+                    f"{', '.join(ds)}); partita trains on the train split. Point "
+                    f"data.source at one split's folder (e.g. '{self.root / next(iter(ds))}'"
+                    "), or save the data with a train split.")
+            ds = ds["train"]
         return ds
 
     def fingerprint(self) -> str:
         files = sorted(p for p in self.root.rglob("*.arrow"))
-        return _stat_fingerprint("hf-disk", files, self.text_field, self._fingerprint)
+        return _stat_fingerprint("hf-disk", files, self.text_field, self._fingerprint,
+                                 self.bad_lines)
 
     def documents(self) -> Iterator[str]:
         ds = self._open().select_columns([self.text_field])
+        self.notes = []
         values = (t for batch in ds.iter(batch_size=RECORD_BATCH) for t in batch[self.text_field])
         yield from _text_rows(values, _BadRecords(f"the dataset at '{self.root}'",
-                                                  self.bad_lines, "row"), self.text_field)
+                                                  self.bad_lines, "row", self.notes),
+                              self.text_field)
 
 
 def is_disk_dataset(root: Path) -> bool:
@@ -254,7 +285,8 @@ def _folder_kind(root: Path) -> str | None:
     if not root.is_dir():
         return None
     files = sorted(p for p in root.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
+                   and not any(part.startswith(".") for part in p.relative_to(root).parts)
+                   and not (p.suffix == ".tok" and is_token_file(p)))  # a cache kept here
     kinds = {"JSONL": JSONL_SUFFIXES, "Parquet": PARQUET_SUFFIXES}
     found = {kind: [p for p in files if p.suffix in suffixes] for kind, suffixes in kinds.items()}
     present = [kind for kind, paths in found.items() if paths]
