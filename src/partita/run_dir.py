@@ -173,9 +173,9 @@ def with_absolute_inputs(cfg: Config) -> Config:
     out.data.source = absolute(cfg.data.source)
     out.data.tokenizer = absolute(cfg.data.tokenizer)
     if cfg.data.mix:
-        items = []
-        for item in cfg.data.mix.split(","):
-            source, sep, weight = item.strip().rpartition("=")
-            items.append(f"{absolute(source.strip())}={weight}" if sep else item.strip())
-        out.data.mix = ", ".join(items)
+        # The data package's own reading of the entries: a source may hold a comma.
+        from partita.data.mix import split_mix
+
+        out.data.mix = ", ".join(f"{absolute(source)}={weight}" if weight else source
+                                 for source, weight in split_mix(cfg.data.mix))
     return out

@@ -89,6 +89,10 @@ def test_relative_input_paths_are_stored_absolute(tmp_path, monkeypatch):
     assert cfg.data.tokenizer == str(tmp_path / "hf")
     assert cfg.data.mix == f"{tmp_path / 'a.jsonl'}=0.7, gone.jsonl=0.3"
     assert cfg.data.source == "" and cfg.model.init_from == ""
+    # A source whose name holds a comma stays one source.
+    (tmp_path / "x,y.jsonl").write_text("{}")
+    cfg = with_absolute_inputs(load_config(None, ["--data.mix=x,y.jsonl=1, a.jsonl=2"]))
+    assert cfg.data.mix == f"{tmp_path / 'x,y.jsonl'}=1, {tmp_path / 'a.jsonl'}=2"
 
 
 def test_a_resume_with_another_learning_rate_schedule_is_named():
