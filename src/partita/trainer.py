@@ -419,10 +419,11 @@ class Trainer(CheckpointSteps):
                 steady = summary["tokens_per_s_after_first"]
                 after = (f" ({steady:,.0f} in the training steps after the first)"
                          if steady else "")
+                steps = summary["steps"]
                 self.logger.message(
-                    f"done: {summary['steps']} steps, train loss {summary['train_loss']:.4f}, "
-                    f"val loss {val}, {summary['tokens_per_s']:,.0f} tokens/s{after}"
-                )
+                    f"done: {steps} step{'s' if steps != 1 else ''}, train loss "
+                    f"{summary['train_loss']:.4f}, val loss {val}, "
+                    f"{summary['tokens_per_s']:,.0f} tokens/s{after}")
         self.logger.close()
         return summary
 
