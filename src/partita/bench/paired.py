@@ -11,6 +11,11 @@ the interval lies wholly on one side of it or the cap is reached: rounds go wher
 verdict is close, not to pairs that are clearly apart. Looking at the data up to four
 times raises the chance of settling on the wrong side, so the interval is the 99% one,
 which keeps that chance at a few percent over all looks.
+
+Below 8 rounds no two order statistics reach 99%: the interval is then the range of the
+rounds, which holds the median with probability 1 - 2^(1-n) only (n = 1: none; 2: 50%;
+6: 97%; 7: 98%). `Estimate.label` names it for what it is, and such an interval never
+settles a verdict: a pair with fewer rounds doubles them (up to its cap) first.
 """
 
 from __future__ import annotations
@@ -25,33 +30,74 @@ import torch
 import torch.distributed as dist
 
 Z_99 = 2.576  # two-sided 99% quantile of the normal distribution
+LEVEL = 0.99  # the coverage an interval needs to be called, and to settle, as the 99% one
+
+
+def ranks(n: int) -> tuple[int, int]:
+    """1-based ranks of the order statistics that bound the median's interval among `n`:
+    n/2 -/+ z*sqrt(n)/2 (normal approximation of the binomial), within 1..n."""
+    half = Z_99 * math.sqrt(n) / 2
+    return max(1, round(n / 2 - half)), min(n, round(1 + n / 2 + half))
+
+
+def coverage(n: int) -> float:
+    """The exact probability that the interval `ranks(n)` holds the median of the
+    distribution the `n` values came from (any continuous one): that between lo and
+    hi - 1 of them lie below it, a binomial(n, 1/2) count."""
+    lo, hi = ranks(n)
+    return sum(math.comb(n, k) for k in range(lo, hi)) / 2 ** n
 
 
 @dataclass(frozen=True)
 class Estimate:
     median: float
-    low: float  # 99% confidence interval of the median
-    high: float
+    low: float  # confidence interval of the median: the 99% one from 8 rounds on,
+    high: float  # the range of the rounds below (see `coverage`)
     rounds: int
 
+    @property
+    def coverage(self) -> float:
+        """The probability that [low, high] holds the median (`coverage`)."""
+        return coverage(self.rounds)
+
     def settled(self, threshold: float) -> bool:
-        """The interval lies wholly on one side of `threshold`."""
-        return self.high <= threshold or self.low > threshold
+        """The interval is a 99% one (8 rounds or more) and lies wholly on one side of
+        `threshold`."""
+        return self.coverage >= LEVEL and (self.high <= threshold or self.low > threshold)
 
     @property
     def span(self) -> str:
         return f"{self.low:.3f}-{self.high:.3f}"
 
+    @property
+    def label(self) -> str:
+        """What `span` is: "99% interval", or, below 8 rounds, the range it is and how
+        often such a range holds the median ("range of 6 rounds, 97% for the median";
+        one round has no interval)."""
+        if self.coverage >= LEVEL:
+            return "99% interval"
+        if self.rounds == 1:
+            return "1 round, no interval"
+        return f"range of {self.rounds} rounds, {self.coverage:.0%} for the median"
+
+    @property
+    def described(self) -> str:
+        """The interval with its rounds, for a parenthesis after the median:
+        "0.815-1.127, 24 rounds" for a 99% interval, else "0.815-1.127: range of 6
+        rounds, 97% for the median" or "1 round, no interval"."""
+        if self.coverage >= LEVEL:
+            return f"{self.span}, {self.rounds} rounds"
+        if self.rounds == 1:
+            return self.label
+        return f"{self.span}: {self.label}"
+
 
 def estimate(ratios: Sequence[float]) -> Estimate:
-    """Median of `ratios` with its distribution-free 99% interval: the order statistics
-    n/2 -/+ z*sqrt(n)/2 (normal approximation of the binomial; 1-based ranks)."""
+    """Median of `ratios` with its distribution-free interval: the order statistics of
+    `ranks` (99% from 8 rounds on; below, the range of the rounds, `Estimate.label`)."""
     xs = sorted(ratios)
-    n = len(xs)
-    half = Z_99 * math.sqrt(n) / 2
-    lo = max(1, round(n / 2 - half))
-    hi = min(n, round(1 + n / 2 + half))
-    return Estimate(statistics.median(xs), xs[lo - 1], xs[hi - 1], n)
+    lo, hi = ranks(len(xs))
+    return Estimate(statistics.median(xs), xs[lo - 1], xs[hi - 1], len(xs))
 
 
 def ratios(times: tuple[list[float], list[float]]) -> list[float]:
