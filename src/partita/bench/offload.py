@@ -6,15 +6,19 @@ each step (forward, loss, backward, optimizer step):
 - partita `offload=optimizer` (ZeRO-2, partita.memory.offload) against DeepSpeed
   ZeRO-2 with `offload_optimizer: cpu` (its DeepSpeedCPUAdam; DeepSpeed JIT-builds its
   `cpu_adam` op with ninja on first use, a few minutes, cached afterwards): paired
-  alternating rounds (partita.bench.paired), median ratio with its 99% interval;
+  alternating rounds (partita.bench.paired), median ratio with its 99% interval (below
+  8 rounds the range of the rounds, labelled as such);
 - partita without offload and with `offload=optimizer+disk` (partita.memory.disk, files
   in `--dir`, host buffers within `--budget-gb`): tokens/s of each; and, in
   alternating rounds, the bytes one disk step moves per second of its pipeline of
   reads, updates and writes against this directory's sequential bandwidth measured
   right after it: writing then reading back as many bytes in 8 MiB blocks, through
   O_DIRECT as the engine's full records are (buffered where the file system refuses
-  it, as the engine then is). B is the median of the rounds' ratios, with its 99%
-  interval (the disk is shared; single readings swing by 2x).
+  it, as the engine then is). The disk runs the larger of `--rounds` and twice
+  `--steps` rounds (the line says so where that is more than `--rounds`). B is the median
+  of the rounds' ratios, with its interval (the disk is shared; single readings swing
+  by 2x); the line also gives the two rates' own medians and their ratio, which need
+  not equal B (a median of ratios is not a ratio of medians).
 
 - partita ZeRO-3 `offload=optimizer+disk` against DeepSpeed ZeRO-3 with
   `offload_optimizer: nvme` (its files in the same directory), paired rounds. Its
@@ -26,7 +30,8 @@ each step (forward, loss, backward, optimizer step):
   next one wait forever: delete it.
 
 Last line: `offload: worst partita/peer step-time ratio R; disk offload at B% of
-sequential disk bandwidth` (targets R <= 1.0, B >= 70%).
+sequential disk bandwidth` (targets R <= 1.0, B >= 70%); R is `n/a (no peer ran)`
+where neither DeepSpeed pair ran (`--peer none`, or DeepSpeed could not run).
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=count, default=4)
     parser.add_argument("--seq", type=count, default=128)
     parser.add_argument("--batch", type=count, default=4)
-    parser.add_argument("--rounds", type=count, default=6)
+    parser.add_argument("--rounds", type=count, default=6,
+                        help="paired rounds (the disk share runs at least twice --steps)")
     parser.add_argument("--max-rounds", type=count, default=24)
     parser.add_argument("--steps", type=count, default=5, help="timed steps of the disk runs")
     parser.add_argument("--dir", default="", help="offload directory (default: a temporary one)")
@@ -177,11 +183,15 @@ def _run(args: argparse.Namespace, directory: str) -> int:
           f"batch={args.batch}, float32, ZeRO-2, 1 process, 1 thread; disk: {directory}, "
           f"host budget {args.budget_gb} GB")
     _, ours = _partita(args, "optimizer", "")
-    peer, peer_name = _deepspeed(args) if args.peer == "deepspeed" else (None, "--peer none")
-    worst = float("nan")
-    if peer is None:
-        print(f"DeepSpeed ZeRO-Offload could not run here: {peer_name}")
+    worst: float | None = None  # the worst ratio of the peer pairs that ran
+    if args.peer != "deepspeed":
+        print("DeepSpeed ZeRO-Offload: not run, skipped by request (--peer none)")
+        peer = None
     else:
+        peer, peer_name = _deepspeed(args)
+        if peer is None:
+            print(f"DeepSpeed ZeRO-Offload could not run here: {peer_name}")
+    if peer is not None:
         for side in (ours, peer):
             side(tokens)  # warm-up
         sides = (ours, peer)
@@ -191,11 +201,11 @@ def _run(args: argparse.Namespace, directory: str) -> int:
         worst = est.median
         print(f"{'host offload':<22} partita {statistics.median(times[0]) * 1e3:8.1f} ms  "
               f"{peer_name} {statistics.median(times[1]) * 1e3:8.1f} ms  ratio "
-              f"{est.median:.3f} ({est.span}, {est.rounds} rounds)")
+              f"{est.median:.3f} ({est.described})")
     if args.peer == "deepspeed":
         worst = _against_nvme(args, directory, tokens, worst)
     else:
-        print("DeepSpeed NVMe offload: not run (--peer none)")
+        print("DeepSpeed NVMe offload: not run, skipped by request (--peer none)")
     tokens_per_step = args.batch * args.seq
     rates = {}
     for mode in ("none", "optimizer", "optimizer+disk"):
@@ -208,19 +218,29 @@ def _run(args: argparse.Namespace, directory: str) -> int:
     print(f"tokens/s: in memory {rates['none']:,.0f}, host offload {rates['optimizer']:,.0f}, "
           f"disk offload {rates['optimizer+disk']:,.0f} "
           f"({rates['optimizer+disk'] / rates['none']:.2f} of in memory)")
+    rounds = _disk_rounds(args)
+    why = "" if rounds == args.rounds else \
+        f"; {rounds} rounds, not --rounds {args.rounds}: the disk runs at least twice --steps"
     print(f"disk offload ({'O_DIRECT' if disk.direct else 'buffered'} records of "
           f"{disk.subgroup * 3 * disk.dtype.itemsize / 1e6:.1f} MB): moved "
           f"{pipe[1] / 1e6:.1f} MB per step at median {pipe[0] / 1e6:.0f} MB/s over the "
           f"step's read-update-write pipeline; sequential bandwidth here, measured after "
-          f"each step the same way: median {seq / 1e6:.0f} MB/s; pipeline/sequential "
-          f"{share.median:.3f} ({share.span}, {share.rounds} rounds)")
-    print(f"offload: worst partita/peer step-time ratio {worst:.3f}; disk offload at "
+          f"each step the same way: median {seq / 1e6:.0f} MB/s (ratio of these medians "
+          f"{pipe[0] / seq:.3f}); median of the per-round pipeline/sequential ratios "
+          f"{share.median:.3f} ({share.described}){why}")
+    print(f"offload: worst partita/peer step-time ratio "
+          f"{'n/a (no peer ran)' if worst is None else f'{worst:.3f}'}; disk offload at "
           f"{share.median * 100:.0f}% of sequential disk bandwidth")
     return 0
 
 
+def _disk_rounds(args: argparse.Namespace) -> int:
+    """Rounds of the disk share: `--rounds`, but at least twice `--steps`."""
+    return max(args.rounds, 2 * args.steps)
+
+
 def _against_nvme(args: argparse.Namespace, directory: str, tokens: torch.Tensor,
-                  worst: float) -> float:
+                  worst: float | None) -> float | None:
     """Ours, ZeRO-3 `optimizer+disk`, against DeepSpeed ZeRO-3 with its optimizer
     offloaded to NVMe, files in the same directory: paired rounds; the worse ratio."""
     nvme = os.path.join(directory, "deepspeed")
@@ -240,8 +260,8 @@ def _against_nvme(args: argparse.Namespace, directory: str, tokens: torch.Tensor
     est = estimate_times(times)
     print(f"{'disk offload (ZeRO-3)':<22} partita {statistics.median(times[0]) * 1e3:8.1f} ms  "
           f"{name} NVMe {statistics.median(times[1]) * 1e3:8.1f} ms  ratio "
-          f"{est.median:.3f} ({est.span}, {est.rounds} rounds)")
-    return est.median if worst != worst else max(worst, est.median)
+          f"{est.median:.3f} ({est.described})")
+    return est.median if worst is None else max(worst, est.median)
 
 
 def _disk_share(args: argparse.Namespace, disk, step, directory: str):
@@ -251,7 +271,7 @@ def _disk_share(args: argparse.Namespace, disk, step, directory: str):
     from partita.bench.paired import estimate
 
     ratios, pipes, seqs = [], [], []
-    for _ in range(max(args.rounds, 2 * args.steps)):
+    for _ in range(_disk_rounds(args)):
         moved, seconds = disk.bytes_read + disk.bytes_written, disk.seconds
         step()
         moved, seconds = disk.bytes_read + disk.bytes_written - moved, disk.seconds - seconds
