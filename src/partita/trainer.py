@@ -289,7 +289,8 @@ class Trainer(CheckpointSteps):
             self.out_dir.mkdir(parents=True, exist_ok=True)
             c.save(self.out_dir / "config.toml")
             self.logger.message(
-                f"partita: {self.pm.model_cfg.num_params() / 1e6:.2f}M parameters, "
+                f"partita: {self.pm.model_cfg.num_params() / 1e6:.2f}M parameters "
+                f"({self.pm.model_cfg.shape_text()}), "
                 f"layout {self.mesh.dims}, {self.mesh.world_size} process(es) on {self.device.type}, "
                 f"{self.data.num_tokens:,} tokens from {self.data.path.name}"
             )

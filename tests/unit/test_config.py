@@ -145,3 +145,15 @@ def test_a_dp_that_does_not_fill_the_world_is_named_before_the_batch() -> None:
         cfg.layout(4)
     assert "global_batch" not in str(got.value)
     assert "--parallel.dp=4" in str(got.value)
+
+
+def test_the_shape_a_run_starts_with_names_what_the_catalog_entry_gave():
+    # dim and heads set, the rest from `tiny`: its 2 kv heads (4:1 grouped attention
+    # here) and its vocabulary are said, not left to be found in the weights.
+    from partita.config import load_config
+
+    cfg = load_config(None, ["--model.dim=256", "--model.n_heads=8"]).model_config()
+    assert cfg.shape_text() == ("llama, 4 layers, dim 256, 8 heads (2 kv), ffn 704, "
+                                "vocab 256, max_seq_len 128")
+    moe = load_config(None, ["--model.name=tiny-moe"]).model_config()
+    assert "8 experts (top 2, width 384, every 2 blocks)" in moe.shape_text()

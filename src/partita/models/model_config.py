@@ -138,6 +138,16 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    def shape_text(self) -> str:
+        """The shape in a few words, every field filled in: a setting inherited from the
+        catalog entry a configuration starts from (its kv heads, its MLP width) shows."""
+        every = f", every {self.moe_every} blocks" if self.moe_every > 1 else ""
+        experts = (f", {self.n_experts} experts (top {self.top_k}, width "
+                   f"{self.expert_hidden}{every})" if self.n_experts else "")
+        return (f"{self.flavour}, {self.n_layers} layers, dim {self.dim}, {self.n_heads} "
+                f"heads ({self.kv_heads} kv), ffn {self.ffn_hidden}{experts}, vocab "
+                f"{self.vocab_size}, max_seq_len {self.max_seq_len}")
+
     @property
     def ffn_hidden(self) -> int:
         """Hidden width of the MLP.
