@@ -8,13 +8,17 @@ whatever a checkpoint reader assembles), so any source of full weights plugs in 
 `transformers.AutoModelForCausalLM.from_pretrained(out)` then loads it as a
 LlamaForCausalLM with no missing or unexpected keys. The folder is written beside its
 destination under a temporary name and renamed into place when complete, so a failed
-export never leaves a half-written model, nor touches an existing one.
+export never leaves a half-written model, nor touches an existing one. `overwrite`
+replaces only an earlier export (a folder holding nothing but what an export writes),
+never a run's folder, a checkpoint or any other folder.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -35,6 +39,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Copied from the imported model's folder (model.init_from): its sampling defaults and
 # list of end ids, which chat models rely on.
 GENERATION_CONFIG = "generation_config.json"
+# What an export writes, and so all that a folder `overwrite` may replace holds.
+EXPORT_FILES = frozenset({INDEX, "config.json", GENERATION_CONFIG, *TOKENIZER_FILES})
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def shard_names(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
@@ -73,10 +80,8 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
     from partita.checkpoint.files import write_file
 
     check_exportable(cfg)  # first: what no weights can fix
-    out = Path(out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise PartitaError(f"'{out}' already exists and is not empty; choose another --out "
-                           "folder, or pass --overwrite to replace it.")
+    copies = [*tokenizer_files(tokenizer), *also_copy]
+    out = check_out(out, overwrite, {p.name for p in copies})
     hf_state = to_hf_state(state, cfg)
     if dtype is not None:
         hf_state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in hf_state.items()}
@@ -101,18 +106,74 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ModelConfig, out: str | Path,
         config = hf_config_from_model(cfg, dtype_name, bos_token_id, eos_token_id,
                                       pad_token_id)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for path in [*tokenizer_files(tokenizer), *also_copy]:
+        for path in copies:
             shutil.copyfile(path, tmp / path.name)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            advice = (f"The folder '{out.parent}' cannot be written: choose an --out in a "
+                      "folder you can write to.")
+        elif exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            advice = "Free disk space or choose another --out folder."
+        else:
+            advice = "Choose another --out folder."
         raise PartitaError(f"writing the export to '{out}' failed ({exc.strerror or exc}); "
-                           "nothing was left behind. Free disk space or choose another "
-                           "--out folder.") from None
+                           f"nothing was left behind. {advice}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_out(out: str | Path, overwrite: bool, copies: set[str] | frozenset[str] = frozenset()
+              ) -> Path:
+    """`out` as a Path, once it is known that the export may be written there: not empty
+    text (which Path reads as '.'), not a file, and missing, empty or, with `overwrite`,
+    an earlier export: an index and nothing but what an export writes (`copies`: the
+    names of the files this one copies in, a tokenizer file of another name). Anything
+    else with files in it (a run's folder, a checkpoint, a folder of one's own) is
+    refused with what it holds, and left alone."""
+    out = _given(out)
+    if out.exists() and not out.is_dir():
+        raise PartitaError(f"--out '{out}' is a file, not a folder; give the folder to write "
+                           "the export to.")
+    entries = sorted(out.iterdir()) if out.is_dir() else []
+    if not entries:
+        return out
+    if not overwrite:
+        raise PartitaError(f"'{out}' already exists and is not empty; choose another --out "
+                           "folder, or pass --overwrite to replace it (an earlier export "
+                           "only).")
+    names = {p.name for p in entries}
+    if INDEX in names and all(n in EXPORT_FILES or n in copies or SHARD.fullmatch(n)
+                              for n in names):
+        return out
+    from partita.checkpoint.manifest import LATEST, MANIFEST, STEP_DIR
+
+    if "config.toml" in names or "checkpoints" in names or "model.safetensors" in names:
+        what = "looks like a run's folder"
+    elif MANIFEST in names or STEP_DIR.match(out.name):
+        what = "is a checkpoint"
+    elif LATEST in names or any(STEP_DIR.match(n) for n in names):
+        what = "is a folder of checkpoints"
+    elif INDEX in names:
+        what = "is an export with files an export does not write"
+    else:
+        what = f"is not an earlier export (it has no {INDEX})"
+    shown = [p.name + "/" * p.is_dir() for p in entries[:6]]
+    more = f" and {len(entries) - 6} more" if len(entries) > 6 else ""
+    raise PartitaError(f"--out '{out}' {what}: it holds {', '.join(shown)}{more}. "
+                       "--overwrite replaces only an earlier export, so nothing was "
+                       "touched; choose another --out folder, or move or delete what it "
+                       "holds yourself if it is no longer needed.")
+
+
+def _given(out: str | Path) -> Path:
+    if not str(out).strip():
+        raise PartitaError("--out is empty: give the folder to write the export to, e.g. "
+                           "--out hf.")
+    return Path(out)
 
 
 def run_weights(run_dir: str | Path):
@@ -162,6 +223,14 @@ def run_source(run_dir: str | Path):
     return load_config(config), lambda: load_weights(weights)
 
 
+def _generation_config(init_from: str) -> Path | None:
+    """The imported model's generation_config.json, None where it has none."""
+    from partita.models.hf_config import config_path
+
+    path = config_path(init_from).parent / GENERATION_CONFIG
+    return path if path.is_file() else None
+
+
 def check_not_over_source(source: Path, out: Path) -> None:
     """Refuse an export folder that would replace what it is exported from: `--out` the
     run itself, a folder holding it, or one of its own folders (its checkpoints/) that
@@ -183,23 +252,24 @@ def export_run(run_dir: str | Path, out: str | Path, fmt: str = "hf",
     """Export a finished run's weights with the model shape and tokenizer of its config."""
     if fmt not in FORMATS:
         raise PartitaError(f"export format '{fmt}' is unknown; use one of {', '.join(FORMATS)}.")
-    check_not_over_source(Path(run_dir), Path(out))
+    check_not_over_source(Path(run_dir), _given(out))
     cfg, read = run_source(run_dir)
     # First: a model with no Llama form is named as such before any weight is read (and
     # not blamed on the weights when their names are compared).
     check_exportable(cfg.model_config())
+    tokenizer = cfg.data.tokenizer or None
+    generation = _generation_config(cfg.model.init_from) if cfg.model.init_from else None
+    check_out(out, overwrite, {p.name for p in tokenizer_files(tokenizer)}
+              | ({generation.name} if generation else set()))  # before any weight is read
     state = read()
     bos = eos = pad = None
-    also_copy: tuple[Path, ...] = ()
+    also_copy = (generation,) if generation is not None else ()
     if cfg.model.init_from:
-        from partita.models.hf_config import config_path, read_hf_config
+        from partita.models.hf_config import read_hf_config
 
         source = read_hf_config(cfg.model.init_from)
         bos, eos, pad = (source.get(k) for k in ("bos_token_id", "eos_token_id",
                                                  "pad_token_id"))
-        if (generation := config_path(cfg.model.init_from).parent / GENERATION_CONFIG).is_file():
-            also_copy = (generation,)
-    tokenizer = cfg.data.tokenizer or None
     if tokenizer is not None:
         from partita.data.hf_tokenizer import special_token_ids
 

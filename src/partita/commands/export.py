@@ -14,10 +14,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                "that stopped (its newest checkpoint)")
     p.add_argument("--format", default="hf", choices=("hf",),
                    help="hf: a Hugging Face Llama folder (config.json, sharded safetensors)")
-    p.add_argument("--out", required=True, help="the folder to write (missing or empty; --overwrite replaces a "
-                   "non-empty one, never the run itself)")
+    p.add_argument("--out", required=True, help="the folder to write (missing or empty; "
+                   "--overwrite replaces an earlier export, never a run, a checkpoint or "
+                   "another folder)")
     p.add_argument("--dtype", default="", help="cast the weights (float32, bfloat16, ...)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out when it holds an earlier export")
     p.set_defaults(func=run, imports_torch=True)
 
 
