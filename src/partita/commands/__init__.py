@@ -20,6 +20,11 @@ def check_output_file(path: str, option: str, formats: tuple[str, ...] = ()) -> 
     if not path.strip():
         raise PartitaError(f"{option} is empty: give a file name, e.g. {option} out.png.")
     folder = Path(path).expanduser().parent
+    # A file where a folder of the path should be (sched.png/x.png): named as what it is.
+    if (blocker := next((p for p in (folder, *folder.parents) if p.exists()), None)) \
+            is not None and not blocker.is_dir():
+        raise PartitaError(f"{option} {path}: {blocker} is a file, not a folder. Choose a "
+                           "file in an existing folder.")
     if not folder.is_dir():
         raise PartitaError(f"{option} {path}: the folder {folder} does not exist. Create it "
                            "or choose a file in an existing folder.")
