@@ -1,7 +1,8 @@
 """`partita checkpoint info|verify|export DIR`: look into, check and convert checkpoints.
 
 DIR is a checkpoint folder (OUT_DIR/checkpoints/step-N), a folder of checkpoints, or a
-run's out_dir (then its newest checkpoint).
+run's out_dir (then its newest checkpoint); a folder of checkpoints' `latest` file, the
+pointer to its newest, stands for that folder.
 """
 
 from __future__ import annotations
@@ -32,12 +33,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _folder(text: str) -> Path:
     from partita.checkpoint import resolve
-    from partita.checkpoint.manifest import skipped_newer
+    from partita.checkpoint.manifest import LATEST, CheckpointFileError, skipped_newer
 
-    folder = resolve(Path(text), given_as="")
-    if folder != Path(text) and (note := skipped_newer(folder)):  # the newest was chosen
+    given = Path(text)
+    pointer = None
+    if given.is_file():
+        if given.name != LATEST:
+            raise CheckpointFileError(
+                f"'{given}' is a file; give a checkpoint folder (OUT_DIR/checkpoints/step-N), "
+                "a folder of checkpoints or a run's out_dir.")
+        # The pointer to the newest checkpoint of its folder: that checkpoint, found as a
+        # resume finds it (the pointer, unless a newer sound one is beside it).
+        pointer = given.read_text(errors="replace").strip()
+        given = given.parent
+    folder = resolve(given, given_as="")
+    if pointer is not None and pointer != folder.name:
+        print(f"partita: note: {text} names {pointer or 'nothing'}, which is not the newest "
+              f"sound checkpoint beside it; showing {folder.name}, the one a resume takes.",
+              file=sys.stderr, flush=True)
+    if folder != given and (note := skipped_newer(folder)):  # the newest was chosen
         print(note, file=sys.stderr, flush=True)
     return folder
+
+
+def _max_seq_len(manifest: dict) -> int | None:
+    """The longest sequence the run's model took, from the run configuration the
+    manifest records (the architecture fields leave it out: it shapes no weight)."""
+    from partita.config import config_from_toml
+    from partita.errors import PartitaError
+
+    if not manifest.get("config"):
+        return None
+    try:
+        cfg = config_from_toml(manifest["config"])
+    except PartitaError:
+        return None
+    try:
+        return cfg.model_config().max_seq_len
+    except (PartitaError, OSError):  # an imported model's folder since moved
+        return cfg.model.max_seq_len
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -49,8 +83,10 @@ def run_info(args: argparse.Namespace) -> int:
     sizes = {f["name"]: f["size"] for f in m["files"]}
     layout = m.get("layout", {})
     degrees = " ".join(f"{k}={layout[k]}" for k in ("dp", "tp", "pp", "cp", "ep") if k in layout)
-    policies = ", ".join(f"{k}={layout[k]}" for k in ("zero_stage", "schedule", "virtual_stages",
-                                                      "sequence_parallel") if k in layout)
+    # A pipeline schedule means nothing without a pipeline: shown where pp > 1.
+    shown = ("zero_stage", "schedule", "virtual_stages", "sequence_parallel") \
+        if layout.get("pp", 1) > 1 else ("zero_stage", "sequence_parallel")
+    policies = ", ".join(f"{k}={layout[k]}" for k in shown if k in layout)
     if layout.get("moe_tp", "replicate") != "replicate":
         policies += f", moe_tp={layout['moe_tp']}"
     count = {}
@@ -63,7 +99,10 @@ def run_info(args: argparse.Namespace) -> int:
           f"{m.get('torch_version', '?')}, format version {m['version']}")
     print(f"  layout: {m['world_size']} process(es), {degrees}" + (f"; {policies}" if policies
                                                                     else ""))
-    print(f"  model: {', '.join(f'{k}={v}' for k, v in m['model'].items())}")
+    model = dict(m["model"])
+    if "max_seq_len" not in model and (seq := _max_seq_len(m)) is not None:
+        model["max_seq_len"] = seq
+    print(f"  model: {', '.join(f'{k}={v}' for k, v in model.items())}")
     dtypes = {k: v.removeprefix("torch.") for k, v in m["precision"].items()}
     print(f"  precision: parameters {dtypes['param_dtype']}, master and moments "
           f"{dtypes['master_dtype']}")
