@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 VICTIM_GRACE_S = 1.0
+# Under torchrun, how long a rank other than 0 that refused the layout waits for rank 0
+# to say why and leave (torchrun then stops the rest): bounded, should rank 0 not leave.
+OTHER_RANKS_WAIT_S = 10.0
 # What every worker imports before its first step.
 WORKER_IMPORTS = ("torch", "torch.distributed", "partita.trainer", "partita.faults")
 
@@ -139,6 +142,9 @@ def _run(args: argparse.Namespace) -> int:
         except PartitaError:
             if int(os.environ["RANK"]) == 0:
                 raise  # printed once, by rank 0
+            # Every rank refuses alike; leaving at once would let torchrun stop rank 0
+            # before it has said why. torchrun stops this one when rank 0 has left.
+            time.sleep(OTHER_RANKS_WAIT_S)
             return 2
         with signals_held():  # a SIGTERM meanwhile arrives after, not inside torch's import
             from partita.trainer import train
