@@ -117,19 +117,23 @@ def start_fork_server() -> None:
     process's own handler once it is back. The server and its workers inherit the block;
     a worker lifts it once its own handlers are in place (`restore_signals`, or the
     launcher's workers' own)."""
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     short_socket_folder()
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()  # only the main thread may set handlers
         return
+    # The standard library's resource tracker first, outside the moment below: the
+    # fork server's start would start it there, and its start unblocks SIGINT and
+    # SIGTERM (not restoring the mask it found) while they are ignored here, so a
+    # SIGTERM in the rest of that moment was discarded and the job trained on.
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, SERVER_IGNORES)
     # Setting SIG_IGN discards a signal already waiting: one that came since the block
     # (a SIGTERM as the job starts, under load: lost, the job trained on) is noted just
-    # before and sent again once the handler is back. The blocked server still needs
-    # the ignore: something in its start lifts the block (a SIGTERM to the job killed a
-    # server that was only blocked). What stays is the moment between the note and the
-    # ignore, a few bytecodes.
+    # before and sent again once the handler is back. The server still needs the
+    # ignore: threads its imports start may not block the signals. What stays is the
+    # moment between the note and the ignore, a few bytecodes.
     previous, waiting = {}, []
     for sig in SERVER_IGNORES:
         if sig in signal.sigpending():
