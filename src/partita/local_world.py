@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import random
 import signal
 import socket
 import tempfile
@@ -40,10 +41,38 @@ _CONTEXT: mp.context.BaseContext | None = None
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    range of ephemeral ports. A port the kernel hands out (bind to port 0) comes from
+    that range, which is also where every outgoing connection (gloo's, a store
+    client's) gets its own port: between being picked and being listened on, one taken
+    there by another job's connection failed the store with EADDRINUSE."""
+    first_ephemeral = _ephemeral_ports()[0]
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(PORTS_FROM, first_ephemeral)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PORTS_FROM = 20_000  # above the ports services usually take
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for outgoing connections (Linux's default where it
+    cannot be read), never starting below PORTS_FROM + 1000."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return max(low, PORTS_FROM + 1000), high
 
 
 # A Unix socket's path holds at most 107 bytes. The fork server's lives in

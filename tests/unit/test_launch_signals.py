@@ -307,3 +307,18 @@ def test_a_second_signal_received_with_the_first_is_not_a_traceback():
                           timeout=60)
     assert done.stdout.split() == ["SIGINT", "clean"], done.stdout + done.stderr[-2000:]
     assert done.returncode == 0 and "Traceback" not in done.stderr
+
+
+def test_a_free_port_lies_below_the_ephemeral_range():
+    """Outgoing connections take their ports from the ephemeral range; a rendezvous port
+    picked there could be taken by one before the store listened (EADDRINUSE)."""
+    import socket
+
+    from partita.local_world import PORTS_FROM, _ephemeral_ports, free_port
+
+    low, _ = _ephemeral_ports()
+    for _ in range(20):
+        port = free_port()
+        assert PORTS_FROM <= port < low
+        with socket.socket() as s:  # and nothing listens there
+            s.bind(("127.0.0.1", port))
