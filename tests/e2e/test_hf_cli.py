@@ -1,4 +1,4 @@
-"""The README's fine-tuning example, small: a Llama folder with its tokenizer
+"""The fine-tuning example of docs/usage.md, small: a Llama folder with its tokenizer
 (tools/make_small_llama.py), `partita train` at tp=2 on a JSONL file with
 `train.export=hf`, transformers loading the export and its tokenizer, and
 `partita export` writing the same files."""
