@@ -10,8 +10,7 @@ from partita.planner import evaluate_layout
 
 PLAN = ["plan", "--model", "llama3-70b", "--gpus", "64", "--gpu-type", "H200"]
 LAYOUT = "dp=2 tp=8 pp=4 zero_stage=1 microbatch_size=1 recompute=full"
-REFUSAL = ("schedule=interleaved-1f1b with virtual_stages=1 has nothing to interleave "
-           "(partita train runs it as plain 1f1b)")
+REFUSAL = "schedule=interleaved-1f1b with virtual_stages=1 has nothing to interleave"
 
 
 def test_interleaved_without_virtual_stages_takes_trains_default(capsys):
@@ -28,7 +27,7 @@ def test_interleaved_without_virtual_stages_takes_trains_default(capsys):
 
 def test_interleaved_with_one_virtual_stage_is_refused(capsys):
     assert main([*PLAN, "--layout", LAYOUT + " schedule=interleaved-1f1b virtual_stages=1"]) == 2
-    assert REFUSAL in capsys.readouterr().err
+    assert capsys.readouterr().err.count(REFUSAL) == 1  # train's rule, said once
     assert main([*PLAN, "--fix", "schedule=interleaved-1f1b,virtual_stages=1"]) == 2
     assert REFUSAL in capsys.readouterr().err
     ev = evaluate_layout("llama3-70b", 64, Layout(dp=2, tp=8, pp=4, schedule="interleaved-1f1b"))

@@ -118,13 +118,6 @@ def structural_reasons(req: Request, layout: Layout) -> list[tuple[str, str]]:
                                 f"{layout.tp * (per_node // layout.tp)}-"
                                 f"{layout.tp * (per_node // layout.tp + 1) - 1}); tensor "
                                 f"parallelism is placed within a node: use tp among {fits}"))
-    if layout.pp > 1 and layout.schedule == "interleaved-1f1b" and layout.virtual_stages < 2:
-        # partita train runs it as plain 1F1B, which the planner would charge
-        # interleaving's deeper warm-up: a layout of its own, 1f1b, says what runs.
-        out.append((CONSTRAINT, f"schedule=interleaved-1f1b with virtual_stages="
-                                f"{layout.virtual_stages} has nothing to interleave (partita "
-                                "train runs it as plain 1f1b); set virtual_stages=2 or more, "
-                                "or schedule=1f1b"))
     if layout.pp > 1 and layout.virtual_stages > 1 and layout.pp * layout.virtual_stages <= \
             c.n_layers and min(stage_layers(c.n_layers, layout.pp)) < layout.virtual_stages:
         out.append((DIVISIBILITY, f"virtual_stages={layout.virtual_stages} exceeds the "

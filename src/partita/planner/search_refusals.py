@@ -33,7 +33,7 @@ def no_layout_to_search(fixed: tuple[tuple[str, object], ...], req: Request) -> 
     elif pins.get("schedule") == "interleaved-1f1b" and int(pins.get("virtual_stages",
                                                                      2)) < 2:
         why = (f"schedule=interleaved-1f1b with virtual_stages={pins['virtual_stages']} has "
-               "nothing to interleave (partita train runs it as plain 1f1b); pin "
+               "nothing to interleave (it would be plain 1F1B under another name); pin "
                "virtual_stages=2 or more, or schedule=1f1b")
     elif "schedule" in pins and int(pins.get("pp", 0)) == 1:
         why = (f"schedule={pins['schedule']} is a pipeline schedule, and pp=1 has no "
