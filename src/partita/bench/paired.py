@@ -15,15 +15,17 @@ which keeps that chance at a few percent over all looks.
 Below 8 rounds no two order statistics reach 99%: the interval is then the range of the
 rounds, which holds the median with probability 1 - 2^(1-n) only (n = 1: none; 2: 50%;
 6: 97%; 7: 98%). `Estimate.label` names it for what it is, and such an interval never
-settles a verdict: a pair with fewer rounds doubles them (up to its cap) first.
+settles a verdict: a pair with fewer rounds doubles them (up to its cap) first. A table
+heads its column "interval", and `legend` says under it what the rows below 8 rounds hold.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +92,37 @@ class Estimate:
         if self.rounds == 1:
             return self.label
         return f"{self.span}: {self.label}"
+
+    @property
+    def stated(self) -> str:
+        """`described`, led by "99% interval" where it is one: "99% interval
+        0.815-1.127, 24 rounds", else "0.815-1.127: range of 6 rounds, 97% for the
+        median" or "1 round, no interval"."""
+        if self.coverage >= LEVEL:
+            return f"{self.label} {self.described}"
+        return self.described
+
+
+# The fewest rounds whose interval is a 99% one (8); from there on every count's is.
+FULL_ROUNDS = next(n for n in itertools.count(1) if coverage(n) >= LEVEL)
+
+
+def legend(estimates: Iterable[Estimate]) -> str | None:
+    """The line under a table whose "interval" column holds some intervals that are not
+    99% ones (fewer than `FULL_ROUNDS` rounds): what those are, one `Estimate.label` per
+    number of rounds, fewest first. None where every interval is a 99% one."""
+    short = {e.rounds: e for e in estimates if e.coverage < LEVEL}
+    if not short:
+        return None
+    return (f"interval: 99% for the median from {FULL_ROUNDS} rounds on; below that: "
+            + "; ".join(short[n].label for n in sorted(short)))
+
+
+def print_legend(estimates: Iterable[Estimate]) -> None:
+    """Prints `legend`, where there is one."""
+    line = legend(estimates)
+    if line is not None:
+        print(line, flush=True)
 
 
 def estimate(ratios: Sequence[float]) -> Estimate:
