@@ -14,7 +14,9 @@ alternates too) and time:
   reshard  the same loads of the first (largest) world's checkpoints, e.g. 4 -> 2.
 
 A time is the slowest rank's between barriers; a row's ratio is the median of the
-per-round partita/DCP ratios with its 99% interval (`partita.bench.paired`). Page cache:
+per-round partita/DCP ratios with its 99% interval (`partita.bench.paired`; below 8
+rounds, as in --quick's 2, the range of the rounds, which the lines above the tables
+then say). Page cache:
 `warm` (default) reads every file of a checkpoint once just before it is loaded; `cold`
 drops the checkpoint's pages instead (posix_fadvise DONTNEED; the files are fsynced, so
 their pages are clean and go), so that loads read the disk. Both sides alike.
@@ -380,7 +382,9 @@ def setup_from(args: argparse.Namespace) -> Setup:
                  cache=args.cache)
 
 
-def describe(setup: Setup, params: int, formula: int) -> list[str]:
+def describe(setup: Setup, params: int, formula: int, legend: str | None = None) -> list[str]:
+    """The lines above the tables; `legend` (`paired.legend` of every interval in them)
+    ends the second, so that a --quick run prints a fixed number of lines."""
     cache = ("warm: every file read once just before each load" if setup.cache == "warm"
              else "cold: the checkpoint's pages dropped before each load")
     return [
@@ -389,24 +393,23 @@ def describe(setup: Setup, params: int, formula: int) -> list[str]:
         "partita ZeRO-3 vs DCP on FSDP2; gloo, 1 thread per rank",
         f"{setup.warmup} warm-up round, then interleaved rounds ({setup.rounds}, doubled "
         f"up to {setup.max_rounds} while the 99% interval spans 1.0); slowest rank, "
-        f"median seconds; page cache {cache}",
+        f"median seconds; page cache {cache}" + (f"; {legend}" if legend else ""),
         f"model-state formula: {params:,} parameters x 12 bytes (fp32 weights + 2 Adam "
         f"moments; no master copy in fp32) = {formula:,} bytes",
     ]
 
 
 TABLE_HEAD = (f"{'world':>5} {'what':>10} {'partita s':>10} {'dcp s':>8} {'ratio':>7} "
-              f"{'99% interval':>13} {'rounds':>6}")
+              f"{'interval':>13} {'rounds':>6}")
 BYTES_HEAD = (f"{'world':>5} {'partita bytes':>15} {'vs formula':>10} {'dcp bytes':>15} "
               f"{'async stall s':>13} {'sync save s':>11} {'stall %':>7} "
-              f"{'99% interval':>13} {'async total s':>13}")
+              f"{'interval':>13} {'async total s':>13}")
 
 
 def run(args: argparse.Namespace) -> int:
     setup = setup_from(args)
     worlds = sorted(set(args.worlds), reverse=True)
     params = parameter_count(setup)
-    formula = 12 * params
     base = Path(args.dir) if args.dir else None
     root = base or Path(f"partita-bench-checkpoint-{os.getpid()}")
     root.mkdir(parents=True, exist_ok=True)
@@ -426,7 +429,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if base is None:
             shutil.rmtree(root, ignore_errors=True)
-    for line in describe(setup, params, formula):
+    print_report(setup, params, results)
+    return 0
+
+
+def print_report(setup: Setup, params: int, results: list[dict]) -> None:
+    """The description, the two tables of the worlds' `_worker` results and the verdict
+    line."""
+    formula = 12 * params
+    legend = paired.legend([r["estimate"] for out in results for r in out["rows"]]
+                           + [out["async"]["ratio"] for out in results])
+    for line in describe(setup, params, formula, legend):
         print(line)
     print(TABLE_HEAD)
     worst = 0.0
@@ -448,4 +461,3 @@ def run(args: argparse.Namespace) -> int:
               f"{f'{est.low:.1%}-{est.high:.1%}':>13} {a['total']:>13.3f}")
     print(f"checkpoint: worst partita/dcp time ratio {worst:.3f}; "
           f"async stall {worst_stall * 100:.1f}% of sync save")
-    return 0

@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
                                      functools.partial(build_step, precision=args.precision),
                                      thresholds,
                                      harness.RowPrinter(world)))[0]
+        paired.print_legend(r["estimate"] for r in rows)
         for r in rows:
             ratio = r["estimate"].median
             if r["peer"] == EAGER:

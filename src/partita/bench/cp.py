@@ -186,12 +186,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores "
           "(shared machine: R is a wall-time ratio; its interval says how far the load "
           "lets it be read)")
-    print(f"{'c':>3} {'kind':<10}{'ms/step':>9}{'peer ms':>9}{'R':>7}{'99% interval':>14}"
+    print(f"{'c':>3} {'kind':<10}{'ms/step':>9}{'peer ms':>9}{'R':>7}{'interval':>14}"
           f"{'rounds':>7}{'attn max/mean':>14}{'saved MiB/rank':>16}{'peer/c MiB':>11}"
           f"{'mem err %':>10}")
     ratio_at_2, worst_err, worst_balance = None, 0.0, 0.0
     est_at_2 = None
     balance_rows = []
+    estimates = []
     for c in degrees:
         ranks = run_distributed(_rank, c, args=(opts, list(KINDS), rounds, max_rounds),
                                 timeout=1800)
@@ -200,6 +201,7 @@ def run(args: argparse.Namespace) -> int:
             res = [r["kinds"][kind] for r in ranks]
             times = res[0]["times"]  # the same on every rank (slowest-rank round times)
             est = paired.estimate_times(times)
+            estimates.append(est)
             saved = max(r["saved"] for r in res)
             err = abs(saved / (peer_saved / c) - 1) * 100
             worst_err = max(worst_err, err)
@@ -212,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{statistics.median(times[1]) * 1e3:>9.1f}{est.median:>7.3f}"
                   f"{est.span:>14}{est.rounds:>7}{cpu_bal:>14.3f}"
                   f"{saved / 2**20:>16.2f}{peer_saved / c / 2**20:>11.2f}{err:>10.2f}")
+    paired.print_legend(estimates)
     print("attention compute per rank (CPU seconds of its thread per step, median; the "
           "slowest over the mean, CPU and wall):")
     for c, kind, cpu_bal, wall_bal, per_rank in balance_rows:
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
           f"{(worst_balance - 1) * 100:.1f}% of the mean (worst over c and kinds)")
     print(f"load average at end {paired.load_average()}")
     shown = "n/a (c=2 not run)" if est_at_2 is None else (
-        f"{ratio_at_2:.3f} (99% interval {est_at_2.span}, {est_at_2.rounds} rounds)")
+        f"{ratio_at_2:.3f} ({est_at_2.stated})")
     print(f"cp: worst partita/peer step-time ratio {shown}; activation memory per rank 1/c "
           f"within {worst_err:.2f}%")
     return 0

@@ -16,6 +16,8 @@ rounds double from --rounds until the interval lies on one side of 1.0 or
 Each pair's row is printed by rank 0 as soon as the pair is done (a crash later in a
 long run keeps the rows before it), and each pair's runners are released before the
 next pair builds its own (`release`), so a run holds one pair's memory at a time.
+`bench dp` times one pair and prints its table once it is done (`print_table`), with
+`paired.legend` above the column heads where the interval is not a 99% one.
 """
 
 from __future__ import annotations
@@ -232,7 +234,17 @@ def describe(bench: str, setup: Setup, targets: str = "1.0") -> str:
 
 
 TABLE_HEAD = (f"{'world':>5} {'partita':>18} {'ms/step':>9} {'peer':>26} {'ms/step':>9} "
-              f"{'ratio':>7} {'99% interval':>13} {'rounds':>6}")
+              f"{'ratio':>7} {'interval':>13} {'rounds':>6}")
+
+
+def print_table(rows: list[dict], world: int) -> None:
+    """`bench dp`'s table of `time_pairs`' rows, after the run: the legend of its
+    intervals (where one is not a 99% one) above the column heads, so that the last row
+    stays right above the verdict line."""
+    paired.print_legend(r["estimate"] for r in rows)
+    print(TABLE_HEAD)
+    for r in rows:
+        print(table_row(r, world))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -259,10 +271,9 @@ def setup_from(args: argparse.Namespace) -> Setup:
 def run(args: argparse.Namespace) -> int:
     setup = setup_from(args)
     pair = ("partita stage 0", "torch DDP")
-    print(describe("dp", setup))
-    print(TABLE_HEAD, flush=True)  # before the ranks print their rows
+    print(describe("dp", setup), flush=True)
     rows = run_distributed(time_pairs, args.world, timeout=1800,
-                           args=(setup, [pair], build_step, {pair: 1.0},
-                                 RowPrinter(args.world)))[0]
+                           args=(setup, [pair], build_step, {pair: 1.0}))[0]
+    print_table(rows, args.world)
     print(f"dp: partita/torch-ddp step-time ratio {rows[0]['estimate'].median:.3f}")
     return 0

@@ -18,8 +18,9 @@ the interval spans 1.0. Each side's CPU time per step (the rank's thread, median
 steps, the busiest rank) is printed too: the work done, which the load of other
 processes on a shared machine does not inflate the way it does wall time.
 
-Last line: `ep: worst partita/peer step-time ratio R (99% interval lo-hi, n rounds at
-world w)`, the world with the largest R.
+Last line: `ep: worst partita/peer step-time ratio R (99% interval lo-hi, n rounds, at
+world w)`, the world with the largest R; below 8 rounds the parenthesis says what its
+interval is instead (`Estimate.stated`: "lo-hi: range of 2 rounds, 50% for the median").
 """
 
 from __future__ import annotations
@@ -153,21 +154,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"load average at start {paired.load_average()} on {os.cpu_count()} cores "
           "(shared machine: R is a wall-time ratio; its interval says how far the load "
           "lets it be read)")
-    print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'99% interval':>14}"
+    print(f"{'world':>6}{'partita ms':>12}{'deepspeed ms':>14}{'R':>8}{'interval':>14}"
           f"{'rounds':>8}{'partita cpu ms':>16}{'deepspeed cpu ms':>18}")
     worst = None
+    estimates = []
     for world in args.worlds:
         ranks = run_distributed(_rank, world, args=(a,), timeout=1800)
         times = ranks[0]["times"]  # the same on every rank (slowest-rank round times)
         est = paired.estimate_times(times)
+        estimates.append(est)
         cpu = [max(r["cpu"][k] for r in ranks) * 1e3 for k in (0, 1)]
         print(f"{world:>6}{statistics.median(times[0]) * 1e3:>12.2f}"
               f"{statistics.median(times[1]) * 1e3:>14.2f}{est.median:>8.3f}{est.span:>14}"
               f"{est.rounds:>8}{cpu[0]:>16.2f}{cpu[1]:>18.2f}")
         if worst is None or est.median > worst[1].median:
             worst = (world, est)
+    paired.print_legend(estimates)
     print(f"load average at end {paired.load_average()}")
     world, est = worst
-    print(f"ep: worst partita/peer step-time ratio {est.median:.3f} (99% interval "
-          f"{est.span}, {est.rounds} rounds at world {world})")
+    print(f"ep: worst partita/peer step-time ratio {est.median:.3f} ({est.stated}, at "
+          f"world {world})")
     return 0

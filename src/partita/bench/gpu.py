@@ -34,6 +34,7 @@ import torch
 
 from partita.arg_types import at_least, count
 from partita.bench import dp as harness
+from partita.bench import paired
 from partita.bench.models import blocks_of, model_name
 from partita.errors import PartitaError
 from partita.local_world import run_distributed
@@ -138,7 +139,7 @@ def _worker(rank: int, world: int, setup: harness.Setup, pairs: list[tuple[str, 
 
 
 HEAD = (f"{'partita':>22} {'ms/step':>8} {'MFU':>6} {'peer':>20} {'ms/step':>8} "
-        f"{'MFU':>6} {'ratio':>6} {'99% interval':>13} {'first step s':>13}")
+        f"{'MFU':>6} {'ratio':>6} {'interval':>13} {'first step s':>13}")
 
 
 def _mfu(seconds: float, flops_per_step: float, peak: float) -> float:
@@ -236,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
     printer = functools.partial(_print_row, flops_per_step=flops_per_step, peak=peak)
     rows, memory, _ = run_distributed(_worker, world, timeout=1800, backend="nccl",
                                       args=(setup, pairs, args.profile, printer))[0]
+    paired.print_legend(r["estimate"] for r in rows)
     print(f"peak allocated on rank 0 over the run (two engines alive per pair): "
           f"{memory / 2**30:.1f} GiB")
     best_mfu = max(_mfu(statistics.median(r["t_ours"]), flops_per_step, peak) for r in rows)

@@ -172,14 +172,16 @@ def run(args: argparse.Namespace) -> int:
           f"1 thread per rank, median of alternating rounds ({args.rounds}, doubled up to "
           f"{max(args.rounds, args.max_rounds)} where the 99% interval spans 1.0)")
     print(f"{'p':>2} {'partita schedule':<20} {'torch schedule':<25} {'partita ms':>10} "
-          f"{'torch ms':>9} {'ratio':>6} {'99% interval':>13} {'rounds':>6}")
+          f"{'torch ms':>9} {'ratio':>6} {'interval':>13} {'rounds':>6}")
     worst = 0.0
+    estimates = []
     for p in args.stages:  # a shape the model cannot take is said here, not by a worker
         for name, v, _ in PAIRS:
             _config(p, name, v, args)
     for p in args.stages:
         for r in run_distributed(_worker, p, (args,), timeout=3600)[0]:
             est = r["estimate"]
+            estimates.append(est)
             if r["peer"] != SELF:
                 worst = max(worst, est.median)
             label = r["name"] + (f" v={r['v']}" if r["v"] > 1 else "")
@@ -187,5 +189,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{statistics.median(r['partita']) * 1e3:>10.1f} "
                   f"{statistics.median(r['torch']) * 1e3:>9.1f} {est.median:>6.3f} "
                   f"{est.span:>13} {est.rounds:>6}")
+    paired.print_legend(estimates)
     print(f"pp: worst partita/torch step-time ratio {worst:.3f}")
     return 0

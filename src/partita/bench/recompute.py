@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from partita.arg_types import count
-from partita.bench.paired import estimate_times, paired_rounds
+from partita.bench.paired import estimate_times, paired_rounds, print_legend
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,11 +160,12 @@ def run(args: argparse.Namespace) -> int:
           f"seq={args.seq} batch={args.batch}, float32, {args.threads} thread(s); peer: "
           f"torch {torch.__version__} torch.utils.checkpoint (non-reentrant)")
     head = (f"{'mode':<10} {'held none':>10} {'partita':>10} {'torch':>10} "
-            f"{'partita ms':>10} {'torch ms':>9} {'ratio':>6} {'99% interval':>13} "
+            f"{'partita ms':>10} {'torch ms':>9} {'ratio':>6} {'interval':>13} "
             f"{'rounds':>6} {'grad diff':>9}")
     print(head)
     print("-" * len(head))
     worst = 0.0
+    estimates = []
     for mode in ("full", "selective"):
         plain, ours, peer = _models(args, mode)
         diff = _max_grad_diff(ours, peer, tokens)
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         times = paired_rounds(lambda k, sides=sides: _step(sides[k], tokens), args.rounds,
                               args.max_rounds, threshold=1.0)
         est = estimate_times(times)
+        estimates.append(est)
         worst = max(worst, est.median)
         ms = [sorted(t)[len(t) // 2] * 1e3 for t in times]
         print(f"{mode:<10} {held[0] / 2**20:>8.2f}Mi {held[1] / 2**20:>8.2f}Mi "
@@ -182,5 +184,6 @@ def run(args: argparse.Namespace) -> int:
               f"{est.span:>13} {est.rounds:>6} {diff:>9.1e}")
     print("held: bytes created in forward still alive when the loss is formed "
           "(model without recompute, partita, torch); times: medians of paired rounds")
+    print_legend(estimates)
     print(f"recompute: worst partita/peer step-time ratio {worst:.3f}")
     return 0

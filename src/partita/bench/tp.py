@@ -218,14 +218,17 @@ def run(args: argparse.Namespace) -> int:
               "(pip install 'megatron-core==0.16.*')")
     print("first loss (the same model from the same weights): "
           + ", ".join(f"{name} {loss:.6f}" for name, loss in first.items()))
-    print(f"{'peer':<16}{'partita ms':>12}{'peer ms':>10}{'ratio':>8}{'99% interval':>15}"
+    print(f"{'peer':<16}{'partita ms':>12}{'peer ms':>10}{'ratio':>8}{'interval':>15}"
           f"{'rounds':>8}")
     worst = 0.0
+    estimates = []
     for name, times in pairs.items():
         est = paired.estimate_times(times)
+        estimates.append(est)
         worst = max(worst, est.median)
         print(f"{name:<16}{statistics.median(times[0]) * 1e3:>12.1f}"
               f"{statistics.median(times[1]) * 1e3:>10.1f}{est.median:>8.3f}"
               f"{est.span:>15}{est.rounds:>8}")
+    paired.print_legend(estimates)
     print(f"tp: worst partita/peer step-time ratio {worst:.3f}")
     return 0

@@ -30,6 +30,7 @@ import torch
 
 from partita.arg_types import count, several
 from partita.bench import dp as harness
+from partita.bench import paired
 from partita.bench.models import blocks_of
 from partita.local_world import run_distributed
 
@@ -182,13 +183,16 @@ def run(args: argparse.Namespace) -> int:
     print(harness.TABLE_HEAD, flush=True)
     worst, worst_s = 0.0, 0.0
     chosen = pairs(with_ds, tuple(args.stages))
+    estimates = []
     for world in args.worlds:
         rows = run_distributed(_worker, world, timeout=3600,
                                args=(setup, chosen, harness.RowPrinter(world, LABELS)))[0]
+        estimates += [r["estimate"] for r in rows]
         worst = max(worst, *(r["estimate"].median for r in rows if harness.is_peer(r["peer"])))
         by_pair = {(r["ours"], r["peer"]): r for r in rows}
         if STAGE3_VS_STAGE2 in by_pair:
             worst_s = max(worst_s, by_pair[STAGE3_VS_STAGE2]["estimate"].median)
+    paired.print_legend(estimates)
     s = f"{worst_s:.3f}" if STAGE3_VS_STAGE2 in chosen else "not run (--stages without 3)"
     print(f"zero: worst partita/peer step-time ratio {worst:.3f}; stage3/stage2 ratio {s}")
     return 0
