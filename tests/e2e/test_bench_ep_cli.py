@@ -26,7 +26,7 @@ def test_bench_ep_prints_the_ratio_with_its_interval(cli):
     assert all(float(v) > 0 for v in row[6:8])  # CPU ms per step, both sides
     last = lines[-1]
     assert last.startswith("ep: worst partita/peer step-time ratio "), last
-    assert f"99% interval {span}, 2 rounds at world 2" in last, last
+    assert f"({span}: range of 2 rounds, 50% for the median, at world 2)" in last, last
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is not None,
