@@ -263,6 +263,10 @@ def test_host_and_disk_bytes_follow_the_requests_assumptions():
     base = Assumptions.for_device("H100")
     small = dataclasses.replace(base, disk_host_budget_bytes=2.0e8)
     evs = [evaluate(make_request("llama3-8b", 8, assumptions=a), layout) for a in (base, small)]
-    assert evs[0].host_bytes_per_node == 8 * base.disk_host_budget_bytes
-    assert evs[1].host_bytes_per_node == 8 * small.disk_host_budget_bytes
+    # The budget binds (a llama3-8b bucket's owned slice is larger than a sub-group):
+    # the engine's buffer sets fill it but for the cast scratch it sizes the sub-group
+    # for (4 bytes of 46 per element) and allocates at most 2^18 elements of.
+    for ev, a in zip(evs, (base, small)):
+        assert 0.9 * 8 * a.disk_host_budget_bytes < ev.host_bytes_per_node \
+            <= 8 * a.disk_host_budget_bytes
     assert evs[0].disk_bytes_per_node == evs[1].disk_bytes_per_node > 0

@@ -4,7 +4,7 @@ For every layout the test suite runs on CPU (dp 1/2/4/8 x ZeRO 0-3 in fp32 and b
 with fp32 master weights, tp 2/4 with and without sequence parallelism, dp2 x tp2 with
 ZeRO-1/3, pipelines: 1F1B, GPipe, zero-bubble H1 and interleaved at pp 2/4, with dp,
 ZeRO-1/2 and tp+sp, and dp2 x tp2 x pp2; selective and full recompute under these
-kinds of layout, host offload, context parallelism: ring and all-gather at cp 2/4,
+kinds of layout, host and disk offload, context parallelism: ring and all-gather at cp 2/4,
 with dp + ZeRO-1, tp + sp, dp2 x tp2 x cp2, and cp2 with full and selective recompute;
 expert parallelism at ep 2/4 with ZeRO-1/2/3, tp and pp, ZeRO-3 at ep 1, and ep2 with
 each recompute mode, on a 4-expert top-2 variant; compiled blocks alone, under zero
@@ -127,6 +127,12 @@ def layouts(shape: Shape) -> dict[int, list[Case]]:
     out[2] += [Case(dp=2, zero=z, offload="optimizer", dtype="bfloat16", shape=shape)
                for z in (1, 2)]
     out[2] += [Case(dp=2, zero=3, offload="optimizer+params", shape=shape)]
+    # Disk offload at a budget that does not bind: the engine's buffer sets hold its
+    # largest bucket's sub-group (on a CPU no gradient staged); the files' bytes.
+    out[1] += [Case(offload="optimizer+disk", dtype="bfloat16", host_budget_gb=1.0,
+                    shape=shape)]
+    out[2] += [Case(dp=2, zero=3, offload="optimizer+params+disk", host_budget_gb=1.0,
+                    shape=shape)]
     # Compiled blocks: what a compiled block saves, what a zero-bubble stage holds between
     # I and W (their weight gradients), and selective recompute inside them.
     out[1] += [Case(compile="blocks", dtype=d, shape=shape) for d in DTYPES]

@@ -38,7 +38,7 @@ from partita.planner.memory import (
 from partita.planner.timing import step_time
 
 STATE_TERMS = ("parameters", "gradients", "master_weights", "optimizer_states")
-DISK_BUDGET_GB = 0.001  # disk-offload cases: a host budget far below their states
+DISK_BUDGET_GB = 0.001  # disk-offload cases' default: a host budget far below their states
 # Mesh purposes whose bytes the planner predicts, and the planner's name for each.
 # Expert parameters reduce (and, under ZeRO, gather) over their own group: data-parallel
 # bytes too. "expert" counts the all-to-alls (rows and their split sizes).
@@ -83,6 +83,9 @@ class Case:
     recompute: str = "none"  # activation recomputation: none, selective, full
     recompute_layers: int = 0  # recompute only the first K blocks of each stage
     offload: str = "none"  # model states in host memory: none, optimizer, optimizer+params
+    # Disk offload's host budget (parallel.host_memory_budget_gb): the default binds; one
+    # above the engine's buffer sets for the largest bucket does not.
+    host_budget_gb: float = DISK_BUDGET_GB
     cp: int = 1  # context-parallel degree (each sequence split over cp ranks)
     cp_kind: str = "ring"  # ring or allgather
     ep: int = 1  # expert-parallel degree (carved from dp x cp); routing forced balanced
@@ -127,6 +130,8 @@ class Case:
             kind += f" moe{s.n_experts}k{s.top_k}" + (f"/{s.moe_every}" if s.moe_every > 1 else "")
         if self.offload != "none":
             kind += f" off-{self.offload}"
+            if self.offload.endswith("+disk") and self.host_budget_gb != DISK_BUDGET_GB:
+                kind += f"@{self.host_budget_gb:g}GB"
         if self.compile != "none":
             kind += f" compiled-{self.compile}"
         if self.recompute != "none":
@@ -165,7 +170,7 @@ def run_config(case: Case, offload_dir: str = ""):
     cfg.train.compile = case.compile
     if case.offload.endswith("+disk"):
         cfg.parallel.offload_dir = offload_dir
-        cfg.parallel.host_memory_budget_gb = DISK_BUDGET_GB
+        cfg.parallel.host_memory_budget_gb = case.host_budget_gb
     return cfg
 
 
@@ -187,7 +192,7 @@ def predict(case: Case, gpu: GPUSpec | None = None, assumptions: Assumptions | N
     out = dict(model_state_bytes(model, layout, prec, stage, a))
     out["model_states"] = sum(out[t] for t in STATE_TERMS)
     if case.offload.endswith("+disk"):
-        a = replace(a, disk_host_budget_bytes=DISK_BUDGET_GB * 1e9)
+        a = replace(a, disk_host_budget_bytes=case.host_budget_gb * 1e9)
     out["host_model_states"] = host_state_bytes(model, layout, prec, stage, a)
     out["disk_bytes"] = disk_state_bytes(model, layout, prec, stage, a)
     out["activations"] = activation_bytes(model, layout, seq, m, stage, prec, a)

@@ -30,6 +30,7 @@ from partita.planner.activation_memory import (
 )
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.context_parallel import buffer_bytes as cp_buffer_bytes
+from partita.planner.disk_buffers import disk_buffer_bytes
 from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
@@ -99,14 +100,14 @@ def host_state_bytes(model: PlanModel, layout: Layout, precision: Precision = MI
     master copy (one is kept even for fp32 parameters: the update runs on the host),
     both moments, a staging copy of the gradient and, under "optimizer+params", the
     parameter shard (partita.memory.offload). Padded like `model_state_bytes`. Disk
-    offload: the engine's buffers, at most its budget (partita.memory.disk)."""
+    offload: the engine's buffer sets, sized by the largest bucket or the budget,
+    whichever is smaller (`planner.disk_buffers`)."""
     if layout.offload == "none":
         return 0.0
+    if layout.offload.endswith("+disk"):
+        return disk_buffer_bytes(model, layout, precision, stage, assumptions)
     owned = owned_elements(model, layout, precision, stage, assumptions)
     per = (precision.master or precision.param) + precision.optimizer + precision.grad
-    if layout.offload.endswith("+disk"):
-        per += precision.param if "+params" in layout.offload else 0
-        return min(per * owned, assumptions.disk_host_budget_bytes)
     if layout.offload == "optimizer+params":
         per += precision.param
     return per * owned
