@@ -126,7 +126,9 @@ class HFWeights:
     """Slices of a Hugging Face Llama folder's weights under partita's names and layout.
 
     Opening reads only the safetensors headers: every tensor the config implies must be
-    present with its shape (else PartitaError naming the file). Tensors are read lazily
+    present with its shape (else PartitaError naming the file). Only a config that ties
+    the head to the embeddings over files that also hold a head has both read whole at
+    opening, to refuse a head that differs (`_check_tied_head`). Tensors are read lazily
     per slice; file handles open on first use in each process (the object pickles as its
     folder and config).
     """
@@ -164,13 +166,7 @@ class HFWeights:
                     f"'{self.folder}' has no tensor '{key}' (partita's '{name}'), which its "
                     "config.json implies; the folder is incomplete or its config does not "
                     "belong to these weights.")
-            try:
-                part = self._open(self.files[key]).get_slice(key)
-            except Exception as exc:  # safetensors' own error type: the index is wrong
-                raise PartitaError(
-                    f"'{self.files[key]}' does not hold '{key}', which the folder's index "
-                    f"places there ({exc}); the index does not belong to these files. Copy "
-                    "the model folder again.") from None
+            part = self._part(key)
             # Floating point only: quantised or integer tensors would be cast as they
             # are, without their scales, and train silently as other weights.
             if part.get_dtype() not in FLOAT_DTYPES:
@@ -183,6 +179,43 @@ class HFWeights:
                 raise PartitaError(
                     f"'{self.files[key]}' holds '{key}' of shape {got} but config.json "
                     f"implies {shape}; the config does not belong to these weights.")
+        if self.cfg.tie_embeddings and _TOP["output.weight"] in self.files:
+            self._check_tied_head()
+
+    def _part(self, key: str):
+        """safetensors' lazy slice of tensor `key` (nothing read yet)."""
+        try:
+            return self._open(self.files[key]).get_slice(key)
+        except Exception as exc:  # safetensors' own error type: the index is wrong
+            raise PartitaError(
+                f"'{self.files[key]}' does not hold '{key}', which the folder's index "
+                f"places there ({exc}); the index does not belong to these files. Copy "
+                "the model folder again.") from None
+
+    def _check_tied_head(self) -> None:
+        """A config that ties the head to the embeddings, over files that also hold a
+        head: transformers computes with the file's head where it differs (it only
+        warns), while partita would tie, train and export another model. A head equal
+        to the embeddings is the tied model itself. Compared in blocks of rows, stopping
+        at the first difference; folders without such a head read nothing here."""
+        emb_key, head_key = _TOP["tok_embeddings.weight"], _TOP["output.weight"]
+        emb, head = self._part(emb_key), self._part(head_key)
+        shape = tuple(emb.get_shape())
+        same = tuple(head.get_shape()) == shape
+        step = max(1, (1 << 22) // max(1, math.prod(shape[1:])))
+        for lo in range(0, shape[0], step):
+            if not same:
+                break
+            same = torch.equal(head[lo:lo + step].to(torch.float64),
+                               emb[lo:lo + step].to(torch.float64))
+        if not same:
+            raise PartitaError(
+                f"'{self.folder}' holds '{head_key}', which differs from '{emb_key}', "
+                "although its config.json ties them (tie_word_embeddings true): "
+                "transformers computes this model with the file's head, partita would "
+                "use the embeddings. To train the file's head, set \"tie_word_embeddings\": "
+                "false in config.json; to tie the head to the embeddings, remove "
+                f"'{head_key}' from the weights.")
 
     def _rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of parameter `name` in partita's row order (only those read)."""
