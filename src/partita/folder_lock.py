@@ -13,6 +13,10 @@ The lock is taken by the process that prepares the folders and outlives the work
 `partita train`'s launcher, or rank 0 under torchrun. A job of several nodes takes none
 (each node's launcher prepares the folders; docs/troubleshooting.md). A filesystem that
 takes no locks (some network mounts) runs the job without one.
+
+Disk offload's folder (`parallel.offload_dir`) is locked by each rank on its own lock
+file (`lock_folder(..., name=...)`), by the worker that writes that rank's files, for as
+long as it has them open: ranks may be on several nodes, each with a folder of its own.
 """
 
 from __future__ import annotations
@@ -31,13 +35,16 @@ LOCK_FILE = ".partita.lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
-def _in_use(folder: Path, setting: str, holder: str, inside: bool = False) -> PartitaError:
+MIX = "mix and delete each other's files"
+
+
+def _in_use(folder: Path, setting: str, holder: str, inside: bool = False,
+            harm: str = MIX) -> PartitaError:
     where = "is inside a folder" if inside else "is"
     return PartitaError(
         f"{setting} '{folder}' {where} in use by another partita job "
-        f"({holder or 'holder unknown'}); two jobs in one folder would mix and delete each "
-        f"other's files. Wait for that job to end (or stop it), or give this one another "
-        f"{setting}."
+        f"({holder or 'holder unknown'}); two jobs in one folder would {harm}. Wait for "
+        f"that job to end (or stop it), or give this one another {setting}."
     )
 
 
@@ -61,18 +68,20 @@ def check_not_in_use(folder: str | os.PathLike, setting: str) -> None:
                     raise
 
 
-def lock_folder(folder: str | os.PathLike, setting: str) -> IO[str] | None:
-    """Hold `folder`'s lock for as long as the returned file stays open (None where its
-    filesystem takes no locks); PartitaError when another job holds it."""
+def lock_folder(folder: str | os.PathLike, setting: str, name: str = LOCK_FILE,
+                harm: str = MIX) -> IO[str] | None:
+    """Hold `folder`'s lock (its lock file `name`) for as long as the returned file stays
+    open (None where its filesystem takes no locks); PartitaError, saying what two jobs
+    there would do (`harm`), when another job holds it."""
     path = Path(folder)
-    handle = open(path / LOCK_FILE, "a+")  # noqa: SIM115 (held open: that is the lock)
+    handle = open(path / name, "a+")  # noqa: SIM115 (held open: that is the lock)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip()
         handle.close()
-        raise _in_use(path, setting, holder) from None
+        raise _in_use(path, setting, holder, harm=harm) from None
     except OSError as exc:
         handle.close()
         if exc.errno in _NO_LOCKS:

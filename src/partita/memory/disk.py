@@ -29,6 +29,15 @@ read, update and write per state, the pipeline ran at 20-45% of the buffered
 sequential rate, its reads and writes contending with the update for two shared cores
 and for page-cache copies; see docs/memory.md for the direct figures.
 
+One job per rank's files: a rank's files are named by its tag (`rank{R}`), so two jobs
+sharing an offload folder would overwrite each other's states without a sign. Before
+it touches the folder, the optimizer takes an exclusive lock on `{tag}.lock` there
+(`partita.folder_lock`: `flock`, released by the kernel when the process exits,
+however it exits, so a killed job leaves nothing behind that blocks the next, and a
+restarted worker finds the lock free) and holds it until `close`; a second job's rank
+of the same tag is refused, naming the holder, before it writes anything. Optimizers
+of one tag in one process (a model built again) share the lock.
+
 Two generations of files: a step reads generation g and writes g ^ 1, and only when
 every sub-group is written does g ^ 1 become current. A read or write that fails stops
 the step with an error naming the file; the current generation on disk is untouched, so
@@ -43,12 +52,14 @@ import queue
 import shutil
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from partita.errors import PartitaError
+from partita.folder_lock import lock_folder
 from partita.optim import AdamWConfig, adamw_, adamw_scratch
 
 SETS = 3  # buffer sets in flight: read ahead, update, write back
@@ -115,6 +126,37 @@ def check_offload_dir(directory: str, bytes_needed: int) -> None:
             f"parallel.offload_dir={directory!r} has {free:,} bytes free, but disk offload "
             f"needs {bytes_needed:,} (master weights and two Adam moments, two generations). "
             "Free space or choose another directory.")
+
+
+# This process's rank locks: lock file -> [its handle (None: the file system takes no
+# locks), the optimizers holding it].
+_HELD: dict[Path, list] = {}
+_HELD_GUARD = threading.Lock()
+
+
+def _lock_tag(directory: Path, tag: str) -> Path:
+    """Hold the lock of `tag`'s files in `directory` (until `_unlock_tag`): PartitaError
+    naming the folder and the other job when another process holds it."""
+    key = (directory / f"{tag}.lock").absolute()
+    with _HELD_GUARD:
+        if key in _HELD:  # this process holds it already: a model built again
+            _HELD[key][1] += 1
+        else:
+            _HELD[key] = [lock_folder(directory, "parallel.offload_dir", name=key.name,
+                                      harm="overwrite each other's optimizer states"), 1]
+    return key
+
+
+def _unlock_tag(key: Path) -> None:
+    with _HELD_GUARD:
+        entry = _HELD.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _HELD[key]
+            if entry[0] is not None:
+                entry[0].close()
 
 
 def _aligned(nbytes: int) -> torch.Tensor:
@@ -201,6 +243,9 @@ class DiskOptimizer:
         granule = ALIGN // master_dtype.itemsize
         self.subgroup = min(self.subgroup, -(-largest // granule) * granule)
         self.directory = Path(directory)
+        # Before anything is written there: another job's rank of this tag would
+        # overwrite these files, and this rank its.
+        self._unlock = weakref.finalize(self, _unlock_tag, _lock_tag(self.directory, tag))
         self.direct = _supports_direct(self.directory) if direct is None else direct
         state_bytes = self.subgroup * master_dtype.itemsize
         record = len(STATES) * state_bytes
@@ -242,6 +287,11 @@ class DiskOptimizer:
                    Path(directory), budget_bytes, tag, param_dtype, not on_cpu, direct)
         disk._write_initial(owned_params)
         return disk
+
+    def close(self) -> None:
+        """Let go of this rank's lock on its files (done as well when the optimizer is
+        collected, and by the kernel when the process ends)."""
+        self._unlock()
 
     def read_param(self, b: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Bucket `b`'s owned parameters, read from their file (params on disk)."""
