@@ -54,7 +54,7 @@ from partita.config import Config
 from partita.context_parallel import ContextParallelRunner, apply_context_parallel
 from partita.errors import PartitaError
 from partita.experts import MoERunner, apply_expert_parallel
-from partita.layout import Layout
+from partita.layout import Layout, ZeroStage
 from partita.layout_rules import validate
 from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
@@ -66,6 +66,7 @@ from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
 from partita.optim import AdamWConfig
 from partita.pipeline.build import PipelineSetup, prepare_pipeline
+from partita.process_setup import pick_device_name
 from partita.tensor_parallel import (
     TensorParallelReport,
     apply_tensor_parallel,
@@ -212,7 +213,12 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
         # Checked before launch: a budget too small for one sub-group, and the
         # directory (exists, writable, room for this machine's ranks' files).
         shards = precision.param_dtype if policy.params else None  # in files too
-        subgroup_elements(policy.budget_bytes, precision.master, precision.param_dtype, shards)
+        # The engine's rule: the gradients it updates from (the owned slice's dtype),
+        # staged through the buffer sets only when they are on a GPU.
+        grads = (precision.reduce if ZeroStage(layout.zero_stage).shards_gradients
+                 else precision.grad_dtype)
+        subgroup_elements(policy.budget_bytes, precision.master, grads, shards,
+                          stage_grads=pick_device_name(cfg.train.device) != "cpu")
         owned = -(-model_cfg.num_params() // (layout.zero_group if layout.zero_stage else 1))
         ranks = min(layout.world_size, torch.cuda.device_count() or layout.world_size)
         per_rank = disk_bytes_needed(owned, precision.master) + (
