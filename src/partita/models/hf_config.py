@@ -46,15 +46,49 @@ def read_hf_config(folder: str | Path) -> dict[str, Any]:
     return data
 
 
-def rope_settings(data: dict[str, Any]) -> dict[str, Any]:
+# RoPE kinds whose scaling reads the pretraining length (transformers' default for it:
+# max_position_embeddings).
+_ORIGINAL_LENGTH_KINDS = ("llama3", "yarn", "longrope")
+
+
+def _rope_entry(raw: Any, key: str, data: dict[str, Any], path: str) -> dict[str, Any]:
+    """One RoPE dict of config.json as transformers completes it (`standardize_rope_params`):
+    `type` is the older name of `rope_type`, in either key; theta falls back to the
+    top-level rope_theta, then 10000."""
+    if not isinstance(raw, dict):
+        raise PartitaError(f"'{path}' has {key}={raw!r}, not a JSON object; copy the model "
+                           "folder again.")
+    entry = {k: v for k, v in raw.items() if k != "type"}
+    entry["rope_type"] = raw.get("rope_type") or raw.get("type") or "default"
+    if entry.get("rope_theta") is None:
+        top = data.get("rope_theta")
+        entry["rope_theta"] = 10000.0 if top is None else top
+    if entry["rope_type"] in _ORIGINAL_LENGTH_KINDS:
+        entry.setdefault("original_max_position_embeddings",
+                         data.get("max_position_embeddings", 2048))
+    return entry
+
+
+def rope_settings(data: dict[str, Any], path: str | Path = "config.json") -> dict[str, Any]:
     """RoPE theta and scaling, from either the current `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` keys."""
-    params = dict(data.get("rope_parameters") or {})
-    scaling = data.get("rope_scaling") or {}
-    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    source = params if params.get("rope_type", "default") != "default" else scaling
-    return {"theta": float(theta), "kind": kind, **source}
+    `rope_theta` + `rope_scaling` keys. Where both keys are given they must agree:
+    transformers reads `rope_scaling` then and ignores `rope_parameters`, which other
+    tools read, so a config whose two keys differ has no one meaning."""
+    given = {key: _rope_entry(data[key], key, data, str(path))
+             for key in ("rope_parameters", "rope_scaling") if data.get(key)}
+    if len(given) == 2 and given["rope_parameters"] != given["rope_scaling"]:
+        params, scaling = given["rope_parameters"], given["rope_scaling"]
+        differ = [f"{k}={params.get(k)!r} in rope_parameters but {scaling.get(k)!r} in "
+                  "rope_scaling" for k in sorted(set(params) | set(scaling))
+                  if params.get(k) != scaling.get(k)]
+        raise PartitaError(
+            f"'{path}' gives RoPE both as rope_parameters and rope_scaling, and they "
+            f"disagree: {'; '.join(differ)}. transformers reads rope_scaling, other tools "
+            "rope_parameters, so the model's positions are ambiguous; delete the key that "
+            "does not describe the model from config.json.")
+    entry = given.get("rope_scaling") or given.get("rope_parameters") or _rope_entry(
+        {}, "rope_parameters", data, str(path))
+    return {"theta": float(entry["rope_theta"]), "kind": entry["rope_type"], **entry}
 
 
 def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
@@ -94,7 +128,7 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
     head_dim = data.get("head_dim")
     if head_dim not in (None, dim // heads) or dim % heads:
         problems.append(f"head_dim={head_dim} other than hidden_size / num_attention_heads")
-    rope = rope_settings(data)
+    rope = rope_settings(data, path)
     if rope["kind"] not in ("default", "llama3"):
         problems.append(f"RoPE scaling {rope['kind']!r} (supported: none, 'llama3')")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
@@ -104,9 +138,6 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
                            "transformer does not compute; it cannot be imported.")
     scaling = {}
     if rope["kind"] == "llama3":
-        # As transformers reads it: the original length defaults to the model's.
-        rope.setdefault("original_max_position_embeddings",
-                        data.get("max_position_embeddings", 2048))
         lacking = [k for k in ("factor", "low_freq_factor", "high_freq_factor")
                    if not isinstance(rope.get(k), (int, float))]
         if lacking:
