@@ -38,8 +38,10 @@ def convert_value(dotted: str, raw: object, target: type) -> object:
             return _integer(raw)
         if target is float:
             return float(raw)
-        if isinstance(raw, dict):  # a TOML table given for a text setting (data.mix)
+        if isinstance(raw, dict) and dotted in TABLE_SETTINGS:  # data.mix = {"a" = 0.7}
             return ", ".join(f"{k}={v}" for k, v in raw.items())
+        if isinstance(raw, list | dict):  # str() would make a path of "['a', 'b']"
+            raise ValueError(raw)
         return str(raw)
     except OverflowError:
         limit = f"within ±{INT_LIMIT:,} (64 bits)" if target is int else "a finite number"
@@ -47,10 +49,24 @@ def convert_value(dotted: str, raw: object, target: type) -> object:
             f"{dotted}={raw!r} is too large: {dotted} must be {limit}; give a smaller value."
         ) from None
     except (TypeError, ValueError, ArithmeticError):
+        kind, example = TABLE_SETTINGS.get(dotted) or _KIND[target]
+        what = _TOML_KIND.get(type(raw), "")
         raise PartitaError(
-            f"{dotted}={raw!r} is not {_KIND[target][0]}; give {_KIND[target][0]}, for "
-            f"example --{dotted}={_KIND[target][1]}."
+            f"{dotted}={raw!r} is {what + ', ' if what else ''}not {_KIND[target][0]}; give "
+            f"{kind}, for example --{dotted}={example}."
         ) from None
+
+
+def bare_flag(dotted: str, target: type) -> bool:
+    """The value of `--dotted` written without one: true for a true-or-false setting;
+    any other setting needs its value, and the PartitaError says so."""
+    if target is bool or target == bool | None:
+        return True
+    base = next((t for t in typing.get_args(target) if t is not type(None)), target)
+    raise PartitaError(
+        f"--{dotted} is given without a value; give one, for example --{dotted}="
+        f"{_KIND[base][1]} (only true-or-false settings may be given bare, meaning true)."
+    )
 
 
 def _integer(raw: object) -> int:
@@ -83,6 +99,13 @@ INT_LIMIT = 2**63 - 1
 
 _KIND = {bool: ("true or false", "true"), int: ("an integer", "4"),
          float: ("a number", "0.001"), str: ("text", "text")}
+# A TOML list or table given for a setting, named in the message.
+_TOML_KIND = {list: "a list", dict: "a table"}
+# Text settings that also take a TOML table, joined into their text form "k=v, k=v"
+# (docs/models_and_data.md, "Mixing"): what they take and an example, for the message.
+TABLE_SETTINGS = {"data.mix": ("text or a TOML table",
+                               '"a.jsonl=0.7, b.jsonl=0.3" (in TOML also mix = '
+                               '{"a.jsonl" = 0.7, "b.jsonl" = 0.3})')}
 
 
 def read_user_file(path: Path, what: str, give: str, missing: str = "check the path") -> str:

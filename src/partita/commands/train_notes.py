@@ -123,6 +123,17 @@ def ignored_zero_settings(cfg: Config) -> list[str]:
             if getattr(p, key) != getattr(default, key) and p.zero_stage != stage]
 
 
+def ignored_disk_settings(cfg: Config) -> list[str]:
+    """Disk offload's settings given a value other than their default under an offload
+    mode without disk, which reads neither (host offload keeps whole states in host
+    memory, with no budget)."""
+    p, default = cfg.parallel, ParallelSection()
+    if p.offload.endswith("+disk"):
+        return []
+    return [f"parallel.{key}={getattr(p, key)}" for key in ("offload_dir", "host_memory_budget_gb")
+            if getattr(p, key) != getattr(default, key)]
+
+
 def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
     """What to say before launch about how the pipeline will spend its step."""
     return [n for n in (bubble_note(cfg, world_size), compiled_zero_bubble_note(cfg)) if n]
@@ -132,7 +143,8 @@ def print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
     damaged newer checkpoint passed over, routing or learning-rate schedule settings
     changed on resume, a train.stop_after that no step reaches, ZeRO settings of another
-    stage, a train.timeline_png ignored without a pipeline."""
+    stage, disk offload's settings without disk offload, a train.timeline_png ignored
+    without a pipeline."""
     target = resume_target(cfg)
     if target is not None and (skipped := skipped_newer(target)):
         print(skipped, file=sys.stderr, flush=True)
@@ -154,6 +166,10 @@ def print_notes(cfg: Config) -> None:
     if ignored := ignored_zero_settings(cfg):
         print(f"partita: note: {'; '.join(ignored)} ignored at "
               f"parallel.zero_stage={cfg.parallel.zero_stage}.", file=sys.stderr, flush=True)
+    if ignored := ignored_disk_settings(cfg):
+        print(f"partita: note: {'; '.join(ignored)} ignored at parallel.offload="
+              f"{cfg.parallel.offload}: only the disk modes (optimizer+disk, "
+              "optimizer+params+disk) read them.", file=sys.stderr, flush=True)
     if cfg.train.timeline_png and not draws_timeline(cfg):
         print(f"partita: note: train.timeline_png={cfg.train.timeline_png} is ignored: only "
               "pipeline runs (parallel.pp > 1) record a timeline, and this run has "
