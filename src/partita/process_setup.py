@@ -13,23 +13,53 @@ from partita.errors import PartitaError
 
 
 def pick_device_name(name: str) -> str:
-    """train.device resolved: "auto" is cuda when a GPU is visible, else cpu."""
+    """train.device resolved: "auto" is cuda when a GPU is visible, else cpu; "cuda" and
+    "cuda:N" are checked against the GPUs visible (N counts them from 0)."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise PartitaError("train.device=cuda but no CUDA device is visible; use "
+    head, _, index = name.partition(":")
+    if head != "cuda":
+        return name
+    if not torch.cuda.is_available():
+        raise PartitaError(f"train.device={name} but no CUDA device is visible; use "
                            "train.device=cpu or auto.")
+    gpus = torch.cuda.device_count()
+    if index.isdigit() and int(index) >= gpus:
+        valid = "cuda:0" if gpus == 1 else f"cuda:0 to cuda:{gpus - 1}"
+        raise PartitaError(
+            f"train.device={name} but {gpus} CUDA device(s) are visible ({valid}); give "
+            "one of those, or train.device=cuda (each process of a node on its own GPU, "
+            "by local rank). CUDA_VISIBLE_DEVICES chooses which GPUs are visible, and "
+            "numbers them from 0."
+        )
     return name
 
 
 def pick_device(name: str) -> torch.device:
+    """The rank's device: with "cuda", local rank r on GPU r; with "cuda:N", GPU N for
+    the node's one process."""
     name = pick_device_name(name)
-    if name == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", 0))
-        check_one_gpu_per_process(int(os.environ.get("LOCAL_WORLD_SIZE", index + 1)))
+    if name.startswith("cuda"):
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        check_local_processes(name, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+        index = local_rank if name == "cuda" else int(name.partition(":")[2])
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device(name)
+
+
+def check_local_processes(name: str, local_processes: int) -> None:
+    """Whether a node's `local_processes` fit the GPUs train.device=`name` (resolved by
+    `pick_device_name`) gives them, one process per GPU: "cuda" gives local rank r GPU
+    r; "cuda:N" gives every process GPU N, so it takes one process per node."""
+    if name == "cuda":
+        check_one_gpu_per_process(local_processes)
+    elif name.startswith("cuda:") and local_processes > 1:
+        raise PartitaError(
+            f"train.device={name} puts all {local_processes} processes of this node on "
+            "one GPU, and NCCL runs one process per GPU; use train.device=cuda (local "
+            "rank r on GPU r; CUDA_VISIBLE_DEVICES chooses the GPUs) or --nproc 1."
+        )
 
 
 def check_one_gpu_per_process(local_processes: int) -> None:
