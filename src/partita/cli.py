@@ -63,33 +63,41 @@ def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
         parser = subs[0].choices[chosen]
 
 
-def _override_word(config: str, words: list[str], extra: list[str]) -> bool:
-    """Whether the word argparse took for the config file is part of an override: one
-    with a space in its value ("--data.mix=a.jsonl=0.7, b.jsonl=0.3": argparse takes a
-    word with a space for a positional argument), or the value of one written as two
-    words ("--train.steps 5")."""
-    if config.startswith("--"):
+def _override_word(word: str, awaiting: bool) -> bool:
+    """Whether `word`, a word that no option of the command took, is part of an override
+    rather than the config file: one in option form (argparse takes a word with a space,
+    "--data.mix=a.jsonl=0.7, b.jsonl=0.3", for a positional argument), or the value of
+    a setting written as two words ("--train.steps 5": `awaiting` says the word before is
+    a setting without its value). A word ending in .toml is the config file, never a
+    value ("--parallel.sequence_parallel run.toml": the flag, then the file)."""
+    from partita.config import is_config_file_word
+
+    if word.startswith("--"):
         return True
-    at = words.index(config)
-    before = words[at - 1] if at else ""
-    return before.startswith("--") and "=" not in before and before in extra
+    return awaiting and not is_config_file_word(word)
 
 
 def _setting_hint(word: str, words: list[str]) -> str:
-    """A hint for a setting written without its section: a section given as an option
-    ("--model small") or another trainer's name ("--learning_rate=0.1", "--max-steps 5").
-    Settings are written --SECTION.FIELD=VALUE."""
+    """A hint for a setting written without its section: one of partita's settings
+    ("--steps=5"), a section given as an option ("--model small") or another trainer's
+    name ("--learning_rate=0.1", "--max-steps 5"). Settings are written
+    --SECTION.FIELD=VALUE."""
     import dataclasses
     import typing
 
-    from partita.config import PEER_NAMES, Config
+    from partita.config import PEER_NAMES, Config, _all_keys
 
     name, _, value = word.lstrip("-").partition("=")
     if not value and words.index(word) + 1 < len(words):
         value = words[words.index(word) + 1]
     value = "" if value.startswith("-") else value
-    if peer := PEER_NAMES.get(name.replace("-", "_")):
-        return f" Did you mean '--{peer}={value or '...'}'?"
+    key, shown = name.replace("-", "_"), value or "..."
+    # partita's own field names first: "seed" is model.seed or data.seed.
+    owners = [k for k in _all_keys() if k.partition(".")[2] == key]
+    if owners:
+        return f" Did you mean {' or '.join(repr(f'--{k}={shown}') for k in owners)}?"
+    if peer := PEER_NAMES.get(key):
+        return f" Did you mean '--{peer}={shown}'?"
     section = typing.get_type_hints(Config).get(name)
     if section is None:
         return ""
@@ -160,10 +168,38 @@ def _parse(words: list[str]) -> argparse.Namespace | None:
         if overrides:
             hint = _setting_hint(extra[0], words) or hint
         command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
-    config = getattr(args, "config", None)
-    if config and _override_word(config, words, extra):
-        args.config = None
-        extra = [w for w in words if w == config or w in extra]
+    if overrides:
+        from partita.config import repeated_setting
+
+        # The words no option of the command took, in their order: argparse's extras
+        # and the word it took for the config file, where that stands (past the
+        # options' values: "--nproc 2 --train.steps 2" holds "2" twice).
+        command = _innermost(parser, args)
+        valued = [o for a in command._actions if a.nargs != 0 for o in a.option_strings]
+        free, rest, i = [], list(extra), int(words[:1] == [args.command])
+        config = getattr(args, "config", None)
+        while i < len(words):
+            word = words[i]
+            if rest and word == rest[0]:
+                free.append(rest.pop(0))
+            elif word.startswith("--") and "=" not in word and any(
+                    o.startswith(word) for o in valued):  # argparse takes a prefix too
+                i += 1  # the option's value
+            elif config is not None and word == config:
+                free.append(word)
+                config = None
+            i += 1
+        # Then which of them is the config file, and which the overrides.
+        args.config, extra, awaiting = None, [], False
+        for word in free:
+            if args.config is None and not _override_word(word, awaiting):
+                args.config, awaiting = word, False
+                continue
+            extra.append(word)
+            # A setting without "=" may take the next word as its value; a value does not.
+            awaiting = word.startswith("--") and "=" not in word
+        if repeated := repeated_setting(extra):
+            command.error(repeated)
     args.overrides = extra
     return args
 

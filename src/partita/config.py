@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from partita.config_ranges import check_ranges
-from partita.config_values import convert_value, read_user_file
+from partita.config_values import bare_flag, convert_value, read_user_file
 from partita.errors import PartitaError, did_you_mean, process_count_option
 from partita.layout import Layout, canonical_schedule
 from partita.models.catalog import get_model_config
@@ -112,7 +112,9 @@ class TrainSection:
     out_dir: str = "runs/default"
     overwrite: bool = False  # replace another run's results found in out_dir
     dtype: str = "float32"  # parameter dtype when precision.param_dtype is unset
-    device: str = "auto"  # auto: cuda when available, else cpu
+    # auto: cuda when available, else cpu; cuda: local rank r on GPU r; cuda:N: GPU N for
+    # the one process of each node (NCCL runs one process per GPU).
+    device: str = "auto"
     max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)
     progress: bool = True  # a progress bar when the output is a terminal
     threads: int = 0  # intra-op threads per rank; 0 = the cores shared among local ranks
@@ -406,6 +408,8 @@ def _unknown_hint(dotted: str) -> str:
 
 
 def _set(cfg: Config, dotted: str, raw: object) -> None:
+    """Set `dotted` from `raw`: a TOML value, override text, or None for a flag written
+    without a value (true for a true-or-false setting, refused for the others)."""
     section, _, key = dotted.partition(".")
     sections = _sections()
     if section not in sections or not key:
@@ -419,31 +423,75 @@ def _set(cfg: Config, dotted: str, raw: object) -> None:
             f"unknown setting '{dotted}'.{_unknown_hint(dotted)} Valid keys of "
             f"[{section}]: {', '.join(names)}."
         )
-    setattr(getattr(cfg, section), key, convert_value(dotted, raw, _field_type(section, key)))
+    target = _field_type(section, key)
+    value = bare_flag(dotted, target) if raw is None else convert_value(dotted, raw, target)
+    setattr(getattr(cfg, section), key, value)
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """['--train.steps=5', '--parallel.tp', '2'] -> [('train.steps', '5'), ...]."""
-    pairs, i = [], 0
+# Where the config file goes among the overrides, for the messages about a word that
+# is neither.
+CONFIG_FORM = "partita train run.toml --section.key=value"
+
+
+def is_config_file_word(word: str) -> bool:
+    """Whether a word of the command line names a config file (it ends in .toml): never
+    the value of a setting written as two words ("--parallel.sequence_parallel run.toml"
+    is a flag, then the file)."""
+    return not word.startswith("-") and word.lower().endswith(".toml")
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str | None]]:
+    """['--train.steps=5', '--parallel.tp', '2', '--parallel.sequence_parallel'] ->
+    [('train.steps', '5'), ('parallel.tp', '2'), ('parallel.sequence_parallel', None)]:
+    None for a flag without a value (`_set` takes it as true, for a true-or-false
+    setting). A value may be the next word, unless that is an option or a config file."""
+    return [(key, value) for key, value, _ in _override_items(args)]
+
+
+def _override_items(args: list[str]) -> list[tuple[str, str | None, str]]:
+    """parse_overrides's pairs, each with the words it was written as."""
+    items, i = [], 0
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=")[0]:
             bare = arg.lstrip("-").split("=")[0]  # a key without its section?
             hint = _unknown_hint(bare) if arg.startswith("--") and bare else ""
+            if is_config_file_word(arg):
+                hint += f" One config file is read, and it goes first: {CONFIG_FORM}."
+            elif not arg.startswith("-"):
+                hint += f" A config file goes first: {CONFIG_FORM}."
             raise PartitaError(
                 f"cannot read the argument '{arg}': settings are given as "
                 f"--section.key=value (for example --train.steps=100).{hint}"
             )
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            key, value = arg[2:], args[i + 1]
+            items.append((key, value, arg))
+        elif (i + 1 < len(args) and not args[i + 1].startswith("--")
+              and not is_config_file_word(args[i + 1])):
+            items.append((arg[2:], args[i + 1], f"{arg} {args[i + 1]}"))
             i += 1
         else:
-            key, value = arg[2:], "true"
-        pairs.append((key, value))
+            items.append((arg[2:], None, arg))
         i += 1
-    return pairs
+    return items
+
+
+def repeated_setting(args: list[str]) -> str:
+    """The message for the first setting that the overrides `args` give twice (the later
+    would silently win, where a TOML file refuses a key given twice), or "" (also where
+    a word cannot be read: `load_config` names it)."""
+    try:
+        items = _override_items(args)
+    except PartitaError:
+        return ""
+    seen: dict[str, str] = {}
+    for key, _, written in items:
+        if key in seen:
+            return (f"{key} is given twice ('{seen[key]}' and '{written}'); give each "
+                    "setting once (a setting given here replaces the config file's).")
+        seen[key] = written
+    return ""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

@@ -119,6 +119,27 @@ def check_world_size(dims: Degrees, world_size: int) -> None:
         raise PartitaError(world_size_message(dims, world_size))
 
 
+def check_world_argument(dims: Degrees, world_size: int) -> None:
+    """Refuse a `world_size` other than torch.distributed's, once it has a world, before
+    the degrees are weighed against it: a layout checked against a wrong count would be
+    refused with a false number of processes and advice to change the degrees. A
+    one-process mesh (degrees and world_size 1) may be built inside a larger world."""
+    if world_size == 1 and dims.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    actual = dist.get_world_size()
+    if world_size != actual:
+        default = " (its default)" if world_size == 1 else ""
+        raise PartitaError(
+            f"Mesh(world_size={world_size}){default} disagrees with torch.distributed, "
+            f"whose world has {actual} processes; the mesh's degrees ({dims}) are laid "
+            "out over the world size it is given. Build it as Mesh(degrees, "
+            "rank=dist.get_rank(), world_size=dist.get_world_size()).")
+
+
 def check_process_group(rank: int | None, world_size: int) -> int:
     """The mesh's rank, checked against torch.distributed's world.
 
@@ -164,6 +185,7 @@ class Mesh:
     def __init__(self, layout: Layout | Degrees, rank: int | None = None,
                  world_size: int = 1, timeout_s: float | None = None) -> None:
         dims = layout.degrees if isinstance(layout, Layout) else layout
+        check_world_argument(dims, world_size)  # before the CLI-worded layout message
         check_world_size(dims, world_size)
         rank = check_process_group(rank, world_size)
         self.dims: Degrees = dims

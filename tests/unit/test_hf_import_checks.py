@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from partita.errors import PartitaError
+from partita.layout import Degrees
+from partita.mesh import Mesh
 from partita.models.hf_config import model_config_from_hf
 from partita.models.hf_weights import HFWeights
 
@@ -136,3 +138,30 @@ def test_rope_given_twice_must_say_the_same(tmp_path):
     cfg = model_config_from_hf(folder)
     assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_original_max_len) == (
         "llama3", 5e5, 32)
+
+
+def _fake_world(monkeypatch, size: int) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: size)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+
+
+def test_a_mesh_world_size_other_than_torch_distributed_s_is_named(monkeypatch):
+    """Mesh(Degrees(dp=2)) in a 2-process world said '1 were started' and advised
+    --parallel.dp=1; with world_size=4 it said '4 were started'."""
+    _fake_world(monkeypatch, 2)
+    with pytest.raises(PartitaError) as got:
+        Mesh(Degrees(dp=2))
+    message = str(got.value)
+    assert "Mesh(world_size=1) (its default) disagrees with torch.distributed, whose " \
+           "world has 2 processes" in message
+    assert "world_size=dist.get_world_size()" in message
+    assert "--parallel" not in message and "were started" not in message
+    with pytest.raises(PartitaError, match=r"Mesh\(world_size=4\) disagrees with "
+                                           r"torch.distributed, whose world has 2"):
+        Mesh(Degrees(dp=2), 0, 4)
+    # A one-process mesh may still be built inside the larger world.
+    assert Mesh(Degrees()).rank == 0
