@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from partita.config import load_config
 from partita.errors import PartitaError
 from partita.layout import Degrees
 from partita.mesh import Mesh
@@ -165,3 +166,16 @@ def test_a_mesh_world_size_other_than_torch_distributed_s_is_named(monkeypatch):
         Mesh(Degrees(dp=2), 0, 4)
     # A one-process mesh may still be built inside the larger world.
     assert Mesh(Degrees()).rank == 0
+
+
+def test_a_moved_model_folder_is_named_as_missing_not_as_lacking_its_config(tmp_path):
+    """`partita export` and `generate` of a run whose model.init_from folder was moved
+    advised giving a folder a model was saved to, which neither command can take."""
+    gone = tmp_path / "moved-away"
+    with pytest.raises(PartitaError, match=r"model.init_from='.*moved-away' does not exist"
+                       r".*restore the folder or set model.init_from in the run's "
+                       r"config.toml"):
+        load_config(None, [f"--model.init_from={gone}"]).model_config()
+    gone.mkdir()  # a folder that exists keeps the message about its config.json
+    with pytest.raises(PartitaError, match="has no config.json; give the folder"):
+        load_config(None, [f"--model.init_from={gone}"]).model_config()

@@ -24,6 +24,15 @@ SUPPORTED_MODEL_TYPES = ("llama",)
 def config_path(folder: str | Path) -> Path:
     """The config.json of a model folder (or the file itself); an error when missing."""
     path = Path(folder)
+    if not path.exists():
+        # Also reached by `partita export` and `generate` on a run whose model folder
+        # was moved after training: the run reads its model's shape from there.
+        raise PartitaError(
+            f"model.init_from='{folder}' does not exist; partita reads the model's shape "
+            "(config.json) and, to train, its weights from that folder. Give the folder a "
+            "Hugging Face model was saved to, or, for a run whose model folder was moved or "
+            "deleted, restore the folder or set model.init_from in the run's config.toml "
+            "to where it is now.")
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
