@@ -168,6 +168,9 @@ def _parse(words: list[str]) -> argparse.Namespace | None:
         if overrides:
             hint = _setting_hint(extra[0], words) or hint
         command.error(f"unrecognized arguments: {' '.join(extra)}.{hint}")
+    from partita.layout import notes_for_old_spellings
+
+    notes_for_old_spellings()  # a deprecated schedule or layout name, said once
     if overrides:
         from partita.config import repeated_setting
 

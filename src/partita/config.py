@@ -17,7 +17,7 @@ from pathlib import Path
 from partita.config_ranges import check_ranges
 from partita.config_values import bare_flag, convert_value, read_user_file
 from partita.errors import PartitaError, did_you_mean, process_count_option
-from partita.layout import Layout, canonical_schedule
+from partita.layout import SCHEDULE_ALIASES, Layout, canonical_schedule
 from partita.models.catalog import get_model_config
 from partita.models.model_config import ModelConfig
 
@@ -308,8 +308,13 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_toml(self) -> str:
+        """The settings as TOML; a deprecated schedule name as its current one (the
+        launched processes read this, and the run's config.toml is written from it)."""
+        data = self.to_dict()
+        old = str(data["parallel"]["schedule"]).strip().lower()
+        data["parallel"]["schedule"] = SCHEDULE_ALIASES.get(old, data["parallel"]["schedule"])
         lines = []
-        for section, values in self.to_dict().items():
+        for section, values in data.items():
             lines.append(f"[{section}]")
             for key, value in values.items():
                 if value is not None:

@@ -12,6 +12,8 @@ Pure data: no torch, no process group, so the planner and the launcher can use i
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 from dataclasses import dataclass, fields, replace
 
@@ -282,9 +284,38 @@ def canonical_schedule(name: str) -> str:
     return key
 
 
+class OldSpelling(FutureWarning):
+    """An old spelling was read (a schedule or layout name): a FutureWarning, not a
+    DeprecationWarning, as it is meant for users and shown by default."""
+
+
 def _deprecated(old: str, new: str) -> None:
-    # FutureWarning, not DeprecationWarning: it is meant for users and shown by default.
-    warnings.warn(f"{old} is deprecated; write {new} instead.", FutureWarning, stacklevel=3)
+    warnings.warn(f"{old} is deprecated; write {new} instead.", OldSpelling, stacklevel=3)
+
+
+_NOTED: set[str] = set()  # the notes this process printed
+
+
+def notes_for_old_spellings() -> None:
+    """From now on, show each `OldSpelling` warning as one `partita: note:` line on
+    stderr, once per process (on rank 0 only, under torchrun), instead of Python's two
+    lines naming partita's source. The command line calls this: the checks that resolve
+    a name run more than once a job, and a warning names the line that read it."""
+    shown = warnings.showwarning
+    if getattr(shown, "old_spellings_as_notes", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, OldSpelling):
+            return shown(message, category, filename, lineno, file, line)
+        text = f"partita: note: {message}"
+        if text not in _NOTED and os.environ.get("RANK", "0") == "0":
+            _NOTED.add(text)
+            print(text, file=sys.stderr, flush=True)
+        return None
+
+    show.old_spellings_as_notes = True
+    warnings.showwarning = show
 
 
 # Text form ---------------------------------------------------------------------------
