@@ -185,6 +185,16 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
         if last:  # the step's sum of head weight gradients, formed right after each I
             total += precision.grad * head_weight_elements(model, layout)
         return total
+    interleaved = layout.schedule == "interleaved-1f1b" and layout.pp > 1
+    if interleaved and 0 < k < layers:
+        # The rank's first k blocks rerun: its first chunks recompute, its last do not,
+        # and the schedule holds more microbatches of its first chunks than of its last.
+        return _interleaved_peak(layout, num_microbatches, stage, layers, k,
+                                 per_layer(layout), per_none, rerun, loss_side, ids,
+                                 recompute_bias_bytes(model, layout, seq_len, precision,
+                                                      assumptions),
+                                 _released_before_rerun(model, layout, seq_len, precision,
+                                                        assumptions))
     chunks = inflight_chunks(layout, stage, num_microbatches)
     total = stage_bytes * chunks / layout.virtual_stages
     if first:
@@ -199,11 +209,62 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
                 - (layers - k) * per_none / layout.virtual_stages
                 - _released_before_rerun(model, layout, seq_len, precision, assumptions)
                 + rerun)
-        # Every stage but the first runs its last backward split (I then W, see
-        # pipeline.schedules): I keeps that microbatch's graph whole while it reruns.
-        at_split = whole + rerun if layout.pp > 1 and stage > 0 else 0.0
+        # Under GPipe and 1F1B every stage but the first runs its last backward split
+        # (I then W, see pipeline.schedules): I keeps that microbatch's graph whole while
+        # it reruns. The interleaved schedule splits none.
+        split = layout.pp > 1 and stage > 0 and not interleaved
+        at_split = whole + rerun if split else 0.0
         total = max(total, at_b, at_split)
     return total
+
+
+def _interleaved_peak(layout: Layout, num_microbatches: int, stage: int, layers: int,
+                      k: int, per_recomputed: float, per_kept: float, rerun: float,
+                      loss_side: float, ids: float, bias: float, released: float) -> float:
+    """The most an interleaved 1F1B stage holds when only its first `k` of `layers`
+    layers rerun, walked unit by unit in `pipeline.schedules.interleaved_order`'s order.
+
+    Chunk c of the stage holds its share of the layers (an even split, the first chunks
+    taking the remainder), and of the rank's first k blocks those that fall in it: a
+    microbatch of chunk c keeps `per_recomputed` per rerun layer and `per_kept` per other
+    layer from its forward to its backward. Its backward releases the chunk's later,
+    kept layers (and, selective, `released`) before its last rerun layer runs, which
+    adds `rerun`. The first stage keeps each chunk-0 microbatch's token ids; the last
+    holds one microbatch's `loss_side` from its last chunk's forward to its backward."""
+    pp, v, m = layout.pp, layout.virtual_stages, num_microbatches
+    first, last = stage == 0, stage == pp - 1
+    base, extra = divmod(layers, v)
+    sizes = [base + (c < extra) for c in range(v)]
+    starts = [sum(sizes[:c]) for c in range(v)]
+    redo = [min(max(k - starts[c], 0), sizes[c]) for c in range(v)]
+    held = [r * per_recomputed + (n - r) * per_kept + (bias if r else 0.0)
+            + (ids if first and c == 0 else 0.0)
+            for c, (n, r) in enumerate(zip(sizes, redo))]
+    total_units = m * v
+    warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total_units)
+    now = peak = 0.0
+
+    def forward(unit: int) -> None:
+        nonlocal now, peak
+        c = (unit // pp) % v
+        now += held[c]
+        peak = max(peak, now + (loss_side if last and c == v - 1 else 0.0))
+
+    def backward(unit: int) -> None:
+        nonlocal now, peak
+        c = v - 1 - (unit // pp) % v
+        if redo[c] and rerun:
+            peak = max(peak, now - (sizes[c] - redo[c]) * per_kept - released + rerun)
+        now -= held[c]
+
+    for unit in range(warmup):
+        forward(unit)
+    for j in range(total_units - warmup):
+        forward(warmup + j)
+        backward(j)
+    for j in range(total_units - warmup, total_units):
+        backward(j)
+    return peak
 
 
 # In a search, one copy per layout that differs in more than recomputation.
