@@ -195,6 +195,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(policy, run_dir, cli):
     else:
         assert result.returncode == 0, result.stderr[-2000:]
         assert (root / "latest").read_text().strip() == "step-00000006"
+        assert "partita: warning: a checkpoint could not be saved" in result.stdout
 
 
 def test_a_failed_last_save_fails_the_run_even_when_saves_may_fail(run_dir, cli):
