@@ -8,6 +8,8 @@ the master holds beyond (and a run's weights then differ from its checkpoint's e
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from partita.checkpoint.export import full_tensors
@@ -50,3 +52,27 @@ def test_the_weights_written_after_bf16_training_are_the_fp32_master(tmp_path) -
             more_precise += int(not torch.equal(value, value.bfloat16().float()))
         # Trained values that bf16 cannot hold: the master, not its rounded copy.
         assert more_precise >= len(written) // 2, case.id
+
+
+def test_the_master_starts_from_the_drawn_values_not_their_bf16_rounding(tmp_path) -> None:
+    """Values drawn in float32 (partita's init, or a float32 Hugging Face release read
+    by `model.init_from`) were cast to the bf16 parameters first and the master copied
+    from those: a float32 checkpoint fine-tuned in bf16 lost its precision before the
+    first step. Before any step the master (what the run would write) is the float32
+    single-device initialisation itself."""
+    from partita.models import build_model
+
+    cases = [_case("zero0", tmp_path), _case("zero1", tmp_path, zero_stage=1),
+             _case("zero3", tmp_path, zero_stage=3),
+             _case("zero2-host-offload", tmp_path, zero_stage=2, offload="optimizer"),
+             _case("zero3-params-disk", tmp_path, zero_stage=3, offload="optimizer+params+disk",
+                   offload_dir=str(tmp_path / "swap")),
+             _case("zero1-tp2", tmp_path, zero_stage=1, tp=2)]
+    cases = [dataclasses.replace(c, save_to="") for c in cases]
+    model_cfg = cases[0].cfg.model_config()
+    drawn = dict(build_model(model_cfg, dtype=torch.float32).named_parameters())
+    for case, ranks in zip(cases, run_layouts(cases, 2, 0)):
+        written = ranks[0]["weights"]
+        assert written.keys() == drawn.keys(), case.id
+        for name, value in written.items():
+            assert torch.equal(value, drawn[name].detach()), (case.id, name)

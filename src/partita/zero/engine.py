@@ -53,6 +53,7 @@ from partita.zero.owned import (
     OwnedSlice,
     owned_slices,
     owned_slices_loaded,
+    start_masters_precisely,
     writes_piece,
 )
 from partita.zero.param_gather import ParamGatherer
@@ -126,7 +127,8 @@ class DataParallel:
             self.buckets = ([roots[1]] if roots[1] else []) + [
                 b for _, b in reversed(block_bufs)] + ([roots[0]] if roots[0] else [])
             for buf in self.buckets:
-                buf.materialize_shard(init_fn, buf.comm or self.comm)
+                buf.materialize_shard(init_fn, buf.comm or self.comm,
+                                      (*self._owned_range(buf), precision.master))
             if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
@@ -147,7 +149,8 @@ class DataParallel:
             self.buckets = [family_buffer(mesh, g, dtype, device)
                             for g in by_family(groups)]
             for buf in self.buckets:
-                buf.materialize_full(init_fn, buf.comm or self.comm)
+                buf.materialize_full(init_fn, buf.comm or self.comm,
+                                     (*self._owned_range(buf), precision.master))
         check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if not self.stage.shards_gradients:
@@ -205,6 +208,7 @@ class DataParallel:
         self.torch_optimizer_allowed = (self.reducer.bound and self.host is None
                                         and self.disk is None
                                         and not self.stage.shards_optimizer_states)
+        start_masters_precisely(self)
         self.state_dict_handles = ownership.state_dict_hooks(module, self)
         self.scaler = LossScaler(precision)
         self.step_count = 0
