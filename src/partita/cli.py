@@ -111,13 +111,21 @@ def _setting_hint(word: str, words: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     note_ignored_hangup()  # before any handler changes (nohup: see there)
     words = sys.argv[1:] if argv is None else list(argv)
+    # Before parsing: building the parser imports the commands (about two seconds where
+    # one imports torch), and a SIGTERM meanwhile ended the process without a word.
+    stop_on_signals()
     try:
         args = _parse(words)
-    except KeyboardInterrupt:  # a Ctrl-C before the handler below is in place
+    except KeyboardInterrupt:  # a Ctrl-C before the handler above was in place
         return _stopped(Stopped(signal.SIGINT))
+    except Stopped as exc:
+        if words[:1] == ["train"] and exc.signum == signal.SIGTERM:
+            from partita.commands.train import stopped_before_start
+
+            return stopped_before_start()  # nothing started: a stop on request
+        return _stopped(exc)
     if args is None:
         return 0
-    stop_on_signals()
     try:
         if getattr(args, "imports_torch", False):
             with signals_held():  # see _parse

@@ -41,6 +41,8 @@ from partita.local_world import (
     worker_signal_defaults,
 )
 from partita.worker_watch import (
+    failure_would_repeat,
+    mark_failure_would_repeat,
     mark_finished,
     mark_started,
     process_state,
@@ -223,6 +225,7 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
     try:
         # SIGTERM is passed on while the workers run
         markers = os.path.join(log_dir, "workers")
+        os.makedirs(markers, exist_ok=True)
         with running, watching_stopped_workers(spec.stopped_worker_timeout_s, markers):
             results = elastic_launch(config, _run_reporting_errors)(markers, fn, *args)
     except RendezvousTimeoutError:
@@ -261,9 +264,13 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
             said = "the messages above name the process that was behind, where one could tell"
         else:
             how, said = f"stopped with exit code {failure.exitcode}", "its message is above"
+        kept = ""
+        if spec.max_restarts and failure_would_repeat(markers):
+            kept = (" It was not restarted (--max-restarts): a restart resumes from the "
+                    "same checkpoint with the same data, so the error would repeat.")
         raise PartitaError(
             f"process {rank} of the job {how}, the first to fail; {said}. The other "
-            "processes were stopped."
+            f"processes were stopped.{kept}"
         ) from None
     return [results[r] for r in sorted(results)]
 
@@ -412,6 +419,9 @@ def _run_reporting_errors(markers: str, fn: Callable, *args):
     no one printed.) Functions that print their own message exit via SystemExit. A
     process marks its start and its end in the folder `markers` (`worker_watch`)."""
     worker_signal_defaults()  # ignored (and blocked) in the fork server it comes from
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and \
+            failure_would_repeat(markers):
+        _exit_now(2)  # torch's agent restarts whatever failed; this restart would not help
     stop_on_signals()
     mark_started(markers)
     try:
@@ -430,6 +440,8 @@ def _run_reporting_errors(markers: str, fn: Callable, *args):
         # a traceback.
         _exit_now(exc.exit_code)
     except SystemExit as exc:
+        if exc.code == 2:  # an error this process diagnosed and printed (PartitaError)
+            mark_failure_would_repeat(markers)
         _exit_now(exc.code if isinstance(exc.code, int) else 1)
     except Exception as exc:
         rank = os.environ.get("RANK", "?")

@@ -46,7 +46,7 @@ def free_port() -> int:
     that range, which is also where every outgoing connection (gloo's, a store
     client's) gets its own port: between being picked and being listened on, one taken
     there by another job's connection failed the store with EADDRINUSE."""
-    first_ephemeral = _ephemeral_ports()[0]
+    first_ephemeral = _first_ephemeral_port()
     rng = random.SystemRandom()
     for _ in range(100):
         port = rng.randrange(PORTS_FROM, first_ephemeral)
@@ -64,15 +64,15 @@ def free_port() -> int:
 PORTS_FROM = 20_000  # above the ports services usually take
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range of ports for outgoing connections (Linux's default where it
-    cannot be read), never starting below PORTS_FROM + 1000."""
+def _first_ephemeral_port() -> int:
+    """Where the kernel's range of ports for outgoing connections starts (Linux's
+    default where it cannot be read), never below PORTS_FROM + 1000."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return max(low, PORTS_FROM + 1000), high
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return max(low, PORTS_FROM + 1000)
 
 
 # A Unix socket's path holds at most 107 bytes. The fork server's lives in

@@ -46,6 +46,7 @@ from partita.mesh import Mesh
 from partita.models.plan import ModelPlan
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config, parallelize
 from partita.sharding import ShardInfo, shard_info
+from partita.weights import full_state_dict
 
 __all__ = [
     "FLOAT32_TOL", "FLOAT64_TOL", "PARITY_FLOOR", "PARITY_MODEL", "Case", "assert_parity",
@@ -210,7 +211,8 @@ ModelFn = Callable[[], tuple[nn.Module, ModelPlan]]
 def train_layout(rank: int, world: int, cfg: Config, steps: int,
                  grads_at: Iterable[int] = (), params: bool = False,
                  probe: Probe | None = None, model: ModelFn | None = None,
-                 save_to: str = "", resume_from: str = "") -> dict[str, Any]:
+                 save_to: str = "", resume_from: str = "",
+                 weights: bool = False) -> dict[str, Any]:
     """Train `cfg` for `steps` AdamW steps on this rank of a `world`-rank world.
 
     With `resume_from` (a checkpoint, or a folder of them: its newest), the run loads it
@@ -223,7 +225,9 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     mean loss and gradient norm per step, the validation loss of one more batch, the
     engine's memory ledger, this rank's gradients at the steps in `grads_at` (before
     clipping; without ZeRO only, since ZeRO reduces each rank's own slice alone) and, with `params`, its final parameters, each as (ShardInfo,
-    tensor) under its global name; `probe(pm, cfg)`'s result when given.
+    tensor) under its global name; `probe(pm, cfg)`'s result when given; with
+    `weights`, the full weights a run writes at its end (`weights.full_state_dict`, on
+    rank 0; None elsewhere).
     """
     mesh = Mesh(dims_from_config(cfg, world), rank, world)
     device = torch.device("cpu")
@@ -272,6 +276,8 @@ def train_layout(rank: int, world: int, cfg: Config, steps: int,
     if params:
         with dp.gathered_parameters():
             out["params"] = _named(pm, lambda p: p)
+    if weights:
+        out["weights"] = full_state_dict(pm)
     return out
 
 
@@ -302,12 +308,13 @@ class Case:
     save_to: str = ""  # write a checkpoint of the final state into this folder
     resume_from: str = ""  # start from this checkpoint (train_layout)
     steps: int = 0  # train this many steps instead of the run's (0: the run's)
+    weights: bool = False  # record the full weights a run writes at its end
 
 
 def _train_cases(rank: int, world: int, cases: list[Case], steps: int,
                  probe: Probe | None) -> list[dict]:
     return [train_layout(rank, world, c.cfg, c.steps or steps, c.grads_at, c.params, probe,
-                         c.model, c.save_to, c.resume_from)
+                         c.model, c.save_to, c.resume_from, c.weights)
             for c in cases]
 
 

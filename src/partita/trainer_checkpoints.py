@@ -81,7 +81,7 @@ class CheckpointSteps:
                         "when a save fails.")
             raise AgreedError(f"{what} could not be saved ({message}); earlier checkpoints "
                               f"are intact. {fix}")
-        self.logger.message(f"warning: a checkpoint could not be saved ({message}); "
+        self.logger.message(f"partita: warning: a checkpoint could not be saved ({message}); "
                             "training goes on (train.checkpoint_failure=continue) and "
                             "earlier checkpoints are intact.")
 

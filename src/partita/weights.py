@@ -23,17 +23,20 @@ from partita.comm import gather_along
 from partita.errors import PartitaError
 from partita.run_dir import PARTIAL_SUFFIX
 from partita.sharding import reduce_group, shard_info
+from partita.zero.masters import MasterCopies
 
 
-def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
+def gather_full(param: torch.Tensor, name: str, comm,
+                local: torch.Tensor | None = None) -> torch.Tensor:
     """The full global tensor of a (possibly tensor-parallel) parameter.
 
     Shards may differ in size (a vocabulary or MLP width not divisible by tp gives the
     last ranks fewer rows), so each is padded to the widest before the gather and cut
-    back to its own extent afterwards.
+    back to its own extent afterwards. `local`: the values to gather (default the
+    parameter's own), e.g. its master copy.
     """
     info = shard_info(param, name)
-    local = param.detach()
+    local = param.detach() if local is None else local
     if not info.is_split or comm.size == 1:
         return local.clone()
     bounds = gather_along(torch.tensor([[info.start, info.stop]],
@@ -47,17 +50,22 @@ def gather_full(param: torch.Tensor, name: str, comm) -> torch.Tensor:
 
 
 def full_state_dict(pm) -> dict[str, torch.Tensor] | None:
-    """Full weights on global rank 0 (None elsewhere); every rank must call this."""
+    """Full weights on global rank 0 (None elsewhere); every rank must call this.
+
+    Under mixed precision these are the optimizer's fp32 master weights, not their
+    bf16/fp16 copies in the module (`partita.zero.masters`)."""
     mesh, dp = pm.mesh, pm.dp
     tp_comm = mesh.comm("tensor")
     state: dict[str, torch.Tensor] = {}
-    with dp.gathered_parameters():
+    masters = MasterCopies.of(dp)
+    with contextlib.nullcontext() if masters else dp.gathered_parameters():
         for name, param in dp.module.named_parameters():
+            value = masters.value(param) if masters else param.detach()
             if reduce_group(param) == "zero_shard":
-                full = gather_full(param, name, tp_comm)
+                full = gather_full(param, name, tp_comm, value)
             else:  # experts: split over their expert group, then over tp or replicated
                 info = shard_info(param)
-                full = gather_full(param, name, mesh.comm("expert"))
+                full = gather_full(param, name, mesh.comm("expert"), value)
                 for dim, _, _ in info.more:  # moe_tp="hidden": each expert's width over tp
                     full = gather_along(full.contiguous(), tp_comm, dim)
                 if tuple(full.shape) != info.global_shape:

@@ -51,6 +51,21 @@ def mark_finished(folder: str) -> None:
     _mark(folder, f"{os.getpid()}.finished", "")
 
 
+# A worker that stopped with an error it diagnosed itself (a PartitaError: a NaN loss, a
+# refused setting, a bad checkpoint) leaves this marker: a restart would resume from the
+# same checkpoint with the same data and fail the same way, so the restarted workers
+# leave at once (`launch._run_reporting_errors`) and the launcher says why.
+REPEATS = "failure-would-repeat"
+
+
+def mark_failure_would_repeat(folder: str) -> None:
+    _mark(folder, REPEATS, os.environ.get("RANK", "?"))
+
+
+def failure_would_repeat(folder: str) -> bool:
+    return bool(folder) and os.path.exists(os.path.join(folder, REPEATS))
+
+
 def _mark(folder: str, name: str, text: str) -> None:
     if not folder:  # called outside a launch
         return

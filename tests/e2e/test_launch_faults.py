@@ -267,6 +267,35 @@ def test_a_sigterm_while_the_job_starts_is_a_stop_on_request(after_s, tmp_path):
     assert not list(run.glob("*.partial")) and not (run / "model.safetensors").exists()
 
 
+# Sends itself a SIGTERM while the command line builds its parser (the commands'
+# imports: about two seconds for `train`), then goes on as `partita` would.
+_SIGTERM_WHILE_PARSING = """
+import os, signal, sys
+import partita.cli as cli
+real = cli.build_parser
+def build_parser(*args):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args)
+cli.build_parser = build_parser
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command,status,said", [
+    (["train", "--train.steps=1"], 75, "partita: stopped by SIGTERM before the first step"),
+    (["plan", "--model", "tiny", "--gpus", "2"], 143,
+     "partita: stopped by SIGTERM; every process was stopped."),
+])
+def test_a_sigterm_while_the_command_line_is_read_is_reported(command, status, said, tmp_path):
+    """It ended the process without a word (the default action, 143) before the
+    command's handler was in place."""
+    result = subprocess.run([sys.executable, "-c", _SIGTERM_WHILE_PARSING, *command],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == status, (result.returncode, result.stderr[-2000:])
+    assert said in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_used_out_dir_is_refused_unless_overwrite(cli, tmp_path):
     run = tmp_path / "run"
     (run).mkdir()

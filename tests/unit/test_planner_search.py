@@ -270,3 +270,30 @@ def test_host_and_disk_bytes_follow_the_requests_assumptions():
         assert 0.9 * 8 * a.disk_host_budget_bytes < ev.host_bytes_per_node \
             <= 8 * a.disk_host_budget_bytes
     assert evs[0].disk_bytes_per_node == evs[1].disk_bytes_per_node > 0
+
+
+def test_a_plan_over_several_nodes_prints_the_command_each_node_runs(monkeypatch):
+    """`--nproc 16` on one 8-GPU machine would oversubscribe it: a plan over two nodes
+    prints the per-node command (`--nnodes`, the node's own `--nproc`, a rendezvous),
+    and `partita train` parses it so."""
+    import shlex
+
+    import partita.commands.train as train_cli
+    from partita.cli import main
+    from partita.planner.report import train_command
+
+    req = make_request("llama3-8b", 16)
+    ev = search(req).ranked[0]
+    command = train_command(req, ev)
+    assert command.startswith("partita train --nnodes 2 --nproc 8 --rdzv-endpoint HEAD:29500 "
+                              "--rdzv-id JOB --parallel.dp=")
+    assert command.endswith(" on each of the 2 nodes (HEAD: the first node's address, "
+                            "JOB: a name for the job)")
+    seen = {}
+    monkeypatch.setattr(train_cli, "run", lambda args: seen.update(vars(args)) or 0)
+    argv = shlex.split(command.split(" on each")[0])[1:]
+    assert main(argv) == 0
+    assert (seen["nnodes"], seen["nproc"], seen["rdzv_id"]) == (2, 8, "JOB")
+    one_node = make_request("llama3-8b", 8)
+    assert train_command(one_node, search(one_node).ranked[0]).startswith(
+        "partita train --nproc 8 --parallel.dp=")

@@ -119,11 +119,17 @@ def run(args: argparse.Namespace) -> int:
     except Stopped as exc:
         if not (isinstance(exc, StoppedBeforeStart) or _while_starting(exc)):
             raise
-        print("partita: stopped by SIGTERM before the first step: nothing of this run was "
-              "trained or saved, and earlier checkpoints are as they were; run the same "
-              "command again (with --train.resume=auto to continue from one).",
-              file=sys.stderr, flush=True)
-        return CHECKPOINT_STOP_EXIT
+        return stopped_before_start()
+
+
+def stopped_before_start() -> int:
+    """Say that a SIGTERM came before the first step; the exit status of a stop on
+    request."""
+    print("partita: stopped by SIGTERM before the first step: nothing of this run was "
+          "trained or saved, and earlier checkpoints are as they were; run the same "
+          "command again (with --train.resume=auto to continue from one).",
+          file=sys.stderr, flush=True)
+    return CHECKPOINT_STOP_EXIT
 
 
 def _while_starting(exc: Stopped) -> bool:

@@ -220,7 +220,14 @@ def train_command(req: Request, ev: Evaluation) -> str:
         args.append("--parallel.offload_dir=DIR")
         where = (f" (DIR: a folder on a local disk with {ev.disk_bytes_per_node / 1e9:.0f} GB "
                  "free on each node)")
-    return f"partita train --nproc {req.cluster.num_gpus} " + " ".join(args) + where
+    gpus, per_node = req.cluster.num_gpus, req.cluster.gpus_per_node
+    launch = f"--nproc {gpus}"
+    if gpus > per_node and gpus % per_node == 0:  # the same command on every node
+        launch = (f"--nnodes {gpus // per_node} --nproc {per_node} "
+                  "--rdzv-endpoint HEAD:29500 --rdzv-id JOB")
+        where += (f"{' and' if where else ''} on each of the {gpus // per_node} nodes "
+                  "(HEAD: the first node's address, JOB: a name for the job)")
+    return f"partita train {launch} " + " ".join(args) + where
 
 
 def footer(result: SearchResult) -> str:

@@ -44,11 +44,18 @@ from partita.optim import (
     squared_sum,
 )
 from partita.zero import ownership
-from partita.zero.families import by_family, family_buffer, split_families, with_family_units
+from partita.zero.families import by_family, family_buffer
 from partita.zero.flat import FlatBuffer, InitFn, Piece
+from partita.zero.gather_layout import stage3_buffers
 from partita.zero.ledger import memory_ledger
 from partita.zero.materialize import check_nothing_left_on_meta, device_of, flat_init_fn
-from partita.zero.owned import OwnedSlice, owned_slices, owned_slices_loaded, writes_piece
+from partita.zero.owned import (
+    OwnedSlice,
+    owned_slices,
+    owned_slices_loaded,
+    start_masters_precisely,
+    writes_piece,
+)
 from partita.zero.param_gather import ParamGatherer
 from partita.zero.param_sync import ParamAllGather
 from partita.zero.policies import MixedPrecision, ZeroConfig
@@ -57,8 +64,6 @@ from partita.zero.scaler import LossScaler
 from partita.zero.units import (
     BlockSpec,
     buckets_by_size,
-    gather_units,
-    partition,
     require_blocks,
     resolve_blocks,
 )
@@ -110,36 +115,27 @@ class DataParallel:
         self.module, self.mesh, self.zero = module, mesh, zero
         self.precision, self.optim = precision, optim
         self.stage = zero.stage  # a ZeroStage: read its properties, not its number
-        n, index = self.comm.size, self.comm.index
         device = self.device = device or device_of(module)
         dtype = precision.param_dtype
         init_fn = flat_init_fn(init_fn)
         self.gatherer: ParamGatherer | None = None
         if self.stage.shards_parameters:
-            root_params, per_block = partition(module, names)
-            # Parameters reduced over another group (experts) gather as units of their
-            # own, one per owning submodule, right after their block's unit.
-            per_block, apart = split_families(per_block)
-            trained = [(nm, ps) for nm, ps in zip(names, per_block) if ps]
-            units = gather_units([ps for _, ps in trained], zero.bucket_bytes, dtype.itemsize)
-            block_bufs = [(tuple(module.get_submodule(trained[i][0]) for i in unit),
-                           FlatBuffer([p for i in unit for p in trained[i][1]], n, index,
-                                      dtype, device))
-                          for unit in units]
-            block_bufs = with_family_units(module, mesh, block_bufs, apart, dtype, device)
-            root = FlatBuffer(root_params, n, index, dtype, device) if root_params else None
-            # Reduction order = the order backward completes them: last block first, root
-            # (embeddings are the last gradients of all) at the end.
-            self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
+            roots, block_bufs = stage3_buffers(module, names, mesh, self.comm,
+                                               zero.bucket_bytes, dtype, device)
+            # Reduction order = the order backward completes them: the head's group, the
+            # last block ... the first, the embeddings' (the last gradients of all).
+            self.buckets = ([roots[1]] if roots[1] else []) + [
+                b for _, b in reversed(block_bufs)] + ([roots[0]] if roots[0] else [])
             for buf in self.buckets:
-                buf.materialize_shard(init_fn, buf.comm or self.comm)
+                buf.materialize_shard(init_fn, buf.comm or self.comm,
+                                      (*self._owned_range(buf), precision.master))
             if offload.params and not offload.disk:
                 for buf in self.buckets:  # at rest on the host; copied in per gather
                     buf.shard = host_empty(buf.shard_numel, dtype, device).copy_(buf.shard)
             # Under host offload every gather first waits for its bucket's update
             # (`_stage_in`), which runs in the background after step().
             staged = offload.params or (offload.optimizer and not offload.disk)
-            self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
+            self.gatherer = ParamGatherer(module, roots, block_bufs, self.comm, zero.prefetch,
                                           self._stage_in if staged else None,
                                           keep=zero.keep_gathered)
         else:
@@ -153,7 +149,8 @@ class DataParallel:
             self.buckets = [family_buffer(mesh, g, dtype, device)
                             for g in by_family(groups)]
             for buf in self.buckets:
-                buf.materialize_full(init_fn, buf.comm or self.comm)
+                buf.materialize_full(init_fn, buf.comm or self.comm,
+                                     (*self._owned_range(buf), precision.master))
         check_nothing_left_on_meta(module)
         for buf in self.buckets:
             if not self.stage.shards_gradients:
@@ -211,6 +208,7 @@ class DataParallel:
         self.torch_optimizer_allowed = (self.reducer.bound and self.host is None
                                         and self.disk is None
                                         and not self.stage.shards_optimizer_states)
+        start_masters_precisely(self)
         self.state_dict_handles = ownership.state_dict_hooks(module, self)
         self.scaler = LossScaler(precision)
         self.step_count = 0

@@ -32,6 +32,8 @@ ALIGN = 64
 # init_fn(info, start, stop): elements [start, stop) of the flattened local tensor
 # described by `info`, drawn exactly as a full single-device initialisation would.
 InitFn = Callable[[ShardInfo, int, int], torch.Tensor]
+# (lo, hi, dtype): the flat range the optimizer's master copy covers, and its dtype.
+MasterRange = tuple[int, int, torch.dtype]
 
 
 def _broadcast_first(full: torch.Tensor, replicas: GroupComm) -> None:
@@ -104,6 +106,7 @@ class FlatBuffer:
         self._full_grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] | None = None
         self.shard_grad: torch.Tensor | None = None
+        self.precise: torch.Tensor | None = None  # `_precise`, until the master takes it
         # The group this buffer is sharded and reduced over when it is not the engine's
         # dense one (experts: their expert-data-parallel group); None: the engine's.
         self.comm = None
@@ -178,12 +181,36 @@ class FlatBuffer:
             full[e.offset:e.offset + e.numel].copy_(self._values(p, e, 0, e.numel, init_fn))
         return full
 
+    def _precise(self, init_fn: InitFn | None, master: MasterRange | None) -> None:
+        """Keep elements [lo, hi) of `master` = (lo, hi, dtype) as `init_fn` draws them,
+        in that dtype, for the optimizer's master copy (`precise`): a float32 release
+        trained in bf16 would otherwise start its master from bf16-rounded values. Only
+        where the buffer is narrower and every parameter is drawn by `init_fn` (values a
+        module brought are agreed on in the buffer's dtype, `_broadcast_first`)."""
+        self.precise = None
+        if master is None or init_fn is None or self._holds_values():
+            return
+        lo, hi, dtype = master
+        if dtype.itemsize <= self.dtype.itemsize:
+            return
+        out = torch.zeros(hi - lo, dtype=dtype, device=self.device)
+        for pc in self.pieces(lo, hi):
+            start = pc.buf_start - lo
+            out[start:start + pc.stop - pc.start].copy_(init_fn(pc.entry.info, pc.start,
+                                                                pc.stop))
+        self.precise = out
+
     @torch.no_grad()
-    def materialize_full(self, init_fn: InitFn | None, replicas: GroupComm | None = None
-                         ) -> None:
+    def materialize_full(self, init_fn: InitFn | None, replicas: GroupComm | None = None,
+                         master: MasterRange | None = None) -> None:
         """Allocate every element and make the parameters views into it (stages 0-2).
-        Values a module brought with it are made those of `replicas`' first member."""
-        full = self._filled(init_fn)
+        Values a module brought with it are made those of `replicas`' first member;
+        `master`: see `_precise`."""
+        self._precise(init_fn, master)
+        if self.precise is not None and self.precise.numel() == self.padded:
+            full = self.precise.to(self.dtype)  # drawn once (stage 0 owns every element)
+        else:
+            full = self._filled(init_fn)
         if replicas is not None and self._holds_values():
             _broadcast_first(full, replicas)
         self.full = full
@@ -191,11 +218,13 @@ class FlatBuffer:
         self.bind()
 
     @torch.no_grad()
-    def materialize_shard(self, init_fn: InitFn | None, replicas: GroupComm | None = None
-                          ) -> None:
+    def materialize_shard(self, init_fn: InitFn | None, replicas: GroupComm | None = None,
+                          master: MasterRange | None = None) -> None:
         """Allocate only the owned slice (stage 3 at rest); the full buffer exists with
         an empty storage until a gather (`allocate_full`, then `bind`). Values a module
-        brought with it are sliced from `replicas`' first member's."""
+        brought with it are sliced from `replicas`' first member's; `master`: see
+        `_precise`."""
+        self._precise(init_fn, master)
         if replicas is not None and replicas.size > 1 and self._holds_values():
             # Every rank holds the whole module already, so one transient full buffer
             # costs no more than the module itself; drawn values stay per slice.
@@ -203,6 +232,8 @@ class FlatBuffer:
             _broadcast_first(full, replicas)
             shard = full[self.lo:self.hi].clone()
             del full
+        elif self.precise is not None:  # the owned slice, drawn once
+            shard = self.precise.to(self.dtype)
         else:
             shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
             for pc in self.owned_pieces():

@@ -92,3 +92,18 @@ def owned_slices_loaded(dp: DataParallel) -> None:
     if dp.stage.gathers_parameters_after_step:
         for buf in dp.buckets:
             (buf.comm or dp.comm).all_gather_flat(buf.full, buf.full[buf.lo:buf.hi])
+
+
+@torch.no_grad()
+def start_masters_precisely(dp: DataParallel) -> None:
+    """Master copies made from the parameters start at their narrower dtype's rounding;
+    where the buffers kept their drawn values more precisely (`FlatBuffer.precise`),
+    the masters start from those. Every rank calls it (a load, for disk offload's
+    files and stages 1-2's gather)."""
+    if not any(buf.precise is not None for buf in dp.buckets):
+        return
+    for buf, sl in zip(dp.buckets, owned_slices(dp)):
+        if buf.precise is not None and sl.master is not None:
+            sl.master.copy_(buf.precise)
+        buf.precise = None
+    owned_slices_loaded(dp)
