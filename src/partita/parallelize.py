@@ -66,7 +66,6 @@ from partita.models.plan import ModelPlan
 from partita.models.transformer import Transformer
 from partita.optim import AdamWConfig
 from partita.pipeline.build import PipelineSetup, prepare_pipeline
-from partita.process_setup import pick_device_name
 from partita.tensor_parallel import (
     TensorParallelReport,
     apply_tensor_parallel,
@@ -217,8 +216,10 @@ def check_layout(cfg: Config, model_cfg: ModelConfig, layout: Layout,
         # staged through the buffer sets only when they are on a GPU.
         grads = (precision.reduce if ZeroStage(layout.zero_stage).shards_gradients
                  else precision.grad_dtype)
+        device = cfg.train.device
+        on_gpu = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         subgroup_elements(policy.budget_bytes, precision.master, grads, shards,
-                          stage_grads=pick_device_name(cfg.train.device) != "cpu")
+                          stage_grads=on_gpu)
         owned = -(-model_cfg.num_params() // (layout.zero_group if layout.zero_stage else 1))
         ranks = min(layout.world_size, torch.cuda.device_count() or layout.world_size)
         per_rank = disk_bytes_needed(owned, precision.master) + (

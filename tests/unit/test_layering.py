@@ -3,7 +3,8 @@ functions, under TYPE_CHECKING) must point down the table below or stay in its l
 
 Layers, lowest first (docs/architecture.md explains each):
 
-    base         partita (the package), errors, device_specs, host_memory, local_world, lazy
+    base         partita (the package), errors, device_specs, host_memory, local_world, lazy,
+                 folder_lock
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges,  the typed run configuration, its valid ranges
@@ -12,7 +13,7 @@ Layers, lowest first (docs/architecture.md explains each):
     optim        optim.*             AdamW, LR schedule, clipping on flat tensors
     dimensions   zero.*, tensor_parallel.*, pipeline.*   (peers: none imports another)
     parallelize  parallelize
-    services     checkpoint, data.*, weights, sampling, kv_cache, metrics, run_dir, folder_lock
+    services     checkpoint, data.*, weights, sampling, kv_cache, metrics, run_dir
     trainer      trainer, trainer_checkpoints, launch, worker_watch, faults, watchdog
     bench        bench.*
     commands     commands.*, cli
@@ -37,7 +38,7 @@ import partita
 CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
               "partita.local_world", "partita.eager_only", "partita.lazy",
-              "partita.arg_types")),
+              "partita.arg_types", "partita.folder_lock")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges", "partita.config_values")),
@@ -49,7 +50,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
                     "partita.context_parallel", "partita.experts")),
     ("parallelize", ("partita.parallelize", "partita.compile", "partita.compile_once")),
     ("services", ("partita.checkpoint", "partita.data", "partita.weights", "partita.sampling",
-                  "partita.kv_cache", "partita.folder_lock",
+                  "partita.kv_cache",
                   "partita.metrics", "partita.run_dir", "partita.export")),
     ("trainer", ("partita.trainer", "partita.trainer_checkpoints", "partita.launch",
                  "partita.worker_watch", "partita.faults",
