@@ -183,11 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
             import torch  # noqa: F401  (the launch needs it; imported while the server does)
         nproc = args.nproc or default_nproc()
-        from partita.process_setup import check_one_gpu_per_process, pick_device_name
+        from partita.process_setup import check_local_processes, pick_device_name
 
         # Before the run folder is prepared: a refused job leaves no folder behind.
-        if pick_device_name(cfg.train.device) == "cuda":
-            check_one_gpu_per_process(nproc)
+        check_local_processes(pick_device_name(cfg.train.device), nproc)
         # One node's launcher holds the folders' locks for the whole job, restarts
         # included; with several nodes each prepares the folders and none locks them.
         locks = validate_before_launch(cfg, nproc * args.nnodes, local_processes=nproc,
