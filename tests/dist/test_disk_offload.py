@@ -26,7 +26,14 @@ from partita.memory.disk import ALIGN, MIN_SUBGROUP, SETS, DiskOptimizer, _suppo
 from partita.mesh import Mesh
 from partita.optim import AdamWConfig
 from partita.parallelize import build_parallel_model, check_layout
-from partita.testing import Case, check_layouts, parity_config, train_layout
+from partita.testing import (
+    FLOAT64_TOL,
+    Case,
+    check_layouts,
+    parity_config,
+    relative_error,
+    train_layout,
+)
 
 STEPS = 3
 BUDGET_GB = 0.0005  # 500 kB: 5208 float64 elements per sub-group
@@ -62,7 +69,12 @@ def test_states_four_times_the_budget_train_as_in_memory(tmp_path: Path, stage: 
     disk = train_layout(0, 1, cfg, STEPS)
     memory = train_layout(0, 1, parity_config(model=WIDER, parallel=dict(
         bucket_mb=1.0, zero_stage=stage)), STEPS)
-    assert disk["losses"] == memory["losses"] and disk["val"] == memory["val"]
+    # The float64 parity tolerance, not equality: the two runs lay the parameters out in
+    # different flat buffers (ZeRO-3 units against stage 0's buckets at one rank), and on
+    # some CPUs a matmul's last bit depends on where its operand lies (an AMD EPYC gave
+    # 5.458414859095495 against 5.4584148590954955 at the second step).
+    assert relative_error(disk["losses"] + [disk["val"]],
+                          memory["losses"] + [memory["val"]]) <= FLOAT64_TOL
     ledger = disk["ledger"]
     params = memory["ledger"]["parameters"] if "+params" in offload else 0
     assert ledger["parameters"] == memory["ledger"]["parameters"] - params
