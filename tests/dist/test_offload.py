@@ -139,13 +139,11 @@ def test_gradients_stream_to_host_during_backward(stage: int, offload: str) -> N
     order = list(reversed(range(buckets)))
     assert [c for c in after if c[0] != "d2h"] == [(k, b) for b in order for k in ("adam", back)]
     if stage == 3:
-        # Under ZeRO-3 each unit's gradient leaves after its backward gather. Buckets
-        # in reduction order: the outputs' root group (0), the units from the last (1)
-        # to the first, the inputs' root group (last). Forward gathers the inputs' root,
-        # the units and the outputs' root after them; backward gathers again each unit
-        # but the last (the roots and the last unit stay gathered from forward).
+        # Under ZeRO-3 each unit's gradient leaves after its backward gather (the root
+        # and the last unit, bucket 0, gathered once in forward, stay gathered).
         gathers = [b for kind, b in copies if kind == "param-in"]
-        assert gathers == list(reversed(range(buckets))) + list(range(2, buckets - 1))
+        blocks_forward = list(reversed(range(buckets - 1)))
+        assert gathers == [buckets - 1] + blocks_forward + blocks_forward[::-1][1:]
         for b in range(buckets):
             last_gather = max(i for i, c in enumerate(copies) if c == ("param-in", b))
             assert copies.index(("d2h", b)) > last_gather

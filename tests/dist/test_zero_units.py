@@ -215,29 +215,25 @@ def _stage3_collectives(rank: int, world: int, bucket_mb: float, recompute: bool
         dp.step()
         dp.zero_grad()
     assert dp.gatherer.live_bytes == 0  # kept or not, every unit is freed by its backward
-    if keep != 1:  # the most gathered at once (equal layers)
+    if keep != 1:  # the most gathered at once, in units beside the root (equal layers)
         units = {b.padded * 8 for _, b in dp.gatherer.blocks}
         assert len(units) == 1, units
-        unit = units.pop()
-        r_in, r_out = (r.padded * 8 for r in (dp.gatherer.root_in, dp.gatherer.root_out))
+        peak = (dp.gatherer.peak_bytes - dp.gatherer.root.padded * 8) / units.pop()
         n, k = len(dp.gatherer.blocks), min(keep, len(dp.gatherer.blocks))
-        # Forward: the inputs' root, the unit computing and the one prefetched (the
-        # outputs' root after the last unit); backward's start: both roots, the kept
+        # Forward: the unit computing and the one prefetched; backward's start: the kept
         # units and the one prefetched before them (what the planner counts).
-        forward = max(r_in + 2 * unit, r_in + unit + r_out)
-        backward = r_in + r_out + (k + min(1, n - k)) * unit
-        assert dp.gatherer.peak_bytes == max(forward, backward), (keep, dp.gatherer.peak_bytes)
+        assert peak == max(2, k + min(1, n - k)), (keep, peak)
     return {op: n for (purpose, op), n in mesh.counter.calls.items() if purpose == "zero_shard"}
 
 
 @pytest.mark.parametrize("bucket_mb,recompute,gathers,reductions", [
     # Each ToyLayer is ~19 KB in float64: three units of one layer each. Forward gathers
-    # the two root groups (the embedding's, the head's) and the three units, backward
-    # the first two units again (the roots and the last unit stay gathered from forward
-    # into backward); recomputing a layer inside backward gathers nothing more.
-    (0.001, False, 7, 5), (0.001, True, 7, 5),
-    # All three layers in one unit: the roots + the unit in forward only.
-    (1.0, False, 3, 3), (1.0, True, 3, 3)])
+    # the root and the three units, backward the first two again (the root and the last
+    # unit stay gathered from forward into backward); recomputing a layer inside
+    # backward gathers nothing more.
+    (0.001, False, 6, 4), (0.001, True, 6, 4),
+    # All three layers in one unit: root + unit in forward only.
+    (1.0, False, 2, 2), (1.0, True, 2, 2)])
 def test_stage3_issues_one_gather_and_one_reduction_per_unit(
         bucket_mb: float, recompute: bool, gathers: int, reductions: int) -> None:
     calls = run_distributed(_stage3_collectives, 2, args=(bucket_mb, recompute))[0]
@@ -245,15 +241,15 @@ def test_stage3_issues_one_gather_and_one_reduction_per_unit(
 
 
 @pytest.mark.parametrize("keep,recompute,gathers", [
-    # Three one-layer units and the two root groups (always kept): forward gathers five,
-    # backward gathers again each unit not kept.
-    (0, False, 8), (2, False, 6), (3, False, 5), (99, False, 5),
+    # Three one-layer units and the root (always kept): forward gathers four, backward
+    # gathers again each unit not kept.
+    (0, False, 7), (2, False, 5), (3, False, 4), (99, False, 4),
     # A recomputed layer's forward inside backward frees nothing that is kept.
-    (3, True, 5)])
+    (3, True, 4)])
 def test_stage3_keeps_the_last_units_gathered_into_backward(keep: int, recompute: bool,
                                                             gathers: int) -> None:
     calls = run_distributed(_stage3_collectives, 2, args=(0.001, recompute, keep))[0]
-    assert calls == {"all_gather": gathers, "reduce_scatter": 5}
+    assert calls == {"all_gather": gathers, "reduce_scatter": 4}
 
 
 def test_stage3_frees_parameters_that_autograd_saved_for_backward() -> None:

@@ -373,17 +373,16 @@ def test_zero_flat_buffers_match_the_engine(ep, stage):
                             zero_bucket_bytes=2.5 * block if stage == 3 else 1e9)
     engine = {"dense": 0, "expert": 0}
     if stage == 3:
-        root_in, per_block, root_out = partition(model, resolve_blocks(model, None))
+        root, per_block = partition(model, resolve_blocks(model, None))
         dense, apart = split_families(per_block)
         units = [padded([p for i in u for p in dense[i]])
                  for u in gather_units(dense, a.zero_bucket_bytes, prec.param)]
         experts = [padded(ps) for ps in apart if ps]
         got = zero3_buffers(PlanModel("t", cfg), layout, prec, 0, a)
-        roots = padded(root_in) + padded(root_out)  # the inputs' and the outputs' groups
-        assert (got["units"], got["experts"], got["root"]) == (units, experts, roots)
+        assert (got["units"], got["experts"], got["root"]) == (units, experts, padded(root))
         # Blocks merged into units (with ep = 1 an MoE block's experts fill one alone).
         assert 1 < len(units) < (6 if ep == 1 else 4) and len(experts) == 2 * (ep > 1)
-        engine = {"dense": sum(units) + roots, "expert": sum(experts)}
+        engine = {"dense": sum(units) + padded(root), "expert": sum(experts)}
     else:
         # On CPU the engine cuts buckets without the small first and last ones.
         for b in by_family(buckets_by_size(model, a.zero_bucket_bytes, prec.param,

@@ -16,7 +16,7 @@ from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
 from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
-from partita.planner.stage_params import head_weight_elements, stage_layers, stage_param_counts
+from partita.planner.stage_params import stage_layers, stage_param_counts
 
 # The buffers read the degrees and the ZeRO stage; a search lays them out once per value
 # of these (`planner.memo`).
@@ -84,7 +84,7 @@ def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED
     `zero_bucket_bytes`, a dense block and an MoE block each by its own size; with
     ep = 1 a block's experts too); "experts", one unit per MoE block's experts (ep > 1,
     gathered over dp*cp/ep); "unit_experts", the experts gathered beside each unit;
-    "root", the rest (embeddings, final norm, head) in its two buffers."""
+    "root", the rest (embeddings, final norm, head)."""
     c = model.config
     slots = _slots(layout, assumptions) if assumptions.flat_buffer_align else \
         {"dense": 0, "expert": 0}
@@ -112,10 +112,5 @@ def zero3_buffers(model: PlanModel, layout: Layout, precision: Precision = MIXED
             beside[-1] += experts[-1]
     counts = stage_param_counts(model, layout, stage, assumptions)
     root = counts["dense"] + counts["expert"] - in_blocks
-    # Two root groups, each its own buffer: the inputs' (embeddings, a tied head's
-    # weight with them) and the outputs' (final norm, an untied head).
-    inputs = (c.embedding_param_count() - c.padded_vocab_size * c.dim
-              + head_weight_elements(model, layout)) if stage == 0 else 0.0
     return {"units": [_pad(u, slots["dense"]) for u in units], "experts": experts,
-            "unit_experts": beside,
-            "root": _pad(inputs, slots["dense"]) + _pad(root - inputs, slots["dense"])}
+            "unit_experts": beside, "root": _pad(root, slots["dense"])}

@@ -120,12 +120,11 @@ class DataParallel:
         init_fn = flat_init_fn(init_fn)
         self.gatherer: ParamGatherer | None = None
         if self.stage.shards_parameters:
-            roots, block_bufs = stage3_buffers(module, names, mesh, self.comm,
-                                               zero.bucket_bytes, dtype, device)
-            # Reduction order = the order backward completes them: the head's group, the
-            # last block ... the first, the embeddings' (the last gradients of all).
-            self.buckets = ([roots[1]] if roots[1] else []) + [
-                b for _, b in reversed(block_bufs)] + ([roots[0]] if roots[0] else [])
+            root, block_bufs = stage3_buffers(module, names, mesh, self.comm,
+                                              zero.bucket_bytes, dtype, device)
+            # Reduction order = the order backward completes them: last block first, root
+            # (embeddings are the last gradients of all) at the end.
+            self.buckets = [b for _, b in reversed(block_bufs)] + ([root] if root else [])
             for buf in self.buckets:
                 buf.materialize_shard(init_fn, buf.comm or self.comm,
                                       (*self._owned_range(buf), precision.master))
@@ -135,7 +134,7 @@ class DataParallel:
             # Under host offload every gather first waits for its bucket's update
             # (`_stage_in`), which runs in the background after step().
             staged = offload.params or (offload.optimizer and not offload.disk)
-            self.gatherer = ParamGatherer(module, roots, block_bufs, self.comm, zero.prefetch,
+            self.gatherer = ParamGatherer(module, root, block_bufs, self.comm, zero.prefetch,
                                           self._stage_in if staged else None,
                                           keep=zero.keep_gathered)
         else:

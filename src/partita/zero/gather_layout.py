@@ -1,11 +1,11 @@
-"""Stage 3's flat buffers: the gather units of blocks, and the two root groups.
+"""Stage 3's flat buffers: the gather units of blocks, and the root group.
 
-    roots, units = stage3_buffers(module, block_names, mesh, comm, unit_bytes, dtype, device)
+    root, units = stage3_buffers(module, block_names, mesh, comm, unit_bytes, dtype, device)
 
 `units` are the gather units in forward order, each (its block modules, their flat
 buffer), with units of their own for parameters reduced over another group (an MoE's
-experts) right after their block's; `roots` are (the inputs' group, the outputs' group),
-either None when empty (`units.partition` says which parameter goes where).
+experts) right after their block's; `root` holds every trained parameter outside the
+blocks (embeddings, final norm, head), None when there is none.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ Unit = tuple[tuple[nn.Module, ...], FlatBuffer]
 
 def stage3_buffers(module: nn.Module, names: list[str], mesh: Mesh, comm: GroupComm,
                    unit_bytes: int, dtype: torch.dtype, device: torch.device
-                   ) -> tuple[tuple[FlatBuffer | None, FlatBuffer | None], list[Unit]]:
+                   ) -> tuple[FlatBuffer | None, list[Unit]]:
     n, index = comm.size, comm.index
-    root_in, per_block, root_out = partition(module, names)
+    root_params, per_block = partition(module, names)
     per_block, apart = split_families(per_block)
     trained = [(nm, ps) for nm, ps in zip(names, per_block) if ps]
     units = gather_units([ps for _, ps in trained], unit_bytes, dtype.itemsize)
@@ -34,6 +34,5 @@ def stage3_buffers(module: nn.Module, names: list[str], mesh: Mesh, comm: GroupC
                    FlatBuffer([p for i in unit for p in trained[i][1]], n, index, dtype, device))
                   for unit in units]
     block_bufs = with_family_units(module, mesh, block_bufs, apart, dtype, device)
-    roots = tuple(FlatBuffer(ps, n, index, dtype, device) if ps else None
-                  for ps in (root_in, root_out))
-    return roots, block_bufs
+    root = FlatBuffer(root_params, n, index, dtype, device) if root_params else None
+    return root, block_bufs

@@ -2,22 +2,18 @@
 
 A gather unit is one block or several consecutive ones (`units.gather_units`), with one
 flat buffer: one all-gather and one reduce-scatter each.
-Forward:  the root module's pre-hook gathers the inputs' root group (embeddings:
-          parameters outside any block, registered before the blocks') and starts
-          prefetching the first units; the outputs' root group (final norm, head:
-          registered after the blocks) is prefetched as the unit after the last, and
-          the modules holding it wait for it before they run (and the last unit after
-          its forward); a block's pre-hook waits for its unit's
-          gather and starts the next `prefetch` units'; the unit's last block's
-          post-hook frees it. Both root groups and the last `keep` units (1 by
-          default) stay gathered until their gradients are in when forward records a
-          graph (backward begins with them), and are freed at once otherwise.
+Forward:  the root module's pre-hook gathers the root group (embeddings, final norm,
+          head: parameters outside any block) and starts prefetching the first units;
+          a block's pre-hook waits for its unit's gather and starts the next
+          `prefetch` units'; the unit's last block's post-hook frees it. The root and
+          the last `keep` units (1 by default) stay gathered until their gradients
+          are in when forward records a graph (backward begins with them), and are
+          freed at once otherwise.
 Backward: a tiny autograd function on each block's (and the root's) output fires when
           backward reaches it: it gathers that unit again and prefetches the
           `prefetch` units before it. When every parameter of a unit has its gradient
           (the GradReducer calls `done`), the unit is freed and its gradients are
-          reduce-scattered: the outputs' root group right after the head's backward,
-          the inputs' at the end.
+          reduce-scattered.
 Which unit is gathered when depends only on the unit order and the hooks' sequence,
 never on timing, so every rank issues the same all-gathers in the same order.
 """
@@ -72,13 +68,12 @@ class ParamGatherer:
     a model that runs its blocks in another order, or one block twice, stays correct (it
     only keeps a unit gathered longer)."""
 
-    def __init__(self, module: nn.Module, roots: tuple[FlatBuffer | None, FlatBuffer | None],
+    def __init__(self, module: nn.Module, root: FlatBuffer | None,
                  blocks: list[tuple[tuple[nn.Module, ...], FlatBuffer]], comm: GroupComm,
                  prefetch: int,
                  stage_in: Callable[[FlatBuffer], torch.Tensor] | None = None,
                  keep: int = 1) -> None:
-        (self.root_in, self.root_out), self.roots = roots, [r for r in roots if r is not None]
-        self.blocks, self.comm, self.prefetch = blocks, comm, prefetch
+        self.root, self.blocks, self.comm, self.prefetch = root, blocks, comm, prefetch
         # Shards at rest in host memory (offload): the device copy each gather reads,
         # kept until that gather is done.
         self.stage_in = stage_in
@@ -90,11 +85,6 @@ class ParamGatherer:
         self.peak_bytes = 0  # high-water mark of gathered parameters during a step
         self.handles = [module.register_forward_pre_hook(self._root_pre),
                         module.register_forward_hook(self._root_post)]
-        if self.root_out is not None:  # its modules wait for its gather
-            held = {id(p) for p in self.root_out.params}
-            self.handles += [m.register_forward_pre_hook(self._root_out_pre)
-                             for m in module.modules()
-                             if any(id(p) in held for p in m.parameters(recurse=False))]
         # Units owned by a submodule of unit k's blocks (an MoE's experts): a recompute
         # wrapped around the block takes its parameters as inputs before the block runs,
         # so they must be gathered when the block starts.
@@ -108,7 +98,6 @@ class ParamGatherer:
         # unit and microbatch, its memory held meanwhile).
         top = [k for k in range(len(blocks)) if not any(k in ns for ns in self.nested)]
         self.kept = {j for k in top[max(0, len(top) - keep):] for j in (k, *self.nested[k])}
-        self.last_unit = top[-1] if top else -1  # after it, the outputs' group is waited for
         # A kept unit nested in a block leaves its free-or-keep decision to the unit
         # around it: under full recompute its own forward runs with autograd off (inside
         # the block's recompute function) and cannot tell a training forward from an
@@ -164,50 +153,39 @@ class ParamGatherer:
             self.free(buf)
 
     def all_buffers(self) -> list[FlatBuffer]:
-        return self.roots + [b for _, b in self.blocks]
+        return ([self.root] if self.root is not None else []) + [b for _, b in self.blocks]
 
     # Hooks -----------------------------------------------------------------------------
     def _prefetch(self, ks: range) -> None:
         for k in ks:
             if 0 <= k < len(self.blocks):
                 self.start(self.blocks[k][1])
-            elif k == len(self.blocks) and self.root_out is not None:
-                # Forward's next after the last unit: the outputs' group. Not earlier:
-                # under host offload a gather first waits for its bucket's update, and
-                # the update runs in forward order, so the head's group is the last.
-                self.start(self.root_out)
 
     def _root_pre(self, module, args) -> None:
-        # Issue the inputs' gather and the first blocks' before waiting for any of them.
-        if self.root_in is not None:
-            self.start(self.root_in)
+        # Issue the root's gather and the first blocks' before waiting for any of them.
+        if self.root is not None:
+            self.start(self.root)
         self._prefetch(range(self.prefetch))
-        if self.root_in is not None:
-            self.ensure(self.root_in)
-
-    def _root_out_pre(self, module, args) -> None:
-        self.ensure(self.root_out)
+        if self.root is not None:
+            self.ensure(self.root)
 
     def _root_post(self, module, args, out):
-        if not self.roots:
+        if self.root is None:
             return out
         if not torch.is_grad_enabled():
-            for root in self.roots:
-                self.free(root)
+            self.free(self.root)
             return out
-        # Backward starts with the head and ends with the embeddings: keep both root
-        # groups gathered until their gradients are in (as FSDP2 does for its root)
-        # instead of freeing and gathering them again (the last unit too, `_block_post`).
-        self._root_backward(prefetch=False)
+        # Backward starts with the head, which is in the root group: keep the root
+        # gathered until its gradients are in (as FSDP2 does for its root) instead of
+        # freeing it and gathering it again at once (the last unit too, `_block_post`).
+        self.in_backward.add(id(self.root))
         self._prefetch_for_backward()
         return _on_backward(out, self._root_backward)
 
-    def _root_backward(self, prefetch: bool = True) -> None:
-        for root in self.roots:
-            self.ensure(root)
-            self.in_backward.add(id(root))
-        if prefetch:
-            self._prefetch_for_backward()
+    def _root_backward(self) -> None:
+        self.ensure(self.root)
+        self.in_backward.add(id(self.root))
+        self._prefetch_for_backward()
 
     def _prefetch_for_backward(self) -> None:
         # Backward needs the last units first, and the kept ones are still gathered:
@@ -252,8 +230,6 @@ class ParamGatherer:
             # A recompute (activation checkpointing) runs forward inside backward: keep
             # the parameters that backward is about to use.
             forward_pass = torch._C._current_graph_task_id() == -1
-            if k == self.last_unit and forward_pass and self.root_out is not None:
-                self.ensure(self.root_out)  # for code that reads the head's weight itself
             if frees and id(buf) not in self.in_backward and not (
                     k in self.deferred and forward_pass):
                 keep = k in self.kept and torch.is_grad_enabled() and forward_pass

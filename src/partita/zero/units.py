@@ -52,34 +52,23 @@ def resolve_blocks(module: nn.Module, blocks: BlockSpec) -> list[str]:
     return outer
 
 
-def partition(module: nn.Module, block_names: list[str]
-              ) -> tuple[NamedParams, list[NamedParams], NamedParams]:
-    """(root parameters registered before the last block's, parameters of each block,
-    root parameters registered after it) -- trainable ones, each once.
-
-    The two roots are stage 3's two root groups: the inputs' (embeddings) and the
-    outputs' (final norm, head). Backward is done with the outputs' first, so their
-    gradients are reduced while it goes on rather than with the embeddings' at its end;
-    forward needs them last, so their gather overlaps the blocks'. A tied head shares
-    the embeddings' parameter, registered first: it stays with the inputs."""
+def partition(module: nn.Module, block_names: list[str]) -> tuple[NamedParams,
+                                                                  list[NamedParams]]:
+    """(root parameters, parameters of each block) -- trainable ones, each once."""
     seen: set[int] = set()
     per_block: list[NamedParams] = [[] for _ in block_names]
-    root: list[tuple[int, str, nn.Parameter]] = []
-    last_in_block = -1
-    for position, (name, p) in enumerate(module.named_parameters()):
+    root: NamedParams = []
+    for name, p in module.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
         for i, b in enumerate(block_names):
             if name.startswith(b + "."):
                 per_block[i].append((name, p))
-                last_in_block = position
                 break
         else:
-            root.append((position, name, p))
-    before = [(name, p) for at, name, p in root if at < last_in_block]
-    after = [(name, p) for at, name, p in root if at > last_in_block]
-    return before, per_block, after
+            root.append((name, p))
+    return root, per_block
 
 
 def gather_units(per_block: list[NamedParams], unit_bytes: int,
