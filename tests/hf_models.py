@@ -14,6 +14,7 @@ the Llama 3 scaling is checked against transformers' float32 frequencies separat
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 import torch
@@ -21,9 +22,27 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 
+# Llama 3's RoPE scaling at a length the small test models reach.
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def edit_config(folder: Path, **changes) -> Path:
+    """Change keys of the folder's config.json (None removes a key)."""
+    config = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
 
 def llama_config(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4,
                  kv_heads: int = 2, ffn: int = 64, tied: bool = False, **extra):
+    # Copies: transformers writes into a rope dict it is given (its rope_theta).
+    extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
     return transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,

@@ -18,26 +18,14 @@ from partita.models.hf_config import hf_config_from_model, model_config_from_hf
 from partita.models.hf_weights import HFWeights, expected_shapes
 
 hf_models = pytest.importorskip("tests.hf_models")
-SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
-
-def _edit_config(folder, **changes):
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def test_a_quantised_release_is_refused_not_imported_without_its_scales(tmp_path):
     """An FP8 release's float8 weights were cast as they were (448 where the model holds
     0.07) and trained without a word."""
     folder = hf_models.save_random_llama(tmp_path / "fp8")
-    _edit_config(folder, quantization_config={"quant_method": "fbgemm_fp8"})
+    hf_models.edit_config(folder, quantization_config={"quant_method": "fbgemm_fp8"})
     with pytest.raises(PartitaError, match="quantization_config.*fbgemm_fp8.*unquantised"):
         model_config_from_hf(folder)
     # The tensors alone give it away too (a config that lost its quantization entry).
@@ -53,12 +41,12 @@ def test_a_quantised_release_is_refused_not_imported_without_its_scales(tmp_path
 
 def test_llama3_scaling_without_its_original_length_reads_as_transformers_does(tmp_path):
     folder = hf_models.save_random_llama(tmp_path / "l3", dim=64, heads=2, kv_heads=1,
-                                         rope_theta=500000.0, rope_scaling=SCALING)
-    scaling = {k: v for k, v in SCALING.items() if k != "original_max_position_embeddings"}
-    _edit_config(folder, rope_scaling=scaling, rope_parameters=None, rope_theta=500000.0)
+                                         rope_theta=500000.0, rope_scaling=hf_models.LLAMA3_SCALING)
+    scaling = {k: v for k, v in hf_models.LLAMA3_SCALING.items() if k != "original_max_position_embeddings"}
+    hf_models.edit_config(folder, rope_scaling=scaling, rope_parameters=None, rope_theta=500000.0)
     cfg = model_config_from_hf(folder)
     assert cfg.rope_original_max_len == cfg.max_seq_len  # transformers' default
-    _edit_config(folder, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    hf_models.edit_config(folder, rope_scaling={"rope_type": "llama3", "factor": 8.0})
     with pytest.raises(PartitaError, match="llama3 RoPE scaling without low_freq_factor, "
                                            "high_freq_factor"):
         model_config_from_hf(folder)
@@ -86,7 +74,7 @@ def test_an_export_carries_what_older_tools_and_chat_models_read(tmp_path):
     plain RoPE); a source's list of end ids and pad id were dropped."""
     cfg = model_config_from_hf(hf_models.save_random_llama(
         tmp_path / "l3", dim=64, heads=2, kv_heads=1, rope_theta=500000.0,
-        rope_scaling=SCALING))
+        rope_scaling=hf_models.LLAMA3_SCALING))
     config = hf_config_from_model(cfg, eos_token_id=[1, 2], pad_token_id=2)
     assert config["rope_scaling"] == {k: v for k, v in config["rope_parameters"].items()
                                       if k != "rope_theta"}
@@ -105,7 +93,7 @@ def test_export_run_copies_the_generation_defaults_and_chat_template(tmp_path, m
     from partita import export
 
     source = hf_models.save_random_llama(tmp_path / "src")
-    _edit_config(source, eos_token_id=[1, 2], pad_token_id=2)
+    hf_models.edit_config(source, eos_token_id=[1, 2], pad_token_id=2)
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     tok = tmp_path / "tok"
     tok.mkdir()

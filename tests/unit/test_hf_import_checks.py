@@ -20,19 +20,7 @@ from partita.models.hf_config import model_config_from_hf
 from partita.models.hf_weights import HFWeights
 
 hf_models = pytest.importorskip("tests.hf_models")
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
 
-
-def _edit_config(folder, **changes):
-    config = json.loads((folder / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def _add_head(folder, head: torch.Tensor) -> None:
@@ -64,7 +52,7 @@ def test_a_tied_config_over_a_different_head_in_the_files_is_refused(tmp_path):
                        r"'lm_head.weight'"):
         HFWeights(folder, model_config_from_hf(folder))
     # The first fix the message names imports the file's head.
-    _edit_config(folder, tie_word_embeddings=False)
+    hf_models.edit_config(folder, tie_word_embeddings=False)
     cfg = model_config_from_hf(folder)
     assert not cfg.tie_embeddings
     HFWeights(folder, cfg).close()
@@ -104,12 +92,12 @@ def test_rope_type_under_its_older_name_is_read_in_either_key(tmp_path, key):
     a word, logits 7% off transformers'."""
     folder = hf_models.save_random_llama(tmp_path / "l", dim=64, heads=2, kv_heads=1)
     other = "rope_scaling" if key == "rope_parameters" else "rope_parameters"
-    _edit_config(folder, **{key: {"type": "linear", "factor": 4.0, "rope_theta": 5e5},
+    hf_models.edit_config(folder, **{key: {"type": "linear", "factor": 4.0, "rope_theta": 5e5},
                             other: None})
     with pytest.raises(PartitaError, match="RoPE scaling 'linear'"):
         model_config_from_hf(folder)
-    llama3 = {("type" if k == "rope_type" else k): v for k, v in LLAMA3.items()}
-    _edit_config(folder, **{key: {**llama3, "rope_theta": 5e5}})
+    llama3 = {("type" if k == "rope_type" else k): v for k, v in hf_models.LLAMA3_SCALING.items()}
+    hf_models.edit_config(folder, **{key: {**llama3, "rope_theta": 5e5}})
     cfg = model_config_from_hf(folder)
     assert (cfg.rope_scaling, cfg.rope_factor, cfg.rope_theta) == ("llama3", 8.0, 5e5)
     read = hf_models.transformers.AutoConfig.from_pretrained(folder).rope_parameters
@@ -120,7 +108,7 @@ def test_rope_given_twice_must_say_the_same(tmp_path):
     """transformers reads rope_scaling where both keys are given, other tools
     rope_parameters: two keys that disagree have no one meaning."""
     folder = hf_models.save_random_llama(tmp_path / "l", dim=64, heads=2, kv_heads=1)
-    _edit_config(folder, rope_parameters={**LLAMA3, "rope_theta": 5e5},
+    hf_models.edit_config(folder, rope_parameters={**hf_models.LLAMA3_SCALING, "rope_theta": 5e5},
                  rope_scaling={"rope_type": "default"}, rope_theta=5e5)
     with pytest.raises(PartitaError, match=r"both as rope_parameters and rope_scaling, "
                        r"and they disagree: factor=8.0 in rope_parameters but None in "
@@ -128,14 +116,14 @@ def test_rope_given_twice_must_say_the_same(tmp_path):
                        r"'default' in rope_scaling"):
         model_config_from_hf(folder)
     # A theta only in rope_parameters is not what transformers reads with rope_scaling.
-    scaling = {k: v for k, v in LLAMA3.items()}
-    _edit_config(folder, rope_scaling=scaling, rope_theta=None)
+    scaling = {k: v for k, v in hf_models.LLAMA3_SCALING.items()}
+    hf_models.edit_config(folder, rope_scaling=scaling, rope_theta=None)
     with pytest.raises(PartitaError, match="rope_theta=500000.0 in rope_parameters but "
                                            "10000.0 in rope_scaling"):
         model_config_from_hf(folder)
     # As partita exports it: both keys, theta beside them, the same scaling.
-    _edit_config(folder, rope_theta=5e5, rope_scaling={"type": "llama3", **{
-        k: v for k, v in LLAMA3.items() if k != "rope_type"}})
+    hf_models.edit_config(folder, rope_theta=5e5, rope_scaling={"type": "llama3", **{
+        k: v for k, v in hf_models.LLAMA3_SCALING.items() if k != "rope_type"}})
     cfg = model_config_from_hf(folder)
     assert (cfg.rope_scaling, cfg.rope_theta, cfg.rope_original_max_len) == (
         "llama3", 5e5, 32)
