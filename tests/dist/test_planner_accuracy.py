@@ -33,6 +33,7 @@ from partita.bench.plan_measure import (
     Case,
     Shape,
     measure_cases,
+    measure_in_this_process,
     predict,
     rel_error,
     worst_by_stage,
@@ -147,12 +148,7 @@ def _check_comm(case: Case, measured: dict) -> None:
 
 def test_single_process_layouts(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the disk case's files
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        results = measure_cases(0, 1, CASES[1])
-    finally:
-        torch.set_num_threads(threads)
+    results = measure_in_this_process(CASES[1])
     for case, measured in zip(CASES[1], results):
         _check_memory(case, measured)
         _check_comm(case, measured)

@@ -14,7 +14,14 @@ import tempfile
 import pytest
 import torch
 
-from partita.bench.plan_measure import Case, measure_cases, predict, rel_error, worst_by_stage
+from partita.bench.plan_measure import (
+    Case,
+    measure_cases,
+    measure_in_this_process,
+    predict,
+    rel_error,
+    worst_by_stage,
+)
 from partita.testing import run_distributed
 
 BF16 = "bfloat16"
@@ -44,12 +51,7 @@ def _check(case: Case, measured: dict, stage: int = 0) -> None:
 
 def test_one_rank(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the cases' files
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        results = measure_cases(0, 1, CASES[1])
-    finally:
-        torch.set_num_threads(threads)
+    results = measure_in_this_process(CASES[1])
     for case, measured in zip(CASES[1], results):
         _check(case, measured)
 

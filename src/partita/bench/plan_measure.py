@@ -231,6 +231,19 @@ def measure_link(rank: int, world: int, reps: int = 10,
     return small / (2 * math.log2(world)), sent / max(big - small, 1e-9)
 
 
+def measure_in_this_process(cases: list[Case]) -> list[dict]:
+    """`measure_cases` of one-rank cases in this process, on one thread as every rank of
+    a measured world runs (the caller's thread count restored after)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return measure_cases(0, 1, cases)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_cases(rank: int, world: int, cases: list[Case], timed_steps: int = 0) -> list[dict]:
     """Run on every rank of a gloo world of `world` ranks; one dict per case."""
     from partita.mesh import Mesh
