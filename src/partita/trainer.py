@@ -25,7 +25,8 @@ import torch.nn as nn
 from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
-from partita.config import Config, default_cache_dir
+from partita.config import Config
+from partita.config_sections import default_cache_dir
 from partita.data import TokenDataset
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX, eval_batch_size, eval_batches

@@ -158,7 +158,7 @@ def _physical_memory() -> float:
 def profile_cache_path() -> Path:
     """Where `cached_local_cpu` keeps this machine's profile: $PARTITA_CACHE_DIR, else
     partita's folder in the user's cache (`config.default_cache_dir`)."""
-    from partita.config import default_cache_dir
+    from partita.config_sections import default_cache_dir
 
     return Path(os.environ.get("PARTITA_CACHE_DIR") or default_cache_dir()) / "cpu-profile.json"
 
