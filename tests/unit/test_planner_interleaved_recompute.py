@@ -1,5 +1,5 @@
 """Interleaved 1F1B under recompute: the planner's walk of the schedule
-(`planner.memory._interleaved_peak`, for a recompute of the first K blocks) gives the
+(`planner.schedule_peaks.interleaved_peak`, for a recompute of the first K blocks) gives the
 closed form's figure where every layer reruns (each chunk alike), and weighs the
 chunks by how many microbatches of each the schedule holds where only some rerun.
 Measured against the meter in tests/dist/test_planner_interleaved_recompute.py.
@@ -15,8 +15,9 @@ from partita.planner.activation_memory import (
     layer_activation_bytes,
     recompute_transient_bytes,
 )
-from partita.planner.memory import _interleaved_peak, activation_bytes
+from partita.planner.memory import activation_bytes
 from partita.planner.precision import Precision
+from partita.planner.schedule_peaks import interleaved_peak
 
 MODEL = plan_model(Case(shape=Shape(n_layers=16)))
 A, P, SEQ = Assumptions.measured_cpu(), Precision.fp32(), 32
@@ -31,7 +32,7 @@ def test_the_walk_is_the_closed_form_when_every_layer_reruns(v, m) -> None:
     per_none = layer_activation_bytes(MODEL, plain, SEQ, P, A)
     rerun = recompute_transient_bytes(MODEL, layout, SEQ, P, A)
     for stage in (1, 2):
-        walk = _interleaved_peak(layout, m, stage, 4, 4, per_rc, per_none, rerun,
+        walk = interleaved_peak(layout, m, stage, 4, 4, per_rc, per_none, rerun,
                                  loss_side=0.0, ids=0.0, bias=0.0, released=0.0)
         assert walk == pytest.approx(activation_bytes(MODEL, layout, SEQ, m, stage, P, A),
                                      rel=1e-12)
@@ -47,6 +48,6 @@ def test_the_first_chunks_outnumber_the_last() -> None:
     weights them 3:2, not 2.5:2.5."""
     layout = Layout(pp=2, schedule="interleaved-1f1b", virtual_stages=2, recompute="full",
                     recompute_layers=1)
-    peak = _interleaved_peak(layout, 4, 0, 2, 1, per_recomputed=1.0, per_kept=10.0,
+    peak = interleaved_peak(layout, 4, 0, 2, 1, per_recomputed=1.0, per_kept=10.0,
                              rerun=0.0, loss_side=0.0, ids=0.0, bias=0.0, released=0.0)
     assert peak == 3 * 1.0 + 2 * 10.0

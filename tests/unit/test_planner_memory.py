@@ -26,7 +26,8 @@ from partita.planner import (
     zero_state_bytes,
 )
 from partita.planner.activation_memory import inflight_chunks, layer_activation_bytes
-from partita.planner.memory import activation_bytes, peak_stages, zero_bubble_peak
+from partita.planner.memory import activation_bytes, peak_stages
+from partita.planner.schedule_peaks import zero_bubble_peak
 from partita.planner.stage_params import stage_layers, stage_param_counts
 from partita.planner.zero_buffers import padded_params, zero3_buffers
 

@@ -130,7 +130,7 @@ def zb_h1_order(p: int, m: int, rank: int) -> Order:
     bubble. Every rank then holds at most p microbatches, 1F1B's count on rank 0; in
     bytes a microbatch waiting for its W holds its linear layers' inputs and output
     gradients, about as much as a whole forward's activations (the planner counts both:
-    `partita.planner.memory.zero_bubble_peak`).
+    `partita.planner.schedule_peaks.zero_bubble_peak`).
     """
     order: Order = []
     next_w = 0

@@ -34,6 +34,11 @@ from partita.planner.disk_buffers import disk_buffer_bytes
 from partita.planner.memo import memoised
 from partita.planner.model_shape import PlanModel
 from partita.planner.precision import MIXED, Precision
+from partita.planner.schedule_peaks import (
+    interleaved_peak,
+    zero_bubble_after_forward,
+    zero_bubble_peak,
+)
 from partita.planner.stage_params import (
     block_param_counts,
     head_weight_elements,
@@ -180,7 +185,7 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
                                                first, last)
         total = zero_bubble_peak(layout.pp, num_microbatches, stage, whole, deferred)
         if rerun:  # I keeps the microbatch's graph whole while a layer reruns
-            total = max(total, _zero_bubble_after_forward(layout.pp, num_microbatches,
+            total = max(total, zero_bubble_after_forward(layout.pp, num_microbatches,
                                                           stage, whole, deferred) + rerun)
         if last:  # the step's sum of head weight gradients, formed right after each I
             total += precision.grad * head_weight_elements(model, layout)
@@ -189,7 +194,7 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     if interleaved and 0 < k < layers:
         # The rank's first k blocks rerun: its first chunks recompute, its last do not,
         # and the schedule holds more microbatches of its first chunks than of its last.
-        return _interleaved_peak(layout, num_microbatches, stage, layers, k,
+        return interleaved_peak(layout, num_microbatches, stage, layers, k,
                                  per_layer(layout), per_none, rerun, loss_side, ids,
                                  recompute_bias_bytes(model, layout, seq_len, precision,
                                                       assumptions),
@@ -218,55 +223,6 @@ def activation_bytes(model: PlanModel, layout: Layout, seq_len: int, num_microba
     return total
 
 
-def _interleaved_peak(layout: Layout, num_microbatches: int, stage: int, layers: int,
-                      k: int, per_recomputed: float, per_kept: float, rerun: float,
-                      loss_side: float, ids: float, bias: float, released: float) -> float:
-    """The most an interleaved 1F1B stage holds when only its first `k` of `layers`
-    layers rerun, walked unit by unit in `pipeline.schedules.interleaved_order`'s order.
-
-    Chunk c of the stage holds its share of the layers (an even split, the first chunks
-    taking the remainder), and of the rank's first k blocks those that fall in it: a
-    microbatch of chunk c keeps `per_recomputed` per rerun layer and `per_kept` per other
-    layer from its forward to its backward. Its backward releases the chunk's later,
-    kept layers (and, selective, `released`) before its last rerun layer runs, which
-    adds `rerun`. The first stage keeps each chunk-0 microbatch's token ids; the last
-    holds one microbatch's `loss_side` from its last chunk's forward to its backward."""
-    pp, v, m = layout.pp, layout.virtual_stages, num_microbatches
-    first, last = stage == 0, stage == pp - 1
-    base, extra = divmod(layers, v)
-    sizes = [base + (c < extra) for c in range(v)]
-    starts = [sum(sizes[:c]) for c in range(v)]
-    redo = [min(max(k - starts[c], 0), sizes[c]) for c in range(v)]
-    held = [r * per_recomputed + (n - r) * per_kept + (bias if r else 0.0)
-            + (ids if first and c == 0 else 0.0)
-            for c, (n, r) in enumerate(zip(sizes, redo))]
-    total_units = m * v
-    warmup = min((pp - stage - 1) * 2 + (v - 1) * pp, total_units)
-    now = peak = 0.0
-
-    def forward(unit: int) -> None:
-        nonlocal now, peak
-        c = (unit // pp) % v
-        now += held[c]
-        peak = max(peak, now + (loss_side if last and c == v - 1 else 0.0))
-
-    def backward(unit: int) -> None:
-        nonlocal now, peak
-        c = v - 1 - (unit // pp) % v
-        if redo[c] and rerun:
-            peak = max(peak, now - (sizes[c] - redo[c]) * per_kept - released + rerun)
-        now -= held[c]
-
-    for unit in range(warmup):
-        forward(unit)
-    for j in range(total_units - warmup):
-        forward(warmup + j)
-        backward(j)
-    for j in range(total_units - warmup, total_units):
-        backward(j)
-    return peak
-
-
 # In a search, one copy per layout that differs in more than recomputation.
 @memoised(ignores=("recompute", "recompute_layers"))
 def _without_recompute(layout: Layout) -> Layout:
@@ -284,16 +240,6 @@ def _released_before_rerun(model: PlanModel, layout: Layout, seq_len: int,
     t = layer_activation_terms(model, layout, seq_len, precision, assumptions)
     return (t["mlp_hidden"] + t["mlp_input"] + t["attention_output"] + t["norm_inputs"] / 2
             + t["dropout_masks"])
-
-
-def _zero_bubble_after_forward(pp: int, num_microbatches: int, stage: int, whole: float,
-                               deferred: float) -> float:
-    """What a ZB-H1 stage holds after its fullest forward (see `zero_bubble_peak`)."""
-    m, r = num_microbatches, stage
-    w = min(pp - r - 1, m)
-    if m <= w:
-        return m * whole
-    return (w + 1) * whole + min(m - 1 - w, r) * deferred
 
 
 def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
@@ -332,29 +278,6 @@ def _deferred_weight_pass_bytes(model: PlanModel, layout: Layout, seq_len: int,
         norm = norm_weight_pass_bytes(model, tokens / sp_div, precision, assumptions)
         total += norm + e * tokens * h / sp_div  # the norm's input and output gradient
     return total
-
-
-def zero_bubble_peak(pp: int, num_microbatches: int, stage: int, whole: float,
-                     deferred: float) -> float:
-    """The most a ZB-H1 stage holds, when a microbatch costs `whole` from F to I and
-    `deferred` from I to W (after each F, and after each I: deferred may exceed whole).
-
-    Closed form of `partita.pipeline.schedules.zb_h1_order` (the search evaluates it
-    for every layout; a test walks the real schedule against it): stage r runs
-    w = min(pp - r - 1, m) warm-up forwards, then F, I pairs, and lets r microbatches
-    wait for W. After I(i), min(w, m - 1 - i) are running and min(i + 1, r + 1)
-    waiting; after a steady-state F, w + 1 running and up to r waiting.
-    """
-    m, r = num_microbatches, stage
-    w = min(pp - r - 1, m)
-    if m <= w:  # every forward is warm-up: all m run at once
-        after_f = m * whole
-    else:
-        after_f = (w + 1) * whole + min(m - 1 - w, r) * deferred
-    # After I(i): linear in i between these points, so its maximum is at one of them.
-    points = {min(max(i, 0), m - 1) for i in (0, r, m - 1 - w, m - 1)}
-    after_i = max(min(w, m - 1 - i) * whole + min(i + 1, r + 1) * deferred for i in points)
-    return max(after_f, after_i)
 
 
 def head_input_bytes(model: PlanModel, layout: Layout, seq_len: int,
