@@ -180,8 +180,6 @@ def _parse(words: list[str]) -> argparse.Namespace | None:
 
     notes_for_old_spellings()  # a deprecated schedule or layout name, said once
     if overrides:
-        from partita.config import repeated_setting
-
         # The words no option of the command took, in their order: argparse's extras
         # and the word it took for the config file, where that stands (past the
         # options' values: "--nproc 2 --train.steps 2" holds "2" twice).
@@ -209,8 +207,6 @@ def _parse(words: list[str]) -> argparse.Namespace | None:
             extra.append(word)
             # A setting without "=" may take the next word as its value; a value does not.
             awaiting = word.startswith("--") and "=" not in word
-        if repeated := repeated_setting(extra):
-            command.error(repeated)
     args.overrides = extra
     return args
 

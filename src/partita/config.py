@@ -298,23 +298,6 @@ def _override_items(args: list[str]) -> list[tuple[str, str | None, str]]:
     return items
 
 
-def repeated_setting(args: list[str]) -> str:
-    """The message for the first setting that the overrides `args` give twice (the later
-    would silently win, where a TOML file refuses a key given twice), or "" (also where
-    a word cannot be read: `load_config` names it)."""
-    try:
-        items = _override_items(args)
-    except PartitaError:
-        return ""
-    seen: dict[str, str] = {}
-    for key, _, written in items:
-        if key in seen:
-            return (f"{key} is given twice ('{seen[key]}' and '{written}'); give each "
-                    "setting once (a setting given here replaces the config file's).")
-        seen[key] = written
-    return ""
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at `path`, then the overrides, each checked."""
     cfg = Config()

@@ -1,6 +1,7 @@
 """Overrides as users write them: a config file after a flag is the config file, never
 the flag's value; a setting without its section is named with it; one without a value
-says so; one given twice is refused (an override of the config file's value is fine)."""
+says so; one given twice takes its later value, as the config file's value gives way to
+an override (wrapper scripts pass their defaults first, then the user's words)."""
 
 from __future__ import annotations
 
@@ -111,18 +112,9 @@ def test_a_bare_true_or_false_setting_is_true():
 
 # A setting given twice ----------------------------------------------------------------
 
-@pytest.mark.parametrize("words,message", [
-    (["--train.steps=1000", "--train.steps=5"],
-     "train.steps is given twice ('--train.steps=1000' and '--train.steps=5'); give each "
-     "setting once"),
-    (["--train.steps", "1000", "--parallel.tp=2", "--train.steps=5"],
-     "train.steps is given twice ('--train.steps 1000' and '--train.steps=5')"),
-    (["--parallel.sequence_parallel", "--parallel.sequence_parallel=false"],
-     "parallel.sequence_parallel is given twice"),
-])
-def test_a_setting_given_twice_on_the_command_line_is_refused(seen, words, message, capsys):
-    assert message in _refused(["train", *words], capsys)
-    assert seen == {}
+def test_a_setting_given_twice_takes_its_later_value(seen):
+    assert main(["train", "--train.steps=1000", "--parallel.tp=2", "--train.steps", "5"]) == 0
+    assert load_config(None, seen["overrides"]).train.steps == 5
 
 
 def test_an_override_of_the_config_file_s_value_is_fine(seen, tmp_path):
