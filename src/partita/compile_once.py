@@ -23,9 +23,11 @@ for the rank that compiles, and the whole test 227 CPU-seconds against 269.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,10 +85,57 @@ def once_per_machine(gm: torch.fx.GraphModule, example_inputs: list) -> Callable
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     if inductor.force_disable_caches or not inductor.fx_graph_cache:
-        return compile_fx(gm, example_inputs)  # nothing to share: no turns to take
+        return _repairing(compile_fx, gm, example_inputs)  # nothing to share: no turns
     lock = Path(cache_dir()) / "partita-locks" / f"{graph_key(gm, example_inputs)}.lock"
     # The backward too, inside the lock: AOTAutograd compiles it lazily by default, at
     # the first backward, and caches the pair only then, too late for the next rank.
     with _exclusive(lock, WAIT_S), torch._functorch.config.patch(
             force_non_lazy_backward_lowering=True):
+        return _repairing(compile_fx, gm, example_inputs)
+
+
+def _repairing(compile_fx: Callable, gm: torch.fx.GraphModule, example_inputs: list
+               ) -> Callable:
+    """`compile_fx`, once more after removing a cached kernel that cannot be loaded.
+
+    Inductor's C++ compiler writes each kernel's library straight to its place in the
+    cache, and a process killed during that write (Ctrl-C twice, SIGKILL, a job's time
+    limit) leaves an empty or cut-off file there. Every later compile that needs the
+    kernel then finds the file and fails to load it ("file too short") until someone
+    deletes it by hand. The broken library is deleted here and the graph compiled again,
+    which rebuilds it; a second failure is raised as it is.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    try:
         return compile_fx(gm, example_inputs)
+    except ImportError as exc:
+        broken = Path(exc.path) if getattr(exc, "path", None) else None
+        inside = broken is not None and Path(cache_dir()).resolve() in broken.resolve().parents
+        if not (inside and broken.suffix == ".so" and broken.is_file()):
+            raise
+        if _remove_unloadable(broken, Path(cache_dir())):
+            print(f"partita: note: removed a compiled kernel that a stopped compile left "
+                  f"incomplete in inductor's cache ({broken}: "
+                  f"{exc.msg.rsplit(': ', 1)[-1]}); compiling it again.",
+                  file=sys.stderr, flush=True)
+        return compile_fx(gm, example_inputs)
+
+
+def _remove_unloadable(library: Path, cache: Path) -> bool:
+    """Delete `library` if it still cannot be loaded; True if it was deleted.
+
+    Under inductor's own lock for that kernel (the one its builds take), so a rank never
+    deletes a library another rank has just rebuilt, nor one being written.
+    """
+    from torch.utils._filelock import FileLock
+
+    lock = cache / "locks" / f"{library.name.split('.')[0]}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(lock), timeout=WAIT_S):
+        try:
+            ctypes.CDLL(str(library))
+            return False  # rebuilt meanwhile
+        except OSError:
+            library.unlink(missing_ok=True)
+            return True
