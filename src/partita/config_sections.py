@@ -7,7 +7,6 @@ the comments beside each field are what `partita train --help` and the docs say 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass
@@ -49,12 +48,6 @@ class ModelSection:
     # A Hugging Face Llama folder (config.json + safetensors): its shape replaces the
     # catalog entry and its weights the random init, read slice by slice on every rank.
     init_from: str = ""
-
-
-def default_cache_dir() -> Path:
-    """partita's folder in the user's cache: tokenized corpora (where `data.cache_dir` is
-    unset) and the planner's measured CPU profile."""
-    return Path.home() / ".cache" / "partita"
 
 
 @dataclass

@@ -4,8 +4,9 @@ MFU = (training FLOPs per token x tokens per second) / (peak FLOP/s x devices), 
 FLOPs per token = 6N + 12*L*H*Q*T (see ModelConfig.flops_per_token). The peak is the
 device's dense bf16 datasheet figure (`partita.device_specs`) on known GPUs
 (TF32 for fp32 training would be half: we state bf16 so MFU is comparable across runs),
-or, on a CPU, one thread's measured float32 matmul rate per thread, or
-`metrics.peak_tflops` when set.
+or, on a CPU, one thread's measured float32 matmul rate per thread (the best measured
+on this machine within a day, `partita.machine_cache`), or `metrics.peak_tflops` when
+set.
 """
 
 from __future__ import annotations
@@ -20,12 +21,17 @@ from typing import Any
 import torch
 
 from partita.device_specs import datasheet_peak_flops, matmul_rate
+from partita.machine_cache import best_kept_rate
 from partita.run_dir import PARTIAL_SUFFIX
+
+# How the CPU rate MFU divides by is measured: float32 512^3 products, one thread.
+CPU_RATE_METHOD = "fp32-mm512-1thread"
 
 
 def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
     """FLOP/s that MFU divides by: the setting, the GPU datasheet table, or on a CPU
-    one thread's measured float32 matmul rate times the cores this process can have:
+    one thread's float32 matmul rate (the best measured here within a day) times the
+    cores this process can have:
     its threads, but no more than its share of the machine's cores when the job's
     processes here want more threads than there are cores."""
     if configured_tflops > 0:
@@ -39,6 +45,9 @@ def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> f
         rate = matmul_rate(512, 0.2)
     finally:
         torch.set_num_threads(threads)
+    # A start while other work shares the cores measures low (an MFU above 100% was
+    # seen): the best rate measured here within a day stands for the machine.
+    rate = best_kept_rate("cpu-matmul-rate.json", rate, CPU_RATE_METHOD)
     return rate * min(threads, _cores() / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 

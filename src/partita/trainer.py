@@ -26,7 +26,6 @@ from partita.checkpoint import CheckpointWriter, Loaded, load_checkpoint
 from partita.checkpoint.resume import checkpoint_root, restart_target
 from partita.compile import compile_summary
 from partita.config import Config
-from partita.config_sections import default_cache_dir
 from partita.data import TokenDataset
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX, eval_batch_size, eval_batches
@@ -36,6 +35,7 @@ from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.launch import LauncherGone, LauncherWatch, launcher_pid, process_gone
+from partita.machine_cache import default_cache_dir
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory_bytes
 from partita.models.documents import document_ids

@@ -15,8 +15,8 @@ def describe_machine() -> str:
     """`machine: <processor>, <n> cores, bf16 units <kind>, torch <version>[, <GPU>]`."""
     import torch
 
+    from partita.machine_cache import processor_name
     from partita.models.transformer import cpu_bf16_units
-    from partita.planner.cpu_profile import processor_name
 
     parts = [processor_name(), f"{os.cpu_count()} cores", f"bf16 units {cpu_bf16_units()}",
              f"torch {torch.__version__}"]

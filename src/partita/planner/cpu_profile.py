@@ -12,19 +12,25 @@ operation costs here (`planner.eager_ops` counts a step's operations).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Callable
-from contextlib import suppress
 from pathlib import Path
 
 from partita.device_specs import GB, GPUSpec, best_rate, matmul_rate, training_matmul_rate
+from partita.machine_cache import (
+    KEPT_S,
+    cpuinfo_value,
+    kept_file,
+    machine_key,
+    read_kept,
+    write_kept,
+)
 
 # A profile measured by `partita plan --gpu-type cpu` is kept this long, so that the
 # plans of one sitting agree (a shared machine's rates move by tens of percent from one
 # minute to the next) and each call skips the measurement (~4 s with torch's import).
-CACHE_MAX_AGE_S = 24 * 3600.0
+CACHE_MAX_AGE_S = KEPT_S
 # How the profile is measured; a kept profile measured another way is measured again
 # (2: bf16 products at the fp32 size; 3: and a bf16 elementwise rate).
 PROFILE_METHOD = "3"
@@ -138,7 +144,7 @@ def local_bf16_units(profile: GPUSpec) -> str:
     from `profile`: bf16 products at least as fast as fp32 ones mean AVX-512 BF16."""
     from partita.models.attention_kernel import bf16_units_from_flags
 
-    flags = _cpuinfo_value(("flags", "Features"))
+    flags = cpuinfo_value(("flags", "Features"))
     if flags is not None:
         return bf16_units_from_flags(set(flags.split()))
     return "avx512" if profile.bf16_flops >= profile.peak_flops else "none"
@@ -157,28 +163,8 @@ def _physical_memory() -> float:
 
 def profile_cache_path() -> Path:
     """Where `cached_local_cpu` keeps this machine's profile: $PARTITA_CACHE_DIR, else
-    partita's folder in the user's cache (`config.default_cache_dir`)."""
-    from partita.config_sections import default_cache_dir
-
-    return Path(os.environ.get("PARTITA_CACHE_DIR") or default_cache_dir()) / "cpu-profile.json"
-
-
-def machine_key() -> dict[str, str]:
-    """What a kept profile must have been measured on: this host, its processor and
-    core count, and the torch and partita that measured it (read without importing
-    torch)."""
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    import partita
-
-    try:
-        torch_version = version("torch")
-    except PackageNotFoundError:
-        torch_version = "none"
-    return {"host": platform.node(), "processor": processor_name(),
-            "cores": str(os.cpu_count()), "torch": torch_version,
-            "partita": partita.__version__, "method": PROFILE_METHOD}
+    partita's folder in the user's cache (`machine_cache.default_cache_dir`)."""
+    return kept_file("cpu-profile.json")
 
 
 def cached_local_cpu(path: Path | None = None, remeasure: bool = False,
@@ -189,72 +175,30 @@ def cached_local_cpu(path: Path | None = None, remeasure: bool = False,
     `path` when it was measured here within `max_age_s`, else a new measurement, which
     replaces it. A file that cannot be read or written only costs the measurement."""
     path = path or profile_cache_path()
-    key = machine_key()
+    key = machine_key(PROFILE_METHOD)
     if not remeasure:
-        current = now()
-        kept = _read_profile(path, key, current - max_age_s, current)
+        kept = _read_profile(path, key, max_age_s, now)
         if kept is not None:
             spec, measured_at = kept
             return spec, (f"cpu profile measured {_utc(measured_at)}, kept in {path} "
                           "(--remeasure measures again)")
     spec, measured_at = measure(), now()
-    where = _write_profile(path, key, measured_at, spec)
+    where = write_kept(path, key, measured_at, dataclasses.asdict(spec), field="profile")
     return spec, (f"cpu profile measured now ({_utc(measured_at)})"
                   + (f", kept in {path} for {max_age_s / 3600:g} h" if where else ""))
 
 
-def _read_profile(path: Path, key: dict[str, str], oldest: float, newest: float
-                  ) -> tuple[GPUSpec, float] | None:
+def _read_profile(path: Path, key: dict[str, str], max_age_s: float,
+                  now: Callable[[], float]) -> tuple[GPUSpec, float] | None:
+    kept = read_kept(path, key, max_age_s, now, field="profile")
+    if kept is None:
+        return None
+    fields = {f.name for f in dataclasses.fields(GPUSpec)}
     try:
-        data = json.loads(path.read_text())
-        if data["machine"] != key or not oldest <= float(data["measured_at"]) <= newest:
-            return None
-        fields = {f.name for f in dataclasses.fields(GPUSpec)}
-        spec = GPUSpec(**{k: v for k, v in data["profile"].items() if k in fields})
-        return spec, float(data["measured_at"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # missing, damaged or from an older layout: measure again
-
-
-def _write_profile(path: Path, key: dict[str, str], measured_at: float, spec: GPUSpec
-                   ) -> bool:
-    """Write atomically (a reader sees the old file or the whole new one); False where
-    the folder cannot be written."""
-    data = {"machine": key, "measured_at": measured_at, "profile": dataclasses.asdict(spec)}
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-        return True
-    except OSError:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        return False
+        return GPUSpec(**{k: v for k, v in kept[0].items() if k in fields}), kept[1]
+    except (TypeError, AttributeError):
+        return None  # from an older layout: measure again
 
 
 def _utc(seconds: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(seconds))
-
-
-def processor_name() -> str:
-    """This machine's processor as /proc/cpuinfo names it (else what platform says)."""
-    name = _cpuinfo_value(("model name",))
-    if name is not None:
-        return name
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
-def _cpuinfo_value(keys: tuple[str, ...]) -> str | None:
-    """The value of the first /proc/cpuinfo line starting with one of `keys`; None
-    where there is no such line or file."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(keys):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
