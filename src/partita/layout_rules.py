@@ -79,11 +79,21 @@ def validate(layout: Layout, model: ModelConfig, world_size: int, *, seq_len: in
                            "\n".join(f"  - {p.message}" for p in problems))
 
 
-def world_size_message(degrees: Degrees, world_size: int, planner: bool = False) -> str:
+def world_size_message(degrees: Degrees, world_size: int, planner: bool = False,
+                       library: bool = False) -> str:
     """Why `degrees` do not fill `world_size` processes, and what to change, in
-    `partita train`'s options or (`planner`) in `partita plan`'s."""
+    `partita train`'s options, (`planner`) in `partita plan`'s, or (`library`) in the
+    arguments of a `Mesh` built in Python."""
     d = degrees
     other = d.tp * d.pp * d.cp
+    if library:
+        layout = f"Degrees(dp={d.dp}, tp={d.tp}, pp={d.pp}, cp={d.cp})"
+        fit = (f"dp={world_size // other}" if world_size % other == 0 else
+               f"tp x pp x cp = {other} does not divide {world_size}: change tp, pp or cp")
+        return (f"{layout} needs {d.world_size} processes, but the Mesh is built with "
+                f"world_size={world_size}. Start {d.world_size} processes (torchrun "
+                f"--nproc-per-node {d.world_size}), or choose degrees whose product is "
+                f"{world_size} ({fit}).")
     take_rest = ("dp left out" if planner else "--parallel.dp=0") + (
         ", which takes what tp x pp x cp leave")
     if world_size % other == 0:

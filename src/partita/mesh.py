@@ -116,7 +116,7 @@ def all_groups(dims: Degrees) -> dict[str, list[list[int]]]:
 
 def check_world_size(dims: Degrees, world_size: int) -> None:
     if dims.world_size != world_size:
-        raise PartitaError(world_size_message(dims, world_size))
+        raise PartitaError(world_size_message(dims, world_size, library=True))
 
 
 def check_world_argument(dims: Degrees, world_size: int) -> None:
