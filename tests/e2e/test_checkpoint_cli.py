@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,68 @@ def _losses(out: Path) -> dict[int, float]:
     return out_losses
 
 
+DROPOUT = ("--nproc", "1", "--model.dropout=0.1", "--train.dtype=float64",
+           "--train.steps=5", "--train.eval_every=100")
+CONCURRENT = 3  # jobs at once (see `jobs`)
+
+
+def _fault_env(fault: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PARTITA_FAULT": fault}
+
+
+# The first run of each test that starts from nothing: (arguments after `train`'s own,
+# the injected fault or "").
+JOBS = {
+    "whole": (("--nproc", "2", *F64), ""),
+    "stop after 3": (("--nproc", "2", *F64, "--parallel.zero_stage=3", "--train.stop_after=3"),
+                     ""),
+    "dropout whole": (DROPOUT, ""),
+    "dropout part": ((*DROPOUT, "--train.stop_after=3"), ""),
+    "killed worker": (("--nproc", "2", "--max-restarts", "1", *F64),
+                      "rank=1,step=5,at=forward,do=kill"),
+    "killed writer": (("--nproc", "2", *F64, "--train.async_checkpoint=false"),
+                      "rank=1,step=4,at=checkpoint_write,do=kill"),
+    "full disk stop": (("--nproc", "2", *F64, "--train.steps=6",
+                        "--train.checkpoint_failure=stop"),
+                       "rank=0,step=4,at=checkpoint_write,do=enospc"),
+    "full disk continue": (("--nproc", "2", *F64, "--train.steps=6",
+                            "--train.checkpoint_failure=continue"),
+                           "rank=0,step=4,at=checkpoint_write,do=enospc"),
+    "failed last save": (("--nproc", "2", *F64, "--train.steps=6",
+                          "--train.checkpoint_failure=continue"),
+                         "rank=0,step=6,at=checkpoint_write,do=enospc"),
+}
+
+
 @pytest.fixture(scope="module")
-def whole_run(tmp_path_factory, cache) -> Path:
-    """A run that was not interrupted (its checkpoints serve the bad-input cases)."""
+def jobs(tmp_path_factory, cache) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every test's first run, CONCURRENT at a time: each is process start-up, a few
+    tiny steps and, for the faults, waiting for the job to notice and end, so they
+    overlap; each still runs on its own folder and is checked by its own test."""
     from tests.conftest import CLI
 
-    out = tmp_path_factory.mktemp("whole") / "run"
-    result = CLI(cache).train(out, "--nproc", "2", *F64)
+    cli = CLI(cache)
+    root = tmp_path_factory.mktemp("jobs")
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        args, fault = JOBS[name]
+        out = root / name.replace(" ", "-") / "run"
+        result = subprocess.run([sys.executable, "-m", "partita.cli",
+                                 *cli.train_args(out, *args)],
+                                capture_output=True, text=True, timeout=300,
+                                env=_fault_env(fault) if fault else
+                                {**os.environ, "PYTHONUNBUFFERED": "1"})
+        return result, out
+
+    with ThreadPoolExecutor(CONCURRENT) as pool:
+        futures = {name: pool.submit(run, name) for name in JOBS}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def whole_run(jobs) -> Path:
+    """A run that was not interrupted (its checkpoints serve the bad-input cases)."""
+    result, out = jobs["whole"]
     assert result.returncode == 0, result.stderr[-2000:]
     assert sorted(_losses(out)) == list(range(1, STEPS + 1))
     return out
@@ -65,9 +121,8 @@ def _same(got: dict[int, float], want: dict[int, float], tol: float = 0.0) -> No
             assert relative_error(got[step], want[step]) <= tol, (step, got[step], want[step])
 
 
-def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
-    result = cli.train(run_dir, "--nproc", "2", *F64, "--parallel.zero_stage=3",
-                       "--train.stop_after=3")
+def test_stop_after_then_resume_in_another_layout(jobs, cli, uninterrupted):
+    result, run_dir = jobs["stop after 3"]
     assert result.returncode == CHECKPOINT_STOP_EXIT, result.stderr[-2000:]
     assert "stopped after step 3" in result.stderr and "--train.resume=auto" in result.stderr
     assert not (run_dir / "model.safetensors").exists()
@@ -94,16 +149,13 @@ def test_stop_after_then_resume_in_another_layout(run_dir, cli, uninterrupted):
     assert again.returncode == 0, again.stderr
 
 
-def test_a_dropout_run_resumed_in_its_layout_continues_bitwise(tmp_path, cli):
+def test_a_dropout_run_resumed_in_its_layout_continues_bitwise(jobs, cli):
     """The restored random streams are the ones the dropout masks draw from: nothing
     the run does as it starts (measuring the CPU's rate for MFU) may draw from them."""
-    dropout = ("--nproc", "1", "--model.dropout=0.1", "--train.dtype=float64",
-               "--train.steps=5", "--train.eval_every=100")
-    whole, part = tmp_path / "whole", tmp_path / "part"
-    assert cli.train(whole, *dropout).returncode == 0
-    stopped = cli.train(part, *dropout, "--train.stop_after=3")
+    (done, whole), (stopped, part) = jobs["dropout whole"], jobs["dropout part"]
+    assert done.returncode == 0, done.stderr[-2000:]
     assert stopped.returncode == CHECKPOINT_STOP_EXIT, stopped.stderr[-2000:]
-    resumed = cli.train(part, *dropout, "--train.resume=auto")
+    resumed = cli.train(part, *DROPOUT, "--train.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "random streams restored" in resumed.stdout
     _same(_losses(part), _losses(whole))
@@ -130,25 +182,15 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_exits_75(run_dir, cli
     assert verify.returncode == 0 and f"step-{stopped:08d}" in verify.stdout, verify.stderr
 
 
-def test_a_killed_worker_is_restarted_and_the_run_finishes_alike(run_dir, cli, uninterrupted):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PARTITA_FAULT": "rank=1,step=5,at=forward,do=kill"}
-    result = subprocess.run([sys.executable, "-m", "partita.cli",
-                             *cli.train_args(run_dir, "--nproc", "2", "--max-restarts", "1",
-                                             *F64)],
-                            capture_output=True, text=True, timeout=300, env=env)
+def test_a_killed_worker_is_restarted_and_the_run_finishes_alike(jobs, uninterrupted):
+    result, run_dir = jobs["killed worker"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout and "step-00000004" in result.stdout
     _same(_losses(run_dir), uninterrupted)
 
 
-def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(run_dir, cli, uninterrupted):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PARTITA_FAULT": "rank=1,step=4,at=checkpoint_write,do=kill"}
-    result = subprocess.run([sys.executable, "-m", "partita.cli",
-                             *cli.train_args(run_dir, "--nproc", "2", *F64,
-                                             "--train.async_checkpoint=false")],
-                            capture_output=True, text=True, timeout=300, env=env)
+def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(jobs, cli, uninterrupted):
+    result, run_dir = jobs["killed writer"]
     assert result.returncode != 0
     root = run_dir / "checkpoints"
     assert not (root / "step-00000004").exists()
@@ -162,13 +204,8 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(run_dir, cli, u
 
 
 @pytest.mark.parametrize("policy", ["stop", "continue"])
-def test_a_full_disk_keeps_the_previous_checkpoint(policy, run_dir, cli):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PARTITA_FAULT": "rank=0,step=4,at=checkpoint_write,do=enospc"}
-    result = subprocess.run([sys.executable, "-m", "partita.cli",
-                             *cli.train_args(run_dir, "--nproc", "2", *F64, "--train.steps=6",
-                                             f"--train.checkpoint_failure={policy}")],
-                            capture_output=True, text=True, timeout=300, env=env)
+def test_a_full_disk_keeps_the_previous_checkpoint(policy, jobs):
+    result, run_dir = jobs[f"full disk {policy}"]
     root = run_dir / "checkpoints"
     assert "No space left on device" in result.stderr + result.stdout
     assert "Traceback" not in result.stderr
@@ -184,15 +221,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint(policy, run_dir, cli):
         assert "partita: warning: a checkpoint could not be saved" in result.stdout
 
 
-def test_a_failed_last_save_fails_the_run_even_when_saves_may_fail(run_dir, cli):
+def test_a_failed_last_save_fails_the_run_even_when_saves_may_fail(jobs):
     """checkpoint_failure=continue trains on past a failed save, but no later save can
     replace the run's last one: exit 2, the newest intact checkpoint kept."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PARTITA_FAULT": "rank=0,step=6,at=checkpoint_write,do=enospc"}
-    result = subprocess.run([sys.executable, "-m", "partita.cli",
-                             *cli.train_args(run_dir, "--nproc", "2", *F64, "--train.steps=6",
-                                             "--train.checkpoint_failure=continue")],
-                            capture_output=True, text=True, timeout=300, env=env)
+    result, run_dir = jobs["failed last save"]
     root = run_dir / "checkpoints"
     assert result.returncode == 2, result.stderr[-2000:]
     assert "the run's last checkpoint could not be saved" in result.stderr, result.stderr
