@@ -65,6 +65,7 @@ from partita.zero.units import (
     BlockSpec,
     buckets_by_size,
     require_blocks,
+    require_model_parallel,
     resolve_blocks,
 )
 
@@ -103,6 +104,7 @@ class DataParallel:
         self.comm = mesh.comm("zero_shard")
         self.mp_comm = mesh.comm("model_parallel")
         # Checked however many ranks share the shards, so that a setting fails alike on one.
+        require_model_parallel(module, mesh)
         names: list[str] = []
         if zero.stage.shards_parameters:
             names = resolve_blocks(module, blocks)

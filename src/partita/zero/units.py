@@ -137,3 +137,19 @@ def require_blocks(module: nn.Module, block_names: list[str]) -> None:
             "as a list of module names, the block class (e.g. blocks=MyDecoderLayer), or a "
             "pattern such as 'model.layers.*'; or use zero stage 2, which needs no blocks."
         )
+
+
+def require_model_parallel(module: nn.Module, mesh) -> None:
+    """Refuse a mesh with tensor-parallel ranks (tp > 1) for a module that tensor
+    parallelism has not split: the engine reduces gradients over the data-parallel group
+    only, so tp peers holding whole copies would each train on their own and drift apart.
+    Tensor parallelism tags every parameter it leaves (partita.sharding.ShardInfo)."""
+    tp = mesh.size("tensor")
+    if tp > 1 and not any(getattr(p, "partita_shard", None) is not None
+                          for p in module.parameters()):
+        raise PartitaError(
+            f"the mesh has tp={tp} but {type(module).__name__} carries no tensor-parallel "
+            "layers, so its copies on the tp ranks would never exchange gradients and "
+            "would train apart. Build the mesh with tp=1 (all ranks data-parallel), or "
+            "split the model first: partita.parallelize.parallelize(model, plan, cfg, "
+            "mesh, device) applies its plan's tensor parallelism and wraps it.")
