@@ -8,7 +8,8 @@ The order is fixed, because each step reads what the previous one left. Each ste
 function from one explicit object to the next:
 
 1. the caller builds the model on the meta device (names and shapes, no memory) and
-   hands it over with its `ModelPlan` (roles, blocks, init rule, shape);
+   hands it over with its `ModelPlan` (roles, blocks, init rule, shape); a model built
+   with its values instead takes global rank 0's on every rank (`start_from_first_rank`);
 2. `cut_pipeline`: ModelPlan + meta model -> `PipelineCut`, holding only the blocks,
    embedding and head of this rank's pipeline stages (block names stay global);
 3. `shard_tensor_parallel`: PipelineCut -> `ShardedModel`, planned modules swapped for
@@ -70,6 +71,7 @@ from partita.tensor_parallel import (
     TensorParallelReport,
     apply_tensor_parallel,
 )
+from partita.tensor_parallel.plan_check import check_patterns_match
 from partita.zero import DataParallel, MixedPrecision, ZeroConfig, model_init_fn
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
@@ -118,6 +120,18 @@ def dims_from_config(cfg: Config, world_size: int) -> Layout:
     return cfg.layout(world_size)
 
 
+def check_microbatches(rows: int, microbatches: int) -> None:
+    """Refuse a microbatch count that does not cut `rows` into equal microbatches: each
+    microbatch's loss is weighted 1 / microbatches, so fewer or unequal chunks (what
+    `Tensor.chunk` gives then) would scale the loss and gradients wrongly."""
+    if microbatches < 1 or rows % microbatches:
+        raise PartitaError(
+            f"{microbatches} microbatches do not divide this rank's batch of {rows} rows "
+            "into equal microbatches, so their losses could not be weighted alike. Pass "
+            f"a number of microbatches that divides {rows} (as train.microbatches must "
+            "divide each replica's rows), or a batch whose rows it divides.")
+
+
 class MicrobatchRunner:
     """Forward and backward of one rank's batch without a pipeline: microbatches in turn.
 
@@ -132,6 +146,7 @@ class MicrobatchRunner:
               segments: torch.Tensor | None = None,
               targets_per_rank: float | None = None) -> float:
         """Accumulate gradients of mean loss / microbatches; return this rank's loss."""
+        check_microbatches(inputs.shape[0], microbatches)
         losses = []
         pairs = list(zip(inputs.chunk(microbatches), targets.chunk(microbatches)))
         docs = [None] * len(pairs) if segments is None else segments.chunk(microbatches)
@@ -340,27 +355,56 @@ def dropout_seed(seed: int, mesh: Mesh) -> int:
     return seed + mesh.index("loss_average") + replicas * mesh.index("pipeline")
 
 
+def start_from_first_rank(model: nn.Module, device: torch.device) -> None:
+    """Every rank's copy of a model built with its values takes those of global rank 0,
+    before tensor parallelism slices it or a pipeline cuts it: ranks seeded differently
+    would otherwise hold replicated parameters (norms, row-parallel biases) that differ
+    between tensor-parallel peers, matching no single-device model. Nothing is sent for
+    a model on the meta device, whose values the plan's init rule draws alike anywhere.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_meta:
+                continue
+            # The backend's device (NCCL sends only GPU tensors), then back in place.
+            moved = param.detach().to(device)
+            dist.broadcast(moved, src=0)
+            if moved.data_ptr() != param.data_ptr():
+                param.copy_(moved)
+
+
 def parallelize(model: nn.Module, plan: ModelPlan, cfg: Config, mesh: Mesh,
-                device: torch.device) -> ParallelModel:
+                device: torch.device | str) -> ParallelModel:
     """This rank's part of `model` under the layout of `cfg` on `mesh`.
 
     `model` is a single-device model, normally built on the meta device (then
     `plan.init` draws its parameters), that follows its plan: the blocks in an
     index-keyed ModuleDict at `plan.blocks`; for a pipeline, `model.embed(tokens)`,
-    `model.head(hidden)` and blocks that map hidden states to hidden states.
-    `plan.shape` describes its widths for the layout checks. Raises PartitaError for a
-    layout the model cannot take, on every rank alike, before any process waits.
+    `model.head(hidden)` and blocks that map hidden states to hidden states. A model
+    built with its values starts from global rank 0's on every rank
+    (`start_from_first_rank`). `plan.shape` describes its widths for the layout checks.
+    `device`: a torch.device or its name. Raises PartitaError for a layout the model
+    cannot take, on every rank alike, before any process waits.
     """
     if plan.shape is None:
         raise PartitaError(
             "the model's plan has no shape (ModelPlan.shape): partita needs the model's "
             "widths, depth and vocabulary to check a layout and to cut a pipeline."
         )
+    device = torch.device(device)
     layout = cfg.layout(mesh.world_size)
     check_layout(cfg, plan.shape, layout, mesh.world_size)
     if layout.degrees != mesh.dims:
         raise PartitaError(f"the mesh was built for {mesh.dims} but the configuration "
                            f"asks for {layout.degrees}; build both from one Layout.")
+    plan.block_container(model)  # every layout reads the blocks; refused alike on all ranks
+    if layout.tp > 1:
+        check_patterns_match(model, plan)  # on the whole model: a stage lacks the others'
+    start_from_first_rank(model, device)
     zero, precision, optim = engine_policies(cfg)
     pipeline = prepare_pipeline(cfg, plan.shape, mesh, layout) if layout.pp > 1 else None
     staged = cut_pipeline(model, plan, pipeline)

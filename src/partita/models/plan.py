@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from partita.errors import PartitaError
 from partita.models.model_config import ModelConfig
 from partita.models.param_init import ParamInit
 
@@ -61,9 +62,28 @@ class ModelPlan:
                 return role
         return None
 
+    def block_container(self, model: nn.Module) -> nn.ModuleDict:
+        """The model's blocks (`blocks`); PartitaError when it names no ModuleDict, which
+        every layout reads the blocks from (ZeRO-3 units, recomputation, compilation,
+        pipeline stages)."""
+        try:
+            container: nn.Module | None = model.get_submodule(self.blocks)
+        except AttributeError:
+            container = None
+        if isinstance(container, nn.ModuleDict):
+            return container
+        found = "nothing" if container is None else f"a {type(container).__name__}"
+        hint = (" (an nn.ModuleList: wrap its blocks as nn.ModuleDict({str(i): block for "
+                "i, block in enumerate(blocks)}) and iterate .values() in forward)"
+                if isinstance(container, nn.ModuleList) else "")
+        raise PartitaError(
+            f"the model's plan names its blocks {type(model).__name__}.{self.blocks} "
+            f"(ModelPlan.blocks), but there is {found} there{hint}. Keep the blocks in an "
+            "nn.ModuleDict with keys '0'..'n-1' and give its attribute name as "
+            "ModelPlan.blocks.")
+
     def block_names(self, model: nn.Module) -> list[str]:
-        container = model.get_submodule(self.blocks)
-        return [f"{self.blocks}.{key}" for key in container.keys()]
+        return [f"{self.blocks}.{key}" for key in self.block_container(model).keys()]
 
 
 def shared_parameters(model: nn.Module) -> list[list[str]]:

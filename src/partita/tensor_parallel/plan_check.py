@@ -15,6 +15,8 @@ Both raise PartitaError on every rank alike, since every rank holds the same mod
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import re
 
 import torch.nn as nn
@@ -120,3 +122,39 @@ def _listed(problems: dict[str, list[str]]) -> str:
                                  if more else ""))
     rest = len(problems) - _SHOWN
     return "; ".join(shown) + (f"; and {rest} more problems" if rest > 0 else "")
+
+
+def check_patterns_match(model: nn.Module, plan: roles.ModelPlan) -> None:
+    """Every pattern of the plan names at least one module of the whole (uncut) model.
+
+    A misspelt pattern otherwise leaves its modules whole on every rank, silently: a
+    plan whose every block role misses trains replicated blocks at any tp. Patterns of
+    a dense MLP under a module the plan makes a mixture of experts, and the tied head
+    (None on the model), name nothing by design.
+    """
+    names = [n for n, _ in model.named_modules() if n]
+    moe = [n for n in names if plan.role_of(n) == roles.MOE]
+    missing = []
+    for pattern in plan.roles:
+        if pattern == plan.tied_head or any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            continue
+        parent = pattern.rpartition(".")[0]
+        if parent and any(fnmatch.fnmatchcase(n, parent) for n in moe):
+            continue
+        missing.append(pattern)
+    if not missing:
+        return
+    # Block indices as '*', so the suggestions read like the plan's own patterns.
+    shapes = list(dict.fromkeys(_INDEX.sub("*", n) for n in names))
+    texts = []
+    for pattern in missing[:_SHOWN]:
+        near = difflib.get_close_matches(pattern, shapes, n=3, cutoff=0.5)
+        texts.append(f"'{pattern}'" + (f" (closest modules: {', '.join(near)})" if near else ""))
+    rest = len(missing) - _SHOWN
+    raise PartitaError(
+        f"the model's plan has {len(missing)} pattern(s) that match no module of "
+        f"{type(model).__name__}: {'; '.join(texts)}"
+        + (f"; and {rest} more" if rest > 0 else "")
+        + ". Their modules would stay whole on every rank. Correct each pattern in "
+        "ModelPlan.roles to the module names model.named_modules() gives (fnmatch, '*' "
+        "for a block index), or remove it.")
