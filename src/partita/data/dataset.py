@@ -203,7 +203,9 @@ def split_tokens(tokens: np.ndarray, seq_len: int, val_fraction: float, what: st
     if n - n_val < seq_len + 1:
         raise PartitaError(f"{what} has {n} tokens{why}, too few for seq_len {seq_len}: "
                            f"training needs at least {seq_len + 1} tokens after holding out "
-                           f"{n_val} for validation. Use more data (or a larger byte budget), "
+                           f"{n_val} for validation. Use more data (a larger byte budget "
+                           "where one caps the source: data.max_bytes for the built-in "
+                           "corpus), "
                            "a shorter seq_len, or a smaller val_fraction.")
     return tokens[: n - n_val], tokens[n - n_val:]
 
@@ -226,8 +228,10 @@ def load_dataset(source: str | os.PathLike | None, cache_dir: str | os.PathLike,
     source: None for the built-in standard-library corpus (capped at `max_bytes`,
     default 8 MiB); a text file or folder of text files (capped at `max_bytes` when
     given); JSONL or Parquet files or folders, or a dataset saved with `datasets`'
-    save_to_disk (the `text_field` of each record, see partita.data.sources); or a
-    partita token file, used in place without copying.
+    save_to_disk (the `text_field` of each record, see partita.data.sources; read
+    whole, whatever `max_bytes`); or a partita token file, used in place without
+    copying. A run's `data.max_bytes` budgets the built-in corpus only
+    (`load_configured`).
     tokenizer: defaults to the byte tokenizer. A token file is taken as written by it
     when given (its vocabulary must match; its documents are marked by the tokenizer's
     boundary, `boundary_token`), and as of unknown, unmarked documents when not -- the
@@ -364,8 +368,24 @@ def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
     workers = max(data.workers, 1)
     options = dict(val_fraction=data.val_fraction, tokenizer=tokenizer,
                    text_field=data.text_field, bad_lines=data.bad_lines, workers=workers)
+    if note := max_bytes_note(data):
+        print(note, file=sys.stderr)
     if data.mix:
         return load_mixture(data.mix, cache_dir, data.seq_len, **options)
     source = data.source or None
     return load_dataset(source, cache_dir, data.seq_len,
                         max_bytes=data.max_bytes if source is None else None, **options)
+
+
+def max_bytes_note(data) -> str | None:
+    """A note when `data.max_bytes` is set beside a source it does not cap (None
+    otherwise). The setting budgets the built-in corpus only: as a cap on every source
+    its default would silently cut a user's data to 4 MB."""
+    from partita.config_sections import DataSection
+
+    if not (data.source or data.mix) or data.max_bytes == DataSection.max_bytes:
+        return None
+    given = f"data.mix '{data.mix}'" if data.mix else f"data.source '{data.source}'"
+    return (f"partita: data.max_bytes={data.max_bytes} is not applied: it budgets the "
+            f"built-in corpus only, and {given} is read whole. To train on less of it, "
+            "give a smaller file (e.g. cut with head -c), or leave data.max_bytes out.")

@@ -139,8 +139,10 @@ class HFTokenizer:
             return None
         return (f"partita: the tokenizer {self.path} names no BOS or EOS token (no "
                 "tokenizer_config.json or config.json beside it says which), so documents "
-                "are packed without separators and not masked from one another; add a "
-                "tokenizer_config.json with bos_token / eos_token to frame them.")
+                "are packed without a boundary token (records of JSONL, Parquet or a "
+                "dataset each end with a newline; text files are joined as they are) and "
+                "are not masked from one another; add a tokenizer_config.json with "
+                "bos_token / eos_token to frame them.")
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
