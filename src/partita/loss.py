@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from partita.errors import PartitaError
+
 # Up to this many logits (one rank's, one microbatch) torch's fused kernel computes the
 # loss instead: there the time goes to launching ops, not to memory traffic, and ours
 # calls 40 aten ops in forward and backward against torch's 3 fused ones (counted with
@@ -89,6 +91,18 @@ def _fused_cross_entropy(logits: torch.Tensor, targets: torch.Tensor,
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))
     total = F.cross_entropy(x, targets, ignore_index=ignore_index, reduction="sum")
     return total / (targets != ignore_index).sum().clamp(min=1)
+
+
+def check_microbatches(rows: int, microbatches: int) -> None:
+    """Refuse a microbatch count that does not cut `rows` into equal microbatches: each
+    microbatch's loss is weighted 1 / microbatches, so fewer or unequal chunks (what
+    `Tensor.chunk` gives then) would scale the loss and gradients wrongly."""
+    if microbatches < 1 or rows % microbatches:
+        raise PartitaError(
+            f"{microbatches} microbatches do not divide this rank's batch of {rows} rows "
+            "into equal microbatches, so their losses could not be weighted alike. Pass "
+            f"a number of microbatches that divides {rows} (as train.microbatches must "
+            "divide each replica's rows), or a batch whose rows it divides.")
 
 
 def microbatch_weight(targets: torch.Tensor, microbatches: int,

@@ -57,7 +57,11 @@ from partita.errors import PartitaError
 from partita.experts import MoERunner, apply_expert_parallel
 from partita.layout import Layout, ZeroStage
 from partita.layout_rules import validate
-from partita.loss import cross_entropy, microbatch_weight  # cross_entropy: vocab on one rank
+from partita.loss import (  # cross_entropy: vocab on one rank
+    check_microbatches,
+    cross_entropy,
+    microbatch_weight,
+)
 from partita.memory import OffloadPolicy, RecomputePolicy, RecomputeReport, apply_recompute
 from partita.memory.disk import check_offload_dir, disk_bytes_needed, subgroup_elements
 from partita.mesh import Mesh
@@ -118,18 +122,6 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
 def dims_from_config(cfg: Config, world_size: int) -> Layout:
     """The run's Layout for `world_size` processes (see `Config.layout`)."""
     return cfg.layout(world_size)
-
-
-def check_microbatches(rows: int, microbatches: int) -> None:
-    """Refuse a microbatch count that does not cut `rows` into equal microbatches: each
-    microbatch's loss is weighted 1 / microbatches, so fewer or unequal chunks (what
-    `Tensor.chunk` gives then) would scale the loss and gradients wrongly."""
-    if microbatches < 1 or rows % microbatches:
-        raise PartitaError(
-            f"{microbatches} microbatches do not divide this rank's batch of {rows} rows "
-            "into equal microbatches, so their losses could not be weighted alike. Pass "
-            f"a number of microbatches that divides {rows} (as train.microbatches must "
-            "divide each replica's rows), or a batch whose rows it divides.")
 
 
 class MicrobatchRunner:

@@ -1,7 +1,8 @@
 """A script driving `parallelize` and `DataParallel` itself, over 2 ranks: a model built
 with its values from a different seed on each rank starts from global rank 0's at every
-layout (tp, pp, cp, ep), a tp mesh around a plain module is refused, and so is a plan
-whose patterns match no module at tp=2.
+layout (tp, pp, cp, ep), a tp mesh around a plain module is refused, and so are a plan
+whose patterns match no module at tp=2 and a pipeline step whose microbatches do not
+divide the rows.
 
 One spawned world runs every case; a PartitaError is returned as its message, so one
 refusal does not end the others.
@@ -71,6 +72,9 @@ def _cases(rank: int, world: int) -> dict:
         model = _model(cfg, seed=rank)
         pm = parallelize(model, model.plan(), cfg, mesh, torch.device("cpu"))
         out[key] = _mismatch(pm, _model(cfg, seed=0))
+        if key == "pp":  # the pipeline's runner weighs microbatches like the others
+            rows = torch.zeros((4, 8), dtype=torch.long)
+            out["pp_microbatches"] = _refused(lambda: pm.runner.train(rows, rows, 3))
         pm.dp.close()
 
     cfg = parity_config(parallel=dict(tp=2))
@@ -113,3 +117,10 @@ def test_a_tp_mesh_around_a_plain_module_is_refused(seen):
     for out in seen:
         assert "the mesh has tp=2 but Transformer carries no tensor-parallel" in out["tp_mesh"]
         assert "parallelize" in out["tp_mesh"]
+
+
+def test_the_pipeline_runner_refuses_microbatches_that_do_not_divide_the_rows(seen):
+    """4 rows in 3 microbatches crashed the stage (IndexError) and left its peer waiting."""
+    for out in seen:
+        assert "3 microbatches do not divide this rank's batch of 4 rows" in \
+            out["pp_microbatches"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from partita.loss import microbatch_weight
+from partita.loss import check_microbatches, microbatch_weight
 from partita.mesh import Mesh
 from partita.models.plan import VOCAB_HEAD, ModelPlan
 from partita.pipeline import stage as st
@@ -211,6 +211,7 @@ class PipelineRunner:
     def train(self, inputs: torch.Tensor, targets: torch.Tensor, microbatches: int,
               segments: torch.Tensor | None = None,
               targets_per_rank: float | None = None) -> float:
+        check_microbatches(inputs.shape[0], microbatches)
         run = self._train_run(microbatches)
         step = _Step(list(inputs.chunk(microbatches)), list(targets.chunk(microbatches)),
                      microbatches, train=True, deferred=run.deferred, split=run.split,
