@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -17,27 +18,47 @@ def test_help_lists_every_command(cli):
         assert command in out
 
 
-def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(tmp_path, cli):
-    runs = {}
-    for name, extra in {"single": ["--nproc", "1"],
-                        "dp2": ["--nproc", "2"],
-                        "tp2-sp": ["--nproc", "2", "--parallel.tp=2",
-                                   "--parallel.sequence_parallel"]}.items():
-        out = tmp_path / name
-        result = cli.train(out, *extra, "--train.dtype=float64")
+LAYOUTS = {"single": ["--nproc", "1"], "dp2": ["--nproc", "2"],
+           "tp2-sp": ["--nproc", "2", "--parallel.tp=2", "--parallel.sequence_parallel"]}
+# The training runs of this file, by name: the layouts' float64 runs, a run whose loss
+# becomes nan, and one that evaluates on steps it does not log.
+RUNS = {**{name: [*extra, "--train.dtype=float64"] for name, extra in LAYOUTS.items()},
+        "nan": ["--nproc", "2", "--train.lr=1e30", "--train.warmup_steps=0",
+                "--train.grad_clip=0"],
+        "eval not logged": ["--nproc", "1", "--train.steps=6", "--train.eval_every=3",
+                            "--train.log_every=2"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache) -> dict:
+    """Every training run of this file, three at a time: each is mostly process start-up
+    and a few tiny steps, so they overlap; each is checked by its own test."""
+    from tests.conftest import CLI
+
+    cli, root = CLI(cache), tmp_path_factory.mktemp("runs")
+    with ThreadPoolExecutor(3) as pool:
+        futures = {name: pool.submit(cli.train, root / name, *args)
+                   for name, args in RUNS.items()}
+        return {name: (future.result(), root / name) for name, future in futures.items()}
+
+
+def test_layouts_give_the_same_loss_curve_and_generate_reads_the_weights(runs, cli):
+    curves = {}
+    for name in LAYOUTS:
+        result, out = runs[name]
         assert result.returncode == 0, result.stderr[-3000:]
         last = result.stdout.strip().splitlines()[-1]
         assert last.startswith("done: 6 steps, train loss"), last
         # The whole run's rate, and the training steps' own after the first (warm-up).
         assert re.search(r"[\d,]+ tokens/s \([\d,]+ in the training steps after the "
                          r"first\)$", last), last
-        runs[name] = cli.losses(out)
+        curves[name] = cli.losses(out)
         assert not (out / "checkpoints").exists()  # nothing saved: no empty folder left
-    for name, curve in runs.items():
-        assert curve == pytest.approx(runs["single"], rel=1e-10), name
-    assert runs["single"][-1] < runs["single"][0]
-    text = cli("generate", "--run", str(tmp_path / "dp2"), "--prompt", "def ",
-                   "--tokens", "20")
+    for name, curve in curves.items():
+        assert curve == pytest.approx(curves["single"], rel=1e-10), name
+    assert curves["single"][-1] < curves["single"][0]
+    text = cli("generate", "--run", str(runs["dp2"][1]), "--prompt", "def ",
+               "--tokens", "20")
     assert text.returncode == 0, text.stderr
     assert text.stdout.startswith("def ") and len(text.stdout) > 4
 
@@ -87,10 +108,8 @@ def test_unreadable_token_file_is_reported(tmp_path, run_dir, cli):
     assert "partita: error:" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_nan_loss_stops_naming_the_step_and_writes_no_weights(run_dir, cli):
-    out = run_dir
-    result = cli.train(out, "--nproc", "2", "--train.lr=1e30", "--train.warmup_steps=0",
-                       "--train.grad_clip=0")
+def test_nan_loss_stops_naming_the_step_and_writes_no_weights(runs):
+    result, out = runs["nan"]
     assert result.returncode != 0
     assert "became nan" in result.stderr and "at step" in result.stderr
     assert not (out / "model.safetensors").exists()
@@ -141,17 +160,15 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, capsys, 
     assert "2 processes on this node but 1 GPU(s) visible" in err and "--nproc 1" in err
 
 
-def test_a_validation_loss_is_logged_at_the_step_it_was_measured(run_dir, cli):
+def test_a_validation_loss_is_logged_at_the_step_it_was_measured(runs):
     """eval_every=3 with log_every=2: the step-3 evaluation was reported on the step-4
     line, as if measured on step 4's weights."""
-    result = cli.train(run_dir, "--nproc", "1", "--train.steps=6", "--train.eval_every=3",
-                       "--train.log_every=2")
+    result, run_dir = runs["eval not logged"]
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     val = {r["step"]: r.get("val_loss") for r in records if "step" in r}
     assert val[3] is not None and val[6] is not None, val
     assert val.get(2) is None and val.get(4) is None, val
-
 
 
 @pytest.mark.parametrize("seed", ["18446744073709551616", "-1"])
