@@ -29,7 +29,7 @@ pytestmark = pytest.mark.fault_suite("process faults")
 TIMEOUT_S = 4  # collective and pipeline timeouts of these jobs
 SLOW_TIMEOUT_S = 12  # the same, for a job rerun because it failed before its fault
 BOUND_S = 150  # start-up of two processes on a loaded 2-core machine included
-CONCURRENT = 2  # jobs at once (see `outcomes`)
+CONCURRENT = 3  # jobs at once (see `outcomes`)
 
 LAYOUTS = {
     "dp": [],
