@@ -62,13 +62,22 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
 
 
 def check_out_dir(out_dir: str | os.PathLike, overwrite: bool, resuming: bool = False,
-                  auto_found_nothing: bool = False) -> Path:
+                  auto_found_nothing: bool = False, branch_of: Path | None = None) -> Path:
     """The checks of `prepare_out_dir` that change nothing: `out_dir` is given (not empty:
     that would be the current folder), is not a file, and holds no other run's results
-    unless `overwrite` (or `resuming` that run). `auto_found_nothing`: train.resume=auto
-    was asked for and found no checkpoint, which the message then says."""
+    unless `overwrite` (or `resuming` that run: its own checkpoint, not just any).
+    `auto_found_nothing`: train.resume=auto was asked for and found no checkpoint;
+    `branch_of`: the run starts from that checkpoint of another run. The message then
+    says so."""
     path = check_folder(given_out_dir(out_dir), OUT_DIR)
     found = [] if resuming or not path.is_dir() else _results(path)
+    if found and not overwrite and _trained(path) and branch_of is not None:
+        raise PartitaError(
+            f"train.out_dir '{path}' already holds another run's results "
+            f"({', '.join(found)}), and this run starts from {branch_of}, a checkpoint "
+            "of another run; choose a new folder for it with --train.out_dir=PATH, or "
+            "replace them with --train.overwrite=true."
+        )
     if found and not overwrite and _trained(path) and auto_found_nothing:
         raise PartitaError(
             f"train.resume=auto found no checkpoint of the run in '{path}' (a run saves "

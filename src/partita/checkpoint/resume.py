@@ -12,10 +12,12 @@ from partita.checkpoint.manifest import (
     all_damaged,
     complete_checkpoints,
     find_latest,
+    read_manifest,
     resolve,
     write_latest,
 )
 from partita.config import Config
+from partita.errors import PartitaError
 
 
 def checkpoint_root(cfg: Config) -> Path:
@@ -31,7 +33,8 @@ def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
     wanted = cfg.train.resume or ("auto" if restarted else "")
     if restarted and wanted != "auto":
         # What the run saved since it started is newer than the checkpoint it was told
-        # to start from (a roll-back's later branch was set aside at launch).
+        # to start from. Nothing else there is: at launch a roll-back's later branch was
+        # set aside, and another run's checkpoints refused or deleted (`partita train`).
         given, latest = resolve(Path(wanted)), find_latest(checkpoint_root(cfg))
         return latest if latest is not None and _step(latest) > _step(given) else given
     if not wanted:
@@ -46,8 +49,26 @@ def resume_target(cfg: Config, restarted: bool = False) -> Path | None:
 
 
 def _step(folder: Path) -> int:
-    found = STEP_DIR.match(folder.name)
-    return int(found.group(1)) if found else -1
+    """The checkpoint's step: from its folder name, else (a copy under another name)
+    from its manifest; -1 when neither tells."""
+    if found := STEP_DIR.match(folder.name):
+        return int(found.group(1))
+    try:
+        return int(read_manifest(folder)["step"])
+    except (PartitaError, KeyError, TypeError, ValueError):
+        return -1
+
+
+def in_checkpoint_root(target: Path, root: Path) -> bool:
+    """Whether `target` is one of the step folders of the checkpoint folder `root`:
+    resuming it continues (or rolls back) the run whose checkpoints are there, where any
+    other target starts a branch of another run (or of a set-aside one)."""
+    return bool(STEP_DIR.match(target.name)) and target.parent.resolve() == root.resolve()
+
+
+def resumes_own(cfg: Config, target: Path | None) -> bool:
+    """Whether `target` is in this run's own checkpoint folder (`in_checkpoint_root`)."""
+    return target is not None and in_checkpoint_root(target, checkpoint_root(cfg))
 
 
 def set_aside_later_branch(target: Path, root: Path) -> list[Path]:
@@ -56,8 +77,9 @@ def set_aside_later_branch(target: Path, root: Path) -> list[Path]:
     `abandoned-<name>-<time>`; point `latest` at `target`. Left as they were, they
     would pass for this run's: `resume=auto` takes the newest checkpoint, which would
     return to the abandoned branch, and this run's own saves would replace them one by
-    one. Nothing is deleted. Returns the new names."""
-    if _step(target) < 0 or target.parent.resolve() != root.resolve():
+    one. Nothing is deleted. Returns the new names. (A target outside `root` never gets
+    here with checkpoints in `root`: `partita train` refuses or deletes them first.)"""
+    if not in_checkpoint_root(target, root):
         return []
     stamp = time.strftime("%Y%m%dT%H%M%S")
     moved = []

@@ -13,7 +13,13 @@ from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files
-from partita.checkpoint.resume import checkpoint_root, resume_target, set_aside_later_branch
+from partita.checkpoint.resume import (
+    checkpoint_root,
+    in_checkpoint_root,
+    resume_target,
+    resumes_own,
+    set_aside_later_branch,
+)
 from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
@@ -305,16 +311,30 @@ def check_run_dir(cfg: Config) -> Path | None:
         check_resumable(manifest.get("training", {}).get("sampler", {}),
                         {"seed": cfg.data.seed, "seq_len": cfg.data.seq_len,
                          "global_batch": cfg.train.global_batch})
-    earlier = [] if target is not None else complete_checkpoints(checkpoint_root(cfg))
+    own = resumes_own(cfg, target)
+    earlier = [] if own else complete_checkpoints(checkpoint_root(cfg))
     if earlier and not cfg.train.overwrite:
+        if target is not None:
+            # Branching into a folder of another run's checkpoints: newer ones there would
+            # pass for this run's (resume=auto and restarts take the newest).
+            raise PartitaError(
+                f"{checkpoint_root(cfg)} holds checkpoints of an earlier run (newest: "
+                f"{earlier[-1].name}), and this run starts from {target}, which is not one "
+                "of them: their saves would mix, and --train.resume=auto or a restart "
+                "could return to that run's. Choose another train.out_dir (or "
+                "train.checkpoint_dir) for this run, or delete them with "
+                "--train.overwrite=true; --train.resume=auto continues that run instead."
+            )
         raise PartitaError(
             f"{checkpoint_root(cfg)} holds checkpoints of an earlier run (newest: "
             f"{earlier[-1].name}); continue it with --train.resume=auto, choose another "
             "train.out_dir (or train.checkpoint_dir), or start over with "
             "--train.overwrite=true, which deletes them."
         )
-    check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=target is not None,
-                  auto_found_nothing=target is None and cfg.train.resume == "auto")
+    continues = continues_out_dir(cfg, target)
+    check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=continues,
+                  auto_found_nothing=target is None and cfg.train.resume == "auto",
+                  branch_of=None if continues else target)
     return target
 
 
@@ -346,14 +366,14 @@ def prepare_run_dir(cfg: Config, lock: bool = True) -> list:
                     if not (where / LOCK_FILE).exists():
                         new_lock_files.append(where / LOCK_FILE)
                     locks.append(lock_folder(folder, setting))
-        if target is None:
+        if not resumes_own(cfg, target):  # a fresh run, or a branch of another run's
             for folder in complete_checkpoints(root):
                 shutil.rmtree(folder)
             (root / "latest").unlink(missing_ok=True)
         wide = "float64" in (cfg.train.dtype, cfg.precision.param_dtype)
         prepare_out_dir(cfg.train.out_dir, cfg.train.overwrite,
                         weight_bytes(cfg.model_config().num_params(), 8 if wide else 4),
-                        resuming=target is not None)
+                        resuming=continues_out_dir(cfg, target))
         if target is not None and (moved := set_aside_later_branch(target, root)):
             print(f"partita: note: resuming {target.name}, older than the checkpoints "
                   f"after it in {root}; those are kept, set aside as "
@@ -371,6 +391,15 @@ def prepare_run_dir(cfg: Config, lock: bool = True) -> list:
                 folder.rmdir()
         raise
     return locks
+
+
+def continues_out_dir(cfg: Config, target: Path | None) -> bool:
+    """Whether resuming `target` continues the run whose results are in train.out_dir:
+    it is in this run's checkpoint folder, or in OUT_DIR/checkpoints (that run's, when
+    this one moves its checkpoints with train.checkpoint_dir)."""
+    return resumes_own(cfg, target) or (
+        target is not None
+        and in_checkpoint_root(target, Path(cfg.train.out_dir) / "checkpoints"))
 
 
 def checkpoint_setting(cfg: Config) -> str:
