@@ -103,6 +103,11 @@ def run_info(args: argparse.Namespace) -> int:
     if "max_seq_len" not in model and (seq := _max_seq_len(m)) is not None:
         model["max_seq_len"] = seq
     print(f"  model: {', '.join(f'{k}={v}' for k, v in model.items())}")
+    opt = m["optimizer"]
+    if "betas" in opt:  # what a resume with other train.beta1/beta2/eps/weight_decay changes
+        betas = ", ".join(f"{b:g}" for b in opt["betas"])
+        print(f"  optimizer: {opt.get('name', 'adamw')}, betas {betas}, eps {opt['eps']:g}, "
+              f"weight_decay {opt['weight_decay']:g}")
     dtypes = {k: v.removeprefix("torch.") for k, v in m["precision"].items()}
     print(f"  precision: parameters {dtypes['param_dtype']}, master and moments "
           f"{dtypes['master_dtype']}")

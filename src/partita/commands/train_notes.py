@@ -57,6 +57,18 @@ def schedule_changes(manifest: dict, cfg: Config) -> list[str]:
             if getattr(before, k) != getattr(cfg.train, k)]
 
 
+def optimizer_changes(manifest: dict, cfg: Config) -> list[str]:
+    """AdamW's settings that differ from those the manifest records the checkpoint was
+    trained with, as 'train.beta2 0.95 -> 0.99' (allowed, like another train.lr)."""
+    saved = manifest.get("optimizer", {})
+    betas = saved.get("betas") or [None, None]
+    before = {"beta1": betas[0], "beta2": betas[1], "eps": saved.get("eps"),
+              "weight_decay": saved.get("weight_decay")}
+    return [f"train.{k} {float(was):g} -> {getattr(cfg.train, k):g}"
+            for k, was in before.items()
+            if was is not None and float(was) != getattr(cfg.train, k)]
+
+
 BUBBLE_NOTE_ABOVE = 0.25  # idle share of a pipeline step worth a note before launch
 BUBBLE_SIMULATED_CELLS = 20_000  # stages x microbatches x virtual: ~0.1 s to simulate
 
@@ -141,8 +153,8 @@ def pipeline_notes(cfg: Config, world_size: int) -> list[str]:
 
 def print_notes(cfg: Config) -> None:
     """Say once, before launch, what the run will do other than asked or than before: a
-    damaged newer checkpoint passed over, routing or learning-rate schedule settings
-    changed on resume, a train.stop_after that no step reaches, ZeRO settings of another
+    damaged newer checkpoint passed over, routing, learning-rate schedule or optimizer
+    settings changed on resume, a train.stop_after that no step reaches, ZeRO settings of another
     stage, disk offload's settings without disk offload, a train.timeline_png ignored
     without a pipeline."""
     target = resume_target(cfg)
@@ -156,6 +168,10 @@ def print_notes(cfg: Config) -> None:
         print(f"partita: note: resuming {target.name} with another learning-rate schedule "
               f"than it was trained with ({'; '.join(schedule)}); the rate follows the new "
               "one from the checkpoint's step on.", file=sys.stderr, flush=True)
+    if target is not None and (optimizer := optimizer_changes(read_manifest(target), cfg)):
+        print(f"partita: note: resuming {target.name} with other optimizer settings than it "
+              f"was trained with ({'; '.join(optimizer)}); they apply from the checkpoint's "
+              "step on (its AdamW moments load as saved).", file=sys.stderr, flush=True)
     stop, steps = cfg.train.stop_after, cfg.train.steps
     start = int(read_manifest(target)["step"]) if target is not None else 0
     if stop and (stop > steps or stop <= start):
