@@ -15,7 +15,6 @@ import dataclasses
 import pytest
 import torch
 
-from partita.errors import PartitaError
 from partita.layout import Degrees
 from partita.mesh import Mesh
 from partita.models.transformer import build_model
@@ -23,6 +22,7 @@ from partita.parallelize import parallelize
 from partita.sharding import shard_info
 from partita.testing import parity_config, run_distributed
 from partita.zero import AdamWConfig, DataParallel, MixedPrecision, ZeroConfig
+from tests.dist.test_zero_misuse import _refused
 
 LAYOUTS = {"tp": dict(tp=2), "pp": dict(pp=2), "cp": dict(cp=2),
            "ep": dict(dp=2, ep=2)}
@@ -52,14 +52,6 @@ def _mismatch(pm, reference) -> list[str]:
             if not torch.equal(local.detach(), expected):
                 wrong.append(name)
     return wrong
-
-
-def _refused(fn) -> str:
-    try:
-        fn()
-    except PartitaError as exc:
-        return str(exc)
-    return ""
 
 
 def _cases(rank: int, world: int) -> dict:
