@@ -66,7 +66,8 @@ def _cases(rank: int, world: int) -> dict:
         out[key] = _mismatch(pm, _model(cfg, seed=0))
         if key == "pp":  # the pipeline's runner weighs microbatches like the others
             rows = torch.zeros((4, 8), dtype=torch.long)
-            out["pp_microbatches"] = _refused(lambda: pm.runner.train(rows, rows, 3))
+            out["pp_microbatches"] = _refused(
+                lambda runner=pm.runner, rows=rows: runner.train(rows, rows, 3))
         pm.dp.close()
 
     cfg = parity_config(parallel=dict(tp=2))
