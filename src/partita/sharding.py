@@ -65,6 +65,11 @@ def set_shard_info(tensor: torch.Tensor, info: ShardInfo) -> None:
     setattr(tensor, _ATTR, info)
 
 
+def has_shard_info(tensor: torch.Tensor) -> bool:
+    """Whether tensor parallelism has described this tensor (split or replicated)."""
+    return getattr(tensor, _ATTR, None) is not None
+
+
 def shard_info(tensor: torch.Tensor, name: str | None = None) -> ShardInfo:
     """The tensor's ShardInfo; an unsplit tensor gets one describing it whole."""
     info = getattr(tensor, _ATTR, None)

@@ -30,7 +30,7 @@ from partita.errors import PartitaError
 from partita.layout import MOE_TP
 from partita.models import plan as roles
 from partita.models.moe import planned_moe_modules
-from partita.sharding import ShardInfo, set_shard_info
+from partita.sharding import ShardInfo, has_shard_info, set_shard_info
 from partita.tensor_parallel import partition as part
 from partita.tensor_parallel.dropout import ParallelDropout, RegionRNG
 from partita.tensor_parallel.layers import (
@@ -232,7 +232,7 @@ class _Context:
             if self.moe_tp != "replicate" and self.tp > 1:
                 split_moe_over_tp(name, module, self.comm, self.moe_tp)
             for pname, param in module.named_parameters():
-                if getattr(param, "partita_shard", None) is None:
+                if not has_shard_info(param):
                     self.replicate(f"{name}.{pname}", param)
             return module
         elif role == roles.POSITIONS and isinstance(module, nn.Embedding):
@@ -299,7 +299,7 @@ def _mark_replicated(model: nn.Module, ctx: _Context) -> None:
     """Give every unsplit parameter a ShardInfo; refuse unknown ones under SP."""
     unknown = []
     for name, param in model.named_parameters():
-        if getattr(param, "partita_shard", None) is None:
+        if not has_shard_info(param):
             ctx.replicate(name, param)
             unknown.append(name)
     if ctx.sp and unknown:

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
 from partita.errors import PartitaError
+from partita.sharding import has_shard_info
+
+if TYPE_CHECKING:
+    from partita.mesh import Mesh
 
 EDGE_BUCKET_BYTES = 1 << 20
 LAST_BUCKET_BYTES = 1 << 20
@@ -139,14 +144,13 @@ def require_blocks(module: nn.Module, block_names: list[str]) -> None:
         )
 
 
-def require_model_parallel(module: nn.Module, mesh) -> None:
+def require_model_parallel(module: nn.Module, mesh: Mesh) -> None:
     """Refuse a mesh with tensor-parallel ranks (tp > 1) for a module that tensor
     parallelism has not split: the engine reduces gradients over the data-parallel group
     only, so tp peers holding whole copies would each train on their own and drift apart.
     Tensor parallelism tags every parameter it leaves (partita.sharding.ShardInfo)."""
     tp = mesh.size("tensor")
-    if tp > 1 and not any(getattr(p, "partita_shard", None) is not None
-                          for p in module.parameters()):
+    if tp > 1 and not any(has_shard_info(p) for p in module.parameters()):
         raise PartitaError(
             f"the mesh has tp={tp} but {type(module).__name__} carries no tensor-parallel "
             "layers, so its copies on the tp ranks would never exchange gradients and "
