@@ -82,6 +82,9 @@ def _cases(rank: int, world: int) -> dict:
     out["tp_mesh"] = _refused(lambda: DataParallel(
         plain, Mesh(Degrees(tp=2), rank, world), zero=ZeroConfig(stage=1),
         precision=MixedPrecision(param_dtype=torch.float64), optim=AdamWConfig()))
+    out["pp_mesh"] = _refused(lambda: DataParallel(
+        plain, Mesh(Degrees(pp=2), rank, world), zero=ZeroConfig(stage=1),
+        precision=MixedPrecision(param_dtype=torch.float64), optim=AdamWConfig()))
     return out
 
 
@@ -110,6 +113,13 @@ def test_a_tp_mesh_around_a_plain_module_is_refused(seen):
     for out in seen:
         assert "the mesh has tp=2 but Transformer carries no tensor-parallel" in out["tp_mesh"]
         assert "parallelize" in out["tp_mesh"]
+
+
+def test_a_pp_mesh_around_an_uncut_module_is_refused(seen):
+    """Each pipeline rank trained a whole copy of its own; nothing marked the model uncut."""
+    for out in seen:
+        assert "the mesh has pp=2 but Transformer is whole" in out["pp_mesh"]
+        assert "pipeline runner" in out["pp_mesh"]
 
 
 def test_the_pipeline_runner_refuses_microbatches_that_do_not_divide_the_rows(seen):

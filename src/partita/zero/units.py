@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 from partita.errors import PartitaError
+from partita.pipeline.stage import kept_stages
 from partita.sharding import has_shard_info
 
 if TYPE_CHECKING:
@@ -146,9 +147,10 @@ def require_blocks(module: nn.Module, block_names: list[str]) -> None:
 
 def require_model_parallel(module: nn.Module, mesh: Mesh) -> None:
     """Refuse a mesh with tensor-parallel ranks (tp > 1) for a module that tensor
-    parallelism has not split: the engine reduces gradients over the data-parallel group
-    only, so tp peers holding whole copies would each train on their own and drift apart.
-    Tensor parallelism tags every parameter it leaves (partita.sharding.ShardInfo)."""
+    parallelism has not split, or with pipeline ranks (pp > 1) for one no pipeline cut:
+    the engine reduces gradients over the data-parallel group only, so peers holding whole
+    copies would each train on their own and drift apart. Tensor parallelism tags every
+    parameter it leaves (partita.sharding.ShardInfo), the pipeline cut the model."""
     tp = mesh.size("tensor")
     if tp > 1 and not any(has_shard_info(p) for p in module.parameters()):
         raise PartitaError(
@@ -157,3 +159,10 @@ def require_model_parallel(module: nn.Module, mesh: Mesh) -> None:
             "would train apart. Build the mesh with tp=1 (all ranks data-parallel), or "
             "split the model first: partita.parallelize.parallelize(model, plan, cfg, "
             "mesh, device) applies its plan's tensor parallelism and wraps it.")
+    pp = mesh.size("pipeline")
+    if pp > 1 and kept_stages(module) is None:
+        raise PartitaError(
+            f"the mesh has pp={pp} but {type(module).__name__} is whole: no pipeline cut "
+            "it into stages, so each pipeline rank would train its own copy apart from the "
+            "others. Build the mesh with pp=1, or let partita.parallelize.parallelize(model, "
+            "plan, cfg, mesh, device) cut the model and run it with its pipeline runner.")
