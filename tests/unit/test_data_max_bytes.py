@@ -8,27 +8,33 @@ import json
 
 import pytest
 
+from partita.commands.train_notes import print_notes
 from partita.config import load_config
 from partita.data import load_dataset
-from partita.data.dataset import load_configured
+from partita.data.dataset import data_notes, load_configured
 
 
 def _data(tmp_path, *extra: str):
     return load_config(None, ["--data.seq_len=16", f"--data.cache_dir={tmp_path}", *extra]).data
 
 
-def test_max_bytes_beside_a_source_is_noted_as_not_applied(tmp_path, capsys):
-    """It was dropped silently: 1,000 asked, the whole 20 kB file trained on."""
+def test_max_bytes_beside_a_source_is_noted_once_as_not_applied(tmp_path, capsys):
+    """It was dropped silently: 1,000 asked, the whole 20 kB file trained on. The note was
+    then printed by every process that opened the data as well as before launch; it is
+    said once per job, by `print_notes`."""
     src = tmp_path / "uni.txt"
     src.write_text("some small text. " * 1200)
-    data = load_configured(_data(tmp_path, f"--data.source={src}", "--data.max_bytes=1000"),
-                           tmp_path)
+    given = _data(tmp_path, f"--data.source={src}", "--data.max_bytes=1000")
+    data = load_configured(given, tmp_path)
     assert data.num_tokens == src.stat().st_size  # read whole, as the note says
-    err = capsys.readouterr().err
-    assert "data.max_bytes=1000 is not applied" in err
-    assert f"data.source '{src}' is read whole" in err
-    load_configured(_data(tmp_path, f"--data.source={src}"), tmp_path)  # the default
-    assert "max_bytes" not in capsys.readouterr().err
+    assert capsys.readouterr().err == ""  # opening the data says nothing
+    [note] = data_notes(given)
+    assert "data.max_bytes=1000 is not applied" in note
+    assert f"data.source '{src}' is read whole" in note
+    print_notes(load_config(None, [f"--data.source={src}", "--data.max_bytes=1000",
+                                   f"--train.out_dir={tmp_path / 'run'}"]))
+    assert capsys.readouterr().err.count("data.max_bytes=1000 is not applied") == 1
+    assert data_notes(_data(tmp_path, f"--data.source={src}")) == []  # the default
 
 
 def test_the_note_of_a_tokenizer_without_bos_or_eos_says_records_end_with_a_newline(

@@ -13,7 +13,7 @@ import pytest
 
 from partita.config import load_config
 from partita.data import load_dataset, read_token_file, text_corpus
-from partita.data.dataset import load_configured, load_mixture
+from partita.data.dataset import data_notes, load_configured, load_mixture
 from partita.data.mix import parse_mix, split_mix
 from partita.errors import PartitaError
 
@@ -85,7 +85,7 @@ def test_a_byte_order_mark_is_dropped_from_jsonl_and_text(tmp_path):
     assert list(text_corpus(text).documents()) == ["hello\n"]
 
 
-def test_a_tokenizer_without_special_tokens_is_noted(tmp_path, capsys):
+def test_a_tokenizer_without_special_tokens_is_noted(tmp_path):
     pytest.importorskip("tokenizers")
     from tests.unit.test_data_boundaries import make_tokenizer
 
@@ -96,7 +96,8 @@ def test_a_tokenizer_without_special_tokens_is_noted(tmp_path, capsys):
                              "--data.seq_len=8"])
     ds = load_configured(cfg.data, tmp_path / "c")
     assert ds.boundary is None
-    assert "names no BOS or EOS token" in capsys.readouterr().err
+    [note] = data_notes(cfg.data)  # said before launch (print_notes), once per job
+    assert "names no BOS or EOS token" in note
 
 
 def test_a_mix_source_whose_name_holds_a_comma(tmp_path):

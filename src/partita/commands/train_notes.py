@@ -156,7 +156,11 @@ def print_notes(cfg: Config) -> None:
     damaged newer checkpoint passed over, routing, learning-rate schedule or optimizer
     settings changed on resume, a train.stop_after that no step reaches, ZeRO settings of another
     stage, disk offload's settings without disk offload, a train.timeline_png ignored
-    without a pipeline."""
+    without a pipeline, and what preparing the data does (`data_notes`)."""
+    from partita.data.dataset import data_notes
+
+    for note in data_notes(cfg.data):
+        print(note, file=sys.stderr, flush=True)
     target = resume_target(cfg)
     if target is not None and (skipped := skipped_newer(target)):
         print(skipped, file=sys.stderr, flush=True)

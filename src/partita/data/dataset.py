@@ -363,18 +363,27 @@ def load_configured(data, cache_dir: str | os.PathLike) -> TokenDataset:
         from partita.data.hf_tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(data.tokenizer)
-        if note := tokenizer.framing_note():
-            print(note, file=sys.stderr)
     workers = max(data.workers, 1)
     options = dict(val_fraction=data.val_fraction, tokenizer=tokenizer,
                    text_field=data.text_field, bad_lines=data.bad_lines, workers=workers)
-    if note := max_bytes_note(data):
-        print(note, file=sys.stderr)
     if data.mix:
         return load_mixture(data.mix, cache_dir, data.seq_len, **options)
     source = data.source or None
     return load_dataset(source, cache_dir, data.seq_len,
                         max_bytes=data.max_bytes if source is None else None, **options)
+
+
+def data_notes(data) -> list[str]:
+    """What preparing the tokens of a run's `[data]` does other than it may seem to: a
+    `data.max_bytes` it does not apply, a tokenizer without BOS or EOS. Said once per job
+    before launch (`partita.commands.train_notes.print_notes`), not by every process that
+    opens the data."""
+    notes = [max_bytes_note(data)]
+    if data.tokenizer:
+        from partita.data.hf_tokenizer import HFTokenizer
+
+        notes.append(HFTokenizer(data.tokenizer).framing_note())
+    return [n for n in notes if n]
 
 
 def max_bytes_note(data) -> str | None:
