@@ -9,8 +9,9 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat all-gathers and reduce-scatters take faster forms than gloo's own
-(`partita.gloo_collectives`); NCCL keeps its native collectives.
+On gloo, flat all-gathers and reduce-scatters go through shared memory when every member
+of the group runs on this host (`partita.shm_collectives`), and otherwise take faster forms
+than gloo's own (`partita.gloo_collectives`); NCCL keeps its native collectives.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from partita import gloo_collectives
 from partita.eager_only import EagerOnly
+
+if TYPE_CHECKING:
+    from partita.shm_collectives import ShmGroup
 
 # torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -63,16 +68,19 @@ class _Done:
 
 
 class GroupComm:
-    """Collectives over one process group, counted under one purpose."""
+    """Collectives over one process group, counted under one purpose. `shm`: the
+    group's shared-memory transport (`partita.mesh.Mesh` makes one per gloo group), used
+    for flat all-gathers and reduce-scatters once it is set up; None keeps gloo's."""
 
     def __init__(self, group: dist.ProcessGroup | None, ranks: list[int], rank: int,
-                 purpose: str, counter: CommCounter) -> None:
+                 purpose: str, counter: CommCounter, shm: ShmGroup | None = None) -> None:
         self.group = group
         self.ranks = ranks
         self.size = len(ranks)
         self.index = ranks.index(rank)
         self.purpose = purpose
         self.counter = counter
+        self.shm = shm
 
     @functools.cached_property  # asked of the group when first needed
     def backend(self) -> str | None:
@@ -96,6 +104,13 @@ class GroupComm:
         (`partita.gloo_collectives`: all-to-alls, or point to point when large)."""
         return self.backend == dist.Backend.GLOO
 
+    def _shm_ready(self, *tensors: torch.Tensor) -> bool:
+        """The flat collective on `tensors` goes through shared memory. The first call
+        sets the arena up, collectively: every member reaches it at the same call, since
+        all issue the group's collectives in the same order."""
+        return (self.shm is not None and self.gloo_forms
+                and all(t.device.type == "cpu" for t in tensors) and self.shm.ready())
+
     def _count(self, op: str, nbytes: float) -> None:
         self.counter.record(self.purpose, op, nbytes)
 
@@ -113,6 +128,8 @@ class GroupComm:
                 output.copy_(shard)
             return _Done() if async_op else None
         self._count("all_gather", (self.size - 1) / self.size * _nbytes(output))
+        if self._shm_ready(output, shard):
+            return self.shm.all_gather(output, shard, async_op)
         if self.gloo_forms:
             return gloo_collectives.all_gather_flat(output, shard, self.group, self.ranks,
                                                     self.index, async_op)
@@ -126,14 +143,18 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
+        if op == dist.ReduceOp.SUM and self._shm_ready(shard, full):
+            return self.shm.reduce_scatter(
+                shard, full, gloo_collectives.is_pairwise(full, self.size), async_op)
         if self.gloo_forms and op == dist.ReduceOp.SUM:
             return gloo_collectives.reduce_scatter_flat(shard, full, self.group, self.ranks,
                                                         self.index, async_op)
         return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
-        """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight."""
-        if not self.gloo_forms:
+        """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight (none through
+        shared memory, whose arena is fixed and shared by the group)."""
+        if not self.gloo_forms or (self.shm is not None and self.shm.state):
             return 0
         return gloo_collectives.reduce_scatter_scratch_bytes(full, self.size)
 

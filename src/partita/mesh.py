@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from partita import shm_collectives as shm
 from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
 from partita.layout import Degrees, Layout
@@ -180,10 +181,16 @@ class Mesh:
     every collective in `partita.comm` treats None as "nothing to do". `rank` defaults
     to torch.distributed's rank when the mesh spans several processes; a rank or world
     size that disagrees with the process group is refused (`check_process_group`).
+
+    `shm_collectives`: a gloo group whose members all run on this host moves its flat
+    all-gathers and reduce-scatters through shared memory (`partita.shm_collectives`);
+    False keeps gloo's TCP forms, as does the environment variable
+    PARTITA_SHM_COLLECTIVES=0. Every process must be given the same choice.
     """
 
     def __init__(self, layout: Layout | Degrees, rank: int | None = None,
-                 world_size: int = 1, timeout_s: float | None = None) -> None:
+                 world_size: int = 1, timeout_s: float | None = None,
+                 shm_collectives: bool = True) -> None:
         dims = layout.degrees if isinstance(layout, Layout) else layout
         check_world_argument(dims, world_size)  # before the CLI-worded layout message
         check_world_size(dims, world_size)
@@ -198,6 +205,10 @@ class Mesh:
         # Purposes with the same members share one group (with cp=1, "data", "grad_reduce"
         # and "zero_shard" are the same ranks); fewer groups start faster.
         made: dict[tuple, dist.ProcessGroup | None] = {}
+        # One shared-memory transport per group of this rank, whatever its purposes.
+        self.shm_groups: dict[tuple, shm.ShmGroup] = {}
+        self._shm_keys: dict[str, tuple] = {}
+        use_shm = (shm_collectives and shm_collectives_enabled())
         for purpose, groups in all_groups(dims).items():
             for members in groups:
                 # The embedding exchange gets a communicator of its own even when the
@@ -211,6 +222,10 @@ class Mesh:
                 if rank in members:
                     self.ranks[purpose] = members
                     self.groups[purpose] = handle
+                    if use_shm and handle is not None and key not in self.shm_groups:
+                        self.shm_groups[key] = shm.ShmGroup(handle, members,
+                                                                 members.index(rank))
+                    self._shm_keys[purpose] = key
 
     def group(self, purpose: str) -> dist.ProcessGroup | None:
         return self.groups[purpose]
@@ -218,7 +233,7 @@ class Mesh:
     def comm(self, purpose: str) -> GroupComm:
         """Counted collectives over this rank's group for `purpose`."""
         return GroupComm(self.groups[purpose], self.ranks[purpose], self.rank, purpose,
-                         self.counter)
+                         self.counter, shm=self.shm_groups.get(self._shm_keys[purpose]))
 
     def size(self, purpose: str) -> int:
         return len(self.ranks[purpose])
@@ -230,6 +245,11 @@ class Mesh:
     def __repr__(self) -> str:
         c = self.coord
         return f"Mesh(rank={self.rank}, tp={c.tp}, cp={c.cp}, dp={c.dp}, pp={c.pp}, {self.dims})"
+
+
+def shm_collectives_enabled() -> bool:
+    """The environment allows the shared-memory transport on a platform that has it."""
+    return shm.enabled_by_env() and shm.supported()
 
 
 def _new_group(members: list[int], timeout_s: float | None):

@@ -1,0 +1,393 @@
+"""Flat all-gathers and reduce-scatters through shared memory, for gloo groups on one host.
+
+gloo moves every byte through TCP on the loopback interface: two ranks broadcasting to
+each other move 0.7-1.5 GiB/s per direction while both cores copy through the kernel.
+When every member of a group runs on the same host they can instead share an arena in
+/dev/shm: an all-gather is one copy of the shard in and one copy of the output out, a
+reduce-scatter one copy of the input in and a sum of the members' pieces out, at memory
+speed (figures in docs/benchmarks.md).
+
+Setup is lazy and collective: the first flat collective of a group runs it on every
+member at the same point of the collective sequence. One member creates the file and
+reserves its space (`posix_fallocate`: writing past a full tmpfs would raise SIGBUS, not
+an error), writes a random token and broadcasts the name and token over the group; the
+others map the file and check the token (which proves they share the filesystem, i.e.
+the host), and one all-reduce agrees on the outcome. The creator then unlinks the file,
+so a crash leaves nothing behind. Where anything fails, every member keeps the gloo
+forms (`partita.gloo_collectives`) and a warning says so once.
+
+The arena holds a header of flags (one 32-bit generation counter per member, each on its
+own cache line) and two buffers, used by turns. A large tensor goes through in chunks of
+one buffer each; after writing a chunk a member raises its flag and sleeps on the
+others' with futex(2), bounded by the group's timeout. Two buffers make that one barrier
+per chunk enough: a member about to write a buffer has passed the barrier after the last
+read of it by every member. Sums run in rank order, as the gloo forms sum, so results
+are bitwise the same on either transport.
+
+Asynchronous calls run in issue order on one thread per group (copies, sums and futex
+waits release the GIL), so compute overlaps them as it overlaps gloo's transfers.
+Linux on x86-64 only (futex and the ordering of plain stores); elsewhere gloo is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import platform
+import queue
+import secrets
+import threading
+import time
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from partita.gloo_collectives import _sum_in_rank_order
+
+# Set to 0 to keep gloo's TCP forms for every group (also `Mesh(shm_collectives=False)`).
+ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
+SHM_DIR = "/dev/shm"
+# Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every
+# destination (reduce-scatter). Two buffers per arena: 32 MiB in all per group.
+BUFFER_BYTES = 16 * 1024 * 1024
+_LINE = 64  # one flag per cache line
+_TOKEN_BYTES = 16
+_NAME_BYTES = 128
+_MASK = 0xFFFFFFFF
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_CHECK_S = 0.5  # while waiting, how often to look whether a member's process ended
+_warned = False
+
+
+def enabled_by_env() -> bool:
+    """False when the environment switches the shared-memory transport off."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supported() -> bool:
+    """The platform has what the arena's barrier needs."""
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+class ShmTimeout(dist.DistError):
+    """A member did not reach a shared-memory collective within the group's timeout, or
+    its process ended (a DistError, as gloo's own failures are)."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_libc = None
+
+
+def _syscall():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    return _libc.syscall
+
+
+def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the 32-bit word at `addr` holds `expected` (at most `timeout_s`);
+    spurious returns are fine, the caller checks again."""
+    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
+               ctypes.c_uint32(expected), ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def _futex_wake(addr: int) -> None:
+    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+               ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
+
+
+def _warn_once(why: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"partita: collectives go through gloo's TCP forms: {why}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _group_timeout(group: dist.ProcessGroup) -> float:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    except Exception:  # an older or other backend: torch's default for new groups
+        return 1800.0
+
+
+class ShmGroup:
+    """The shared-memory transport of one process group (`ranks`: its members' global
+    ranks, `index`: this rank's position). Nothing happens until `ready()`, which every
+    member must call at the same point of the group's collective sequence."""
+
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], index: int,
+                 buffer_bytes: int = BUFFER_BYTES, threaded: bool = True) -> None:
+        self.group, self.ranks, self.index = group, ranks, index
+        self.size = len(ranks)
+        self.buffer_bytes = buffer_bytes // (_LINE * self.size) * (_LINE * self.size)
+        self.threaded = threaded
+        self.state: bool | None = None  # None: not yet set up; False: gloo it is
+        self.steps = 0  # chunks moved, the same count on every member
+        self.calls = 0  # collectives run through the arena (tests check the path)
+        self.error: BaseException | None = None
+        self.path: str | None = None
+        self._queue: queue.SimpleQueue | None = None
+        self._pending = 0
+        self._lock = threading.Lock()
+
+    # Setup -----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether the arena is in use; sets it up on the first call (collective)."""
+        if self.state is None:
+            self.state = self._setup()
+        return self.state
+
+    def _setup(self) -> bool:
+        self.timeout_s = _group_timeout(self.group)
+        header = -(-_LINE * (self.size + 1) // 4096) * 4096
+        total = header + 2 * self.buffer_bytes
+        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES, dtype=torch.uint8)
+        path, fd, why = None, -1, ""
+        if self.index == 0:
+            token = secrets.token_bytes(_TOKEN_BYTES)
+            try:
+                path, fd = _create(total, token)
+                name = path.encode()
+                msg[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
+                msg[_NAME_BYTES:] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+            except (OSError, ValueError) as exc:
+                why = f"cannot make an arena of {total >> 20} MiB in {SHM_DIR} ({exc})"
+        dist.broadcast(msg, src=self.ranks[0], group=self.group)
+        raw = bytes(msg.tolist())
+        name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
+        mm = None
+        try:
+            if not name:
+                raise OSError("the first member could not make the arena")
+            if fd < 0:
+                fd = os.open(name, os.O_RDWR)
+            mm = mmap.mmap(fd, total)
+            if mm[:_TOKEN_BYTES] != raw[_NAME_BYTES:]:
+                raise OSError("the members do not share /dev/shm (another host)")
+        except (OSError, ValueError) as exc:
+            why = why or f"no shared arena ({exc})"
+            mm = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        # Who everyone is, so that a wait can tell a member whose process ended (gloo
+        # learns it from the closed connection) from one that is late.
+        me = torch.tensor([[0 if mm is None else 1, os.getpid(), *_identity(os.getpid())]],
+                          dtype=torch.int64)
+        every = torch.empty((self.size, 4), dtype=torch.int64)
+        dist.all_gather_into_tensor(every, me, group=self.group)
+        if path is not None:  # every member has mapped it (or given up): unlink now
+            os.unlink(path)
+            self.path = path  # for tests: gone already
+        namespace = me[0, 3].item()
+        self._peers = [(pid, start) if ns == namespace and ns != 0 else None
+                       for _, pid, start, ns in every.tolist()]
+        if not bool(every[:, 0].min().item()):
+            _warn_once(why or "another member could not map the shared arena")
+            return False
+        self._mm = mm
+        self.arena = torch.frombuffer(mm, dtype=torch.uint8)
+        base = self.arena.data_ptr()
+        self._flags = [base + _LINE * (1 + j) for j in range(self.size)]
+        self._buffers = [self.arena[header + b * self.buffer_bytes:
+                                    header + (b + 1) * self.buffer_bytes] for b in (0, 1)]
+        return True
+
+    # Issue -----------------------------------------------------------------------------
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool):
+        """Every member's `shard` into `output`, in rank order (bytes copied as they are)."""
+        return self._issue(self._all_gather, (output, shard), async_op)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, pairwise: bool,
+                       async_op: bool):
+        """Sum `full` over members into this member's slice `shard`. `pairwise`: sum as
+        the gloo pairwise form does (one add per member), else as its all-to-all form
+        (one `torch.sum` over the members' pieces): bitwise the gloo form's result."""
+        return self._issue(self._reduce_scatter, (shard, full, pairwise), async_op)
+
+    def _issue(self, fn, args: tuple, async_op: bool):
+        work = _Work()
+        with self._lock:
+            inline = not (self.threaded and async_op) and self._pending == 0
+            if not inline:
+                self._pending += 1
+                if self._queue is None:
+                    self._queue = queue.SimpleQueue()
+                    threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)),
+                                     daemon=True, name="partita-shm").start()
+                self._queue.put((fn, args, work))
+        if inline:
+            self._run(fn, args, work)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def _run(self, fn, args: tuple, work: _Work) -> None:
+        try:
+            if self.error is not None:  # a failed collective leaves the arena out of step
+                raise RuntimeError("an earlier shared-memory collective of this group "
+                                   f"failed: {self.error}")
+            fn(*args)
+            self.calls += 1
+        except BaseException as exc:
+            self.error = self.error or exc
+            work.exc = exc
+        finally:
+            work.event.set()
+
+    def __del__(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)
+
+    # The collectives proper -------------------------------------------------------------
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        out = output.view(-1).view(torch.uint8)
+        mine = shard.reshape(-1).view(torch.uint8)
+        n, size, me = mine.numel(), self.size, self.index
+        own = out[me * n:(me + 1) * n]
+        if own.data_ptr() != mine.data_ptr():
+            own.copy_(mine)
+        chunk = self.buffer_bytes // size
+        for o in range(0, n, chunk):
+            c = min(chunk, n - o)
+            buf = self._next_buffer()
+            buf[me * chunk:me * chunk + c].copy_(mine[o:o + c])
+            self._barrier()
+            for j in range(size):
+                if j != me:
+                    out[j * n + o:j * n + o + c].copy_(buf[j * chunk:j * chunk + c])
+
+    def _reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor,
+                        pairwise: bool) -> None:
+        flat, out = full.view(-1), shard.view(-1)
+        size, me = self.size, self.index
+        n = flat.numel() // size
+        chunk = self.buffer_bytes // (size * size * full.element_size())
+        for o in range(0, n, chunk):
+            c = min(chunk, n - o)
+            # Destination-major: destination k's pieces lie together, member j's in row j,
+            # the layout of the received block of the gloo all-to-all form.
+            buf = self._next_buffer().view(full.dtype)[:size * size * c].view(size, size, c)
+            for k in range(size):
+                buf[k, me].copy_(flat[k * n + o:k * n + o + c])
+            self._barrier()
+            if pairwise:
+                _sum_in_rank_order(list(buf[me].unbind(0)), out[o:o + c])
+            else:
+                torch.sum(buf[me], dim=0, out=out[o:o + c])
+
+    def _next_buffer(self) -> torch.Tensor:
+        buf = self._buffers[self.steps % 2]
+        self.steps += 1
+        return buf
+
+    def _barrier(self) -> None:
+        """Raise this member's generation, wake the sleepers, wait for every other
+        member's. Members differ by at most one generation, so a flag still holding the
+        previous one is a member not yet here."""
+        gen = self.steps & _MASK
+        me = self._flags[self.index]
+        ctypes.c_uint32.from_address(me).value = gen
+        _futex_wake(me)
+        previous = (gen - 1) & _MASK
+        deadline = None
+        for j, addr in enumerate(self._flags):
+            if j == self.index:
+                continue
+            flag = ctypes.c_uint32.from_address(addr)
+            while flag.value == previous:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout_s
+                elif now >= deadline:
+                    raise ShmTimeout(
+                        f"shared-memory collective timed out: rank {self.ranks[j]} of "
+                        f"group {self.ranks} did not arrive within {self.timeout_s:g} s")
+                elif not _alive(self._peers[j]):
+                    raise ShmTimeout(
+                        f"shared-memory collective failed: the process of peer rank "
+                        f"{self.ranks[j]} of group {self.ranks} has ended")
+                _futex_wait(addr, previous, min(deadline - now, _CHECK_S))
+
+
+class _Work:
+    """Handle of a shared-memory collective: `wait()` returns once it is done."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.exc: BaseException | None = None
+
+    def wait(self) -> bool:
+        self.event.wait()
+        if self.exc is not None:
+            raise self.exc
+        return True
+
+    def is_completed(self) -> bool:
+        return self.event.is_set()
+
+
+def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
+    """One group's collectives, in issue order, until its ShmGroup is collected."""
+    while (job := jobs.get()) is not None:
+        fn, args, work = job
+        group = owner()
+        if group is None:
+            return
+        group._run(fn, args, work)
+        with group._lock:
+            group._pending -= 1
+        del group, fn, args, work, job
+
+
+def _identity(pid: int) -> tuple[int, int]:
+    """(start time, pid namespace) of process `pid`: a pid names the same process while
+    both match. (0, 0) where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            start = int(stat.read().rsplit(")", 1)[1].split()[19])
+        return start, os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except (OSError, IndexError, ValueError):
+        return 0, 0
+
+
+def _alive(peer: tuple[int, int] | None) -> bool:
+    """Whether a member's process still runs (True where that cannot be told)."""
+    if peer is None:
+        return True
+    pid, start = peer
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start
+
+
+def _create(nbytes: int, token: bytes) -> tuple[str, int]:
+    """A new file of `nbytes` in /dev/shm with `token` at its start: (path, fd)."""
+    if not os.path.isdir(SHM_DIR):
+        raise OSError(errno.ENOENT, f"{SHM_DIR} does not exist")
+    path = os.path.join(SHM_DIR, f"partita-{os.getpid()}-{secrets.token_hex(8)}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # the pages exist, or this fails here
+        os.pwrite(fd, token, 0)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return path, fd

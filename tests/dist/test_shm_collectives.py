@@ -1,0 +1,192 @@
+"""The shared-memory transport of gloo groups (partita.shm_collectives): bitwise the gloo
+forms' results, asynchronous handles, no file left behind, the fallback to gloo, and a
+bounded wait for a member that never comes."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from partita import shm_collectives
+from partita.comm import CommCounter, GroupComm
+from partita.gloo_collectives import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES
+from partita.layout import Layout
+from partita.mesh import Mesh
+from partita.shm_collectives import ShmGroup, ShmTimeout
+from partita.testing import run_distributed
+
+# A small arena, so that modest tensors already go through in several chunks.
+BUFFER = 256 * 1024
+
+
+def _data(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    return torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
+
+
+def _match_worker(rank: int, world: int) -> dict:
+    mesh = Mesh(Layout(dp=world), rank, world)
+    base = mesh.comm("zero_shard")
+    assert base.shm is not None
+    shm = GroupComm(base.group, base.ranks, rank, "shm", CommCounter(),
+                    shm=ShmGroup(base.group, base.ranks, base.index, buffer_bytes=BUFFER))
+    gloo = GroupComm(base.group, base.ranks, rank, "gloo", CommCounter())
+    problems: list[str] = []
+    chunk = BUFFER // world  # one member's share of a buffer, in bytes
+    # All-gather shards: tiny, around one chunk, and past gloo's broadcast threshold
+    # (also many chunks); reduce-scatter slices: small (gloo's all-to-all form, summed
+    # by torch.sum) and past the pairwise threshold (one add per member).
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        item = dtype.itemsize
+        gathers = [3, chunk // item - 1, chunk // item + 7, BROADCAST_GATHER_BYTES // item + 5]
+        slices = [5, BUFFER // (world * world * item) + 3, 100_003,
+                  PAIRWISE_REDUCE_BYTES // item + 9]
+        if dtype != torch.float32:
+            slices.pop()  # the pairwise sum's rounding is checked in float32 and bfloat16
+        if dtype == torch.bfloat16:
+            slices.append(PAIRWISE_REDUCE_BYTES // item + 9)
+        for n in gathers:
+            shard = _data(rank, n, dtype, seed=n)
+            outs = [torch.full((n * world,), 7, dtype=dtype) for _ in range(2)]
+            for async_op, (comm, out) in zip((False, True), zip((shm, gloo), outs)):
+                work = comm.all_gather_flat(out, shard, async_op=async_op)
+                if work is not None:
+                    work.wait()
+            if not torch.equal(outs[0], outs[1]):
+                problems.append(f"all-gather of {n} {dtype} differs from gloo's")
+        for n in slices:
+            full = _data(rank, n * world, dtype, seed=n)
+            before = full.clone()
+            outs = [torch.full((n,), float("nan"), dtype=dtype) for _ in range(2)]
+            shm.reduce_scatter_flat(outs[0], full)
+            gloo.reduce_scatter_flat(outs[1], full)
+            if not torch.equal(outs[0], outs[1]):
+                problems.append(f"reduce-scatter of {n} {dtype} differs from gloo's")
+            if not torch.equal(full, before):
+                problems.append(f"reduce-scatter of {n} {dtype} modified its input")
+            # In place: the output is this rank's own slice of the input (stage 1).
+            own = full[rank * n:(rank + 1) * n]
+            shm.reduce_scatter_flat(own, full, async_op=True).wait()
+            if not torch.equal(own, outs[1]):
+                problems.append(f"in-place reduce-scatter of {n} {dtype} wrong")
+    # Several in flight, waited out of order, the shard aliasing the output's own slot.
+    n = 3 * chunk // 4 + 1
+    expected = [torch.cat([_data(r, n, torch.float32, seed=s) for r in range(world)])
+                for s in range(3)]
+    outs = [torch.zeros(n * world) for _ in range(3)]
+    works = []
+    for s, out in enumerate(outs):
+        out[rank * n:(rank + 1) * n] = _data(rank, n, torch.float32, seed=s)
+        works.append(shm.all_gather_flat(out, out[rank * n:(rank + 1) * n], async_op=True))
+    full = _data(rank, 40 * world, torch.float32, seed=9)
+    rs_out, rs_ref = torch.empty(40), torch.empty(40)
+    works.append(shm.reduce_scatter_flat(rs_out, full, async_op=True))
+    gloo.reduce_scatter_flat(rs_ref, full)
+    for work in reversed(works):
+        work.wait()
+        assert work.is_completed()
+    if not (all(torch.equal(o, e) for o, e in zip(outs, expected))
+            and torch.equal(rs_out, rs_ref)):
+        problems.append("asynchronous collectives waited out of order wrong")
+    # Reuse: many calls alternate the arena's buffers.
+    for i in range(60):
+        out = torch.empty(world * 5)
+        shm.all_gather_flat(out, torch.full((5,), float(rank + i)))
+        if out.tolist() != [float(r + i) for r in range(world) for _ in range(5)]:
+            problems.append(f"call {i} of a series wrong")
+            break
+    # The mesh's own transport: set up on first use, counted as gloo's would be.
+    out = torch.empty(world * 1000)
+    base.all_gather_flat(out, torch.ones(1000))
+    base.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
+    gloo.counter.reset()
+    gloo.all_gather_flat(out, torch.ones(1000))
+    gloo.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
+    if dict(base.counter.sent) != {("zero_shard", k[1]): v for k, v in gloo.counter.sent.items()}:
+        problems.append("bytes counted differ from gloo's")
+    if base.reduce_scatter_scratch_bytes(torch.ones(world * 1000)) != 0:
+        problems.append("scratch bytes counted through shared memory")
+    used = {"mesh": base.shm.calls, "test": shm.shm.calls}
+    return {"problems": problems, "used": used, "state": shm.shm.state,
+            "path": getattr(shm.shm, "path", None)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_gloo_forms(world: int) -> None:
+    results = run_distributed(_match_worker, world, timeout=120)
+    for rank, result in enumerate(results):
+        assert result["problems"] == [], f"rank {rank}: {result['problems']}"
+        assert result["state"] is True
+        assert result["used"]["mesh"] == 2 and result["used"]["test"] > 50
+    # Unlinked once mapped: nothing left in /dev/shm.
+    assert results[0]["path"] and not os.path.exists(results[0]["path"])
+
+
+def _fallback_worker(rank: int, world: int) -> dict:
+    out: dict = {}
+    # No /dev/shm on the member that makes the arena: every member keeps gloo's forms.
+    shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
+    comm = Mesh(Layout(dp=world), rank, world).comm("zero_shard")
+    gathered = torch.empty(world * 3)
+    comm.all_gather_flat(gathered, torch.full((3,), float(rank)))
+    out["fallback"] = (comm.shm.state, comm.shm.calls, gathered.tolist())
+    shm_collectives.SHM_DIR = "/dev/shm"
+    # Switched off by the environment: no transport at all.
+    os.environ[shm_collectives.ENV_SWITCH] = "0"
+    out["env_off"] = Mesh(Layout(dp=world), rank, world).comm("zero_shard").shm is None
+    del os.environ[shm_collectives.ENV_SWITCH]
+    out["arg_off"] = Mesh(Layout(dp=world), rank, world,
+                          shm_collectives=False).comm("zero_shard").shm is None
+    # A member that never arrives: the other gives up after the group's timeout.
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
+    shm = ShmGroup(group, [0, 1], rank)
+    assert shm.ready()
+    start = time.monotonic()
+    if rank == 0:
+        try:
+            shm.all_gather(torch.empty(2), torch.ones(1), async_op=False)
+            out["timeout"] = "no error"
+        except ShmTimeout:
+            out["timeout"] = time.monotonic() - start
+        try:  # the arena is out of step now: every later call refuses
+            shm.all_gather(torch.empty(2), torch.ones(1), async_op=True).wait()
+            out["after"] = "no error"
+        except RuntimeError as exc:
+            out["after"] = str(exc)
+    dist.barrier()
+    return out
+
+
+def test_fallback_switches_and_timeout() -> None:
+    results = run_distributed(_fallback_worker, 2, timeout=60)
+    for rank, out in enumerate(results):
+        assert out["fallback"] == (False, 0, [0.0] * 3 + [1.0] * 3), f"rank {rank}"
+        assert out["env_off"] and out["arg_off"]
+    assert 0.9 <= results[0]["timeout"] < 10
+    assert "failed" in results[0]["after"]
+
+
+def test_a_waiting_member_sees_a_peer_process_end() -> None:
+    """A wait gives up as soon as a member's process has ended (as gloo notices its
+    closed connection), not at the end of the timeout; a zombie counts as ended."""
+    import subprocess
+
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        peer = (proc.pid, shm_collectives._identity(proc.pid)[0])
+        assert shm_collectives._alive(peer)
+        assert not shm_collectives._alive((proc.pid, peer[1] + 1))  # another process
+        proc.kill()
+        deadline = time.monotonic() + 5
+        while shm_collectives._alive(peer) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not shm_collectives._alive(peer)  # not reaped yet: a zombie
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not shm_collectives._alive(peer)
