@@ -52,13 +52,10 @@ COMPILED_FP32_TOL = 1e-3
 MOE = dict(n_experts=4, top_k=2, expert_ffn_dim=16, aux_loss_weight=0.1, z_loss_weight=0.01)
 CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, model)
     ("dp2", dict(), dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
-    ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
     ("dp2-zero3-recompute", dict(zero_stage=3, bucket_mb=0.02, recompute="full"),
      dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
     # After the data-parallel cases, on purpose: the block graph (same shapes) was first
     # compiled there, for a backward that runs once, and the pipelines reuse it.
-    ("pp2-1f1b", dict(pp=2, schedule="1f1b"), dict(lr=1e-2, microbatches=2), "blocks",
-     FLOAT64_TOL, {}),
     ("pp2-zb-h1", dict(pp=2, schedule="zb-h1"), dict(lr=1e-2, microbatches=2), "blocks",
      FLOAT64_TOL, {}),
     # Selective recompute: the attention core inside each compiled block is a checkpoint
@@ -70,12 +67,17 @@ CASES = [  # (id, parallel settings, train settings, compile mode, tolerance, mo
     ("dp2-zero1-model-fp32", dict(zero_stage=1), dict(dtype="float32"), "model",
      COMPILED_FP32_TOL, {}),
 ]
-# Cases that each compile graphs of their own (60-110 CPU-seconds apiece with a cold
-# cache on 2 cores), for the dimensions whose eager pieces sit between compiled ones
-# (the MoE dispatch, the context-parallel attention core) and combinations the cases
-# above show in parts: run with PARTITA_EXTENDED_TESTS=1, kept out of the default
-# suite so that it fits CI's time.
+# Combinations the cases above show in parts, and cases that each compile graphs of their
+# own (60-110 CPU-seconds apiece with a cold cache on 2 cores) for the dimensions whose
+# eager pieces sit between compiled ones (the MoE dispatch, the context-parallel
+# attention core): run with PARTITA_EXTENDED_TESTS=1, kept out of the default suite so
+# that it fits CI's time.
 EXTENDED_CASES = [
+    # ZeRO-3 without recomputation, and 1F1B's whole backward: the default cases show
+    # ZeRO-3's hooks around compiled blocks (under recompute) and a pipeline's split one.
+    ("dp2-zero3", dict(zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks", FLOAT64_TOL, {}),
+    ("pp2-1f1b", dict(pp=2, schedule="1f1b"), dict(lr=1e-2, microbatches=2), "blocks",
+     FLOAT64_TOL, {}),
     # Experts on their own rank, the dispatch an eager piece between compiled ones.
     ("dp2-ep2-moe-zero3", dict(ep=2, zero_stage=3, bucket_mb=0.02), dict(lr=1e-2), "blocks",
      FLOAT64_TOL, MOE),
