@@ -3,7 +3,8 @@
 Every parameter that parallel code splits carries a `ShardInfo`: its global name, its
 global shape, and which slice of which dimension this rank holds. Checkpoints, the
 gradient-norm computation and the planner read this metadata, never the classes of
-tensor-parallel layers or ZeRO buffers.
+tensor-parallel layers or ZeRO buffers. A model a pipeline cut carries the stages this
+rank kept (`mark_pipeline_stages`).
 """
 
 from __future__ import annotations
@@ -105,3 +106,18 @@ def set_reduce_group(tensor: torch.Tensor, purpose: str) -> None:
 def reduce_group(tensor: torch.Tensor) -> str:
     """The mesh purpose `tensor`'s gradient is reduced over ("zero_shard" unless set)."""
     return getattr(tensor, _GROUP_ATTR, "zero_shard")
+
+
+# The mark a pipeline cut leaves on the model it cut: the stages this rank runs. The
+# data-parallel engine reads it to refuse a pipeline mesh around a whole, uncut model,
+# whose copies on the pp ranks would each train on their own.
+_STAGES_ATTR = "_partita_pipeline_stages"
+
+
+def mark_pipeline_stages(model: torch.nn.Module, stages: tuple[int, ...]) -> None:
+    setattr(model, _STAGES_ATTR, tuple(stages))
+
+
+def pipeline_stages(model: torch.nn.Module) -> tuple[int, ...] | None:
+    """The stages a pipeline cut left on `model`, or None if no pipeline cut it."""
+    return getattr(model, _STAGES_ATTR, None)

@@ -30,6 +30,7 @@ from partita.models.model_config import ModelConfig
 from partita.models.plan import ModelPlan, shared_parameters
 from partita.pipeline.actions import StageGrid
 from partita.pipeline.split import split_blocks
+from partita.sharding import mark_pipeline_stages
 
 BALANCE_MODES = ("even", "params", "flops")
 TIED_HEAD_ATTR = "weight"  # the attribute of plan.embedding the tied head reads
@@ -148,21 +149,10 @@ def _stage_of(param_name: str, plan: ModelPlan, layout: StageLayout) -> int:
     return layout.last_stage if param_name.split(".")[0] in plan.head else 0
 
 
-# The mark `keep_stages` leaves on a model it cut: the stages this rank runs. The
-# data-parallel engine reads it (`kept_stages`) to refuse a pipeline mesh around a whole,
-# uncut model, whose copies on the pp ranks would each train on their own.
-_KEPT_ATTR = "_partita_pipeline_stages"
-
-
-def kept_stages(model: nn.Module) -> tuple[int, ...] | None:
-    """The stages `keep_stages` left on `model`, or None if no pipeline cut it."""
-    return getattr(model, _KEPT_ATTR, None)
-
-
 def keep_stages(model: nn.Module, plan: ModelPlan, layout: StageLayout, rank: int) -> None:
     """Drop (set to None / delete) every module this pipeline rank does not run."""
     mine = layout.stages_of(rank)
-    setattr(model, _KEPT_ATTR, tuple(mine))
+    mark_pipeline_stages(model, tuple(mine))  # for the data-parallel engine's check
     first, last = 0 in mine, layout.last_stage in mine
     keep = {str(b) for s in mine for b in layout.blocks[s]}
     container = model.get_submodule(plan.blocks)

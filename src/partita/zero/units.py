@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import torch.nn as nn
 
 from partita.errors import PartitaError
-from partita.pipeline.stage import kept_stages
-from partita.sharding import has_shard_info
+from partita.sharding import has_shard_info, pipeline_stages
 
 if TYPE_CHECKING:
     from partita.mesh import Mesh
@@ -160,7 +159,7 @@ def require_model_parallel(module: nn.Module, mesh: Mesh) -> None:
             "split the model first: partita.parallelize.parallelize(model, plan, cfg, "
             "mesh, device) applies its plan's tensor parallelism and wraps it.")
     pp = mesh.size("pipeline")
-    if pp > 1 and kept_stages(module) is None:
+    if pp > 1 and pipeline_stages(module) is None:
         raise PartitaError(
             f"the mesh has pp={pp} but {type(module).__name__} is whole: no pipeline cut "
             "it into stages, so each pipeline rank would train its own copy apart from the "
