@@ -9,9 +9,10 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat all-gathers and reduce-scatters go through shared memory when every member
-of the group runs on this host (`partita.shm_collectives`), and otherwise take faster forms
-than gloo's own (`partita.gloo_collectives`); NCCL keeps its native collectives.
+On gloo, flat all-gathers and reduce-scatters go through shared memory where switched on
+and every member of the group runs on this host (`partita.shm_collectives`), and
+otherwise take faster forms than gloo's own (`partita.gloo_collectives`); NCCL keeps its
+native collectives.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class _Done:
 
 class GroupComm:
     """Collectives over one process group, counted under one purpose. `shm`: the
-    group's shared-memory transport (`partita.mesh.Mesh` makes one per gloo group), used
+    group's shared-memory transport (`partita.mesh.Mesh` makes one per group when asked), used
     for flat all-gathers and reduce-scatters once it is set up; None keeps gloo's."""
 
     def __init__(self, group: dist.ProcessGroup | None, ranks: list[int], rank: int,

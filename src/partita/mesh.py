@@ -182,15 +182,16 @@ class Mesh:
     to torch.distributed's rank when the mesh spans several processes; a rank or world
     size that disagrees with the process group is refused (`check_process_group`).
 
-    `shm_collectives`: a gloo group whose members all run on this host moves its flat
-    all-gathers and reduce-scatters through shared memory (`partita.shm_collectives`);
-    False keeps gloo's TCP forms, as does the environment variable
-    PARTITA_SHM_COLLECTIVES=0. Every process must be given the same choice.
+    `shm_collectives`: True moves the flat all-gathers and reduce-scatters of a gloo
+    group whose members all run on this host through shared memory
+    (`partita.shm_collectives`); False keeps gloo's TCP forms; None (the default) leaves
+    it to the environment variable PARTITA_SHM_COLLECTIVES (1: on; off otherwise).
+    Every process must make the same choice.
     """
 
     def __init__(self, layout: Layout | Degrees, rank: int | None = None,
                  world_size: int = 1, timeout_s: float | None = None,
-                 shm_collectives: bool = True) -> None:
+                 shm_collectives: bool | None = None) -> None:
         dims = layout.degrees if isinstance(layout, Layout) else layout
         check_world_argument(dims, world_size)  # before the CLI-worded layout message
         check_world_size(dims, world_size)
@@ -208,7 +209,7 @@ class Mesh:
         # One shared-memory transport per group of this rank, whatever its purposes.
         self.shm_groups: dict[tuple, shm.ShmGroup] = {}
         self._shm_keys: dict[str, tuple] = {}
-        use_shm = (shm_collectives and shm_collectives_enabled())
+        use_shm = shm.wanted(shm_collectives) and shm.supported()
         for purpose, groups in all_groups(dims).items():
             for members in groups:
                 # The embedding exchange gets a communicator of its own even when the
@@ -245,11 +246,6 @@ class Mesh:
     def __repr__(self) -> str:
         c = self.coord
         return f"Mesh(rank={self.rank}, tp={c.tp}, cp={c.cp}, dp={c.dp}, pp={c.pp}, {self.dims})"
-
-
-def shm_collectives_enabled() -> bool:
-    """The environment allows the shared-memory transport on a platform that has it."""
-    return shm.enabled_by_env() and shm.supported()
 
 
 def _new_group(members: list[int], timeout_s: float | None):

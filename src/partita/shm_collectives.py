@@ -48,7 +48,8 @@ import torch.distributed as dist
 
 from partita.gloo_collectives import _sum_in_rank_order
 
-# Set to 0 to keep gloo's TCP forms for every group (also `Mesh(shm_collectives=False)`).
+# Set to 1 to use the arena where `Mesh(shm_collectives=...)` is not given: off by
+# default, since whole steps on a 2-core machine showed no gain beyond the noise yet.
 ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
 SHM_DIR = "/dev/shm"
 # Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every
@@ -64,9 +65,12 @@ _CHECK_S = 0.5  # while waiting, how often to look whether a member's process en
 _warned = False
 
 
-def enabled_by_env() -> bool:
-    """False when the environment switches the shared-memory transport off."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+def wanted(choice: bool | None) -> bool:
+    """The caller's choice, or where it made none the environment's (off unless
+    PARTITA_SHM_COLLECTIVES=1)."""
+    if choice is not None:
+        return choice
+    return os.environ.get(ENV_SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def supported() -> bool:

@@ -30,7 +30,7 @@ def _data(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Ten
 
 
 def _match_worker(rank: int, world: int) -> dict:
-    mesh = Mesh(Layout(dp=world), rank, world)
+    mesh = Mesh(Layout(dp=world), rank, world, shm_collectives=True)
     base = mesh.comm("zero_shard")
     assert base.shm is not None
     shm = GroupComm(base.group, base.ranks, rank, "shm", CommCounter(),
@@ -131,17 +131,21 @@ def _fallback_worker(rank: int, world: int) -> dict:
     out: dict = {}
     # No /dev/shm on the member that makes the arena: every member keeps gloo's forms.
     shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
-    comm = Mesh(Layout(dp=world), rank, world).comm("zero_shard")
+    comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
     gathered = torch.empty(world * 3)
     comm.all_gather_flat(gathered, torch.full((3,), float(rank)))
     out["fallback"] = (comm.shm.state, comm.shm.calls, gathered.tolist())
     shm_collectives.SHM_DIR = "/dev/shm"
-    # Switched off by the environment: no transport at all.
+    # Off by default; on through the environment, unless the caller says otherwise.
+    def has_shm(**kw) -> bool:
+        return Mesh(Layout(dp=world), rank, world, **kw).comm("zero_shard").shm is not None
+
+    out["default_off"] = not has_shm()
+    os.environ[shm_collectives.ENV_SWITCH] = "1"
+    out["env_on"] = has_shm() and not has_shm(shm_collectives=False)
     os.environ[shm_collectives.ENV_SWITCH] = "0"
-    out["env_off"] = Mesh(Layout(dp=world), rank, world).comm("zero_shard").shm is None
+    out["env_off"] = not has_shm() and has_shm(shm_collectives=True)
     del os.environ[shm_collectives.ENV_SWITCH]
-    out["arg_off"] = Mesh(Layout(dp=world), rank, world,
-                          shm_collectives=False).comm("zero_shard").shm is None
     # A member that never arrives: the other gives up after the group's timeout.
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
     shm = ShmGroup(group, [0, 1], rank)
@@ -166,7 +170,7 @@ def test_fallback_switches_and_timeout() -> None:
     results = run_distributed(_fallback_worker, 2, timeout=60)
     for rank, out in enumerate(results):
         assert out["fallback"] == (False, 0, [0.0] * 3 + [1.0] * 3), f"rank {rank}"
-        assert out["env_off"] and out["arg_off"]
+        assert out["default_off"] and out["env_on"] and out["env_off"]
     assert 0.9 <= results[0]["timeout"] < 10
     assert "failed" in results[0]["after"]
 
