@@ -357,13 +357,18 @@ def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
         del group, fn, args, work, job
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: [0] the state, [19] the
+    start time. Raises OSError when the process is gone (or there is no /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()
+
+
 def _identity(pid: int) -> tuple[int, int]:
     """(start time, pid namespace) of process `pid`: a pid names the same process while
     both match. (0, 0) where /proc cannot say."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            start = int(stat.read().rsplit(")", 1)[1].split()[19])
-        return start, os.stat(f"/proc/{pid}/ns/pid").st_ino
+        return int(_stat_fields(pid)[19]), os.stat(f"/proc/{pid}/ns/pid").st_ino
     except (OSError, IndexError, ValueError):
         return 0, 0
 
@@ -374,8 +379,7 @@ def _alive(peer: tuple[int, int] | None) -> bool:
         return True
     pid, start = peer
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+        fields = _stat_fields(pid)
     except OSError:
         return False
     return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start
