@@ -9,6 +9,7 @@ rank kept (`mark_pipeline_stages`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -114,7 +115,7 @@ def reduce_group(tensor: torch.Tensor) -> str:
 _STAGES_ATTR = "_partita_pipeline_stages"
 
 
-def mark_pipeline_stages(model: torch.nn.Module, stages: tuple[int, ...]) -> None:
+def mark_pipeline_stages(model: torch.nn.Module, stages: Iterable[int]) -> None:
     setattr(model, _STAGES_ATTR, tuple(stages))
 
 

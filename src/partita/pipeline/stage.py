@@ -152,7 +152,7 @@ def _stage_of(param_name: str, plan: ModelPlan, layout: StageLayout) -> int:
 def keep_stages(model: nn.Module, plan: ModelPlan, layout: StageLayout, rank: int) -> None:
     """Drop (set to None / delete) every module this pipeline rank does not run."""
     mine = layout.stages_of(rank)
-    mark_pipeline_stages(model, tuple(mine))  # for the data-parallel engine's check
+    mark_pipeline_stages(model, mine)  # for the data-parallel engine's check
     first, last = 0 in mine, layout.last_stage in mine
     keep = {str(b) for s in mine for b in layout.blocks[s]}
     container = model.get_submodule(plan.blocks)
