@@ -105,12 +105,14 @@ class GroupComm:
         (`partita.gloo_collectives`: all-to-alls, or point to point when large)."""
         return self.backend == dist.Backend.GLOO
 
-    def _shm_ready(self, *tensors: torch.Tensor) -> bool:
-        """The flat collective on `tensors` goes through shared memory. The first call
-        sets the arena up, collectively: every member reaches it at the same call, since
-        all issue the group's collectives in the same order."""
+    def _shm_ready(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
+        """The flat collective on `whole` (gathered or reduced) and `part` (this
+        member's slice) goes through shared memory. The first such call sets the arena
+        up, collectively: every member reaches it at the same call, since all issue the
+        group's collectives, with the same sizes, in the same order."""
         return (self.shm is not None and self.gloo_forms
-                and all(t.device.type == "cpu" for t in tensors) and self.shm.ready())
+                and whole.device.type == "cpu" and part.device.type == "cpu"
+                and _nbytes(whole) >= self.shm.min_bytes and self.shm.ready())
 
     def _count(self, op: str, nbytes: float) -> None:
         self.counter.record(self.purpose, op, nbytes)
@@ -144,7 +146,7 @@ class GroupComm:
                 shard.copy_(full)
             return _Done() if async_op else None
         self._count("reduce_scatter", (self.size - 1) / self.size * _nbytes(full))
-        if op == dist.ReduceOp.SUM and self._shm_ready(shard, full):
+        if op == dist.ReduceOp.SUM and self._shm_ready(full, shard):
             return self.shm.reduce_scatter(
                 shard, full, gloo_collectives.is_pairwise(full, self.size), async_op)
         if self.gloo_forms and op == dist.ReduceOp.SUM:
@@ -155,7 +157,8 @@ class GroupComm:
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight (none through
         shared memory, whose arena is fixed and shared by the group)."""
-        if not self.gloo_forms or (self.shm is not None and self.shm.state):
+        if not self.gloo_forms or (self.shm is not None and self.shm.state
+                                   and _nbytes(full) >= self.shm.min_bytes):
             return 0
         return gloo_collectives.reduce_scatter_scratch_bytes(full, self.size)
 

@@ -184,8 +184,9 @@ class Mesh:
 
     `shm_collectives`: True moves the flat all-gathers and reduce-scatters of a gloo
     group whose members all run on this host through shared memory
-    (`partita.shm_collectives`); False keeps gloo's TCP forms; None (the default) leaves
-    it to the environment variable PARTITA_SHM_COLLECTIVES (1: on; off otherwise).
+    (`partita.shm_collectives`, collectives of 4 MiB and more); False keeps gloo's TCP
+    forms; None (the default) leaves it to the environment variable
+    PARTITA_SHM_COLLECTIVES (0: off; on otherwise).
     Every process must make the same choice.
     """
 

@@ -48,9 +48,13 @@ import torch.distributed as dist
 
 from partita.gloo_collectives import _sum_in_rank_order
 
-# Set to 1 to use the arena where `Mesh(shm_collectives=...)` is not given: off by
-# default, since whole steps on a 2-core machine showed no gain beyond the noise yet.
+# Set to 0 to keep gloo's TCP forms where `Mesh(shm_collectives=...)` is not given (on
+# by default: stage 3 / stage 2 at 4 ranks on a 100M model read 0.990 through the arena
+# against 1.093 over TCP, docs/benchmarks.md).
 ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
+# Collectives on fewer bytes keep gloo's forms: at 1 MiB and less the arena's barrier per
+# chunk cost more than TCP under load, from 8 MiB up it was 2-3x faster.
+MIN_BYTES = 4 * 1024 * 1024
 SHM_DIR = "/dev/shm"
 # Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every
 # destination (reduce-scatter). Two buffers per arena: 32 MiB in all per group.
@@ -66,11 +70,11 @@ _warned = False
 
 
 def wanted(choice: bool | None) -> bool:
-    """The caller's choice, or where it made none the environment's (off unless
-    PARTITA_SHM_COLLECTIVES=1)."""
+    """The caller's choice, or where it made none the environment's (on unless
+    PARTITA_SHM_COLLECTIVES=0)."""
     if choice is not None:
         return choice
-    return os.environ.get(ENV_SWITCH, "0").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def supported() -> bool:
@@ -129,11 +133,14 @@ def _group_timeout(group: dist.ProcessGroup) -> float:
 class ShmGroup:
     """The shared-memory transport of one process group (`ranks`: its members' global
     ranks, `index`: this rank's position). Nothing happens until `ready()`, which every
-    member must call at the same point of the group's collective sequence."""
+    member must call at the same point of the group's collective sequence. Collectives
+    on fewer than `min_bytes` keep gloo's forms (`GroupComm` checks)."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], index: int,
-                 buffer_bytes: int = BUFFER_BYTES, threaded: bool = True) -> None:
+                 buffer_bytes: int = BUFFER_BYTES, threaded: bool = True,
+                 min_bytes: int = MIN_BYTES) -> None:
         self.group, self.ranks, self.index = group, ranks, index
+        self.min_bytes = min_bytes
         self.size = len(ranks)
         self.buffer_bytes = buffer_bytes // (_LINE * self.size) * (_LINE * self.size)
         self.threaded = threaded

@@ -34,7 +34,8 @@ def _match_worker(rank: int, world: int) -> dict:
     base = mesh.comm("zero_shard")
     assert base.shm is not None
     shm = GroupComm(base.group, base.ranks, rank, "shm", CommCounter(),
-                    shm=ShmGroup(base.group, base.ranks, base.index, buffer_bytes=BUFFER))
+                    shm=ShmGroup(base.group, base.ranks, base.index, buffer_bytes=BUFFER,
+                                   min_bytes=0))
     gloo = GroupComm(base.group, base.ranks, rank, "gloo", CommCounter())
     problems: list[str] = []
     chunk = BUFFER // world  # one member's share of a buffer, in bytes
@@ -100,17 +101,27 @@ def _match_worker(rank: int, world: int) -> dict:
         if out.tolist() != [float(r + i) for r in range(world) for _ in range(5)]:
             problems.append(f"call {i} of a series wrong")
             break
-    # The mesh's own transport: set up on first use, counted as gloo's would be.
-    out = torch.empty(world * 1000)
-    base.all_gather_flat(out, torch.ones(1000))
+    # The mesh's own transport: below its floor gloo's forms (the arena not even set
+    # up), from the floor on the arena, set up on first use; counted as gloo's would be.
+    small, n = torch.empty(world * 1000), shm_collectives.MIN_BYTES // (4 * world)
+    base.all_gather_flat(small, torch.ones(1000))
+    if base.shm.state is not None:
+        problems.append("a collective below the floor set the arena up")
+    out = torch.empty(world * n)
+    base.all_gather_flat(out, torch.ones(n))
+    base.reduce_scatter_flat(torch.empty(n), torch.ones(world * n))
     base.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
     gloo.counter.reset()
-    gloo.all_gather_flat(out, torch.ones(1000))
+    gloo.all_gather_flat(small, torch.ones(1000))
+    gloo.all_gather_flat(out, torch.ones(n))
+    gloo.reduce_scatter_flat(torch.empty(n), torch.ones(world * n))
     gloo.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
     if dict(base.counter.sent) != {("zero_shard", k[1]): v for k, v in gloo.counter.sent.items()}:
         problems.append("bytes counted differ from gloo's")
-    if base.reduce_scatter_scratch_bytes(torch.ones(world * 1000)) != 0:
+    if base.reduce_scatter_scratch_bytes(torch.ones(world * n)) != 0:
         problems.append("scratch bytes counted through shared memory")
+    if base.reduce_scatter_scratch_bytes(torch.ones(world * 1000)) == 0:
+        problems.append("no scratch counted for a reduce-scatter below the floor")
     used = {"mesh": base.shm.calls, "test": shm.shm.calls}
     return {"problems": problems, "used": used, "state": shm.shm.state,
             "path": getattr(shm.shm, "path", None)}
@@ -132,20 +143,25 @@ def _fallback_worker(rank: int, world: int) -> dict:
     # No /dev/shm on the member that makes the arena: every member keeps gloo's forms.
     shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
     comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
-    gathered = torch.empty(world * 3)
-    comm.all_gather_flat(gathered, torch.full((3,), float(rank)))
-    out["fallback"] = (comm.shm.state, comm.shm.calls, gathered.tolist())
+    n = shm_collectives.MIN_BYTES // (4 * world)  # at the floor: the arena is tried
+    gathered = torch.empty(world * n)
+    comm.all_gather_flat(gathered, torch.full((n,), float(rank)))
+    out["fallback"] = (comm.shm.state, comm.shm.calls,
+                       torch.equal(gathered, torch.arange(world).repeat_interleave(n).float()))
     shm_collectives.SHM_DIR = "/dev/shm"
-    # Off by default; on through the environment, unless the caller says otherwise.
+    # On by default; off through the environment, unless the caller says otherwise.
     def has_shm(**kw) -> bool:
         return Mesh(Layout(dp=world), rank, world, **kw).comm("zero_shard").shm is not None
 
-    out["default_off"] = not has_shm()
-    os.environ[shm_collectives.ENV_SWITCH] = "1"
-    out["env_on"] = has_shm() and not has_shm(shm_collectives=False)
+    saved = os.environ.pop(shm_collectives.ENV_SWITCH, None)
+    out["default_on"] = has_shm() and not has_shm(shm_collectives=False)
     os.environ[shm_collectives.ENV_SWITCH] = "0"
     out["env_off"] = not has_shm() and has_shm(shm_collectives=True)
+    os.environ[shm_collectives.ENV_SWITCH] = "1"
+    out["env_on"] = has_shm() and not has_shm(shm_collectives=False)
     del os.environ[shm_collectives.ENV_SWITCH]
+    if saved is not None:
+        os.environ[shm_collectives.ENV_SWITCH] = saved
     # A member that never arrives: the other gives up after the group's timeout.
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
     shm = ShmGroup(group, [0, 1], rank)
@@ -169,8 +185,8 @@ def _fallback_worker(rank: int, world: int) -> dict:
 def test_fallback_switches_and_timeout() -> None:
     results = run_distributed(_fallback_worker, 2, timeout=60)
     for rank, out in enumerate(results):
-        assert out["fallback"] == (False, 0, [0.0] * 3 + [1.0] * 3), f"rank {rank}"
-        assert out["default_off"] and out["env_on"] and out["env_off"]
+        assert out["fallback"] == (False, 0, True), f"rank {rank}"
+        assert out["default_on"] and out["env_on"] and out["env_off"]
     assert 0.9 <= results[0]["timeout"] < 10
     assert "failed" in results[0]["after"]
 
