@@ -2,16 +2,17 @@
 
     PYTHONPATH=src python tools/zero_pairs.py hf-llama-20m --world 1 3/0 2/0
     PYTHONPATH=src python tools/zero_pairs.py llama-20m --world 2 --rounds 16 3/2 "3 keep/2"
-    PYTHONPATH=src python tools/zero_pairs.py llama-100m --world 4 --rounds 8 "3 shm/3"
+    PYTHONPATH=src python tools/zero_pairs.py llama-100m --world 4 --rounds 8 "3 shm/3 gloo"
 
 Each pair "A/B" times setting A against setting B on the same model, world and batches
 as `partita bench zero` (`partita.bench.dp`: warm-up, then alternating rounds; the median
 of per-round ratios with its 99% interval). A setting is a stage number, optionally
 with "keep" (stage 3 keeps every unit gathered from forward into backward), "one"
-(stage 3 with every block in one gather unit) or "shm" (the stage's gathers and
-reduce-scatters through shared memory, `Mesh(shm_collectives=True)`). `bench zero` times the stages against
-their peers; this tool compares the stages with each other, at any world size,
-1 included.
+(stage 3 with every block in one gather unit), "shm" (the stage's gathers and
+reduce-scatters of 4 MiB and more through shared memory, `Mesh(shm_collectives=True)`,
+as by default) or "gloo" (all of them over gloo's TCP, `Mesh(shm_collectives=False)`).
+`bench zero` times the stages against their peers; this tool compares the stages with
+each other, at any world size, 1 included.
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ import dataclasses
 from partita.bench import dp as harness
 from partita.local_world import run_distributed
 
-VARIANTS = {"": {}, "keep": {"keep_gathered": 1024}, "one": {"bucket_mb": 1e4}, "shm": {}}
-_SHM_MESH: list = []  # the mesh of the "shm" settings, made on first use (collectively)
+VARIANTS = {"": {}, "keep": {"keep_gathered": 1024}, "one": {"bucket_mb": 1e4}, "shm": {},
+            "gloo": {}}
+_MESHES: dict = {}  # the mesh of each transport setting, made on first use (collectively)
 
 
 def build(name: str, model, mesh) -> harness.Step:
     stage, _, variant = name.partition(" ")
-    if variant == "shm":
-        if not _SHM_MESH:
+    if variant in ("shm", "gloo"):
+        if variant not in _MESHES:
             from partita.mesh import Mesh
 
-            _SHM_MESH.append(Mesh(mesh.dims, mesh.rank, mesh.world_size,
-                                  shm_collectives=True))
-        mesh = _SHM_MESH[0]
+            _MESHES[variant] = Mesh(mesh.dims, mesh.rank, mesh.world_size,
+                                    shm_collectives=variant == "shm")
+        mesh = _MESHES[variant]
     return harness.partita_step(model, mesh, int(stage), **VARIANTS[variant])
 
 
