@@ -112,7 +112,7 @@ class GroupComm:
         group's collectives, with the same sizes, in the same order."""
         return (self.shm is not None and self.gloo_forms
                 and whole.device.type == "cpu" and part.device.type == "cpu"
-                and _nbytes(whole) >= self.shm.min_bytes and self.shm.ready())
+                and self.shm.carries(_nbytes(whole)) and self.shm.ready())
 
     def _count(self, op: str, nbytes: float) -> None:
         self.counter.record(self.purpose, op, nbytes)
@@ -158,7 +158,7 @@ class GroupComm:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight (none through
         shared memory, whose arena is fixed and shared by the group)."""
         if not self.gloo_forms or (self.shm is not None and self.shm.state
-                                   and _nbytes(full) >= self.shm.min_bytes):
+                                   and self.shm.carries(_nbytes(full))):
             return 0
         return gloo_collectives.reduce_scatter_scratch_bytes(full, self.size)
 

@@ -134,7 +134,7 @@ class ShmGroup:
     """The shared-memory transport of one process group (`ranks`: its members' global
     ranks, `index`: this rank's position). Nothing happens until `ready()`, which every
     member must call at the same point of the group's collective sequence. Collectives
-    on fewer than `min_bytes` keep gloo's forms (`GroupComm` checks)."""
+    on fewer than `min_bytes` keep gloo's forms (`carries`, which `GroupComm` asks)."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], index: int,
                  buffer_bytes: int = BUFFER_BYTES, threaded: bool = True,
@@ -152,6 +152,11 @@ class ShmGroup:
         self._queue: queue.SimpleQueue | None = None
         self._pending = 0
         self._lock = threading.Lock()
+
+    def carries(self, nbytes: int) -> bool:
+        """Whether a flat collective on a buffer of `nbytes` is large enough for the
+        arena: below `min_bytes` its barriers cost more than gloo under load."""
+        return nbytes >= self.min_bytes
 
     # Setup -----------------------------------------------------------------------------
     def ready(self) -> bool:

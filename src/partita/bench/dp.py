@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from partita import shm_collectives
 from partita.arg_types import count
 from partita.bench import paired
 from partita.bench.models import CHOICES, bench_model, block_names, model_name
@@ -223,10 +224,20 @@ def is_peer(name: str) -> bool:
     return not name.startswith("partita")
 
 
+def transport() -> str:
+    """How partita's ranks move data here: gloo, with its large flat collectives through
+    the shared-memory arena unless PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
+    if shm_collectives.wanted(None) and shm_collectives.supported():
+        return (f"gloo (partita's flat collectives of {shm_collectives.MIN_BYTES >> 20} MiB "
+                "and more through shared memory)")
+    return "gloo"
+
+
 def describe(bench: str, setup: Setup, targets: str = "1.0") -> str:
     """The table's header line; `targets`: the values a pair's interval is timed until it
     clears."""
-    return (f"{bench}: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, gloo, "
+    return (f"{bench}: {setup.model}, {setup.batch}x{setup.seq} tokens per rank, "
+            f"{transport()}, "
             f"1 thread per rank, {setup.warmup} warm-up steps, then interleaved rounds of "
             f"{setup.steps} steps ({setup.rounds}, doubled up to {setup.max_rounds} where "
             f"the 99% interval of a peer pair's ratio still spans {targets}); median step "
