@@ -10,11 +10,13 @@ speed (figures in docs/benchmarks.md).
 Setup is lazy and collective: the first flat collective of a group runs it on every
 member at the same point of the collective sequence. One member creates the file and
 reserves its space (`posix_fallocate`: writing past a full tmpfs would raise SIGBUS, not
-an error), writes a random token and broadcasts the name and token over the group; the
-others map the file and check the token (which proves they share the filesystem, i.e.
-the host), and one all-reduce agrees on the outcome. The creator then unlinks the file,
-so a crash leaves nothing behind. Where anything fails, every member keeps the gloo
-forms (`partita.gloo_collectives`) and a warning says so once.
+an error), writes a random token and broadcasts the name, the token and its host's boot
+id over the group; the others map the file and check the token (which proves they share
+the filesystem), and one all-gather agrees on the outcome. The creator then unlinks the
+file, so a crash leaves nothing behind. Where anything fails, every member keeps the
+gloo forms (`partita.gloo_collectives`): quietly where a member runs on another host (a
+group that spans hosts is expected), with one warning otherwise (a missing, full or
+private /dev/shm on one host).
 
 The arena holds a header of flags (one 32-bit generation counter per member, each on its
 own cache line) and two buffers, used by turns. A large tensor goes through in chunks of
@@ -33,11 +35,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import hashlib
 import mmap
 import os
 import platform
 import queue
 import secrets
+import socket
 import threading
 import time
 import warnings
@@ -61,10 +65,12 @@ SHM_DIR = "/dev/shm"
 BUFFER_BYTES = 16 * 1024 * 1024
 _LINE = 64  # one flag per cache line
 _TOKEN_BYTES = 16
+_HOST_BYTES = 16
 _NAME_BYTES = 128
 _MASK = 0xFFFFFFFF
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_MAPPED, _FAILED, _ELSEWHERE = 1, 0, 2  # what each member reports after setup
 _CHECK_S = 0.5  # while waiting, how often to look whether a member's process ended
 _warned = False
 
@@ -169,7 +175,10 @@ class ShmGroup:
         self.timeout_s = _group_timeout(self.group)
         header = -(-_LINE * (self.size + 1) // 4096) * 4096
         total = header + 2 * self.buffer_bytes
-        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES, dtype=torch.uint8)
+        # The arena's path, the token at its start, and the first member's host: a member
+        # on another host keeps gloo quietly (a group spanning hosts is no fault).
+        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES + _HOST_BYTES, dtype=torch.uint8)
+        token_at, host_at = _NAME_BYTES, _NAME_BYTES + _TOKEN_BYTES
         path, fd, why = None, -1, ""
         if self.index == 0:
             token = secrets.token_bytes(_TOKEN_BYTES)
@@ -177,20 +186,24 @@ class ShmGroup:
                 path, fd = _create(total, token)
                 name = path.encode()
                 msg[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
-                msg[_NAME_BYTES:] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+                msg[token_at:host_at] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
             except (OSError, ValueError) as exc:
                 why = f"cannot make an arena of {total >> 20} MiB in {SHM_DIR} ({exc})"
+            msg[host_at:] = torch.frombuffer(bytearray(_host_id()), dtype=torch.uint8)
         dist.broadcast(msg, src=self.ranks[0], group=self.group)
         raw = bytes(msg.tolist())
         name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
         mm = None
+        elsewhere = raw[host_at:] != _host_id()
         try:
+            if elsewhere:
+                raise OSError("the first member runs on another host")
             if not name:
                 raise OSError("the first member could not make the arena")
             if fd < 0:
                 fd = os.open(name, os.O_RDWR)
             mm = mmap.mmap(fd, total)
-            if mm[:_TOKEN_BYTES] != raw[_NAME_BYTES:]:
+            if mm[:_TOKEN_BYTES] != raw[token_at:host_at]:
                 raise OSError("the members do not share /dev/shm (another host)")
         except (OSError, ValueError) as exc:
             why = why or f"no shared arena ({exc})"
@@ -200,7 +213,8 @@ class ShmGroup:
                 os.close(fd)
         # Who everyone is, so that a wait can tell a member whose process ended (gloo
         # learns it from the closed connection) from one that is late.
-        me = torch.tensor([[0 if mm is None else 1, os.getpid(), *_identity(os.getpid())]],
+        mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
+        me = torch.tensor([[mapped, os.getpid(), *_identity(os.getpid())]],
                           dtype=torch.int64)
         every = torch.empty((self.size, 4), dtype=torch.int64)
         dist.all_gather_into_tensor(every, me, group=self.group)
@@ -210,8 +224,10 @@ class ShmGroup:
         namespace = me[0, 3].item()
         self._peers = [(pid, start) if ns == namespace and ns != 0 else None
                        for _, pid, start, ns in every.tolist()]
-        if not bool(every[:, 0].min().item()):
-            _warn_once(why or "another member could not map the shared arena")
+        states = set(every[:, 0].tolist())
+        if states != {_MAPPED}:
+            if _ELSEWHERE not in states:
+                _warn_once(why or "another member could not map the shared arena")
             return False
         self._mm = mm
         self.arena = torch.frombuffer(mm, dtype=torch.uint8)
@@ -374,6 +390,17 @@ def _stat_fields(pid: int) -> list[str]:
     start time. Raises OSError when the process is gone (or there is no /proc)."""
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()
+
+
+def _host_id() -> bytes:
+    """This machine's kernel, as 16 bytes: its boot id (processes in containers on one
+    host share it), else a hash of the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return bytes.fromhex(f.read().strip().replace("-", ""))[:_HOST_BYTES].ljust(
+                _HOST_BYTES, b"\0")
+    except (OSError, ValueError):
+        return hashlib.sha256(socket.gethostname().encode()).digest()[:_HOST_BYTES]
 
 
 def _identity(pid: int) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -140,15 +141,32 @@ def test_matches_gloo_forms(world: int) -> None:
 
 def _fallback_worker(rank: int, world: int) -> dict:
     out: dict = {}
-    # No /dev/shm on the member that makes the arena: every member keeps gloo's forms.
-    shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
-    comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
     n = shm_collectives.MIN_BYTES // (4 * world)  # at the floor: the arena is tried
-    gathered = torch.empty(world * n)
-    comm.all_gather_flat(gathered, torch.full((n,), float(rank)))
-    out["fallback"] = (comm.shm.state, comm.shm.calls,
-                       torch.equal(gathered, torch.arange(world).repeat_interleave(n).float()))
+
+    def gather_once() -> tuple:
+        """(arena state, calls through it, result right, warnings given) of one gather
+        on a fresh mesh."""
+        shm_collectives._warned = False
+        comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
+        gathered = torch.empty(world * n)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            comm.all_gather_flat(gathered, torch.full((n,), float(rank)))
+        right = torch.equal(gathered, torch.arange(world).repeat_interleave(n).float())
+        ours = [w for w in caught if str(w.message).startswith("partita: collectives")]
+        return comm.shm.state, comm.shm.calls, right, len(ours)
+
+    # No /dev/shm on the member that makes the arena: every member keeps gloo's forms,
+    # and says so.
+    shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
+    out["fallback"] = gather_once()
     shm_collectives.SHM_DIR = "/dev/shm"
+    # The last member on another host (another boot id): gloo's forms, quietly.
+    own_host = shm_collectives._host_id
+    if rank == world - 1:
+        shm_collectives._host_id = lambda: bytes(range(16))
+    out["elsewhere"] = gather_once()
+    shm_collectives._host_id = own_host
     # On by default; off through the environment, unless the caller says otherwise.
     def has_shm(**kw) -> bool:
         return Mesh(Layout(dp=world), rank, world, **kw).comm("zero_shard").shm is not None
@@ -185,7 +203,8 @@ def _fallback_worker(rank: int, world: int) -> dict:
 def test_fallback_switches_and_timeout() -> None:
     results = run_distributed(_fallback_worker, 2, timeout=60)
     for rank, out in enumerate(results):
-        assert out["fallback"] == (False, 0, True), f"rank {rank}"
+        assert out["fallback"] == (False, 0, True, 1), f"rank {rank}"
+        assert out["elsewhere"] == (False, 0, True, 0), f"rank {rank}"
         assert out["default_on"] and out["env_on"] and out["env_off"]
     assert 0.9 <= results[0]["timeout"] < 10
     assert "failed" in results[0]["after"]
