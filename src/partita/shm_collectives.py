@@ -204,7 +204,7 @@ class ShmGroup:
                 fd = os.open(name, os.O_RDWR)
             mm = mmap.mmap(fd, total)
             if mm[:_TOKEN_BYTES] != raw[token_at:host_at]:
-                raise OSError("the members do not share /dev/shm (another host)")
+                raise OSError("the members do not share /dev/shm (a private one per container?)")
         except (OSError, ValueError) as exc:
             why = why or f"no shared arena ({exc})"
             mm = None
