@@ -212,6 +212,15 @@ def _await_exit(pid: int, timeout_s: float = 5.0) -> None:
         time.sleep(0.002)
 
 
+def _kill_started(procs: list) -> None:
+    """SIGKILL every worker of `procs` still running, while the fork server can still
+    tell (a SIGTERM that reached this process alone, `kill PID` or a scheduler's stop,
+    does not reach them)."""
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.kill()
+
+
 def restore_signals() -> None:
     """In a process forked from the server: the signals as a fresh Python process has
     them (Ctrl-C raises KeyboardInterrupt, SIGTERM and SIGHUP end it, SIGHUP ignored
@@ -319,6 +328,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
         if not isinstance(exc, Exception):
             # Ctrl-C or a stop: this process is leaving, and a worker the server starts
             # for it now would find its queue gone and print a traceback about that.
+            # The workers go first: they are the server's children, and once it is gone
+            # their exit can no longer be read (`is_alive` says False) while they run on.
+            _kill_started(procs)
             stop_fork_server()
         raise
     finally:

@@ -1,0 +1,75 @@
+"""A stopped `run_distributed` leaves no rank running.
+
+A SIGTERM sent to the calling process alone (`kill PID`, as a user or a scheduler stops
+a bench) raises `Stopped` there, and its ranks, children of the fork server, get no
+signal of their own. They must end with it: stopping `partita bench zero` that way once
+left its ranks training for minutes, and printing rows, after the command had said that
+every process was stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SCRIPT = '''
+import os, sys, time
+from partita.errors import Stopped, stop_on_signals
+from partita.local_world import run_distributed
+
+def rank(r, world):
+    print(f"rank {os.getpid()}", flush=True)
+    time.sleep(300)
+
+if __name__ == "__main__":
+    stop_on_signals()
+    try:
+        run_distributed(rank, 2, timeout=600)
+    except Stopped:
+        print("stopped", flush=True)
+        sys.exit(143)
+'''
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")  # a zombie has ended; its parent may not reap it
+
+
+def test_a_stop_sent_to_the_caller_alone_ends_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "stop_me.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],
+                     daemon=True).start()
+    ranks: list[int] = []
+    try:
+        while len(ranks) < 2:
+            line = lines.get(timeout=120)
+            if line.startswith("rank "):
+                ranks.append(int(line.split()[1]))
+        proc.send_signal(signal.SIGTERM)  # the caller only, not its process group
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 10
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if _running(pid)], "ranks outlived the stop"
+    finally:
+        proc.kill()
+        for pid in ranks:  # whatever the outcome, leave nothing behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
