@@ -179,6 +179,7 @@ class ShmGroup:
         # on another host keeps gloo quietly (a group spanning hosts is no fault).
         msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES + _HOST_BYTES, dtype=torch.uint8)
         token_at, host_at = _NAME_BYTES, _NAME_BYTES + _TOKEN_BYTES
+        host = _host_id()
         path, fd, why = None, -1, ""
         if self.index == 0:
             token = secrets.token_bytes(_TOKEN_BYTES)
@@ -189,12 +190,12 @@ class ShmGroup:
                 msg[token_at:host_at] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
             except (OSError, ValueError) as exc:
                 why = f"cannot make an arena of {total >> 20} MiB in {SHM_DIR} ({exc})"
-            msg[host_at:] = torch.frombuffer(bytearray(_host_id()), dtype=torch.uint8)
+            msg[host_at:] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
         dist.broadcast(msg, src=self.ranks[0], group=self.group)
         raw = bytes(msg.tolist())
         name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
         mm = None
-        elsewhere = raw[host_at:] != _host_id()
+        elsewhere = raw[host_at:] != host
         try:
             if elsewhere:
                 raise OSError("the first member runs on another host")

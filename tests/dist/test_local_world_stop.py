@@ -18,6 +18,8 @@ import threading
 import time
 from pathlib import Path
 
+from partita.worker_watch import process_state
+
 SCRIPT = '''
 import os, sys, time
 from partita.errors import Stopped, stop_on_signals
@@ -38,12 +40,8 @@ if __name__ == "__main__":
 
 
 def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")  # a zombie has ended; its parent may not reap it
+    # A zombie has ended; the process that inherits it may never reap it.
+    return process_state(pid) not in (None, "Z", "X")
 
 
 def test_a_stop_sent_to_the_caller_alone_ends_every_rank(tmp_path: Path) -> None:
