@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from partita.errors import Stopped, stop_on_signals
 from partita.local_world import run_distributed
 
 def rank(r, world):
-    print(f"rank {os.getpid()}", flush=True)
+    # One write per line: a pipe keeps a write this short whole, where print's separate
+    # writes of text and newline from two ranks can interleave ("26182rank 26183").
+    os.write(1, f"rank {os.getpid()}\\n".encode())
     time.sleep(300)
 
 if __name__ == "__main__":
@@ -56,8 +59,7 @@ def test_a_stop_sent_to_the_caller_alone_ends_every_rank(tmp_path: Path) -> None
     try:
         while len(ranks) < 2:
             line = lines.get(timeout=120)
-            if line.startswith("rank "):
-                ranks.append(int(line.split()[1]))
+            ranks += [int(pid) for pid in re.findall(r"rank (\d+)", line)]
         proc.send_signal(signal.SIGTERM)  # the caller only, not its process group
         assert proc.wait(timeout=60) == 143
         deadline = time.monotonic() + 10
