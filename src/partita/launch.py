@@ -142,14 +142,29 @@ TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
 _server_started_by: int | None = None
 
 
+def quiet_torch_native_warnings() -> None:
+    """Keep torch's C++ log to errors in the processes that import torch from here on.
+
+    torch's C++ warnings carry a native stack trace each: when a job ends badly (its
+    launcher killed, a peer gone) every worker printed dozens of frames around the one
+    line partita prints about it. torch reads the level once, as it is imported, and the
+    workers share the launcher's import (`start_worker_server`), so the launcher sets it
+    before its own. PARTITA_DEBUG=1 or the user's own TORCH_CPP_LOG_LEVEL keeps
+    everything."""
+    if os.environ.get("PARTITA_DEBUG") != "1":
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def start_worker_server(preload: tuple[str, ...]) -> None:
     """Start the fork server that `launch` makes its workers from, importing `preload`.
 
     Workers forked from a server that has imported torch once start in a fraction of a
     second, where spawned ones import torch each (about 3 s apiece on a 2-core machine,
-    all at once). Called early, the server's imports also run beside the launcher's own
-    checks. The server never runs torch code itself, so forking it is as safe as a
-    spawn: no threads, no CUDA context. Calling it again changes nothing.
+    all at once). The server is itself a fork of the launcher, which imports torch for
+    the agent anyway: called once torch is imported and before anything runs with it,
+    one import serves both; the server's remaining imports (partita's) run beside the
+    launcher's own checks. The server never runs torch code itself, so forking it is as
+    safe as a spawn: no threads, no CUDA context. Calling it again changes nothing.
     """
     import multiprocessing
     global _server_started_by
@@ -164,12 +179,7 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     # SIGTERM sent while it starts used to be lost, and the job trained on); each worker
     # restores them (`_run_reporting_errors`).
     environ = dict(os.environ)
-    # torch's C++ warnings carry a native stack trace each: when a job ends badly (its
-    # launcher killed, a peer gone) every worker prints dozens of frames around the one
-    # line partita prints about it. Workers keep torch's C++ errors; PARTITA_DEBUG=1 or
-    # the user's own TORCH_CPP_LOG_LEVEL keeps everything.
-    if os.environ.get("PARTITA_DEBUG") != "1":
-        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    quiet_torch_native_warnings()  # for a server that imports torch itself
     os.environ[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell it is orphaned
     # The standard library's resource tracker starts here too. When the launcher is
     # killed it unlinks the semaphores torch's agent made for the workers, and says
@@ -178,7 +188,7 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     os.environ["PYTHONWARNINGS"] = ",".join(
         x for x in (os.environ.get("PYTHONWARNINGS"), TRACKER_QUIET) if x)
     try:
-        start_fork_server()  # the server inherits this environment
+        start_fork_server(fork_this_process=True)  # it inherits this environment
         _server_started_by = os.getpid()
     finally:
         os.environ.clear()

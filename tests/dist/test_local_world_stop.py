@@ -1,4 +1,4 @@
-"""A stopped `run_distributed` leaves no rank running.
+"""A stopped `run_distributed` leaves no rank running; a killed launcher, no server.
 
 A SIGTERM sent to the calling process alone (`kill PID`, as a user or a scheduler stops
 a bench) raises `Stopped` there, and its ranks, children of the fork server, get no
@@ -9,6 +9,7 @@ every process was stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -73,3 +74,35 @@ def test_a_stop_sent_to_the_caller_alone_ends_every_rank(tmp_path: Path) -> None
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+ORPHANED_SERVER = '''
+import os, signal
+from multiprocessing import forkserver
+import torch
+from partita import launch
+
+launch.start_worker_server(())
+os.write(1, f"server {forkserver._forkserver._forkserver_pid}\\n".encode())
+os.kill(os.getpid(), signal.SIGKILL)  # a launcher killed: no handler, no clean-up
+'''
+
+
+def test_the_worker_server_of_a_killed_launcher_ends(tmp_path: Path) -> None:
+    """The launcher's worker server is a fork of it (`start_worker_server`). It must end
+    once the launcher is gone and it has no workers left, as a freshly started server
+    does: the fork closes its copy of the pipe whose end tells the server so."""
+    out = tmp_path / "out"
+    with out.open("w") as stdout:  # a file, not a pipe: a server left running holds it
+        done = subprocess.run([sys.executable, "-c", ORPHANED_SERVER], stdout=stdout,
+                              stderr=subprocess.STDOUT, timeout=120)
+    assert done.returncode == -signal.SIGKILL, out.read_text()[-2000:]
+    server = int(re.findall(r"server (\d+)", out.read_text())[0])
+    try:
+        deadline = time.monotonic() + 10
+        while _running(server) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(server), "the worker server outlived its launcher"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGKILL)

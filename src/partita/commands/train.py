@@ -42,6 +42,7 @@ from partita.launch import (
     LaunchSpec,
     launch,
     launched_externally,
+    quiet_torch_native_warnings,
     start_worker_server,
     stop_worker_server,
 )
@@ -183,11 +184,13 @@ def _run(args: argparse.Namespace) -> int:
         raise PartitaError(f"--rdzv-timeout {args.rdzv_timeout:g} must be positive (seconds).")
     check_before_torch(cfg, args.nproc * args.nnodes if args.nproc else None)
     print_notes(cfg)
-    # The workers' imports (in the fork server) run while this process checks the rest.
+    quiet_torch_native_warnings()
+    with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
+        import torch.distributed  # noqa: F401  (the launch needs it)
+    # The worker server is a fork of this process, torch imported (`start_worker_server`);
+    # partita's own imports there run while this process checks the rest.
     start_worker_server(WORKER_IMPORTS)
     try:
-        with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
-            import torch  # noqa: F401  (the launch needs it; imported while the server does)
         nproc = args.nproc or default_nproc()
         from partita.process_setup import check_local_processes, pick_device_name
 
