@@ -40,12 +40,12 @@ from partita.local_world import (
     stop_fork_server,
     worker_signal_defaults,
 )
+from partita.proc_stat import process_state
 from partita.worker_watch import (
     failure_would_repeat,
     mark_failure_would_repeat,
     mark_finished,
     mark_started,
-    process_state,
     watching_stopped_workers,
 )
 

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from partita.gloo_collectives import _sum_in_rank_order
+from partita.proc_stat import stat_fields
 
 # Set to 0 to keep gloo's TCP forms where `Mesh(shm_collectives=...)` is not given (on
 # by default: stage 3 / stage 2 at 4 ranks on a 100M model read 0.990 through the arena
@@ -386,13 +387,6 @@ def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
         del group, fn, args, work, job
 
 
-def _stat_fields(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command name: [0] the state, [19] the
-    start time. Raises OSError when the process is gone (or there is no /proc)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()
-
-
 def _host_id() -> bytes:
     """This machine's kernel, as 16 bytes: its boot id (processes in containers on one
     host share it), else a hash of the host name."""
@@ -408,7 +402,7 @@ def _identity(pid: int) -> tuple[int, int]:
     """(start time, pid namespace) of process `pid`: a pid names the same process while
     both match. (0, 0) where /proc cannot say."""
     try:
-        return int(_stat_fields(pid)[19]), os.stat(f"/proc/{pid}/ns/pid").st_ino
+        return int(stat_fields(pid)[19]), os.stat(f"/proc/{pid}/ns/pid").st_ino
     except (OSError, IndexError, ValueError):
         return 0, 0
 
@@ -419,7 +413,7 @@ def _alive(peer: tuple[int, int] | None) -> bool:
         return True
     pid, start = peer
     try:
-        fields = _stat_fields(pid)
+        fields = stat_fields(pid)
     except OSError:
         return False
     return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start

@@ -27,18 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from partita.errors import print_line
+from partita.proc_stat import process_state
 
 SAMPLE_S = 0.25
-
-
-def process_state(pid: int) -> str | None:
-    """The one-letter state /proc gives process `pid` (R, S, D, T, t, Z...), or None
-    when it is gone or the state cannot be read (no /proc: not Linux)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def mark_started(folder: str) -> None:

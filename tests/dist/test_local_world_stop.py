@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from partita.worker_watch import process_state
+from partita.proc_stat import process_state
 
 SCRIPT = '''
 import os, sys, time

@@ -4,7 +4,7 @@ functions, under TYPE_CHECKING) must point down the table below or stay in its l
 Layers, lowest first (docs/architecture.md explains each):
 
     base         partita (the package), errors, device_specs, host_memory, local_world, lazy,
-                 folder_lock, machine_cache
+                 folder_lock, machine_cache, proc_stat
     models       models.*            single-device PyTorch models and their plans
     layout       layout              a pure description of a parallel layout
     config       config, config_ranges,  the typed run configuration, its valid ranges
@@ -38,7 +38,8 @@ import partita
 CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
               "partita.local_world", "partita.eager_only", "partita.lazy",
-              "partita.arg_types", "partita.folder_lock", "partita.machine_cache")),
+              "partita.arg_types", "partita.folder_lock", "partita.machine_cache",
+              "partita.proc_stat")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges", "partita.config_values",

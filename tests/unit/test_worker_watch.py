@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from partita.worker_watch import SAMPLE_S, StoppedWorkerWatch, process_state
+from partita.proc_stat import process_state
+from partita.worker_watch import SAMPLE_S, StoppedWorkerWatch
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
