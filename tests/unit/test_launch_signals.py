@@ -12,7 +12,8 @@ and sent again.
 Run in a fresh interpreter, as the launcher is when it starts the server. The launcher's
 server is a fork of it, made once torch is imported, when torch's own threads exist and
 do not block the signal: the launcher then keeps its handler (only the forked server
-ignores the signal), so a signal one of those threads takes is not lost either.
+ignores the signal), so a signal one of those threads takes is not lost either. The
+ignore-and-resend moment stays for `run_distributed`'s server, a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ import pytest
 PROBE = """
 import os, signal, time
 from multiprocessing import forkserver
-from partita import launch
+from partita import launch, local_world
 
 received = []
 signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
 # The moment the launcher ignores the signal: where the server would be started.
 forkserver.ensure_running = lambda: os.kill(os.getpid(), signal.SIGTERM)
-launch.start_worker_server(())
+START
 deadline = time.monotonic() + 5  # Python runs the handler at its next check
 while not received and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -43,9 +44,16 @@ print(received == [signal.SIGTERM], signal.getsignal(signal.SIGTERM) is signal.S
 """
 
 
-def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher():
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          timeout=60)
+# The launcher's server, forked from it, and `run_distributed`'s, a fresh interpreter
+# (which this process ignores the signals for while it starts).
+STARTS = {"forked": "launch.start_worker_server(())",
+          "spawned": "local_world.start_fork_server()"}
+
+
+@pytest.mark.parametrize("start", list(STARTS))
+def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher(start):
+    done = subprocess.run([sys.executable, "-c", PROBE.replace("START", STARTS[start])],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     # received, still ignored afterwards, still blocked afterwards
     assert done.stdout.split() == ["True", "False", "False"], done.stdout + done.stderr[-2000:]
@@ -54,7 +62,7 @@ def test_a_sigterm_while_the_worker_server_starts_reaches_the_launcher():
 BETWEEN = """
 import os, signal, time
 from multiprocessing import forkserver, resource_tracker
-from partita import launch
+from partita import local_world
 
 received = []
 signal.signal(signal.SIGTERM, lambda signum, _frame: received.append(signum))
@@ -69,7 +77,7 @@ def mask_then_signal(how, signals):
     return old
 
 signal.pthread_sigmask = mask_then_signal
-launch.start_worker_server(())
+local_world.start_fork_server()  # a spawned server: ignored here while it starts
 signal.pthread_sigmask = real_mask
 deadline = time.monotonic() + 5
 while not received and time.monotonic() < deadline:
