@@ -179,7 +179,6 @@ def start_worker_server(preload: tuple[str, ...]) -> None:
     # SIGTERM sent while it starts used to be lost, and the job trained on); each worker
     # restores them (`_run_reporting_errors`).
     environ = dict(os.environ)
-    quiet_torch_native_warnings()  # where the launcher has not imported torch yet
     os.environ[LAUNCHER_PID] = str(os.getpid())  # so a worker can tell it is orphaned
     # The standard library's resource tracker starts here too. When the launcher is
     # killed it unlinks the semaphores torch's agent made for the workers, and says
