@@ -10,13 +10,16 @@ refused. The checkpoint folder gets the same checks of what it is and whether it
 written (`prepare_folder`). Re-using a folder needs `train.overwrite`, and then the old
 results are removed first, so a new run that dies early never leaves the previous run's
 weights looking like its own. A live job's folders are held by it alone
-(`partita.folder_lock`).
+(`partita.folder_lock`). The folder's `run-id` names the run whose results these are;
+its checkpoints carry the same id, so a resume that would append to another run's
+results is refused (`partita train`).
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,12 +27,17 @@ from typing import TYPE_CHECKING
 from partita.errors import PartitaError
 
 if TYPE_CHECKING:
+    import torch
+
     from partita.config import Config
 
 # Files a run writes; any of them present means the folder holds a run's results.
 RESULT_FILES = ("config.toml", "metrics.jsonl", "model.safetensors")
 # Folders `train.export` writes into out_dir, one per format (`export.FORMATS`).
 EXPORT_FOLDERS = ("hf",)
+# The id of the run whose results the folder holds (one line of hex); a run that
+# continues from its own checkpoints keeps it, any other run writes a new one.
+RUN_ID_FILE = "run-id"
 PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when complete
 # Room kept beyond the weights' own size: metrics, config, filesystem overhead.
 SPARE_BYTES = 16 << 20
@@ -45,6 +53,7 @@ def prepare_out_dir(out_dir: str | os.PathLike, overwrite: bool, bytes_needed: i
     if not resuming:
         for name in _results(path):
             (path / name).unlink()
+        (path / RUN_ID_FILE).unlink(missing_ok=True)
         # The previous run's export: left in place, it would pass for this run's.
         for name in EXPORT_FOLDERS:
             if (path / name).is_dir():
@@ -136,6 +145,49 @@ def prepare_folder(folder: str | os.PathLike, setting: str) -> Path:
             "folder on a writable disk, or fix its permissions."
         ) from None
     return path
+
+
+def read_run_id(out_dir: str | os.PathLike) -> str | None:
+    """The run id recorded in `out_dir` (None where there is none: no run yet, or a run
+    of a version that wrote none)."""
+    try:
+        text = (Path(out_dir) / RUN_ID_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def other_run_in(out_dir: str | os.PathLike, run_id: str | None) -> str | None:
+    """The run id of `out_dir`'s results when they are a run's other than `run_id`'s
+    (both ids known and different, and that run trained at least a step), else None."""
+    theirs = read_run_id(out_dir)
+    if run_id and theirs and theirs != run_id and _trained(Path(out_dir)):
+        return theirs
+    return None
+
+
+def run_id_for(continued: str | None, device: torch.device) -> str:
+    """The id of a run starting now: `continued`, the id of the run it continues from
+    its checkpoint; else a new one, drawn by process 0 and the same on every process
+    (call it on all of them)."""
+    if continued:
+        return continued
+    import torch.distributed as dist
+
+    from partita.agreement import over_all_ranks
+
+    first = not dist.is_initialized() or dist.get_rank() == 0
+    (drawn,) = over_all_ranks([float(secrets.randbits(48) if first else 0)],
+                              dist.ReduceOp.MAX, device)
+    return f"{int(drawn):012x}"
+
+
+def write_run_id(out_dir: str | os.PathLike, run_id: str) -> None:
+    """Record `run_id` in `out_dir`, whole or not at all (a temporary name, renamed)."""
+    path = Path(out_dir) / RUN_ID_FILE
+    partial = path.with_name(path.name + PARTIAL_SUFFIX)
+    partial.write_text(run_id + "\n")
+    os.replace(partial, path)
 
 
 def _results(path: Path) -> list[str]:

@@ -137,6 +137,7 @@ class Trainer(CheckpointSteps):
         self.logger = MetricsLogger(self.out_dir, self.is_logger, cfg.train.steps,
                                     cfg.train.progress, cfg.metrics.tensorboard,
                                     resume_at=self.resumed.step if self.resumed else None)
+        self.run_id = self._start_run_id()
         self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
         self.loss_comm = self.mesh.comm("loss_average")
         # Windows per evaluation batch (the global batch); 0 means there is nothing to

@@ -14,11 +14,24 @@ import torch.distributed as dist
 
 from partita.agreement import over_all_ranks
 from partita.checkpoint import manifest_fields
+from partita.checkpoint.resume import continues_run
 from partita.errors import STOP_REQUEST, AgreedError
+from partita.run_dir import run_id_for, write_run_id
 
 
 class CheckpointSteps:
     """The checkpoint part of `partita.trainer.Trainer`."""
+
+    def _start_run_id(self) -> str:
+        """The run's id (`partita.run_dir.RUN_ID_FILE`), recorded in out_dir and in every
+        checkpoint: the resumed checkpoint's when this run continues it, else a new one."""
+        continued = None
+        if self.resumed is not None and continues_run(self.cfg, self.resumed.folder):
+            continued = self.resumed.training.get("run_id")
+        run_id = run_id_for(continued, self.device)
+        if self.is_logger:
+            write_run_id(self.out_dir, run_id)
+        return run_id
 
     def _checkpoint_after(self, step: int, last: bool) -> bool:
         """Save when due; True when the run stops here (SIGTERM, train.stop_after, or a
@@ -35,7 +48,8 @@ class CheckpointSteps:
             (failed,) = self._agree([bool(self.writer.failure)])
             if failed:
                 self._checkpoint_failed(must_stop=stop)
-            training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+            training = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps,
+                        "run_id": self.run_id}
             fields = manifest_fields(self.pm, training, self.cfg.to_toml(),
                                      self.cfg.layout(self.mesh.world_size))
             began = time.perf_counter()

@@ -1,7 +1,9 @@
 """Resuming another run's checkpoint: a branch into a new folder works (and names
 changed optimizer settings); into a folder holding an earlier run's checkpoints or
 results it is refused unless train.overwrite, which clears them first, so resume=auto
-never returns to the earlier run's newer checkpoints."""
+never returns to the earlier run's newer checkpoints. A run continued from its own
+checkpoints (train.checkpoint_dir) into another run's results is refused the same way,
+by their run ids."""
 
 import json
 import shutil
@@ -42,8 +44,10 @@ def runs(tmp_path_factory, cache) -> dict:
     assert done["earlier"].returncode == 0, done["earlier"].stderr[-2000:]
     for name in ("mixed", "overwrite"):
         shutil.copytree(root / "earlier", root / name)
-    shutil.copytree(root / "earlier", root / "results",
-                    ignore=shutil.ignore_patterns("checkpoints"))
+    for name in ("results", "moved", "moved_over"):
+        shutil.copytree(root / "earlier", root / name,
+                        ignore=shutil.ignore_patterns("checkpoints"))
+    shutil.copytree(root / "source", root / "source_copy")
     start = f"--train.resume={root / 'source' / 'checkpoints' / 'step-00000003'}"
 
     def overwrite_then_auto() -> tuple:
@@ -60,7 +64,14 @@ def runs(tmp_path_factory, cache) -> dict:
                 "results": pool.submit(cli.train, root / "results", *ONE, start),
                 "branch": pool.submit(cli.train, root / "branch", *ONE, start,
                                       "--train.beta2=0.99", "--train.weight_decay=0.05"),
-                "overwrite": pool.submit(overwrite_then_auto)}
+                "overwrite": pool.submit(overwrite_then_auto),
+                # source's own checkpoints, continued into earlier's results.
+                "moved": pool.submit(cli.train, root / "moved", *ONE, "--train.resume=auto",
+                                     f"--train.checkpoint_dir={root / 'source' / 'checkpoints'}"),
+                "moved_over": pool.submit(
+                    cli.train, root / "moved_over", *ONE, "--train.resume=auto",
+                    f"--train.checkpoint_dir={root / 'source_copy' / 'checkpoints'}",
+                    "--train.overwrite=true")}
         out = {name: future.result() for name, future in jobs.items()}
     out["info"] = cli("checkpoint", "info", str(root / "source"))
     return {"root": root, **out}
@@ -119,3 +130,40 @@ def test_checkpoint_info_shows_the_optimizer_settings(runs):
     result = runs["info"]
     assert result.returncode == 0, result.stderr
     assert "optimizer: adamw, betas 0.9, 0.95, eps 1e-08, weight_decay 0.1" in result.stdout
+    assert f"  run {_run_id(runs['root'] / 'source')}\n" in result.stdout
+
+
+def _run_id(out: Path) -> str:
+    return (out / "run-id").read_text().strip()
+
+
+def _saved_run_id(checkpoint: Path) -> str:
+    return json.loads((checkpoint / "manifest.json").read_text())["training"]["run_id"]
+
+
+def test_each_run_has_its_own_id_and_its_checkpoints_carry_it(runs):
+    root = runs["root"]
+    source = _run_id(root / "source")
+    assert len(source) == 12 and int(source, 16) >= 0
+    assert _saved_run_id(root / "source" / "checkpoints" / "step-00000003") == source
+    assert _saved_run_id(root / "earlier" / "checkpoints" / "step-00000006") == \
+        _run_id(root / "earlier") != source
+    # A branch is a new run: its id is its own, not the checkpoint's it started from.
+    assert _run_id(root / "branch") not in (source, _run_id(root / "earlier"))
+
+
+def test_continuing_into_another_runs_results_is_refused(runs):
+    result, root = runs["moved"], runs["root"]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"holds the results of run {_run_id(root / 'earlier')}" in result.stderr
+    assert f"checkpoint of run {_run_id(root / 'source')}" in result.stderr
+    assert "--train.overwrite=true" in result.stderr
+    for name in ("metrics.jsonl", "model.safetensors", "run-id"):
+        assert (root / "moved" / name).read_bytes() == (root / "earlier" / name).read_bytes()
+
+
+def test_overwrite_replaces_the_other_runs_results_and_the_run_goes_on(runs):
+    result, root = runs["moved_over"], runs["root"]
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert _steps(root / "moved_over") == [4, 5, 6]  # none of earlier's records left
+    assert _run_id(root / "moved_over") == _run_id(root / "source")

@@ -401,3 +401,39 @@ def test_an_export_may_not_replace_what_it_is_read_from(tmp_path):
     (run / "hf" / INDEX).write_text("{}")
     check_not_over_source(run, run / "hf")  # an earlier export, replaced
     check_not_over_source(run, tmp_path / "elsewhere")
+
+
+def test_a_run_id_is_written_whole_and_read_back(tmp_path):
+    assert run_dir.read_run_id(tmp_path) is None  # no run yet
+    run_dir.write_run_id(tmp_path, "0123456789ab")
+    assert run_dir.read_run_id(tmp_path) == "0123456789ab"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [run_dir.RUN_ID_FILE]
+
+
+def test_new_run_ids_differ_and_a_continued_run_keeps_its_own():
+    cpu = torch.device("cpu")
+    drawn = {run_dir.run_id_for(None, cpu) for _ in range(20)}
+    assert len(drawn) == 20 and all(len(i) == 12 and int(i, 16) >= 0 for i in drawn)
+    assert run_dir.run_id_for("0123456789ab", cpu) == "0123456789ab"
+
+
+@pytest.mark.parametrize("theirs, ours, trained, other", [
+    ("aaaa", "bbbb", True, "aaaa"),   # another run's results
+    ("aaaa", "aaaa", True, None),     # the same run's
+    (None, "bbbb", True, None),       # results of a version that wrote no id: trusted
+    ("aaaa", None, True, None),       # a checkpoint of such a version: trusted
+    ("aaaa", "bbbb", False, None),    # a run that died before its first step
+])
+def test_other_run_in_compares_run_ids(tmp_path, theirs, ours, trained, other):
+    (tmp_path / "config.toml").write_text("old")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n' if trained else "")
+    if theirs:
+        run_dir.write_run_id(tmp_path, theirs)
+    assert run_dir.other_run_in(tmp_path, ours) == other
+
+
+def test_a_new_run_removes_the_old_run_id(tmp_path):
+    run_dir.write_run_id(tmp_path, "aaaa")
+    (tmp_path / "metrics.jsonl").write_text("")
+    prepare_out_dir(tmp_path, overwrite=False, bytes_needed=1)
+    assert run_dir.read_run_id(tmp_path) is None

@@ -71,6 +71,16 @@ def resumes_own(cfg: Config, target: Path | None) -> bool:
     return target is not None and in_checkpoint_root(target, checkpoint_root(cfg))
 
 
+def continues_run(cfg: Config, target: Path | None) -> bool:
+    """Whether starting from `target` continues the run that saved it rather than
+    branching off it: `target` is in this run's checkpoint folder, or in
+    OUT_DIR/checkpoints (that run's, when this one moves its checkpoints with
+    train.checkpoint_dir). A continued run keeps the run id its checkpoints carry."""
+    return resumes_own(cfg, target) or (
+        target is not None
+        and in_checkpoint_root(target, Path(cfg.train.out_dir) / "checkpoints"))
+
+
 def set_aside_later_branch(target: Path, root: Path) -> list[Path]:
     """Rename the checkpoints in `root` newer than `target`, when a run resumes from an
     older checkpoint of its own folder (a roll-back, say after a loss spike), to

@@ -97,6 +97,8 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"  step {m['step']} (optimizer steps {m['optimizer']['steps']}), written "
           f"{m.get('created', '?')} by partita {m.get('partita_version', '?')}, torch "
           f"{m.get('torch_version', '?')}, format version {m['version']}")
+    if run_id := m.get("training", {}).get("run_id"):  # OUT_DIR/run-id of its results
+        print(f"  run {run_id}")
     print(f"  layout: {m['world_size']} process(es), {degrees}" + (f"; {policies}" if policies
                                                                     else ""))
     model = dict(m["model"])

@@ -15,7 +15,7 @@ from partita.checkpoint import check_model, complete_checkpoints, read_manifest
 from partita.checkpoint.manifest import check_files
 from partita.checkpoint.resume import (
     checkpoint_root,
-    in_checkpoint_root,
+    continues_run,
     resume_target,
     resumes_own,
     set_aside_later_branch,
@@ -54,6 +54,7 @@ from partita.run_dir import (
     check_folder,
     check_out_dir,
     given_out_dir,
+    other_run_in,
     prepare_folder,
     prepare_out_dir,
     weight_bytes,
@@ -334,6 +335,15 @@ def check_run_dir(cfg: Config) -> Path | None:
             "train.out_dir (or train.checkpoint_dir), or start over with "
             "--train.overwrite=true, which deletes them."
         )
+    if continues_run(cfg, target) and not cfg.train.overwrite and (
+            other := other_run_in(cfg.train.out_dir, run_id_of(target))):
+        raise PartitaError(
+            f"train.out_dir '{cfg.train.out_dir}' holds the results of run {other}, but "
+            f"{target} is a checkpoint of run {run_id_of(target)}: resuming it there would "
+            "append its metrics to the other run's. Give it its own folder with "
+            "--train.out_dir=PATH (its metrics then start after the checkpoint's step), "
+            "or replace those results with --train.overwrite=true."
+        )
     continues = continues_out_dir(cfg, target)
     check_out_dir(cfg.train.out_dir, cfg.train.overwrite, resuming=continues,
                   auto_found_nothing=target is None and cfg.train.resume == "auto",
@@ -398,11 +408,16 @@ def prepare_run_dir(cfg: Config, lock: bool = True) -> list:
 
 def continues_out_dir(cfg: Config, target: Path | None) -> bool:
     """Whether resuming `target` continues the run whose results are in train.out_dir:
-    it is in this run's checkpoint folder, or in OUT_DIR/checkpoints (that run's, when
-    this one moves its checkpoints with train.checkpoint_dir)."""
-    return resumes_own(cfg, target) or (
-        target is not None
-        and in_checkpoint_root(target, Path(cfg.train.out_dir) / "checkpoints"))
+    it continues the run that saved it (`continues_run`), and out_dir holds no other
+    run's results (by the run ids of both, where both have one)."""
+    return continues_run(cfg, target) and other_run_in(cfg.train.out_dir,
+                                                       run_id_of(target)) is None
+
+
+def run_id_of(checkpoint: Path) -> str | None:
+    """The id of the run that saved `checkpoint` (None for checkpoints written before
+    runs had ids)."""
+    return read_manifest(checkpoint).get("training", {}).get("run_id")
 
 
 def checkpoint_setting(cfg: Config) -> str:
