@@ -9,10 +9,11 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat all-gathers and reduce-scatters go through shared memory where switched on
-and every member of the group runs on this host (`partita.shm_collectives`), and
-otherwise take faster forms than gloo's own (`partita.gloo_collectives`); NCCL keeps its
-native collectives.
+On gloo, flat all-gathers and reduce-scatters, and all-reduces that sum floating
+tensors, go through shared memory where switched on and every member of the group runs
+on this host (`partita.shm_collectives`, 4 MiB and more); otherwise the first two take
+faster forms than gloo's own (`partita.gloo_collectives`). NCCL keeps its native
+collectives.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class GroupComm:
         if self.size == 1:
             return _Done() if async_op else None
         self._count("all_reduce", 2 * (self.size - 1) / self.size * _nbytes(tensor))
+        if (op == dist.ReduceOp.SUM and tensor.is_floating_point() and tensor.is_contiguous()
+                and self._shm_ready(tensor, tensor)):
+            return self.shm.all_reduce(tensor, async_op)
         return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
 
     def all_gather_flat(self, output: torch.Tensor, shard: torch.Tensor,

@@ -1,11 +1,13 @@
-"""Flat all-gathers and reduce-scatters through shared memory, for gloo groups on one host.
+"""Flat all-gathers, reduce-scatters and all-reduces through shared memory, for gloo
+groups on one host.
 
 gloo moves every byte through TCP on the loopback interface: two ranks broadcasting to
 each other move 0.7-1.5 GiB/s per direction while both cores copy through the kernel.
 When every member of a group runs on the same host they can instead share an arena in
 /dev/shm: an all-gather is one copy of the shard in and one copy of the output out, a
-reduce-scatter one copy of the input in and a sum of the members' pieces out, at memory
-speed (figures in docs/benchmarks.md).
+reduce-scatter one copy of the input in and a sum of the members' pieces out, an
+all-reduce a reduce-scatter whose sums every member copies out, at memory speed (figures
+in docs/benchmarks.md).
 
 Setup is lazy and collective: the first flat collective of a group runs it on every
 member at the same point of the collective sequence. One member creates the file and
@@ -251,6 +253,11 @@ class ShmGroup:
         (one `torch.sum` over the members' pieces): bitwise the gloo form's result."""
         return self._issue(self._reduce_scatter, (shard, full, pairwise), async_op)
 
+    def all_reduce(self, tensor: torch.Tensor, async_op: bool):
+        """Sum contiguous `tensor` over members, in place; every member ends with the
+        same bytes."""
+        return self._issue(self._all_reduce, (tensor,), async_op)
+
     def _issue(self, fn, args: tuple, async_op: bool):
         work = _Work()
         with self._lock:
@@ -322,6 +329,26 @@ class ShmGroup:
                 _sum_in_rank_order(list(buf[me].unbind(0)), out[o:o + c])
             else:
                 torch.sum(buf[me], dim=0, out=out[o:o + c])
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        # Per chunk: every member writes its copy into its row of one buffer; member k
+        # sums the k-th slice of the columns over the rows into the other buffer; all
+        # copy the sums out. Each element is summed once, by one member, so the members
+        # agree bitwise (the order is torch.sum's over the rows, not gloo's ring's).
+        flat = tensor.view(-1)
+        size, me = self.size, self.index
+        n = flat.numel()
+        chunk = self.buffer_bytes // (size * flat.element_size())
+        for o in range(0, n, chunk):
+            c = min(chunk, n - o)
+            rows = self._next_buffer().view(flat.dtype)[:size * c].view(size, c)
+            rows[me].copy_(flat[o:o + c])
+            self._barrier()
+            lo, hi = me * c // size, (me + 1) * c // size
+            sums = self._next_buffer().view(flat.dtype)[:c]
+            torch.sum(rows[:, lo:hi], dim=0, out=sums[lo:hi])
+            self._barrier()
+            flat[o:o + c].copy_(sums)
 
     def _next_buffer(self) -> torch.Tensor:
         buf = self._buffers[self.steps % 2]

@@ -76,6 +76,25 @@ def _match_worker(rank: int, world: int) -> dict:
             shm.reduce_scatter_flat(own, full, async_op=True).wait()
             if not torch.equal(own, outs[1]):
                 problems.append(f"in-place reduce-scatter of {n} {dtype} wrong")
+    # All-reduce: one chunk, several (neither a multiple of the group size), in place.
+    # The sums run in another order than gloo's ring (bitwise alike at 2 members, where
+    # each is one commutative add); every member must hold the same bytes.
+    for dtype in (torch.float32, torch.float64):
+        for n in (7, BUFFER // (world * dtype.itemsize) - 3, 3 * BUFFER // dtype.itemsize + 5):
+            mine = _data(rank, n, dtype, seed=n)
+            ours, theirs = mine.clone(), mine.clone()
+            shm.all_reduce(ours, async_op=True).wait()
+            gloo.all_reduce(theirs)
+            exact = sum(_data(r, n, torch.float64, seed=n) for r in range(world))
+            tol = 1e-12 if dtype == torch.float64 else 1e-5
+            if world == 2 and not torch.equal(ours, theirs):
+                problems.append(f"all-reduce of {n} {dtype} differs from gloo's at 2")
+            if not torch.allclose(ours.double(), exact.to(dtype).double(), rtol=tol, atol=tol):
+                problems.append(f"all-reduce of {n} {dtype} is not the sum")
+            every = torch.empty(world * n, dtype=dtype)
+            gloo.all_gather_flat(every, ours)
+            if not all(torch.equal(part, ours) for part in every.view(world, n)):
+                problems.append(f"all-reduce of {n} {dtype} differs between members")
     # Several in flight, waited out of order, the shard aliasing the output's own slot.
     n = 3 * chunk // 4 + 1
     expected = [torch.cat([_data(r, n, torch.float32, seed=s) for r in range(world)])
@@ -112,11 +131,25 @@ def _match_worker(rank: int, world: int) -> dict:
     base.all_gather_flat(out, torch.ones(n))
     base.reduce_scatter_flat(torch.empty(n), torch.ones(world * n))
     base.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
+    calls = base.shm.calls
+    summed = torch.ones(world * n)
+    base.all_reduce(summed)
+    if base.shm.calls != calls + 1 or not torch.equal(summed, torch.full_like(summed, world)):
+        problems.append("an all-reduce from the floor on did not go through the arena")
+    base.all_reduce(torch.ones(1000))
+    base.all_reduce(torch.ones(world * n, dtype=torch.int64))
+    base.all_reduce(torch.ones(world * n), op=dist.ReduceOp.MAX)
+    if base.shm.calls != calls + 1:
+        problems.append("a small, integer or MAX all-reduce went through the arena")
     gloo.counter.reset()
     gloo.all_gather_flat(small, torch.ones(1000))
     gloo.all_gather_flat(out, torch.ones(n))
     gloo.reduce_scatter_flat(torch.empty(n), torch.ones(world * n))
     gloo.reduce_scatter_flat(torch.empty(1000), torch.ones(world * 1000))
+    gloo.all_reduce(torch.ones(world * n))
+    gloo.all_reduce(torch.ones(1000))
+    gloo.all_reduce(torch.ones(world * n, dtype=torch.int64))
+    gloo.all_reduce(torch.ones(world * n), op=dist.ReduceOp.MAX)
     if dict(base.counter.sent) != {("zero_shard", k[1]): v for k, v in gloo.counter.sent.items()}:
         problems.append("bytes counted differ from gloo's")
     if base.reduce_scatter_scratch_bytes(torch.ones(world * n)) != 0:
@@ -134,7 +167,7 @@ def test_matches_gloo_forms(world: int) -> None:
     for rank, result in enumerate(results):
         assert result["problems"] == [], f"rank {rank}: {result['problems']}"
         assert result["state"] is True
-        assert result["used"]["mesh"] == 2 and result["used"]["test"] > 50
+        assert result["used"]["mesh"] == 3 and result["used"]["test"] > 50
     # Unlinked once mapped: nothing left in /dev/shm.
     assert results[0]["path"] and not os.path.exists(results[0]["path"])
 
