@@ -335,11 +335,12 @@ def check_run_dir(cfg: Config) -> Path | None:
             "train.out_dir (or train.checkpoint_dir), or start over with "
             "--train.overwrite=true, which deletes them."
         )
+    saved_by = run_id_of(target) if target is not None else None
     if continues_run(cfg, target) and not cfg.train.overwrite and (
-            other := other_run_in(cfg.train.out_dir, run_id_of(target))):
+            other := other_run_in(cfg.train.out_dir, saved_by)):
         raise PartitaError(
             f"train.out_dir '{cfg.train.out_dir}' holds the results of run {other}, but "
-            f"{target} is a checkpoint of run {run_id_of(target)}: resuming it there would "
+            f"{target} is a checkpoint of run {saved_by}: resuming it there would "
             "append its metrics to the other run's. Give it its own folder with "
             "--train.out_dir=PATH (its metrics then start after the checkpoint's step), "
             "or replace those results with --train.overwrite=true."
