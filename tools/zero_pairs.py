@@ -8,9 +8,10 @@ Each pair "A/B" times setting A against setting B on the same model, world and b
 as `partita bench zero` (`partita.bench.dp`: warm-up, then alternating rounds; the median
 of per-round ratios with its 99% interval). A setting is a stage number, optionally
 with "keep" (stage 3 keeps every unit gathered from forward into backward), "one"
-(stage 3 with every block in one gather unit), "shm" (the stage's gathers and
-reduce-scatters of 4 MiB and more through shared memory, `Mesh(shm_collectives=True)`,
-as by default) or "gloo" (all of them over gloo's TCP, `Mesh(shm_collectives=False)`).
+(stage 3 with every block in one gather unit), "shm" (the stage's gathers,
+reduce-scatters and all-reduces of 4 MiB and more through shared memory,
+`Mesh(shm_collectives=True)`, as by default) or "gloo" (all of them over gloo's TCP,
+`Mesh(shm_collectives=False)`).
 `bench zero` times the stages against their peers; this tool compares the stages with
 each other, at any world size, 1 included.
 """
