@@ -367,6 +367,48 @@ class RankRefused(PartitaError, RuntimeError):
     line by the command line, and still a RuntimeError for callers that catch those."""
 
 
+class RankKilled(PartitaError, RuntimeError):
+    """A rank of `run_distributed` was killed by a signal. The other ranks' errors (a
+    connection reset by their peer) only follow from its death, so it is what to report."""
+
+
+def _killed_rank(procs: list, grace_s: float) -> tuple[int, int] | None:
+    """(rank, signal) of a rank that a signal killed, waiting up to `grace_s` for one:
+    the survivors see the closed connection a moment before the exit status arrives."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        for rank, p in enumerate(procs):
+            if p.pid is not None and p.exitcode is not None and p.exitcode < 0:
+                return rank, -p.exitcode
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+
+
+def _killed_error(rank: int, world_size: int, signum: int, then: str = "") -> RankKilled:
+    name = signal.Signals(signum).name
+    why = ("most often the kernel's out-of-memory killer (`dmesg` says so): give the ranks "
+           "less to hold (a smaller model or batch, fewer ranks) or the machine more memory"
+           if signum == signal.SIGKILL else "a crash in native code or a kill from outside")
+    return RankKilled(f"rank {rank} of {world_size} was killed by {name}, {why}.{then}")
+
+
+# Words of the errors a rank raises when a peer's process is gone (gloo's TCP pairs).
+_PEER_GONE = ("connection reset", "connection closed", "broken pipe", "peer")
+
+
+def _rank_failed(rank: int, world_size: int, trace: str, procs: list) -> RuntimeError:
+    """The error for a rank that raised: its traceback, unless another rank was killed,
+    in which case that rank is the cause and this one's last line what followed."""
+    gone = any(word in trace.lower() for word in _PEER_GONE)
+    killed = _killed_rank(procs, grace_s=3.0 if gone else 0.0)
+    if killed is None:
+        return RuntimeError(f"rank {rank} of {world_size} failed:\n{trace}")
+    last = trace.strip().splitlines()[-1][:300]
+    return _killed_error(killed[0], world_size, killed[1],
+                         f" Rank {rank} then failed: {last}")
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                     timeout: float = 180.0, backend: str = "gloo") -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks; return their results."""
@@ -397,14 +439,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (),
                 dead = [r for r, p in enumerate(procs)
                         if not p.is_alive() and p.exitcode not in (0, None) and r not in out]
                 if dead:
-                    raise RuntimeError(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                    ) from None
+                    code = procs[dead[0]].exitcode
+                    if code < 0:
+                        raise _killed_error(dead[0], world_size, -code) from None
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {code}") from None
                 continue
             if isinstance(value, PartitaError):
                 raise RankRefused(f"rank {rank} of {world_size} failed: {value}") from None
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+                raise _rank_failed(rank, world_size, value, procs) from None
             out[rank] = pickle.loads(value)
     except BaseException as exc:
         if not isinstance(exc, Exception):

@@ -60,3 +60,34 @@ def test_a_rank_refusing_bad_input_is_one_line_for_the_command_line():
     text = str(info.value)
     assert isinstance(info.value, PartitaError) and isinstance(info.value, RuntimeError)
     assert "failed: heads=4 is not divisible by tp=3" in text and "Traceback" not in text
+
+
+def _one_rank_killed(rank: int, world: int, survivor_waits_in: str) -> None:
+    import os
+    import signal
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer does
+    if survivor_waits_in == "collective":
+        dist.all_reduce(torch.ones(4))  # fails once the peer's connection closes
+    time.sleep(60)
+
+
+@pytest.mark.parametrize("survivor_waits_in", ["collective", "python"])
+def test_a_killed_rank_is_named_as_the_cause(survivor_waits_in):
+    """A rank the out-of-memory killer ended reached a `partita bench zero` user as
+    another rank's 70-line traceback about a connection reset by its peer."""
+    from partita.local_world import RankKilled
+
+    with pytest.raises(RankKilled) as info:
+        run_distributed(_one_rank_killed, 2, (survivor_waits_in,), timeout=50)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 was killed by SIGKILL, most often the kernel's "
+                           "out-of-memory killer"), text
+    assert "Traceback" not in text and isinstance(info.value, PartitaError)
+    if survivor_waits_in == "collective":
+        assert "Rank 0 then failed: " in text
