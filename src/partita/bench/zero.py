@@ -32,6 +32,7 @@ from partita.arg_types import count, several
 from partita.bench import dp as harness
 from partita.bench import paired
 from partita.bench.models import blocks_of
+from partita.errors import PartitaError
 from partita.local_world import run_distributed
 
 
@@ -64,9 +65,17 @@ def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
 
     import deepspeed
 
+    from partita.zero import ZeroConfig
+
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    # DeepSpeed's buckets default to 5e8 elements, a 2 GB fp32 buffer per rank sized for
+    # GPUs (4 ranks of llama-100m ran out of 24 GiB): it gets the 25 MiB that partita's
+    # and DDP's buckets hold.
+    bucket = ZeroConfig().bucket_bytes // 4
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**9, "zero_optimization": {"stage": stage},
+              "steps_per_print": 10**9,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket,
+                                    "allgather_bucket_size": bucket},
               "gradient_clipping": harness.CLIP,
               "optimizer": {"type": "AdamW",
                             "params": {**harness.TORCH_ADAMW, "torch_adam": True}}}
@@ -124,9 +133,14 @@ def thresholds(pairs: list[tuple[str, str]]) -> dict[tuple[str, str], float]:
     return out
 
 
-def pairs(with_deepspeed: bool, stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[tuple[str, str]]:
+PEER_KINDS = ("torch", "deepspeed", "partita")
+
+
+def pairs(with_deepspeed: bool, stages: tuple[int, ...] = (0, 1, 2, 3),
+          peers: tuple[str, ...] = PEER_KINDS) -> list[tuple[str, str]]:
     """The pairs to time, in order: those of `stages` (a pair belongs to the stage of our
-    side; the S rows to stage 3, the noise row to stage 0)."""
+    side; the S rows to stage 3, the noise row to stage 0) whose other side is of one of
+    the `PEER_KINDS` in `peers` (partita's own for S and the noise row)."""
     out = [("partita stage 0", "torch DDP"),
            ("partita stage 1", "torch ZeroRedundancyOpt"),
            ("partita stage 2", "FSDP2 reshard False"),
@@ -138,7 +152,11 @@ def pairs(with_deepspeed: bool, stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[
            ("partita stage 1", "DeepSpeed ZeRO 1"), ("partita stage 2", "DeepSpeed ZeRO 2"),
            ("partita stage 3", "DeepSpeed ZeRO 3")]
     return [pair for pair in out if (with_deepspeed or not pair[1].startswith("DeepSpeed"))
-            and _stage_of(pair[0]) in stages]
+            and _stage_of(pair[0]) in stages and _kind_of(pair[1]) in peers]
+
+
+def _kind_of(peer: str) -> str:
+    return next((kind for kind in PEER_KINDS[1:] if peer.lower().startswith(kind)), "torch")
 
 
 def _stage_of(ours: str) -> int:
@@ -170,29 +188,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=[0, 1, 2, 3],
                         help="the stages whose rows to time (default all; S is a stage 3 "
                              "row, the noise row a stage 0 one)")
+    parser.add_argument("--peers", **several(str, choices=PEER_KINDS),
+                        default=list(PEER_KINDS),
+                        help="whose runners to time ours against (default all): torch's "
+                             "(DDP, ZeroRedundancyOptimizer, FSDP2), DeepSpeed's, or "
+                             "partita's own (the S rows and the noise row)")
 
 
 def run(args: argparse.Namespace) -> int:
     setup = dataclasses.replace(harness.setup_from(args), steps=2)
     installed = importlib.util.find_spec("deepspeed") is not None
     with_ds = installed and not args.no_deepspeed
+    chosen = pairs(with_ds, tuple(args.stages), tuple(args.peers))
+    if not chosen:
+        raise PartitaError(
+            f"no pair to time: --stages {' '.join(map(str, args.stages))} has no rows "
+            f"against --peers {' '.join(args.peers)}"
+            + ("" if with_ds else " with DeepSpeed's rows skipped") + "; widen either.")
     print(harness.describe("zero", setup, f"1.0, of S {S_TARGET}")
           + ("" if with_ds else "; DeepSpeed rows skipped ("
              + ("--no-deepspeed)" if installed else "not installed)")))
     # Rows appear as their pairs finish, in the order of `pairs`.
     print(harness.TABLE_HEAD, flush=True)
     worst, worst_s = 0.0, 0.0
-    chosen = pairs(with_ds, tuple(args.stages))
     estimates = []
     for world in args.worlds:
         rows = run_distributed(_worker, world, timeout=3600,
                                args=(setup, chosen, harness.RowPrinter(world, LABELS)))[0]
         estimates += [r["estimate"] for r in rows]
-        worst = max(worst, *(r["estimate"].median for r in rows if harness.is_peer(r["peer"])))
+        worst = max([worst, *(r["estimate"].median for r in rows
+                              if harness.is_peer(r["peer"]))])
         by_pair = {(r["ours"], r["peer"]): r for r in rows}
         if STAGE3_VS_STAGE2 in by_pair:
             worst_s = max(worst_s, by_pair[STAGE3_VS_STAGE2]["estimate"].median)
     paired.print_legend(estimates)
-    s = f"{worst_s:.3f}" if STAGE3_VS_STAGE2 in chosen else "not run (--stages without 3)"
-    print(f"zero: worst partita/peer step-time ratio {worst:.3f}; stage3/stage2 ratio {s}")
+    s = f"{worst_s:.3f}" if STAGE3_VS_STAGE2 in chosen else "not run (--stages, --peers)"
+    w = f"{worst:.3f}" if any(harness.is_peer(p) for _, p in chosen) else "not run (--peers)"
+    print(f"zero: worst partita/peer step-time ratio {w}; stage3/stage2 ratio {s}")
     return 0
