@@ -378,7 +378,7 @@ def _killed_rank(procs: list, grace_s: float) -> tuple[int, int] | None:
     deadline = time.monotonic() + grace_s
     while True:
         for rank, p in enumerate(procs):
-            if p.pid is not None and p.exitcode is not None and p.exitcode < 0:
+            if p.exitcode is not None and p.exitcode < 0:
                 return rank, -p.exitcode
         if time.monotonic() >= deadline:
             return None
@@ -394,7 +394,7 @@ def _killed_error(rank: int, world_size: int, signum: int, then: str = "") -> Ra
 
 
 # Words of the errors a rank raises when a peer's process is gone (gloo's TCP pairs).
-_PEER_GONE = ("connection reset", "connection closed", "broken pipe", "peer")
+_PEER_GONE = ("peer", "broken pipe")
 
 
 def _rank_failed(rank: int, world_size: int, trace: str, procs: list) -> RuntimeError:
