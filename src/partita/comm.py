@@ -32,9 +32,10 @@ from partita.eager_only import EagerOnly
 if TYPE_CHECKING:
     from partita.shm_collectives import ShmGroup
 
-# torch 2.13 renamed the flat-tensor collectives; keep working on older releases too.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); keep working on
+# older releases too. Everything in partita calls them by these names.
+dist_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+dist_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -140,7 +141,7 @@ class GroupComm:
         if self.gloo_forms:
             return gloo_collectives.all_gather_flat(output, shard, self.group, self.ranks,
                                                     self.index, async_op)
-        return _all_gather_flat(output, shard, group=self.group, async_op=async_op)
+        return dist_all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
     def reduce_scatter_flat(self, shard: torch.Tensor, full: torch.Tensor,
                             op=dist.ReduceOp.SUM, async_op: bool = False):
@@ -156,7 +157,7 @@ class GroupComm:
         if self.gloo_forms and op == dist.ReduceOp.SUM:
             return gloo_collectives.reduce_scatter_flat(shard, full, self.group, self.ranks,
                                                         self.index, async_op)
-        return _reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
+        return dist_reduce_scatter_flat(shard, full, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter_scratch_bytes(self, full: torch.Tensor) -> int:
         """Extra bytes `reduce_scatter_flat(_, full)` holds while in flight (none through

@@ -52,6 +52,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from partita.comm import dist_all_gather_flat
 from partita.gloo_collectives import _sum_in_rank_order
 from partita.proc_stat import stat_fields
 
@@ -221,7 +222,7 @@ class ShmGroup:
         me = torch.tensor([[mapped, os.getpid(), *_identity(os.getpid())]],
                           dtype=torch.int64)
         every = torch.empty((self.size, 4), dtype=torch.int64)
-        dist.all_gather_into_tensor(every, me, group=self.group)
+        dist_all_gather_flat(every, me, group=self.group)
         if path is not None:  # every member has mapped it (or given up): unlink now
             os.unlink(path)
             self.path = path  # for tests: gone already

@@ -39,6 +39,10 @@ def _match_worker(rank: int, world: int) -> dict:
                                    min_bytes=0))
     gloo = GroupComm(base.group, base.ranks, rank, "gloo", CommCounter())
     problems: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:  # setting up warns of nothing
+        warnings.simplefilter("always")
+        assert shm.shm.ready()
+    problems += [f"setup warned: {w.message}" for w in caught]
     chunk = BUFFER // world  # one member's share of a buffer, in bytes
     # All-gather shards: tiny, around one chunk, and past gloo's broadcast threshold
     # (also many chunks); reduce-scatter slices: small (gloo's all-to-all form, summed
