@@ -8,6 +8,7 @@ world per batch, and checks every rank against one process with the same global 
 whose ranks disagree with the reference is a bug; so is one that crashes.
 
     PYTHONPATH=src python tools/parity_fuzz.py --world 4 --layouts 24 --seed 1
+    PYTHONPATH=src python tools/parity_fuzz.py --world 4 --seed 25 --arena-always
 
 Prints each failing layout's settings (ready to paste into a test) and a summary.
 """
@@ -16,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import random
 import sys
 import time
 
+from partita import shm_collectives
 from partita.errors import PartitaError
 from partita.testing import Case, check_layouts, parity_config
 
@@ -106,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=6, help="layouts per spawned world")
+    ap.add_argument("--arena-always", action="store_true",
+                    help="send every flat collective through the shared-memory arena, "
+                         "whatever its size (these models' are under its 4 MiB floor)")
     args = ap.parse_args(argv)
+    if args.arena_always:  # read by each spawned rank when it builds its mesh
+        os.environ[shm_collectives.ENV_MIN_BYTES] = "0"
     rng = random.Random(args.seed)
     cases: list[Case] = []
     refused: collections.Counter[str] = collections.Counter()

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 from partita.comm import dist_all_gather_flat
+from partita.errors import PartitaError
 from partita.gloo_collectives import _sum_in_rank_order
 from partita.proc_stat import stat_fields
 
@@ -61,8 +62,11 @@ from partita.proc_stat import stat_fields
 # against 1.093 over TCP, docs/benchmarks.md).
 ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
 # Collectives on fewer bytes keep gloo's forms: at 1 MiB and less the arena's barrier per
-# chunk cost more than TCP under load, from 8 MiB up it was 2-3x faster.
+# chunk cost more than TCP under load, from 8 MiB up it was 2-3x faster. The environment
+# variable moves the floor for a host whose balance differs, or to 0 to send every flat
+# collective through the arena (`tools/parity_fuzz.py --arena-always` tests that way).
 MIN_BYTES = 4 * 1024 * 1024
+ENV_MIN_BYTES = "PARTITA_SHM_MIN_BYTES"
 SHM_DIR = "/dev/shm"
 # Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every
 # destination (reduce-scatter). Two buffers per arena: 32 MiB in all per group.
@@ -85,6 +89,20 @@ def wanted(choice: bool | None) -> bool:
     if choice is not None:
         return choice
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def floor_bytes() -> int:
+    """The fewest bytes a flat collective goes through the arena with: MIN_BYTES, or
+    PARTITA_SHM_MIN_BYTES where set (the same on every process of a host)."""
+    raw = os.environ.get(ENV_MIN_BYTES, "").strip()
+    if not raw:
+        return MIN_BYTES
+    if not raw.isdigit():
+        raise PartitaError(
+            f"{ENV_MIN_BYTES}={raw!r} is not a byte count: give a whole number, 0 or more "
+            f"(0 sends every flat collective through shared memory), or unset it for "
+            f"the default {MIN_BYTES}")
+    return int(raw)
 
 
 def supported() -> bool:
@@ -144,13 +162,14 @@ class ShmGroup:
     """The shared-memory transport of one process group (`ranks`: its members' global
     ranks, `index`: this rank's position). Nothing happens until `ready()`, which every
     member must call at the same point of the group's collective sequence. Collectives
-    on fewer than `min_bytes` keep gloo's forms (`carries`, which `GroupComm` asks)."""
+    on fewer than `min_bytes` (default `floor_bytes()`) keep gloo's forms (`carries`,
+    which `GroupComm` asks)."""
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], index: int,
                  buffer_bytes: int = BUFFER_BYTES, threaded: bool = True,
-                 min_bytes: int = MIN_BYTES) -> None:
+                 min_bytes: int | None = None) -> None:
         self.group, self.ranks, self.index = group, ranks, index
-        self.min_bytes = min_bytes
+        self.min_bytes = floor_bytes() if min_bytes is None else min_bytes
         self.size = len(ranks)
         self.buffer_bytes = buffer_bytes // (_LINE * self.size) * (_LINE * self.size)
         self.threaded = threaded

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from partita import shm_collectives
 from partita.comm import CommCounter, GroupComm
+from partita.errors import PartitaError
 from partita.gloo_collectives import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES
 from partita.layout import Layout
 from partita.mesh import Mesh
@@ -174,6 +175,31 @@ def test_matches_gloo_forms(world: int) -> None:
         assert result["used"]["mesh"] == 3 and result["used"]["test"] > 50
     # Unlinked once mapped: nothing left in /dev/shm.
     assert results[0]["path"] and not os.path.exists(results[0]["path"])
+
+
+def _floor_worker(rank: int, world: int) -> tuple:
+    os.environ[shm_collectives.ENV_MIN_BYTES] = "0"  # this forked rank only
+    comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
+    summed = torch.full((10,), float(rank + 1))
+    comm.all_reduce(summed)
+    return comm.shm.calls, summed.tolist()
+
+
+def test_the_floor_comes_from_the_environment(monkeypatch) -> None:
+    """PARTITA_SHM_MIN_BYTES moves the floor, 0 sending a 40-byte all-reduce through the
+    arena; anything but a whole number of bytes is refused with the fix."""
+    monkeypatch.delenv(shm_collectives.ENV_MIN_BYTES, raising=False)
+    assert shm_collectives.floor_bytes() == shm_collectives.MIN_BYTES
+    for raw, want in (("0", 0), (" 65536 ", 65536)):
+        monkeypatch.setenv(shm_collectives.ENV_MIN_BYTES, raw)
+        assert shm_collectives.floor_bytes() == want
+    for raw in ("-1", "4MiB", "1e6"):
+        monkeypatch.setenv(shm_collectives.ENV_MIN_BYTES, raw)
+        with pytest.raises(PartitaError, match="PARTITA_SHM_MIN_BYTES=.* whole number"):
+            shm_collectives.floor_bytes()
+    monkeypatch.delenv(shm_collectives.ENV_MIN_BYTES)
+    for calls, summed in run_distributed(_floor_worker, 2, timeout=60):
+        assert calls == 1 and summed == [3.0] * 10
 
 
 def _fallback_worker(rank: int, world: int) -> dict:

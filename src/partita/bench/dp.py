@@ -228,8 +228,10 @@ def transport() -> str:
     """How partita's ranks move data here: gloo, with its large flat collectives through
     the shared-memory arena unless PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
     if shm_collectives.wanted(None) and shm_collectives.supported():
+        floor = shm_collectives.floor_bytes()
+        size = f"{floor >> 20} MiB" if floor % (1 << 20) == 0 else f"{floor} bytes"
         return (f"gloo (partita's gathers, reduce-scatters and all-reduces of "
-                f"{shm_collectives.MIN_BYTES >> 20} MiB and more through shared memory)")
+                f"{size} and more through shared memory)")
     return "gloo"
 
 
