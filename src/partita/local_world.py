@@ -393,7 +393,8 @@ def _killed_error(rank: int, world_size: int, signum: int, then: str = "") -> Ra
     return RankKilled(f"rank {rank} of {world_size} was killed by {name}, {why}.{then}")
 
 
-# Words of the errors a rank raises when a peer's process is gone (gloo's TCP pairs).
+# Words of the errors a rank raises when a peer's process is gone (gloo's TCP pairs say
+# "... by peer" or "broken pipe", the shared-memory arena "the process of peer rank").
 _PEER_GONE = ("peer", "broken pipe")
 
 

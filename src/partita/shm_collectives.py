@@ -97,7 +97,7 @@ def floor_bytes() -> int:
     raw = os.environ.get(ENV_MIN_BYTES, "").strip()
     if not raw:
         return MIN_BYTES
-    if not raw.isdigit():
+    if not raw.isdecimal():
         raise PartitaError(
             f"{ENV_MIN_BYTES}={raw!r} is not a byte count: give a whole number, 0 or more "
             f"(0 sends every flat collective through shared memory), or unset it for "
