@@ -141,6 +141,32 @@ def check_world_argument(dims: Degrees, world_size: int) -> None:
             "rank=dist.get_rank(), world_size=dist.get_world_size()).")
 
 
+def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
+    """Refuse, on every process at once, a gloo job whose processes chose differently
+    whether their groups use the shared-memory arena, or from what size: they would
+    disagree about which collectives go through it and wait for each other until the
+    collective timeout. One all-reduce over the world, when the mesh is built."""
+    import torch
+    import torch.distributed as dist
+
+    if world_size == 1 or dist.get_backend() != dist.Backend.GLOO:
+        return
+    use, floor = int(use_shm), shm.floor_bytes() if use_shm else 0
+    largest = torch.tensor([use, floor, -use, -floor], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest and the smallest of each
+    if largest[0] != -largest[2]:
+        what = "some processes use the shared-memory collectives and some do not"
+    elif largest[1] != -largest[3]:
+        what = (f"the processes send collectives through shared memory from different "
+                f"sizes ({-int(largest[3])} to {int(largest[1])} bytes)")
+    else:
+        return
+    raise PartitaError(
+        f"{what}: give every process the same {shm.ENV_SWITCH} and {shm.ENV_MIN_BYTES} (or "
+        "the same Mesh(shm_collectives=...)); otherwise their collectives would wait for "
+        "each other until they time out.")
+
+
 def check_process_group(rank: int | None, world_size: int) -> int:
     """The mesh's rank, checked against torch.distributed's world.
 
@@ -188,7 +214,8 @@ class Mesh:
     PARTITA_SHM_MIN_BYTES where that is set); False keeps gloo's TCP
     forms; None (the default) leaves it to the environment variable
     PARTITA_SHM_COLLECTIVES (0: off; on otherwise).
-    Every process must make the same choice.
+    Every process must make the same choice: a gloo mesh refuses processes that do not
+    (`check_shm_choice_agrees`).
     """
 
     def __init__(self, layout: Layout | Degrees, rank: int | None = None,
@@ -212,6 +239,7 @@ class Mesh:
         self.shm_groups: dict[tuple, shm.ShmGroup] = {}
         self._shm_keys: dict[str, tuple] = {}
         use_shm = shm.wanted(shm_collectives) and shm.supported()
+        check_shm_choice_agrees(use_shm, world_size)
         for purpose, groups in all_groups(dims).items():
             for members in groups:
                 # The embedding exchange gets a communicator of its own even when the

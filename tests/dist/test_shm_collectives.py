@@ -202,6 +202,37 @@ def test_the_floor_comes_from_the_environment(monkeypatch) -> None:
         assert calls == 1 and summed == [3.0] * 10
 
 
+def _disagreeing_worker(rank: int, world: int, variable: str, value: str) -> list[str]:
+    if rank == 1:
+        os.environ[variable] = value  # this forked rank only
+    said = []
+    for choice in (None, True):  # left to the environment; chosen by the caller
+        try:
+            Mesh(Layout(dp=world), rank, world, shm_collectives=choice)
+            said.append("built")
+        except PartitaError as exc:
+            said.append(str(exc))
+    return said
+
+
+@pytest.mark.parametrize("variable, value, what", [
+    (shm_collectives.ENV_SWITCH, "0", "some processes use the shared-memory collectives"),
+    (shm_collectives.ENV_MIN_BYTES, "0", "from different sizes (0 to 4194304 bytes)")])
+def test_processes_that_disagree_are_refused_together(variable, value, what) -> None:
+    """Processes that would send different collectives through the arena are refused
+    when the mesh is built, every one with the same message naming both variables,
+    rather than waiting for each other until a collective times out."""
+    results = run_distributed(_disagreeing_worker, 2, args=(variable, value), timeout=60)
+    for said in results:
+        if variable == shm_collectives.ENV_SWITCH:  # the caller's choice overrides it
+            assert said[1] == "built"
+        else:
+            assert said[1] == said[0]
+        assert what in said[0] and "PARTITA_SHM_MIN_BYTES" in said[0], said[0]
+        assert "PARTITA_SHM_COLLECTIVES" in said[0]
+    assert results[0] == results[1]
+
+
 def _fallback_worker(rank: int, world: int) -> dict:
     out: dict = {}
     n = shm_collectives.MIN_BYTES // (4 * world)  # at the floor: the arena is tried
