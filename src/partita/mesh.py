@@ -151,9 +151,18 @@ def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
 
     if world_size == 1 or dist.get_backend() != dist.Backend.GLOO:
         return
-    use, floor = int(use_shm), shm.floor_bytes() if use_shm else 0
-    largest = torch.tensor([use, floor, -use, -floor], dtype=torch.int64)
+    use, floor, unreadable = int(use_shm), 0, None
+    try:
+        floor = shm.floor_bytes() if use_shm else 0
+    except PartitaError as exc:  # said everywhere at once, below: no process waits alone
+        unreadable = exc
+    largest = torch.tensor([use, floor, -use, -floor, unreadable is not None],
+                           dtype=torch.int64)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest and the smallest of each
+    if largest[4]:
+        raise unreadable or PartitaError(
+            f"another process's {shm.ENV_MIN_BYTES} is not a byte count: give every "
+            "process the same whole number, or unset it.")
     if largest[0] != -largest[2]:
         what = "some processes use the shared-memory collectives and some do not"
     elif largest[1] != -largest[3]:

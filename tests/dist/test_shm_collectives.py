@@ -215,6 +215,16 @@ def _disagreeing_worker(rank: int, world: int, variable: str, value: str) -> lis
     return said
 
 
+def test_an_unreadable_floor_on_one_process_stops_every_process() -> None:
+    """The process whose PARTITA_SHM_MIN_BYTES is not a number says so, and the others
+    stop with it rather than waiting for it in the agreement."""
+    variable = shm_collectives.ENV_MIN_BYTES
+    (mine, _), (theirs, _) = run_distributed(_disagreeing_worker, 2,
+                                             args=(variable, "4MiB"), timeout=60)
+    assert mine.startswith("another process's PARTITA_SHM_MIN_BYTES is not a byte count")
+    assert theirs.startswith("PARTITA_SHM_MIN_BYTES='4MiB' is not a byte count")
+
+
 @pytest.mark.parametrize("variable, value, what", [
     (shm_collectives.ENV_SWITCH, "0", "some processes use the shared-memory collectives"),
     (shm_collectives.ENV_MIN_BYTES, "0", "from different sizes (0 to 4194304 bytes)")])
