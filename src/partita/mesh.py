@@ -149,6 +149,8 @@ def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from partita.agreement import over_all_ranks
+
     if world_size == 1 or dist.get_backend() != dist.Backend.GLOO:
         return
     use, floor, unreadable = int(use_shm), 0, None
@@ -156,9 +158,9 @@ def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
         floor = shm.floor_bytes() if use_shm else 0
     except PartitaError as exc:  # said everywhere at once, below: no process waits alone
         unreadable = exc
-    largest = torch.tensor([use, floor, -use, -floor, unreadable is not None],
-                           dtype=torch.int64)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)  # the largest and the smallest of each
+    # The largest and the smallest of each, in one all-reduce.
+    largest = over_all_ranks([use, floor, -use, -floor, unreadable is not None],
+                             dist.ReduceOp.MAX, torch.device("cpu"))
     if largest[4]:
         raise unreadable or PartitaError(
             f"another process's {shm.ENV_MIN_BYTES} is not a byte count: give every "
