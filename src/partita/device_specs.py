@@ -119,11 +119,11 @@ def datasheet_peak_flops(device_name: str) -> float | None:
     return None
 
 
-def matmul_rate(size: int = 256, budget_s: float = 0.3) -> float:
-    """Best float32 FLOP/s of `size`^3 matmuls on the current thread setting."""
+def matmul_rate(size: int = 256, budget_s: float = 0.3, dtype_name: str = "float32") -> float:
+    """Best FLOP/s of `size`^3 matmuls in `dtype_name` on the current thread setting."""
     import torch
 
-    a, b = _operands(size, torch.float32)
+    a, b = _operands(size, getattr(torch, dtype_name))
     return best_rate(lambda x, y: torch.mm(x, y), a, b, 2.0 * size**3, budget_s)
 
 

@@ -4,8 +4,10 @@ MFU = (training FLOPs per token x tokens per second) / (peak FLOP/s x devices), 
 FLOPs per token = 6N + 12*L*H*Q*T (see ModelConfig.flops_per_token). The peak is the
 device's dense bf16 datasheet figure (`partita.device_specs`) on known GPUs
 (TF32 for fp32 training would be half: we state bf16 so MFU is comparable across runs),
-or, on a CPU, one thread's measured float32 matmul rate per thread (the best measured
-on this machine within a day, `partita.machine_cache`), or `metrics.peak_tflops` when
+or, on a CPU, one thread's measured matmul rate per thread (the best measured on this
+machine within a day, `partita.machine_cache`): float32's, or for 16-bit training the
+16-bit rate where that is higher (a Zen 4 core multiplies bf16 at twice its float32
+rate; against the float32 rate a bf16 run read 160% MFU); or `metrics.peak_tflops` when
 set.
 """
 
@@ -28,27 +30,39 @@ from partita.run_dir import PARTIAL_SUFFIX
 CPU_RATE_METHOD = "fp32-mm512-1thread"
 
 
-def device_peak_flops(device: torch.device, configured_tflops: float = 0.0) -> float:
+def device_peak_flops(device: torch.device, configured_tflops: float = 0.0,
+                      compute_dtype: str = "float32") -> float:
     """FLOP/s that MFU divides by: the setting, the GPU datasheet table, or on a CPU
-    one thread's float32 matmul rate (the best measured here within a day) times the
-    cores this process can have:
-    its threads, but no more than its share of the machine's cores when the job's
-    processes here want more threads than there are cores."""
+    one thread's matmul rate (the best measured here within a day) times the cores this
+    process can have: its threads, but no more than its share of the machine's cores
+    when the job's processes here want more threads than there are cores. The CPU rate
+    is float32's, or `compute_dtype`'s (bfloat16, float16) where that is faster."""
     if configured_tflops > 0:
         return configured_tflops * 1e12
     if device.type == "cuda":
         # An unknown GPU: MFU is reported as 0 until metrics.peak_tflops is set.
         return datasheet_peak_flops(torch.cuda.get_device_name(device)) or 0.0
+    rate = _cpu_thread_rate("float32")
+    if compute_dtype in ("bfloat16", "float16"):
+        rate = max(rate, _cpu_thread_rate(compute_dtype))
+    threads = torch.get_num_threads()
+    return rate * min(threads, _cores() / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _cpu_thread_rate(dtype_name: str) -> float:
+    """One thread's best 512^3 matmul rate in `dtype_name`, the best kept here within a
+    day: a start while other work shares the cores measures low (an MFU above 100% was
+    seen), so the best rate measured stands for the machine."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rate = matmul_rate(512, 0.2)
+        rate = matmul_rate(512, 0.2, dtype_name)
     finally:
         torch.set_num_threads(threads)
-    # A start while other work shares the cores measures low (an MFU above 100% was
-    # seen): the best rate measured here within a day stands for the machine.
-    rate = best_kept_rate("cpu-matmul-rate.json", rate, CPU_RATE_METHOD)
-    return rate * min(threads, _cores() / int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if dtype_name == "float32":  # the name and method kept since before 16-bit rates
+        return best_kept_rate("cpu-matmul-rate.json", rate, CPU_RATE_METHOD)
+    return best_kept_rate(f"cpu-matmul-rate-{dtype_name}.json", rate,
+                          CPU_RATE_METHOD.replace("fp32", dtype_name))
 
 
 def _cores() -> int:

@@ -138,10 +138,10 @@ class Trainer(CheckpointSteps):
                                     cfg.train.progress, cfg.metrics.tensorboard,
                                     resume_at=self.resumed.step if self.resumed else None)
         self.run_id = self._start_run_id()
-        self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops)
+        self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops,
+                                      cfg.precision.param_dtype or cfg.train.dtype)
         self.loss_comm = self.mesh.comm("loss_average")
-        # Windows per evaluation batch (the global batch); 0 means there is nothing to
-        # validate on.
+        # Windows per evaluation batch (the global batch); 0: nothing to validate on.
         self.eval_batch = 0 if cfg.train.eval_batches == 0 else eval_batch_size(
             len(self.data.val), cfg.train.global_batch)
 
