@@ -98,6 +98,9 @@ class TrainSection:
     device: str = "auto"
     max_bad_steps: int = 0  # NaN/inf losses tolerated before stopping (0: stop at once)
     progress: bool = True  # a progress bar when the output is a terminal
+    # On CPU, refuse before launch a job the planner predicts needs more memory than the
+    # machine has available (partita.commands.memory_check); false starts it anyway.
+    host_memory_check: bool = True
     threads: int = 0  # intra-op threads per rank; 0 = the cores shared among local ranks
     # A collective that does not complete within this many seconds fails the run (a dead
     # or stalled rank) instead of hanging it.

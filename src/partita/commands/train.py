@@ -20,6 +20,7 @@ from partita.checkpoint.resume import (
     resumes_own,
     set_aside_later_branch,
 )
+from partita.commands.memory_check import check_host_memory
 from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
@@ -196,11 +197,12 @@ def _run(args: argparse.Namespace) -> int:
         from partita.process_setup import check_local_processes, pick_device_name
 
         # Before the run folder is prepared: a refused job leaves no folder behind.
-        check_local_processes(pick_device_name(cfg.train.device), nproc)
+        device = pick_device_name(cfg.train.device)
+        check_local_processes(device, nproc)
         # One node's launcher holds the folders' locks for the whole job, restarts
         # included; with several nodes each prepares the folders and none locks them.
         locks = validate_before_launch(cfg, nproc * args.nnodes, local_processes=nproc,
-                                       lock=args.nnodes == 1)
+                                       lock=args.nnodes == 1, on_cpu=device == "cpu")
         for note in pipeline_notes(cfg, nproc * args.nnodes):
             print(note, file=sys.stderr, flush=True)
         spec = LaunchSpec(nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint,
@@ -263,22 +265,25 @@ def check_before_torch(cfg: Config, world_size: int | None) -> None:
     check_run_dir(cfg)
 
 
-def validate_before_launch(cfg: Config, world_size: int,
-                           local_processes: int | None = None, lock: bool = True) -> list:
+def validate_before_launch(cfg: Config, world_size: int, local_processes: int | None = None,
+                           lock: bool = True, on_cpu: bool = False) -> list:
     """Catch layout and data mistakes here, once, instead of in every process.
 
     Preparing the data here also means the token cache is written once per node before
     any worker starts; the workers then only open it, and its token count is checked
     against the batches here (too few for one global batch) rather than by every rank
     after launch.
-    `local_processes` (this node's, default `world_size`) judge train.threads. Returns
-    the run folders' locks (`prepare_run_dir`), which the caller holds for the job.
+    `local_processes` (this node's, default `world_size`) judge train.threads and, with
+    `on_cpu`, whether the job fits in this machine's memory. Returns the run folders'
+    locks (`prepare_run_dir`), which the caller holds for the job.
     """
     from partita.parallelize import check_layout
     from partita.trainer import open_dataset
 
     layout = cfg.layout(world_size)
     check_layout(cfg, cfg.model_config(), layout, world_size)
+    if on_cpu and (note := check_host_memory(cfg, world_size, local_processes or world_size)):
+        print(note, file=sys.stderr, flush=True)
     if cfg.model.init_from:  # every tensor present with its shape (headers only)
         from partita.models.hf_weights import HFWeights
 

@@ -1,0 +1,171 @@
+"""Before a CPU job starts: will its processes fit in this machine's memory?
+
+A model too large for the host otherwise starts, grows until the kernel's out-of-memory
+killer ends a process, and reports only that something died (or, with swap, slows the
+whole machine for minutes first). The planner already predicts every byte a process
+holds (model states, activations, buffers, the loss; within 1% of partita's measured
+bytes, `bench plan-accuracy`), so the launcher asks it before starting anything and
+refuses a job that needs more than the machine has available, naming the smallest
+change that would fit. `train.host_memory_check = false` starts it anyway. GPU jobs are
+not judged here: their limit is each device's memory, which a CUDA out-of-memory error
+reports from the rank that reached it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from partita.config import Config
+from partita.errors import PartitaError
+from partita.layout_rules import validate
+
+# What a training process holds beyond its tensors: the interpreter, torch and its
+# libraries' private pages, gloo's buffers. The default run's workers measured 145-166
+# MB proportional set size each, their tensors ~10 MB (2026-12-07, /proc/PID/smaps_rollup).
+PROCESS_BASELINE_BYTES = 0.2e9
+WARN_FRACTION = 0.8  # above this share of the available memory a note says so
+
+# Changes tried, one after another and kept, when a job does not fit: each cuts what
+# the one before left largest on a CPU (the states, then activations, then the bytes
+# per element, then the host copy itself).
+_REMEDIES: tuple[tuple[str, dict[str, dict[str, object]]], ...] = (
+    ("--parallel.zero_stage=3", {"parallel": {"zero_stage": 3}}),
+    ("--parallel.recompute=full", {"parallel": {"recompute": "full"}}),
+    ("--precision.param_dtype=bfloat16", {"precision": {"param_dtype": "bfloat16"}}),
+    ("--parallel.offload=optimizer+params+disk",
+     {"parallel": {"offload": "optimizer+params+disk"}}),
+)
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """Bytes one machine's processes need, as the planner predicts them."""
+
+    processes: int
+    tensor_bytes: float  # summed over the processes: states, activations, buffers
+    states_bytes: float  # of which model states (on the device and offloaded to host)
+
+    @property
+    def total(self) -> float:
+        return self.tensor_bytes + self.processes * PROCESS_BASELINE_BYTES
+
+
+def host_need(cfg: Config, world_size: int, local_processes: int) -> HostNeed:
+    """What `local_processes` ranks of this job hold on one machine. On one machine
+    every pipeline stage's ranks are counted with their own stage's bytes; over
+    several, each process is taken at the stages' mean."""
+    from partita.planner import Assumptions, PlanModel
+    from partita.planner.compiled import compiled_activations
+    from partita.planner.evaluate import with_kept_units
+    from partita.planner.memory import host_state_bytes, memory_breakdown
+    from partita.planner.timing import num_microbatches
+
+    layout = cfg.layout(world_size)
+    model = PlanModel("run", cfg.model_config())
+    a = compiled_activations(Assumptions.measured_cpu(), model, cfg.train.compile)
+    a = dataclasses.replace(with_kept_units(a, cfg.parallel.keep_gathered),
+                            disk_host_budget_bytes=cfg.parallel.host_memory_budget_gb * 1e9)
+    precision = plan_precision(cfg)
+    m = num_microbatches(layout, cfg.train.global_batch)
+    tensors, states = [], []
+    for stage in range(layout.pp):
+        b = memory_breakdown(model, layout, cfg.data.seq_len, m, stage, precision, a)
+        host = host_state_bytes(model, layout, precision, stage, a)
+        tensors.append(b["total"] + host)
+        states.append(host + sum(b[k] for k in ("parameters", "gradients",
+                                                "master_weights", "optimizer_states")))
+    per_process = local_processes / layout.pp
+    return HostNeed(local_processes, per_process * sum(tensors), per_process * sum(states))
+
+
+def plan_precision(cfg: Config):
+    """The planner's bytes per parameter for this config's dtypes (as
+    `parallelize.engine_policies` sets them: fp32 master weights and moments under a
+    16-bit parameter dtype unless precision.master_weights is off)."""
+    from partita.planner import Precision
+
+    size = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+    param = size.get(cfg.precision.param_dtype or cfg.train.dtype, 4)
+    reduce = size.get(cfg.precision.reduce_dtype or cfg.precision.param_dtype
+                      or cfg.train.dtype, param)
+    if param >= 4:
+        return Precision(param=param, grad=max(param, reduce), master=0,
+                         optimizer=2 * param, activation=param)
+    master = 4 if cfg.precision.master_weights else 0
+    return Precision(param=param, grad=max(param, reduce), master=master,
+                     optimizer=2 * (master or param), activation=param)
+
+
+def available_bytes() -> float | None:
+    """MemAvailable from /proc/meminfo (memory the kernel can hand out without
+    swapping, page cache included); None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(cfg: Config, world_size: int, local_processes: int,
+                      available: float | None = None) -> str | None:
+    """Raise PartitaError when this machine's share of the job needs more memory than
+    is available; return a note when it needs most of it, else None."""
+    if not cfg.train.host_memory_check:
+        return None
+    available = available_bytes() if available is None else available
+    if available is None:
+        return None
+    need = host_need(cfg, world_size, local_processes)
+    if need.total <= available:
+        if need.total > WARN_FRACTION * available:
+            return (f"note: this job needs about {_gb(need.total)} of the "
+                    f"{_gb(available)} this machine has available; other programs "
+                    "starting meanwhile may push it out of memory.")
+        return None
+    n = local_processes
+    per = "" if n == 1 else f" for its {n} processes"
+    raise PartitaError(
+        f"this job needs about {_gb(need.total)} of memory{per} ({_gb(need.states_bytes)} "
+        f"of model states, {_gb(need.tensor_bytes - need.states_bytes)} of activations "
+        f"and buffers, {_gb(n * PROCESS_BASELINE_BYTES)} for the processes themselves), "
+        f"and this machine has {_gb(available)} available, so the out-of-memory killer "
+        f"would end it. {_remedy(cfg, world_size, local_processes, available)} To start "
+        "it anyway, add --train.host_memory_check=false.")
+
+
+def _remedy(cfg: Config, world_size: int, local_processes: int, available: float) -> str:
+    """The first of the cumulative `_REMEDIES` that fits, or the least any reaches."""
+    flags: list[str] = []
+    least = None
+    for flag, changes in _REMEDIES:
+        trial = _with(cfg, changes)
+        try:
+            layout = trial.layout(world_size)
+            validate(layout, trial.model_config(), world_size,
+                     seq_len=trial.data.seq_len, global_batch=trial.train.global_batch)
+            need = host_need(trial, world_size, local_processes).total
+        except PartitaError:
+            continue  # not a layout this job can take (ZeRO-3 with a pipeline, ...)
+        cfg, least = trial, need
+        flags.append(flag)
+        if need <= available:
+            return f"It would fit with {' '.join(flags)} (about {_gb(need)})."
+    if least is None:
+        return "Choose a smaller model (model.name or its dimensions)."
+    return (f"Even with {' '.join(flags)} it would need about {_gb(least)}: choose a "
+            "smaller model, or spread the job over more machines (--nnodes).")
+
+
+def _with(cfg: Config, changes: dict[str, dict[str, object]]) -> Config:
+    out = dataclasses.replace(cfg)
+    for section, values in changes.items():
+        setattr(out, section, dataclasses.replace(getattr(cfg, section), **values))
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"

@@ -1,0 +1,101 @@
+"""`partita train` on CPU refuses, before launch, a job that cannot fit in the machine's
+memory, and names the smallest change that would fit (partita.commands.memory_check)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from partita.commands.memory_check import (
+    PROCESS_BASELINE_BYTES,
+    check_host_memory,
+    host_need,
+    plan_precision,
+)
+from partita.config import load_config
+from partita.errors import PartitaError
+
+
+def _cfg(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def test_a_model_far_beyond_the_machine_is_refused_with_its_figures():
+    """llama3-8b on two CPU processes started, grew, and ended with "process 1 was
+    killed by SIGKILL" after the out-of-memory killer took it."""
+    cfg = _cfg("--model.name=llama3-8b")
+    with pytest.raises(PartitaError) as err:
+        check_host_memory(cfg, 2, 2, available=24e9)
+    text = str(err.value)
+    assert "needs about" in text and "24.0 GB available" in text
+    assert "--train.host_memory_check=false" in text
+    # Nothing fits 24 GB even with every change: the message says so, naming them.
+    assert "Even with --parallel.zero_stage=3" in text and "smaller model" in text
+
+
+def test_the_smallest_change_that_fits_is_named():
+    cfg = _cfg("--model.name=llama-100m", "--parallel.zero_stage=0")
+    plain = host_need(cfg, 4, 4).total
+    sharded = host_need(_cfg("--model.name=llama-100m", "--parallel.zero_stage=3"), 4, 4).total
+    assert sharded < plain
+    with pytest.raises(PartitaError, match=r"It would fit with --parallel.zero_stage=3 "
+                                           r"\(about"):
+        check_host_memory(cfg, 4, 4, available=(plain + sharded) / 2)
+
+
+def test_a_job_that_fits_starts_and_one_near_the_limit_is_noted():
+    cfg = _cfg()
+    need = host_need(cfg, 2, 2).total
+    assert check_host_memory(cfg, 2, 2, available=10 * need) is None
+    note = check_host_memory(cfg, 2, 2, available=1.1 * need)
+    assert note is not None and "needs about" in note
+    with pytest.raises(PartitaError):
+        check_host_memory(cfg, 2, 2, available=0.9 * need)
+
+
+def test_the_check_can_be_turned_off():
+    cfg = _cfg("--model.name=llama3-8b", "--train.host_memory_check=false")
+    assert check_host_memory(cfg, 2, 2, available=1e9) is None
+
+
+def test_zero3_shards_the_states_over_the_processes():
+    """The need follows the layout: four ZeRO-3 processes hold a quarter of the states
+    four stage-0 processes hold (16 bytes per parameter in fp32 with Adam)."""
+    full = host_need(_cfg("--model.name=llama3-8b"), 4, 4)
+    sharded = host_need(_cfg("--model.name=llama3-8b", "--parallel.zero_stage=3"), 4, 4)
+    params = 8.03e9
+    assert full.states_bytes == pytest.approx(4 * 16 * params, rel=0.01)
+    assert sharded.states_bytes == pytest.approx(16 * params, rel=0.01)
+    assert full.total - full.tensor_bytes == pytest.approx(4 * PROCESS_BASELINE_BYTES)
+
+
+def test_every_pipeline_stage_is_counted_once_per_rank():
+    """A pipeline's stages hold different layers; on one machine each rank is counted
+    with its own stage's bytes, so two stages sum to about one replica's states."""
+    one = host_need(_cfg("--model.name=llama-100m"), 1, 1)
+    two = host_need(_cfg("--model.name=llama-100m", "--parallel.pp=2",
+                         "--train.microbatches=2"), 2, 2)
+    assert two.states_bytes == pytest.approx(one.states_bytes, rel=0.02)
+
+
+@pytest.mark.parametrize("overrides, total", [
+    ((), 16), (("--train.dtype=float64",), 32),
+    (("--precision.param_dtype=bfloat16",), 16),
+    (("--precision.param_dtype=bfloat16", "--precision.reduce_dtype=float32"), 18),
+    (("--precision.param_dtype=bfloat16", "--precision.master_weights=false"), 8),
+])
+def test_bytes_per_parameter_follow_the_dtypes(overrides, total):
+    assert plan_precision(_cfg(*overrides)).total == total
+
+
+def test_the_command_refuses_before_anything_starts(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "partita.cli", "train", "--model.name=llama3-8b",
+         "--train.device=cpu", f"--train.out_dir={out}"],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "host_memory_check=false" in proc.stderr
+    assert "SIGKILL" not in proc.stderr and not out.exists()
