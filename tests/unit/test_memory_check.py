@@ -31,18 +31,35 @@ def test_a_model_far_beyond_the_machine_is_refused_with_its_figures():
     text = str(err.value)
     assert "needs about" in text and "24.0 GB available" in text
     assert "--train.host_memory_check=false" in text
-    # Nothing fits 24 GB even with every change: the message says so, naming them.
-    assert "Even with --parallel.zero_stage=3" in text and "smaller model" in text
+    # Nothing fits 24 GB even with every change: the message says so, naming them (the
+    # largest count of microbatches only).
+    assert "Even with --train.microbatches=8 --parallel.zero_stage=3" in text
+    assert "smaller model" in text and text.count("microbatches") == 1
 
 
 def test_the_smallest_change_that_fits_is_named():
-    cfg = _cfg("--model.name=llama-100m", "--parallel.zero_stage=0")
+    # Four ranks of a 16-sequence batch at one sequence per microbatch already.
+    one_each = ("--model.name=llama-100m", "--train.microbatches=4")
+    cfg = _cfg(*one_each)
     plain = host_need(cfg, 4, 4).total
-    sharded = host_need(_cfg("--model.name=llama-100m", "--parallel.zero_stage=3"), 4, 4).total
+    sharded = host_need(_cfg(*one_each, "--parallel.zero_stage=3"), 4, 4).total
     assert sharded < plain
     with pytest.raises(PartitaError, match=r"It would fit with --parallel.zero_stage=3 "
                                            r"\(about"):
         check_host_memory(cfg, 4, 4, available=(plain + sharded) / 2)
+
+
+def test_activations_too_large_are_cut_into_microbatches_first():
+    """A batch whose activations overflow is cut into microbatches (same results, one
+    microbatch's activations held at a time) before anything else is suggested; the
+    count named is the smallest that fits."""
+    cfg = _cfg("--train.global_batch=1024")
+    plain = host_need(cfg, 2, 2).total
+    by_count = {m: host_need(_cfg("--train.global_batch=1024", f"--train.microbatches={m}"),
+                             2, 2).total for m in (2, 4, 8)}
+    assert plain > by_count[2] > by_count[4] > by_count[8]
+    with pytest.raises(PartitaError, match=r"It would fit with --train.microbatches=4 \(about"):
+        check_host_memory(cfg, 2, 2, available=(by_count[2] + by_count[4]) / 2)
 
 
 def test_a_job_that_fits_starts_and_one_near_the_limit_is_noted():

@@ -26,9 +26,9 @@ from partita.layout_rules import validate
 PROCESS_BASELINE_BYTES = 0.2e9
 WARN_FRACTION = 0.8  # above this share of the available memory a note says so
 
-# Changes tried, one after another and kept, when a job does not fit: each cuts what
-# the one before left largest on a CPU (the states, then activations, then the bytes
-# per element, then the host copy itself).
+# Changes tried, one after another and kept, when a job does not fit, after more
+# microbatches (`_microbatch_remedy`): each cuts what the one before left largest on a
+# CPU (the states, then activations, then the bytes per element, then the host copy).
 _REMEDIES: tuple[tuple[str, dict[str, dict[str, object]]], ...] = (
     ("--parallel.zero_stage=3", {"parallel": {"zero_stage": 3}}),
     ("--parallel.recompute=full", {"parallel": {"recompute": "full"}}),
@@ -138,10 +138,11 @@ def check_host_memory(cfg: Config, world_size: int, local_processes: int,
 
 
 def _remedy(cfg: Config, world_size: int, local_processes: int, available: float) -> str:
-    """The first of the cumulative `_REMEDIES` that fits, or the least any reaches."""
+    """The first of the cumulative changes that fits (more microbatches, then each of
+    `_REMEDIES`), or the least they reach together."""
     flags: list[str] = []
     least = None
-    for flag, changes in _REMEDIES:
+    for flag, changes in (*_microbatch_remedies(cfg, world_size), *_REMEDIES):
         trial = _with(cfg, changes)
         try:
             layout = trial.layout(world_size)
@@ -150,6 +151,9 @@ def _remedy(cfg: Config, world_size: int, local_processes: int, available: float
             need = host_need(trial, world_size, local_processes).total
         except PartitaError:
             continue  # not a layout this job can take (ZeRO-3 with a pipeline, ...)
+        if flags and flag.startswith("--train.microbatches") \
+                and flags[-1].startswith("--train.microbatches"):
+            flags.pop()  # a larger count replaces the one before
         cfg, least = trial, need
         flags.append(flag)
         if need <= available:
@@ -158,6 +162,25 @@ def _remedy(cfg: Config, world_size: int, local_processes: int, available: float
         return "Choose a smaller model (model.name or its dimensions)."
     return (f"Even with {' '.join(flags)} it would need about {_gb(least)}: choose a "
             "smaller model, or spread the job over more machines (--nnodes).")
+
+
+def _microbatch_remedies(cfg: Config, world_size: int) -> list[tuple[str, dict]]:
+    """Gradient accumulation, which holds one microbatch's activations at a time and
+    changes no result: train.microbatches doubled up to one sequence per microbatch.
+    Each replaces the one before (only the last one kept counts)."""
+    try:
+        layout = cfg.layout(world_size)
+    except PartitaError:
+        return []
+    local = cfg.train.global_batch // layout.dp
+    out, m = [], cfg.train.microbatches * 2
+    while m <= local:
+        if local % m == 0:
+            out.append((f"--train.microbatches={m}", {"train": {"microbatches": m}}))
+        m *= 2
+    if out and out[-1][1]["train"]["microbatches"] != local:
+        out.append((f"--train.microbatches={local}", {"train": {"microbatches": local}}))
+    return out
 
 
 def _with(cfg: Config, changes: dict[str, dict[str, object]]) -> Config:

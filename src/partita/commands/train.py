@@ -282,8 +282,6 @@ def validate_before_launch(cfg: Config, world_size: int, local_processes: int | 
 
     layout = cfg.layout(world_size)
     check_layout(cfg, cfg.model_config(), layout, world_size)
-    if on_cpu and (note := check_host_memory(cfg, world_size, local_processes or world_size)):
-        print(note, file=sys.stderr, flush=True)
     if cfg.model.init_from:  # every tensor present with its shape (headers only)
         from partita.models.hf_weights import HFWeights
 
@@ -295,6 +293,9 @@ def validate_before_launch(cfg: Config, world_size: int, local_processes: int | 
 
         check_resumable(read_manifest(target).get("training", {}).get("sampler", {}),
                         {"num_windows": num_windows(len(data.train), cfg.data.seq_len)})
+    # After the data's checks: a batch beyond the data is the mistake to name first.
+    if on_cpu and (note := check_host_memory(cfg, world_size, local_processes or world_size)):
+        print(note, file=sys.stderr, flush=True)
     locks = prepare_run_dir(cfg, lock)
     if note := threads_note(cfg, local_processes or world_size):
         print(note, file=sys.stderr, flush=True)
