@@ -8,7 +8,7 @@ world per batch, and checks every rank against one process with the same global 
 whose ranks disagree with the reference is a bug; so is one that crashes.
 
     PYTHONPATH=src python tools/parity_fuzz.py --world 4 --layouts 24 --seed 1
-    PYTHONPATH=src python tools/parity_fuzz.py --world 4 --seed 25 --arena-always
+    PYTHONPATH=src python tools/parity_fuzz.py --world 4 --seed 25 --gloo-forms
 
 Prints each failing layout's settings (ready to paste into a test) and a summary.
 """
@@ -109,12 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=6, help="layouts per spawned world")
-    ap.add_argument("--arena-always", action="store_true",
-                    help="send every flat collective through the shared-memory arena, "
-                         "whatever its size (these models' are under its 4 MiB floor)")
+    ap.add_argument("--gloo-forms", action="store_true",
+                    help="keep every collective on gloo's TCP forms instead of the "
+                         "shared-memory arena the ranks of one host use by default")
     args = ap.parse_args(argv)
-    if args.arena_always:  # read by each spawned rank when it builds its mesh
-        os.environ[shm_collectives.ENV_MIN_BYTES] = "0"
+    if args.gloo_forms:  # read by each spawned rank when it builds its mesh
+        os.environ[shm_collectives.ENV_SWITCH] = "0"
     rng = random.Random(args.seed)
     cases: list[Case] = []
     refused: collections.Counter[str] = collections.Counter()

@@ -11,7 +11,8 @@ unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
 On gloo, flat all-gathers and reduce-scatters, and all-reduces that sum floating
 tensors, go through shared memory where switched on and every member of the group runs
-on this host (`partita.shm_collectives`, 4 MiB and more); otherwise the first two take
+on this host (`partita.shm_collectives`: every size, or from PARTITA_SHM_MIN_BYTES where
+that is set); otherwise the first two take
 faster forms than gloo's own (`partita.gloo_collectives`). NCCL keeps its native
 collectives.
 """

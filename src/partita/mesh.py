@@ -221,8 +221,8 @@ class Mesh:
 
     `shm_collectives`: True moves the flat all-gathers and reduce-scatters of a gloo
     group whose members all run on this host through shared memory
-    (`partita.shm_collectives`, collectives of 4 MiB and more, or of
-    PARTITA_SHM_MIN_BYTES where that is set); False keeps gloo's TCP
+    (`partita.shm_collectives`: every size, or from PARTITA_SHM_MIN_BYTES bytes where
+    that is set); False keeps gloo's TCP
     forms; None (the default) leaves it to the environment variable
     PARTITA_SHM_COLLECTIVES (0: off; on otherwise).
     Every process must make the same choice: a gloo mesh refuses processes that do not

@@ -61,11 +61,13 @@ from partita.proc_stat import stat_fields
 # by default: stage 3 / stage 2 at 4 ranks on a 100M model read 0.990 through the arena
 # against 1.093 over TCP, docs/benchmarks.md).
 ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
-# Collectives on fewer bytes keep gloo's forms: at 1 MiB and less the arena's barrier per
-# chunk cost more than TCP under load, from 8 MiB up it was 2-3x faster. The environment
-# variable moves the floor for a host whose balance differs, or to 0 to send every flat
-# collective through the arena (`tools/parity_fuzz.py --arena-always` tests that way).
-MIN_BYTES = 4 * 1024 * 1024
+# Collectives on fewer bytes keep gloo's forms. By default none do: a 64 KiB all-reduce
+# took 0.14 ms through the arena against gloo's 1.5 at 2 ranks (0.33 / 5.1 at 4), and
+# whole steps of the tiny model ran 5-7% faster with every collective through it, tp=2
+# with sequence parallelism 1.47x, also with two busy processes sharing the cores
+# (docs/benchmarks.md, "Every collective through the arena"). The environment variable
+# sets a floor for a host whose balance differs.
+MIN_BYTES = 0
 ENV_MIN_BYTES = "PARTITA_SHM_MIN_BYTES"
 SHM_DIR = "/dev/shm"
 # Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every

@@ -24,6 +24,8 @@ from partita.testing import run_distributed
 
 # A small arena, so that modest tensors already go through in several chunks.
 BUFFER = 256 * 1024
+# A floor the mesh's transport is tested with (PARTITA_SHM_MIN_BYTES; by default none).
+FLOOR = 4 * 1024 * 1024
 
 
 def _data(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -32,6 +34,7 @@ def _data(rank: int, numel: int, dtype: torch.dtype, seed: int = 0) -> torch.Ten
 
 
 def _match_worker(rank: int, world: int) -> dict:
+    os.environ[shm_collectives.ENV_MIN_BYTES] = str(FLOOR)  # this forked rank only
     mesh = Mesh(Layout(dp=world), rank, world, shm_collectives=True)
     base = mesh.comm("zero_shard")
     assert base.shm is not None
@@ -128,7 +131,7 @@ def _match_worker(rank: int, world: int) -> dict:
             break
     # The mesh's own transport: below its floor gloo's forms (the arena not even set
     # up), from the floor on the arena, set up on first use; counted as gloo's would be.
-    small, n = torch.empty(world * 1000), shm_collectives.MIN_BYTES // (4 * world)
+    small, n = torch.empty(world * 1000), FLOOR // (4 * world)
     base.all_gather_flat(small, torch.ones(1000))
     if base.shm.state is not None:
         problems.append("a collective below the floor set the arena up")
@@ -177,8 +180,9 @@ def test_matches_gloo_forms(world: int) -> None:
     assert results[0]["path"] and not os.path.exists(results[0]["path"])
 
 
-def _floor_worker(rank: int, world: int) -> tuple:
-    os.environ[shm_collectives.ENV_MIN_BYTES] = "0"  # this forked rank only
+def _floor_worker(rank: int, world: int, floor: str | None) -> tuple:
+    if floor is not None:
+        os.environ[shm_collectives.ENV_MIN_BYTES] = floor  # this forked rank only
     comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
     summed = torch.full((10,), float(rank + 1))
     comm.all_reduce(summed)
@@ -186,10 +190,11 @@ def _floor_worker(rank: int, world: int) -> tuple:
 
 
 def test_the_floor_comes_from_the_environment(monkeypatch) -> None:
-    """PARTITA_SHM_MIN_BYTES moves the floor, 0 sending a 40-byte all-reduce through the
-    arena; anything but a whole number of bytes is refused with the fix."""
+    """By default every flat collective goes through the arena, a 40-byte all-reduce
+    too; PARTITA_SHM_MIN_BYTES sets a floor below which gloo's forms stay, and anything
+    but a whole number of bytes is refused with the fix."""
     monkeypatch.delenv(shm_collectives.ENV_MIN_BYTES, raising=False)
-    assert shm_collectives.floor_bytes() == shm_collectives.MIN_BYTES
+    assert shm_collectives.floor_bytes() == shm_collectives.MIN_BYTES == 0
     for raw, want in (("0", 0), (" 65536 ", 65536)):
         monkeypatch.setenv(shm_collectives.ENV_MIN_BYTES, raw)
         assert shm_collectives.floor_bytes() == want
@@ -198,8 +203,9 @@ def test_the_floor_comes_from_the_environment(monkeypatch) -> None:
         with pytest.raises(PartitaError, match="PARTITA_SHM_MIN_BYTES=.* whole number"):
             shm_collectives.floor_bytes()
     monkeypatch.delenv(shm_collectives.ENV_MIN_BYTES)
-    for calls, summed in run_distributed(_floor_worker, 2, timeout=60):
-        assert calls == 1 and summed == [3.0] * 10
+    for floor, through_arena in ((None, 1), ("0", 1), ("41", 0)):
+        for calls, summed in run_distributed(_floor_worker, 2, args=(floor,), timeout=60):
+            assert calls == through_arena and summed == [3.0] * 10
 
 
 def _disagreeing_worker(rank: int, world: int, variable: str, value: str) -> list[str]:
@@ -227,7 +233,7 @@ def test_an_unreadable_floor_on_one_process_stops_every_process() -> None:
 
 @pytest.mark.parametrize("variable, value, what", [
     (shm_collectives.ENV_SWITCH, "0", "some processes use the shared-memory collectives"),
-    (shm_collectives.ENV_MIN_BYTES, "0", "from different sizes (0 to 4194304 bytes)")])
+    (shm_collectives.ENV_MIN_BYTES, "65536", "from different sizes (0 to 65536 bytes)")])
 def test_processes_that_disagree_are_refused_together(variable, value, what) -> None:
     """Processes that would send different collectives through the arena are refused
     when the mesh is built, every one with the same message naming both variables,
@@ -245,7 +251,7 @@ def test_processes_that_disagree_are_refused_together(variable, value, what) -> 
 
 def _fallback_worker(rank: int, world: int) -> dict:
     out: dict = {}
-    n = shm_collectives.MIN_BYTES // (4 * world)  # at the floor: the arena is tried
+    n = 1024
 
     def gather_once() -> tuple:
         """(arena state, calls through it, result right, warnings given) of one gather
