@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from partita.arg_types import count, several
 from partita.bench import paired
+from partita.bench.deepspeed_peer import import_deepspeed
 from partita.experts import apply_expert_parallel
 from partita.layout import Layout
 from partita.local_world import run_distributed
@@ -120,7 +121,7 @@ def _side(step, layer: nn.Module, x: torch.Tensor, steps: int,
 
 def _rank(rank: int, world: int, a: dict) -> dict:
     os.environ.setdefault("DS_BUILD_OPS", "0")
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     deepspeed.init_distributed(dist_backend="gloo")
     mesh = Mesh(Layout(dp=world, ep=a["ep"]), rank, world)

@@ -101,14 +101,14 @@ def _deepspeed(args: argparse.Namespace, nvme_dir: str = ""):
     """DeepSpeed ZeRO-2 with the optimizer on the CPU around the same model (with
     `nvme_dir`: ZeRO-3 with the optimizer's states in files there, its NVMe offload),
     or None and the reason it could not run."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
-        import deepspeed
         import torch.distributed as dist
 
+        from partita.bench.deepspeed_peer import import_deepspeed
         from partita.local_world import free_port
         from partita.models.transformer import build_model
 
+        deepspeed = import_deepspeed()
         if not dist.is_initialized():
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                               RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

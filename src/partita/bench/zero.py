@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
 
 import torch
 
 from partita.arg_types import count, several
 from partita.bench import dp as harness
 from partita.bench import paired
+from partita.bench.deepspeed_peer import check_build_locks, import_deepspeed
 from partita.bench.models import blocks_of
 from partita.errors import PartitaError
 from partita.local_world import run_distributed
@@ -58,14 +58,11 @@ def _zero_redundancy_step(model, mesh) -> harness.Step:
 
 
 def _deepspeed_step(model, mesh, stage: int, batch: int) -> harness.Step:
-    # DeepSpeed picks its accelerator from this variable (its documented switch); set
-    # only in the benchmark's own worker processes.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import logging
 
-    import deepspeed
-
     from partita.zero import ZeroConfig
+
+    deepspeed = import_deepspeed()  # in the benchmark's own worker processes only
 
     deepspeed.utils.logger.setLevel(logging.WARNING)
     # DeepSpeed's buckets default to 5e8 elements, a 2 GB fp32 buffer per rank sized for
@@ -200,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     installed = importlib.util.find_spec("deepspeed") is not None
     with_ds = installed and not args.no_deepspeed
     chosen = pairs(with_ds, tuple(args.stages), tuple(args.peers))
+    if any(peer.startswith("DeepSpeed") for _, peer in chosen):
+        check_build_locks()  # here, once, rather than as every rank waits on it
     if not chosen:
         raise PartitaError(
             f"no pair to time: --stages {' '.join(map(str, args.stages))} has no rows "
