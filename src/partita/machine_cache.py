@@ -119,3 +119,16 @@ def cpuinfo_value(keys: tuple[str, ...]) -> str | None:
     except OSError:
         pass
     return None
+
+
+def meminfo_bytes(key: str) -> float | None:
+    """A /proc/meminfo figure (`MemTotal`, `MemAvailable`, ...) in bytes; None where
+    there is no such line or file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(f"{key}:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

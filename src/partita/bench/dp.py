@@ -225,13 +225,15 @@ def is_peer(name: str) -> bool:
 
 
 def transport() -> str:
-    """How partita's ranks move data here: gloo, with its large flat collectives through
-    the shared-memory arena unless PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
+    """How partita's ranks move data here: gloo, with its flat collectives (from
+    PARTITA_SHM_MIN_BYTES where set) through the shared-memory arena unless
+    PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
     if shm_collectives.wanted(None) and shm_collectives.supported():
         floor = shm_collectives.floor_bytes()
         size = f"{floor >> 20} MiB" if floor % (1 << 20) == 0 else f"{floor} bytes"
-        return (f"gloo (partita's gathers, reduce-scatters and all-reduces of "
-                f"{size} and more through shared memory)")
+        which = "" if floor == 0 else f" of {size} and more"
+        return (f"gloo (partita's gathers, reduce-scatters and all-reduces{which} through "
+                "shared memory)")
     return "gloo"
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from partita.config import Config
 from partita.errors import PartitaError
 from partita.layout_rules import validate
+from partita.machine_cache import meminfo_bytes
 
 # What a training process holds beyond its tensors: the interpreter, torch and its
 # libraries' private pages, gloo's buffers. The default run's workers measured 145-166
@@ -97,26 +98,14 @@ def plan_precision(cfg: Config):
                      optimizer=2 * (master or param), activation=param)
 
 
-def available_bytes() -> float | None:
-    """MemAvailable from /proc/meminfo (memory the kernel can hand out without
-    swapping, page cache included); None where there is no such file."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def check_host_memory(cfg: Config, world_size: int, local_processes: int,
                       available: float | None = None) -> str | None:
     """Raise PartitaError when this machine's share of the job needs more memory than
     is available; return a note when it needs most of it, else None."""
     if not cfg.train.host_memory_check:
         return None
-    available = available_bytes() if available is None else available
+    # MemAvailable: what the kernel can hand out without swapping, page cache included.
+    available = meminfo_bytes("MemAvailable") if available is None else available
     if available is None:
         return None
     need = host_need(cfg, world_size, local_processes)

@@ -23,6 +23,7 @@ from partita.machine_cache import (
     cpuinfo_value,
     kept_file,
     machine_key,
+    meminfo_bytes,
     read_kept,
     write_kept,
 )
@@ -151,14 +152,9 @@ def local_bf16_units(profile: GPUSpec) -> str:
 
 
 def _physical_memory() -> float:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    total = meminfo_bytes("MemTotal")
+    return total if total is not None else float(os.sysconf("SC_PAGE_SIZE")
+                                                 * os.sysconf("SC_PHYS_PAGES"))
 
 
 def profile_cache_path() -> Path:
