@@ -116,3 +116,18 @@ def test_the_command_refuses_before_anything_starts(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "host_memory_check=false" in proc.stderr
     assert "SIGKILL" not in proc.stderr and not out.exists()
+
+
+def test_microbatch_counts_divide_each_replicas_batch():
+    """Counts double from the current one and must divide the replica's batch; one
+    sequence per microbatch is always among them (3 sequences: only 3)."""
+    from partita.commands.memory_check import _microbatch_remedies
+
+    def counts(batch: int, world: int, current: int = 1) -> list[int]:
+        cfg = _cfg(f"--train.global_batch={batch}", f"--train.microbatches={current}")
+        return [c["train"]["microbatches"] for _, c in _microbatch_remedies(cfg, world)]
+
+    assert counts(16, 2) == [2, 4, 8]
+    assert counts(6, 2) == [3]
+    assert counts(24, 2, current=3) == [6, 12]
+    assert counts(16, 2, current=8) == []

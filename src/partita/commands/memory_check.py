@@ -111,7 +111,7 @@ def check_host_memory(cfg: Config, world_size: int, local_processes: int,
     need = host_need(cfg, world_size, local_processes)
     if need.total <= available:
         if need.total > WARN_FRACTION * available:
-            return (f"note: this job needs about {_gb(need.total)} of the "
+            return (f"partita: note: this job needs about {_gb(need.total)} of the "
                     f"{_gb(available)} this machine has available; other programs "
                     "starting meanwhile may push it out of memory.")
         return None
@@ -161,15 +161,14 @@ def _microbatch_remedies(cfg: Config, world_size: int) -> list[tuple[str, dict]]
         layout = cfg.layout(world_size)
     except PartitaError:
         return []
-    local = cfg.train.global_batch // layout.dp
-    out, m = [], cfg.train.microbatches * 2
+    local, m = cfg.train.global_batch // layout.dp, cfg.train.microbatches * 2
+    counts = []
     while m <= local:
-        if local % m == 0:
-            out.append((f"--train.microbatches={m}", {"train": {"microbatches": m}}))
+        counts += [m] if local % m == 0 else []
         m *= 2
-    if out and out[-1][1]["train"]["microbatches"] != local:
-        out.append((f"--train.microbatches={local}", {"train": {"microbatches": local}}))
-    return out
+    if local > cfg.train.microbatches and local not in counts:
+        counts.append(local)
+    return [(f"--train.microbatches={c}", {"train": {"microbatches": c}}) for c in counts]
 
 
 def _with(cfg: Config, changes: dict[str, dict[str, object]]) -> Config:
