@@ -215,6 +215,10 @@ class ShmGroup:
                 msg[token_at:host_at] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
             except (OSError, ValueError) as exc:
                 why = f"cannot make an arena of {total >> 20} MiB in {SHM_DIR} ({exc})"
+                if getattr(exc, "errno", None) == errno.ENOSPC:  # a container's 64 MB
+                    why += (f"; each gloo group of one host takes {total >> 20} MiB there: "
+                            "give it room (docker run --shm-size=1g) or set "
+                            f"{ENV_SWITCH}=0 to keep gloo's TCP forms quietly")
             msg[host_at:] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
         dist.broadcast(msg, src=self.ranks[0], group=self.group)
         raw = bytes(msg.tolist())

@@ -5,6 +5,7 @@ bounded wait for a member that never comes."""
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import time
 import warnings
@@ -264,6 +265,7 @@ def _fallback_worker(rank: int, world: int) -> dict:
             comm.all_gather_flat(gathered, torch.full((n,), float(rank)))
         right = torch.equal(gathered, torch.arange(world).repeat_interleave(n).float())
         ours = [w for w in caught if str(w.message).startswith("partita: collectives")]
+        out["said"] = [str(w.message) for w in ours]
         return comm.shm.state, comm.shm.calls, right, len(ours)
 
     # No /dev/shm on the member that makes the arena: every member keeps gloo's forms,
@@ -271,6 +273,15 @@ def _fallback_worker(rank: int, world: int) -> dict:
     shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
     out["fallback"] = gather_once()
     shm_collectives.SHM_DIR = "/dev/shm"
+    # A full /dev/shm (a container's 64 MB): the warning says how to give it room.
+    made = shm_collectives._create
+
+    def full(nbytes: int, token: bytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    shm_collectives._create = full
+    out["full"] = (*gather_once(), any("--shm-size" in m for m in out["said"]))
+    shm_collectives._create = made
     # The last member on another host (another boot id): gloo's forms, quietly.
     own_host = shm_collectives._host_id
     if rank == world - 1:
@@ -314,6 +325,9 @@ def test_fallback_switches_and_timeout() -> None:
     results = run_distributed(_fallback_worker, 2, timeout=60)
     for rank, out in enumerate(results):
         assert out["fallback"] == (False, 0, True, 1), f"rank {rank}"
+        # Only the member that makes the arena knows why; it says so, with the fix.
+        assert out["full"] == ((False, 0, True, 1, True) if rank == 0
+                               else (False, 0, True, 1, False)), f"rank {rank}"
         assert out["elsewhere"] == (False, 0, True, 0), f"rank {rank}"
         assert out["default_on"] and out["env_on"] and out["env_off"]
     assert 0.9 <= results[0]["timeout"] < 10
