@@ -185,8 +185,8 @@ class ShmGroup:
         self._lock = threading.Lock()
 
     def carries(self, nbytes: int) -> bool:
-        """Whether a flat collective on a buffer of `nbytes` is large enough for the
-        arena: below `min_bytes` its barriers cost more than gloo under load."""
+        """Whether a flat collective on a buffer of `nbytes` goes through the arena:
+        from `min_bytes` on (every size by default, `MIN_BYTES`)."""
         return nbytes >= self.min_bytes
 
     # Setup -----------------------------------------------------------------------------
