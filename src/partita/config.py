@@ -8,6 +8,7 @@ so any run can be repeated from its own directory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 import typing
@@ -309,6 +310,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _set(cfg, key, value)
     check_ranges(cfg)
     return cfg
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with command-line overrides (`--section.key=value`) applied, each
+    checked as `load_config` checks them."""
+    out = copy.deepcopy(cfg)
+    for key, value in parse_overrides(overrides):
+        _set(out, key, value)
+    check_ranges(out)
+    return out
 
 
 def config_from_toml(text: str) -> Config:

@@ -157,3 +157,15 @@ def test_the_shape_a_run_starts_with_names_what_the_catalog_entry_gave():
                                 "vocab 256, max_seq_len 128")
     moe = load_config(None, ["--model.name=tiny-moe"]).model_config()
     assert "8 experts (top 2, width 384, every 2 blocks)" in moe.shape_text()
+
+
+def test_with_overrides_copies_and_checks():
+    from partita.config import with_overrides
+
+    base = load_config(None, ["--train.steps=7"])
+    changed = with_overrides(base, ["--parallel.zero_stage=3", "--train.microbatches=2"])
+    assert (changed.parallel.zero_stage, changed.train.microbatches, changed.train.steps) \
+        == (3, 2, 7)
+    assert (base.parallel.zero_stage, base.train.microbatches) == (0, 1)  # untouched
+    with pytest.raises(PartitaError, match="unknown setting"):
+        with_overrides(base, ["--parallel.zero_stag=3"])

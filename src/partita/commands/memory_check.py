@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from partita.config import Config
+from partita.config import Config, with_overrides
 from partita.errors import PartitaError
 from partita.layout_rules import validate
 from partita.machine_cache import meminfo_bytes
@@ -28,15 +28,10 @@ PROCESS_BASELINE_BYTES = 0.2e9
 WARN_FRACTION = 0.8  # above this share of the available memory a note says so
 
 # Changes tried, one after another and kept, when a job does not fit, after more
-# microbatches (`_microbatch_remedy`): each cuts what the one before left largest on a
-# CPU (the states, then activations, then the bytes per element, then the host copy).
-_REMEDIES: tuple[tuple[str, dict[str, dict[str, object]]], ...] = (
-    ("--parallel.zero_stage=3", {"parallel": {"zero_stage": 3}}),
-    ("--parallel.recompute=full", {"parallel": {"recompute": "full"}}),
-    ("--precision.param_dtype=bfloat16", {"precision": {"param_dtype": "bfloat16"}}),
-    ("--parallel.offload=optimizer+params+disk",
-     {"parallel": {"offload": "optimizer+params+disk"}}),
-)
+# microbatches (`_microbatch_remedies`): each cuts what the one before left largest on
+# a CPU (the states, then activations, then the bytes per element, then the host copy).
+_REMEDIES = ("--parallel.zero_stage=3", "--parallel.recompute=full",
+             "--precision.param_dtype=bfloat16", "--parallel.offload=optimizer+params+disk")
 
 
 @dataclass(frozen=True)
@@ -131,9 +126,9 @@ def _remedy(cfg: Config, world_size: int, local_processes: int, available: float
     `_REMEDIES`), or the least they reach together."""
     flags: list[str] = []
     least = None
-    for flag, changes in (*_microbatch_remedies(cfg, world_size), *_REMEDIES):
-        trial = _with(cfg, changes)
+    for flag in (*_microbatch_remedies(cfg, world_size), *_REMEDIES):
         try:
+            trial = with_overrides(cfg, [flag])
             layout = trial.layout(world_size)
             validate(layout, trial.model_config(), world_size,
                      seq_len=trial.data.seq_len, global_batch=trial.train.global_batch)
@@ -153,7 +148,7 @@ def _remedy(cfg: Config, world_size: int, local_processes: int, available: float
             "smaller model, or spread the job over more machines (--nnodes).")
 
 
-def _microbatch_remedies(cfg: Config, world_size: int) -> list[tuple[str, dict]]:
+def _microbatch_remedies(cfg: Config, world_size: int) -> list[str]:
     """Gradient accumulation, which holds one microbatch's activations at a time and
     changes no result: train.microbatches doubled up to one sequence per microbatch.
     Each replaces the one before (only the last one kept counts)."""
@@ -168,14 +163,7 @@ def _microbatch_remedies(cfg: Config, world_size: int) -> list[tuple[str, dict]]
         m *= 2
     if local > cfg.train.microbatches and local not in counts:
         counts.append(local)
-    return [(f"--train.microbatches={c}", {"train": {"microbatches": c}}) for c in counts]
-
-
-def _with(cfg: Config, changes: dict[str, dict[str, object]]) -> Config:
-    out = dataclasses.replace(cfg)
-    for section, values in changes.items():
-        setattr(out, section, dataclasses.replace(getattr(cfg, section), **values))
-    return out
+    return [f"--train.microbatches={c}" for c in counts]
 
 
 def _gb(n: float) -> str:
