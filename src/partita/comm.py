@@ -20,6 +20,7 @@ collectives.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -176,9 +177,14 @@ class GroupComm:
         if self.size == 1:
             output.copy_(input)
             return
-        row = input[:1].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        row = math.prod(input.shape[1:]) * input.element_size()  # also with no rows
         others = sum(input_splits) - input_splits[self.index]
         self._count(op, others * row)
+        # Through the arena only without a floor: the members' byte counts differ here,
+        # so a floor could send some members through it and the others through gloo.
+        if self.shm is not None and self.shm.min_bytes == 0 and self._shm_ready(output, input):
+            return self.shm.all_to_all(output, input.contiguous(), output_splits,
+                                       input_splits, row)
         dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src_index: int = 0) -> None:

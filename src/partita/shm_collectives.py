@@ -37,13 +37,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import mmap
 import os
 import platform
 import queue
 import secrets
-import socket
 import threading
 import time
 import warnings
@@ -52,10 +50,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from partita import shm_os
 from partita.comm import dist_all_gather_flat
 from partita.errors import PartitaError
 from partita.gloo_collectives import _sum_in_rank_order
-from partita.proc_stat import stat_fields
 
 # Set to 0 to keep gloo's TCP forms where `Mesh(shm_collectives=...)` is not given (on
 # by default: stage 3 / stage 2 at 4 ranks on a 100M model read 0.990 through the arena
@@ -75,11 +73,8 @@ SHM_DIR = "/dev/shm"
 BUFFER_BYTES = 16 * 1024 * 1024
 _LINE = 64  # one flag per cache line
 _TOKEN_BYTES = 16
-_HOST_BYTES = 16
 _NAME_BYTES = 128
 _MASK = 0xFFFFFFFF
-_SYS_FUTEX = 202  # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _MAPPED, _FAILED, _ELSEWHERE = 1, 0, 2  # what each member reports after setup
 _CHECK_S = 0.5  # while waiting, how often to look whether a member's process ended
 _warned = False
@@ -115,34 +110,6 @@ def supported() -> bool:
 class ShmTimeout(dist.DistError):
     """A member did not reach a shared-memory collective within the group's timeout, or
     its process ended (a DistError, as gloo's own failures are)."""
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-_libc = None
-
-
-def _syscall():
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.syscall.restype = ctypes.c_long
-    return _libc.syscall
-
-
-def _futex_wait(addr: int, expected: int, timeout_s: float) -> None:
-    """Sleep while the 32-bit word at `addr` holds `expected` (at most `timeout_s`);
-    spurious returns are fine, the caller checks again."""
-    ts = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT),
-               ctypes.c_uint32(expected), ctypes.byref(ts), None, ctypes.c_int(0))
-
-
-def _futex_wake(addr: int) -> None:
-    _syscall()(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
-               ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
 
 
 def _warn_once(why: str) -> None:
@@ -202,9 +169,9 @@ class ShmGroup:
         total = header + 2 * self.buffer_bytes
         # The arena's path, the token at its start, and the first member's host: a member
         # on another host keeps gloo quietly (a group spanning hosts is no fault).
-        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES + _HOST_BYTES, dtype=torch.uint8)
+        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES + shm_os.HOST_BYTES, dtype=torch.uint8)
         token_at, host_at = _NAME_BYTES, _NAME_BYTES + _TOKEN_BYTES
-        host = _host_id()
+        host = shm_os.host_id()
         path, fd, why = None, -1, ""
         if self.index == 0:
             token = secrets.token_bytes(_TOKEN_BYTES)
@@ -244,7 +211,7 @@ class ShmGroup:
         # Who everyone is, so that a wait can tell a member whose process ended (gloo
         # learns it from the closed connection) from one that is late.
         mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
-        me = torch.tensor([[mapped, os.getpid(), *_identity(os.getpid())]],
+        me = torch.tensor([[mapped, os.getpid(), *shm_os.identity(os.getpid())]],
                           dtype=torch.int64)
         every = torch.empty((self.size, 4), dtype=torch.int64)
         dist_all_gather_flat(every, me, group=self.group)
@@ -283,6 +250,13 @@ class ShmGroup:
         """Sum contiguous `tensor` over members, in place; every member ends with the
         same bytes."""
         return self._issue(self._all_reduce, (tensor,), async_op)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: list[int], input_splits: list[int], row_bytes: int):
+        """Rows input_splits[k] of `input` to member k, output_splits[j] rows from member
+        j into `output`, in member order (bytes copied as they are; synchronous)."""
+        return self._issue(self._all_to_all,
+                           (output, input, output_splits, input_splits, row_bytes), False)
 
     def _issue(self, fn, args: tuple, async_op: bool):
         work = _Work()
@@ -376,6 +350,40 @@ class ShmGroup:
             self._barrier()
             flat[o:o + c].copy_(sums)
 
+    def _all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                    output_splits: list[int], input_splits: list[int],
+                    row_bytes: int) -> None:
+        # The members first publish how many bytes each sends to each (one barrier):
+        # every one then knows how many rounds the largest pair needs. Each round moves
+        # up to a slot of every pair's bytes, slot (j, k) holding j's bytes for k.
+        src, dst = input.reshape(-1).view(torch.uint8), output.reshape(-1).view(torch.uint8)
+        size, me = self.size, self.index
+        sizes = self._next_buffer()[:8 * size * size].view(torch.int64).view(size, size)
+        sizes[me].copy_(torch.tensor(input_splits, dtype=torch.int64) * row_bytes)
+        self._barrier()
+        sent = sizes.tolist()
+        if [sent[j][me] for j in range(size)] != [n * row_bytes for n in output_splits]:
+            raise RuntimeError(f"all-to-all: member {me} expects "
+                               f"{[n * row_bytes for n in output_splits]} bytes from the "
+                               f"members, which send {[sent[j][me] for j in range(size)]}")
+        send_at = [sum(input_splits[:k]) * row_bytes for k in range(size)]
+        recv_at = [sum(output_splits[:j]) * row_bytes for j in range(size)]
+        mine = sent[me][me]  # its own rows never leave it
+        dst[recv_at[me]:recv_at[me] + mine].copy_(src[send_at[me]:send_at[me] + mine])
+        slot = self.buffer_bytes // (size * size)
+        most = max(sent[j][k] for j in range(size) for k in range(size) if j != k)
+        for o in range(0, most, slot):
+            buf = self._next_buffer()
+            for k in range(size):
+                if k != me and (c := min(slot, sent[me][k] - o)) > 0:
+                    at = (me * size + k) * slot
+                    buf[at:at + c].copy_(src[send_at[k] + o:send_at[k] + o + c])
+            self._barrier()
+            for j in range(size):
+                if j != me and (c := min(slot, sent[j][me] - o)) > 0:
+                    at = (j * size + me) * slot
+                    dst[recv_at[j] + o:recv_at[j] + o + c].copy_(buf[at:at + c])
+
     def _next_buffer(self) -> torch.Tensor:
         buf = self._buffers[self.steps % 2]
         self.steps += 1
@@ -388,7 +396,7 @@ class ShmGroup:
         gen = self.steps & _MASK
         me = self._flags[self.index]
         ctypes.c_uint32.from_address(me).value = gen
-        _futex_wake(me)
+        shm_os.futex_wake(me)
         previous = (gen - 1) & _MASK
         deadline = None
         for j, addr in enumerate(self._flags):
@@ -403,11 +411,11 @@ class ShmGroup:
                     raise ShmTimeout(
                         f"shared-memory collective timed out: rank {self.ranks[j]} of "
                         f"group {self.ranks} did not arrive within {self.timeout_s:g} s")
-                elif not _alive(self._peers[j]):
+                elif not shm_os.alive(self._peers[j]):
                     raise ShmTimeout(
                         f"shared-memory collective failed: the process of peer rank "
                         f"{self.ranks[j]} of group {self.ranks} has ended")
-                _futex_wait(addr, previous, min(deadline - now, _CHECK_S))
+                shm_os.futex_wait(addr, previous, min(deadline - now, _CHECK_S))
 
 
 class _Work:
@@ -438,38 +446,6 @@ def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
         with group._lock:
             group._pending -= 1
         del group, fn, args, work, job
-
-
-def _host_id() -> bytes:
-    """This machine's kernel, as 16 bytes: its boot id (processes in containers on one
-    host share it), else a hash of the host name."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return bytes.fromhex(f.read().strip().replace("-", ""))[:_HOST_BYTES].ljust(
-                _HOST_BYTES, b"\0")
-    except (OSError, ValueError):
-        return hashlib.sha256(socket.gethostname().encode()).digest()[:_HOST_BYTES]
-
-
-def _identity(pid: int) -> tuple[int, int]:
-    """(start time, pid namespace) of process `pid`: a pid names the same process while
-    both match. (0, 0) where /proc cannot say."""
-    try:
-        return int(stat_fields(pid)[19]), os.stat(f"/proc/{pid}/ns/pid").st_ino
-    except (OSError, IndexError, ValueError):
-        return 0, 0
-
-
-def _alive(peer: tuple[int, int] | None) -> bool:
-    """Whether a member's process still runs (True where that cannot be told)."""
-    if peer is None:
-        return True
-    pid, start = peer
-    try:
-        fields = stat_fields(pid)
-    except OSError:
-        return False
-    return fields[0] not in ("Z", "X", "x") and int(fields[19]) == start
 
 
 def _create(nbytes: int, token: bytes) -> tuple[str, int]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import math
 import os
 import time
 import warnings
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita import shm_collectives
+from partita import shm_collectives, shm_os
 from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
 from partita.gloo_collectives import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES
@@ -85,6 +86,23 @@ def _match_worker(rank: int, world: int) -> dict:
             shm.reduce_scatter_flat(own, full, async_op=True).wait()
             if not torch.equal(own, outs[1]):
                 problems.append(f"in-place reduce-scatter of {n} {dtype} wrong")
+    # All-to-all with variable splits (expert dispatch): rows of one to several slots,
+    # none to some members, a member sending nothing at all, int64 counts; bitwise
+    # gloo's result, since both only copy.
+    slot_rows = BUFFER // (world * world) // (4 * 3)  # float32 rows of 3
+    for case, per_dest in enumerate(([1] * world, [0, 5] * world, [slot_rows + 1] * world,
+                                     [3 * slot_rows + 2, 0, 7, 1] * world)):
+        splits = [[(per_dest[(src + dst) % len(per_dest)] if src != case % world or case < 3
+                    else 0) for dst in range(world)] for src in range(world)]
+        send, recv = splits[rank], [splits[src][rank] for src in range(world)]
+        for dtype, width in ((torch.float32, (3,)), (torch.int64, ())):
+            rows = _data(rank, sum(send) * math.prod(width), torch.float64, seed=case)
+            x = rows.to(dtype).view(sum(send), *width)
+            outs = [torch.full((sum(recv), *width), -1, dtype=dtype) for _ in range(2)]
+            shm.all_to_all_single(outs[0], x, recv, send)
+            gloo.all_to_all_single(outs[1], x, recv, send)
+            if not torch.equal(outs[0], outs[1]):
+                problems.append(f"all-to-all case {case} {dtype} differs from gloo's")
     # All-reduce: one chunk, several (neither a multiple of the group size), in place.
     # The sums run in another order than gloo's ring (bitwise alike at 2 members, where
     # each is one commutative add); every member must hold the same bytes.
@@ -283,11 +301,11 @@ def _fallback_worker(rank: int, world: int) -> dict:
     out["full"] = (*gather_once(), any("--shm-size" in m for m in out["said"]))
     shm_collectives._create = made
     # The last member on another host (another boot id): gloo's forms, quietly.
-    own_host = shm_collectives._host_id
+    own_host = shm_os.host_id
     if rank == world - 1:
-        shm_collectives._host_id = lambda: bytes(range(16))
+        shm_os.host_id = lambda: bytes(range(16))
     out["elsewhere"] = gather_once()
-    shm_collectives._host_id = own_host
+    shm_os.host_id = own_host
     # On by default; off through the environment, unless the caller says otherwise.
     def has_shm(**kw) -> bool:
         return Mesh(Layout(dp=world), rank, world, **kw).comm("zero_shard").shm is not None
@@ -341,15 +359,15 @@ def test_a_waiting_member_sees_a_peer_process_end() -> None:
 
     proc = subprocess.Popen(["sleep", "30"])
     try:
-        peer = (proc.pid, shm_collectives._identity(proc.pid)[0])
-        assert shm_collectives._alive(peer)
-        assert not shm_collectives._alive((proc.pid, peer[1] + 1))  # another process
+        peer = (proc.pid, shm_os.identity(proc.pid)[0])
+        assert shm_os.alive(peer)
+        assert not shm_os.alive((proc.pid, peer[1] + 1))  # another process
         proc.kill()
         deadline = time.monotonic() + 5
-        while shm_collectives._alive(peer) and time.monotonic() < deadline:
+        while shm_os.alive(peer) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not shm_collectives._alive(peer)  # not reaped yet: a zombie
+        assert not shm_os.alive(peer)  # not reaped yet: a zombie
     finally:
         proc.kill()
         proc.wait()
-    assert not shm_collectives._alive(peer)
+    assert not shm_os.alive(peer)

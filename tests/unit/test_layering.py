@@ -39,7 +39,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("partita", "partita.errors", "partita.device_specs", "partita.host_memory",
               "partita.local_world", "partita.eager_only", "partita.lazy",
               "partita.arg_types", "partita.folder_lock", "partita.machine_cache",
-              "partita.proc_stat")),
+              "partita.proc_stat", "partita.shm_os")),
     ("models", ("partita.models",)),
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges", "partita.config_values",
