@@ -9,12 +9,12 @@ Bytes sent are counted per rank as a ring implementation sends them:
 all-reduce 2(n-1)/n * S, all-gather and reduce-scatter (n-1)/n * S (S = the full,
 unsharded tensor), all-to-all (n-1)/n * S, point-to-point S.
 
-On gloo, flat all-gathers and reduce-scatters, and all-reduces that sum floating
-tensors, go through shared memory where switched on and every member of the group runs
-on this host (`partita.shm_collectives`: every size, or from PARTITA_SHM_MIN_BYTES where
-that is set); otherwise the first two take
-faster forms than gloo's own (`partita.gloo_collectives`). NCCL keeps its native
-collectives.
+On gloo, flat all-gathers and reduce-scatters, all-reduces that sum floating tensors
+and all-to-alls go through shared memory where switched on and every member of the
+group runs on this host (`partita.shm_collectives`: every size, or from
+PARTITA_SHM_MIN_BYTES where that is set, which keeps all-to-alls on gloo); otherwise
+the first two take faster forms than gloo's own (`partita.gloo_collectives`). NCCL
+keeps its native collectives.
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""Flat all-gathers, reduce-scatters and all-reduces through shared memory, for gloo
-groups on one host.
+"""Flat all-gathers, reduce-scatters, all-reduces and all-to-alls through shared memory,
+for gloo groups on one host.
 
 gloo moves every byte through TCP on the loopback interface: two ranks broadcasting to
 each other move 0.7-1.5 GiB/s per direction while both cores copy through the kernel.
 When every member of a group runs on the same host they can instead share an arena in
 /dev/shm: an all-gather is one copy of the shard in and one copy of the output out, a
 reduce-scatter one copy of the input in and a sum of the members' pieces out, an
-all-reduce a reduce-scatter whose sums every member copies out, at memory speed (figures
-in docs/benchmarks.md).
+all-reduce a reduce-scatter whose sums every member copies out, an all-to-all each
+member's rows for each other member copied in and out, at memory speed (figures in
+docs/benchmarks.md).
 
 Setup is lazy and collective: the first flat collective of a group runs it on every
 member at the same point of the collective sequence. One member creates the file and
