@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from partita.config_ranges import check_ranges
+from partita.config_ranges import CANONICAL_DTYPE, check_ranges
 from partita.config_sections import (
     DataSection,
     MetricsSection,
@@ -39,6 +39,20 @@ class Config:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     precision: PrecisionSection = field(default_factory=PrecisionSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+
+    @property
+    def param_dtype_name(self) -> str:
+        """The dtype parameters train in, by its full name (`bf16` -> `bfloat16`):
+        precision.param_dtype, else train.dtype."""
+        name = self.precision.param_dtype or self.train.dtype
+        return CANONICAL_DTYPE.get(name, name)
+
+    @property
+    def reduce_dtype_name(self) -> str:
+        """The dtype gradients are reduced in, by its full name: precision.reduce_dtype,
+        else the parameters' dtype."""
+        name = self.precision.reduce_dtype
+        return CANONICAL_DTYPE.get(name, name) if name else self.param_dtype_name
 
     def model_config(self) -> ModelConfig:
         changes = {

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 from partita.errors import PartitaError
 from partita.layout import OFFLOAD, RECOMPUTE
 
-DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16", "fp32", "fp64", "bf16", "fp16")
+# Every dtype name a setting takes, each to its full name (the short ones are aliases).
+CANONICAL_DTYPE = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16",
+                   "float16": "float16", "fp32": "float32", "fp64": "float64",
+                   "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES = tuple(CANONICAL_DTYPE)
 
 
 @dataclass(frozen=True)
@@ -216,12 +220,12 @@ def out_of_range(cfg, section_only: str = "") -> list[str]:
     if cfg.train.min_lr > cfg.train.lr >= 0:
         problems.append(f"train.min_lr={cfg.train.min_lr:g} exceeds train.lr="
                         f"{cfg.train.lr:g}: the schedule decays from lr down to min_lr")
-    param_dtype = cfg.precision.param_dtype or cfg.train.dtype
-    if param_dtype in ("float16", "fp16") and not cfg.precision.master_weights:
+    if cfg.param_dtype_name == "float16" and not cfg.precision.master_weights:
         # Most of Adam's updates are below float16's resolution near the weights' values,
         # and the run diverges (loss 5.5 -> 13, infinite norms on most steps) with exit 0.
         given = ("precision.param_dtype" if cfg.precision.param_dtype else "train.dtype")
-        problems.append(f"precision.master_weights=false with {given}={param_dtype}: "
+        written = cfg.precision.param_dtype or cfg.train.dtype
+        problems.append(f"precision.master_weights=false with {given}={written}: "
                         "float16 parameters updated in float16 lose most of each update "
                         "to rounding and the run diverges; keep precision.master_weights="
                         "true (an fp32 master copy), or train in bfloat16 "

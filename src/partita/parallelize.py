@@ -185,10 +185,8 @@ class ParallelModel:
 
 def engine_policies(cfg: Config) -> tuple[ZeroConfig, MixedPrecision, AdamWConfig]:
     """The data-parallel engine's ZeRO, mixed-precision and optimizer policies."""
-    param_dtype = parse_dtype(cfg.precision.param_dtype or cfg.train.dtype,
-                              "precision.param_dtype")
-    reduce_dtype = parse_dtype(cfg.precision.reduce_dtype or cfg.precision.param_dtype
-                               or cfg.train.dtype, "precision.reduce_dtype")
+    param_dtype = parse_dtype(cfg.param_dtype_name, "precision.param_dtype")
+    reduce_dtype = parse_dtype(cfg.reduce_dtype_name, "precision.reduce_dtype")
     master = torch.float64 if param_dtype == torch.float64 else torch.float32
     zero = ZeroConfig(stage=cfg.parallel.zero_stage, bucket_mb=cfg.parallel.bucket_mb,
                       prefetch=cfg.parallel.prefetch, keep_gathered=cfg.parallel.keep_gathered,

@@ -41,7 +41,7 @@ from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory
 from partita.models.documents import document_ids
 from partita.models.model_config import vocab_alignment_warning
 from partita.optim import WarmupCosine
-from partita.parallelize import DTYPES, ParallelModel, build_parallel_model, dims_from_config
+from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
 from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
 from partita.trainer_checkpoints import CheckpointSteps
 from partita.watchdog import Progress
@@ -138,8 +138,7 @@ class Trainer(CheckpointSteps):
                                     cfg.train.progress, cfg.metrics.tensorboard,
                                     resume_at=self.resumed.step if self.resumed else None)
         self.run_id = self._start_run_id()
-        self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops,
-                                      cfg.precision.param_dtype or cfg.train.dtype)
+        self.peak = device_peak_flops(self.device, cfg.metrics.peak_tflops, cfg.param_dtype_name)
         self.loss_comm = self.mesh.comm("loss_average")
         # Windows per evaluation batch (the global batch); 0: nothing to validate on.
         self.eval_batch = 0 if cfg.train.eval_batches == 0 else eval_batch_size(
@@ -310,7 +309,7 @@ class Trainer(CheckpointSteps):
                              if self.device.type == "cuda" else None)
             if vocab_warning:
                 self.logger.message(vocab_warning)
-            half = str(DTYPES[c.precision.param_dtype or c.train.dtype])[len("torch."):]
+            half = c.param_dtype_name
             if self.device.type == "cpu" and half in ("bfloat16", "float16"):
                 warning = slow_cpu_matmul_warning(half)
                 if warning:

@@ -131,3 +131,14 @@ def test_microbatch_counts_divide_each_replicas_batch():
     assert counts(6, 2) == [3]
     assert counts(24, 2, current=3) == [6, 12]
     assert counts(16, 2, current=8) == []
+
+
+def test_short_dtype_names_count_as_their_full_names():
+    """`bf16` and `fp16` are accepted spellings: they were counted as 4-byte fp32
+    parameters, and a bf16 run's MFU divided by the float32 rate."""
+    for short, full in (("bf16", "bfloat16"), ("fp16", "float16")):
+        cfg = _cfg(f"--precision.param_dtype={short}", "--precision.reduce_dtype=fp32")
+        assert (cfg.param_dtype_name, cfg.reduce_dtype_name) == (full, "float32")
+        assert plan_precision(cfg) == plan_precision(
+            _cfg(f"--precision.param_dtype={full}", "--precision.reduce_dtype=float32"))
+    assert _cfg("--train.dtype=fp64").param_dtype_name == "float64"

@@ -82,9 +82,8 @@ def plan_precision(cfg: Config):
     from partita.planner import Precision
 
     size = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-    param = size.get(cfg.precision.param_dtype or cfg.train.dtype, 4)
-    reduce = size.get(cfg.precision.reduce_dtype or cfg.precision.param_dtype
-                      or cfg.train.dtype, param)
+    param = size.get(cfg.param_dtype_name, 4)
+    reduce = size.get(cfg.reduce_dtype_name, param)
     if param >= 4:
         return Precision(param=param, grad=max(param, reduce), master=0,
                          optimizer=2 * param, activation=param)
