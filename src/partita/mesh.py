@@ -141,23 +141,25 @@ def check_world_argument(dims: Degrees, world_size: int) -> None:
             "rank=dist.get_rank(), world_size=dist.get_world_size()).")
 
 
-def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
+def check_shm_choice_agrees(use_shm: bool, world_size: int) -> int | None:
     """Refuse, on every process at once, a gloo job whose processes chose differently
     whether their groups use the shared-memory arena, or from what size: they would
     disagree about which collectives go through it and wait for each other until the
-    collective timeout. One all-reduce over the world, when the mesh is built."""
+    collective timeout. One all-reduce over the world, when the mesh is built. Returns
+    the floor (`shm_collectives.floor_bytes`) where the arena is used, for its groups."""
     import torch
     import torch.distributed as dist
 
     from partita.agreement import over_all_ranks
 
-    if world_size == 1 or dist.get_backend() != dist.Backend.GLOO:
-        return
     use, floor, unreadable = int(use_shm), 0, None
     try:
         floor = shm.floor_bytes() if use_shm else 0
     except PartitaError as exc:  # said everywhere at once, below: no process waits alone
         unreadable = exc
+    if world_size == 1 or dist.get_backend() != dist.Backend.GLOO:
+        # Nothing to agree on; an unreadable floor is left to ShmGroup, which refuses it.
+        return floor if use_shm and unreadable is None else None
     # The largest and the smallest of each, in one all-reduce.
     largest = over_all_ranks([use, floor, -use, -floor, unreadable is not None],
                              dist.ReduceOp.MAX, torch.device("cpu"))
@@ -171,7 +173,7 @@ def check_shm_choice_agrees(use_shm: bool, world_size: int) -> None:
         what = (f"the processes send collectives through shared memory from different "
                 f"sizes ({-int(largest[3])} to {int(largest[1])} bytes)")
     else:
-        return
+        return floor if use_shm else None
     raise PartitaError(
         f"{what}: give every process the same {shm.ENV_SWITCH} and {shm.ENV_MIN_BYTES} (or "
         "the same Mesh(shm_collectives=...)); otherwise their collectives would wait for "
@@ -250,7 +252,7 @@ class Mesh:
         self.shm_groups: dict[tuple, shm.ShmGroup] = {}
         self._shm_keys: dict[str, tuple] = {}
         use_shm = shm.wanted(shm_collectives) and shm.supported()
-        check_shm_choice_agrees(use_shm, world_size)
+        floor = check_shm_choice_agrees(use_shm, world_size)
         for purpose, groups in all_groups(dims).items():
             for members in groups:
                 # The embedding exchange gets a communicator of its own even when the
@@ -266,7 +268,7 @@ class Mesh:
                     self.groups[purpose] = handle
                     if use_shm and handle is not None and key not in self.shm_groups:
                         self.shm_groups[key] = shm.ShmGroup(handle, members,
-                                                                 members.index(rank))
+                                                            members.index(rank), min_bytes=floor)
                     self._shm_keys[purpose] = key
 
     def group(self, purpose: str) -> dist.ProcessGroup | None:
