@@ -22,7 +22,7 @@ import random
 import sys
 import time
 
-from partita import shm_collectives
+from partita import shm_share
 from partita.errors import PartitaError
 from partita.testing import Case, check_layouts, parity_config
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                          "shared-memory arena the ranks of one host use by default")
     args = ap.parse_args(argv)
     if args.gloo_forms:  # read by each spawned rank when it builds its mesh
-        os.environ[shm_collectives.ENV_SWITCH] = "0"
+        os.environ[shm_share.ENV_SWITCH] = "0"
     rng = random.Random(args.seed)
     cases: list[Case] = []
     refused: collections.Counter[str] = collections.Counter()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from partita import shm_collectives as shm
+from partita import shm_share
 from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
 from partita.layout import Degrees, Layout
@@ -175,7 +176,7 @@ def check_shm_choice_agrees(use_shm: bool, world_size: int) -> int | None:
     else:
         return floor if use_shm else None
     raise PartitaError(
-        f"{what}: give every process the same {shm.ENV_SWITCH} and {shm.ENV_MIN_BYTES} (or "
+        f"{what}: give every process the same {shm_share.ENV_SWITCH} and {shm.ENV_MIN_BYTES} (or "
         "the same Mesh(shm_collectives=...)); otherwise their collectives would wait for "
         "each other until they time out.")
 
@@ -251,7 +252,7 @@ class Mesh:
         # One shared-memory transport per group of this rank, whatever its purposes.
         self.shm_groups: dict[tuple, shm.ShmGroup] = {}
         self._shm_keys: dict[str, tuple] = {}
-        use_shm = shm.wanted(shm_collectives) and shm.supported()
+        use_shm = shm_share.wanted(shm_collectives) and shm_share.supported()
         floor = check_shm_choice_agrees(use_shm, world_size)
         for purpose, groups in all_groups(dims).items():
             for members in groups:

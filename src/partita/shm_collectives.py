@@ -10,16 +10,10 @@ all-reduce a reduce-scatter whose sums every member copies out, an all-to-all ea
 member's rows for each other member copied in and out, at memory speed (figures in
 docs/benchmarks.md).
 
-Setup is lazy and collective: the first flat collective of a group runs it on every
-member at the same point of the collective sequence. One member creates the file and
-reserves its space (`posix_fallocate`: writing past a full tmpfs would raise SIGBUS, not
-an error), writes a random token and broadcasts the name, the token and its host's boot
-id over the group; the others map the file and check the token (which proves they share
-the filesystem), and one all-gather agrees on the outcome. The creator then unlinks the
-file, so a crash leaves nothing behind. Where anything fails, every member keeps the
-gloo forms (`partita.gloo_collectives`): quietly where a member runs on another host (a
-group that spans hosts is expected), with one warning otherwise (a missing, full or
-private /dev/shm on one host).
+Setup is lazy and collective: the first flat collective of a group maps one file in
+/dev/shm on every member (`partita.shm_share`, which says how it checks that the members
+share it and what happens where they do not: every member keeps the gloo forms,
+`partita.gloo_collectives`).
 
 The arena holds a header of flags (one 32-bit generation counter per member, each on its
 own cache line) and two buffers, used by turns. A large tensor goes through in chunks of
@@ -37,29 +31,18 @@ Linux on x86-64 only (futex and the ordering of plain stores); elsewhere gloo is
 from __future__ import annotations
 
 import ctypes
-import errno
-import mmap
 import os
-import platform
 import queue
-import secrets
 import threading
-import time
-import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from partita import shm_os
-from partita.comm import dist_all_gather_flat
+from partita import shm_os, shm_share
 from partita.errors import PartitaError
 from partita.gloo_collectives import _sum_in_rank_order
 
-# Set to 0 to keep gloo's TCP forms where `Mesh(shm_collectives=...)` is not given (on
-# by default: stage 3 / stage 2 at 4 ranks on a 100M model read 0.990 through the arena
-# against 1.093 over TCP, docs/benchmarks.md).
-ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
 # Collectives on fewer bytes keep gloo's forms. By default none do: a 64 KiB all-reduce
 # took 0.14 ms through the arena against gloo's 1.5 at 2 ranks (0.33 / 5.1 at 4), and
 # whole steps of the tiny model ran 5-7% faster with every collective through it, tp=2
@@ -68,25 +51,11 @@ ENV_SWITCH = "PARTITA_SHM_COLLECTIVES"
 # sets a floor for a host whose balance differs.
 MIN_BYTES = 0
 ENV_MIN_BYTES = "PARTITA_SHM_MIN_BYTES"
-SHM_DIR = "/dev/shm"
 # Bytes of one buffer: each member's chunk (all-gather), or all members' pieces of every
 # destination (reduce-scatter). Two buffers per arena: 32 MiB in all per group.
 BUFFER_BYTES = 16 * 1024 * 1024
 _LINE = 64  # one flag per cache line
-_TOKEN_BYTES = 16
-_NAME_BYTES = 128
 _MASK = 0xFFFFFFFF
-_MAPPED, _FAILED, _ELSEWHERE = 1, 0, 2  # what each member reports after setup
-_CHECK_S = 0.5  # while waiting, how often to look whether a member's process ended
-_warned = False
-
-
-def wanted(choice: bool | None) -> bool:
-    """The caller's choice, or where it made none the environment's (on unless
-    PARTITA_SHM_COLLECTIVES=0)."""
-    if choice is not None:
-        return choice
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def floor_bytes() -> int:
@@ -101,31 +70,6 @@ def floor_bytes() -> int:
             f"(0 sends every flat collective through shared memory), or unset it for "
             f"the default {MIN_BYTES}")
     return int(raw)
-
-
-def supported() -> bool:
-    """The platform has what the arena's barrier needs."""
-    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-
-
-class ShmTimeout(dist.DistError):
-    """A member did not reach a shared-memory collective within the group's timeout, or
-    its process ended (a DistError, as gloo's own failures are)."""
-
-
-def _warn_once(why: str) -> None:
-    global _warned
-    if not _warned:
-        _warned = True
-        warnings.warn(f"partita: collectives go through gloo's TCP forms: {why}",
-                      RuntimeWarning, stacklevel=3)
-
-
-def _group_timeout(group: dist.ProcessGroup) -> float:
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # an older or other backend: torch's default for new groups
-        return 1800.0
 
 
 class ShmGroup:
@@ -165,70 +109,14 @@ class ShmGroup:
         return self.state
 
     def _setup(self) -> bool:
-        self.timeout_s = _group_timeout(self.group)
         header = -(-_LINE * (self.size + 1) // 4096) * 4096
-        total = header + 2 * self.buffer_bytes
-        # The arena's path, the token at its start, and the first member's host: a member
-        # on another host keeps gloo quietly (a group spanning hosts is no fault).
-        msg = torch.zeros(_NAME_BYTES + _TOKEN_BYTES + shm_os.HOST_BYTES, dtype=torch.uint8)
-        token_at, host_at = _NAME_BYTES, _NAME_BYTES + _TOKEN_BYTES
-        host = shm_os.host_id()
-        path, fd, why = None, -1, ""
-        if self.index == 0:
-            token = secrets.token_bytes(_TOKEN_BYTES)
-            try:
-                path, fd = _create(total, token)
-                name = path.encode()
-                msg[:len(name)] = torch.frombuffer(bytearray(name), dtype=torch.uint8)
-                msg[token_at:host_at] = torch.frombuffer(bytearray(token), dtype=torch.uint8)
-            except (OSError, ValueError) as exc:
-                why = f"cannot make an arena of {total >> 20} MiB in {SHM_DIR} ({exc})"
-                if getattr(exc, "errno", None) == errno.ENOSPC:  # a container's 64 MB
-                    why += (f"; each gloo group of one host takes {total >> 20} MiB there: "
-                            "give it room (docker run --shm-size=1g) or set "
-                            f"{ENV_SWITCH}=0 to keep gloo's TCP forms quietly")
-            msg[host_at:] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
-        dist.broadcast(msg, src=self.ranks[0], group=self.group)
-        raw = bytes(msg.tolist())
-        name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
-        mm = None
-        elsewhere = raw[host_at:] != host
-        try:
-            if elsewhere:
-                raise OSError("the first member runs on another host")
-            if not name:
-                raise OSError("the first member could not make the arena")
-            if fd < 0:
-                fd = os.open(name, os.O_RDWR)
-            mm = mmap.mmap(fd, total)
-            if mm[:_TOKEN_BYTES] != raw[token_at:host_at]:
-                raise OSError("the members do not share /dev/shm (a private one per container?)")
-        except (OSError, ValueError) as exc:
-            why = why or f"no shared arena ({exc})"
-            mm = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-        # Who everyone is, so that a wait can tell a member whose process ended (gloo
-        # learns it from the closed connection) from one that is late.
-        mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
-        me = torch.tensor([[mapped, os.getpid(), *shm_os.identity(os.getpid())]],
-                          dtype=torch.int64)
-        every = torch.empty((self.size, 4), dtype=torch.int64)
-        dist_all_gather_flat(every, me, group=self.group)
-        if path is not None:  # every member has mapped it (or given up): unlink now
-            os.unlink(path)
-            self.path = path  # for tests: gone already
-        namespace = me[0, 3].item()
-        self._peers = [(pid, start) if ns == namespace and ns != 0 else None
-                       for _, pid, start, ns in every.tolist()]
-        states = set(every[:, 0].tolist())
-        if states != {_MAPPED}:
-            if _ELSEWHERE not in states:
-                _warn_once(why or "another member could not map the shared arena")
+        shared = shm_share.share(self.group, self.ranks, self.index,
+                                 header + 2 * self.buffer_bytes, "collectives")
+        if shared is None:
             return False
-        self._mm = mm
-        self.arena = torch.frombuffer(mm, dtype=torch.uint8)
+        self._shared, self.path = shared, shared.path
+        self.timeout_s, self._peers = shared.timeout_s, shared.peers
+        self.arena = shared.arena
         base = self.arena.data_ptr()
         self._flags = [base + _LINE * (1 + j) for j in range(self.size)]
         self._buffers = [self.arena[header + b * self.buffer_bytes:
@@ -399,24 +287,11 @@ class ShmGroup:
         ctypes.c_uint32.from_address(me).value = gen
         shm_os.futex_wake(me)
         previous = (gen - 1) & _MASK
-        deadline = None
         for j, addr in enumerate(self._flags):
-            if j == self.index:
-                continue
-            flag = ctypes.c_uint32.from_address(addr)
-            while flag.value == previous:
-                now = time.monotonic()
-                if deadline is None:
-                    deadline = now + self.timeout_s
-                elif now >= deadline:
-                    raise ShmTimeout(
-                        f"shared-memory collective timed out: rank {self.ranks[j]} of "
-                        f"group {self.ranks} did not arrive within {self.timeout_s:g} s")
-                elif not shm_os.alive(self._peers[j]):
-                    raise ShmTimeout(
-                        f"shared-memory collective failed: the process of peer rank "
-                        f"{self.ranks[j]} of group {self.ranks} has ended")
-                shm_os.futex_wait(addr, previous, min(deadline - now, _CHECK_S))
+            if j != self.index:
+                shm_share.wait_while(addr, previous, self.timeout_s, self._peers[j],
+                                     "shared-memory collective",
+                                     f"peer rank {self.ranks[j]} of group {self.ranks}")
 
 
 class _Work:
@@ -447,19 +322,3 @@ def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
         with group._lock:
             group._pending -= 1
         del group, fn, args, work, job
-
-
-def _create(nbytes: int, token: bytes) -> tuple[str, int]:
-    """A new file of `nbytes` in /dev/shm with `token` at its start: (path, fd)."""
-    if not os.path.isdir(SHM_DIR):
-        raise OSError(errno.ENOENT, f"{SHM_DIR} does not exist")
-    path = os.path.join(SHM_DIR, f"partita-{os.getpid()}-{secrets.token_hex(8)}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, nbytes)  # the pages exist, or this fails here
-        os.pwrite(fd, token, 0)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    return path, fd

@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partita import shm_collectives, shm_os
+from partita import shm_collectives, shm_os, shm_share
 from partita.comm import CommCounter, GroupComm
 from partita.errors import PartitaError
 from partita.gloo_collectives import BROADCAST_GATHER_BYTES, PAIRWISE_REDUCE_BYTES
 from partita.layout import Layout
 from partita.mesh import Mesh
-from partita.shm_collectives import ShmGroup, ShmTimeout
+from partita.shm_collectives import ShmGroup
+from partita.shm_share import ShmTimeout
 from partita.testing import run_distributed
 
 # A small arena, so that modest tensors already go through in several chunks.
@@ -251,7 +252,7 @@ def test_an_unreadable_floor_on_one_process_stops_every_process() -> None:
 
 
 @pytest.mark.parametrize("variable, value, what", [
-    (shm_collectives.ENV_SWITCH, "0", "some processes use the shared-memory collectives"),
+    (shm_share.ENV_SWITCH, "0", "some processes use the shared-memory collectives"),
     (shm_collectives.ENV_MIN_BYTES, "65536", "from different sizes (0 to 65536 bytes)")])
 def test_processes_that_disagree_are_refused_together(variable, value, what) -> None:
     """Processes that would send different collectives through the arena are refused
@@ -259,7 +260,7 @@ def test_processes_that_disagree_are_refused_together(variable, value, what) -> 
     rather than waiting for each other until a collective times out."""
     results = run_distributed(_disagreeing_worker, 2, args=(variable, value), timeout=60)
     for said in results:
-        if variable == shm_collectives.ENV_SWITCH:  # the caller's choice overrides it
+        if variable == shm_share.ENV_SWITCH:  # the caller's choice overrides it
             assert said[1] == "built"
         else:
             assert said[1] == said[0]
@@ -275,7 +276,7 @@ def _fallback_worker(rank: int, world: int) -> dict:
     def gather_once() -> tuple:
         """(arena state, calls through it, result right, warnings given) of one gather
         on a fresh mesh."""
-        shm_collectives._warned = False
+        shm_share._warned = False
         comm = Mesh(Layout(dp=world), rank, world, shm_collectives=True).comm("zero_shard")
         gathered = torch.empty(world * n)
         with warnings.catch_warnings(record=True) as caught:
@@ -288,18 +289,18 @@ def _fallback_worker(rank: int, world: int) -> dict:
 
     # No /dev/shm on the member that makes the arena: every member keeps gloo's forms,
     # and says so.
-    shm_collectives.SHM_DIR = "/nonexistent-partita-shm"
+    shm_share.SHM_DIR = "/nonexistent-partita-shm"
     out["fallback"] = gather_once()
-    shm_collectives.SHM_DIR = "/dev/shm"
+    shm_share.SHM_DIR = "/dev/shm"
     # A full /dev/shm (a container's 64 MB): the warning says how to give it room.
-    made = shm_collectives._create
+    made = shm_share._create
 
     def full(nbytes: int, token: bytes):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    shm_collectives._create = full
+    shm_share._create = full
     out["full"] = (*gather_once(), any("--shm-size" in m for m in out["said"]))
-    shm_collectives._create = made
+    shm_share._create = made
     # The last member on another host (another boot id): gloo's forms, quietly.
     own_host = shm_os.host_id
     if rank == world - 1:
@@ -310,15 +311,15 @@ def _fallback_worker(rank: int, world: int) -> dict:
     def has_shm(**kw) -> bool:
         return Mesh(Layout(dp=world), rank, world, **kw).comm("zero_shard").shm is not None
 
-    saved = os.environ.pop(shm_collectives.ENV_SWITCH, None)
+    saved = os.environ.pop(shm_share.ENV_SWITCH, None)
     out["default_on"] = has_shm() and not has_shm(shm_collectives=False)
-    os.environ[shm_collectives.ENV_SWITCH] = "0"
+    os.environ[shm_share.ENV_SWITCH] = "0"
     out["env_off"] = not has_shm() and has_shm(shm_collectives=True)
-    os.environ[shm_collectives.ENV_SWITCH] = "1"
+    os.environ[shm_share.ENV_SWITCH] = "1"
     out["env_on"] = has_shm() and not has_shm(shm_collectives=False)
-    del os.environ[shm_collectives.ENV_SWITCH]
+    del os.environ[shm_share.ENV_SWITCH]
     if saved is not None:
-        os.environ[shm_collectives.ENV_SWITCH] = saved
+        os.environ[shm_share.ENV_SWITCH] = saved
     # A member that never arrives: the other gives up after the group's timeout.
     group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=1))
     shm = ShmGroup(group, [0, 1], rank)

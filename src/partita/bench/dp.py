@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from partita import shm_collectives
+from partita import shm_collectives, shm_share
 from partita.arg_types import count
 from partita.bench import paired
 from partita.bench.models import CHOICES, bench_model, block_names, model_name
@@ -228,7 +228,7 @@ def transport() -> str:
     """How partita's ranks move data here: gloo, with its flat collectives (from
     PARTITA_SHM_MIN_BYTES where set) through the shared-memory arena unless
     PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
-    if shm_collectives.wanted(None) and shm_collectives.supported():
+    if shm_share.wanted(None) and shm_share.supported():
         floor = shm_collectives.floor_bytes()
         size = f"{floor >> 20} MiB" if floor % (1 << 20) == 0 else f"{floor} bytes"
         which = "" if floor == 0 else f" of {size} and more"
