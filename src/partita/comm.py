@@ -197,8 +197,12 @@ class GroupComm:
     def p2p_op(self, send: bool, tensor: torch.Tensor, peer_rank: int) -> dist.P2POp:
         """A point-to-point op for `dist.batch_isend_irecv`; sends are counted."""
         if send:
-            self._count("send", _nbytes(tensor))
+            self.count_send(tensor)
         return dist.P2POp(dist.isend if send else dist.irecv, tensor, peer_rank, self.group)
+
+    def count_send(self, tensor: torch.Tensor) -> None:
+        """Count a point-to-point send (made here or through shared memory)."""
+        self._count("send", _nbytes(tensor))
 
     def all_reduce_scalars(self, values: list[float], op=dist.ReduceOp.SUM,
                            dtype: torch.dtype = torch.float64) -> list[float]:

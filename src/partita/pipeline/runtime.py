@@ -38,6 +38,7 @@ from partita.pipeline.backward import (
 )
 from partita.pipeline.p2p import Transport, delivery_proofs, validated_schedule
 from partita.pipeline.schedules import forward_only
+from partita.pipeline.shm_channel import neighbour_pairs
 from partita.pipeline.simulate import Event
 from partita.pipeline.tied import TiedHead
 
@@ -125,7 +126,8 @@ class PipelineRunner:
         self.rank = mesh.coord.pp
         comm = mesh.comm("pipeline")
         self.transport = Transport(comm, lambda s: comm.ranks[layout.rank_of(s)],
-                                   timeout_s, self.rank)
+                                   timeout_s, self.rank,
+                                   neighbour_pairs(layout.n_stages, layout.rank_of))
         self.stages = {s.index: s for s in st.local_stages(layout, self.rank)}
         self.seq_len, self.dim, self.seq_divisor = seq_len, dim, seq_divisor
         module = dp.module

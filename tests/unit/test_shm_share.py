@@ -1,0 +1,54 @@
+"""The bounded wait of the shared-memory transports (`shm_share.wait_while`): it returns
+once the word changes, gives up after its timeout, and at once when the awaited process
+has ended."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import threading
+import time
+
+import pytest
+
+from partita import shm_os, shm_share
+
+pytestmark = pytest.mark.skipif(not shm_share.supported(), reason="futex: Linux x86-64")
+
+
+def test_the_wait_returns_when_another_thread_changes_the_word() -> None:
+    word = ctypes.c_uint32(7)
+    addr = ctypes.addressof(word)
+
+    def change() -> None:
+        time.sleep(0.2)
+        word.value = 8
+        shm_os.futex_wake(addr)
+
+    threading.Thread(target=change).start()
+    start = time.monotonic()
+    shm_share.wait_while(addr, 7, 10.0, None, "test wait", "the other thread")
+    assert word.value == 8 and time.monotonic() - start < 5
+
+
+def test_the_wait_gives_up_after_its_timeout_naming_who_is_late() -> None:
+    word = ctypes.c_uint32(3)
+    start = time.monotonic()
+    with pytest.raises(shm_share.ShmTimeout, match="pipeline receive timed out: rank 1 "
+                                                   "did not arrive within 0.3 s"):
+        shm_share.wait_while(ctypes.addressof(word), 3, 0.3, None, "pipeline receive",
+                             "rank 1")
+    assert 0.25 < time.monotonic() - start < 5
+
+
+def test_the_wait_ends_when_the_awaited_process_has_ended() -> None:
+    proc = subprocess.Popen(["sleep", "30"])
+    peer = (proc.pid, shm_os.identity(proc.pid)[0])
+    proc.kill()
+    proc.wait()
+    word = ctypes.c_uint32(0)
+    start = time.monotonic()
+    with pytest.raises(shm_share.ShmTimeout, match="the process of rank 0 has ended"):
+        shm_share.wait_while(ctypes.addressof(word), 0, 60.0, peer, "pipeline send",
+                             "rank 0")
+    assert time.monotonic() - start < 5
