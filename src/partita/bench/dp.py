@@ -226,14 +226,16 @@ def is_peer(name: str) -> bool:
 
 def transport() -> str:
     """How partita's ranks move data here: gloo, with its flat collectives (from
-    PARTITA_SHM_MIN_BYTES where set) through the shared-memory arena unless
-    PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
+    PARTITA_SHM_MIN_BYTES where set; with none set its all-to-alls and pipeline transfers
+    too) through shared memory unless PARTITA_SHM_COLLECTIVES=0 (the peers use gloo)."""
     if shm_share.wanted(None) and shm_share.supported():
         floor = shm_collectives.floor_bytes()
         size = f"{floor >> 20} MiB" if floor % (1 << 20) == 0 else f"{floor} bytes"
         which = "" if floor == 0 else f" of {size} and more"
-        return (f"gloo (partita's gathers, reduce-scatters and all-reduces{which} through "
-                "shared memory)")
+        # All-to-alls and pipeline transfers use shared memory only where no floor is set.
+        rest = ", all-reduces, all-to-alls and pipeline transfers" if floor == 0 else " and all-reduces"
+        return (f"gloo (partita's gathers, reduce-scatters{rest}{which} through shared "
+                "memory)")
     return "gloo"
 
 

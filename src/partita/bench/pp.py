@@ -1,6 +1,7 @@
 """pipeline step time: partita vs torch.distributed.pipelining, same model, same schedules
 
-For pp=2 and pp=4 (gloo, one thread per rank) and each schedule pair — GPipe /
+For pp=2 and pp=4 (gloo, partita's transfers through shared memory as by default, one
+thread per rank) and each schedule pair — GPipe /
 ScheduleGPipe, 1F1B / Schedule1F1B, interleaved 1F1B v=2 / ScheduleInterleaved1F1B —
 both runtimes train the same model (same initial weights, same stage split, same
 microbatches) forward and backward. Rounds alternate partita and torch after a warm-up,
@@ -23,6 +24,7 @@ import statistics
 
 from partita.arg_types import count, several
 from partita.bench import paired
+from partita.bench.dp import transport
 from partita.bench.models import pipeline_config
 from partita.local_world import run_distributed
 
@@ -168,7 +170,8 @@ def _pair(rank: int, world: int, args: argparse.Namespace, name: str, v: int,
 
 def run(args: argparse.Namespace) -> int:
     print(f"pipeline step time, partita vs torch.distributed.pipelining: m={args.microbatches}, "
-          f"dim={args.dim}, seq={args.seq}, microbatch {args.microbatch_size}, gloo, "
+          f"dim={args.dim}, seq={args.seq}, microbatch {args.microbatch_size}, "
+          f"{transport()} against torch on gloo, "
           f"1 thread per rank, median of alternating rounds ({args.rounds}, doubled up to "
           f"{max(args.rounds, args.max_rounds)} where the 99% interval spans 1.0)")
     print(f"{'p':>2} {'partita schedule':<20} {'torch schedule':<25} {'partita ms':>10} "
