@@ -1,6 +1,7 @@
 """Context parallelism on gloo: the ring and all-gather attention Functions against
-one process's causal attention (output and every gradient, float64), the bytes the
-ring sends, and the sharding's load balance."""
+one process's causal attention (output and every gradient, float64), with the ring's
+transfers through shared-memory rings and through gloo, the bytes the ring sends, and
+the sharding's load balance."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 
 from partita.context_parallel import sharding
 from partita.context_parallel.allgather import allgather_attention
+from partita.context_parallel import ring
 from partita.context_parallel.ring import ring_attention
 from partita.layout import Layout
 from partita.mesh import Mesh
@@ -37,8 +39,8 @@ def _reference(seq: int, kv_heads: int) -> dict:
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _kernels(rank: int, world: int) -> dict:
-    comm = Mesh(Layout(cp=world), rank, world).comm("context")
+def _kernels(rank: int, world: int, shared: bool) -> dict:
+    comm = Mesh(Layout(cp=world), rank, world, shm_collectives=shared).comm("context")
     seq = 2 * world * CHUNK
     results = {}
     for kind, fn in KERNELS.items():
@@ -62,13 +64,16 @@ def _kernels(rank: int, world: int) -> dict:
         out = fn(q, k, v, comm, D ** -0.5)
         out.backward(dout)
         results[kind, "bf16"] = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    results["rings"] = ring._RINGS.get(comm) is not None
     return results
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["rings", "gloo"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_kernels_match_one_process_in_float64(world: int) -> None:
-    ranks = run_distributed(_kernels, world)
+def test_kernels_match_one_process_in_float64(world: int, shared: bool) -> None:
+    ranks = run_distributed(_kernels, world, (shared,))
     seq = 2 * world * CHUNK
+    assert [r.pop("rings") for r in ranks] == [shared] * world
     for (kind, kv_heads), _ in ranks[0].items():
         if kv_heads == "bf16":
             ref = _reference(seq, 2)

@@ -1,4 +1,4 @@
-"""Pipeline transfers through shared-memory rings (`partita.pipeline.shm_channel`):
+"""Pipeline transfers through shared-memory rings (`partita.shm_channel`):
 bytes in order at every size (empty, one slot, past the ring), receivers that wait
 before the sender starts, sends queued while a ring is full, large transfers both ways
 at once, and whole pipeline steps bitwise equal to gloo's transfers under every
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from partita.layout import Layout
-from partita.pipeline import shm_channel
-from partita.pipeline.shm_channel import SLOT_BYTES, SLOTS
+from partita import shm_channel
+from partita.pipeline.p2p import neighbour_pairs
+from partita.shm_channel import SLOT_BYTES, SLOTS
 from partita.testing import run_distributed, token_batch
 from tests.dist.pipeline_cases import pipeline_config
 
@@ -31,7 +32,7 @@ def _pattern(k: int, n: int) -> torch.Tensor:
 
 def _rings(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
-    pairs = shm_channel.neighbour_pairs(2, lambda s: s)
+    pairs = neighbour_pairs(2, lambda s: s)
     channels = shm_channel.open_channels(dist.group.WORLD, [0, 1], rank, pairs, 30.0)
     out: dict = {"pairs": pairs, "open": channels is not None}
     if rank == 0:
@@ -71,7 +72,7 @@ def _exchange(rank: int, world: int, numel: int) -> tuple[bool, bool]:
 
     comm = Mesh(Layout(pp=2), rank, world).comm("pipeline")
     transport = Transport(comm, lambda stage: comm.ranks[stage], 60.0, rank,
-                          pairs=shm_channel.neighbour_pairs(2, lambda s: s))
+                          pairs=neighbour_pairs(2, lambda s: s))
     mine = torch.full((numel,), float(rank + 1))
     got = torch.empty(numel)
     if rank == 0:

@@ -44,7 +44,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
     ("layout", ("partita.layout", "partita.layout_rules", "partita.compile_rules")),
     ("config", ("partita.config", "partita.config_ranges", "partita.config_values",
                 "partita.config_sections")),
-    ("core", ("partita.comm", "partita.gloo_collectives", "partita.shm_share",
+    ("core", ("partita.comm", "partita.gloo_collectives", "partita.shm_share", "partita.shm_channel",
               "partita.shm_collectives",
               "partita.mesh", "partita.sharding", "partita.loss",
               "partita.saved_tensors", "partita.agreement")),

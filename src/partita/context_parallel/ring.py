@@ -14,18 +14,39 @@ so the last contribution travels while they compute. Forward keeps nothing it re
 so saved activations are those of the local shard only.
 
 Only the kv heads travel: under grouped-query attention the queries are grouped by kv
-head (`blocks.group_queries`) and a kv head is never repeated.
+head (`blocks.group_queries`) and a kv head is never repeated. On a gloo group whose
+ranks share a host they travel through shared-memory rings between every ordered pair
+(`partita.shm_channel`), where the mesh moves the group's collectives through shared
+memory at every size.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
+from partita import shm_share
 from partita.comm import GroupComm
 from partita.context_parallel import blocks
 from partita.context_parallel.clock import IDLE
 from partita.context_parallel.sharding import own_blocks, visible
+from partita.shm_channel import Channels, open_channels
+
+# Per context-parallel group, its shared-memory rings (None: gloo), made by its first
+# exchange: every member reaches that at the same point (the first layer's forward).
+_RINGS: weakref.WeakKeyDictionary[GroupComm, Channels | None] = weakref.WeakKeyDictionary()
+
+
+def _rings(comm: GroupComm) -> Channels | None:
+    if comm not in _RINGS:
+        usable = comm.shm is not None and comm.shm.min_bytes == 0 and comm.gloo_forms
+        pairs = [(a, b) for a in range(comm.size) for b in range(comm.size) if a != b]
+        _RINGS[comm] = (open_channels(comm.group, comm.ranks, comm.index, pairs,
+                                      shm_share.group_timeout(comm.group), "context-parallel")
+                        if usable else None)
+    return _RINGS[comm]
 
 
 class RingExchange:
@@ -37,6 +58,15 @@ class RingExchange:
 
     def start(self, tensors: list[torch.Tensor], hops: int = 1) -> _Pending:
         i, n = self.comm.index, self.comm.size
+        rings = _rings(self.comm) if tensors[0].device.type == "cpu" else None
+        if rings is not None:
+            received = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+            works = []
+            for t in tensors:
+                self.comm.count_send(t)
+                works.append(rings.send((i + hops) % n, t))
+            works += [rings.recv((i - hops) % n, r) for r in received]
+            return _Pending(works, received, tensors)
         to, source = self.comm.ranks[(i + hops) % n], self.comm.ranks[(i - hops) % n]
         received = [torch.empty_like(t) for t in tensors]
         ops = [self.comm.p2p_op(True, t, to) for t in tensors]

@@ -27,9 +27,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 import torch.distributed as dist
 
+from partita import shm_channel
 from partita.comm import GroupComm
 from partita.errors import PeerFailure
-from partita.pipeline import shm_channel
 from partita.pipeline.actions import Action, Kind, Schedule, ScheduleError
 from partita.pipeline.schedules import build_schedule
 from partita.pipeline.validate import validate
@@ -43,6 +43,18 @@ def describe(action: Action) -> str:
     """'activation of stage 2, microbatch 5' for RF2.5 / SF2.5."""
     what = "activation" if action.kind in (Kind.SEND_F, Kind.RECV_F) else "input gradient"
     return f"{what} of stage {action.stage}, microbatch {action.microbatch}"
+
+
+def neighbour_pairs(n_stages: int, rank_of: Callable[[int], int]) -> list[tuple[int, int]]:
+    """Every ordered pair of pipeline ranks that a schedule on `n_stages` stages moves
+    data between (stage s to s + 1 and back), in one order on every rank: the rings a
+    pipeline on one host needs (`partita.shm_channel`)."""
+    pairs = set()
+    for s in range(n_stages - 1):
+        a, b = rank_of(s), rank_of(s + 1)
+        if a != b:
+            pairs |= {(a, b), (b, a)}
+    return sorted(pairs)
 
 
 def check_transfer_order(sched: Schedule) -> None:
@@ -93,7 +105,7 @@ class Transport:
     def __init__(self, comm: GroupComm, peer_rank: Callable[[int], int], timeout_s: float,
                  stage_rank: int, pairs: list[tuple[int, int]] | None = None) -> None:
         """`pairs`: the ordered pairs of pipeline ranks that transfer
-        (`shm_channel.neighbour_pairs`); given, a gloo pipeline on one host moves them
+        (`neighbour_pairs`); given, a gloo pipeline on one host moves them
         through shared memory (collective over the group)."""
         self.comm = comm
         self.peer_rank = peer_rank  # pipeline stage -> global rank holding it

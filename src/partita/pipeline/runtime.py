@@ -36,9 +36,8 @@ from partita.pipeline.backward import (
     backward_input,
     full_backward,
 )
-from partita.pipeline.p2p import Transport, delivery_proofs, validated_schedule
+from partita.pipeline.p2p import Transport, delivery_proofs, neighbour_pairs, validated_schedule
 from partita.pipeline.schedules import forward_only
-from partita.pipeline.shm_channel import neighbour_pairs
 from partita.pipeline.simulate import Event
 from partita.pipeline.tied import TiedHead
 

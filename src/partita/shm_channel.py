@@ -1,21 +1,23 @@
-"""Pipeline transfers through shared memory, for a gloo pipeline whose ranks share a host.
+"""Point-to-point transfers through shared memory, for a gloo group whose ranks share a
+host: the pipeline's activations and gradients, ring attention's keys and values.
 
-Over gloo a pipeline receive completes about 0.5 ms after the later of its send and the
+Over gloo a receive completes about 0.5 ms after the later of its send and the
 receiver's wait (loopback TCP, docs/benchmarks.md "Pipeline parallelism"), and both
 cores spend time copying through the kernel. Ranks on one host instead share a ring of
-slots in /dev/shm per ordered pair of neighbouring ranks (`neighbour_pairs`): the sender
-copies a tensor into the ring's next slots and raises a counter, the receiver copies it
-out and raises another. Transfers of a pair match by order, as over gloo
-(`p2p.check_transfer_order` proves a schedule posts them so), so a ring in order is
-all a pair needs; a tensor larger than a slot takes several.
+slots in /dev/shm per ordered pair of members that transfer (the caller names the
+pairs): the sender copies a tensor into the ring's next slots and raises a counter, the
+receiver copies it out and raises another. Transfers of a pair match by order, as over
+gloo (the callers post them so: `pipeline.p2p.check_transfer_order` proves it for a
+schedule), so a ring in order is all a pair needs; a tensor larger than a slot takes
+several.
 
 Sends never block the runner. One goes in at once when its ring has room for all of it
 and nothing of that pair is queued before it; otherwise the pair's helper thread puts it
 in as the receiver frees slots. A receive is a buffer queued on its pair; waiting on one
 first copies out every receive queued before it on that pair. Every wait is bounded by
-the pipeline timeout and ends early when the peer's process has ended
-(`shm_share.wait_while`). Setup is one collective over the pipeline group
-(`shm_share.share`); where it fails the transport keeps gloo.
+the caller's timeout and ends early when the peer's process has ended
+(`shm_share.wait_while`). Setup is one collective over the group (`shm_share.share`);
+where it fails the caller keeps gloo.
 """
 
 from __future__ import annotations
@@ -33,22 +35,14 @@ import torch.distributed as dist
 from partita import shm_os, shm_share
 
 # Eight slots of 256 KiB per ring, 2 MiB a pair: a 1F1B pair holds at most p activations
-# in flight, the tiny model's are 64 KiB and a larger one streams through.
+# in flight, the tiny model's are 64 KiB and a larger one streams through. A group with
+# many pairs (ring attention at c = 8 has 56) gives each fewer slots, down to 2, so that
+# its rings take at most about what a group's collective arena takes.
 SLOT_BYTES = 256 * 1024
 SLOTS = 8
+BUDGET_BYTES = 32 * 1024 * 1024
 _LINE = 64  # each counter on its own cache line
 _MASK = 0xFFFFFFFF
-
-
-def neighbour_pairs(n_stages: int, rank_of) -> list[tuple[int, int]]:
-    """Every ordered pair of pipeline ranks that a schedule on `n_stages` stages moves
-    data between (stage s to s + 1 and back), in one order on every rank."""
-    pairs = set()
-    for s in range(n_stages - 1):
-        a, b = rank_of(s), rank_of(s + 1)
-        if a != b:
-            pairs |= {(a, b), (b, a)}
-    return sorted(pairs)
 
 
 def _header_bytes(n_pairs: int) -> int:
@@ -56,8 +50,14 @@ def _header_bytes(n_pairs: int) -> int:
     return -(-_LINE * (1 + 2 * n_pairs) // 4096) * 4096
 
 
+def slots_per_ring(n_pairs: int) -> int:
+    """A power of two (a ring's counters wrap at 2^32), 2 to SLOTS."""
+    fit = max(2, min(SLOTS, BUDGET_BYTES // (max(n_pairs, 1) * SLOT_BYTES)))
+    return 1 << (fit.bit_length() - 1)
+
+
 def arena_bytes(n_pairs: int) -> int:
-    return _header_bytes(n_pairs) + n_pairs * SLOTS * SLOT_BYTES
+    return _header_bytes(n_pairs) + n_pairs * slots_per_ring(n_pairs) * SLOT_BYTES
 
 
 def chunks(nbytes: int) -> int:
@@ -70,27 +70,28 @@ class Channels:
     """This rank's ends of the rings of `pairs` (pipeline indices) in a shared file."""
 
     def __init__(self, shared: shm_share.Shared, index: int, pairs: list[tuple[int, int]],
-                 timeout_s: float, ranks: list[int]) -> None:
+                 timeout_s: float, ranks: list[int], what: str) -> None:
         self._shared = shared  # keeps the mapping alive
+        slots = slots_per_ring(len(pairs))
         header = _header_bytes(len(pairs))
         base = shared.arena.data_ptr() + _LINE
         self.outboxes: dict[int, _Outbox] = {}
         self.inboxes: dict[int, _Inbox] = {}
         for k, (src, dst) in enumerate(pairs):
-            at = header + k * SLOTS * SLOT_BYTES
+            at = header + k * slots * SLOT_BYTES
             ring = _Ring(base + 2 * _LINE * k, base + (2 * k + 1) * _LINE,
                          [shared.arena[at + i * SLOT_BYTES:at + (i + 1) * SLOT_BYTES]
-                          for i in range(SLOTS)], timeout_s)
+                          for i in range(slots)], timeout_s)
             if src == index:
-                who = f"pipeline rank {dst} (global rank {ranks[dst]})"
+                who = f"{what} rank {dst} (global rank {ranks[dst]})"
                 self.outboxes[dst] = _Outbox(ring, shared.peers[dst], who)
             elif dst == index:
-                who = f"pipeline rank {src} (global rank {ranks[src]})"
+                who = f"{what} rank {src} (global rank {ranks[src]})"
                 self.inboxes[src] = _Inbox(ring, shared.peers[src], who)
 
     def send(self, peer: int, tensor: torch.Tensor):
-        """Start sending `tensor` (contiguous, kept alive by the caller until the handle
-        completes) to pipeline rank `peer`."""
+        """Start sending `tensor` (kept alive by the caller until the handle completes)
+        to member `peer`."""
         return self.outboxes[peer].send(tensor)
 
     def recv(self, peer: int, tensor: torch.Tensor):
@@ -99,12 +100,14 @@ class Channels:
 
 
 def open_channels(group: dist.ProcessGroup, ranks: list[int], index: int,
-                  pairs: list[tuple[int, int]], timeout_s: float) -> Channels | None:
-    """The rings of `pairs`, set up collectively over the pipeline group; None on every
-    member where a shared file cannot be had (gloo it is)."""
+                  pairs: list[tuple[int, int]], timeout_s: float,
+                  what: str = "pipeline") -> Channels | None:
+    """The rings of `pairs` (member indices), set up collectively over the group; None
+    on every member where a shared file cannot be had (gloo it is). `what` names the
+    group in messages ("pipeline rank 1 ...")."""
     shared = shm_share.share(group, ranks, index, arena_bytes(len(pairs)),
-                             "pipeline transfers")
-    return None if shared is None else Channels(shared, index, pairs, timeout_s, ranks)
+                             f"{what} transfers")
+    return None if shared is None else Channels(shared, index, pairs, timeout_s, ranks, what)
 
 
 class _Ring:
@@ -155,7 +158,7 @@ class _Outbox:
         data = tensor.reshape(-1).view(torch.uint8)
         ring = self.ring
         with self._lock:
-            room = SLOTS - ((ring.count - ring.consumed.value) & _MASK)
+            room = len(ring.slots) - ((ring.count - ring.consumed.value) & _MASK)
             if self._pending == 0 and self.error is None and chunks(data.numel()) <= room:
                 self._put(data)
                 return _Handle(done=True)
@@ -172,12 +175,12 @@ class _Outbox:
         """Copy `data` into the ring slot by slot, waiting for room where it is full."""
         ring, n = self.ring, data.numel()
         for o in range(0, max(n, 1), SLOT_BYTES):
-            full = (ring.count - SLOTS) & _MASK
+            full = (ring.count - len(ring.slots)) & _MASK
             if ring.consumed.value == full:
                 shm_share.wait_while(ring.consumed_at, full, ring.timeout_s, self.peer,
                                      "pipeline send", self.who)
             c = min(SLOT_BYTES, n - o)
-            ring.slots[ring.count % SLOTS][:c].copy_(data[o:o + c])
+            ring.slots[ring.count % len(ring.slots)][:c].copy_(data[o:o + c])
             ring.count = (ring.count + 1) & _MASK
             ring.produced.value = ring.count  # after the bytes: x86 keeps stores in order
             shm_os.futex_wake(ring.produced_at)
@@ -245,7 +248,7 @@ class _Inbox:
                 shm_share.wait_while(ring.produced_at, ring.count, ring.timeout_s,
                                      self.peer, "pipeline receive", self.who)
             c = min(SLOT_BYTES, n - o)
-            data[o:o + c].copy_(ring.slots[ring.count % SLOTS][:c])
+            data[o:o + c].copy_(ring.slots[ring.count % len(ring.slots)][:c])
             ring.count = (ring.count + 1) & _MASK
             ring.consumed.value = ring.count  # after the bytes are out: the slot is free
             shm_os.futex_wake(ring.consumed_at)
