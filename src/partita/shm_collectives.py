@@ -58,6 +58,19 @@ _LINE = 64  # one flag per cache line
 _MASK = 0xFFFFFFFF
 
 
+def _header_bytes(size: int) -> int:
+    return -(-_LINE * (size + 1) // 4096) * 4096
+
+
+def _buffer_bytes(buffer_bytes: int, size: int) -> int:
+    return buffer_bytes // (_LINE * size) * (_LINE * size)
+
+
+def arena_bytes(size: int, buffer_bytes: int = BUFFER_BYTES) -> int:
+    """Bytes of /dev/shm the arena of a group of `size` members takes (once per group)."""
+    return _header_bytes(size) + 2 * _buffer_bytes(buffer_bytes, size)
+
+
 def floor_bytes() -> int:
     """The fewest bytes a flat collective goes through the arena with: MIN_BYTES, or
     PARTITA_SHM_MIN_BYTES where set (the same on every process of a host)."""
@@ -85,7 +98,7 @@ class ShmGroup:
         self.group, self.ranks, self.index = group, ranks, index
         self.min_bytes = floor_bytes() if min_bytes is None else min_bytes
         self.size = len(ranks)
-        self.buffer_bytes = buffer_bytes // (_LINE * self.size) * (_LINE * self.size)
+        self.buffer_bytes = _buffer_bytes(buffer_bytes, self.size)
         self.threaded = threaded
         self.state: bool | None = None  # None: not yet set up; False: gloo it is
         self.steps = 0  # chunks moved, the same count on every member
@@ -109,9 +122,9 @@ class ShmGroup:
         return self.state
 
     def _setup(self) -> bool:
-        header = -(-_LINE * (self.size + 1) // 4096) * 4096
+        header = _header_bytes(self.size)
         shared = shm_share.share(self.group, self.ranks, self.index,
-                                 header + 2 * self.buffer_bytes, "collectives")
+                                 arena_bytes(self.size, self.buffer_bytes), "collectives")
         if shared is None:
             return False
         self._shared, self.path = shared, shared.path

@@ -85,7 +85,8 @@ def test_zero3_shards_the_states_over_the_processes():
     params = 8.03e9
     assert full.states_bytes == pytest.approx(4 * 16 * params, rel=0.01)
     assert sharded.states_bytes == pytest.approx(16 * params, rel=0.01)
-    assert full.total - full.tensor_bytes == pytest.approx(4 * PROCESS_BASELINE_BYTES)
+    assert full.total - full.tensor_bytes - full.shared_bytes == \
+        pytest.approx(4 * PROCESS_BASELINE_BYTES)
 
 
 def test_every_pipeline_stage_is_counted_once_per_rank():
@@ -142,3 +143,40 @@ def test_short_dtype_names_count_as_their_full_names():
         assert plan_precision(cfg) == plan_precision(
             _cfg(f"--precision.param_dtype={full}", "--precision.reduce_dtype=float32"))
     assert _cfg("--train.dtype=fp64").param_dtype_name == "float64"
+
+
+def test_the_shared_memory_transports_are_counted_once_per_group(monkeypatch):
+    """Each gloo group of two or more on the machine may take a collectives arena in
+    /dev/shm (memory), a pipeline its rings per neighbour pair, ring attention its rings
+    per pair of ranks: counted once per group, not per process."""
+    from partita import shm_channel, shm_collectives
+    from partita.commands.memory_check import shared_memory_bytes
+
+    monkeypatch.delenv("PARTITA_SHM_COLLECTIVES", raising=False)
+    monkeypatch.delenv("PARTITA_SHM_MIN_BYTES", raising=False)
+    arena = shm_collectives.arena_bytes(2)
+    assert 32 * 2**20 < arena < 33 * 2**20
+    assert shared_memory_bytes(_cfg(), 1) == 0
+    assert shared_memory_bytes(_cfg("--parallel.dp=2"), 2) == arena  # one group: the data
+    rings = shm_channel.arena_bytes(2)  # stage 0 -> 1 and back
+    assert shared_memory_bytes(_cfg("--parallel.pp=2"), 2) == arena + rings
+    # dp=2 x pp=2: two pipelines, two data-parallel groups.
+    assert shared_memory_bytes(_cfg("--parallel.pp=2", "--parallel.dp=2"), 4) == \
+        4 * arena + 2 * rings
+    assert shared_memory_bytes(_cfg("--parallel.cp=4"), 4) == \
+        shm_collectives.arena_bytes(4) + shm_channel.arena_bytes(12)
+    # A floor keeps the transfers on gloo (the arenas stay); the switch, everything.
+    monkeypatch.setenv("PARTITA_SHM_MIN_BYTES", "4096")
+    assert shared_memory_bytes(_cfg("--parallel.pp=2"), 2) == arena
+    monkeypatch.setenv("PARTITA_SHM_COLLECTIVES", "0")
+    assert shared_memory_bytes(_cfg("--parallel.pp=2"), 2) == 0
+    monkeypatch.delenv("PARTITA_SHM_COLLECTIVES")
+    monkeypatch.delenv("PARTITA_SHM_MIN_BYTES")
+    # Part of the total and of the refusal's figures.
+    cfg = _cfg("--parallel.pp=2")
+    need = host_need(cfg, 2, 2)
+    assert need.shared_bytes == arena + rings
+    assert need.total == pytest.approx(need.tensor_bytes + 2 * PROCESS_BASELINE_BYTES
+                                       + arena + rings)
+    with pytest.raises(PartitaError, match=r"36 MiB of shared memory \(/dev/shm\) for their"):
+        check_host_memory(cfg, 2, 2, available=need.total / 2)

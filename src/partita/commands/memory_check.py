@@ -41,10 +41,38 @@ class HostNeed:
     processes: int
     tensor_bytes: float  # summed over the processes: states, activations, buffers
     states_bytes: float  # of which model states (on the device and offloaded to host)
+    shared_bytes: float = 0.0  # /dev/shm of the shared-memory transports (`shared_memory_bytes`)
 
     @property
     def total(self) -> float:
-        return self.tensor_bytes + self.processes * PROCESS_BASELINE_BYTES
+        return self.tensor_bytes + self.processes * PROCESS_BASELINE_BYTES + self.shared_bytes
+
+
+def shared_memory_bytes(cfg: Config, world_size: int) -> int:
+    """The most /dev/shm (memory: a tmpfs) the job's gloo groups take on one machine
+    that runs all of its processes: a collectives arena per group of two or more
+    (`partita.shm_collectives`; each is made by the group's first flat collective, so
+    this counts every group), the pipeline's rings and ring attention's. 0 where the
+    transports are off."""
+    from partita import shm_channel, shm_collectives, shm_share
+    from partita.mesh import all_groups
+    from partita.pipeline.p2p import neighbour_pairs
+
+    if not (shm_share.wanted(None) and shm_share.supported()):
+        return 0
+    layout = cfg.layout(world_size)
+    groups = {tuple(members) for purpose, found in all_groups(layout.degrees).items()
+              if purpose != "embedding" for members in found if len(members) > 1}
+    total = sum(shm_collectives.arena_bytes(len(g)) for g in groups)
+    if shm_collectives.floor_bytes() == 0:  # the rings need no floor (`shm_channel`)
+        p, v = layout.pp, layout.virtual_stages
+        if p > 1:
+            pairs = neighbour_pairs(p * v, lambda s: s % p)
+            total += world_size // p * shm_channel.arena_bytes(len(pairs))
+        c = layout.cp
+        if c > 1 and cfg.parallel.cp_kind == "ring":
+            total += world_size // c * shm_channel.arena_bytes(c * (c - 1))
+    return total
 
 
 def host_need(cfg: Config, world_size: int, local_processes: int) -> HostNeed:
@@ -72,7 +100,9 @@ def host_need(cfg: Config, world_size: int, local_processes: int) -> HostNeed:
         states.append(host + sum(b[k] for k in ("parameters", "gradients",
                                                 "master_weights", "optimizer_states")))
     per_process = local_processes / layout.pp
-    return HostNeed(local_processes, per_process * sum(tensors), per_process * sum(states))
+    shared = shared_memory_bytes(cfg, world_size) if local_processes == world_size else 0
+    return HostNeed(local_processes, per_process * sum(tensors), per_process * sum(states),
+                    shared)
 
 
 def plan_precision(cfg: Config):
@@ -111,10 +141,13 @@ def check_host_memory(cfg: Config, world_size: int, local_processes: int,
         return None
     n = local_processes
     per = "" if n == 1 else f" for its {n} processes"
+    shared = (f", {need.shared_bytes / 2**20:.0f} MiB of shared memory (/dev/shm) for "
+              "their transfers" if need.shared_bytes else "")
     raise PartitaError(
         f"this job needs about {_gb(need.total)} of memory{per} ({_gb(need.states_bytes)} "
         f"of model states, {_gb(need.tensor_bytes - need.states_bytes)} of activations "
-        f"and buffers, {_gb(n * PROCESS_BASELINE_BYTES)} for the processes themselves), "
+        f"and buffers, {_gb(n * PROCESS_BASELINE_BYTES)} for the processes themselves"
+        f"{shared}), "
         f"and this machine has {_gb(available)} available, so the out-of-memory killer "
         f"would end it. {_remedy(cfg, world_size, local_processes, available)} To start "
         "it anyway, add --train.host_memory_check=false.")
