@@ -198,18 +198,25 @@ def _serve(jobs: queue.SimpleQueue, owner: weakref.ref) -> None:
         if box is None:
             return
         try:
-            if box.error is not None:  # a failed send leaves the ring out of step
-                raise RuntimeError(f"an earlier pipeline send to {box.who} failed: "
-                                   f"{box.error}")
-            box._put(data)
-        except BaseException as exc:
-            box.error = box.error or exc
-            handle.exc = exc
+            _transfer(box, box._put, data, handle)
         finally:
-            handle.event.set()
             with box._lock:
                 box._pending -= 1
         del box, data, handle, job
+
+
+def _transfer(end: _Outbox | _Inbox, move, data: torch.Tensor, handle: _Handle) -> None:
+    """`move(data)` on one end of a ring, completing `handle`. A failure leaves the ring
+    out of step, so the end keeps it and every later transfer through it fails at once."""
+    try:
+        if end.error is not None:
+            raise RuntimeError(f"an earlier transfer with {end.who} failed: {end.error}")
+        move(data)
+    except BaseException as exc:
+        end.error = end.error or exc
+        handle.exc = exc
+    finally:
+        handle.event.set()
 
 
 class _Inbox:
@@ -223,7 +230,7 @@ class _Inbox:
 
     def recv(self, tensor: torch.Tensor) -> _Receive:
         if not tensor.is_contiguous():  # its bytes would be copied into a temporary
-            raise ValueError("a pipeline receive buffer must be contiguous")
+            raise ValueError("a receive buffer must be contiguous")
         handle = _Receive(self)
         self._posted.append((tensor.reshape(-1).view(torch.uint8), handle))
         return handle
@@ -231,15 +238,7 @@ class _Inbox:
     def complete(self, handle: _Receive) -> None:
         while not handle.event.is_set():
             data, first = self._posted.popleft()
-            try:
-                if self.error is not None:
-                    raise RuntimeError(f"an earlier pipeline receive from {self.who} "
-                                       f"failed: {self.error}")
-                self._take(data)
-            except BaseException as exc:
-                self.error = self.error or exc
-                first.exc = exc
-            first.event.set()
+            _transfer(self, self._take, data, first)
 
     def _take(self, data: torch.Tensor) -> None:
         ring, n = self.ring, data.numel()

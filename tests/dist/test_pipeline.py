@@ -524,15 +524,18 @@ def test_interleaved_stages_reduce_their_own_buckets_during_backward(zero: int) 
             assert got["calls"] == got["m"] * got["buckets"]
 
 
-def _exchange_large(rank: int, world: int, numel: int) -> bool:
+def _exchange_large(rank: int, world: int, numel: int, rings: bool) -> tuple[bool, bool]:
     """Both ranks post [send, receive] of `numel` floats to each other at once, sends
-    from the calling thread (gloo), with no receive posted ahead."""
+    from the calling thread (gloo), with no receive posted ahead; or, with `rings`,
+    through shared-memory rings (each far smaller than a transfer). Returns (rings used,
+    the right bytes arrived)."""
     from partita.mesh import Mesh
     from partita.pipeline.actions import Action, Kind
-    from partita.pipeline.p2p import Transport
+    from partita.pipeline.p2p import Transport, neighbour_pairs
 
     comm = Mesh(Layout(pp=2), rank, world).comm("pipeline")
-    transport = Transport(comm, lambda stage: comm.ranks[stage], 60.0, rank)
+    pairs = neighbour_pairs(2, lambda s: s) if rings else None
+    transport = Transport(comm, lambda stage: comm.ranks[stage], 60.0, rank, pairs)
     mine = torch.full((numel,), float(rank + 1))
     got = torch.empty(numel)
     if rank == 0:
@@ -542,13 +545,16 @@ def _exchange_large(rank: int, world: int, numel: int) -> bool:
     for action, work in transport.post(batch):
         transport.wait(action, work)
     transport.finish()
-    return bool((got == float(2 - rank)).all())
+    return transport.channels is not None, bool((got == float(2 - rank)).all())
 
 
-def test_large_transfers_both_ways_at_once_do_not_deadlock():
+@pytest.mark.parametrize("rings", [False, True], ids=["gloo", "rings"])
+def test_large_transfers_both_ways_at_once_do_not_deadlock(rings: bool):
     """Sends are posted from the runner's thread on gloo: 64 MB each way at once (far
-    beyond a socket's buffer) must still complete, within the transport's timeout."""
-    assert run_distributed(_exchange_large, 2, (16 * 2**20,), timeout=120) == [True, True]
+    beyond a socket's buffer) must still complete, within the transport's timeout; the
+    same through rings of 2 MiB, each send streamed by its pair's helper thread."""
+    got = run_distributed(_exchange_large, 2, (16 * 2**20, rings), timeout=120)
+    assert got == [(rings, True)] * 2
 
 
 def _zero_bubble_head(rank: int, world: int, vocab: int, tied: bool) -> dict:

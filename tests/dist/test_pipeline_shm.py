@@ -1,8 +1,8 @@
 """Pipeline transfers through shared-memory rings (`partita.shm_channel`):
 bytes in order at every size (empty, one slot, past the ring), receivers that wait
-before the sender starts, sends queued while a ring is full, large transfers both ways
-at once, and whole pipeline steps bitwise equal to gloo's transfers under every
-schedule."""
+before the sender starts, sends queued while a ring is full, and whole pipeline steps
+bitwise equal to gloo's transfers under every schedule. (Large transfers both ways at
+once: tests/dist/test_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -61,33 +61,6 @@ def test_rings_deliver_every_size_in_order() -> None:
     assert sender["queued"]  # the ring filled: later sends went through the helper
     assert receiver["done_before"]
     assert receiver["equal"] == [True] * len(SIZES)
-
-
-def _exchange(rank: int, world: int, numel: int) -> tuple[bool, bool]:
-    """Both ranks post [send, receive] of `numel` floats to each other at once, through
-    the rings (each 32 times larger than a ring)."""
-    from partita.mesh import Mesh
-    from partita.pipeline.actions import Action, Kind
-    from partita.pipeline.p2p import Transport
-
-    comm = Mesh(Layout(pp=2), rank, world).comm("pipeline")
-    transport = Transport(comm, lambda stage: comm.ranks[stage], 60.0, rank,
-                          pairs=neighbour_pairs(2, lambda s: s))
-    mine = torch.full((numel,), float(rank + 1))
-    got = torch.empty(numel)
-    if rank == 0:
-        batch = [(Action(Kind.SEND_F, 0, 0), mine), (Action(Kind.RECV_B, 1, 0), got)]
-    else:
-        batch = [(Action(Kind.SEND_B, 1, 0), mine), (Action(Kind.RECV_F, 0, 0), got)]
-    for action, work in transport.post(batch):
-        transport.wait(action, work)
-    transport.finish()
-    return transport.channels is not None, bool((got == float(2 - rank)).all())
-
-
-def test_large_transfers_both_ways_through_the_rings() -> None:
-    numel = 32 * SLOTS * SLOT_BYTES // 4
-    assert run_distributed(_exchange, 2, (numel,), timeout=120) == [(True, True)] * 2
 
 
 def _steps(rank: int, world: int, settings: dict) -> dict:
