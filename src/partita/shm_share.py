@@ -132,34 +132,42 @@ def share(group: dist.ProcessGroup, ranks: list[int], index: int, nbytes: int,
                         "give it room (docker run --shm-size=1g) or set "
                         f"{ENV_SWITCH}=0 to keep gloo's TCP forms quietly")
         msg[host_at:] = torch.frombuffer(bytearray(host), dtype=torch.uint8)
-    dist.broadcast(msg, src=ranks[0], group=group)
-    raw = bytes(msg.tolist())
-    name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
-    mm = None
-    elsewhere = raw[host_at:] != host
     try:
-        if elsewhere:
-            raise OSError("the first member runs on another host")
-        if not name:
-            raise OSError("the first member could not make the arena")
-        if fd < 0:
-            fd = os.open(name, os.O_RDWR)
-        mm = mmap.mmap(fd, nbytes)
-        if mm[:_TOKEN_BYTES] != raw[token_at:host_at]:
-            raise OSError("the members do not share /dev/shm (a private one per container?)")
-    except (OSError, ValueError) as exc:
-        why = why or f"no shared arena ({exc})"
+        dist.broadcast(msg, src=ranks[0], group=group)
+        raw = bytes(msg.tolist())
+        name = raw[:_NAME_BYTES].rstrip(b"\0").decode()
         mm = None
+        elsewhere = raw[host_at:] != host
+        try:
+            if elsewhere:
+                raise OSError("the first member runs on another host")
+            if not name:
+                raise OSError("the first member could not make the arena")
+            if fd < 0:
+                fd = os.open(name, os.O_RDWR)
+            mm = mmap.mmap(fd, nbytes)
+            if mm[:_TOKEN_BYTES] != raw[token_at:host_at]:
+                raise OSError("the members do not share /dev/shm (a private one per container?)")
+        except (OSError, ValueError) as exc:
+            why = why or f"no shared arena ({exc})"
+            mm = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+        mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
+        me = torch.tensor([[mapped, os.getpid(), *shm_os.identity(os.getpid())]],
+                          dtype=torch.int64)
+        every = torch.empty((len(ranks), 4), dtype=torch.int64)
+        dist_all_gather_flat(every, me, group=group)
     finally:
+        # Every member has mapped it or given up by now; where a collective above
+        # failed (a member died), unlink it all the same: a file left behind would hold
+        # its memory until the machine restarts.
         if fd >= 0:
             os.close(fd)
-    mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
-    me = torch.tensor([[mapped, os.getpid(), *shm_os.identity(os.getpid())]],
-                      dtype=torch.int64)
-    every = torch.empty((len(ranks), 4), dtype=torch.int64)
-    dist_all_gather_flat(every, me, group=group)
-    if path is not None:  # every member has mapped it (or given up): unlink now
-        os.unlink(path)
+        if path is not None:
+            os.unlink(path)
     namespace = me[0, 3].item()
     peers = [(pid, start) if ns == namespace and ns != 0 else None
              for _, pid, start, ns in every.tolist()]

@@ -52,3 +52,18 @@ def test_the_wait_ends_when_the_awaited_process_has_ended() -> None:
         shm_share.wait_while(ctypes.addressof(word), 0, 60.0, peer, "pipeline send",
                              "rank 0")
     assert time.monotonic() - start < 5
+
+
+def test_a_failed_setup_leaves_no_file_in_dev_shm(monkeypatch) -> None:
+    """The member that makes the file unlinks it even when a collective of the setup
+    fails (a member died): a file left in /dev/shm holds its memory until a reboot."""
+    import os
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Connection closed by peer")
+
+    monkeypatch.setattr(shm_share.dist, "broadcast", broken)
+    mine = f"partita-{os.getpid()}-"
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        shm_share.share(None, [0, 1], 0, 1 << 20, "test transfers")
+    assert not [f for f in os.listdir(shm_share.SHM_DIR) if f.startswith(mine)]
