@@ -22,6 +22,7 @@ import errno
 import mmap
 import os
 import platform
+import re
 import secrets
 import time
 import warnings
@@ -41,6 +42,11 @@ _TOKEN_BYTES = 16
 _NAME_BYTES = 128
 _MAPPED, _FAILED, _ELSEWHERE = 1, 0, 2  # what each member reports after setup
 _CHECK_S = 0.5  # while waiting, how often to look whether the awaited process ended
+# A file whose maker has ended and that is older than this was left by a process killed
+# (SIGKILL, the out-of-memory killer) between making it and unlinking it: a setup takes
+# seconds, and a maker in another pid namespace that only looks ended is long done too.
+STALE_S = 600.0
+_NAME = re.compile(r"partita-(\d+)-[0-9a-f]{16}")
 _warned = False
 
 
@@ -184,6 +190,7 @@ def _create(nbytes: int, token: bytes) -> tuple[str, int]:
     """A new file of `nbytes` in /dev/shm with `token` at its start: (path, fd)."""
     if not os.path.isdir(SHM_DIR):
         raise OSError(errno.ENOENT, f"{SHM_DIR} does not exist")
+    sweep_stale()
     path = os.path.join(SHM_DIR, f"partita-{os.getpid()}-{secrets.token_hex(8)}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -194,3 +201,38 @@ def _create(nbytes: int, token: bytes) -> tuple[str, int]:
         os.unlink(path)
         raise
     return path, fd
+
+
+def sweep_stale(now: float | None = None) -> list[str]:
+    """Remove this user's files in /dev/shm that a killed maker left (see STALE_S); the
+    names removed. A live setup's file is never older than its setup, and every setup
+    unlinks its file when it ends, by any path but a kill."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME.fullmatch(name)
+        path = os.path.join(SHM_DIR, name)
+        try:
+            st = os.stat(path)
+            if (match is None or st.st_uid != os.getuid() or now - st.st_mtime < STALE_S
+                    or _running(int(match.group(1)))):
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -67,3 +67,30 @@ def test_a_failed_setup_leaves_no_file_in_dev_shm(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="Connection closed"):
         shm_share.share(None, [0, 1], 0, 1 << 20, "test transfers")
     assert not [f for f in os.listdir(shm_share.SHM_DIR) if f.startswith(mine)]
+
+
+def test_files_left_by_a_killed_maker_are_swept_when_the_next_is_made(tmp_path,
+                                                                      monkeypatch) -> None:
+    """A maker killed between making its file and unlinking it leaves the file (and its
+    memory) behind; the next setup on the machine removes it once it is older than
+    STALE_S, and never a file whose maker runs or one still young."""
+    import os
+
+    monkeypatch.setattr(shm_share, "SHM_DIR", str(tmp_path))
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid that has ended
+    old = time.time() - shm_share.STALE_S - 60
+    files = {"dead_old": f"partita-{proc.pid}-{'a' * 16}",
+             "dead_young": f"partita-{proc.pid}-{'b' * 16}",
+             "alive_old": f"partita-{os.getpid()}-{'c' * 16}",
+             "other_name": f"other-{proc.pid}-{'d' * 16}"}
+    for key, name in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "dead_young":
+            os.utime(tmp_path / name, (old, old))
+    path, fd = shm_share._create(4096, b"t" * 16)
+    os.close(fd)
+    os.unlink(path)
+    left = set(os.listdir(tmp_path))
+    assert files["dead_old"] not in left
+    assert {files["dead_young"], files["alive_old"], files["other_name"]} <= left
