@@ -84,7 +84,9 @@ def _steps(rank: int, world: int, settings: dict) -> dict:
             losses.append(pm.runner.train(tokens[:, :-1], tokens[:, 1:], m))
         pm.dp.finish_grad_sync()
         losses.append(pm.runner.evaluate(tokens[:, :-1], tokens[:, 1:]))
+        tied = pm.runner.tied
         out[shared] = {"rings": pm.runner.transport.channels is not None, "losses": losses,
+                       "tied_rings": None if tied is None else tied.rings is not None,
                        "grads": {n: p.grad.clone() for n, p in pm.module.named_parameters()
                                  if p.grad is not None}}
     return out
@@ -99,6 +101,9 @@ def test_steps_through_the_rings_equal_gloo_bitwise(settings: dict) -> None:
     for rank, out in enumerate(run_distributed(_steps, 2, (settings,), timeout=170)):
         rings, gloo = out[True], out[False]
         assert rings["rings"] and not gloo["rings"], rank
+        tied = (settings.get("model") or {}).get("tie_embeddings", False)
+        assert (rings["tied_rings"], gloo["tied_rings"]) == ((True, False) if tied
+                                                             else (None, None)), rank
         assert rings["losses"] == gloo["losses"], rank
         assert rings["grads"].keys() == gloo["grads"].keys() and rings["grads"], rank
         for name, grad in rings["grads"].items():

@@ -15,7 +15,8 @@ two stay identical because, every step:
 Both transfers run on the "embedding" group (the first and last stage of each data /
 tensor-parallel position), so they never reorder the pipeline's own transfers. The
 last stage's final backward precedes the first stage's in every schedule, so waiting
-for the gradient cannot deadlock.
+for the gradient cannot deadlock. On one host they go through shared-memory rings
+(`partita.shm_channel`), as the pipeline's own transfers do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from partita.comm import GroupComm
 from partita.pipeline.p2p import PipelineTimeout
+from partita.shm_channel import open_channels
 
 
 class TiedHead:
@@ -42,6 +44,11 @@ class TiedHead:
         self._grad_buf: torch.Tensor | None = None
         self._sends: list[tuple[object, torch.Tensor]] = []
         self._weight_sent = False
+        # As the pipeline's Transport decides (collective over the two ranks).
+        self.rings = (open_channels(comm.group, comm.ranks, comm.index, [(0, 1), (1, 0)],
+                                    timeout_s, "tied-embedding")
+                      if comm.gloo_forms and comm.shm is not None and comm.shm.min_bytes == 0
+                      else None)
 
     def begin(self, want_grad: bool) -> None:
         """Start of a step (or evaluation): the copy posts its receive of the weight;
@@ -90,6 +97,12 @@ class TiedHead:
         self._sends.clear()
 
     def _post(self, send: bool, tensor: torch.Tensor):
+        if self.rings is not None:
+            peer = 1 - self.comm.index
+            if send:
+                self.comm.count_send(tensor)
+                return self.rings.send(peer, tensor)
+            return self.rings.recv(peer, tensor)
         (work,) = dist.batch_isend_irecv([self.comm.p2p_op(send, tensor, self.peer)])
         return work
 
