@@ -163,6 +163,8 @@ def test_the_shared_memory_transports_are_counted_once_per_group(monkeypatch):
     # dp=2 x pp=2: two pipelines, two data-parallel groups.
     assert shared_memory_bytes(_cfg("--parallel.pp=2", "--parallel.dp=2"), 4) == \
         4 * arena + 2 * rings
+    assert shared_memory_bytes(_cfg("--parallel.pp=2", "--model.tie_embeddings=true"), 2) == \
+        arena + 2 * rings  # the tied embedding's exchange has rings of its own
     assert shared_memory_bytes(_cfg("--parallel.cp=4"), 4) == \
         shm_collectives.arena_bytes(4) + shm_channel.arena_bytes(12)
     # A floor keeps the transfers on gloo (the arenas stay); the switch, everything.

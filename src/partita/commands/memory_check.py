@@ -52,8 +52,8 @@ def shared_memory_bytes(cfg: Config, world_size: int) -> int:
     """The most /dev/shm (memory: a tmpfs) the job's gloo groups take on one machine
     that runs all of its processes: a collectives arena per group of two or more
     (`partita.shm_collectives`; each is made by the group's first flat collective, so
-    this counts every group), the pipeline's rings and ring attention's. 0 where the
-    transports are off."""
+    this counts every group), the pipeline's rings (and its tied embedding's), ring
+    attention's. 0 where the transports are off."""
     from partita import shm_channel, shm_collectives, shm_share
     from partita.mesh import all_groups
     from partita.pipeline.p2p import neighbour_pairs
@@ -68,7 +68,9 @@ def shared_memory_bytes(cfg: Config, world_size: int) -> int:
         p, v = layout.pp, layout.virtual_stages
         if p > 1:
             pairs = neighbour_pairs(p * v, lambda s: s % p)
-            total += world_size // p * shm_channel.arena_bytes(len(pairs))
+            tied = 2 if cfg.model_config().tie_embeddings else 0  # first <-> last stage
+            total += world_size // p * sum(shm_channel.arena_bytes(n) for n in (len(pairs), tied)
+                                           if n)
         c = layout.cp
         if c > 1 and cfg.parallel.cp_kind == "ring":
             total += world_size // c * shm_channel.arena_bytes(c * (c - 1))
