@@ -109,6 +109,14 @@ class GroupComm:
         (`partita.gloo_collectives`: all-to-alls, or point to point when large)."""
         return self.backend == dist.Backend.GLOO
 
+    @property
+    def shared_transfers(self) -> bool:
+        """This gloo group's all-to-alls and point-to-point transfers go through shared
+        memory (`partita.shm_collectives`, `partita.shm_channel`): where its collectives
+        do at every size. Not with a floor: the members' byte counts differ there, so a
+        floor could send some members through shared memory and the others through gloo."""
+        return self.gloo_forms and self.shm is not None and self.shm.min_bytes == 0
+
     def _shm_ready(self, whole: torch.Tensor, part: torch.Tensor) -> bool:
         """The flat collective on `whole` (gathered or reduced) and `part` (this
         member's slice) goes through shared memory. The first such call sets the arena
@@ -180,9 +188,7 @@ class GroupComm:
         row = math.prod(input.shape[1:]) * input.element_size()  # also with no rows
         others = sum(input_splits) - input_splits[self.index]
         self._count(op, others * row)
-        # Through the arena only without a floor: the members' byte counts differ here,
-        # so a floor could send some members through it and the others through gloo.
-        if self.shm is not None and self.shm.min_bytes == 0 and self._shm_ready(output, input):
+        if self.shared_transfers and self._shm_ready(output, input):
             return self.shm.all_to_all(output, input.contiguous(), output_splits,
                                        input_splits, row)
         dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group)

@@ -41,11 +41,10 @@ _RINGS: weakref.WeakKeyDictionary[GroupComm, Channels | None] = weakref.WeakKeyD
 
 def _rings(comm: GroupComm) -> Channels | None:
     if comm not in _RINGS:
-        usable = comm.shm is not None and comm.shm.min_bytes == 0 and comm.gloo_forms
         pairs = [(a, b) for a in range(comm.size) for b in range(comm.size) if a != b]
         _RINGS[comm] = (open_channels(comm.group, comm.ranks, comm.index, pairs,
                                       shm_share.group_timeout(comm.group), "context-parallel")
-                        if usable else None)
+                        if comm.shared_transfers else None)
     return _RINGS[comm]
 
 

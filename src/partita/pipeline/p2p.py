@@ -129,8 +129,7 @@ class Transport:
         # helpers below is needed, a send is in the ring or queued at once).
         self.channels = (shm_channel.open_channels(comm.group, comm.ranks, comm.index,
                                                    pairs, timeout_s)
-                         if gloo and pairs and comm.shm is not None and comm.shm.min_bytes == 0
-                         else None)
+                         if pairs and comm.shared_transfers else None)
         self._index = {g: i for i, g in enumerate(comm.ranks)}
         gloo = gloo and self.channels is None
         self.early_receives = gloo

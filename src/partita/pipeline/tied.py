@@ -47,8 +47,7 @@ class TiedHead:
         # As the pipeline's Transport decides (collective over the two ranks).
         self.rings = (open_channels(comm.group, comm.ranks, comm.index, [(0, 1), (1, 0)],
                                     timeout_s, "tied-embedding")
-                      if comm.gloo_forms and comm.shm is not None and comm.shm.min_bytes == 0
-                      else None)
+                      if comm.shared_transfers else None)
 
     def begin(self, want_grad: bool) -> None:
         """Start of a step (or evaluation): the copy posts its receive of the weight;
