@@ -40,7 +40,7 @@ from partita.local_world import (
     stop_fork_server,
     worker_signal_defaults,
 )
-from partita.proc_stat import process_state
+from partita.proc_stat import pid_alive
 from partita.worker_watch import (
     failure_would_repeat,
     mark_failure_would_repeat,
@@ -111,7 +111,7 @@ class LauncherWatch:
         if self.pid is None or time.monotonic() < self._next:
             return
         self._next = time.monotonic() + self.every_s
-        if not _alive(self.pid):
+        if not pid_alive(self.pid):
             raise LauncherGone(self.pid)
 
 
@@ -119,22 +119,11 @@ def process_gone(pid: int, wait_s: float = 1.0) -> bool:
     """Whether process `pid` has exited, allowing it `wait_s`: a worker's collectives
     fail as soon as a killed launcher's store closes, a moment before it is reaped."""
     deadline = time.monotonic() + wait_s
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists but is not ours to signal
-        return True
-    # An exited process not yet reaped still answers; without /proc, assume alive.
-    return process_state(pid) != "Z"
 
 
 TRACKER_QUIET = "ignore:resource_tracker:UserWarning"

@@ -6,6 +6,8 @@ shared-memory collectives, which tell a dead group member from a slow one.
 
 from __future__ import annotations
 
+import os
+
 
 def stat_fields(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command name (which may hold spaces and
@@ -22,3 +24,15 @@ def process_state(pid: int) -> str | None:
         return stat_fields(pid)[0]
     except (OSError, IndexError):
         return None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs: it exists (ours or another user's) and has not
+    exited waiting to be reaped; without /proc, existing is taken as running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but is not ours to signal
+        return True
+    return process_state(pid) != "Z"

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from partita import shm_os
 from partita.comm import dist_all_gather_flat
+from partita.proc_stat import pid_alive
 
 # Set to 0 to keep gloo's TCP transfers where `Mesh(shm_collectives=...)` is not given
 # (on by default: figures in docs/benchmarks.md, "Every collective through the arena").
@@ -219,7 +220,7 @@ def sweep_stale(now: float | None = None) -> list[str]:
         try:
             st = os.stat(path)
             if (match is None or st.st_uid != os.getuid() or now - st.st_mtime < STALE_S
-                    or _running(int(match.group(1)))):
+                    or pid_alive(int(match.group(1)))):
                 continue
             os.unlink(path)
             removed.append(name)
@@ -227,12 +228,3 @@ def sweep_stale(now: float | None = None) -> list[str]:
             continue
     return removed
 
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True

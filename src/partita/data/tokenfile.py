@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from partita.errors import PartitaError
+from partita.proc_stat import pid_alive
 
 MAGIC = b"PARTTOK\0"
 VERSION = 1
@@ -131,18 +132,8 @@ def _remove_dead_writers(path: Path, host: str) -> None:
     """Delete temporaries of `path` left on this host by writers that no longer run."""
     for tmp in path.parent.glob(f".{path.name}.{host}.*.tmp"):
         pid = tmp.name[len(f".{path.name}.{host}."):].split(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
 
 
 def write_token_file(path: str | os.PathLike, ids: np.ndarray, vocab_size: int) -> Path:
