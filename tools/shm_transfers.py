@@ -1,10 +1,10 @@
 """Step time with point-to-point transfers (the pipeline's, ring attention's) through
 shared-memory rings against gloo's TCP, in alternating rounds of one world.
 
-    PYTHONPATH=src python tools/pp_transports.py --parallel.pp=2 --train.microbatches=16
-    PYTHONPATH=src python tools/pp_transports.py --parallel.pp=2 --train.microbatches=16 \\
+    PYTHONPATH=src python tools/shm_transfers.py --parallel.pp=2 --train.microbatches=16
+    PYTHONPATH=src python tools/shm_transfers.py --parallel.pp=2 --train.microbatches=16 \\
         --parallel.schedule=interleaved-1f1b --parallel.virtual_stages=2
-    PYTHONPATH=src python tools/pp_transports.py --parallel.cp=2 --against gloo
+    PYTHONPATH=src python tools/shm_transfers.py --parallel.cp=2 --against gloo
 
 Any `partita train` settings choose the model and layout (the default model otherwise;
 one data-parallel replica: every rank takes the whole batch). Each process builds the
