@@ -67,7 +67,7 @@ def chunks(nbytes: int) -> int:
 
 
 class Channels:
-    """This rank's ends of the rings of `pairs` (pipeline indices) in a shared file."""
+    """This rank's ends of the rings of `pairs` (member indices) in a shared file."""
 
     def __init__(self, shared: shm_share.Shared, index: int, pairs: list[tuple[int, int]],
                  timeout_s: float, ranks: list[int], what: str) -> None:
@@ -136,7 +136,7 @@ class _Handle:
         return self.event.is_set() and self.exc is None
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        # The transfer's own waits are bounded by the pipeline timeout already.
+        # The transfer's own waits are bounded by the caller's timeout already.
         self.event.wait()
         if self.exc is not None:
             raise self.exc
@@ -167,7 +167,7 @@ class _Outbox:
             if self._queue is None:
                 self._queue = queue.SimpleQueue()
                 threading.Thread(target=_serve, args=(self._queue, weakref.ref(self)),
-                                 daemon=True, name="partita-pp-shm-send").start()
+                                 daemon=True, name="partita-shm-send").start()
             self._queue.put((data, handle))
         return handle
 
@@ -178,7 +178,7 @@ class _Outbox:
             full = (ring.count - len(ring.slots)) & _MASK
             if ring.consumed.value == full:
                 shm_share.wait_while(ring.consumed_at, full, ring.timeout_s, self.peer,
-                                     "pipeline send", self.who)
+                                     "shared-memory send", self.who)
             c = min(SLOT_BYTES, n - o)
             ring.slots[ring.count % len(ring.slots)][:c].copy_(data[o:o + c])
             ring.count = (ring.count + 1) & _MASK
@@ -245,7 +245,7 @@ class _Inbox:
         for o in range(0, max(n, 1), SLOT_BYTES):
             if ring.produced.value == ring.count:
                 shm_share.wait_while(ring.produced_at, ring.count, ring.timeout_s,
-                                     self.peer, "pipeline receive", self.who)
+                                     self.peer, "shared-memory receive", self.who)
             c = min(SLOT_BYTES, n - o)
             data[o:o + c].copy_(ring.slots[ring.count % len(ring.slots)][:c])
             ring.count = (ring.count + 1) & _MASK
