@@ -225,7 +225,10 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
         markers = os.path.join(log_dir, "workers")
         os.makedirs(markers, exist_ok=True)
         with running, watching_stopped_workers(spec.stopped_worker_timeout_s, markers):
-            results = elastic_launch(config, _run_reporting_errors)(markers, fn, *args)
+            try:
+                results = elastic_launch(config, _run_reporting_errors)(markers, fn, *args)
+            finally:
+                release_shared_memory(markers)
     except RendezvousTimeoutError:
         others = _nodes_waiting(config.rdzv_endpoint, config.run_id)
         count = (f" (at least {others + 1} of {spec.nnodes} had joined)" if others is not None
@@ -271,6 +274,18 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
             f"processes were stopped.{kept}"
         ) from None
     return [results[r] for r in sorted(results)]
+
+
+def release_shared_memory(markers: str) -> list[str]:
+    """Every worker of the job has ended here. One killed (SIGKILL, the out-of-memory
+    killer) while it set up a shared-memory transport leaves that file in /dev/shm, and
+    its memory with it: remove the workers' files now, rather than at the next job's
+    sweep (`shm_share.sweep_stale`). The names removed."""
+    from partita import shm_share  # imports torch: not before a launch
+
+    pids = [int(pid) for pid, _, what in (n.partition(".") for n in os.listdir(markers))
+            if what == "started" and pid.isdigit()]
+    return shm_share.remove_left_by(pids)
 
 
 def _launch_config(spec: LaunchSpec, log_dir: str):

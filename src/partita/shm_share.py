@@ -26,6 +26,7 @@ import re
 import secrets
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -209,6 +210,19 @@ def sweep_stale(now: float | None = None) -> list[str]:
     names removed. A live setup's file is never older than its setup, and every setup
     unlinks its file when it ends, by any path but a kill."""
     now = time.time() if now is None else now
+    return _remove_left(lambda pid, st: now - st.st_mtime >= STALE_S)
+
+
+def remove_left_by(pids: Iterable[int]) -> list[str]:
+    """Remove the files in /dev/shm that processes `pids` made and, killed, did not
+    unlink (the launcher's call once its workers have ended); the names removed."""
+    ended = set(pids)
+    return _remove_left(lambda pid, st: pid in ended)
+
+
+def _remove_left(chosen: Callable[[int, os.stat_result], bool]) -> list[str]:
+    """Unlink this user's partita files in /dev/shm whose maker no longer runs and that
+    `chosen(maker pid, stat)` picks."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
@@ -216,15 +230,15 @@ def sweep_stale(now: float | None = None) -> list[str]:
         return removed
     for name in names:
         match = _NAME.fullmatch(name)
-        path = os.path.join(SHM_DIR, name)
+        if match is None:
+            continue
+        path, pid = os.path.join(SHM_DIR, name), int(match.group(1))
         try:
             st = os.stat(path)
-            if (match is None or st.st_uid != os.getuid() or now - st.st_mtime < STALE_S
-                    or pid_alive(int(match.group(1)))):
+            if st.st_uid != os.getuid() or not chosen(pid, st) or pid_alive(pid):
                 continue
             os.unlink(path)
             removed.append(name)
         except OSError:  # gone meanwhile, or not ours to remove
             continue
     return removed
-

@@ -94,3 +94,29 @@ def test_files_left_by_a_killed_maker_are_swept_when_the_next_is_made(tmp_path,
     left = set(os.listdir(tmp_path))
     assert files["dead_old"] not in left
     assert {files["dead_young"], files["alive_old"], files["other_name"]} <= left
+
+
+def test_the_launcher_removes_the_files_its_ended_workers_left(tmp_path, monkeypatch) -> None:
+    """Once a job's workers have ended, the launcher removes the /dev/shm files they
+    made and did not unlink (a kill during a setup), at once and whatever their age;
+    another process's files stay."""
+    import os
+
+    from partita.launch import release_shared_memory
+
+    shm = tmp_path / "shm"
+    markers = tmp_path / "workers"
+    shm.mkdir()
+    markers.mkdir()
+    monkeypatch.setattr(shm_share, "SHM_DIR", str(shm))
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    (markers / f"{proc.pid}.started").write_text("1")
+    (markers / f"{proc.pid}.finished").write_text("")
+    left = shm / f"partita-{proc.pid}-{'e' * 16}"
+    other = shm / f"partita-{os.getpid()}-{'f' * 16}"  # a running process's
+    stranger = shm / f"partita-{proc.pid + 1}-{'0' * 16}"  # not a worker of this job
+    for f in (left, other, stranger):
+        f.write_bytes(b"x")
+    assert release_shared_memory(str(markers)) == [left.name]
+    assert sorted(os.listdir(shm)) == sorted([other.name, stranger.name])
