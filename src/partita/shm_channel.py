@@ -30,9 +30,9 @@ import weakref
 from collections import deque
 
 import torch
-import torch.distributed as dist
 
 from partita import shm_os, shm_share
+from partita.comm import GroupComm
 
 # Eight slots of 256 KiB per ring, 2 MiB a pair: a 1F1B pair holds at most p activations
 # in flight, the tiny model's are 64 KiB and a larger one streams through. A group with
@@ -69,9 +69,11 @@ def chunks(nbytes: int) -> int:
 class Channels:
     """This rank's ends of the rings of `pairs` (member indices) in a shared file."""
 
-    def __init__(self, shared: shm_share.Shared, index: int, pairs: list[tuple[int, int]],
-                 timeout_s: float, ranks: list[int], what: str) -> None:
+    def __init__(self, shared: shm_share.Shared, comm: GroupComm,
+                 pairs: list[tuple[int, int]], timeout_s: float, what: str) -> None:
         self._shared = shared  # keeps the mapping alive
+        self.comm = comm
+        index, ranks = comm.index, comm.ranks
         slots = slots_per_ring(len(pairs))
         header = _header_bytes(len(pairs))
         base = shared.arena.data_ptr() + _LINE
@@ -91,7 +93,8 @@ class Channels:
 
     def send(self, peer: int, tensor: torch.Tensor):
         """Start sending `tensor` (kept alive by the caller until the handle completes)
-        to member `peer`."""
+        to member `peer`; counted as the group's gloo sends are."""
+        self.comm.count_send(tensor)
         return self.outboxes[peer].send(tensor)
 
     def recv(self, peer: int, tensor: torch.Tensor):
@@ -99,15 +102,17 @@ class Channels:
         return self.inboxes[peer].recv(tensor)
 
 
-def open_channels(group: dist.ProcessGroup, ranks: list[int], index: int,
-                  pairs: list[tuple[int, int]], timeout_s: float,
+def open_channels(comm: GroupComm, pairs: list[tuple[int, int]], timeout_s: float,
                   what: str = "pipeline") -> Channels | None:
-    """The rings of `pairs` (member indices), set up collectively over the group; None
-    on every member where a shared file cannot be had (gloo it is). `what` names the
-    group in messages ("pipeline rank 1 ...")."""
-    shared = shm_share.share(group, ranks, index, arena_bytes(len(pairs)),
+    """The rings of `pairs` (member indices of `comm`), set up collectively over its
+    group; None where its transfers stay on gloo (`GroupComm.shared_transfers`) or, on
+    every member, where a shared file cannot be had. `what` names the group in messages
+    ("pipeline rank 1 ...")."""
+    if not (pairs and comm.shared_transfers):
+        return None
+    shared = shm_share.share(comm.group, comm.ranks, comm.index, arena_bytes(len(pairs)),
                              f"{what} transfers")
-    return None if shared is None else Channels(shared, index, pairs, timeout_s, ranks, what)
+    return None if shared is None else Channels(shared, comm, pairs, timeout_s, what)
 
 
 class _Ring:

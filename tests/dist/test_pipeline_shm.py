@@ -32,8 +32,11 @@ def _pattern(k: int, n: int) -> torch.Tensor:
 
 def _rings(rank: int, world: int) -> dict:
     torch.set_num_threads(1)
+    from partita.mesh import Mesh
+
     pairs = neighbour_pairs(2, lambda s: s)
-    channels = shm_channel.open_channels(dist.group.WORLD, [0, 1], rank, pairs, 30.0)
+    comm = Mesh(Layout(pp=2), rank, world).comm("pipeline")
+    channels = shm_channel.open_channels(comm, pairs, 30.0)
     out: dict = {"pairs": pairs, "open": channels is not None}
     if rank == 0:
         time.sleep(0.3)  # the receiver is waiting in an empty ring by now

@@ -42,9 +42,8 @@ _RINGS: weakref.WeakKeyDictionary[GroupComm, Channels | None] = weakref.WeakKeyD
 def _rings(comm: GroupComm) -> Channels | None:
     if comm not in _RINGS:
         pairs = [(a, b) for a in range(comm.size) for b in range(comm.size) if a != b]
-        _RINGS[comm] = (open_channels(comm.group, comm.ranks, comm.index, pairs,
-                                      shm_share.group_timeout(comm.group), "context-parallel")
-                        if comm.shared_transfers else None)
+        _RINGS[comm] = open_channels(comm, pairs, shm_share.group_timeout(comm.group),
+                                     "context-parallel")
     return _RINGS[comm]
 
 
@@ -60,10 +59,7 @@ class RingExchange:
         rings = _rings(self.comm) if tensors[0].device.type == "cpu" else None
         if rings is not None:
             received = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
-            works = []
-            for t in tensors:
-                self.comm.count_send(t)
-                works.append(rings.send((i + hops) % n, t))
+            works = [rings.send((i + hops) % n, t) for t in tensors]
             works += [rings.recv((i - hops) % n, r) for r in received]
             return _Pending(works, received, tensors)
         to, source = self.comm.ranks[(i + hops) % n], self.comm.ranks[(i - hops) % n]

@@ -127,9 +127,7 @@ class Transport:
         # Where the mesh moves this gloo group's collectives through shared memory at
         # every size, the transfers take rings there too (`shm_channel`: none of the
         # helpers below is needed, a send is in the ring or queued at once).
-        self.channels = (shm_channel.open_channels(comm.group, comm.ranks, comm.index,
-                                                   pairs, timeout_s)
-                         if pairs and comm.shared_transfers else None)
+        self.channels = shm_channel.open_channels(comm, pairs or [], timeout_s)
         self._index = {g: i for i, g in enumerate(comm.ranks)}
         gloo = gloo and self.channels is None
         self.early_receives = gloo
@@ -179,7 +177,6 @@ class Transport:
         for action, tensor in batch:
             peer = self._index[self.peer_rank(action.peer_stage)]
             if action.kind.is_send:
-                self.comm.count_send(tensor)
                 self.pending_sends.append((action, self.channels.send(peer, tensor), tensor))
             else:
                 recvs.append((action, self.channels.recv(peer, tensor)))

@@ -45,9 +45,7 @@ class TiedHead:
         self._sends: list[tuple[object, torch.Tensor]] = []
         self._weight_sent = False
         # As the pipeline's Transport decides (collective over the two ranks).
-        self.rings = (open_channels(comm.group, comm.ranks, comm.index, [(0, 1), (1, 0)],
-                                    timeout_s, "tied-embedding")
-                      if comm.shared_transfers else None)
+        self.rings = open_channels(comm, [(0, 1), (1, 0)], timeout_s, "tied-embedding")
 
     def begin(self, want_grad: bool) -> None:
         """Start of a step (or evaluation): the copy posts its receive of the weight;
@@ -98,10 +96,7 @@ class TiedHead:
     def _post(self, send: bool, tensor: torch.Tensor):
         if self.rings is not None:
             peer = 1 - self.comm.index
-            if send:
-                self.comm.count_send(tensor)
-                return self.rings.send(peer, tensor)
-            return self.rings.recv(peer, tensor)
+            return (self.rings.send if send else self.rings.recv)(peer, tensor)
         (work,) = dist.batch_isend_irecv([self.comm.p2p_op(send, tensor, self.peer)])
         return work
 
