@@ -373,3 +373,22 @@ def test_a_layout_that_does_not_fit_torchruns_world_is_refused_by_every_rank(tmp
     assert "torchrun's --nproc-per-node x --nnodes = 4" in done.stderr
     assert time.monotonic() - start < 30  # no rank waits for the one that refused
     assert not (tmp_path / "run").exists()
+
+
+def test_a_cpu_job_too_large_for_the_machine_is_refused_under_torchrun_too(tmp_path):
+    """The host memory check ran in partita's own launcher only: under torchrun a
+    model far beyond the machine started, grew, and met the out-of-memory killer."""
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={free_port()}", "-m", "partita.cli", "train",
+         "--model.name=llama3-8b", "--train.device=cpu", f"--train.out_dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    # Said once, by the node's first process, with both processes counted.
+    assert done.stderr.count("partita: error: this job needs about") == 1, done.stderr[-3000:]
+    assert "for its 2 processes" in done.stderr
+    assert "--train.host_memory_check=false" in done.stderr
+    assert "SIGKILL" not in done.stderr
+    assert time.monotonic() - start < 60  # refused before any rank builds the model
+    assert not (tmp_path / "run").exists()

@@ -6,7 +6,9 @@ whole machine for minutes first). The planner already predicts every byte a proc
 holds (model states, activations, buffers, the loss; within 1% of partita's measured
 bytes, `bench plan-accuracy`), so the launcher asks it before starting anything and
 refuses a job that needs more than the machine has available, naming the smallest
-change that would fit. `train.host_memory_check = false` starts it anyway. GPU jobs are
+change that would fit. Under torchrun every process asks before it builds anything,
+for its node's processes against its node's memory, and the node's first process says
+why (`commands.train`). `train.host_memory_check = false` starts it anyway. GPU jobs are
 not judged here: their limit is each device's memory, which a CUDA out-of-memory error
 reports from the rank that reached it.
 """

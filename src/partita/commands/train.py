@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from partita.checkpoint import check_model, complete_checkpoints, read_manifest
@@ -152,17 +153,14 @@ def _while_starting(exc: Stopped) -> bool:
 def _run(args: argparse.Namespace) -> int:
     cfg = with_absolute_inputs(load_config(args.config, args.overrides))
     if launched_externally():
-        try:
-            check_layout_before_torch(cfg, int(os.environ["WORLD_SIZE"]))
-        except PartitaError:
-            if int(os.environ["RANK"]) == 0:
-                raise  # printed once, by rank 0
-            # Every rank refuses alike; leaving at once would let torchrun stop rank 0
-            # before it has said why. torchrun stops this one when rank 0 has left.
-            time.sleep(OTHER_RANKS_WAIT_S)
-            return 2
+        world = int(os.environ["WORLD_SIZE"])
+        if refused := _checked_by_every_rank(lambda: check_layout_before_torch(cfg, world),
+                                             speaker=int(os.environ["RANK"]) == 0):
+            return refused
         with signals_held():  # a SIGTERM meanwhile arrives after, not inside torch's import
             from partita.trainer import train
+        if refused := _check_memory_under_torchrun(cfg, world):
+            return refused
 
         locks = []  # held by rank 0 until it returns, on one node (folder_lock)
         if int(os.environ["RANK"]) == 0:
@@ -233,6 +231,39 @@ def _exit_status(results: list[dict]) -> int:
           f"{stopped[0]['checkpoint']}; continue with --train.resume=auto (any layout).",
           file=sys.stderr, flush=True)
     return CHECKPOINT_STOP_EXIT
+
+
+def _checked_by_every_rank(check: Callable[[], None], speaker: bool) -> int:
+    """Run `check` on a rank under torchrun, where every rank runs it and refuses alike:
+    0 when it passed; a refusal (PartitaError) is raised by the `speaker` only, so it is
+    printed once. The others return 2 after a pause: leaving at once would let torchrun
+    stop the speaker before it has said why; torchrun stops them when it has left."""
+    try:
+        check()
+    except PartitaError:
+        if speaker:
+            raise
+        time.sleep(OTHER_RANKS_WAIT_S)
+        return 2
+    return 0
+
+
+def _check_memory_under_torchrun(cfg: Config, world_size: int) -> int:
+    """The launcher's host memory check (`check_host_memory`), for a CPU job that
+    torchrun started: each node's processes against that node's available memory, its
+    local rank 0 speaking. 0 when the job fits; see `_checked_by_every_rank`."""
+    from partita.process_setup import pick_device_name
+
+    if pick_device_name(cfg.train.device) != "cpu":
+        return 0
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    speaker = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) == 0
+
+    def check() -> None:
+        note = check_host_memory(cfg, world_size, local_processes)
+        if note and speaker:
+            print(note, file=sys.stderr, flush=True)
+    return _checked_by_every_rank(check, speaker)
 
 
 def check_layout_before_torch(cfg: Config, world_size: int | None) -> None:
