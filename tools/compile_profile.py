@@ -12,9 +12,10 @@ wrappers, the optimizer step and clipping, and everything else (eager elementwis
 operations, autograd, the engine). Printed: the median milliseconds per step of each
 part over the rounds, and the floor of the compiled/eager ratio that compiling leaves
 the GEMMs and the attention kernel unchanged implies: (GEMMs + attention) / eager
-step, and the largest operations left in "other". The profiler adds a few microseconds to every operation, most to eager's many
-small ones; the parts are for comparing, the ratios of `tools/compile_steps.py` and
-`partita bench compile` are the step times.
+step, and the largest operations left in "other". The profiler adds a few
+microseconds to every operation, most to eager's many small ones; the parts are for
+comparing, the ratios of `tools/compile_steps.py` and `partita bench compile` are the
+step times.
 """
 
 from __future__ import annotations
