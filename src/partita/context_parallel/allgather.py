@@ -99,23 +99,16 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
-        g, n = k.shape[1], q.shape[2] // 2
-        out = blocks.group_queries(out, g)
-        rank, degree = comm.index, comm.size
+        comm, segments, clock = ctx.comm, ctx.segments, ctx.clock
+        rank, degree, n = comm.index, comm.size, q.shape[2] // 2
         own = torch.stack((k, v))
         gathered, gathering = _gather(own, comm)
-        qg = blocks.group_queries(q, g)
-        work = blocks.compute_dtype(q.dtype)
-        dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
-        dq = torch.zeros(qg.shape, dtype=work, device=q.device)
+        grads = blocks.QueryGradients(q, k.shape[1], out, lse, grad_out, ctx.scale)
+        work = grads.work
 
         def piece(kv, rows: slice, causal: bool, documents, keys: slice = slice(None)):
-            dq_part, dk, dv = blocks.backward(
-                qg[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], scale, causal,
-                documents, dout[..., rows, :], out[..., rows, :], lse[..., rows])
-            dq[..., rows, :] += dq_part
-            return torch.stack((dk, dv))
+            return torch.stack(grads.piece(kv[0][..., keys, :], kv[1][..., keys, :], rows,
+                                           causal, documents))
 
         # Gradients accumulate (and are reduce-scattered) in the compute dtype: the
         # other ranks' in the gathered layout, so that each slot goes home with one
@@ -142,7 +135,7 @@ class AllGatherAttention(torch.autograd.Function):
                 own_block(*block)
         returning.wait()
         mine += returned
-        return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
+        return (grads.result(), mine[0].to(k.dtype), mine[1].to(v.dtype),
                 None, None, None, None)
 
 

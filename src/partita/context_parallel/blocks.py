@@ -185,6 +185,35 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
     return dq, dk, dv
 
 
+class QueryGradients:
+    """A core's backward over its queries, which both kinds run the same way: the saved
+    query shard grouped by kv head, with its final output, log-sum-exp and incoming
+    gradient, and dq summed over the pieces in the compute dtype (`work`)."""
+
+    def __init__(self, q: torch.Tensor, kv_heads: int, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor, scale: float) -> None:
+        self.q_shape, self.q_dtype, self.scale = q.shape, q.dtype, scale
+        self.work = compute_dtype(q.dtype)
+        self.qg = group_queries(q, kv_heads)
+        self.out, self.lse = group_queries(out, kv_heads), lse
+        self.dout = group_queries(grad_out.contiguous(), kv_heads).to(self.work)
+        self.dq = torch.zeros(self.qg.shape, dtype=self.work, device=q.device)
+
+    def piece(self, k: torch.Tensor, v: torch.Tensor, rows: slice, causal: bool,
+              documents: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dk, dv) of the query rows `rows` against the key block k, v; their dq is
+        added to the sum."""
+        dq, dk, dv = backward(self.qg[..., rows, :], k, v, self.scale, causal, documents,
+                              self.dout[..., rows, :], self.out[..., rows, :],
+                              self.lse[..., rows])
+        self.dq[..., rows, :] += dq
+        return dk, dv
+
+    def result(self) -> torch.Tensor:
+        """dq in the queries' shape and dtype."""
+        return self.dq.reshape(self.q_shape).to(self.q_dtype)
+
+
 def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(b, h, s, d) -> (b, g, h/g, s, d): query heads grouped by the kv head they read."""
     b, h, s, d = q.shape

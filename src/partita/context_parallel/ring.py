@@ -111,21 +111,14 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        comm, scale, segments, clock = ctx.comm, ctx.scale, ctx.segments, ctx.clock
-        g, n = k.shape[1], q.shape[2] // 2
-        out = blocks.group_queries(out, g)
-        rank, degree = comm.index, comm.size
-        qg = blocks.group_queries(q, g)
-        work = blocks.compute_dtype(q.dtype)
-        dout = blocks.group_queries(grad_out.contiguous(), g).to(work)
-        dq = torch.zeros(qg.shape, dtype=work, device=q.device)
+        comm, segments, clock = ctx.comm, ctx.segments, ctx.clock
+        rank, degree, n = comm.index, comm.size, q.shape[2] // 2
+        grads = blocks.QueryGradients(q, k.shape[1], out, lse, grad_out, ctx.scale)
+        work = grads.work
 
         def piece(held, src: int, rows: slice, keys: slice, causal: bool, into) -> None:
-            dq_part, dk, dv = blocks.backward(
-                qg[..., rows, :], held[0][..., keys, :], held[1][..., keys, :], scale, causal,
-                blocks.pair_documents(segments, rank, src, degree, rows, keys),
-                dout[..., rows, :], out[..., rows, :], lse[..., rows])
-            dq[..., rows, :] += dq_part
+            dk, dv = grads.piece(held[0][..., keys, :], held[1][..., keys, :], rows, causal,
+                                 blocks.pair_documents(segments, rank, src, degree, rows, keys))
             into[0][..., keys, :] += dk
             into[1][..., keys, :] += dv
 
@@ -156,7 +149,7 @@ class RingAttention(torch.autograd.Function):
                 piece(own, rank, *block, mine)
         if returning is not None:
             mine += returning.wait()[0]
-        return (dq.reshape(q.shape).to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype),
+        return (grads.result(), mine[0].to(k.dtype), mine[1].to(v.dtype),
                 None, None, None, None)
 
 
