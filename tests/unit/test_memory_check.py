@@ -11,10 +11,12 @@ import pytest
 from partita.commands.memory_check import (
     PROCESS_BASELINE_BYTES,
     check_host_memory,
+    check_offloaded_states,
     host_need,
+    offloaded_bytes,
     plan_precision,
 )
-from partita.config import load_config
+from partita.config import load_config, with_overrides
 from partita.errors import PartitaError
 
 
@@ -182,3 +184,31 @@ def test_the_shared_memory_transports_are_counted_once_per_group(monkeypatch):
                                        + arena + rings)
     with pytest.raises(PartitaError, match=r"36 MiB of shared memory \(/dev/shm\) for their"):
         check_host_memory(cfg, 2, 2, available=need.total / 2)
+
+
+def test_gpu_jobs_are_judged_by_the_states_they_offload_to_host_memory():
+    """A GPU job with ZeRO-Offload keeps master weights, moments and a gradient copy in
+    host memory: llama3-70b over 8 GPUs of one machine, stage 2, puts 16 bytes of each
+    of its ~70.6 B parameters there, ~1.1 TB, which no 512 GB machine holds."""
+    cfg = _cfg("--model.name=llama3-70b", "--parallel.zero_stage=2",
+               "--parallel.offload=optimizer", "--train.global_batch=16")
+    states = offloaded_bytes(cfg, 8, 8)
+    params = cfg.model_config().num_params()
+    assert 16 * params <= states <= 16.1 * params  # padding of the flat buffers aside
+    with pytest.raises(PartitaError) as err:
+        check_offloaded_states(cfg, 8, 8, available=512e9)
+    text = str(err.value)
+    assert f"about {states / 1e9:.1f} GB of model states" in text and "512.0 GB" in text
+    assert "for its 8 processes" in text
+    assert "--parallel.offload=optimizer+disk" in text and "--nnodes" in text
+    assert "--train.host_memory_check=false" in text
+    # Two machines of 8: each holds half of the states (the data-parallel group is 16).
+    check_offloaded_states(cfg, 16, 8, available=0.6 * states)
+    # Disk offload keeps only the engine's buffers on the host.
+    on_disk = with_overrides(cfg, ["--parallel.offload=optimizer+disk"])
+    assert offloaded_bytes(on_disk, 8, 8) < 0.01 * states
+    check_offloaded_states(on_disk, 8, 8, available=512e9)
+    # Nothing offloaded, or the check turned off: nothing judged.
+    check_offloaded_states(with_overrides(cfg, ["--parallel.offload=none"]), 8, 8, available=1e9)
+    check_offloaded_states(with_overrides(cfg, ["--train.host_memory_check=false"]), 8, 8,
+                           available=1e9)

@@ -79,22 +79,28 @@ def shared_memory_bytes(cfg: Config, world_size: int) -> int:
     return total
 
 
-def host_need(cfg: Config, world_size: int, local_processes: int) -> HostNeed:
-    """What `local_processes` ranks of this job hold on one machine. On one machine
-    every pipeline stage's ranks are counted with their own stage's bytes; over
-    several, each process is taken at the stages' mean."""
+def _plan_inputs(cfg: Config, world_size: int):
+    """(layout, planner model, assumptions, precision) of this config, as the planner
+    sees the job."""
     from partita.planner import Assumptions, PlanModel
     from partita.planner.compiled import compiled_activations
     from partita.planner.evaluate import with_kept_units
-    from partita.planner.memory import host_state_bytes, memory_breakdown
-    from partita.planner.timing import num_microbatches
 
-    layout = cfg.layout(world_size)
     model = PlanModel("run", cfg.model_config())
     a = compiled_activations(Assumptions.measured_cpu(), model, cfg.train.compile)
     a = dataclasses.replace(with_kept_units(a, cfg.parallel.keep_gathered),
                             disk_host_budget_bytes=cfg.parallel.host_memory_budget_gb * 1e9)
-    precision = plan_precision(cfg)
+    return cfg.layout(world_size), model, a, plan_precision(cfg)
+
+
+def host_need(cfg: Config, world_size: int, local_processes: int) -> HostNeed:
+    """What `local_processes` ranks of this job hold on one machine. On one machine
+    every pipeline stage's ranks are counted with their own stage's bytes; over
+    several, each process is taken at the stages' mean."""
+    from partita.planner.memory import host_state_bytes, memory_breakdown
+    from partita.planner.timing import num_microbatches
+
+    layout, model, a, precision = _plan_inputs(cfg, world_size)
     m = num_microbatches(layout, cfg.train.global_batch)
     tensors, states = [], []
     for stage in range(layout.pp):
@@ -155,6 +161,45 @@ def check_host_memory(cfg: Config, world_size: int, local_processes: int,
         f"and this machine has {_gb(available)} available, so the out-of-memory killer "
         f"would end it. {_remedy(cfg, world_size, local_processes, available)} To start "
         "it anyway, add --train.host_memory_check=false.")
+
+
+def check_offloaded_states(cfg: Config, world_size: int, local_processes: int,
+                           available: float | None = None) -> None:
+    """A GPU job that offloads model states to host memory (`parallel.offload`): raise
+    PartitaError when the states this machine's processes offload need more than it has
+    available. Only the offloaded states are counted: what CUDA's libraries and the
+    rest of a GPU process hold on the host is not known before it runs, so a job this
+    refuses cannot fit, and one it lets start may still not."""
+    if not cfg.train.host_memory_check or cfg.parallel.offload == "none":
+        return
+    available = meminfo_bytes("MemAvailable") if available is None else available
+    if available is None:
+        return
+    states = offloaded_bytes(cfg, world_size, local_processes)
+    if states <= available:
+        return
+    n, offload = local_processes, cfg.parallel.offload
+    per = "" if n == 1 else f" for its {n} processes"
+    fixes = ["spread the job over more machines (--nnodes): the data-parallel ranks "
+             "shard the offloaded states"]
+    if not offload.endswith("+disk"):
+        fixes.insert(0, f"--parallel.offload={offload}+disk keeps only buffers on the host")
+    raise PartitaError(
+        f"this job offloads about {_gb(states)} of model states to host memory{per} "
+        f"(parallel.offload={offload}), and this machine has {_gb(available)} "
+        f"available, so the out-of-memory killer would end it: {'; or '.join(fixes)}. "
+        "To start it anyway, add --train.host_memory_check=false.")
+
+
+def offloaded_bytes(cfg: Config, world_size: int, local_processes: int) -> float:
+    """Host bytes of the states that `local_processes` GPU ranks of this job offload
+    (`planner.memory.host_state_bytes`), each pipeline stage's ranks at their own."""
+    from partita.planner.memory import host_state_bytes
+
+    layout, model, a, precision = _plan_inputs(cfg, world_size)
+    per_stage = [host_state_bytes(model, layout, precision, stage, a)
+                 for stage in range(layout.pp)]
+    return local_processes / layout.pp * sum(per_stage)
 
 
 def _remedy(cfg: Config, world_size: int, local_processes: int, available: float) -> str:

@@ -21,7 +21,7 @@ from partita.checkpoint.resume import (
     resumes_own,
     set_aside_later_branch,
 )
-from partita.commands.memory_check import check_host_memory
+from partita.commands.memory_check import check_host_memory, check_offloaded_states
 from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
@@ -249,19 +249,20 @@ def _checked_by_every_rank(check: Callable[[], None], speaker: bool) -> int:
 
 
 def _check_memory_under_torchrun(cfg: Config, world_size: int) -> int:
-    """The launcher's host memory check (`check_host_memory`), for a CPU job that
-    torchrun started: each node's processes against that node's available memory, its
-    local rank 0 speaking. 0 when the job fits; see `_checked_by_every_rank`."""
+    """The launcher's host memory checks (`check_host_memory` on a CPU,
+    `check_offloaded_states` on GPUs) for a job that torchrun started: each node's
+    processes against that node's available memory, its local rank 0 speaking. 0 when
+    the job fits; see `_checked_by_every_rank`."""
     from partita.process_setup import pick_device_name
 
-    if pick_device_name(cfg.train.device) != "cpu":
-        return 0
+    on_cpu = pick_device_name(cfg.train.device) == "cpu"
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     speaker = int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) == 0
 
     def check() -> None:
-        note = check_host_memory(cfg, world_size, local_processes)
-        if note and speaker:
+        if not on_cpu:
+            check_offloaded_states(cfg, world_size, local_processes)
+        elif (note := check_host_memory(cfg, world_size, local_processes)) and speaker:
             print(note, file=sys.stderr, flush=True)
     return _checked_by_every_rank(check, speaker)
 
@@ -327,6 +328,8 @@ def validate_before_launch(cfg: Config, world_size: int, local_processes: int | 
     # After the data's checks: a batch beyond the data is the mistake to name first.
     if on_cpu and (note := check_host_memory(cfg, world_size, local_processes or world_size)):
         print(note, file=sys.stderr, flush=True)
+    if not on_cpu:
+        check_offloaded_states(cfg, world_size, local_processes or world_size)
     locks = prepare_run_dir(cfg, lock)
     if note := threads_note(cfg, local_processes or world_size):
         print(note, file=sys.stderr, flush=True)
