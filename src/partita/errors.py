@@ -71,6 +71,16 @@ class PeerReported(PeerFailure):
     checkpoint) and reports why; this one stops without repeating the message."""
 
 
+class OutOfDeviceMemory(PartitaError):
+    """This process ran out of its device's memory (torch.OutOfMemoryError): where, and
+    the device's size in bytes (None where unknown). `partita train` adds what the
+    planner expects the layout to hold and what would lower it."""
+
+    def __init__(self, message: str, device_bytes: float | None) -> None:
+        super().__init__(message)
+        self.device_bytes = device_bytes
+
+
 PEER_FAILURE_EXIT = 3
 
 

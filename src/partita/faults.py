@@ -32,6 +32,8 @@ KINDS = ("kill", "stop", "raise")
 INJECTED = "partita: injecting fault:"  # the line a rank prints as it fires its fault
 # The write at this point fails as on a full disk.
 WRITE_KINDS = ("enospc",)
+# An allocation fails as on a full GPU (torch.OutOfMemoryError), on any device.
+MEMORY_KINDS = ("oom",)
 ENV = "PARTITA_FAULT"
 
 
@@ -51,10 +53,10 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         points = POINTS + PIPELINE_POINTS + CHECKPOINT_POINTS + END_POINTS
-        if self.at not in points or self.do not in KINDS + WRITE_KINDS:
+        kinds = KINDS + WRITE_KINDS + MEMORY_KINDS
+        if self.at not in points or self.do not in kinds:
             raise PartitaError(f"{ENV}: at must be one of {', '.join(points)} and do one "
-                               f"of {', '.join(KINDS + WRITE_KINDS)}; got at={self.at}, "
-                               f"do={self.do}.")
+                               f"of {', '.join(kinds)}; got at={self.at}, do={self.do}.")
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
@@ -95,5 +97,10 @@ class Faults:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif plan.do == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
+        elif plan.do == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB "
+                                         f"(injected at {point})")
         else:
             raise InjectedFault(f"injected fault at {point} of step {step}")

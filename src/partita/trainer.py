@@ -30,7 +30,14 @@ from partita.data import TokenDataset
 from partita.data.dataset import load_configured
 from partita.data.sampler import IGNORE_INDEX, eval_batch_size, eval_batches
 from partita.device_specs import slow_cpu_matmul_warning
-from partita.errors import STOP_REQUEST, AgreedError, PartitaError, PeerFailure, PeerReported
+from partita.errors import (
+    STOP_REQUEST,
+    AgreedError,
+    OutOfDeviceMemory,
+    PartitaError,
+    PeerFailure,
+    PeerReported,
+)
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
@@ -460,6 +467,8 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
         raise
     except PeerFailure as exc:  # a pipeline transfer that timed out: say who to look at
         raise PeerFailure(f"{exc} {_culprit_sentence(trainer, launcher)}.") from None
+    except torch.OutOfMemoryError as exc:  # the settings', not a fault of partita's
+        raise _out_of_memory(trainer, exc) from None
     except (RuntimeError, dist.DistError) as exc:
         if not is_peer_failure(exc):
             raise
@@ -476,6 +485,20 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
             trainer.progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _out_of_memory(trainer: Trainer | None, exc: torch.OutOfMemoryError) -> OutOfDeviceMemory:
+    """Where this process ran out of device memory, in the words of the user's run."""
+    step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
+                   else (0, "setup"))
+    device_bytes = None
+    if torch.cuda.is_available():
+        device = trainer.device if trainer is not None else torch.device("cuda")
+        if device.type == "cuda":
+            device_bytes = float(torch.cuda.get_device_properties(device).total_memory)
+    return OutOfDeviceMemory(f"process {dist.get_rank() if dist.is_initialized() else 0} "
+                             f"ran out of device memory in {phase} of step {step} "
+                             f"({_first_words(str(exc), 160)}).", device_bytes)
 
 
 def _first_words(text: str, limit: int) -> str:

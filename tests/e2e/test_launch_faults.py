@@ -392,3 +392,30 @@ def test_a_cpu_job_too_large_for_the_machine_is_refused_under_torchrun_too(tmp_p
     assert "SIGKILL" not in done.stderr
     assert time.monotonic() - start < 60  # refused before any rank builds the model
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("launcher", ["partita", "torchrun"])
+def test_a_process_out_of_device_memory_is_told_what_would_fit(launcher, cache, tmp_path):
+    """torch.OutOfMemoryError ended the job with "This is a fault inside partita, not in
+    your settings" when it is the settings' to fix. (Injected: no GPU here; the device's
+    size is then unknown, so the advice names what would lower the peak.)"""
+    out = tmp_path / "run"
+    args = ["train", *SMALL, f"--data.cache_dir={cache}", "--train.steps=4",
+            f"--train.out_dir={out}"]
+    command = ([sys.executable, "-m", "partita.cli", *args] if launcher == "partita" else
+               [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                f"--master-port={free_port()}", "-m", "partita.cli", *args])
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1",
+                               "PARTITA_FAULT": "rank=1,step=2,at=backward,do=oom"})
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines()
+            if "process 1 ran out of device memory" in line]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert "of step 2 (CUDA out of memory. Tried to allocate 2.00 GiB" in said[0]
+    assert "The planner expects one process of this layout to hold about" in said[0]
+    assert "It would hold less with --train.microbatches=2" in said[0]
+    assert "fault inside partita" not in done.stderr
+    if launcher == "partita":  # torchrun prints its own traceback for any failed worker
+        assert "Traceback" not in done.stderr
+    assert not (out / "model.safetensors").exists()

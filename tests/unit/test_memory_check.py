@@ -12,6 +12,7 @@ from partita.commands.memory_check import (
     PROCESS_BASELINE_BYTES,
     check_host_memory,
     check_offloaded_states,
+    device_memory_advice,
     host_need,
     offloaded_bytes,
     plan_precision,
@@ -212,3 +213,37 @@ def test_gpu_jobs_are_judged_by_the_states_they_offload_to_host_memory():
     check_offloaded_states(with_overrides(cfg, ["--parallel.offload=none"]), 8, 8, available=1e9)
     check_offloaded_states(with_overrides(cfg, ["--train.host_memory_check=false"]), 8, 8,
                            available=1e9)
+
+
+def test_out_of_device_memory_says_what_the_layout_holds_and_what_would_fit():
+    """A CUDA out-of-memory error said only "Tried to allocate 2.00 GiB" (and partita
+    called it a fault of its own). The advice gives the planner's peak per process and
+    the first of the cumulative changes that brings it under the device."""
+    cfg = _cfg("--model.name=llama3-8b", "--train.global_batch=8", "--data.seq_len=4096",
+               "--precision.param_dtype=bfloat16")
+    text = device_memory_advice(cfg, 8, 80e9)
+    assert "of the device's 80.0 GB at its peak" in text and "of model states" in text
+    fix = text.split("It would fit with ")[1]
+    assert fix.startswith("--parallel.zero_stage=3 (about ")
+    assert float(fix.split("(about ")[1].split(" GB")[0]) <= 0.9 * 80
+    # A device the planner thinks it fits: said so, and the peak can still be lowered.
+    small = _cfg("--model.name=llama3.2-1b", "--train.global_batch=8",
+                 "--precision.param_dtype=bfloat16")
+    within = device_memory_advice(small, 1, 141e9)
+    assert "That is within the device" in within and "expandable_segments" in within
+    assert "Lowering the peak helps either way: --train.microbatches=2" in within
+    # The size unknown: the first change that lowers the peak, not "would fit".
+    unknown = device_memory_advice(cfg, 8, None)
+    assert "It would hold less with --parallel.zero_stage=3" in unknown
+    assert "device's" not in unknown
+
+
+def test_a_later_setting_of_the_same_key_replaces_the_earlier_one_in_the_advice():
+    """Selective, then full recompute: the advice names the one in effect only, and no
+    change the job already has (bf16 here)."""
+    cfg = _cfg("--model.name=llama3-8b", "--train.global_batch=8", "--data.seq_len=8192",
+               "--precision.param_dtype=bfloat16", "--train.microbatches=8")
+    text = device_memory_advice(cfg, 1, 10e9)
+    assert "--parallel.recompute=selective --parallel.recompute=full" not in text, text
+    assert "--parallel.recompute=full" in text, text
+    assert "--precision.param_dtype" not in text, text

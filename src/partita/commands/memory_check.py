@@ -16,6 +16,7 @@ reports from the rank that reached it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from partita.config import Config, with_overrides
@@ -34,6 +35,11 @@ WARN_FRACTION = 0.8  # above this share of the available memory a note says so
 # a CPU (the states, then activations, then the bytes per element, then the host copy).
 _REMEDIES = ("--parallel.zero_stage=3", "--parallel.recompute=full",
              "--precision.param_dtype=bfloat16", "--parallel.offload=optimizer+params+disk")
+# The same for a device's memory: recomputation before bf16 there (GPUs train in 16 bits
+# already, mostly), and the optimizer's states moved to host memory last.
+_DEVICE_REMEDIES = ("--parallel.zero_stage=3", "--parallel.recompute=selective",
+                    "--parallel.recompute=full", "--precision.param_dtype=bfloat16",
+                    "--parallel.offload=optimizer")
 
 
 @dataclass(frozen=True)
@@ -79,15 +85,16 @@ def shared_memory_bytes(cfg: Config, world_size: int) -> int:
     return total
 
 
-def _plan_inputs(cfg: Config, world_size: int):
+def _plan_inputs(cfg: Config, world_size: int, on_gpu: bool = False):
     """(layout, planner model, assumptions, precision) of this config, as the planner
-    sees the job."""
+    sees the job (on a CPU, or with `on_gpu` on a GPU)."""
     from partita.planner import Assumptions, PlanModel
     from partita.planner.compiled import compiled_activations
     from partita.planner.evaluate import with_kept_units
 
     model = PlanModel("run", cfg.model_config())
-    a = compiled_activations(Assumptions.measured_cpu(), model, cfg.train.compile)
+    base = Assumptions.partita_on_gpu() if on_gpu else Assumptions.measured_cpu()
+    a = compiled_activations(base, model, cfg.train.compile)
     a = dataclasses.replace(with_kept_units(a, cfg.parallel.keep_gathered),
                             disk_host_budget_bytes=cfg.parallel.host_memory_budget_gb * 1e9)
     return cfg.layout(world_size), model, a, plan_precision(cfg)
@@ -202,27 +209,69 @@ def offloaded_bytes(cfg: Config, world_size: int, local_processes: int) -> float
     return local_processes / layout.pp * sum(per_stage)
 
 
-def _remedy(cfg: Config, world_size: int, local_processes: int, available: float) -> str:
+def device_memory_advice(cfg: Config, world_size: int, device_bytes: float | None) -> str:
+    """For a process that ran out of device memory (`errors.OutOfDeviceMemory`): what
+    the planner expects one process of this layout to hold at its peak, and the first
+    of the cumulative changes that brings it within the device (or, its size unknown,
+    the first change that lowers it)."""
+    def peak(trial: Config) -> dict[str, float]:
+        from partita.planner.memory import memory_breakdown
+        from partita.planner.timing import num_microbatches
+
+        layout, model, a, precision = _plan_inputs(trial, world_size, on_gpu=True)
+        m = num_microbatches(layout, trial.train.global_batch)
+        return max((memory_breakdown(model, layout, trial.data.seq_len, m, stage, precision, a)
+                    for stage in range(layout.pp)), key=lambda b: b["total"])
+
+    b = peak(cfg)
+    states = sum(b[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
+    of = f" of the device's {_gb(device_bytes)}" if device_bytes else ""
+    said = (f"The planner expects one process of this layout to hold about {_gb(b['total'])}"
+            f"{of} at its peak ({_gb(states)} of model states, {_gb(b['activations'])} of "
+            f"activations, {_gb(b['comm_buffers'])} of communication buffers).")
+    within = bool(device_bytes) and b["total"] <= 0.9 * device_bytes
+    if within:
+        said += (" That is within the device: other processes on it, fragmentation (try "
+                 "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or what the planner "
+                 "does not model may take the rest.")
+    # Aimed a little under the device, which the allocator never fills to the byte; with
+    # its size unknown, or the peak already under it, at anything below the present peak.
+    if device_bytes and not within:
+        target, fits = 0.9 * device_bytes, "It would fit with"
+    else:
+        target = 0.99 * b["total"]
+        fits = "Lowering the peak helps either way:" if within else "It would hold less with"
+    fix = _remedy(cfg, world_size, lambda t: peak(t)["total"], target, _DEVICE_REMEDIES, fits)
+    return f"{said} {fix}"
+
+
+def _remedy(cfg: Config, world_size: int, local_processes: int | Callable[[Config], float],
+            available: float, remedies: tuple[str, ...] = _REMEDIES,
+            fits: str = "It would fit with") -> str:
     """The first of the cumulative changes that fits (more microbatches, then each of
-    `_REMEDIES`), or the least they reach together."""
+    `remedies`), or the least they reach together. What a trial needs is this
+    machine's `host_need` for `local_processes`, or what that callable says."""
+    need_of = (local_processes if callable(local_processes)
+               else lambda trial: host_need(trial, world_size, local_processes).total)
     flags: list[str] = []
     least = None
-    for flag in (*_microbatch_remedies(cfg, world_size), *_REMEDIES):
+    for flag in (*_microbatch_remedies(cfg, world_size), *remedies):
         try:
             trial = with_overrides(cfg, [flag])
+            if trial == cfg:
+                continue  # already so: nothing to name
             layout = trial.layout(world_size)
             validate(layout, trial.model_config(), world_size,
                      seq_len=trial.data.seq_len, global_batch=trial.train.global_batch)
-            need = host_need(trial, world_size, local_processes).total
+            need = need_of(trial)
         except PartitaError:
             continue  # not a layout this job can take (ZeRO-3 with a pipeline, ...)
-        if flags and flag.startswith("--train.microbatches") \
-                and flags[-1].startswith("--train.microbatches"):
-            flags.pop()  # a larger count replaces the one before
+        if flags and flags[-1].split("=")[0] == flag.split("=")[0]:
+            flags.pop()  # a larger count, or full recompute, replaces the one before
         cfg, least = trial, need
         flags.append(flag)
         if need <= available:
-            return f"It would fit with {' '.join(flags)} (about {_gb(need)})."
+            return f"{fits} {' '.join(flags)} (about {_gb(need)})."
     if least is None:
         return "Choose a smaller model (model.name or its dimensions)."
     return (f"Even with {' '.join(flags)} it would need about {_gb(least)}: choose a "
@@ -248,4 +297,9 @@ def _microbatch_remedies(cfg: Config, world_size: int) -> list[str]:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    """Bytes for a message: GB from one up, MB below (a small model's figures)."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB"
+    if n == 0:
+        return "0 MB"
+    return f"{n / 1e6:.1f} MB" if n < 1e7 else f"{n / 1e6:.0f} MB"

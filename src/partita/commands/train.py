@@ -21,7 +21,11 @@ from partita.checkpoint.resume import (
     resumes_own,
     set_aside_later_branch,
 )
-from partita.commands.memory_check import check_host_memory, check_offloaded_states
+from partita.commands.memory_check import (
+    check_host_memory,
+    check_offloaded_states,
+    device_memory_advice,
+)
 from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
@@ -30,6 +34,7 @@ from partita.errors import (
     CHECKPOINT_STOP_EXIT,
     PEER_FAILURE_EXIT,
     AgreedError,
+    OutOfDeviceMemory,
     PartitaError,
     PeerFailure,
     PeerReported,
@@ -100,7 +105,7 @@ def _worker(config_toml: str) -> dict:
         from partita.trainer import train
 
         cfg = config_from_toml(config_toml)
-        return train(cfg, fault_from_env())
+        return _explaining_memory(cfg, lambda: train(cfg, fault_from_env()))
     # A SIGTERM before the trainer took it over leaves as a stop before the start (exit
     # 75, which the launcher maps back): `launch._run_reporting_errors` sees to it.
     except PartitaError as exc:
@@ -115,6 +120,20 @@ def _worker(config_toml: str) -> dict:
             time.sleep(VICTIM_GRACE_S)
             raise SystemExit(PEER_FAILURE_EXIT) from None
         raise SystemExit(2) from None
+
+
+def _explaining_memory(cfg: Config, run: Callable[[], dict]) -> dict:
+    """`run()`, a process that runs out of device memory saying what the planner
+    expects the layout to hold and what would lower it (`device_memory_advice`)."""
+    try:
+        return run()
+    except OutOfDeviceMemory as exc:
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        try:
+            advice = device_memory_advice(cfg, world_size, exc.device_bytes)
+        except PartitaError:  # a layout the planner cannot price: torch's words suffice
+            advice = ""
+        raise PartitaError(f"{exc} {advice}".strip()) from None
 
 
 def default_nproc() -> int:
@@ -170,7 +189,9 @@ def _run(args: argparse.Namespace) -> int:
             for note in pipeline_notes(cfg, int(os.environ["WORLD_SIZE"])):
                 print(note, file=sys.stderr, flush=True)
         try:
-            return _exit_status([train(cfg)])
+            from partita.faults import fault_from_env
+
+            return _exit_status([_explaining_memory(cfg, lambda: train(cfg, fault_from_env()))])
         finally:
             for handle in filter(None, locks):
                 handle.close()
