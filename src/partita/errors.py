@@ -72,13 +72,15 @@ class PeerReported(PeerFailure):
 
 
 class OutOfDeviceMemory(PartitaError):
-    """This process ran out of its device's memory (torch.OutOfMemoryError): where, and
-    the device's size in bytes (None where unknown). `partita train` adds what the
-    planner expects the layout to hold and what would lower it."""
+    """This process ran out of its device's memory (torch.OutOfMemoryError, or on a CPU
+    the allocator's failure): where, and the device's size in bytes (None where unknown
+    or on a CPU). `partita train` adds what the planner expects the layout to hold and
+    what would lower it."""
 
-    def __init__(self, message: str, device_bytes: float | None) -> None:
+    def __init__(self, message: str, device_bytes: float | None, on_cpu: bool = False
+                 ) -> None:
         super().__init__(message)
-        self.device_bytes = device_bytes
+        self.device_bytes, self.on_cpu = device_bytes, on_cpu
 
 
 PEER_FAILURE_EXIT = 3

@@ -32,8 +32,10 @@ KINDS = ("kill", "stop", "raise")
 INJECTED = "partita: injecting fault:"  # the line a rank prints as it fires its fault
 # The write at this point fails as on a full disk.
 WRITE_KINDS = ("enospc",)
-# An allocation fails as on a full GPU (torch.OutOfMemoryError), on any device.
-MEMORY_KINDS = ("oom",)
+# An allocation fails as on a full GPU (torch.OutOfMemoryError, on any device), or as
+# torch's CPU allocator fails when the machine cannot give it the memory.
+MEMORY_KINDS = ("oom", "host_oom")
+HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
 ENV = "PARTITA_FAULT"
 
 
@@ -102,5 +104,9 @@ class Faults:
 
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB "
                                          f"(injected at {point})")
+        elif plan.do == "host_oom":
+            raise RuntimeError(f"[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               f"{HOST_ALLOCATION_FAILED}: you tried to allocate 2147483648 "
+                               f"bytes. Error code 12 (injected at {point})")
         else:
             raise InjectedFault(f"injected fault at {point} of step {step}")

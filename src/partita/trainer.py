@@ -39,7 +39,7 @@ from partita.errors import (
     PeerReported,
 )
 from partita.experts import moe_step_stats
-from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
+from partita.faults import HOST_ALLOCATION_FAILED, PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
 from partita.launch import LauncherGone, LauncherWatch, launcher_pid, process_gone
 from partita.machine_cache import default_cache_dir
@@ -470,6 +470,8 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     except torch.OutOfMemoryError as exc:  # the settings', not a fault of partita's
         raise _out_of_memory(trainer, exc) from None
     except (RuntimeError, dist.DistError) as exc:
+        if HOST_ALLOCATION_FAILED in str(exc):  # the same on a CPU
+            raise _out_of_memory(trainer, exc) from None
         if not is_peer_failure(exc):
             raise
         step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
@@ -487,18 +489,25 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
             dist.destroy_process_group()
 
 
-def _out_of_memory(trainer: Trainer | None, exc: torch.OutOfMemoryError) -> OutOfDeviceMemory:
-    """Where this process ran out of device memory, in the words of the user's run."""
+def _out_of_memory(trainer: Trainer | None, exc: RuntimeError) -> OutOfDeviceMemory:
+    """Where this process ran out of device (or, on a CPU, host) memory, in the words of
+    the user's run."""
     step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
                    else (0, "setup"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    text = str(exc)
+    if HOST_ALLOCATION_FAILED in text:  # from the allocator's words, not its source line
+        return OutOfDeviceMemory(
+            f"process {rank} ran out of memory in {phase} of step {step} "
+            f"({_first_words(text[text.index(HOST_ALLOCATION_FAILED):], 160)}).", None,
+            on_cpu=True)
     device_bytes = None
     if torch.cuda.is_available():
         device = trainer.device if trainer is not None else torch.device("cuda")
         if device.type == "cuda":
             device_bytes = float(torch.cuda.get_device_properties(device).total_memory)
-    return OutOfDeviceMemory(f"process {dist.get_rank() if dist.is_initialized() else 0} "
-                             f"ran out of device memory in {phase} of step {step} "
-                             f"({_first_words(str(exc), 160)}).", device_bytes)
+    return OutOfDeviceMemory(f"process {rank} ran out of device memory in {phase} of step "
+                             f"{step} ({_first_words(text, 160)}).", device_bytes)
 
 
 def _first_words(text: str, limit: int) -> str:

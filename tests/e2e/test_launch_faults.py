@@ -419,3 +419,22 @@ def test_a_process_out_of_device_memory_is_told_what_would_fit(launcher, cache, 
     if launcher == "partita":  # torchrun prints its own traceback for any failed worker
         assert "Traceback" not in done.stderr
     assert not (out / "model.safetensors").exists()
+
+
+def test_a_cpu_process_whose_allocation_fails_is_told_what_the_machine_holds(cache, tmp_path):
+    """torch's CPU allocator failing (a tensor larger than the machine can give) read as
+    a fault of partita's too."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "partita.cli", "train", *SMALL, f"--data.cache_dir={cache}",
+         "--train.steps=4", f"--train.out_dir={out}"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1",
+             "PARTITA_FAULT": "rank=0,step=2,at=forward,do=host_oom"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "process 0 ran out of memory" in line]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert "(DefaultCPUAllocator: can't allocate memory: you tried to allocate" in said[0]
+    assert "alloc_cpu.cpp" not in said[0]
+    assert "The planner expects this machine's 2 process(es) to hold about" in said[0]
+    assert "fault inside partita" not in done.stderr and "Traceback" not in done.stderr

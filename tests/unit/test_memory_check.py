@@ -247,3 +247,20 @@ def test_a_later_setting_of_the_same_key_replaces_the_earlier_one_in_the_advice(
     assert "--parallel.recompute=selective --parallel.recompute=full" not in text, text
     assert "--parallel.recompute=full" in text, text
     assert "--precision.param_dtype" not in text, text
+
+
+def test_a_failed_host_allocation_is_told_against_the_machines_memory(monkeypatch):
+    """On a CPU the advice weighs this machine's processes against its total memory."""
+    import partita.commands.memory_check as memory_check
+
+    monkeypatch.setattr(memory_check, "meminfo_bytes",
+                        lambda key: 24e9 if key == "MemTotal" else None)
+    big = _cfg("--model.name=llama-100m", "--model.max_seq_len=2048",
+               "--data.seq_len=2048", "--train.global_batch=64")
+    need = host_need(big, 2, 2).total
+    assert need > 0.9 * 24e9  # so the advice has to find a change that fits
+    text = memory_check.host_memory_advice(big, 2, 2)
+    assert f"to hold about {need / 1e9:.1f} GB of its 24.0 GB" in text
+    assert "It would fit with --train.microbatches=" in text
+    roomy = memory_check.host_memory_advice(_cfg(), 2, 2)
+    assert "That leaves room" in roomy and "Lowering it helps either way:" in roomy

@@ -245,6 +245,24 @@ def device_memory_advice(cfg: Config, world_size: int, device_bytes: float | Non
     return f"{said} {fix}"
 
 
+def host_memory_advice(cfg: Config, world_size: int, local_processes: int) -> str:
+    """For a CPU process whose allocation failed (`errors.OutOfDeviceMemory`, `on_cpu`):
+    what the planner expects this machine's processes to hold against its memory, and
+    the first of the cumulative changes that brings them under it."""
+    total = meminfo_bytes("MemTotal")
+    need = host_need(cfg, world_size, local_processes).total
+    of = f" of its {_gb(total)}" if total else ""
+    said = (f"The planner expects this machine's {local_processes} process(es) to hold "
+            f"about {_gb(need)}{of}.")
+    if total and need > 0.9 * total:
+        return f"{said} {_remedy(cfg, world_size, local_processes, 0.9 * total)}"
+    said += (" That leaves room: other programs may hold the rest, or what the planner "
+             "does not model.")
+    fix = _remedy(cfg, world_size, local_processes, 0.99 * need, _REMEDIES,
+                  "Lowering it helps either way:")
+    return f"{said} {fix}"
+
+
 def _remedy(cfg: Config, world_size: int, local_processes: int | Callable[[Config], float],
             available: float, remedies: tuple[str, ...] = _REMEDIES,
             fits: str = "It would fit with") -> str:

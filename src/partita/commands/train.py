@@ -25,6 +25,7 @@ from partita.commands.memory_check import (
     check_host_memory,
     check_offloaded_states,
     device_memory_advice,
+    host_memory_advice,
 )
 from partita.commands.train_notes import draws_timeline, pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
@@ -123,14 +124,17 @@ def _worker(config_toml: str) -> dict:
 
 
 def _explaining_memory(cfg: Config, run: Callable[[], dict]) -> dict:
-    """`run()`, a process that runs out of device memory saying what the planner
-    expects the layout to hold and what would lower it (`device_memory_advice`)."""
+    """`run()`, a process that runs out of device (or host) memory saying what the
+    planner expects the layout to hold and what would lower it (`device_memory_advice`,
+    `host_memory_advice`)."""
     try:
         return run()
     except OutOfDeviceMemory as exc:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         try:
-            advice = device_memory_advice(cfg, world_size, exc.device_bytes)
+            advice = (host_memory_advice(cfg, world_size, local_processes) if exc.on_cpu
+                      else device_memory_advice(cfg, world_size, exc.device_bytes))
         except PartitaError:  # a layout the planner cannot price: torch's words suffice
             advice = ""
         raise PartitaError(f"{exc} {advice}".strip()) from None
