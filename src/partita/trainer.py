@@ -492,13 +492,13 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
 def _out_of_memory(trainer: Trainer | None, exc: RuntimeError) -> OutOfDeviceMemory:
     """Where this process ran out of device (or, on a CPU, host) memory, in the words of
     the user's run."""
-    step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
-                   else (0, "setup"))
+    where = (f"in {trainer.progress.phase} of step {trainer.progress.step}"
+             if trainer is not None else "while it was set up")
     rank = dist.get_rank() if dist.is_initialized() else 0
     text = str(exc)
     if HOST_ALLOCATION_FAILED in text:  # from the allocator's words, not its source line
         return OutOfDeviceMemory(
-            f"process {rank} ran out of memory in {phase} of step {step} "
+            f"process {rank} ran out of memory {where} "
             f"({_first_words(text[text.index(HOST_ALLOCATION_FAILED):], 160)}).", None,
             on_cpu=True)
     device_bytes = None
@@ -506,8 +506,8 @@ def _out_of_memory(trainer: Trainer | None, exc: RuntimeError) -> OutOfDeviceMem
         device = trainer.device if trainer is not None else torch.device("cuda")
         if device.type == "cuda":
             device_bytes = float(torch.cuda.get_device_properties(device).total_memory)
-    return OutOfDeviceMemory(f"process {rank} ran out of device memory in {phase} of step "
-                             f"{step} ({_first_words(text, 160)}).", device_bytes)
+    return OutOfDeviceMemory(f"process {rank} ran out of device memory {where} "
+                             f"({_first_words(text, 160)}).", device_bytes)
 
 
 def _first_words(text: str, limit: int) -> str:
