@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from partita.commands.train import check_run_dir, prepare_run_dir
+from partita.commands.run_folders import check_run_dir, prepare_run_dir
 from partita.config import load_config
 from partita.errors import PartitaError
 from partita.folder_lock import LOCK_FILE, check_not_in_use, lock_folder

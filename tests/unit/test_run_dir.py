@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from partita import run_dir
-from partita.commands.train import check_run_dir, prepare_run_dir
+from partita.commands.run_folders import check_run_dir, prepare_run_dir
 from partita.commands.train_notes import print_notes
 from partita.config import load_config
 from partita.errors import PartitaError
@@ -196,7 +196,7 @@ def test_the_weights_file_gets_a_new_files_mode(tmp_path, monkeypatch):
     assert stat.S_IMODE((tmp_path / "model.safetensors").stat().st_mode) == 0o644
 
 
-# `partita train` checks every folder it writes into before launch (commands/train.py),
+# `partita train` checks every folder it writes into before launch (commands/run_folders.py),
 # with the same rules as train.out_dir: a file is not a folder, a missing folder is made,
 # one that cannot be written is refused.
 

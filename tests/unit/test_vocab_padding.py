@@ -128,7 +128,7 @@ def _model(cfg):
 
 
 def test_a_checkpoint_of_other_padding_is_refused_before_any_weight_loads(tmp_path):
-    from partita.commands.train import check_run_dir
+    from partita.commands.run_folders import check_run_dir
 
     saved_cfg = _config(64)
     train_layout(0, 1, saved_cfg, steps=1, save_to=str(tmp_path / "ckpt"))
