@@ -33,15 +33,14 @@ from partita.device_specs import slow_cpu_matmul_warning
 from partita.errors import (
     STOP_REQUEST,
     AgreedError,
-    OutOfDeviceMemory,
     PartitaError,
     PeerFailure,
     PeerReported,
 )
 from partita.experts import moe_step_stats
-from partita.faults import HOST_ALLOCATION_FAILED, PIPELINE_POINTS, FaultPlan, Faults
+from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
-from partita.launch import LauncherGone, LauncherWatch, launcher_pid, process_gone
+from partita.launch import LauncherWatch, launcher_pid
 from partita.machine_cache import default_cache_dir
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory_bytes
@@ -49,8 +48,9 @@ from partita.models.documents import document_ids
 from partita.models.model_config import vocab_alignment_warning
 from partita.optim import WarmupCosine
 from partita.parallelize import ParallelModel, build_parallel_model, dims_from_config
-from partita.process_setup import default_threads, init_distributed, is_peer_failure, pick_device
+from partita.process_setup import default_threads, init_distributed, pick_device
 from partita.trainer_checkpoints import CheckpointSteps
+from partita.trainer_failures import told_failure
 from partita.watchdog import Progress
 from partita.weights import save_weights
 
@@ -465,66 +465,14 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
         return trainer.run()
     except PeerReported:  # another process prints why
         raise
-    except PeerFailure as exc:  # a pipeline transfer that timed out: say who to look at
-        raise PeerFailure(f"{exc} {_culprit_sentence(trainer, launcher)}.") from None
-    except torch.OutOfMemoryError as exc:  # the settings', not a fault of partita's
-        raise _out_of_memory(trainer, exc) from None
-    except (RuntimeError, dist.DistError) as exc:
-        if HOST_ALLOCATION_FAILED in str(exc):  # the same on a CPU
-            raise _out_of_memory(trainer, exc) from None
-        if not is_peer_failure(exc):
+    except (PeerFailure, RuntimeError, dist.DistError) as exc:
+        told = told_failure(exc, trainer and trainer.progress, trainer and trainer.device,
+                            launcher, cfg.train.collective_timeout_s)
+        if told is exc:
             raise
-        step, phase = ((trainer.progress.step, trainer.progress.phase) if trainer is not None
-                       else (0, "setup"))
-        who = _culprit_sentence(trainer, launcher)
-        if launcher is None or who != LauncherGone.sentence(launcher):
-            who += (f"; collectives wait at most train.collective_timeout_s="
-                    f"{cfg.train.collective_timeout_s:g} s")
-        raise PeerFailure(f"a collective in {phase} of step {step} failed: "
-                          f"{_first_words(str(exc), 160)}. {who}.") from None
+        raise told from None
     finally:
         if trainer is not None:
             trainer.progress.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _out_of_memory(trainer: Trainer | None, exc: RuntimeError) -> OutOfDeviceMemory:
-    """Where this process ran out of device (or, on a CPU, host) memory, in the words of
-    the user's run."""
-    where = (f"in {trainer.progress.phase} of step {trainer.progress.step}"
-             if trainer is not None else "while it was set up")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    text = str(exc)
-    if HOST_ALLOCATION_FAILED in text:  # from the allocator's words, not its source line
-        return OutOfDeviceMemory(
-            f"process {rank} ran out of memory {where} "
-            f"({_first_words(text[text.index(HOST_ALLOCATION_FAILED):], 160)}).", None,
-            on_cpu=True)
-    device_bytes = None
-    if torch.cuda.is_available():
-        device = trainer.device if trainer is not None else torch.device("cuda")
-        if device.type == "cuda":
-            device_bytes = float(torch.cuda.get_device_properties(device).total_memory)
-    return OutOfDeviceMemory(f"process {rank} ran out of device memory {where} "
-                             f"({_first_words(text, 160)}).", device_bytes)
-
-
-def _first_words(text: str, limit: int) -> str:
-    """The first line of `text`, cut at a word within `limit` characters ("..." marks
-    a cut): torch's messages run long, and a cut mid-word read as a typo."""
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    if len(line) <= limit:
-        return line.rstrip(".")
-    return line[:limit].rsplit(" ", 1)[0].rstrip(" ,;:.") + "..."
-
-
-def _culprit_sentence(trainer: Trainer | None, launcher: int | None) -> str:
-    """Who to look at after a failed transfer or collective (see watchdog.culprits)."""
-    if launcher is not None and process_gone(launcher):
-        return LauncherGone.sentence(launcher)
-    late = trainer.progress.culprits() if trainer is not None else ""
-    if late:
-        return f"The process to look at: {late}"
-    return ("Another process of the job stopped, died or stalled (the launcher names the "
-            "one that failed first)")

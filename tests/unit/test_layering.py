@@ -57,7 +57,7 @@ CHAIN: list[tuple[str, tuple[str, ...]]] = [
                   "partita.kv_cache",
                   "partita.metrics", "partita.run_dir", "partita.export")),
     ("trainer", ("partita.trainer", "partita.trainer_checkpoints", "partita.launch",
-                 "partita.worker_watch", "partita.faults",
+                 "partita.worker_watch", "partita.faults", "partita.trainer_failures",
                  "partita.watchdog", "partita.process_setup")),
     ("bench", ("partita.bench",)),
     ("commands", ("partita.commands", "partita.cli")),
