@@ -9,9 +9,7 @@ import time
 from collections.abc import Callable
 
 from partita.checkpoint import read_manifest
-from partita.checkpoint.resume import (
-    resume_target,
-)
+from partita.checkpoint.resume import resume_target
 from partita.commands.memory_check import (
     check_host_memory,
     check_offloaded_states,
@@ -48,9 +46,7 @@ from partita.launch import (
 from partita.layout import Layout
 from partita.layout_rules import validate
 from partita.models.hf_config import check_exportable
-from partita.run_dir import (
-    with_absolute_inputs,
-)
+from partita.run_dir import with_absolute_inputs
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
