@@ -344,7 +344,7 @@ def test_a_resume_with_nothing_left_to_train_ends_with_done_and_the_weights(tmp_
 
 
 def test_a_peer_failure_message_is_cut_at_a_word():
-    from partita.trainer import _first_words
+    from partita.trainer_failures import _first_words
 
     text = "Connection closed by peer. This is typically caused by a remote process dying"
     assert _first_words(text, 40) == "Connection closed by peer. This is..."
