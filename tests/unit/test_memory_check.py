@@ -13,6 +13,7 @@ from partita.commands.memory_check import (
     check_host_memory,
     check_offloaded_states,
     device_memory_advice,
+    device_memory_note,
     host_need,
     offloaded_bytes,
     plan_precision,
@@ -264,3 +265,14 @@ def test_a_failed_host_allocation_is_told_against_the_machines_memory(monkeypatc
     assert "It would fit with --train.microbatches=" in text
     roomy = memory_check.host_memory_advice(_cfg(), 2, 2)
     assert "That leaves room" in roomy and "Lowering it helps either way:" in roomy
+
+
+def test_a_gpu_job_the_planner_expects_beyond_its_gpu_gets_a_note_before_launch():
+    """A note, not a refusal: llama3-8b at stage 0 over 8 GPUs holds ~176 GB a GPU."""
+    cfg = _cfg("--model.name=llama3-8b", "--train.global_batch=8", "--data.seq_len=4096",
+               "--precision.param_dtype=bfloat16")
+    note = device_memory_note(cfg, 8, 80e9)
+    assert note.startswith("partita: note: this job will likely run out of GPU memory.")
+    assert "It would fit with --parallel.zero_stage=3" in note
+    assert device_memory_note(cfg, 8, 400e9) is None  # room to spare
+    assert device_memory_note(cfg, 8, None) is None  # no GPU to compare with

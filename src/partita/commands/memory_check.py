@@ -214,16 +214,7 @@ def device_memory_advice(cfg: Config, world_size: int, device_bytes: float | Non
     the planner expects one process of this layout to hold at its peak, and the first
     of the cumulative changes that brings it within the device (or, its size unknown,
     the first change that lowers it)."""
-    def peak(trial: Config) -> dict[str, float]:
-        from partita.planner.memory import memory_breakdown
-        from partita.planner.timing import num_microbatches
-
-        layout, model, a, precision = _plan_inputs(trial, world_size, on_gpu=True)
-        m = num_microbatches(layout, trial.train.global_batch)
-        return max((memory_breakdown(model, layout, trial.data.seq_len, m, stage, precision, a)
-                    for stage in range(layout.pp)), key=lambda b: b["total"])
-
-    b = peak(cfg)
+    b = _device_peak(cfg, world_size)
     states = sum(b[k] for k in ("parameters", "gradients", "master_weights", "optimizer_states"))
     of = f" of the device's {_gb(device_bytes)}" if device_bytes else ""
     said = (f"The planner expects one process of this layout to hold about {_gb(b['total'])}"
@@ -241,8 +232,31 @@ def device_memory_advice(cfg: Config, world_size: int, device_bytes: float | Non
     else:
         target = 0.99 * b["total"]
         fits = "Lowering the peak helps either way:" if within else "It would hold less with"
-    fix = _remedy(cfg, world_size, lambda t: peak(t)["total"], target, _DEVICE_REMEDIES, fits)
+    fix = _remedy(cfg, world_size, lambda t: _device_peak(t, world_size)["total"], target,
+                  _DEVICE_REMEDIES, fits)
     return f"{said} {fix}"
+
+
+def _device_peak(cfg: Config, world_size: int) -> dict[str, float]:
+    """The planner's bytes on one GPU of the layout's largest pipeline stage, by part."""
+    from partita.planner.memory import memory_breakdown
+    from partita.planner.timing import num_microbatches
+
+    layout, model, a, precision = _plan_inputs(cfg, world_size, on_gpu=True)
+    m = num_microbatches(layout, cfg.train.global_batch)
+    return max((memory_breakdown(model, layout, cfg.data.seq_len, m, stage, precision, a)
+                for stage in range(layout.pp)), key=lambda b: b["total"])
+
+
+def device_memory_note(cfg: Config, world_size: int, device_bytes: float | None) -> str | None:
+    """Before a GPU job starts: a note when the planner expects one process of the layout
+    to hold more than its GPU (`device_bytes`), with the change that would fit; None
+    otherwise. A note, not a refusal: the planner's bytes are checked against partita's
+    own on a CPU, not against a GPU's allocator."""
+    if not device_bytes or _device_peak(cfg, world_size)["total"] <= device_bytes:
+        return None
+    return ("partita: note: this job will likely run out of GPU memory. "
+            f"{device_memory_advice(cfg, world_size, device_bytes)}")
 
 
 def host_memory_advice(cfg: Config, world_size: int, local_processes: int) -> str:

@@ -14,6 +14,7 @@ from partita.commands.memory_check import (
     check_host_memory,
     check_offloaded_states,
     device_memory_advice,
+    device_memory_note,
     host_memory_advice,
 )
 from partita.commands.run_folders import check_run_dir, prepare_run_dir
@@ -117,6 +118,17 @@ def _explaining_memory(cfg: Config, run: Callable[[], dict]) -> dict:
         except PartitaError:  # a layout the planner cannot price: torch's words suffice
             advice = ""
         raise PartitaError(f"{exc} {advice}".strip()) from None
+
+
+def gpu_bytes(device_name: str) -> float | None:
+    """The memory of the GPU `train.device` names (the first for "cuda" or "auto": a
+    node's GPUs are alike), None without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    index = int(device_name.split(":")[1]) if ":" in device_name else 0
+    return float(torch.cuda.get_device_properties(index).total_memory)
 
 
 def default_nproc() -> int:
@@ -266,7 +278,10 @@ def _check_memory_under_torchrun(cfg: Config, world_size: int) -> int:
     def check() -> None:
         if not on_cpu:
             check_offloaded_states(cfg, world_size, local_processes)
-        elif (note := check_host_memory(cfg, world_size, local_processes)) and speaker:
+            note = speaker and device_memory_note(cfg, world_size, gpu_bytes(cfg.train.device))
+        else:
+            note = check_host_memory(cfg, world_size, local_processes)
+        if note and speaker:
             print(note, file=sys.stderr, flush=True)
     return _checked_by_every_rank(check, speaker)
 
@@ -334,6 +349,8 @@ def validate_before_launch(cfg: Config, world_size: int, local_processes: int | 
         print(note, file=sys.stderr, flush=True)
     if not on_cpu:
         check_offloaded_states(cfg, world_size, local_processes or world_size)
+        if note := device_memory_note(cfg, world_size, gpu_bytes(cfg.train.device)):
+            print(note, file=sys.stderr, flush=True)
     locks = prepare_run_dir(cfg, lock)
     if note := threads_note(cfg, local_processes or world_size):
         print(note, file=sys.stderr, flush=True)
