@@ -18,7 +18,10 @@
 #   eagerprof  partita's eager stage 0 on gpt2-124m (16 x 1024) profiled, next to `partita
 #           plan` for it: where the 14-20% the planner misses there with the GPU's own
 #           attention rate goes (`PARTITA_GPU_FLASH` in planner/assumptions.py);
-#   zero, pp  `partita bench zero` / `bench pp` on the machine's CPU cores.
+#   zero, pp  `partita bench zero` / `bench pp` on the machine's CPU cores;
+#   oom     `partita train` of llama3-8b at ZeRO-0 on one GPU, beyond its memory: the
+#           note before launch and the out-of-memory message with the planner's advice
+#           (checked on a CPU only with an injected torch.OutOfMemoryError).
 # Logs go to $OUT (the device tool's folder) or ./device-logs. Run from the repo root.
 # Arguments pick parts, run in the order given; BUDGET (seconds, default 540) bounds the
 # whole call: each part gets at most its own limit and what is left, and a part that
@@ -94,6 +97,10 @@ eagerprof) part eagerprof 150 partita bench gpu --model gpt2-124m --batch 16 --s
                --set flash_fwd_fraction=0.7 --set flash_bwd_fraction=0.55 ;;
 zero) part zero 200 partita bench zero --no-deepspeed ;;
 pp) part pp 240 partita bench pp ;;
-*) echo "unknown part $p (sweep loss gqa compile train trainc vocab gpu gpugpt eagerprof zero pp)" ;;
+oom) part oom 150 partita train --model.name=llama3-8b --data.seq_len=4096 \
+         --train.global_batch=4 --precision.param_dtype=bfloat16 --train.steps=2 \
+         --train.progress=false --metrics.tensorboard=false --train.overwrite=true \
+         --train.out_dir=/tmp/gpu-oom ;;
+*) echo "unknown part $p (sweep loss gqa compile train trainc vocab gpu gpugpt eagerprof zero pp oom)" ;;
 esac; done
 echo "== [$SECONDS s] done"
