@@ -8,9 +8,13 @@ bytes, `bench plan-accuracy`), so the launcher asks it before starting anything 
 refuses a job that needs more than the machine has available, naming the smallest
 change that would fit. Under torchrun every process asks before it builds anything,
 for its node's processes against its node's memory, and the node's first process says
-why (`commands.train`). `train.host_memory_check = false` starts it anyway. GPU jobs are
-not judged here: their limit is each device's memory, which a CUDA out-of-memory error
-reports from the rank that reached it.
+why (`commands.train`). `train.host_memory_check = false` starts it anyway.
+
+GPU jobs are refused only for the states they offload to host memory
+(`check_offloaded_states`). Their device's memory gets a note before launch where the
+planner expects the layout beyond it (`device_memory_note`), and a process that runs
+out of memory all the same says what the planner expects it to hold and what would fit
+(`device_memory_advice`; `host_memory_advice` for a CPU's failed allocation).
 """
 
 from __future__ import annotations
@@ -160,14 +164,14 @@ def check_host_memory(cfg: Config, world_size: int, local_processes: int,
     per = "" if n == 1 else f" for its {n} processes"
     shared = (f", {need.shared_bytes / 2**20:.0f} MiB of shared memory (/dev/shm) for "
               "their transfers" if need.shared_bytes else "")
+    fix = _remedy(cfg, world_size, _host(world_size, local_processes), available)
     raise PartitaError(
         f"this job needs about {_gb(need.total)} of memory{per} ({_gb(need.states_bytes)} "
         f"of model states, {_gb(need.tensor_bytes - need.states_bytes)} of activations "
         f"and buffers, {_gb(n * PROCESS_BASELINE_BYTES)} for the processes themselves"
         f"{shared}), "
         f"and this machine has {_gb(available)} available, so the out-of-memory killer "
-        f"would end it. {_remedy(cfg, world_size, local_processes, available)} To start "
-        "it anyway, add --train.host_memory_check=false.")
+        f"would end it. {fix} To start it anyway, add --train.host_memory_check=false.")
 
 
 def check_offloaded_states(cfg: Config, world_size: int, local_processes: int,
@@ -264,27 +268,30 @@ def host_memory_advice(cfg: Config, world_size: int, local_processes: int) -> st
     what the planner expects this machine's processes to hold against its memory, and
     the first of the cumulative changes that brings them under it."""
     total = meminfo_bytes("MemTotal")
-    need = host_need(cfg, world_size, local_processes).total
+    host = _host(world_size, local_processes)
+    need = host(cfg)
     of = f" of its {_gb(total)}" if total else ""
     said = (f"The planner expects this machine's {local_processes} process(es) to hold "
             f"about {_gb(need)}{of}.")
     if total and need > 0.9 * total:
-        return f"{said} {_remedy(cfg, world_size, local_processes, 0.9 * total)}"
+        return f"{said} {_remedy(cfg, world_size, host, 0.9 * total)}"
     said += (" That leaves room: other programs may hold the rest, or what the planner "
              "does not model.")
-    fix = _remedy(cfg, world_size, local_processes, 0.99 * need, _REMEDIES,
+    fix = _remedy(cfg, world_size, host, 0.99 * need, _REMEDIES,
                   "Lowering it helps either way:")
     return f"{said} {fix}"
 
 
-def _remedy(cfg: Config, world_size: int, local_processes: int | Callable[[Config], float],
+def _host(world_size: int, local_processes: int) -> Callable[[Config], float]:
+    """What a config needs of this machine's memory (`host_need`), as `_remedy` asks."""
+    return lambda trial: host_need(trial, world_size, local_processes).total
+
+
+def _remedy(cfg: Config, world_size: int, need_of: Callable[[Config], float],
             available: float, remedies: tuple[str, ...] = _REMEDIES,
             fits: str = "It would fit with") -> str:
     """The first of the cumulative changes that fits (more microbatches, then each of
-    `remedies`), or the least they reach together. What a trial needs is this
-    machine's `host_need` for `local_processes`, or what that callable says."""
-    need_of = (local_processes if callable(local_processes)
-               else lambda trial: host_need(trial, world_size, local_processes).total)
+    `remedies`) within `available` by `need_of`, or the least they reach together."""
     flags: list[str] = []
     least = None
     for flag in (*_microbatch_remedies(cfg, world_size), *remedies):
