@@ -16,12 +16,13 @@ from partita.errors import OutOfDeviceMemory, PeerFailure
 from partita.faults import HOST_ALLOCATION_FAILED
 from partita.launch import LauncherGone, process_gone
 from partita.process_setup import is_peer_failure
+from partita.watchdog import Progress
 
 
-def told_failure(exc: BaseException, progress, device: torch.device | None,
+def told_failure(exc: BaseException, progress: Progress | None, device: torch.device | None,
                  launcher: int | None, collective_timeout_s: float) -> BaseException:
-    """The error to report for `exc`; `progress` (the trainer's `watchdog` progress) and
-    `device` are None when the trainer was not built yet."""
+    """The error to report for `exc`; `progress` (the trainer's) and `device` are None
+    when the trainer was not built yet."""
     if isinstance(exc, PeerFailure):  # a pipeline transfer that timed out
         return PeerFailure(f"{exc} {_culprit_sentence(progress, launcher)}.")
     if isinstance(exc, torch.OutOfMemoryError) or HOST_ALLOCATION_FAILED in str(exc):
@@ -36,7 +37,7 @@ def told_failure(exc: BaseException, progress, device: torch.device | None,
                        f"{_first_words(str(exc), 160)}. {who}.")
 
 
-def _out_of_memory(progress, device: torch.device | None, exc: BaseException
+def _out_of_memory(progress: Progress | None, device: torch.device | None, exc: BaseException
                    ) -> OutOfDeviceMemory:
     """Where this process ran out of device (or, on a CPU, host) memory."""
     where = (f"in {progress.phase} of step {progress.step}" if progress is not None
@@ -66,7 +67,7 @@ def _first_words(text: str, limit: int) -> str:
     return line[:limit].rsplit(" ", 1)[0].rstrip(" ,;:.") + "..."
 
 
-def _culprit_sentence(progress, launcher: int | None) -> str:
+def _culprit_sentence(progress: Progress | None, launcher: int | None) -> str:
     """Who to look at after a failed transfer or collective (see watchdog.culprits)."""
     if launcher is not None and process_gone(launcher):
         return LauncherGone.sentence(launcher)
