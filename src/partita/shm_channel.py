@@ -47,7 +47,7 @@ _MASK = 0xFFFFFFFF
 
 def _header_bytes(n_pairs: int) -> int:
     # The file's first line holds the token `shm_share` checks; then two lines per pair.
-    return -(-_LINE * (1 + 2 * n_pairs) // 4096) * 4096
+    return shm_share.whole_pages(_LINE * (1 + 2 * n_pairs))
 
 
 def slots_per_ring(n_pairs: int) -> int:

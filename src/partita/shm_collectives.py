@@ -59,7 +59,7 @@ _MASK = 0xFFFFFFFF
 
 
 def _header_bytes(size: int) -> int:
-    return -(-_LINE * (size + 1) // 4096) * 4096
+    return shm_share.whole_pages(_LINE * (size + 1))
 
 
 def _buffer_bytes(buffer_bytes: int, size: int) -> int:

@@ -159,19 +159,15 @@ def share(group: dist.ProcessGroup, ranks: list[int], index: int, nbytes: int,
         except (OSError, ValueError) as exc:
             why = why or f"no shared arena ({exc})"
             mm = None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-                fd = -1
         mapped = _ELSEWHERE if elsewhere else _FAILED if mm is None else _MAPPED
         me = torch.tensor([[mapped, os.getpid(), *shm_os.identity(os.getpid())]],
                           dtype=torch.int64)
         every = torch.empty((len(ranks), 4), dtype=torch.int64)
         dist_all_gather_flat(every, me, group=group)
     finally:
-        # Every member has mapped it or given up by now; where a collective above
-        # failed (a member died), unlink it all the same: a file left behind would hold
-        # its memory until the machine restarts.
+        # Every member has mapped it or given up by now (a mapping outlives its file
+        # descriptor); where a collective above failed (a member died), unlink it all
+        # the same: a file left behind would hold its memory until the machine restarts.
         if fd >= 0:
             os.close(fd)
         if path is not None:
@@ -186,6 +182,12 @@ def share(group: dist.ProcessGroup, ranks: list[int], index: int, nbytes: int,
         return None
     return Shared(mm, torch.frombuffer(mm, dtype=torch.uint8), peers, group_timeout(group),
                   path)
+
+
+def whole_pages(nbytes: int) -> int:
+    """`nbytes` rounded up to whole 4 KiB pages (a shared file's header before the
+    buffers that follow it)."""
+    return -(-nbytes // 4096) * 4096
 
 
 def _create(nbytes: int, token: bytes) -> tuple[str, int]:
