@@ -85,6 +85,12 @@ def launcher_pid() -> int | None:
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
+def launched_by_partita() -> bool:
+    """Whether partita's own launcher started this worker (it then watches the job's
+    tail, `worker_watch`); False under torchrun, srun or a direct call."""
+    return bool(os.environ.get(LAUNCHER_PID))
+
+
 class LauncherGone(PartitaError):
     def __init__(self, pid: int) -> None:
         super().__init__("this process stopped rather than train on unattended: "

@@ -40,7 +40,7 @@ from partita.errors import (
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
-from partita.launch import LauncherWatch, launcher_pid
+from partita.launch import LauncherWatch, launched_by_partita, launcher_pid
 from partita.machine_cache import default_cache_dir
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory_bytes
@@ -51,7 +51,7 @@ from partita.parallelize import ParallelModel, build_parallel_model, dims_from_c
 from partita.process_setup import default_threads, init_distributed, pick_device
 from partita.trainer_checkpoints import CheckpointSteps
 from partita.trainer_failures import told_failure
-from partita.watchdog import Progress
+from partita.watchdog import Progress, SilentAtTheEnd
 from partita.weights import save_weights
 
 
@@ -462,8 +462,11 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     launcher = launcher_pid()
     try:
         trainer = Trainer(cfg, fault)
-        return trainer.run()
-    except PeerReported:  # another process prints why
+        result = trainer.run()
+        if not launched_by_partita():  # nothing else bounds the job's tail
+            trainer.progress.wait_for_the_others()
+        return result
+    except (PeerReported, SilentAtTheEnd):  # told already, or by another process
         raise
     except (PeerFailure, RuntimeError, dist.DistError) as exc:
         told = told_failure(exc, trainer and trainer.progress, trainer and trainer.device,

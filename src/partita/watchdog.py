@@ -15,6 +15,10 @@ background thread bumps a heartbeat counter four times a second. Two uses:
   the step it follows.
 
 A stalled rank cannot report itself, so the report comes from the ones waiting for it.
+Once a rank has finished, no collective waits on the ones still working (process 0
+exporting the weights, say): where partita's launcher does not watch that tail (under
+torchrun or srun), a finished rank waits for the others itself (`wait_for_the_others`)
+and ends the job when one's heartbeat stays still for the collective timeout.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import threading
 import time
 from collections import deque
 
-from partita.errors import print_line
+from partita.errors import PeerFailure, print_line
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
@@ -54,12 +58,18 @@ def _store_client():
     return dist.PrefixStore(f"attempt-{attempt}", store)
 
 
+class SilentAtTheEnd(PeerFailure):
+    """A finished rank waited for the others and one stopped responding; the message
+    names it."""
+
+
 class Progress:
     """Publishes this rank's position and heartbeat; rank 0 also watches for stalls."""
 
     STEP_KEY = "partita/progress/{rank}"
     BEAT_KEY = "partita/beat/{rank}"
     PID_KEY = "partita/pid/{rank}"
+    DONE_KEY = "partita/done/{rank}"
 
     def __init__(self, rank: int, world_size: int, factor: float, min_seconds: float,
                  timeout_s: float) -> None:
@@ -96,6 +106,51 @@ class Progress:
         self.phase = phase
         if self._store is not None:
             self._store.set(self.STEP_KEY.format(rank=self.rank), f"{step}|{phase}")
+
+    def wait_for_the_others(self, poll_s: float = BEAT_S) -> None:
+        """This rank's work is done: publish it, then wait until every rank's is.
+
+        A rank whose heartbeat stays still for `timeout_s` (stopped, hung or dead) is
+        named, killed if on this machine, and PeerFailure ends this rank, so that the
+        launcher ends the job instead of waiting for that rank without a bound. A rank
+        still beating is working (a long export) and is waited for. A store that is gone
+        means its host, the job's agent or rank 0, has ended the job: nothing to wait for.
+        """
+        if self._store is None:
+            return
+        try:
+            self._store.set(self.DONE_KEY.format(rank=self.rank), "1")
+            pending = [r for r in range(self.world) if r != self.rank]
+            beats: dict[int, bytes] = {}
+            still_since: dict[int, float] = {}
+            last_poll = time.monotonic()
+            while pending:
+                pending = [r for r in pending
+                           if not self._store.check([self.DONE_KEY.format(rank=r)])]
+                now = time.monotonic()
+                if now - last_poll > 5 * poll_s:  # this process was suspended (Ctrl-Z)
+                    still_since.clear()
+                last_poll = now
+                latest = self._store.multi_get([self.BEAT_KEY.format(rank=r) for r in pending])
+                for r, beat in zip(pending, latest, strict=True):
+                    if beats.get(r) != beat:
+                        beats[r], still_since[r] = beat, now
+                    still_since.setdefault(r, now)
+                silent = [r for r in pending if now - still_since[r] >= self.timeout_s]
+                if silent:
+                    break
+                time.sleep(poll_s)
+            else:
+                return
+            where = self.positions()
+            self._kill_local(silent)
+        except Exception:  # the store's host ended
+            return
+        raise SilentAtTheEnd(
+            f"process {self.rank} finished, then waited for the others: "
+            f"{describe(where, silent)} for train.collective_timeout_s="
+            f"{self.timeout_s:g} s, so the job stops. Files it was writing keep their "
+            "temporary names; the ones named before it stopped are complete.")
 
     def close(self) -> None:
         self._stop.set()

@@ -438,3 +438,44 @@ def test_a_cpu_process_whose_allocation_fails_is_told_what_the_machine_holds(cac
     assert "alloc_cpu.cpp" not in said[0]
     assert "The planner expects this machine's 2 process(es) to hold about" in said[0]
     assert "fault inside partita" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_job_under_torchrun_trains_exports_and_exits_cleanly(cache, tmp_path):
+    """The whole job under torchrun's agent, whose store outlives the workers: the
+    finished process waits for process 0's export and both exit 0."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={free_port()}", "-m", "partita.cli", "train", *SMALL,
+         f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
+         f"--train.out_dir={out}"], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "done: 3 steps" in done.stdout
+    assert (out / "model.safetensors").exists() and (out / "hf" / "config.json").exists()
+
+
+def test_a_process_stopped_after_the_others_finished_ends_the_job_under_torchrun(cache,
+                                                                                  tmp_path):
+    """Process 0 stopped while it exported the weights, after process 1 had finished:
+    partita's launcher ends such a tail (`worker_watch`), but torchrun's agent waited
+    for it without a bound. The finished process now waits for the others itself."""
+    out = tmp_path / "run"
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         f"--master-port={free_port()}", "-m", "partita.cli", "train", *SMALL,
+         f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
+         "--train.collective_timeout_s=4", f"--train.out_dir={out}"],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1",
+             "PARTITA_FAULT": "rank=0,step=3,at=export,do=stop"})
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("partita: error:")]
+    assert said == ["partita: error: process 1 finished, then waited for the others: rank 0 "
+                    "(last seen in step 3, export) stopped responding (stopped, hung or dead; "
+                    "ended now if on this machine) for train.collective_timeout_s=4 s, so the "
+                    "job stops. Files it was writing keep their temporary names; the ones "
+                    "named before it stopped are complete."], done.stderr[-3000:]
+    assert time.monotonic() - start < 120
+    assert (out / "model.safetensors").exists()  # written before the export began
+    assert not (out / "hf").exists()

@@ -75,3 +75,80 @@ def test_a_message_and_its_newline_leave_in_one_write(monkeypatch) -> None:
     monkeypatch.setattr(errors.sys, "stderr", Recorder())
     print_line("partita: error (rank 1): the file is corrupt")
     assert writes == ["partita: error (rank 1): the file is corrupt\n"]
+
+
+# The tail: a finished rank waits for the others -----------------------------------------
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """Ranks 0 and 1 of a job as two Progress objects of this process, over a real store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from partita.testing import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    ranks = [Progress(r, 2, factor=0, min_seconds=2.0, timeout_s=1.0) for r in (0, 1)]
+    for r in (0, 1):  # both are this process: one found silent must not end the test
+        ranks[0]._store.set(Progress.PID_KEY.format(rank=r), "another-host|1")
+    yield ranks
+    for progress in ranks:
+        progress.close()
+    del store
+
+
+def _waiting(progress: Progress):
+    """progress.wait_for_the_others() in a thread; what it raised, once joined."""
+    import threading
+
+    raised: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            progress.wait_for_the_others(poll_s=0.05)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_finished_rank_waits_for_a_working_one_and_then_leaves(two_ranks) -> None:
+    import time
+
+    working, finished = two_ranks
+    working.enter(3, "export")
+    thread, raised = _waiting(finished)
+    time.sleep(2.0)  # twice the timeout: a rank whose heartbeat moves is waited for
+    assert thread.is_alive() and not raised
+    working.wait_for_the_others(poll_s=0.05)  # rank 1 is done: returns at once
+    thread.join(timeout=5)
+    assert not thread.is_alive() and not raised
+
+
+def test_a_rank_silent_at_the_end_is_named_and_ended(two_ranks) -> None:
+    import subprocess
+    import sys
+    import time
+
+    stopped, finished = two_ranks
+    stopped.enter(3, "export")
+    stopped.close()  # its heartbeat stops, as a SIGSTOP stops it
+    # The silent rank on this machine is killed: stand in a child process for it.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    finished._store.set(Progress.PID_KEY.format(rank=0),
+                        f"{watchdog.socket.gethostname()}|{child.pid}")
+    start = time.monotonic()
+    with pytest.raises(watchdog.SilentAtTheEnd) as told:
+        finished.wait_for_the_others(poll_s=0.05)
+    assert time.monotonic() - start < 5
+    assert str(told.value).startswith(
+        "process 1 finished, then waited for the others: rank 0 (last seen in step 3, "
+        "export) stopped responding")
+    assert "train.collective_timeout_s=1 s, so the job stops" in str(told.value)
+    assert child.wait(timeout=5) == -9
