@@ -440,15 +440,24 @@ def test_a_cpu_process_whose_allocation_fails_is_told_what_the_machine_holds(cac
     assert "fault inside partita" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_a_job_under_torchrun_trains_exports_and_exits_cleanly(cache, tmp_path):
-    """The whole job under torchrun's agent, whose store outlives the workers: the
-    finished process waits for process 0's export and both exit 0."""
+def test_a_job_under_torchrun_stops_resumes_and_exports(cache, tmp_path):
+    """The whole job under torchrun's agent, whose store outlives the workers: a stop
+    with a checkpoint (said once, not by every process), then a resume that trains on,
+    exports, and exits 0 once the finished process has waited for process 0's export."""
     out = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         f"--master-port={free_port()}", "-m", "partita.cli", "train", *SMALL,
-         f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
-         f"--train.out_dir={out}"], capture_output=True, text=True, timeout=180)
+
+    def torchrun(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             f"--master-port={free_port()}", "-m", "partita.cli", "train", *SMALL,
+             f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
+             f"--train.out_dir={out}", *args], capture_output=True, text=True, timeout=180)
+
+    stopped = torchrun("--train.stop_after=2")
+    assert stopped.returncode != 0  # torchrun reports its workers' exit 75 as a failure
+    assert stopped.stderr.count("partita: stopped after step 2 with checkpoint") == 1, \
+        stopped.stderr[-3000:]
+    done = torchrun("--train.resume=auto")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "done: 3 steps" in done.stdout
     assert (out / "model.safetensors").exists() and (out / "hf" / "config.json").exists()

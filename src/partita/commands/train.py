@@ -186,7 +186,8 @@ def _run(args: argparse.Namespace) -> int:
         try:
             from partita.faults import fault_from_env
 
-            return _exit_status([_explaining_memory(cfg, lambda: train(cfg, fault_from_env()))])
+            result = _explaining_memory(cfg, lambda: train(cfg, fault_from_env()))
+            return _exit_status([result], speak=int(os.environ["RANK"]) == 0)
         finally:
             for handle in filter(None, locks):
                 handle.close()
@@ -237,15 +238,17 @@ def _run(args: argparse.Namespace) -> int:
     return _exit_status(results)
 
 
-def _exit_status(results: list[dict]) -> int:
+def _exit_status(results: list[dict], speak: bool = True) -> int:
     """0 for a finished run; CHECKPOINT_STOP_EXIT when it stopped on request (SIGTERM,
-    train.stop_after) after writing a checkpoint."""
+    train.stop_after) after writing a checkpoint, said when `speak` (under torchrun,
+    every rank returns here and rank 0 says it)."""
     stopped = [r for r in results if isinstance(r, dict) and r.get("stopped")]
     if not stopped:
         return 0
-    print(f"partita: stopped after step {stopped[0]['steps']} with checkpoint "
-          f"{stopped[0]['checkpoint']}; continue with --train.resume=auto (any layout).",
-          file=sys.stderr, flush=True)
+    if speak:
+        print(f"partita: stopped after step {stopped[0]['steps']} with checkpoint "
+              f"{stopped[0]['checkpoint']}; continue with --train.resume=auto (any "
+              "layout).", file=sys.stderr, flush=True)
     return CHECKPOINT_STOP_EXIT
 
 
