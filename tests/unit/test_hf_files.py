@@ -19,7 +19,7 @@ from partita.mesh import Mesh
 from partita.models.hf_config import model_config_from_hf
 from partita.models.hf_weights import HFWeights, expected_shapes, hf_name, partita_names
 from partita.models.model_config import ModelConfig
-from partita.models.transformer import rope_frequencies
+from partita.models.rotary import rope_frequencies
 from partita.parallelize import build_parallel_model
 from partita.testing import FLOAT64_TOL, assert_parity, relative_error, token_batch
 from partita.weights import full_state_dict

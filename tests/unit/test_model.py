@@ -37,7 +37,7 @@ def test_attention_matches_explicit_softmax(tiny_model):
     q = attn.wq(x).view(1, 6, 4, 8)
     k = attn.wk(x).view(1, 6, 2, 8)
     v = attn.wv(x).view(1, 6, 2, 8)
-    from partita.models.transformer import apply_rotary, rotary_tables
+    from partita.models.rotary import apply_rotary, rotary_tables
 
     cos, sin = rotary_tables(6, 8, tiny_model.rope_theta, x.device, x.dtype)
     q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -122,7 +122,7 @@ def test_bad_shapes_explain_themselves():
 def test_16_bit_rotary_rounds_once_forward_and_backward(dtype):
     """Eager 16-bit q and k rotate in float32 (`RotateInFloat32`): each output and each
     input gradient is the float64 rotation rounded once, within half a step of its dtype."""
-    from partita.models.transformer import rotary_tables, rotate_pairs
+    from partita.models.rotary import rotary_tables, rotate_pairs
 
     b, s, h, d = 2, 16, 4, 8
     step = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one unit in the last place, relative
@@ -138,3 +138,36 @@ def test_16_bit_rotary_rounds_once_forward_and_backward(dtype):
     for got, ref in ((y, y64), (x.grad, exact.grad)):
         assert got.dtype == dtype
         assert torch.all((got.double() - ref).abs() <= ref.abs() * step / 2 * 1.01 + 1e-6)
+
+
+def test_compiled_attentions_halves_rotate_q_and_k_to_the_same_scores():
+    """Compiled attention takes q and k with each head's pairs reordered to halves (its
+    weight rows reordered) and rotates those: the rotated values are the pairs' own,
+    reordered, so every q . k, the only use attention makes of them, is unchanged."""
+    from partita.models.rotary import (
+        _HalvesLinear,
+        pairs_as_halves,
+        rotary_tables,
+        rotate_halves,
+        rotate_pairs,
+    )
+
+    torch.manual_seed(0)
+    b, s, heads, d = 2, 6, 3, 8
+    linear = torch.nn.Linear(16, heads * d, bias=True, dtype=torch.float64)
+    x = torch.randn(b, s, 16, dtype=torch.float64)
+    cos, sin = rotary_tables(s, d, 10000.0, "cpu", torch.float64, offset=3)
+    (pairs,) = rotate_pairs((linear(x).view(b, s, heads, d),), cos, sin)
+    (halves,) = rotate_halves((pairs_as_halves(linear, x, d).view(b, s, heads, d),), cos, sin)
+    order = torch.cat((torch.arange(0, d, 2), torch.arange(1, d, 2)))
+    torch.testing.assert_close(halves, pairs[..., order], rtol=1e-13, atol=1e-13)
+    scores = torch.einsum("bshd,bthd->bhst", pairs, pairs)
+    torch.testing.assert_close(torch.einsum("bshd,bthd->bhst", halves, halves), scores,
+                               rtol=1e-12, atol=1e-12)
+    # Its own backward (the reordered weight is not saved): the gradients of x, the
+    # weight and the bias, against finite differences.
+    small = torch.nn.Linear(4, 2 * 4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: _HalvesLinear.apply(x, w, b, 4),
+        (torch.randn(3, 4, dtype=torch.float64, requires_grad=True),
+         small.weight.detach().requires_grad_(), small.bias.detach().requires_grad_()))

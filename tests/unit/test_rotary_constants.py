@@ -13,12 +13,8 @@ import torch
 
 from partita.compile import compile_block_modules
 from partita.models.model_config import ModelConfig
-from partita.models.transformer import (
-    build_model,
-    rope_frequencies,
-    rotary_constants,
-    rotary_tables,
-)
+from partita.models.rotary import rope_frequencies, rotary_constants, rotary_tables
+from partita.models.transformer import build_model
 
 SMALL = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, n_kv_heads=1,
                     max_seq_len=64)

@@ -15,13 +15,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from partita.eager_only import trace_time_constant
 from partita.models import plan as roles
 from partita.models.attention_kernel import uses_explicit_scores
 from partita.models.documents import attention_mask
 from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE
 from partita.models.param_init import InitRule, ParamInit, init_parameters
+from partita.models.rotary import (
+    bare_linear,
+    pairs_as_halves,
+    rope_frequencies,
+    rotary_constants,
+    rotary_tables,
+    rotate_halves,
+    rotate_pairs,
+)
 
 
 class RMSNorm(nn.Module):
@@ -43,124 +51,6 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.flavour == "gpt2":
         return nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
     return RMSNorm(cfg.dim, cfg.norm_eps)
-
-
-def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """The rotary inverse frequencies (head_dim/2, float64), with cfg's RoPE scaling.
-
-    Llama 3.1's scaling keeps wavelengths shorter than original_max_len/high_freq_factor,
-    divides those longer than original_max_len/low_freq_factor by `factor`, and blends
-    the two linearly in 1/wavelength between (the published formula, computed in float64).
-    """
-    d = cfg.head_dim
-    # On the CPU even inside a meta-device build.
-    steps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
-    inv_freq = 1.0 / cfg.rope_theta ** (steps / d)
-    if cfg.rope_scaling != "llama3":
-        return inv_freq
-    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-    old_len = cfg.rope_original_max_len
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
-                  offset: int | torch.Tensor = 0, inv_freq: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape (seq_len, head_dim/2) for positions offset..offset+seq_len.
-
-    `offset` may also be a tensor holding all seq_len positions: a context-parallel shard
-    holds chunks of the sequence that are not contiguous. `inv_freq` (float64, see
-    rope_frequencies) overrides the unscaled frequencies of theta.
-    """
-    if inv_freq is None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    if isinstance(offset, torch.Tensor):
-        pos = offset.to("cpu", torch.float64)
-    else:
-        pos = torch.arange(offset, offset + seq_len, dtype=torch.float64)
-    angles = torch.outer(pos, inv_freq)
-    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
-
-
-@trace_time_constant
-def rotary_constants(seq_len: int, offset: int, inv_freq: tuple[float, ...],
-                     device: torch.device, dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary_tables` for contiguous positions, from plain values: compiled code takes
-    its result as a constant (see partita.eager_only), where traced it recomputed the
-    float64 cos and sin inside every kernel reading them (a compiled tiny-model block,
-    CPU: 58 -> 47 ms per step). The frequencies travel as floats, exactly the float64
-    values of `rope_frequencies`, so the tables are bitwise the same."""
-    freqs = torch.tensor(inv_freq, dtype=torch.float64)
-    return rotary_tables(seq_len, 2 * len(inv_freq), 0.0, device, dtype, offset, freqs)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x: (batch, seq, heads, head_dim)."""
-    return rotate_pairs((x,), cos, sin)[0]
-
-
-def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, ...]:
-    """`apply_rotary` on each of `xs` with one table.
-
-    Eager float32/float64 rotates as one complex product per tensor, (x[2i] + i x[2i+1])
-    (cos + i sin): the same two products and a sum per element as the real form, one
-    operation instead of eight, with one saved table for all of `xs` (cos and sin's
-    bytes). The tiny model's rotary embedding of q and k, forward + backward, one CPU
-    thread: 0.50 ms per layer against 1.29. Eager 16-bit tensors (no complex bf16 on a
-    CPU) rotate in float32 the same way (`RotateInFloat32`), rounding once: 0.34 ms
-    against the real form's 1.28 in bf16. Compiled code keeps the real form, which
-    inductor fuses, and so do layouts whose pairs are not adjacent in memory."""
-    if not torch.compiler.is_compiling():
-        if all(_pairs_adjacent(x) for x in xs):
-            rot = torch.complex(cos, sin)[None, :, None, :]
-            return tuple(torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-                                            * rot).flatten(-2) for x in xs)
-        if all(x.dtype in (torch.bfloat16, torch.float16) for x in xs):
-            return RotateInFloat32.apply(cos, sin, *xs)
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    out = []
-    for x in xs:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out.append(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2))
-    return tuple(out)
-
-
-class RotateInFloat32(torch.autograd.Function):
-    """Rotary embedding of 16-bit tensors as float32 complex products, rounded back once.
-
-    The rotation is linear in x, so backward rotates the gradient by the conjugate and
-    nothing but the (complex) table is saved: the real form keeps x itself for its
-    products. forward(cos, sin, *xs) -> the rotated xs, each in its own dtype."""
-
-    @staticmethod
-    def forward(ctx, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor):
-        rot = torch.complex(cos.float(), sin.float())[None, :, None, :]
-        ctx.save_for_backward(rot)
-        return tuple(_rotate_float32(x, rot) for x in xs)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        (rot,) = ctx.saved_tensors
-        conj = rot.conj()
-        return (None, None, *(_rotate_float32(g, conj) for g in grads))
-
-
-def _rotate_float32(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    pairs = x.to(torch.float32, memory_format=torch.contiguous_format).unflatten(-1, (-1, 2))
-    return torch.view_as_real(torch.view_as_complex(pairs) * rot).flatten(-2).to(x.dtype)
-
-
-def _pairs_adjacent(x: torch.Tensor) -> bool:
-    """Whether x can be viewed as complex numbers: float32/64, pairs side by side."""
-    return (x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1
-            and x.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in x.stride()[:-1]))
 
 
 class AttentionCore(nn.Module):
@@ -275,8 +165,14 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # Head counts come from the projections' widths, so a tensor-parallel shard that
         # holds fewer heads works unchanged.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
+        halves = self.rotary and torch.compiler.is_compiling() and all(
+            bare_linear(m) for m in (self.wq, self.wk))
+        if halves:  # compiled: q and k come out with their pairs as halves, see there
+            q, k = (pairs_as_halves(m, x, self.head_dim).view(b, s, -1, self.head_dim)
+                    for m in (self.wq, self.wk))
+        else:
+            q = self.wq(x).view(b, s, -1, self.head_dim)
+            k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.rotary:
             if isinstance(position_offset, torch.Tensor):  # context parallelism's shards
@@ -285,7 +181,7 @@ class Attention(nn.Module):
             else:
                 cos, sin = rotary_constants(s, position_offset, self.rope_freqs, x.device,
                                             q.dtype)
-            q, k = rotate_pairs((q, k), cos, sin)
+            q, k = rotate_halves((q, k), cos, sin) if halves else rotate_pairs((q, k), cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         # Grouped-query attention: the cores take the kv heads as they are (ours, and
         # context parallelism's, which moves only those); another core gets them repeated.

@@ -98,7 +98,7 @@ def layer_activation_terms(model: PlanModel, layout: Layout, seq_len: int,
     if a.rotary_tables_saved and c.flavour == "llama":
         # cos and sin, batch-free: the compiled model's in the activations' dtype, eager
         # code's as one complex table, float32 at the least (16-bit q and k rotate in
-        # float32, `models.transformer.RotateInFloat32`).
+        # float32, `models.rotary.RotateInFloat32`).
         table = e if a.compiled_model else max(e, 4)
         terms["rotary_tables"] = 2 * table * s * c.head_dim / 2
     if a.norm_kernel == "eager" and layout.sequence_parallel and t > 1:

@@ -31,7 +31,7 @@ from partita.planner.model_shape import PlanModel
 # rotary embedding, grouped-query attention, SwiGLU) and gpt2 (LayerNorm, biases, GELU).
 BLOCK_OPS = {"llama": (79, 131), "gpt2": (39, 93)}
 # With 16-bit parameters llama's rotary embedding casts q and k to float32 around its
-# complex products (`models.transformer.RotateInFloat32`), and the loss and norms cast:
+# complex products (`models.rotary.RotateInFloat32`), and the loss and norms cast:
 # more operations in the block and outside it.
 ROTARY_16BIT_OPS = (10, 7)
 CAST_EDGE_OPS = {"llama": (3, 3), "gpt2": (1, 1)}
