@@ -1,4 +1,5 @@
-"""Rotary tables as trace-time constants: the same values, and never a stale constant.
+"""Rotary tables (and the causal mask) as trace-time constants: the same values, and
+never a stale constant.
 
 Compiled code takes `rotary_constants`' result as a constant of the graph (see
 partita.eager_only); the frequencies are plain floats that dynamo guards on, so a model
@@ -50,3 +51,28 @@ def test_compiled_blocks_of_two_rope_settings_each_match_eager():
     # The check can fail: the two settings' outputs differ by far more than its tolerance
     # (about 7e-5 here, at initialisation, against 1e-10).
     assert (eager_outputs[0] - eager_outputs[1]).abs().max() > 1e-6
+
+
+def test_a_whole_compiled_model_with_explicit_scores_matches_eager():
+    """Every layer's explicit attention takes the causal mask as one trace-time constant
+    (`causal_bias`); returned bare, its second call in one graph failed in dynamo
+    ("already in seen_sources"). The whole model compiled, float64, forward + backward."""
+    from partita.compile import compile_model
+
+    cfg = dataclasses.replace(SMALL, attention="explicit")
+    torch.manual_seed(0)
+    eager = build_model(cfg, dtype=torch.float64)
+    compiled = build_model(cfg, dtype=torch.float64)
+    compiled.load_state_dict(eager.state_dict())
+    compile_model(compiled)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17))
+    losses = []
+    for model in (eager, compiled):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
+
