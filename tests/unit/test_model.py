@@ -171,3 +171,12 @@ def test_compiled_attentions_halves_rotate_q_and_k_to_the_same_scores():
         lambda x, w, b: _HalvesLinear.apply(x, w, b, 4),
         (torch.randn(3, 4, dtype=torch.float64, requires_grad=True),
          small.weight.detach().requires_grad_(), small.bias.detach().requires_grad_()))
+    # Under autocast (fp32 weights, a bf16 GEMM) each gradient comes back in its input's
+    # dtype, as F.linear's do; the backward's GEMMs mixed bf16 and fp32 and failed.
+    x32 = torch.randn(3, 4, requires_grad=True)
+    w32 = torch.randn(8, 4, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = _HalvesLinear.apply(x32, w32, None, 4)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16
+    assert x32.grad.dtype == w32.grad.dtype == torch.float32

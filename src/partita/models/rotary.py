@@ -150,20 +150,29 @@ class _HalvesLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 head_dim: int) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.head_dim, ctx.has_bias = head_dim, bias is not None
+        ctx.head_dim = head_dim
         return F.linear(x, _halves(weight, head_dim),
                         None if bias is None else _halves(bias, head_dim))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
         rows = grad.flatten(0, -2)
-        # A gather rather than `_halves`' copy: the compiler would take the backward's
-        # copy for the forward's and keep that one alive in between.
-        order = _halves(torch.arange(weight.shape[0], device=weight.device), ctx.head_dim)
-        grad_x = grad @ weight.index_select(0, order)
-        grad_w = _pairs(rows.t() @ x.flatten(0, -2), ctx.head_dim)
-        grad_b = _pairs(rows.sum(0), ctx.head_dim) if ctx.has_bias else None
+        grad_x = grad_w = grad_b = None
+        # Casts for autocast, whose forward GEMM ran in a lower precision than x and
+        # the weight: each gradient in its input's dtype.
+        if need_x:
+            # A gather rather than `_halves`' copy: the compiler would take the
+            # backward's copy for the forward's and keep that one alive in between.
+            order = _halves(torch.arange(weight.shape[0], device=weight.device),
+                            ctx.head_dim)
+            grad_x = (grad @ weight.index_select(0, order).to(grad.dtype)).to(x.dtype)
+        if need_w:
+            grad_w = _pairs(rows.t() @ x.flatten(0, -2).to(grad.dtype),
+                            ctx.head_dim).to(weight.dtype)
+        if need_b:
+            grad_b = _pairs(rows.sum(0), ctx.head_dim).to(weight.dtype)
         return grad_x, grad_w, grad_b, None
 
 
