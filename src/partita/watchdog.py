@@ -111,7 +111,7 @@ class Progress:
         """This rank's work is done: publish it, then wait until every rank's is.
 
         A rank whose heartbeat stays still for `timeout_s` (stopped, hung or dead) is
-        named, killed if on this machine, and PeerFailure ends this rank, so that the
+        named, killed if on this machine, and SilentAtTheEnd ends this rank, so that the
         launcher ends the job instead of waiting for that rank without a bound. A rank
         still beating is working (a long export) and is waited for. A store that is gone
         means its host, the job's agent or rank 0, has ended the job: nothing to wait for.
@@ -119,28 +119,8 @@ class Progress:
         if self._store is None:
             return
         try:
-            self._store.set(self.DONE_KEY.format(rank=self.rank), "1")
-            pending = [r for r in range(self.world) if r != self.rank]
-            beats: dict[int, bytes] = {}
-            still_since: dict[int, float] = {}
-            last_poll = time.monotonic()
-            while pending:
-                pending = [r for r in pending
-                           if not self._store.check([self.DONE_KEY.format(rank=r)])]
-                now = time.monotonic()
-                if now - last_poll > 5 * poll_s:  # this process was suspended (Ctrl-Z)
-                    still_since.clear()
-                last_poll = now
-                latest = self._store.multi_get([self.BEAT_KEY.format(rank=r) for r in pending])
-                for r, beat in zip(pending, latest, strict=True):
-                    if beats.get(r) != beat:
-                        beats[r], still_since[r] = beat, now
-                    still_since.setdefault(r, now)
-                silent = [r for r in pending if now - still_since[r] >= self.timeout_s]
-                if silent:
-                    break
-                time.sleep(poll_s)
-            else:
+            silent = self._silent_before_done(poll_s)
+            if not silent:
                 return
             where = self.positions()
             self._kill_local(silent)
@@ -151,6 +131,33 @@ class Progress:
             f"{describe(where, silent)} for train.collective_timeout_s="
             f"{self.timeout_s:g} s, so the job stops. Files it was writing keep their "
             "temporary names; the ones named before it stopped are complete.")
+
+    def _silent_before_done(self, poll_s: float) -> list[int]:
+        """Mark this rank done and poll the others: [] once every one is done, else the
+        ones whose heartbeat stayed still for `timeout_s` first."""
+        self._store.set(self.DONE_KEY.format(rank=self.rank), "1")
+        pending = [r for r in range(self.world) if r != self.rank]
+        beats: dict[int, bytes] = {}
+        still_since: dict[int, float] = {}
+        last_poll = time.monotonic()
+        while True:
+            pending = [r for r in pending
+                       if not self._store.check([self.DONE_KEY.format(rank=r)])]
+            if not pending:
+                return []
+            now = time.monotonic()
+            if now - last_poll > 5 * poll_s:  # this process was suspended (Ctrl-Z)
+                still_since.clear()
+            last_poll = now
+            latest = self._store.multi_get([self.BEAT_KEY.format(rank=r) for r in pending])
+            for r, beat in zip(pending, latest, strict=True):
+                if beats.get(r) != beat:
+                    beats[r], still_since[r] = beat, now
+                still_since.setdefault(r, now)
+            silent = [r for r in pending if now - still_since[r] >= self.timeout_s]
+            if silent:
+                return silent
+            time.sleep(poll_s)
 
     def close(self) -> None:
         self._stop.set()

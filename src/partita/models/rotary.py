@@ -126,8 +126,8 @@ def pairs_as_halves(linear: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.
     their dot products, which one reordering of both leaves unchanged, so the rotated
     q and k need no reordering back. Reordering the weight's rows (whole rows, cheap)
     instead of the output keeps the stored layout as it is. The tiny model's compiled
-    bf16 step on a CPU: 0.94-0.96 of the time with the pairs side by side; fp32 level
-    (docs/benchmarks.md, "Rotary pairs as halves in compiled attention")."""
+    step on a CPU: 0.96-0.98 of the time with the pairs side by side in bf16, 0.98 in
+    fp32 (docs/benchmarks.md, "Rotary pairs as halves in compiled attention")."""
     return _HalvesLinear.apply(x, linear.weight, linear.bias, head_dim)
 
 
