@@ -100,11 +100,8 @@ def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Ten
         if all(x.dtype in (torch.bfloat16, torch.float16) for x in xs):
             return RotateInFloat32.apply(cos, sin, *xs)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    out = []
-    for x in xs:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out.append(torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2))
-    return tuple(out)
+    return tuple(torch.stack(_rotated(x[..., 0::2], x[..., 1::2], cos, sin), dim=-1).flatten(-2)
+                 for x in xs)
 
 
 def rotate_halves(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor
@@ -113,11 +110,13 @@ def rotate_halves(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Te
     (x[i], x[i + head_dim/2]) (`pairs_as_halves`): contiguous slices that compiled
     code vectorizes, where the pairs side by side take strided loads and stores."""
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
-    out = []
-    for x in xs:
-        x1, x2 = x.chunk(2, dim=-1)
-        out.append(torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1))
-    return tuple(out)
+    return tuple(torch.cat(_rotated(*x.chunk(2, dim=-1), cos, sin), dim=-1) for x in xs)
+
+
+def _rotated(x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs (x1, x2) rotated by the angles of cos and sin, in the real form."""
+    return x1 * cos - x2 * sin, x1 * sin + x2 * cos
 
 
 def pairs_as_halves(linear: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.Tensor:
