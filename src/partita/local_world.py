@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from partita.errors import PartitaError, PeerFailure
+from partita.errors import PartitaError, PeerFailure, signals_held
 
 _CONTEXT: mp.context.BaseContext | None = None
 
@@ -152,12 +152,27 @@ def start_fork_server(fork_this_process: bool = False) -> None:
     process's own handler once it is back. The server and its workers inherit the block;
     a worker lifts it once its own handlers are in place (`restore_signals`, or the
     launcher's workers' own)."""
-    from multiprocessing import forkserver, resource_tracker
+    from multiprocessing import forkserver
 
     short_socket_folder()
     if threading.current_thread() is not threading.main_thread():
         forkserver.ensure_running()  # only the main thread may set handlers
         return
+    # A stop taken as the start ends (the moment below delivers one that waited) used to
+    # leave the caller without knowing of the server, which then outlived it by its
+    # imports (1-4 s, holding the caller's stdout and stderr). Held, the signal's own
+    # handler runs once the server's pid is recorded, and a stop raised there stops it.
+    try:
+        with signals_held():
+            _start_fork_server(fork_this_process)
+    except BaseException:
+        stop_fork_server()
+        raise
+
+
+def _start_fork_server(fork_this_process: bool) -> None:
+    from multiprocessing import forkserver, resource_tracker
+
     # The standard library's resource tracker first, outside the moment below: the
     # fork server's start would start it there, and its start unblocks SIGINT and
     # SIGTERM (not restoring the mask it found) while they are ignored here, so a

@@ -147,6 +147,44 @@ def test_a_sigterm_while_the_real_server_forks_is_not_discarded():
     assert done.stdout.split() == ["True", "False", "True"], done.stdout + done.stderr[-2000:]
 
 
+STOPPED_AS_THE_START_ENDS = """
+import os, signal
+from multiprocessing import forkserver
+from partita import launch, local_world
+from partita.errors import Stopped, stop_on_signals
+
+stop_on_signals()
+real_start = forkserver.ensure_running
+
+def start_then_signal():  # Ctrl-C once the server runs, before the caller knows of it
+    real_start()
+    os.kill(os.getpid(), signal.SIGINT)
+
+forkserver.ensure_running = start_then_signal
+try:
+    START
+    print("not stopped")
+except Stopped:
+    server = forkserver._forkserver._forkserver_pid
+    with open(f"/proc/{server}/stat") as f:  # stopped and waited for: a zombie by now
+        print("stopped", f.read().rsplit(")", 1)[1].split()[0])
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc/PID/stat")
+@pytest.mark.parametrize("start", list(STARTS))
+def test_a_stop_taken_as_the_server_start_ends_stops_the_server(start):
+    """A Ctrl-C sent in the moment the server starts is taken once its start is over;
+    raised there, it left the caller without knowing of the server, which outlived the
+    command by its imports (seen in CI: `partita train` Ctrl-C'd at once). The server is
+    now stopped with it."""
+    probe = STOPPED_AS_THE_START_ENDS.replace("START", STARTS[start])
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["stopped", "Z"], done.stdout + done.stderr[-2000:]
+
+
 def test_a_second_start_leaves_the_signals_alone(monkeypatch):
     """`launch` asks for the server again after `partita train` started it, when torch's
     threads exist: ignoring SIGTERM then, even blocked in this thread, lost a signal that

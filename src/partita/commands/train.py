@@ -204,10 +204,11 @@ def _run(args: argparse.Namespace) -> int:
     quiet_torch_native_warnings()
     with signals_held():  # see there: a SIGTERM meanwhile is taken after the import
         import torch.distributed  # noqa: F401  (the launch needs it)
-    # The worker server is a fork of this process, torch imported (`start_worker_server`);
-    # partita's own imports there run while this process checks the rest.
-    start_worker_server(WORKER_IMPORTS)
     try:
+        # The worker server is a fork of this process, torch imported (`start_worker_server`);
+        # partita's own imports there run while this process checks the rest. Inside the
+        # `try`: a stop taken just after its start stops it too.
+        start_worker_server(WORKER_IMPORTS)
         nproc = args.nproc or default_nproc()
         from partita.process_setup import check_local_processes, pick_device_name
 
