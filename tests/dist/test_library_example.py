@@ -62,7 +62,7 @@ def test_the_example_trains_as_one_process_under_torchrun(stage: int, tmp_path) 
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(free_port()), str(EXAMPLE), "--zero-stage", str(stage),
+         "--master-port", str(free_port()), f"--log-dir={tmp_path / 'torchrun-logs'}", str(EXAMPLE), "--zero-stage", str(stage),
          "--steps", str(STEPS), "--microbatches", str(MICRO), "--dtype", "float64",
          "--out", str(out)],
         capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)

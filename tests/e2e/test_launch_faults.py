@@ -356,10 +356,13 @@ def test_sizes_beyond_the_stated_limits_are_refused_at_once(cli, args):
     assert time.monotonic() - start < 30  # an import of torch at most, no search
 
 
-def _torchrun() -> list[str]:
-    """`torchrun --nproc-per-node 2 -m partita.cli` on a free port, as a user runs it."""
+def _torchrun(tmp_path) -> list[str]:
+    """`torchrun --nproc-per-node 2 -m partita.cli` on a free port, as a user runs it,
+    its agent's log folders kept under `tmp_path` (torchrun's default leaves one in the
+    system's temporary folder per job)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            f"--master-port={free_port()}", "-m", "partita.cli"]
+            f"--master-port={free_port()}", f"--log-dir={tmp_path / 'torchrun-logs'}",
+            "-m", "partita.cli"]
 
 
 def test_a_layout_that_does_not_fit_torchruns_world_is_refused_by_every_rank(tmp_path):
@@ -369,7 +372,7 @@ def test_a_layout_that_does_not_fit_torchruns_world_is_refused_by_every_rank(tmp
     left behind."""
     start = time.monotonic()
     done = subprocess.run(
-        [*_torchrun(), "train", *SMALL,
+        [*_torchrun(tmp_path), "train", *SMALL,
          "--parallel.tp=4", f"--train.out_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
@@ -385,7 +388,7 @@ def test_a_cpu_job_too_large_for_the_machine_is_refused_under_torchrun_too(tmp_p
     model far beyond the machine started, grew, and met the out-of-memory killer."""
     start = time.monotonic()
     done = subprocess.run(
-        [*_torchrun(), "train",
+        [*_torchrun(tmp_path), "train",
          "--model.name=llama3-8b", "--train.device=cpu", f"--train.out_dir={tmp_path / 'run'}"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
@@ -407,7 +410,7 @@ def test_a_process_out_of_device_memory_is_told_what_would_fit(launcher, cache, 
     args = ["train", *SMALL, f"--data.cache_dir={cache}", "--train.steps=4",
             f"--train.out_dir={out}"]
     command = ([sys.executable, "-m", "partita.cli", *args] if launcher == "partita" else
-               [*_torchrun(), *args])
+               [*_torchrun(tmp_path), *args])
     done = subprocess.run(command, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONUNBUFFERED": "1",
                                "PARTITA_FAULT": "rank=1,step=2,at=backward,do=oom"})
@@ -451,7 +454,7 @@ def test_a_job_under_torchrun_stops_resumes_and_exports(cache, tmp_path):
 
     def torchrun(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [*_torchrun(), "train", *SMALL,
+            [*_torchrun(tmp_path), "train", *SMALL,
              f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
              f"--train.out_dir={out}", *args], capture_output=True, text=True, timeout=180)
 
@@ -473,7 +476,7 @@ def test_a_process_stopped_after_the_others_finished_ends_the_job_under_torchrun
     out = tmp_path / "run"
     start = time.monotonic()
     done = subprocess.run(
-        [*_torchrun(), "train", *SMALL,
+        [*_torchrun(tmp_path), "train", *SMALL,
          f"--data.cache_dir={cache}", "--train.steps=3", "--train.export=hf",
          "--train.collective_timeout_s=4", f"--train.out_dir={out}"],
         capture_output=True, text=True, timeout=180,
