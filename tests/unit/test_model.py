@@ -164,6 +164,19 @@ def test_compiled_attentions_halves_rotate_q_and_k_to_the_same_scores():
     scores = torch.einsum("bshd,bthd->bhst", pairs, pairs)
     torch.testing.assert_close(torch.einsum("bshd,bthd->bhst", halves, halves), scores,
                                rtol=1e-12, atol=1e-12)
+    # A tensor-parallel column shard (whole heads) goes the same way, its input
+    # entered into the region first; a projection with hooks keeps its own forward.
+    from partita.comm import CommCounter, GroupComm
+    from partita.models.rotary import plain_projection
+    from partita.tensor_parallel import ColumnParallelLinear
+
+    shard = ColumnParallelLinear(linear, d, 3 * d, GroupComm(None, [0], 0, "tp", CommCounter()),
+                                 sequence_parallel=False)
+    assert plain_projection(linear) and plain_projection(shard)
+    torch.testing.assert_close(pairs_as_halves(shard, x, d).view(b, s, 2, d),
+                               shard(x).view(b, s, 2, d)[..., order], rtol=1e-13, atol=1e-13)
+    shard.register_forward_hook(lambda *_: None)
+    assert not plain_projection(shard)
     # Its own backward (the reordered weight is not saved): the gradients of x, the
     # weight and the bias, against finite differences.
     small = torch.nn.Linear(4, 2 * 4, dtype=torch.float64)

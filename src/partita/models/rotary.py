@@ -89,7 +89,7 @@ def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Ten
     thread: 0.50 ms per layer against 1.29. Eager 16-bit tensors (no complex bf16 on a
     CPU) rotate in float32 the same way (`RotateInFloat32`), rounding once: 0.34 ms
     against the real form's 1.28 in bf16. Compiled attention whose q and k projections
-    are plain linears rotates halves instead (`rotate_halves`); other compiled code keeps
+    apply their weights directly (`plain_projection`) rotates halves instead (`rotate_halves`); other compiled code keeps
     the real form, which inductor fuses, and so do layouts whose pairs are not adjacent
     in memory."""
     if not torch.compiler.is_compiling():
@@ -119,7 +119,7 @@ def _rotated(x1: torch.Tensor, x2: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return x1 * cos - x2 * sin, x1 * sin + x2 * cos
 
 
-def pairs_as_halves(linear: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+def pairs_as_halves(linear: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
     """`linear(x)` with each head's output features reordered from pairs side by side
     to halves: even features first, then odd ones. Attention reads q and k only through
     their dot products, which one reordering of both leaves unchanged, so the rotated
@@ -127,6 +127,8 @@ def pairs_as_halves(linear: nn.Linear, x: torch.Tensor, head_dim: int) -> torch.
     instead of the output keeps the stored layout as it is. The tiny model's compiled
     step on a CPU: 0.96-0.98 of the time with the pairs side by side in bf16, 0.98 in
     fp32 (docs/benchmarks.md, "Rotary pairs as halves in compiled attention")."""
+    if hasattr(linear, "linear_input"):
+        x = linear.linear_input(x)
     return _HalvesLinear.apply(x, linear.weight, linear.bias, head_dim)
 
 
@@ -175,10 +177,13 @@ class _HalvesLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def bare_linear(module: nn.Module) -> bool:
-    """A plain nn.Linear with no hooks: its forward may be called as F.linear."""
-    return (type(module) is nn.Linear and not module._forward_pre_hooks
-            and not module._forward_hooks)
+def plain_projection(module: nn.Module) -> bool:
+    """A projection without hooks whose forward is F.linear of its own weight and bias,
+    on its input as it is (nn.Linear) or as its `linear_input` makes it (a tensor-
+    parallel column shard, whose rows hold whole heads): `pairs_as_halves` may apply
+    them itself."""
+    return ((type(module) is nn.Linear or callable(getattr(module, "linear_input", None)))
+            and not module._forward_pre_hooks and not module._forward_hooks)
 
 
 class RotateInFloat32(torch.autograd.Function):

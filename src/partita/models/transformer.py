@@ -23,8 +23,8 @@ from partita.models.model_config import ModelConfig
 from partita.models.moe import MoE
 from partita.models.param_init import InitRule, ParamInit, init_parameters
 from partita.models.rotary import (
-    bare_linear,
     pairs_as_halves,
+    plain_projection,
     rope_frequencies,
     rotary_constants,
     rotary_tables,
@@ -178,7 +178,7 @@ class Attention(nn.Module):
         # Head counts come from the projections' widths, so a tensor-parallel shard that
         # holds fewer heads works unchanged.
         halves = self.rotary and torch.compiler.is_compiling() and all(
-            bare_linear(m) for m in (self.wq, self.wk))
+            plain_projection(m) for m in (self.wq, self.wk))
         if halves:  # compiled: q and k come out with their pairs as halves, see there
             q, k = (pairs_as_halves(m, x, self.head_dim).view(b, s, -1, self.head_dim)
                     for m in (self.wq, self.wk))

@@ -139,8 +139,12 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _local_param(linear.bias, 0, start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = enter_region(x, self.comm, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(self.linear_input(x), self.weight, self.bias)
+
+    def linear_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the local weight is applied to: `x` entered into the region (for a
+        caller that applies the weight itself, `rotary.pairs_as_halves`)."""
+        return enter_region(x, self.comm, self.sequence_parallel)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out[{self.start}:{self.stop}], tp={self.comm.size}"
