@@ -89,9 +89,9 @@ def rotate_pairs(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Ten
     thread: 0.50 ms per layer against 1.29. Eager 16-bit tensors (no complex bf16 on a
     CPU) rotate in float32 the same way (`RotateInFloat32`), rounding once: 0.34 ms
     against the real form's 1.28 in bf16. Compiled attention whose q and k projections
-    apply their weights directly (`plain_projection`) rotates halves instead (`rotate_halves`); other compiled code keeps
-    the real form, which inductor fuses, and so do layouts whose pairs are not adjacent
-    in memory."""
+    apply their weights directly (`plain_projection`) rotates halves instead
+    (`rotate_halves`); other compiled code keeps the real form, which inductor fuses,
+    and so do layouts whose pairs are not adjacent in memory."""
     if not torch.compiler.is_compiling():
         if all(_pairs_adjacent(x) for x in xs):
             rot = torch.complex(cos, sin)[None, :, None, :]
@@ -127,9 +127,9 @@ def pairs_as_halves(linear: nn.Module, x: torch.Tensor, head_dim: int) -> torch.
     instead of the output keeps the stored layout as it is. The tiny model's compiled
     step on a CPU: 0.96-0.98 of the time with the pairs side by side in bf16, 0.98 in
     fp32 (docs/benchmarks.md, "Rotary pairs as halves in compiled attention")."""
-    if hasattr(linear, "linear_input"):
-        x = linear.linear_input(x)
-    return _HalvesLinear.apply(x, linear.weight, linear.bias, head_dim)
+    enter = getattr(linear, "linear_input", None)
+    return _HalvesLinear.apply(x if enter is None else enter(x), linear.weight, linear.bias,
+                               head_dim)
 
 
 def _halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
