@@ -106,7 +106,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_launch_faults.py", "tests/e2e/test_cli.py",
     "tests/dist/test_expert_parallel.py", "tests/dist/test_bench_harness.py",
     "tests/dist/test_planner_accuracy.py", "tests/dist/test_pipeline_parity.py",
-    "tests/e2e/test_bench_cli.py", "tests/dist/test_pipeline.py",
+    "tests/e2e/test_bench_cli.py", "tests/dist/test_pipeline_steps.py",
     "tests/dist/test_planner_compiled_memory.py", "tests/e2e/test_planned_layouts_train.py",
     "tests/e2e/test_moe_cli.py", "tests/e2e/test_cp_cli.py",
 )

@@ -2,7 +2,7 @@
 bytes in order at every size (empty, one slot, past the ring), receivers that wait
 before the sender starts, sends queued while a ring is full, and whole pipeline steps
 bitwise equal to gloo's transfers under every schedule. (Large transfers both ways at
-once: tests/dist/test_pipeline.py.)"""
+once: tests/dist/test_pipeline_steps.py.)"""
 
 from __future__ import annotations
 
