@@ -2,6 +2,7 @@
 
     mode = compile_in_effect("model", layout)       # "blocks" where `model` cannot run
     times = step_time(..., compile=mode)
+    assumed = overlaps_in_effect(layout, mode)      # `model` overlaps no dp communication
 
 What compiling changes is modelled kernel by kernel (`planner.compute`, counts in
 `planner.eager_ops`): a compiled block's elementwise operations (norms, rotary
@@ -40,6 +41,21 @@ def compile_in_effect(mode: str, layout: Layout, moe: bool = False) -> str:
     if mode == "auto" or (mode == "model" and model_refusal(layout, moe)):
         return "blocks"
     return mode
+
+
+def overlaps_in_effect(layout: Layout, mode: str) -> Layout:
+    """`layout` with the communication overlaps a run compiled with `mode` (the mode in
+    effect) keeps. Under `model` the whole backward is one compiled node, so every
+    gradient arrives as it ends and the buckets reduce after it, not beside it; and
+    ZeRO-1/2 wait for the updated parameters at the compiled unit's edge, the whole
+    model, before its forward starts (`ParamAllGather.regroup`). Neither overlaps
+    compute then (taken for every microbatch, the planner's one simplification: with
+    reductions after each microbatch, those before the last could run beside the next
+    one's forward). `blocks` keeps both at block granularity: each block's backward is a
+    node of its own, and the waits sit at each block."""
+    if mode != "model" or not (layout.overlap_grad_reduce or layout.overlap_param_gather):
+        return layout
+    return replace(layout, overlap_grad_reduce=False, overlap_param_gather=False)
 
 
 def compiled_activations(a: Assumptions, model: PlanModel, mode: str) -> Assumptions:

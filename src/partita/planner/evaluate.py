@@ -11,10 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from partita.layout import Layout
+from partita.layout import OVERLAP_OPTIONS, Layout
 from partita.layout_rules import CONSTRAINT, DIVISIBILITY, UNAVAILABLE, find_problems
 from partita.planner.assumptions import Assumptions
-from partita.planner.compiled import compile_in_effect, compiled_activations
+from partita.planner.compiled import compile_in_effect, compiled_activations, overlaps_in_effect
 from partita.planner.hardware import Cluster
 from partita.planner.memo import memoised
 from partita.planner.memory import disk_state_bytes, host_state_bytes, peak_memory
@@ -78,6 +78,10 @@ class Evaluation:
             "disk_bytes_per_node": self.disk_bytes_per_node,
             "time": self.time,
             "compile": self.compile,
+            # The overlaps the time assumed: the layout's, less what the compile mode
+            # in effect cannot overlap.
+            "overlap_assumed": {option: getattr(overlaps_in_effect(self.layout, self.compile),
+                                                option) for option in OVERLAP_OPTIONS},
             "keep_gathered": self.kept_units,
         }
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from partita.config import layout_overrides
 from partita.errors import PartitaError
 from partita.models.model_config import aligned_vocab_multiple
+from partita.planner.compiled import overlaps_in_effect
 from partita.planner.compute import family_gemm_fraction, misaligned
 from partita.planner.evaluate import MEMORY, UNAVAILABLE, Evaluation, Request, layout_text
 from partita.planner.search import SearchResult
@@ -103,12 +104,17 @@ def format_table(evals: list[Evaluation]) -> str:
     return "\n".join(lines)
 
 
-def overlap_text(layout) -> str:
-    """Which communication overlaps the prediction assumed."""
-    on = {True: "on", False: "off"}
-    return (f"overlap: tp communication {on[layout.tp_comm_overlap]}, gradient reduce "
-            f"{on[layout.overlap_grad_reduce]}, parameter gather "
-            f"{on[layout.overlap_param_gather]}")
+def overlap_text(layout, compile: str = "none") -> str:
+    """Which communication overlaps the prediction assumed, under the compile mode in
+    effect (`overlaps_in_effect`: a compiled whole model overlaps no dp communication)."""
+    kept = overlaps_in_effect(layout, compile)
+
+    def said(option: str) -> str:
+        if getattr(kept, option):
+            return "on"
+        return "off (compile=model)" if getattr(layout, option) else "off"
+    return (f"overlap: tp communication {said('tp_comm_overlap')}, gradient reduce "
+            f"{said('overlap_grad_reduce')}, parameter gather {said('overlap_param_gather')}")
 
 
 def compile_text(req: Request, ev: Evaluation) -> str:
@@ -165,7 +171,8 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(format_table(result.ranked[:top]))
         if mfu_peak_note(req):
             out.append(mfu_peak_note(req))
-        out.append("Assumed " + overlap_text(result.ranked[0].layout) + "; "
+        out.append("Assumed " + overlap_text(result.ranked[0].layout, result.ranked[0].compile)
+                   + "; "
                    + compile_text(req, result.ranked[0]) + ".")
         for note in (alignment_note(req, result.ranked[0].layout),
                      host_note(req, result.ranked[0])):
@@ -256,7 +263,7 @@ def format_evaluation(req: Request, ev: Evaluation) -> str:
                    f"{t['tokens_per_s']:.4g} tokens/s; MFU {t['mfu']:.1%}")
         out.append(f"Per GPU: {_tflops(t['model_flops_per_gpu'])} model TFLOP/s, "
                    f"{_tflops(t['hardware_flops_per_gpu'])} hardware TFLOP/s (with "
-                   f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout)}; "
+                   f"recompute; HFU {t['hfu']:.1%}); {overlap_text(ev.layout, ev.compile)}; "
                    f"{compile_text(req, ev)}")
         out += [note for note in (mfu_peak_note(req), alignment_note(req, ev.layout),
                                   host_note(req, ev)) if note]

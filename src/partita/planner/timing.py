@@ -25,6 +25,7 @@ from partita.layout import Layout
 from partita.planner import context_parallel as cp_model
 from partita.planner.activation_memory import layer_input_bytes, selective_reruns_core
 from partita.planner.assumptions import DEFAULT_ASSUMPTIONS, Assumptions
+from partita.planner.compiled import overlaps_in_effect
 from partita.planner.compute import (
     BlockTimes,
     block_times,
@@ -417,11 +418,13 @@ def step_time(model: PlanModel, layout: Layout, cluster: Cluster, seq_len: int,
     grad_s, param_s, optim_s, offload_s = d.grad_s, d.param_s, d.optimizer_s, d.offload_s
     grad_per_mb, param_per_mb = d.grad_per_microbatch, d.param_per_microbatch
     # Once-per-step collectives overlap one microbatch (the last backward, the first
-    # forward); per-microbatch ones the whole step's compute.
+    # forward); per-microbatch ones the whole step's compute. A compiled whole model
+    # overlaps neither (`overlaps_in_effect`).
+    overlaps = overlaps_in_effect(layout, compile)
     grad_hide = (a.dp_overlap * (compute_s if grad_per_mb else mb_s)
-                 if layout.overlap_grad_reduce else 0.0)
+                 if overlaps.overlap_grad_reduce else 0.0)
     param_hide = (a.zero3_overlap * (compute_s if param_per_mb else mb_s)
-                  if layout.overlap_param_gather else 0.0)
+                  if overlaps.overlap_param_gather else 0.0)
     dp_exposed = grad_s - min(grad_s, grad_hide) + param_s - min(param_s, param_hide)
     step = p.pipeline_s + p.pp_exposed_s + dp_exposed + offload_s + optim_s
     tokens = global_batch * seq_len
