@@ -127,8 +127,9 @@ class TrainSection:
     export: str = ""  # "hf": also write out_dir/hf, a Hugging Face folder (partita export)
     # torch.compile: "none"; "blocks" each transformer block; "model" the whole local model
     # (layouts without pipeline, ZeRO-3 or cp; with recompute, except full recompute under
-    # tp or with MoE blocks); "auto" blocks when the compiler toolchain works, else eager
-    # with a message (docs/performance.md).
+    # tp or with MoE blocks; its one compiled backward leaves data-parallel communication
+    # unoverlapped); "auto" blocks when the compiler toolchain works, else eager with a
+    # message (docs/performance.md).
     compile: str = "none"
 
 
