@@ -171,9 +171,9 @@ def format_search(result: SearchResult, top: int = 10) -> str:
         out.append(format_table(result.ranked[:top]))
         if mfu_peak_note(req):
             out.append(mfu_peak_note(req))
-        out.append("Assumed " + overlap_text(result.ranked[0].layout, result.ranked[0].compile)
-                   + "; "
-                   + compile_text(req, result.ranked[0]) + ".")
+        first = result.ranked[0]
+        out.append(f"Assumed {overlap_text(first.layout, first.compile)}; "
+                   f"{compile_text(req, first)}.")
         for note in (alignment_note(req, result.ranked[0].layout),
                      host_note(req, result.ranked[0])):
             if note:
