@@ -75,4 +75,3 @@ def test_a_whole_compiled_model_with_explicit_scores_matches_eager():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-12, atol=0)
     for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12)
-

@@ -25,10 +25,7 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     divides those longer than original_max_len/low_freq_factor by `factor`, and blends
     the two linearly in 1/wavelength between (the published formula, computed in float64).
     """
-    d = cfg.head_dim
-    # On the CPU even inside a meta-device build.
-    steps = torch.arange(0, d, 2, dtype=torch.float64, device="cpu")
-    inv_freq = 1.0 / cfg.rope_theta ** (steps / d)
+    inv_freq = _unscaled_frequencies(cfg.rope_theta, cfg.head_dim)
     if cfg.rope_scaling != "llama3":
         return inv_freq
     factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
@@ -41,6 +38,13 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _unscaled_frequencies(theta: float, head_dim: int) -> torch.Tensor:
+    """theta^(-2i/head_dim) for i < head_dim/2, float64, on the CPU (even inside a
+    meta-device build)."""
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    return 1.0 / theta ** (steps / head_dim)
+
+
 def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
                   offset: int | torch.Tensor = 0, inv_freq: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +55,7 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device, dtype,
     rope_frequencies) overrides the unscaled frequencies of theta.
     """
     if inv_freq is None:
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        inv_freq = _unscaled_frequencies(theta, head_dim)
     if isinstance(offset, torch.Tensor):
         pos = offset.to("cpu", torch.float64)
     else:
