@@ -103,7 +103,8 @@ class TrainSection:
     host_memory_check: bool = True
     threads: int = 0  # intra-op threads per rank; 0 = the cores shared among local ranks
     # A collective that does not complete within this many seconds fails the run (a dead
-    # or stalled rank) instead of hanging it.
+    # or stalled rank) instead of hanging it; so does a process left after the others
+    # finished that stays stopped, or does nothing (hung), this long.
     collective_timeout_s: float = 600.0
     # Warn (rank 0, once per stall) when a step runs this many times the median step time
     # (an evaluation or a checkpoint write: its own median), naming the ranks that are

@@ -29,6 +29,9 @@ CHECKPOINT_POINTS = ("checkpoint_write",)
 # Process 0 alone, after the weights are written, before it exports them (train.export).
 END_POINTS = ("export",)
 KINDS = ("kill", "stop", "raise")
+# Blocks in native code for good, its heartbeat running on: a deadlock, a disk that does
+# not answer. Only the tail's watches can tell it (the steps' collectives time out).
+HANG_KINDS = ("hang",)
 INJECTED = "partita: injecting fault:"  # the line a rank prints as it fires its fault
 # The write at this point fails as on a full disk.
 WRITE_KINDS = ("enospc",)
@@ -55,7 +58,7 @@ class FaultPlan:
 
     def __post_init__(self) -> None:
         points = POINTS + PIPELINE_POINTS + CHECKPOINT_POINTS + END_POINTS
-        kinds = KINDS + WRITE_KINDS + MEMORY_KINDS
+        kinds = KINDS + HANG_KINDS + WRITE_KINDS + MEMORY_KINDS
         if self.at not in points or self.do not in kinds:
             raise PartitaError(f"{ENV}: at must be one of {', '.join(points)} and do one "
                                f"of {', '.join(kinds)}; got at={self.at}, do={self.do}.")
@@ -97,6 +100,12 @@ class Faults:
             os.kill(os.getpid(), signal.SIGKILL)
         elif plan.do == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif plan.do == "hang":
+            # A read no one will answer: the main thread waits in the kernel, the GIL
+            # released, using no CPU, while the process's other threads run.
+            never_read, _kept_open = os.pipe()
+            while True:
+                os.read(never_read, 1)
         elif plan.do == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
         elif plan.do == "oom":

@@ -46,7 +46,7 @@ from partita.worker_watch import (
     mark_failure_would_repeat,
     mark_finished,
     mark_started,
-    watching_stopped_workers,
+    watching_the_tail,
 )
 
 SHUTDOWN_TIMEOUT_S = 5
@@ -71,7 +71,7 @@ class LaunchSpec:
     preload: tuple[str, ...] = ()
     # Once some workers have finished, one left stopped this long is ended
     # (`worker_watch`); 0: never. `partita train` gives its collective timeout.
-    stopped_worker_timeout_s: float = 0.0
+    tail_timeout_s: float = 0.0
 
 
 LAUNCHER_PID = "PARTITA_LAUNCHER_PID"
@@ -230,7 +230,7 @@ def _launch(spec: LaunchSpec, log_dir: str, fn: Callable, *args) -> list:
         # SIGTERM is passed on while the workers run
         markers = os.path.join(log_dir, "workers")
         os.makedirs(markers, exist_ok=True)
-        with running, watching_stopped_workers(spec.stopped_worker_timeout_s, markers):
+        with running, watching_the_tail(spec.tail_timeout_s, markers):
             try:
                 results = elastic_launch(config, _run_reporting_errors)(markers, fn, *args)
             finally:

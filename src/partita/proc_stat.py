@@ -1,6 +1,6 @@
-"""What /proc says about a process: its state and start time (Linux only).
+"""What /proc says about a process: its state, start time and activity (Linux only).
 
-Read by the launcher's watch over stopped workers (`worker_watch`) and by the
+Read by the watches over a job's last workers (`worker_watch`, `watchdog`) and by the
 shared-memory collectives, which tell a dead group member from a slow one.
 """
 
@@ -11,9 +11,15 @@ import os
 
 def stat_fields(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command name (which may hold spaces and
-    parentheses): [0] the state, [19] the start time. Raises OSError when the process is
-    gone (or there is no /proc: not Linux)."""
-    with open(f"/proc/{pid}/stat") as stat:
+    parentheses): [0] the state, [11] and [12] the user and system CPU ticks, [19] the
+    start time. Raises OSError when the process is gone (or there is no /proc: not
+    Linux)."""
+    return stat_fields_at(f"/proc/{pid}/stat")
+
+
+def stat_fields_at(path: str) -> list[str]:
+    """stat_fields of a process's or a thread's stat file."""
+    with open(path) as stat:
         return stat.read().rsplit(")", 1)[1].split()
 
 
@@ -36,3 +42,52 @@ def pid_alive(pid: int) -> bool:
     except OSError:  # it exists but is not ours to signal
         return True
     return process_state(pid) != "Z"
+
+
+# The name a thread that only reports on its process (the heartbeat) gives itself, so
+# that its own work is not taken for the process's progress.
+REPORTER_THREAD = "partita-beat"
+
+
+def name_this_thread(name: str) -> None:
+    """Give the calling thread `name` (at most 15 characters) in /proc; no-op elsewhere."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as comm:
+            comm.write(name)
+    except OSError:
+        pass
+
+
+def activity(pid: int) -> int | None:
+    """A number that grows while process `pid` works: the CPU ticks of its own threads
+    plus the bytes they read and wrote. Its own threads are the main thread and those
+    that kept its name (the threads Python starts). Threads that name themselves are
+    left out: those of native libraries (gloo's, NCCL's, the store's) wake to poll when
+    nothing is happening, and the reporter (REPORTER_THREAD) works whatever the rest
+    does. None when the process is gone (or there is no /proc: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/comm") as comm:
+            own_name = comm.read().strip()
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for tid in tids:
+        task = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{task}/comm") as comm:
+                name = comm.read().strip()
+            if name != own_name and tid != str(pid):
+                continue
+            fields = stat_fields_at(f"{task}/stat")
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+            with open(f"{task}/io") as io:
+                for line in io:
+                    key, _, value = line.partition(":")
+                    if key in ("rchar", "wchar"):
+                        total += int(value)
+        except (OSError, IndexError, ValueError):  # the thread ended, or io is not ours
+            continue
+    return total

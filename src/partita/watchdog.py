@@ -18,7 +18,9 @@ A stalled rank cannot report itself, so the report comes from the ones waiting f
 Once a rank has finished, no collective waits on the ones still working (process 0
 exporting the weights, say): where partita's launcher does not watch that tail (under
 torchrun or srun), a finished rank waits for the others itself (`wait_for_the_others`)
-and ends the job when one's heartbeat stays still for the collective timeout.
+and ends the job when one stays still for the collective timeout: its heartbeat, or,
+with the heartbeat running on, its work (`proc_stat.activity`, which the heartbeat
+publishes beside each beat; a process hung in native code beats on but does nothing).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import time
 from collections import deque
 
 from partita.errors import PeerFailure, print_line
+from partita.proc_stat import REPORTER_THREAD, activity, name_this_thread
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
@@ -110,53 +113,59 @@ class Progress:
     def wait_for_the_others(self, poll_s: float = BEAT_S) -> None:
         """This rank's work is done: publish it, then wait until every rank's is.
 
-        A rank whose heartbeat stays still for `timeout_s` (stopped, hung or dead) is
-        named, killed if on this machine, and SilentAtTheEnd ends this rank, so that the
-        launcher ends the job instead of waiting for that rank without a bound. A rank
-        still beating is working (a long export) and is waited for. A store that is gone
-        means its host, the job's agent or rank 0, has ended the job: nothing to wait for.
+        A rank whose heartbeat stays still for `timeout_s` (stopped, hung or dead), or
+        whose heartbeat runs on while its work stays still that long (hung in native
+        code, on a lock, on a disk that does not answer), is named, killed if on this
+        machine, and SilentAtTheEnd ends this rank, so that the launcher ends the job
+        instead of waiting for that rank without a bound. A rank whose work moves (a long
+        export) is waited for. A store that is gone means its host, the job's agent or
+        rank 0, has ended the job: nothing to wait for.
         """
         if self._store is None:
             return
         try:
-            silent = self._silent_before_done(poll_s)
-            if not silent:
+            silent, idle = self._still_before_done(poll_s)
+            if not silent and not idle:
                 return
             where = self.positions()
-            self._kill_local(silent)
+            self._kill_local(silent + idle)
         except Exception:  # the store's host ended
             return
         raise SilentAtTheEnd(
             f"process {self.rank} finished, then waited for the others: "
-            f"{describe(where, silent)} for train.collective_timeout_s="
+            f"{describe(where, silent, idle)} for train.collective_timeout_s="
             f"{self.timeout_s:g} s, so the job stops. Files it was writing keep their "
             "temporary names; the ones named before it stopped are complete.")
 
-    def _silent_before_done(self, poll_s: float) -> list[int]:
-        """Mark this rank done and poll the others: [] once every one is done, else the
-        ones whose heartbeat stayed still for `timeout_s` first."""
+    def _still_before_done(self, poll_s: float) -> tuple[list[int], list[int]]:
+        """Mark this rank done and poll the others: ([], []) once every one is done,
+        else the ones whose heartbeat, and the ones whose work (their heartbeat moving),
+        stayed still for `timeout_s` first."""
         self._store.set(self.DONE_KEY.format(rank=self.rank), "1")
         pending = [r for r in range(self.world) if r != self.rank]
-        beats: dict[int, bytes] = {}
-        still_since: dict[int, float] = {}
+        beat_clock, work_clock = _StillClock(), _StillClock()
         last_poll = time.monotonic()
         while True:
             pending = [r for r in pending
                        if not self._store.check([self.DONE_KEY.format(rank=r)])]
             if not pending:
-                return []
+                return [], []
             now = time.monotonic()
             if now - last_poll > 5 * poll_s:  # this process was suspended (Ctrl-Z)
-                still_since.clear()
+                beat_clock.restart()
+                work_clock.restart()
             last_poll = now
             latest = self._store.multi_get([self.BEAT_KEY.format(rank=r) for r in pending])
-            for r, beat in zip(pending, latest, strict=True):
-                if beats.get(r) != beat:
-                    beats[r], still_since[r] = beat, now
-                still_since.setdefault(r, now)
-            silent = [r for r in pending if now - still_since[r] >= self.timeout_s]
-            if silent:
-                return silent
+            for r, value in zip(pending, latest, strict=True):
+                beat, _, work = value.decode().partition("|")
+                beat_clock.see(r, beat, now)
+                # No figure (no /proc to read it from): taken as moving, never as idle.
+                work_clock.see(r, work or f"beat {beat}", now)
+            silent = beat_clock.still(pending, now, self.timeout_s)
+            idle = [r for r in work_clock.still(pending, now, self.timeout_s)
+                    if r not in silent]
+            if silent or idle:
+                return silent, idle
             time.sleep(poll_s)
 
     def close(self) -> None:
@@ -208,13 +217,16 @@ class Progress:
 
     # The background thread -----------------------------------------------------------------
     def _background(self) -> None:
+        name_this_thread(REPORTER_THREAD)  # its own work is not the process's progress
         store = _store_client()
         beat, reported = 0, None
         key = self.BEAT_KEY.format(rank=self.rank)
+        pid = os.getpid()
         while not self._stop.wait(BEAT_S):
             beat += 1
             try:
-                store.set(key, str(beat))
+                work = activity(pid)
+                store.set(key, f"{beat}|{'' if work is None else work}")
                 at = (self.step, self.part)
                 if self.rank == 0 and self.factor > 0 and at != reported and self._stalled():
                     reported = at
@@ -237,12 +249,45 @@ class Progress:
         return waited >= max(self.factor * statistics.median(history), self.min_seconds)
 
 
-def describe(where: dict[int, tuple[int, str]], silent: list[int]) -> str:
-    """'rank 1 (step 3, forward and backward) is not running' or '... is behind'."""
-    if silent:
+class _StillClock:
+    """Since when each rank's value (its heartbeat, or its work) has not changed."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, str] = {}
+        self.since: dict[int, float] = {}
+
+    def see(self, rank: int, value: str, now: float) -> None:
+        if self.values.get(rank) != value:
+            self.values[rank], self.since[rank] = value, now
+        # After a restart the value is unchanged but its clock starts again.
+        self.since.setdefault(rank, now)
+
+    def restart(self) -> None:
+        self.since.clear()
+
+    def still(self, ranks: list[int], now: float, timeout_s: float) -> list[int]:
+        return [r for r in ranks if now - self.since[r] >= timeout_s]
+
+
+def describe(where: dict[int, tuple[int, str]], silent: list[int],
+             idle: list[int] = ()) -> str:
+    """'rank 1 (last seen in step 3, export) stopped responding (...)', '... made no
+    progress (...)' or 'rank 1 (step 3, forward and backward) behind the others'."""
+    def seen(ranks: list[int]) -> str:
         return ", ".join(f"rank {r} (last seen in step {where[r][0]}, {where[r][1]})"
-                         for r in silent) + (" stopped responding (stopped, hung or dead; "
-                                             "ended now if on this machine)")
+                         for r in ranks)
+
+    told = []
+    if silent:
+        told.append(seen(silent) + " stopped responding (stopped, hung or dead; ended now "
+                    "if on this machine)")
+    if idle:
+        told.append(seen(idle) + " made no progress (its heartbeat ran on, but its own "
+                    "threads used no CPU time and read or wrote nothing: hung in native "
+                    "code, on a lock or on a disk that does not answer; ended now if on "
+                    "this machine)")
+    if told:
+        return "; ".join(told)
     late = ranks_behind(where)
     if late:
         return ", ".join(f"rank {r} (step {where[r][0]}, {where[r][1]})"

@@ -4,8 +4,10 @@ While every process of a job runs, a stopped or hung one is found by the others:
 next collective times out and they name it (`watchdog`). Once some have finished, the
 ones left (process 0 exporting the weights, say) have no peer waiting on them, and
 torch's agent waits for them without a bound. This thread, in partita's launcher, ends
-a worker that stays stopped (SIGSTOP, state T in /proc; not a debugger's stop) for the
-job's collective timeout after another worker of the same start has finished.
+a worker that, for the job's collective timeout after another worker of the same start
+has finished, stays stopped (SIGSTOP, state T in /proc; not a debugger's stop) or does
+nothing (`proc_stat.activity` unchanged: hung in native code, on a lock, on a disk that
+does not answer).
 
 A finished worker does not exit (torch's agent keeps it until the whole group is
 done), so the workers leave markers in a folder the launcher gives them: one when they
@@ -27,7 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from partita.errors import print_line
-from partita.proc_stat import process_state
+from partita.proc_stat import activity, process_state
 
 SAMPLE_S = 0.25
 
@@ -65,10 +67,10 @@ def _mark(folder: str, name: str, text: str) -> None:
             marker.write(text)
 
 
-class StoppedWorkerWatch:
-    """Samples the workers' states; `check` ends a worker stopped for `timeout_s`
-    after another, started before it, has finished. Its line says who and why, and
-    the agent then reports the killed worker as the job's first failure."""
+class TailWatch:
+    """Samples the workers' states; `check` ends a worker stopped, or idle, for
+    `timeout_s` after another, started before it, has finished. Its line says who and
+    why, and the agent then reports the killed worker as the job's first failure."""
 
     def __init__(self, timeout_s: float, folder: str) -> None:
         self.timeout_s, self.folder = timeout_s, folder
@@ -77,6 +79,8 @@ class StoppedWorkerWatch:
         self.first_seen: dict[int, int] = {}
         self.finished: dict[int, int] = {}
         self.stopped_since: dict[int, float] = {}  # pid -> when it was first seen stopped
+        # pid -> (its activity, since when unchanged), for workers left in the tail
+        self.idle_since: dict[int, tuple[int, float]] = {}
         self.gone: set[int] = set()  # exited and reaped: never looked at again
         self.last = time.monotonic()
         self.ended: list[int] = []
@@ -85,6 +89,7 @@ class StoppedWorkerWatch:
         self.sample += 1
         if now - self.last > 4 * SAMPLE_S:  # this process was stopped itself (Ctrl-Z)
             self.stopped_since.clear()
+            self.idle_since.clear()
         self.last = now
         with contextlib.suppress(OSError):
             for name in os.listdir(self.folder):
@@ -92,8 +97,11 @@ class StoppedWorkerWatch:
                 if pid.isdigit() and what in ("started", "finished"):
                     seen = self.first_seen if what == "started" else self.finished
                     seen.setdefault(int(pid), self.sample)
+        working = []  # running or waiting (R, S, D): the ones that may be idle
         for pid in self.first_seen.keys() - self.gone:
             state = process_state(pid)
+            if state in ("R", "S", "D"):
+                working.append(pid)
             if state == "T":
                 self.stopped_since.setdefault(pid, now)
             else:  # running, waiting, exited or gone
@@ -101,40 +109,55 @@ class StoppedWorkerWatch:
             if state is None:
                 self.gone.add(pid)
         for pid, since in list(self.stopped_since.items()):
-            # Another worker finished after this one appeared: the same start of the
-            # job, not a worker of an earlier start (--max-restarts).
-            peer_done = any(at > self.first_seen[pid]
-                            for other, at in self.finished.items() if other != pid)
-            if peer_done and now - since >= self.timeout_s:
-                self._end(pid, now - since)
+            if self._in_tail(pid) and now - since >= self.timeout_s:
+                self._end(pid, f"was stopped (SIGSTOP) for {now - since:.0f} s")
+        for pid in self.first_seen.keys() - self.finished.keys():
+            work = activity(pid) if pid in working and self._in_tail(pid) else None
+            if work is None:  # stopped (above), a debugger's, exited, or not in the tail
+                self.idle_since.pop(pid, None)
+                continue
+            if self.idle_since.get(pid, (None,))[0] != work:
+                self.idle_since[pid] = (work, now)
+            idle_s = now - self.idle_since[pid][1]
+            if idle_s >= self.timeout_s:
+                self._end(pid, f"made no progress for {idle_s:.0f} s (it ran, but its own "
+                               "threads used no CPU time and read or wrote nothing: hung "
+                               "in native code, on a lock or on a disk that does not "
+                               "answer)")
 
-    def _end(self, pid: int, stopped_s: float) -> None:
+    def _in_tail(self, pid: int) -> bool:
+        """Another worker finished after this one appeared: the same start of the job,
+        not a worker of an earlier start (--max-restarts)."""
+        return any(at > self.first_seen[pid]
+                   for other, at in self.finished.items() if other != pid)
+
+    def _end(self, pid: int, what: str) -> None:
         try:
             with open(os.path.join(self.folder, f"{pid}.started")) as marker:
                 rank = marker.read() or "?"
         except OSError:
             rank = "?"
         print_line(
-            f"partita: process {rank} (pid {pid}) was stopped (SIGSTOP) for "
-            f"{stopped_s:.0f} s, the job's collective timeout, after the other processes "
-            "had finished: nothing else would have ended the wait, so it was ended. A "
-            "file it was writing keeps its temporary name.")
+            f"partita: process {rank} (pid {pid}) {what}, the job's collective timeout, "
+            "after the other processes had finished: nothing else would have ended the "
+            "wait, so it was ended. A file it was writing keeps its temporary name.")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         self.stopped_since.pop(pid, None)
+        self.idle_since.pop(pid, None)
+        self.gone.add(pid)
         self.ended.append(pid)
 
 
 @contextmanager
-def watching_stopped_workers(timeout_s: float,
-                             folder: str) -> Iterator[StoppedWorkerWatch | None]:
-    """Run a `StoppedWorkerWatch` in a background thread for the block (none when
-    `timeout_s` is 0); the workers leave their markers in `folder` (made here)."""
+def watching_the_tail(timeout_s: float, folder: str) -> Iterator[TailWatch | None]:
+    """Run a `TailWatch` in a background thread for the block (none when `timeout_s`
+    is 0); the workers leave their markers in `folder` (made here)."""
     if timeout_s <= 0:
         yield None
         return
     os.makedirs(folder, exist_ok=True)
-    watch, done = StoppedWorkerWatch(timeout_s, folder), threading.Event()
+    watch, done = TailWatch(timeout_s, folder), threading.Event()
 
     def loop() -> None:
         while not done.wait(SAMPLE_S):

@@ -468,11 +468,22 @@ def test_a_job_under_torchrun_stops_resumes_and_exports(cache, tmp_path):
     assert (out / "model.safetensors").exists() and (out / "hf" / "config.json").exists()
 
 
-def test_a_process_stopped_after_the_others_finished_ends_the_job_under_torchrun(cache,
-                                                                                  tmp_path):
-    """Process 0 stopped while it exported the weights, after process 1 had finished:
-    partita's launcher ends such a tail (`worker_watch`), but torchrun's agent waited
-    for it without a bound. The finished process now waits for the others itself."""
+# What the finished process says of process 0, by the fault process 0 met in its export.
+AT_THE_END = {
+    "stop": "stopped responding (stopped, hung or dead; ended now if on this machine)",
+    "hang": "made no progress (its heartbeat ran on, but its own threads used no CPU time "
+            "and read or wrote nothing: hung in native code, on a lock or on a disk that "
+            "does not answer; ended now if on this machine)",
+}
+
+
+@pytest.mark.parametrize("fault", AT_THE_END)
+def test_a_process_stuck_after_the_others_finished_ends_the_job_under_torchrun(
+        cache, tmp_path, fault):
+    """Process 0 stopped, or hung in native code with its heartbeat running on, while it
+    exported the weights, after process 1 had finished: partita's launcher ends such a
+    tail (`worker_watch`), but torchrun's agent waited for it without a bound. The
+    finished process now waits for the others itself."""
     out = tmp_path / "run"
     start = time.monotonic()
     done = subprocess.run(
@@ -481,14 +492,14 @@ def test_a_process_stopped_after_the_others_finished_ends_the_job_under_torchrun
          "--train.collective_timeout_s=4", f"--train.out_dir={out}"],
         capture_output=True, text=True, timeout=180,
         env={**os.environ, "PYTHONUNBUFFERED": "1",
-             "PARTITA_FAULT": "rank=0,step=3,at=export,do=stop"})
+             "PARTITA_FAULT": f"rank=0,step=3,at=export,do={fault}"})
     assert done.returncode != 0
     said = [line for line in done.stderr.splitlines() if line.startswith("partita: error:")]
     assert said == ["partita: error: process 1 finished, then waited for the others: rank 0 "
-                    "(last seen in step 3, export) stopped responding (stopped, hung or dead; "
-                    "ended now if on this machine) for train.collective_timeout_s=4 s, so the "
-                    "job stops. Files it was writing keep their temporary names; the ones "
-                    "named before it stopped are complete."], done.stderr[-3000:]
+                    f"(last seen in step 3, export) {AT_THE_END[fault]} for "
+                    "train.collective_timeout_s=4 s, so the job stops. Files it was writing "
+                    "keep their temporary names; the ones named before it stopped are "
+                    "complete."], done.stderr[-3000:]
     assert time.monotonic() - start < 120
     assert (out / "model.safetensors").exists()  # written before the export began
     assert not (out / "hf").exists()

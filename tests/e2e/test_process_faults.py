@@ -1,7 +1,7 @@
 """Process faults injected into real `partita train` jobs end them within a bound.
 
-Each case kills (SIGKILL), stops (SIGSTOP) or makes raise one rank at one point of a
-step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
+Each case kills (SIGKILL), stops (SIGSTOP) or makes raise (or, after the others have
+finished, hang) one rank at one point of a step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
 once, the layouts taking turns, so each layout meets every kind of fault; a pipeline's
 sends and receives are two more points, under the pp layout. Each case
 asserts a non-zero exit within the bound, messages without a traceback, the last
@@ -56,6 +56,9 @@ def _cases() -> list[tuple[str, str, str, int]]:
     # Process 0 stopped while it exports the written weights (train.export), the others
     # finished: nothing waited on it, and the job waited forever; the launcher ends it.
     cases.append(("dp", "stop", "export", 0))
+    # The same, hung in native code rather than stopped: its heartbeat runs on and it
+    # does nothing, which the launcher tells from its threads' CPU time and I/O.
+    cases.append(("dp", "hang", "export", 0))
     return cases
 
 
@@ -125,7 +128,8 @@ def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, ra
     if kind != "stop":  # the faulty process is the first to fail
         assert f"process {rank} of the job" in last, last
     if point == "export":  # the launcher ends the last process; the weights were complete
-        assert f"partita: process {rank} (pid " in err and "was stopped (SIGSTOP)" in err
+        what = "was stopped (SIGSTOP)" if kind == "stop" else "made no progress for"
+        assert f"partita: process {rank} (pid " in err and what in err, err[-3000:]
         assert f"process {rank} of the job" in last, last
         assert (result.run / "model.safetensors").exists()
         assert not (result.run / "hf").exists()

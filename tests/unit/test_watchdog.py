@@ -124,7 +124,10 @@ def test_a_finished_rank_waits_for_a_working_one_and_then_leaves(two_ranks) -> N
     working, finished = two_ranks
     working.enter(3, "export")
     thread, raised = _waiting(finished)
-    time.sleep(2.0)  # twice the timeout: a rank whose heartbeat moves is waited for
+    # Twice the timeout: a rank whose work moves (this thread's) is waited for.
+    end = time.monotonic() + 2.0
+    while time.monotonic() < end:
+        sum(range(10_000))
     assert thread.is_alive() and not raised
     working.wait_for_the_others(poll_s=0.05)  # rank 1 is done: returns at once
     thread.join(timeout=5)
@@ -152,3 +155,53 @@ def test_a_rank_silent_at_the_end_is_named_and_ended(two_ranks) -> None:
         "export) stopped responding")
     assert "train.collective_timeout_s=1 s, so the job stops" in str(told.value)
     assert child.wait(timeout=5) == -9
+
+
+# Rank 0 in a process of its own: its heartbeat beats on while its main thread is blocked
+# for good in a read, as in a deadlock or on a disk that does not answer.
+HUNG_RANK = """
+import os
+from partita.watchdog import Progress
+progress = Progress(0, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
+progress.enter(3, "export")
+print("ready", flush=True)
+never_read, _open = os.pipe()
+os.read(never_read, 1)
+"""
+
+
+def test_a_rank_hung_at_the_end_is_named_and_ended(monkeypatch) -> None:
+    import datetime
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    from partita.testing import free_port
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    hung = subprocess.Popen([sys.executable, "-c", HUNG_RANK], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ))
+    finished = Progress(1, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
+    try:
+        assert hung.stdout.readline() == "ready\n"
+        start = time.monotonic()
+        with pytest.raises(watchdog.SilentAtTheEnd) as told:
+            finished.wait_for_the_others(poll_s=0.05)
+        assert time.monotonic() - start < 10
+        assert str(told.value).startswith(
+            "process 1 finished, then waited for the others: rank 0 (last seen in step 3, "
+            "export) made no progress (its heartbeat ran on, but its own threads used no "
+            "CPU time and read or wrote nothing")
+        assert hung.wait(timeout=5) == -9  # on this machine: ended
+    finally:
+        finished.close()
+        hung.kill()
+        hung.wait()
+        del store

@@ -1,17 +1,18 @@
-"""The launcher's watch ends a worker left stopped after the others finished, and no
-other: not one whose peers still run, not one of a later start, not a job that was
-suspended whole."""
+"""The launcher's watch ends a worker left stopped, or doing nothing, after the others
+finished, and no other: not one whose peers still run, not one still working, not one of
+a later start, not a job that was suspended whole."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from partita.proc_stat import process_state
-from partita.worker_watch import SAMPLE_S, StoppedWorkerWatch
+from partita.worker_watch import SAMPLE_S, TailWatch
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -44,7 +45,7 @@ def _run(watch, start, seconds):
 
 
 def test_a_worker_stopped_after_another_finished_is_ended(tmp_path, stopped):
-    watch = StoppedWorkerWatch(timeout_s=2.0, folder=str(tmp_path))
+    watch = TailWatch(timeout_s=2.0, folder=str(tmp_path))
     watch.last = 0.0
     _marker(tmp_path, f"{stopped.pid}.started", "0")
     _marker(tmp_path, "999999.started", "1")
@@ -59,7 +60,7 @@ def test_a_worker_stopped_after_another_finished_is_ended(tmp_path, stopped):
 
 def test_no_worker_is_ended_while_none_has_finished(tmp_path, stopped):
     """Its peers still run: they find it themselves, through their collectives."""
-    watch = StoppedWorkerWatch(timeout_s=1.0, folder=str(tmp_path))
+    watch = TailWatch(timeout_s=1.0, folder=str(tmp_path))
     watch.last = 0.0
     _marker(tmp_path, f"{stopped.pid}.started", "0")
     _marker(tmp_path, "999999.started", "1")
@@ -70,7 +71,7 @@ def test_no_worker_is_ended_while_none_has_finished(tmp_path, stopped):
 
 def test_a_finish_of_an_earlier_start_does_not_count(tmp_path, stopped):
     """After a restart (--max-restarts), the previous start's markers are still there."""
-    watch = StoppedWorkerWatch(timeout_s=1.0, folder=str(tmp_path))
+    watch = TailWatch(timeout_s=1.0, folder=str(tmp_path))
     watch.last = 0.0
     _marker(tmp_path, "999998.started", "1")
     _marker(tmp_path, "999998.finished")
@@ -83,7 +84,7 @@ def test_a_finish_of_an_earlier_start_does_not_count(tmp_path, stopped):
 def test_a_gap_in_the_watch_own_samples_restarts_the_clock(tmp_path, stopped):
     """Ctrl-Z stops the launcher with its workers; once resumed, a worker not yet
     continued is not one stopped for the whole pause."""
-    watch = StoppedWorkerWatch(timeout_s=2.0, folder=str(tmp_path))
+    watch = TailWatch(timeout_s=2.0, folder=str(tmp_path))
     watch.last = 0.0
     _marker(tmp_path, f"{stopped.pid}.started", "0")
     _marker(tmp_path, "999999.started", "1")
@@ -94,3 +95,70 @@ def test_a_gap_in_the_watch_own_samples_restarts_the_clock(tmp_path, stopped):
     assert watch.ended == []
     _run(watch, now + 600.0 + SAMPLE_S, 2.5)
     assert watch.ended == [stopped.pid]
+
+
+def _child(code: str) -> subprocess.Popen:
+    """A stand-in worker running `code` once it has said it is ready."""
+    proc = subprocess.Popen([sys.executable, "-c", f"print('ready', flush=True)\n{code}"],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+# Blocked for good in a read, as in a deadlock, while a thread that names itself the
+# reporter (the heartbeat) keeps busy: that thread's work is not the worker's progress.
+HUNG = """
+import os, threading
+from partita.proc_stat import REPORTER_THREAD, name_this_thread
+def beat():
+    name_this_thread(REPORTER_THREAD)
+    while True:
+        sum(range(10_000))
+threading.Thread(target=beat, daemon=True).start()
+never_read, _open = os.pipe()
+os.read(never_read, 1)
+"""
+WORKING = "while True:\n    sum(range(10_000))"
+
+
+def _run_real(watch, seconds):
+    """Samples every SAMPLE_S on the real clock: a worker's activity moves in real time."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        watch.check(time.monotonic())
+        time.sleep(SAMPLE_S)
+
+
+@pytest.mark.parametrize(("code", "ended"), [(HUNG, True), (WORKING, False)],
+                         ids=["hung", "working"])
+def test_a_worker_that_does_nothing_after_another_finished_is_ended(tmp_path, code, ended):
+    proc = _child(code)
+    try:
+        watch = TailWatch(timeout_s=1.0, folder=str(tmp_path))
+        _marker(tmp_path, f"{proc.pid}.started", "0")
+        _marker(tmp_path, "999999.started", "1")
+        _run_real(watch, 0.5)
+        _marker(tmp_path, "999999.finished")
+        _run_real(watch, 3.0)
+        assert watch.ended == ([proc.pid] if ended else [])
+        if ended:
+            assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_hung_worker_is_left_alone_while_none_has_finished(tmp_path):
+    """Before the tail its peers' collectives find it; and a worker waiting in one is
+    idle without being hung."""
+    proc = _child(HUNG)
+    try:
+        watch = TailWatch(timeout_s=0.5, folder=str(tmp_path))
+        _marker(tmp_path, f"{proc.pid}.started", "0")
+        _marker(tmp_path, "999999.started", "1")
+        _run_real(watch, 2.0)
+        assert watch.ended == []
+        assert process_state(proc.pid) == "S"
+    finally:
+        proc.kill()
+        proc.wait()

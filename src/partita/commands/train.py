@@ -225,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
                           rdzv_id=args.rdzv_id, max_restarts=args.max_restarts,
                           join_timeout_s=args.rdzv_timeout, forward_sigterm=True,
                           preload=WORKER_IMPORTS,
-                          stopped_worker_timeout_s=cfg.train.collective_timeout_s)
+                          tail_timeout_s=cfg.train.collective_timeout_s)
         try:
             results = launch(spec, _worker, cfg.to_toml())
         except Stopped as exc:
