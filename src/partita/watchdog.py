@@ -162,10 +162,11 @@ class Progress:
                 # No figure (no /proc to read it from): taken as moving, never as idle.
                 work_clock.see(r, work or f"beat {beat}", now)
             silent = beat_clock.still(pending, now, self.timeout_s)
-            idle = [r for r in work_clock.still(pending, now, self.timeout_s)
-                    if r not in silent]
-            if silent or idle:
-                return silent, idle
+            if silent:  # the ones doing nothing beside them may be waiting for them
+                return silent, []
+            idle = work_clock.still(pending, now, self.timeout_s)
+            if idle:
+                return [], idle
             time.sleep(poll_s)
 
     def close(self) -> None:

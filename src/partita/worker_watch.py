@@ -112,8 +112,10 @@ class TailWatch:
             if self._in_tail(pid) and now - since >= self.timeout_s:
                 self._end(pid, f"was stopped (SIGSTOP) for {now - since:.0f} s")
         for pid in self.first_seen.keys() - self.finished.keys():
-            work = activity(pid) if pid in working and self._in_tail(pid) else None
-            if work is None:  # stopped (above), a debugger's, exited, or not in the tail
+            # A worker doing nothing beside a stopped one may be waiting for it.
+            look = pid in working and self._in_tail(pid) and not self.stopped_since
+            work = activity(pid) if look else None
+            if work is None:  # stopped, a debugger's, exited, not in the tail, or waiting
                 self.idle_since.pop(pid, None)
                 continue
             if self.idle_since.get(pid, (None,))[0] != work:

@@ -162,7 +162,7 @@ def test_a_rank_silent_at_the_end_is_named_and_ended(two_ranks) -> None:
 HUNG_RANK = """
 import os
 from partita.watchdog import Progress
-progress = Progress(0, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
+progress = Progress(0, {world}, factor=0, min_seconds=2.0, timeout_s=1.0)
 progress.enter(3, "export")
 print("ready", flush=True)
 never_read, _open = os.pipe()
@@ -170,12 +170,10 @@ os.read(never_read, 1)
 """
 
 
-def test_a_rank_hung_at_the_end_is_named_and_ended(monkeypatch) -> None:
+@pytest.fixture
+def store_of_a_job(monkeypatch):
+    """A job's store on a free port, found through MASTER_ADDR and MASTER_PORT."""
     import datetime
-    import os
-    import subprocess
-    import sys
-    import time
 
     import torch.distributed as dist
 
@@ -186,8 +184,25 @@ def test_a_rank_hung_at_the_end_is_named_and_ended(monkeypatch) -> None:
                           timeout=datetime.timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    hung = subprocess.Popen([sys.executable, "-c", HUNG_RANK], stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ))
+    yield store
+    del store
+
+
+def _hung_rank(world: int):
+    """Rank 0 of a job of `world` in a process of its own, hung once it said so."""
+    import os
+    import subprocess
+    import sys
+
+    hung = subprocess.Popen([sys.executable, "-c", HUNG_RANK.format(world=world)],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    return hung
+
+
+def test_a_rank_hung_at_the_end_is_named_and_ended(store_of_a_job) -> None:
+    import time
+
+    hung = _hung_rank(2)
     finished = Progress(1, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
     try:
         assert hung.stdout.readline() == "ready\n"
@@ -204,4 +219,25 @@ def test_a_rank_hung_at_the_end_is_named_and_ended(monkeypatch) -> None:
         finished.close()
         hung.kill()
         hung.wait()
-        del store
+
+
+def test_a_silent_rank_is_named_alone_beside_one_doing_nothing(store_of_a_job) -> None:
+    """Rank 0 doing nothing may be waiting for rank 1, which stopped responding."""
+    hung = _hung_rank(3)
+    silent = Progress(1, 3, factor=0, min_seconds=2.0, timeout_s=1.0)
+    finished = Progress(2, 3, factor=0, min_seconds=2.0, timeout_s=1.0)
+    silent._store.set(Progress.PID_KEY.format(rank=1), "another-host|1")
+    try:
+        assert hung.stdout.readline() == "ready\n"
+        silent.enter(3, "weight write")
+        silent.close()
+        with pytest.raises(watchdog.SilentAtTheEnd) as told:
+            finished.wait_for_the_others(poll_s=0.05)
+        assert ": rank 1 (last seen in step 3, weight write) stopped responding" in \
+            str(told.value)
+        assert "rank 0" not in str(told.value)
+        assert hung.poll() is None  # not ended: it may have been waiting for rank 1
+    finally:
+        finished.close()
+        hung.kill()
+        hung.wait()

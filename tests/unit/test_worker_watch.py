@@ -162,3 +162,29 @@ def test_a_hung_worker_is_left_alone_while_none_has_finished(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_stopped_worker_is_ended_before_one_that_may_wait_for_it(tmp_path):
+    """A worker doing nothing beside a stopped one may be waiting for it in a
+    collective: the stopped one is ended first, and the other judged from then on."""
+    hung, later_stopped = _child(HUNG), _child(WORKING)
+    try:
+        watch = TailWatch(timeout_s=2.0, folder=str(tmp_path))
+        _marker(tmp_path, f"{hung.pid}.started", "0")
+        _marker(tmp_path, f"{later_stopped.pid}.started", "1")
+        _marker(tmp_path, "999999.started", "2")
+        _run_real(watch, 0.5)
+        _marker(tmp_path, "999999.finished")
+        _run_real(watch, 1.5)
+        later_stopped.send_signal(signal.SIGSTOP)
+        # Idle for 2.5 s: ended by now, were it not for the stopped one beside it.
+        _run_real(watch, 1.0)
+        assert watch.ended == []
+        _run_real(watch, 1.5)  # stopped for 2.5 s
+        assert watch.ended == [later_stopped.pid]
+        _run_real(watch, 2.5)  # idle for 2.5 s since the stopped one was ended
+        assert watch.ended == [later_stopped.pid, hung.pid]
+    finally:
+        for proc in (hung, later_stopped):
+            proc.kill()
+            proc.wait()
