@@ -49,10 +49,10 @@ def overlaps_in_effect(layout: Layout, mode: str) -> Layout:
     gradient arrives as it ends and the buckets reduce after it, not beside it; and
     ZeRO-1/2 wait for the updated parameters at the compiled unit's edge, the whole
     model, before its forward starts (`ParamAllGather.regroup`). Neither is taken to
-    overlap compute then. That is exact for a reduction once per step; with one after
-    every microbatch (ZeRO-2 accumulating by reduction) the reducer waits for each as
-    the next microbatch's backward begins, so all but the last could hide under the
-    next forward, which the planner does not count. `blocks` keeps both at block
+    overlap compute then. That holds for a reduction after every microbatch too (ZeRO-2
+    accumulating by reduction): the reducer waits for each as the next microbatch's
+    `grad_sync` begins, before its forward (`parallelize`'s training step), so none
+    hides under the next forward. `blocks` keeps both at block
     granularity: each block's backward is a node of its own, and the waits sit at
     each block."""
     if mode != "model" or not (layout.overlap_grad_reduce or layout.overlap_param_gather):
