@@ -1,7 +1,14 @@
-"""The stall watch of `partita.watchdog.Progress`, on a clock the test moves, and the
-one-write lines the ranks print."""
+"""The stall watch of `partita.watchdog.Progress`, on a clock the test moves; the one-write
+lines the ranks print; and a finished rank's wait for the others, which ends a silent or
+hung one."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -79,8 +86,8 @@ def test_a_message_and_its_newline_leave_in_one_write(monkeypatch) -> None:
 
 # The tail: a finished rank waits for the others -----------------------------------------
 @pytest.fixture
-def two_ranks(monkeypatch):
-    """Ranks 0 and 1 of a job as two Progress objects of this process, over a real store."""
+def store_of_a_job(monkeypatch):
+    """A job's store on a free port, found through MASTER_ADDR and MASTER_PORT."""
     import datetime
 
     import torch.distributed as dist
@@ -92,13 +99,19 @@ def two_ranks(monkeypatch):
                           timeout=datetime.timedelta(seconds=10))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
+    yield store
+    del store
+
+
+@pytest.fixture
+def two_ranks(store_of_a_job):
+    """Ranks 0 and 1 of a job as two Progress objects of this process, over a real store."""
     ranks = [Progress(r, 2, factor=0, min_seconds=2.0, timeout_s=1.0) for r in (0, 1)]
     for r in (0, 1):  # both are this process: one found silent must not end the test
         ranks[0]._store.set(Progress.PID_KEY.format(rank=r), "another-host|1")
     yield ranks
     for progress in ranks:
         progress.close()
-    del store
 
 
 def _waiting(progress: Progress):
@@ -119,8 +132,6 @@ def _waiting(progress: Progress):
 
 
 def test_a_finished_rank_waits_for_a_working_one_and_then_leaves(two_ranks) -> None:
-    import time
-
     working, finished = two_ranks
     working.enter(3, "export")
     thread, raised = _waiting(finished)
@@ -135,10 +146,6 @@ def test_a_finished_rank_waits_for_a_working_one_and_then_leaves(two_ranks) -> N
 
 
 def test_a_rank_silent_at_the_end_is_named_and_ended(two_ranks) -> None:
-    import subprocess
-    import sys
-    import time
-
     stopped, finished = two_ranks
     stopped.enter(3, "export")
     stopped.close()  # its heartbeat stops, as a SIGSTOP stops it
@@ -146,14 +153,11 @@ def test_a_rank_silent_at_the_end_is_named_and_ended(two_ranks) -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     finished._store.set(Progress.PID_KEY.format(rank=0),
                         f"{watchdog.socket.gethostname()}|{child.pid}")
-    start = time.monotonic()
-    with pytest.raises(watchdog.SilentAtTheEnd) as told:
-        finished.wait_for_the_others(poll_s=0.05)
-    assert time.monotonic() - start < 5
-    assert str(told.value).startswith(
+    told = _told_at_the_end(finished)
+    assert told.startswith(
         "process 1 finished, then waited for the others: rank 0 (last seen in step 3, "
         "export) stopped responding")
-    assert "train.collective_timeout_s=1 s, so the job stops" in str(told.value)
+    assert "train.collective_timeout_s=1 s, so the job stops" in told
     assert child.wait(timeout=5) == -9
 
 
@@ -170,74 +174,51 @@ os.read(never_read, 1)
 """
 
 
-@pytest.fixture
-def store_of_a_job(monkeypatch):
-    """A job's store on a free port, found through MASTER_ADDR and MASTER_PORT."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from partita.testing import free_port
-
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=10))
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    yield store
-    del store
-
-
+@contextlib.contextmanager
 def _hung_rank(world: int):
-    """Rank 0 of a job of `world` in a process of its own, hung once it said so."""
-    import os
-    import subprocess
-    import sys
-
+    """Rank 0 of a job of `world` in a process of its own, hung once it said so; killed
+    after the block."""
     hung = subprocess.Popen([sys.executable, "-c", HUNG_RANK.format(world=world)],
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-    return hung
+    try:
+        assert hung.stdout.readline() == "ready\n"
+        yield hung
+    finally:
+        hung.kill()
+        hung.wait()
+
+
+def _told_at_the_end(finished: Progress) -> str:
+    """What a finished rank's wait for the others raised, within a bound."""
+    start = time.monotonic()
+    with pytest.raises(watchdog.SilentAtTheEnd) as told:
+        finished.wait_for_the_others(poll_s=0.05)
+    assert time.monotonic() - start < 10
+    return str(told.value)
 
 
 def test_a_rank_hung_at_the_end_is_named_and_ended(store_of_a_job) -> None:
-    import time
-
-    hung = _hung_rank(2)
     finished = Progress(1, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
-    try:
-        assert hung.stdout.readline() == "ready\n"
-        start = time.monotonic()
-        with pytest.raises(watchdog.SilentAtTheEnd) as told:
-            finished.wait_for_the_others(poll_s=0.05)
-        assert time.monotonic() - start < 10
-        assert str(told.value).startswith(
+    with _hung_rank(2) as hung:
+        told = _told_at_the_end(finished)
+        assert told.startswith(
             "process 1 finished, then waited for the others: rank 0 (last seen in step 3, "
             "export) made no progress (its heartbeat ran on, but its own threads used no "
             "CPU time and read or wrote nothing")
         assert hung.wait(timeout=5) == -9  # on this machine: ended
-    finally:
-        finished.close()
-        hung.kill()
-        hung.wait()
+    finished.close()
 
 
 def test_a_silent_rank_is_named_alone_beside_one_doing_nothing(store_of_a_job) -> None:
     """Rank 0 doing nothing may be waiting for rank 1, which stopped responding."""
-    hung = _hung_rank(3)
     silent = Progress(1, 3, factor=0, min_seconds=2.0, timeout_s=1.0)
     finished = Progress(2, 3, factor=0, min_seconds=2.0, timeout_s=1.0)
     silent._store.set(Progress.PID_KEY.format(rank=1), "another-host|1")
-    try:
-        assert hung.stdout.readline() == "ready\n"
+    with _hung_rank(3) as hung:
         silent.enter(3, "weight write")
         silent.close()
-        with pytest.raises(watchdog.SilentAtTheEnd) as told:
-            finished.wait_for_the_others(poll_s=0.05)
-        assert ": rank 1 (last seen in step 3, weight write) stopped responding" in \
-            str(told.value)
-        assert "rank 0" not in str(told.value)
+        told = _told_at_the_end(finished)
+        assert ": rank 1 (last seen in step 3, weight write) stopped responding" in told
+        assert "rank 0" not in told
         assert hung.poll() is None  # not ended: it may have been waiting for rank 1
-    finally:
-        finished.close()
-        hung.kill()
-        hung.wait()
+    finished.close()

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -97,12 +99,17 @@ def test_a_gap_in_the_watch_own_samples_restarts_the_clock(tmp_path, stopped):
     assert watch.ended == [stopped.pid]
 
 
-def _child(code: str) -> subprocess.Popen:
-    """A stand-in worker running `code` once it has said it is ready."""
+@contextmanager
+def _child(code: str) -> Iterator[subprocess.Popen]:
+    """A stand-in worker running `code` once it has said it is ready; killed after."""
     proc = subprocess.Popen([sys.executable, "-c", f"print('ready', flush=True)\n{code}"],
                             stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline() == "ready\n"
-    return proc
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # Blocked for good in a read, as in a deadlock, while a thread that names itself the
@@ -129,52 +136,46 @@ def _run_real(watch, seconds):
         time.sleep(SAMPLE_S)
 
 
+def _tail(tmp_path, timeout_s: float, *pids: int) -> TailWatch:
+    """A watch over workers `pids` (ranks 0, 1, ...) and one more that finishes once
+    0.5 s of samples have passed: the tail begins then."""
+    watch = TailWatch(timeout_s=timeout_s, folder=str(tmp_path))
+    for rank, pid in enumerate(pids):
+        _marker(tmp_path, f"{pid}.started", str(rank))
+    _marker(tmp_path, "999999.started", str(len(pids)))
+    _run_real(watch, 0.5)
+    _marker(tmp_path, "999999.finished")
+    return watch
+
+
 @pytest.mark.parametrize(("code", "ended"), [(HUNG, True), (WORKING, False)],
                          ids=["hung", "working"])
 def test_a_worker_that_does_nothing_after_another_finished_is_ended(tmp_path, code, ended):
-    proc = _child(code)
-    try:
-        watch = TailWatch(timeout_s=1.0, folder=str(tmp_path))
-        _marker(tmp_path, f"{proc.pid}.started", "0")
-        _marker(tmp_path, "999999.started", "1")
-        _run_real(watch, 0.5)
-        _marker(tmp_path, "999999.finished")
+    with _child(code) as proc:
+        watch = _tail(tmp_path, 1.0, proc.pid)
         _run_real(watch, 3.0)
         assert watch.ended == ([proc.pid] if ended else [])
         if ended:
             assert proc.wait(timeout=10) == -signal.SIGKILL
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_hung_worker_is_left_alone_while_none_has_finished(tmp_path):
     """Before the tail its peers' collectives find it; and a worker waiting in one is
     idle without being hung."""
-    proc = _child(HUNG)
-    try:
+    with _child(HUNG) as proc:
         watch = TailWatch(timeout_s=0.5, folder=str(tmp_path))
         _marker(tmp_path, f"{proc.pid}.started", "0")
         _marker(tmp_path, "999999.started", "1")
         _run_real(watch, 2.0)
         assert watch.ended == []
         assert process_state(proc.pid) == "S"
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_a_stopped_worker_is_ended_before_one_that_may_wait_for_it(tmp_path):
     """A worker doing nothing beside a stopped one may be waiting for it in a
     collective: the stopped one is ended first, and the other judged from then on."""
-    hung, later_stopped = _child(HUNG), _child(WORKING)
-    try:
-        watch = TailWatch(timeout_s=2.0, folder=str(tmp_path))
-        _marker(tmp_path, f"{hung.pid}.started", "0")
-        _marker(tmp_path, f"{later_stopped.pid}.started", "1")
-        _marker(tmp_path, "999999.started", "2")
-        _run_real(watch, 0.5)
-        _marker(tmp_path, "999999.finished")
+    with _child(HUNG) as hung, _child(WORKING) as later_stopped:
+        watch = _tail(tmp_path, 2.0, hung.pid, later_stopped.pid)
         _run_real(watch, 1.5)
         later_stopped.send_signal(signal.SIGSTOP)
         # Idle for 2.5 s: ended by now, were it not for the stopped one beside it.
@@ -184,7 +185,3 @@ def test_a_stopped_worker_is_ended_before_one_that_may_wait_for_it(tmp_path):
         assert watch.ended == [later_stopped.pid]
         _run_real(watch, 2.5)  # idle for 2.5 s since the stopped one was ended
         assert watch.ended == [later_stopped.pid, hung.pid]
-    finally:
-        for proc in (hung, later_stopped):
-            proc.kill()
-            proc.wait()
