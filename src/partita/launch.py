@@ -69,8 +69,8 @@ class LaunchSpec:
     # Modules every worker imports, imported once by the fork server the workers start
     # from (`start_worker_server`).
     preload: tuple[str, ...] = ()
-    # Once some workers have finished, one left stopped this long is ended
-    # (`worker_watch`); 0: never. `partita train` gives its collective timeout.
+    # Once some workers have finished, one left stopped, or doing nothing, this long is
+    # ended (`worker_watch`); 0: never. `partita train` gives its collective timeout.
     tail_timeout_s: float = 0.0
 
 

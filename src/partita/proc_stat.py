@@ -44,8 +44,11 @@ def pid_alive(pid: int) -> bool:
     return process_state(pid) != "Z"
 
 
-# The name a thread that only reports on its process (the heartbeat) gives itself, so
-# that its own work is not taken for the process's progress.
+# partita's own threads are named "partita-..." (Python 3.14 and later pass a thread's
+# name on to the system; earlier ones leave it the process's). The one that only
+# reports on its process (the heartbeat) names itself this, so that its own work is not
+# taken for the process's progress.
+OWN_THREADS = "partita-"
 REPORTER_THREAD = "partita-beat"
 
 
@@ -62,11 +65,11 @@ def name_this_thread(name: str) -> None:
 
 def activity(pid: int) -> int | None:
     """A number that grows while process `pid` works: the CPU ticks of its own threads
-    plus the bytes they read and wrote. Its own threads are the main thread and those
-    that kept its name (the threads Python starts). Threads that name themselves are
-    left out: those of native libraries (gloo's, NCCL's, the store's) wake to poll when
-    nothing is happening, and the reporter (REPORTER_THREAD) works whatever the rest
-    does. None when the process is gone (or there is no /proc: not Linux)."""
+    plus the bytes they read and wrote. Its own threads are the main thread, those that
+    kept its name (the threads Python starts) and partita's (OWN_THREADS). Other names
+    are left out: native libraries' threads (gloo's, NCCL's, the store's) wake to poll
+    when nothing is happening, and the reporter (REPORTER_THREAD) works whatever the
+    rest does. None when the process is gone (or there is no /proc: not Linux)."""
     try:
         with open(f"/proc/{pid}/comm") as comm:
             own_name = comm.read().strip()
@@ -79,7 +82,8 @@ def activity(pid: int) -> int | None:
         try:
             with open(f"{task}/comm") as comm:
                 name = comm.read().strip()
-            if name != own_name and tid != str(pid):
+            ours = name == own_name or tid == str(pid) or name.startswith(OWN_THREADS)
+            if not ours or name == REPORTER_THREAD:
                 continue
             fields = stat_fields_at(f"{task}/stat")
             total += int(fields[11]) + int(fields[12])  # utime, stime

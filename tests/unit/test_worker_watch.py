@@ -126,6 +126,19 @@ never_read, _open = os.pipe()
 os.read(never_read, 1)
 """
 WORKING = "while True:\n    sum(range(10_000))"
+# The main thread waits for a thread of partita's that works (the checkpoint writer,
+# named as Python 3.14 names threads): the process is working.
+WAITING_FOR_OWN_THREAD = """
+import threading
+from partita.proc_stat import name_this_thread
+def write():
+    name_this_thread("partita-writer")
+    while True:
+        sum(range(10_000))
+writer = threading.Thread(target=write)
+writer.start()
+writer.join()
+"""
 
 
 def _run_real(watch, seconds):
@@ -148,8 +161,9 @@ def _tail(tmp_path, timeout_s: float, *pids: int) -> TailWatch:
     return watch
 
 
-@pytest.mark.parametrize(("code", "ended"), [(HUNG, True), (WORKING, False)],
-                         ids=["hung", "working"])
+@pytest.mark.parametrize(("code", "ended"), [(HUNG, True), (WORKING, False),
+                                              (WAITING_FOR_OWN_THREAD, False)],
+                         ids=["hung", "working", "waiting-for-own-thread"])
 def test_a_worker_that_does_nothing_after_another_finished_is_ended(tmp_path, code, ended):
     with _child(code) as proc:
         watch = _tail(tmp_path, 1.0, proc.pid)
