@@ -2,7 +2,8 @@
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func` (called with the parsed arguments, returns an exit code) and, where that needs
-torch, `imports_torch`. A `PartitaError` is printed as its one paragraph, without a
+torch, `imports_torch`; `bench`'s also takes the benchmark the command line names, the
+only one whose module it imports. A `PartitaError` is printed as its one paragraph, without a
 traceback.
 """
 
@@ -30,9 +31,11 @@ COMMANDS = (
 )
 
 
-def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, benchmark: str | None = None
+                 ) -> argparse.ArgumentParser:
     """All commands, or only the command `only` (its module alone is imported, so a
-    light command such as `partita plan` does not pay for the others' imports)."""
+    light command such as `partita plan` does not pay for the others' imports). Of the
+    benchmarks only `benchmark` (`partita bench NAME`) is imported: each imports torch."""
     parser = argparse.ArgumentParser(
         prog="partita",
         description="Train transformer language models beyond one device.",
@@ -47,8 +50,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             if exc.name != path:
                 raise
             continue  # command not built yet
-        module.register(sub)
+        if path == "partita.commands.bench":
+            module.register(sub, benchmark)
+        else:
+            module.register(sub)
     return parser
+
+
+def parser_for(words: list[str]) -> argparse.ArgumentParser:
+    """The parser for the command line `words`: the command it names alone (all of them
+    when it names none), and of `bench`'s benchmarks the one it names."""
+    names = {path.rsplit(".", 1)[1] for path in COMMANDS}
+    only = words[0] if words and words[0] in names else None
+    return build_parser(only, words[1] if only == "bench" and len(words) > 1 else None)
 
 
 def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace
@@ -151,13 +165,12 @@ def _stopped(exc: Stopped) -> int:
 
 def _parse(words: list[str]) -> argparse.Namespace | None:
     """The command's arguments, or None where there is no command (help was printed)."""
-    names = {path.rsplit(".", 1)[1] for path in COMMANDS}
     # Where torch is imported, a Ctrl-C must wait until the import is done (an exception
     # raised inside it can abort the process: `signals_held` says why). `bench` imports
     # it to build its options; commands that set `imports_torch` import it before they
     # run, in `main`.
     with signals_held():
-        parser = build_parser(words[0] if words and words[0] in names else None)
+        parser = parser_for(words)
     args, extra = parser.parse_known_args(words)
     if args.command is None:
         parser.print_help()

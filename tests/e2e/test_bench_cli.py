@@ -6,6 +6,9 @@ modes and measures the disk.;
 `bench checkpoint --quick` prints the machine, its time and bytes tables and its verdict
 line."""
 
+import subprocess
+import sys
+
 import pytest
 
 
@@ -97,10 +100,31 @@ def test_every_benchmarks_arguments_can_go_to_its_workers():
     and `pp-bubble` fail at start with a pickling traceback."""
     import pickle
 
-    from partita.cli import build_parser
-    from partita.commands.bench import _available
+    from partita.cli import parser_for
+    from partita.commands.bench import BENCHMARKS
 
-    parser = build_parser()
-    for name in _available():
-        args = parser.parse_args(["bench", name])
+    for name in BENCHMARKS:
+        args = parser_for(["bench", name]).parse_args(["bench", name])
         pickle.dumps(args)
+
+
+def test_help_lists_every_benchmark_without_importing_one():
+    """`partita --help` and `partita bench --help` read the benchmarks' summaries from
+    their sources: importing one imports torch, seconds before any help shows."""
+    import importlib
+
+    program = ("import sys\nfrom partita.cli import main\ntry:\n    main(sys.argv[1:])\n"
+               "finally:\n    print('torch imported' if 'torch' in sys.modules "
+               "else 'no torch')")
+    listed = subprocess.run([sys.executable, "-c", program, "bench", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.rstrip().endswith("no torch")
+    from partita.commands.bench import BENCHMARKS
+
+    for name, path in BENCHMARKS.items():
+        first = importlib.import_module(path).__doc__.strip().splitlines()[0]
+        assert f"    {name}" in listed.stdout and first[:30] in listed.stdout, name
+    top = subprocess.run([sys.executable, "-c", program, "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert top.returncode == 0 and top.stdout.rstrip().endswith("no torch"), top.stderr

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from partita.bench import offload
-from partita.cli import build_parser
+from partita.cli import parser_for
 
 # Per round: bytes a disk step moves, its seconds, and the probe's bytes/s.
 MOVED = 100e6
@@ -47,7 +47,8 @@ def run(monkeypatch, capsys, tmp_path, *argv):
     monkeypatch.setattr(offload, "_partita", fake_partita)
     monkeypatch.setattr(offload, "sequential_bandwidth", lambda *a, **k: next(probes))
     monkeypatch.setattr(offload, "_deepspeed", lambda *a, **k: pytest.fail("no peer"))
-    args = build_parser().parse_args(["bench", "offload", "--dir", str(tmp_path), *argv])
+    args = parser_for(["bench", "offload"]).parse_args(
+        ["bench", "offload", "--dir", str(tmp_path), *argv])
     assert isinstance(args, argparse.Namespace)
     assert offload.run(args) == 0
     return capsys.readouterr().out.strip().splitlines()

@@ -114,9 +114,9 @@ def test_a_setting_without_its_section_gets_the_setting_form(words, hint, capsys
 def test_every_list_option_takes_spaces_and_commas(argv, dest, expected):
     """Some benchmarks read `--worlds 2 4`, others `--worlds 2,4`, and each refused the
     other's spelling; every list option now takes both, and mixes of them."""
-    from partita.cli import build_parser
+    from partita.cli import parser_for
 
-    assert getattr(build_parser().parse_args(argv), dest) == expected
+    assert getattr(parser_for(argv).parse_args(argv), dest) == expected
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -9,8 +9,10 @@ Each benchmark is a module under partita.bench exposing `add_arguments(parser)` 
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 BENCHMARKS = {
@@ -33,21 +35,35 @@ BENCHMARKS = {
 }
 
 
-def _available() -> dict[str, object]:
-    found = {}
+def summary(path: str) -> str | None:
+    """The first line of benchmark module `path`'s docstring, read from its source:
+    importing a benchmark imports torch (seconds), which `partita --help` and `partita
+    bench --help` need not wait for. None when the module is not there."""
+    spec = importlib.util.find_spec(path)
+    if spec is None or spec.origin is None:
+        return None
+    with open(spec.origin, encoding="utf-8") as source:
+        doc = ast.get_docstring(ast.parse(source.read())) or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def register(subparsers: argparse._SubParsersAction, benchmark: str | None = None) -> None:
+    """`bench` and its benchmarks. Only `benchmark`'s module (the one the command line
+    names, if any) is imported to add its options; the others are listed by name and
+    summary."""
+    parser = subparsers.add_parser("bench", help="measure partita side by side with a peer")
+    names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, path in BENCHMARKS.items():
+        if name != benchmark:
+            if (line := summary(path)) is not None:
+                names.add_parser(name, help=line)
+            continue
         try:
-            found[name] = importlib.import_module(path)
+            module = importlib.import_module(path)
         except ModuleNotFoundError as exc:
             if exc.name != path:
                 raise
-    return found
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="measure partita side by side with a peer")
-    names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, module in _available().items():
+            continue
         doc = (module.__doc__ or "").strip()
         options = {"description": doc} if name == "plan-accuracy" else {}
         sub = names.add_parser(name, help=doc.splitlines()[0], **options)
