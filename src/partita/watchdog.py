@@ -21,6 +21,8 @@ torchrun or srun), a finished rank waits for the others itself (`wait_for_the_ot
 and ends the job when one stays still for the collective timeout: its heartbeat, or,
 with the heartbeat running on, its work (`proc_stat.activity`, which the heartbeat
 publishes beside each beat; a process hung in native code beats on but does nothing).
+Such a process on another machine is asked through the store to end, and its heartbeat
+does so.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Progress:
     BEAT_KEY = "partita/beat/{rank}"
     PID_KEY = "partita/pid/{rank}"
     DONE_KEY = "partita/done/{rank}"
+    # Set for a rank found doing nothing at the end: its heartbeat, which still runs,
+    # ends its process wherever it is (another machine's cannot be killed from here).
+    END_KEY = "partita/end/{rank}"
 
     def __init__(self, rank: int, world_size: int, factor: float, min_seconds: float,
                  timeout_s: float) -> None:
@@ -129,6 +134,8 @@ class Progress:
                 return
             where = self.positions()
             self._kill_local(silent + idle)
+            for r in idle:
+                self._store.set(self.END_KEY.format(rank=r), str(self.rank))
         except Exception:  # the store's host ended
             return
         raise SilentAtTheEnd(
@@ -223,11 +230,14 @@ class Progress:
         beat, reported = 0, None
         key = self.BEAT_KEY.format(rank=self.rank)
         pid = os.getpid()
+        end_key = self.END_KEY.format(rank=self.rank)
         while not self._stop.wait(BEAT_S):
             beat += 1
             try:
                 work = activity(pid)
                 store.set(key, f"{beat}|{'' if work is None else work}")
+                if beat % 4 == 0 and store.check([end_key]):
+                    self._end_this_process(int(store.get(end_key)))
                 at = (self.step, self.part)
                 if self.rank == 0 and self.factor > 0 and at != reported and self._stalled():
                     reported = at
@@ -238,6 +248,14 @@ class Progress:
                                             self.timeout_s, self.part))
             except Exception:
                 return  # the job is ending; the main thread reports why
+
+    def _end_this_process(self, by: int) -> None:
+        """Another rank finished and found this one doing nothing for `timeout_s`: its
+        main thread is stuck, so this thread ends the process."""
+        print_line(f"partita: process {self.rank} made no progress for "
+                   f"train.collective_timeout_s={self.timeout_s:g} s after process {by} had "
+                   f"finished (in step {self.step}, {self.phase}), so it ends itself.")
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def _stalled(self) -> bool:
         """The part now running has run `factor` times the median of its kind (and at
@@ -285,8 +303,7 @@ def describe(where: dict[int, tuple[int, str]], silent: list[int],
     if idle:
         told.append(seen(idle) + " made no progress (its heartbeat ran on, but its own "
                     "threads used no CPU time and read or wrote nothing: hung in native "
-                    "code, on a lock or on a disk that does not answer; ended now if on "
-                    "this machine)")
+                    "code, on a lock or on a disk that does not answer; ended now)")
     if told:
         return "; ".join(told)
     late = ranks_behind(where)

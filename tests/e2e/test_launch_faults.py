@@ -473,7 +473,7 @@ AT_THE_END = {
     "stop": "stopped responding (stopped, hung or dead; ended now if on this machine)",
     "hang": "made no progress (its heartbeat ran on, but its own threads used no CPU time "
             "and read or wrote nothing: hung in native code, on a lock or on a disk that "
-            "does not answer; ended now if on this machine)",
+            "does not answer; ended now)",
 }
 
 

@@ -179,7 +179,8 @@ def _hung_rank(world: int):
     """Rank 0 of a job of `world` in a process of its own, hung once it said so; killed
     after the block."""
     hung = subprocess.Popen([sys.executable, "-c", HUNG_RANK.format(world=world)],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
     try:
         assert hung.stdout.readline() == "ready\n"
         yield hung
@@ -221,4 +222,19 @@ def test_a_silent_rank_is_named_alone_beside_one_doing_nothing(store_of_a_job) -
         assert ": rank 1 (last seen in step 3, weight write) stopped responding" in told
         assert "rank 0" not in told
         assert hung.poll() is None  # not ended: it may have been waiting for rank 1
+    finished.close()
+
+
+def test_a_rank_hung_on_another_machine_ends_itself(store_of_a_job) -> None:
+    """A process on another machine cannot be killed from here: the finished rank asks
+    through the store, and the hung rank's heartbeat, which still runs, ends it."""
+    finished = Progress(1, 2, factor=0, min_seconds=2.0, timeout_s=1.0)
+    with _hung_rank(2) as hung:
+        finished._store.set(Progress.PID_KEY.format(rank=0), "another-host|1")
+        told = _told_at_the_end(finished)
+        assert "rank 0 (last seen in step 3, export) made no progress" in told
+        assert hung.wait(timeout=10) == -9
+        assert hung.stderr.read().strip() == (
+            "partita: process 0 made no progress for train.collective_timeout_s=1 s after "
+            "process 1 had finished (in step 3, export), so it ends itself.")
     finished.close()
