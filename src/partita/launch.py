@@ -85,10 +85,17 @@ def launcher_pid() -> int | None:
     return os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
 
 
-def launched_by_partita() -> bool:
-    """Whether partita's own launcher started this worker (it then watches the job's
-    tail, `worker_watch`); False under torchrun, srun or a direct call."""
-    return bool(os.environ.get(LAUNCHER_PID))
+# The folder of the markers a worker of partita's launcher leaves (`worker_watch`).
+WORKER_MARKERS = "PARTITA_WORKER_MARKERS"
+
+
+def mark_this_worker_finished() -> bool:
+    """Under partita's launcher, tell its watch that this worker's work is done, before
+    the worker waits for the others (`Progress.wait_for_the_others`); False elsewhere."""
+    folder = os.environ.get(WORKER_MARKERS, "")
+    if folder:
+        mark_finished(folder)
+    return bool(folder)
 
 
 class LauncherGone(PartitaError):
@@ -443,6 +450,7 @@ def _run_reporting_errors(markers: str, fn: Callable, *args):
         _exit_now(2)  # torch's agent restarts whatever failed; this restart would not help
     stop_on_signals()
     mark_started(markers)
+    os.environ[WORKER_MARKERS] = markers
     try:
         # Unblocked once the handlers are in place: a SIGTERM sent while this process
         # started is a stop before the first step, not a death by signal.

@@ -40,7 +40,7 @@ from partita.errors import (
 from partita.experts import moe_step_stats
 from partita.faults import PIPELINE_POINTS, FaultPlan, Faults
 from partita.host_memory import keep_freed_host_memory
-from partita.launch import LauncherWatch, launched_by_partita, launcher_pid
+from partita.launch import LauncherWatch, launcher_pid, mark_this_worker_finished
 from partita.machine_cache import default_cache_dir
 from partita.mesh import Mesh
 from partita.metrics import MetricsLogger, StepWindow, device_peak_flops, memory_bytes
@@ -463,7 +463,12 @@ def train(cfg: Config, fault: FaultPlan | None = None) -> dict:
     try:
         trainer = Trainer(cfg, fault)
         result = trainer.run()
-        if not launched_by_partita():  # nothing else bounds the job's tail
+        if mark_this_worker_finished():
+            # partita's launcher watches the workers left on its node once one has
+            # finished; this process watches the other nodes' (in a job of one process
+            # per node, the last one's node has no finished worker).
+            trainer.progress.wait_for_the_others(other_hosts_only=True)
+        else:  # under torchrun or srun nothing else bounds the job's tail
             trainer.progress.wait_for_the_others()
         return result
     except (PeerReported, SilentAtTheEnd):  # told already, or by another process

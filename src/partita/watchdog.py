@@ -115,8 +115,11 @@ class Progress:
         if self._store is not None:
             self._store.set(self.STEP_KEY.format(rank=self.rank), f"{step}|{phase}")
 
-    def wait_for_the_others(self, poll_s: float = BEAT_S) -> None:
-        """This rank's work is done: publish it, then wait until every rank's is.
+    def wait_for_the_others(self, poll_s: float = BEAT_S, other_hosts_only: bool = False
+                            ) -> None:
+        """This rank's work is done: publish it, then wait until every rank's is (with
+        `other_hosts_only`, every rank's on other machines: this one's launcher watches
+        its own).
 
         A rank whose heartbeat stays still for `timeout_s` (stopped, hung or dead), or
         whose heartbeat runs on while its work stays still that long (hung in native
@@ -129,7 +132,7 @@ class Progress:
         if self._store is None:
             return
         try:
-            silent, idle = self._still_before_done(poll_s)
+            silent, idle = self._still_before_done(poll_s, other_hosts_only)
             if not silent and not idle:
                 return
             where = self.positions()
@@ -144,12 +147,18 @@ class Progress:
             f"{self.timeout_s:g} s, so the job stops. Files it was writing keep their "
             "temporary names; the ones named before it stopped are complete.")
 
-    def _still_before_done(self, poll_s: float) -> tuple[list[int], list[int]]:
-        """Mark this rank done and poll the others: ([], []) once every one is done,
-        else the ones whose heartbeat, and the ones whose work (their heartbeat moving),
-        stayed still for `timeout_s` first."""
+    def _still_before_done(self, poll_s: float, other_hosts_only: bool
+                           ) -> tuple[list[int], list[int]]:
+        """Mark this rank done and poll the others (or those on other hosts): ([], [])
+        once every one is done, else the ones whose heartbeat, and the ones whose work
+        (their heartbeat moving), stayed still for `timeout_s` first."""
         self._store.set(self.DONE_KEY.format(rank=self.rank), "1")
         pending = [r for r in range(self.world) if r != self.rank]
+        if other_hosts_only and pending:
+            here = socket.gethostname()
+            hosts = self._store.multi_get([self.PID_KEY.format(rank=r) for r in pending])
+            pending = [r for r, host in zip(pending, hosts, strict=True)
+                       if host.decode().partition("|")[0] != here]
         beat_clock, work_clock = _StillClock(), _StillClock()
         last_poll = time.monotonic()
         while True:

@@ -238,3 +238,32 @@ def test_a_rank_hung_on_another_machine_ends_itself(store_of_a_job) -> None:
             "partita: process 0 made no progress for train.collective_timeout_s=1 s after "
             "process 1 had finished (in step 3, export), so it ends itself.")
     finished.close()
+
+
+def test_under_partitas_launcher_a_finished_rank_watches_other_machines_only(
+        store_of_a_job) -> None:
+    """partita's launcher watches the workers of its own node; a finished worker waits
+    for, and names, only those of other nodes (a job of one process per node)."""
+    local, remote, finished = (Progress(r, 3, factor=0, min_seconds=2.0, timeout_s=1.0)
+                               for r in range(3))
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    local._store.set(Progress.PID_KEY.format(rank=0),
+                     f"{watchdog.socket.gethostname()}|{stand_in.pid}")
+    local.close()  # silent, but the launcher's to judge
+    local._store.set(Progress.PID_KEY.format(rank=1), "another-host|1")
+    remote.enter(3, "export")
+    remote.close()
+    try:
+        start = time.monotonic()
+        with pytest.raises(watchdog.SilentAtTheEnd) as told:
+            finished.wait_for_the_others(poll_s=0.05, other_hosts_only=True)
+        assert time.monotonic() - start < 10
+        assert ": rank 1 (last seen in step 3, export) stopped responding" in str(told.value)
+        assert "rank 0" not in str(told.value)
+        assert stand_in.poll() is None
+        remote._store.set(Progress.DONE_KEY.format(rank=1), "1")
+        finished.wait_for_the_others(poll_s=0.05, other_hosts_only=True)  # returns
+    finally:
+        finished.close()
+        stand_in.kill()
+        stand_in.wait()
