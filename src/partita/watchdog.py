@@ -18,11 +18,11 @@ A stalled rank cannot report itself, so the report comes from the ones waiting f
 Once a rank has finished, no collective waits on the ones still working (process 0
 exporting the weights, say): where partita's launcher does not watch that tail (under
 torchrun or srun, and on the other nodes of a job), a finished rank waits for the
-others itself (`wait_for_the_others`) and ends the job when one stays still for the collective timeout: its heartbeat, or,
-with the heartbeat running on, its work (`proc_stat.activity`, which the heartbeat
-publishes beside each beat; a process hung in native code beats on but does nothing).
-Such a process on another machine is asked through the store to end, and its heartbeat
-does so.
+others itself (`wait_for_the_others`) and ends the job when one stays still for the
+collective timeout: its heartbeat, or, with the heartbeat running on, its work
+(`proc_stat.activity`, which the heartbeat publishes beside each beat; a process hung
+in native code beats on but does nothing). Such a process on another machine is asked
+through the store to end, and its heartbeat does so.
 """
 
 from __future__ import annotations
