@@ -43,8 +43,11 @@ class CheckpointSteps:
         stop = signalled or step == c.stop_after
         every = c.checkpoint_every > 0 and step % c.checkpoint_every == 0
         if stop or every or (last and c.checkpoint_every > 0):
-            self._enter(step, "checkpoint copy")
+            # A phase of its own: a rank whose earlier save hangs is then behind the
+            # others, which wait for it in the copy's collectives, and they name it.
+            self._enter(step, "checkpoint wait")
             self.writer.wait()  # the save before this one must have succeeded, or be handled
+            self._enter(step, "checkpoint copy")
             (failed,) = self._agree([bool(self.writer.failure)])
             if failed:
                 self._checkpoint_failed(must_stop=stop)

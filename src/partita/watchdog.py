@@ -42,11 +42,12 @@ from partita.proc_stat import REPORTER_THREAD, activity, name_this_thread
 
 # Phases in the order a step passes them; a rank in an earlier phase is behind.
 PHASES = ("setup", "checkpoint load", "forward and backward", "gradient reduction",
-          "clipping", "loss average", "optimizer step", "evaluation", "checkpoint copy",
-          "checkpoint write", "weight write", "export")
+          "clipping", "loss average", "optimizer step", "evaluation", "checkpoint wait",
+          "checkpoint copy", "checkpoint write", "weight write", "export")
 # Phases that are not part of a training step's own work, each timed against itself.
-OWN_CLOCK = ("checkpoint load", "evaluation", "checkpoint copy", "checkpoint write",
-             "weight write", "export")
+# "checkpoint wait": for the save before this one to finish writing.
+OWN_CLOCK = ("checkpoint load", "evaluation", "checkpoint wait", "checkpoint copy",
+             "checkpoint write", "weight write", "export")
 STEP = "step"  # the part of a step made of the other phases
 BEAT_S = 0.25  # heartbeat period
 SILENT_S = 1.5  # a heartbeat unchanged this long means the process is not running

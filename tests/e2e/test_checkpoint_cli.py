@@ -70,6 +70,9 @@ JOBS = {
     "failed last save": (("--nproc", "2", *F64, "--train.steps=6",
                           "--train.checkpoint_failure=continue"),
                          "rank=0,step=6,at=checkpoint_write,do=enospc"),
+    "hung writer": (("--nproc", "2", "--train.steps=6", "--train.checkpoint_every=2",
+                     "--train.eval_every=100", "--train.collective_timeout_s=6"),
+                    "rank=0,step=2,at=checkpoint_write,do=hang"),
 }
 
 
@@ -201,6 +204,18 @@ def test_a_writer_killed_mid_save_leaves_the_previous_checkpoint(jobs, cli, unin
     assert result.returncode == 0, result.stderr[-2000:]
     assert not list(root.glob("*.partial"))
     _same(_losses(run_dir), uninterrupted)
+
+
+def test_a_writer_hung_in_native_code_is_named_by_the_others(jobs):
+    """Rank 0's checkpoint writer blocks for good (a disk that does not answer): at the
+    next checkpoint rank 0 waits for it while rank 1 goes on to the copy's collectives,
+    which time out naming rank 0; no checkpoint of step 2 looks complete."""
+    result, run_dir = jobs["hung writer"]
+    assert result.returncode != 0
+    assert "The process to look at: rank 0 (step 4, checkpoint wait) behind the others" \
+        in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert not (run_dir / "checkpoints" / "step-00000002").exists()
 
 
 @pytest.mark.parametrize("policy", ["stop", "continue"])
