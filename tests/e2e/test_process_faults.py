@@ -1,7 +1,7 @@
 """Process faults injected into real `partita train` jobs end them within a bound.
 
-Each case kills (SIGKILL), stops (SIGSTOP) or makes raise (or, after the others have
-finished, hang) one rank at one point of a step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
+Each case kills (SIGKILL), stops (SIGSTOP) or makes raise (and in two cases hang in
+native code) one rank at one point of a step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
 once, the layouts taking turns, so each layout meets every kind of fault; a pipeline's
 sends and receives are two more points, under the pp layout. Each case
 asserts a non-zero exit within the bound, messages without a traceback, the last
@@ -59,6 +59,9 @@ def _cases() -> list[tuple[str, str, str, int]]:
     # The same, hung in native code rather than stopped: its heartbeat runs on and it
     # does nothing, which the launcher tells from its threads' CPU time and I/O.
     cases.append(("dp", "hang", "export", 0))
+    # Hung inside a step: the others' collectives time out and they name it, as for a
+    # stopped one, though its heartbeat runs on.
+    cases.append(("zero3", "hang", "backward", 1))
     return cases
 
 
@@ -123,9 +126,10 @@ def test_a_faulty_rank_ends_the_job_with_a_clear_message(layout, kind, point, ra
     assert "Traceback" not in err, err[-3000:]
     last = [line for line in err.splitlines() if line.startswith("partita:")][-1]
     assert last.startswith("partita: error: process "), last
-    if kind == "stop" and point not in ("weight_write", "export"):  # the waiting ranks name it
+    stuck = kind in ("stop", "hang")
+    if stuck and point not in ("weight_write", "export"):  # the waiting ranks name it
         assert f"The process to look at: rank {rank} " in err, err[-3000:]
-    if kind != "stop":  # the faulty process is the first to fail
+    if not stuck:  # the faulty process is the first to fail
         assert f"process {rank} of the job" in last, last
     if point == "export":  # the launcher ends the last process; the weights were complete
         what = "was stopped (SIGSTOP)" if kind == "stop" else "made no progress for"
