@@ -1,12 +1,13 @@
 """Process faults injected into real `partita train` jobs end them within a bound.
 
 Each case kills (SIGKILL), stops (SIGSTOP) or makes raise (and in two cases hang in
-native code) one rank at one point of a step, under one of four layouts (dp, ZeRO-3, tp, pp). Every (fault, point) pair runs
-once, the layouts taking turns, so each layout meets every kind of fault; a pipeline's
-sends and receives are two more points, under the pp layout. Each case
-asserts a non-zero exit within the bound, messages without a traceback, the last
-message naming the process that failed first (and, for a stopped one, the others
-naming it as behind), and no weights or half-written file left in the run folder.
+native code) one rank at one point of a step, under one of four layouts (dp, ZeRO-3,
+tp, pp). Every (fault, point) pair runs once, the layouts taking turns, so each layout
+meets every kind of fault; a pipeline's sends and receives are two more points, under
+the pp layout. Each case asserts a non-zero exit within the bound, messages without a
+traceback, the last message naming the process that failed first (and, for a stopped
+or hung one, the others naming it as behind), and no weights or half-written file left
+in the run folder.
 """
 
 from __future__ import annotations
