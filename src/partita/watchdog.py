@@ -176,7 +176,8 @@ class Progress:
             for r, value in zip(pending, latest, strict=True):
                 beat, _, work = value.decode().partition("|")
                 beat_clock.see(r, beat, now)
-                # No figure (no /proc to read it from): taken as moving, never as idle.
+                # No figure (in a step, or no /proc to read it from): taken as moving
+                # with the heartbeat, never as idle.
                 work_clock.see(r, work or f"beat {beat}", now)
             silent = beat_clock.still(pending, now, self.timeout_s)
             if silent:  # the ones doing nothing beside them may be waiting for them
@@ -244,7 +245,9 @@ class Progress:
         while not self._stop.wait(BEAT_S):
             beat += 1
             try:
-                work = activity(pid)
+                # Only the phases around the steps (OWN_CLOCK: the tail's among them) are
+                # ever judged by their work; a step spares reading every thread's /proc.
+                work = activity(pid) if self.part != STEP else None
                 store.set(key, f"{beat}|{'' if work is None else work}")
                 if beat % 4 == 0 and store.check([end_key]):
                     self._end_this_process(int(store.get(end_key)))
