@@ -14,12 +14,7 @@ def stat_fields(pid: int) -> list[str]:
     parentheses): [0] the state, [11] and [12] the user and system CPU ticks, [19] the
     start time. Raises OSError when the process is gone (or there is no /proc: not
     Linux)."""
-    return stat_fields_at(f"/proc/{pid}/stat")
-
-
-def stat_fields_at(path: str) -> list[str]:
-    """stat_fields of a process's or a thread's stat file."""
-    with open(path) as stat:
+    with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()
 
 
@@ -80,12 +75,13 @@ def activity(pid: int) -> int | None:
     for tid in tids:
         task = f"/proc/{pid}/task/{tid}"
         try:
-            with open(f"{task}/comm") as comm:
-                name = comm.read().strip()
+            with open(f"{task}/stat") as stat:
+                text = stat.read()  # "tid (name) state ...": the name as in comm
+            name, fields = text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1]
             ours = name == own_name or tid == str(pid) or name.startswith(OWN_THREADS)
             if not ours or name == REPORTER_THREAD:
                 continue
-            fields = stat_fields_at(f"{task}/stat")
+            fields = fields.split()
             total += int(fields[11]) + int(fields[12])  # utime, stime
             with open(f"{task}/io") as io:
                 for line in io:
