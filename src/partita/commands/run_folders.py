@@ -23,7 +23,6 @@ from partita.checkpoint.resume import (
 )
 from partita.commands.train_notes import draws_timeline
 from partita.config import Config
-from partita.data.sampler import check_resumable
 from partita.errors import PartitaError
 from partita.folder_lock import LOCK_FILE, check_not_in_use, lock_folder
 from partita.run_dir import (
@@ -54,6 +53,8 @@ def check_run_dir(cfg: Config) -> Path | None:
         manifest = read_manifest(target)
         check_model(manifest, cfg.model_config(), target)
         check_files(target, manifest)
+        from partita.data.sampler import check_resumable  # numpy: only when resuming
+
         check_resumable(manifest.get("training", {}).get("sampler", {}),
                         {"seed": cfg.data.seed, "seq_len": cfg.data.seq_len,
                          "global_batch": cfg.train.global_batch})

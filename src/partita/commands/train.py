@@ -21,7 +21,6 @@ from partita.commands.run_folders import check_run_dir, prepare_run_dir
 from partita.commands.train_notes import pipeline_notes, print_notes, threads_note
 from partita.compile_rules import model_refusal
 from partita.config import Config, config_from_toml, load_config
-from partita.data.sampler import check_resumable
 from partita.errors import (
     CHECKPOINT_STOP_EXIT,
     PEER_FAILURE_EXIT,
@@ -344,7 +343,7 @@ def validate_before_launch(cfg: Config, world_size: int, local_processes: int | 
     data = open_dataset(cfg)
     data.check_batches(cfg.train.global_batch)
     if (target := resume_target(cfg)) is not None:  # other data than the checkpoint's
-        from partita.data.sampler import num_windows
+        from partita.data.sampler import check_resumable, num_windows
 
         check_resumable(read_manifest(target).get("training", {}).get("sampler", {}),
                         {"num_windows": num_windows(len(data.train), cfg.data.seq_len)})
