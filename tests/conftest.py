@@ -104,6 +104,7 @@ LONGEST_FIRST = (
     "tests/dist/test_compile_parity.py",  # 4.5 min with a cold inductor cache, as in CI
     "tests/e2e/test_process_faults.py", "tests/e2e/test_checkpoint_cli.py",
     "tests/e2e/test_launch_faults.py", "tests/e2e/test_cli.py",
+    "tests/e2e/test_torchrun_faults.py",
     "tests/dist/test_expert_parallel.py", "tests/dist/test_bench_harness.py",
     "tests/dist/test_planner_accuracy.py", "tests/dist/test_pipeline_parity.py",
     "tests/e2e/test_bench_cli.py", "tests/dist/test_pipeline_steps.py",
