@@ -195,7 +195,9 @@ def test_a_stopped_worker_is_ended_before_one_that_may_wait_for_it(tmp_path):
         # Idle for 2.5 s: ended by now, were it not for the stopped one beside it.
         _run_real(watch, 1.0)
         assert watch.ended == []
-        _run_real(watch, 1.5)  # stopped for 2.5 s
+        # Stopped for 3 s, a margin for a loaded machine; the idle one, judged from the
+        # stopped one's end (about 1 s ago), is not yet due.
+        _run_real(watch, 2.0)
         assert watch.ended == [later_stopped.pid]
-        _run_real(watch, 2.5)  # idle for 2.5 s since the stopped one was ended
+        _run_real(watch, 3.0)  # idle for 3 s or so since the stopped one was ended
         assert watch.ended == [later_stopped.pid, hung.pid]
