@@ -3,8 +3,8 @@
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func` (called with the parsed arguments, returns an exit code) and, where that needs
 torch, `imports_torch`; `bench`'s also takes the benchmark the command line names, the
-only one whose module it imports. A `PartitaError` is printed as its one paragraph, without a
-traceback.
+only one whose module it imports. A `PartitaError` is printed as its one paragraph,
+without a traceback.
 """
 
 from __future__ import annotations

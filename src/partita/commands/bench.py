@@ -43,8 +43,8 @@ def summary(path: str) -> str | None:
     if spec is None or spec.origin is None:
         return None
     with open(spec.origin, encoding="utf-8") as source:
-        doc = ast.get_docstring(ast.parse(source.read())) or ""
-    return doc.strip().splitlines()[0] if doc.strip() else ""
+        lines = (ast.get_docstring(ast.parse(source.read())) or "").strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def register(subparsers: argparse._SubParsersAction, benchmark: str | None = None) -> None:
@@ -54,19 +54,15 @@ def register(subparsers: argparse._SubParsersAction, benchmark: str | None = Non
     parser = subparsers.add_parser("bench", help="measure partita side by side with a peer")
     names = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, path in BENCHMARKS.items():
+        line = summary(path)
+        if line is None:  # not in this build
+            continue
         if name != benchmark:
-            if (line := summary(path)) is not None:
-                names.add_parser(name, help=line)
+            names.add_parser(name, help=line)
             continue
-        try:
-            module = importlib.import_module(path)
-        except ModuleNotFoundError as exc:
-            if exc.name != path:
-                raise
-            continue
-        doc = (module.__doc__ or "").strip()
-        options = {"description": doc} if name == "plan-accuracy" else {}
-        sub = names.add_parser(name, help=doc.splitlines()[0], **options)
+        module = importlib.import_module(path)
+        options = {"description": module.__doc__.strip()} if name == "plan-accuracy" else {}
+        sub = names.add_parser(name, help=line, **options)
         module.add_arguments(sub)
         run = _plan_accuracy_checked if name == "plan-accuracy" else module.run
         # A partial of module-level functions, not a closure: several benchmarks send
