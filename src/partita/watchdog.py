@@ -246,10 +246,12 @@ class Progress:
             beat += 1
             try:
                 # Only the phases around the steps (OWN_CLOCK: the tail's among them) are
-                # ever judged by their work; a step spares reading every thread's /proc.
-                work = activity(pid) if self.part != STEP else None
+                # ever judged by their work, or asked to end: a step spares reading every
+                # thread's /proc and a look at the store.
+                judged = self.part != STEP
+                work = activity(pid) if judged else None
                 store.set(key, f"{beat}|{'' if work is None else work}")
-                if beat % 4 == 0 and store.check([end_key]):
+                if judged and beat % 4 == 0 and store.check([end_key]):
                     self._end_this_process(int(store.get(end_key)))
                 at = (self.step, self.part)
                 if self.rank == 0 and self.factor > 0 and at != reported and self._stalled():
