@@ -21,6 +21,19 @@ import torch
 
 transformers = __import__("pytest").importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+
+# The families partita imports: (config class, model class), and the modules whose norm
+# and rotary embedding `transformers_in_float64` patches.
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+}
+_FLOAT32_STEPS = [(modeling_llama.LlamaRMSNorm, modeling_llama.LlamaRotaryEmbedding),
+                  (modeling_mistral.MistralRMSNorm, modeling_mistral.MistralRotaryEmbedding),
+                  (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2RotaryEmbedding)]
 
 # Llama 3's RoPE scaling at a length the small test models reach.
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -40,10 +53,13 @@ def edit_config(folder: Path, **changes) -> Path:
 
 
 def llama_config(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4,
-                 kv_heads: int = 2, ffn: int = 64, tied: bool = False, **extra):
+                 kv_heads: int = 2, ffn: int = 64, tied: bool = False, family: str = "llama",
+                 **extra):
     # Copies: transformers writes into a rope dict it is given (its rope_theta).
     extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
-    return transformers.LlamaConfig(
+    if family == "mistral":  # its config class windows attention unless told not to
+        extra.setdefault("sliding_window", None)
+    return FAMILIES[family][0](
         vocab_size=vocab, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
         tie_word_embeddings=tied, rms_norm_eps=1e-5, attn_implementation="sdpa",
@@ -52,14 +68,17 @@ def llama_config(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4
 
 
 def save_random_llama(folder: Path, seed: int = 0, dtype: torch.dtype = torch.float64,
-                      max_shard_size: str = "20KB", **shape) -> Path:
-    """A random LlamaForCausalLM saved with save_pretrained (several shards)."""
+                      max_shard_size: str = "20KB", family: str = "llama", **shape) -> Path:
+    """A random LlamaForCausalLM (or `family`'s model) saved with save_pretrained
+    (several shards)."""
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(llama_config(**shape)).to(dtype)
+    model = FAMILIES[family][1](llama_config(family=family, **shape)).to(dtype)
     with torch.no_grad():  # norms away from 1 so a mixed-up norm shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):  # biases away from 0 so a misplaced one shows
+                p.normal_(0.0, 0.5)
     model.save_pretrained(folder, max_shard_size=max_shard_size)
     return folder
 
@@ -80,14 +99,16 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
 
 @contextlib.contextmanager
 def transformers_in_float64():
-    """transformers' Llama norm and rotary embedding without their float32 casts."""
-    saved = (modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaRotaryEmbedding.forward)
-    modeling_llama.LlamaRMSNorm.forward = _norm_forward
-    modeling_llama.LlamaRotaryEmbedding.forward = _rotary_forward
+    """transformers' norms and rotary embeddings (Llama's, Mistral's, Qwen2's) without
+    their float32 casts."""
+    saved = [(norm.forward, rotary.forward) for norm, rotary in _FLOAT32_STEPS]
+    for norm, rotary in _FLOAT32_STEPS:
+        norm.forward, rotary.forward = _norm_forward, _rotary_forward
     try:
         yield
     finally:
-        modeling_llama.LlamaRMSNorm.forward, modeling_llama.LlamaRotaryEmbedding.forward = saved
+        for (norm, rotary), (norm_fwd, rotary_fwd) in zip(_FLOAT32_STEPS, saved):
+            norm.forward, rotary.forward = norm_fwd, rotary_fwd
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor, float64: bool = True) -> torch.Tensor:

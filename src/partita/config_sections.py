@@ -23,6 +23,7 @@ class ModelSection:
     max_seq_len: int | None = None
     flavour: str | None = None
     tie_embeddings: bool | None = None
+    qkv_bias: bool | None = None  # biases on q, k and v of a llama model (Qwen2)
     dropout: float | None = None
     seed: int | None = None
     # Attention kernel: "auto", "sdpa" or "explicit" (see models.attention_kernel).

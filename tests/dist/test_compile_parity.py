@@ -99,6 +99,9 @@ EXTENDED_CASES = [
     # loss sums and capacity queues exchanged between compiled pieces.
     ("cp2-ep2-moe-capacity", dict(cp=2, ep=2), dict(lr=1e-2), "blocks", FLOAT64_TOL,
      dict(MOE, capacity_factor=1.0)),
+    # Biases on q, k and v (Qwen2), reordered with the rows in compiled attention.
+    ("tp2-sp-qkv-bias", dict(tp=2, sequence_parallel=True), dict(lr=1e-2, global_batch=2),
+     "blocks", FLOAT64_TOL, dict(qkv_bias=True)),
 ]
 EXTENDED = os.environ.get("PARTITA_EXTENDED_TESTS") == "1"
 # Dynamo keeps at most `recompile_limit` (8) graphs per code object and runs the frame

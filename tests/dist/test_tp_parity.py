@@ -62,11 +62,15 @@ CASES = {
         # head stacked into one GEMM over its own heads.
         tp("tp2-sp-gqa-explicit-attention", {**LLAMA, "n_kv_heads": 2,
                                              "attention": "explicit"}, sp=True),
+        # Biases on q, k and v (Qwen2): split with their rows, the bias of a column shard.
+        tp("tp2-sp-gqa-qkv-bias", {**LLAMA, "n_kv_heads": 2, "qkv_bias": True}, sp=True),
     ],
     4: [
         tp("tp4-gqa-replicated-kv-odd", {**LLAMA, "n_kv_heads": 2, "vocab_size": 67,
                                          "ffn_dim": 90}),
         tp("tp4-sp-gpt2-tied-mqa", {**GPT2_TIED, "n_kv_heads": 1}, sp=True),
+        # Replicated kv heads with their biases: each rank selects its heads' rows.
+        tp("tp4-qkv-bias-replicated-kv", {**LLAMA, "n_kv_heads": 2, "qkv_bias": True}),
     ],
 }
 # The cases whose vocabulary tp does not divide, without SP: their padding is checked.

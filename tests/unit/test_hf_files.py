@@ -127,9 +127,10 @@ def test_names_map_one_to_one():
 def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
     folder = hf_models.save_random_llama(tmp_path / "llama")
     config = json.loads((folder / "config.json").read_text())
-    config.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    config.update(architectures=["GemmaForCausalLM"], model_type="gemma")
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(PartitaError, match="MistralForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(PartitaError, match="GemmaForCausalLM.*LlamaForCausalLM.*"
+                       "MistralForCausalLM.*Qwen2ForCausalLM"):
         model_config_from_hf(folder)
 
 

@@ -41,7 +41,8 @@ PARTIAL = ".partial"
 ARCHITECTURE_KEYS = ("vocab_size", "vocab_multiple", "dim", "n_layers", "n_heads",
                      "n_kv_heads", "ffn_dim", "flavour", "tie_embeddings", "rope_theta",
                      "norm_eps", "rope_scaling", "rope_factor", "rope_low_freq_factor",
-                     "rope_high_freq_factor", "rope_original_max_len", "n_experts")
+                     "rope_high_freq_factor", "rope_original_max_len", "n_experts",
+                     "qkv_bias")
 # Recorded only for mixture-of-experts models (n_experts > 0). The first four shape the
 # weights and must match on resume; the routing settings may change (fine-tuning with
 # another capacity, say), and a resume that changes them says so.

@@ -1,11 +1,12 @@
-"""A Hugging Face Llama `config.json` as partita's ModelConfig, and back.
+"""A Hugging Face Llama, Mistral or Qwen2 `config.json` as partita's ModelConfig, and back.
 
 Torch-free: the run configuration reads a model folder's shape through this module
 before any process starts. Only what partita's transformer computes identically is
-accepted (the Llama family: RMSNorm, rotary positions, SwiGLU, no biases, grouped-query
-attention, tied or untied embeddings, Llama 3.1's RoPE scaling); anything else is an
-error that names the setting, so a model is never loaded into a network that would run
-it differently.
+accepted (the Llama network: RMSNorm, rotary positions, SwiGLU, grouped-query
+attention, tied or untied embeddings, Llama 3.1's RoPE scaling; Mistral is that network
+with an optional sliding window, Qwen2 that network with biases on q, k and v); anything
+else is an error that names the setting, so a model is never loaded into a network that
+would run it differently.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 from partita.errors import PartitaError
 from partita.models.model_config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-SUPPORTED_MODEL_TYPES = ("llama",)
+# model_type -> the architecture transformers builds for it. Mistral's weights and
+# math are Llama's (its sliding window aside), Qwen2's are Llama's plus q/k/v biases.
+FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM"}
 
 
 def config_path(folder: str | Path) -> Path:
@@ -107,13 +110,18 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
     path = config_path(folder)
     archs = data.get("architectures") or []
     model_type = data.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES or any(
-            a not in SUPPORTED_ARCHITECTURES for a in archs):
+    if model_type in FAMILIES and any(a != FAMILIES[model_type] for a in archs):
+        raise PartitaError(
+            f"'{path}' names the architecture {', '.join(archs)} with model_type="
+            f"{model_type!r}, which transformers builds as {FAMILIES[model_type]}: the "
+            "two keys disagree, so the folder's model is ambiguous. Correct the one that "
+            "does not describe the weights.")
+    if model_type not in FAMILIES:
+        known = ", ".join(f"{arch} (model_type {kind!r})" for kind, arch in FAMILIES.items())
         raise PartitaError(
             f"'{path}' describes {', '.join(archs) or model_type!r} (model_type={model_type!r}); "
-            f"partita imports only {', '.join(SUPPORTED_ARCHITECTURES)} "
-            f"(model_type {', '.join(SUPPORTED_MODEL_TYPES)}). Convert the model, or train "
-            "a catalog model (model.name)."
+            f"partita imports {known}. Convert the model, or train a catalog model "
+            "(model.name)."
         )
     need = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
@@ -133,6 +141,14 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key):
             problems.append(f"{key}=true (partita's Llama has no biases)")
+    window = _sliding_window(data, model_type)
+    if window:
+        problems.append(
+            f"sliding-window attention ({window}: each token sees only the {window} before "
+            f"it, where partita's attention sees all {data.get('max_position_embeddings')} "
+            "positions; the two agree on sequences up to the window, so to train at "
+            "data.seq_len <= the window, set \"sliding_window\": null in a copy of "
+            "config.json)")
     heads, dim = data["num_attention_heads"], data["hidden_size"]
     head_dim = data.get("head_dim")
     if head_dim not in (None, dim // heads) or dim % heads:
@@ -164,10 +180,35 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
             ffn_dim=data["intermediate_size"],
             max_seq_len=int(data.get("max_position_embeddings", 2048)), flavour="llama",
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2",
             rope_theta=rope["theta"], norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             init_std=float(data.get("initializer_range", 0.02)), seed=seed, **scaling)
     except PartitaError as exc:
         raise PartitaError(f"'{path}': {exc}") from None
+
+
+def _sliding_window(data: dict[str, Any], model_type: str) -> int | None:
+    """The attention window of the config's windowed layers, where it is shorter than the
+    model's positions (None: every layer attends to all positions, as partita's do).
+    Mistral windows every layer when sliding_window is set; Qwen2 the layers
+    `layer_types` names "sliding_attention", or in configs written before that key,
+    layers from max_window_layers on when use_sliding_window is true."""
+    window = data.get("sliding_window")
+    if model_type == "llama" or not isinstance(window, int) or isinstance(window, bool):
+        return None
+    if window >= int(data.get("max_position_embeddings", 2048)):
+        return None
+    if model_type == "qwen2":
+        kinds = data.get("layer_types")
+        if isinstance(kinds, list):
+            windowed = "sliding_attention" in kinds
+        else:
+            first = data.get("max_window_layers", 0)
+            windowed = bool(data.get("use_sliding_window")) and (
+                not isinstance(first, int) or first < data["num_hidden_layers"])
+        if not windowed:
+            return None
+    return window
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -192,7 +233,8 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                          bos_token_id: int | None = None,
                          eos_token_id: int | list[int] | None = None,
                          pad_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of `cfg` as a transformers LlamaForCausalLM."""
+    """The config.json of `cfg` as a transformers LlamaForCausalLM, or Qwen2ForCausalLM
+    for a model with q/k/v biases (an imported Mistral exports as the Llama it computes)."""
     check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     older: dict[str, Any] = {}  # the same, for tools that predate rope_parameters
@@ -202,8 +244,14 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                     high_freq_factor=cfg.rope_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_original_max_len)
         older["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    return {**older,
-        "architectures": list(SUPPORTED_ARCHITECTURES), "model_type": "llama",
+    family: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
+    kind = "qwen2" if cfg.qkv_bias else "llama"
+    if kind == "qwen2":  # no attention_bias key: Qwen2 always has its q/k/v biases
+        family = {"use_sliding_window": False, "sliding_window": None,
+                  "max_window_layers": cfg.n_layers,
+                  "layer_types": ["full_attention"] * cfg.n_layers}
+    return {**older, **family,
+        "architectures": [FAMILIES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
@@ -211,7 +259,7 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,
         "rope_theta": cfg.rope_theta,  # read by tools that predate rope_parameters
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+        "attention_dropout": 0.0,
         "initializer_range": cfg.init_std, "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "use_cache": True,
         "dtype": dtype, "torch_dtype": dtype,

@@ -1,6 +1,6 @@
-"""Hugging Face Llama weights under partita's names: the name map, the rotary
-permutation, and a reader that serves any slice of any parameter from memory-mapped
-safetensors files.
+"""Hugging Face Llama weights (Mistral's and Qwen2's too) under partita's names: the
+name map, the rotary permutation, and a reader that serves any slice of any parameter
+from memory-mapped safetensors files.
 
 Two conventions differ. Names: `model.layers.3.self_attn.q_proj.weight` is partita's
 `blocks.3.attn.wq.weight` (see `hf_name`). Rotary pairs: partita rotates interleaved
@@ -36,7 +36,9 @@ _BLOCK = {
 }
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.weight")
+_BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
+# The projections that have biases in a model with model.qkv_bias (Qwen2's).
+_BIASED = ("attn.wq", "attn.wk", "attn.wv")
 
 
 def hf_name(name: str) -> str:
@@ -44,9 +46,10 @@ def hf_name(name: str) -> str:
     if name in _TOP:
         return _TOP[name]
     m = _BLOCK_NAME.fullmatch(name)
-    if m is None or m.group(2) not in _BLOCK:
+    if m is None or m.group(2) not in _BLOCK or (m.group(3) == "bias"
+                                                 and m.group(2) not in _BIASED):
         raise PartitaError(f"parameter '{name}' has no Hugging Face Llama equivalent.")
-    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.weight"
+    return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
 
 
 def partita_names(cfg: ModelConfig) -> list[str]:
@@ -54,6 +57,8 @@ def partita_names(cfg: ModelConfig) -> list[str]:
     names = ["tok_embeddings.weight"]
     for i in range(cfg.n_layers):
         names += [f"blocks.{i}.{part}.weight" for part in _BLOCK]
+        if cfg.qkv_bias:
+            names += [f"blocks.{i}.{part}.bias" for part in _BIASED]
     names.append("norm.weight")
     if not cfg.tie_embeddings:
         names.append("output.weight")
@@ -76,11 +81,14 @@ def expected_shapes(cfg: ModelConfig, rows: int | None = None) -> dict[str, tupl
     out = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
     for i in range(cfg.n_layers):
         out.update({f"blocks.{i}.{k}.weight": v for k, v in block.items()})
+        out.update({f"blocks.{i}.{k}.bias": block[k][:1] for k in _BIASED})
     return {n: out[n] for n in partita_names(cfg)}
 
 
 def rotary_permuted(name: str) -> bool:
-    return name.endswith(("attn.wq.weight", "attn.wk.weight"))
+    """Whether the rows of `name` follow the rotary permutation: q and k's weights, and
+    their biases, which are added before the rotation."""
+    return name.endswith(("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias"))
 
 
 def to_partita_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -34,6 +34,9 @@ class ModelConfig:
     # "gpt2": LayerNorm, learned positions, GELU, biases.
     flavour: str = "llama"
     tie_embeddings: bool = False
+    # Biases on the query, key and value projections of a llama-flavoured model (Qwen2's
+    # one difference from Llama); gpt2-flavoured models have every bias already.
+    qkv_bias: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
@@ -74,6 +77,12 @@ class ModelConfig:
             raise PartitaError(
                 f"model.flavour='{self.flavour}' is unknown; use 'llama' (RMSNorm, rotary, "
                 "SwiGLU) or 'gpt2' (LayerNorm, learned positions, GELU)."
+            )
+        if self.qkv_bias and self.flavour != "llama":
+            raise PartitaError(
+                f"model.qkv_bias=true is for llama-flavoured models; model.flavour="
+                f"'{self.flavour}' has biases on every projection already. Remove "
+                "model.qkv_bias."
             )
         if self.attention not in KERNELS:
             raise PartitaError(
@@ -169,6 +178,11 @@ class ModelConfig:
     def has_bias(self) -> bool:
         return self.flavour == "gpt2"
 
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether the query, key and value projections have biases."""
+        return self.has_bias or self.qkv_bias
+
     # Counting (used by the planner and by MFU) ------------------------------------------
     @property
     def moe(self) -> bool:
@@ -217,7 +231,8 @@ class ModelConfig:
         attn = d * d + 2 * d * kv + d * d
         mlp = (3 if self.gated_mlp else 2) * d * self.ffn_hidden
         norms = 2 * d * (2 if self.flavour == "gpt2" else 1)
-        bias = (d + 2 * kv + d + self.ffn_hidden + d) if self.has_bias else 0
+        bias = (d + 2 * kv) if self.has_qkv_bias else 0
+        bias += (d + self.ffn_hidden + d) if self.has_bias else 0
         return attn + mlp + norms + bias
 
     # The vocabulary's parameters and FLOPs are those of the stored (padded) rows: the

@@ -166,9 +166,9 @@ class Attention(nn.Module):
         self.inv_freq = rope_frequencies(cfg) if self.rotary else None
         # The same frequencies as plain floats, the key of `rotary_constants`.
         self.rope_freqs = tuple(self.inv_freq.tolist()) if self.rotary else ()
-        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
-        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
-        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_bias)
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv_dim, bias=cfg.has_qkv_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=cfg.has_bias)
         self.core = AttentionCore(cfg.attention)
 

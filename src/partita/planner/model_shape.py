@@ -109,7 +109,7 @@ class PlanModel:
         if whole_kv and c.kv_heads % tp:
             kv_per_rank = c.kv_heads * hd
         attn = (2 * d * d) / tp + 2 * d * kv_per_rank
-        col_bias = (d / tp + 2 * kv_per_rank) if c.has_bias else 0.0
+        col_bias = (d / tp + 2 * kv_per_rank) if c.has_qkv_bias else 0.0
         replicated = 2 * d * (2 if c.flavour == "gpt2" else 1)  # two norms (weight[, bias])
         replicated += 2 * d if c.has_bias else 0  # row-parallel biases: out-proj, fc2
         if self.is_moe and moe:

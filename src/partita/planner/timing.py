@@ -89,7 +89,7 @@ def tp_boundary_bytes(model: PlanModel, layout: Layout, seq_len: int,
             replicated += c.embedding_param_count() - c.padded_vocab_size * c.dim  # positions
     if assumptions.whole_kv_replicas and c.kv_heads % t:
         kv = c.kv_heads * c.head_dim
-        replicated += layers * 2 * (kv * c.dim + (kv if c.has_bias else 0))
+        replicated += layers * 2 * (kv * c.dim + (kv if c.has_qkv_bias else 0))
     return vol + ring * precision.grad * replicated
 
 
