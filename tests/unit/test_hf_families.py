@@ -14,9 +14,13 @@ import torch
 from partita.checkpoint.manifest import CheckpointMismatch, check_model, model_fields
 from partita.errors import PartitaError
 from partita.export import export_hf
+from partita.layout import Layout
 from partita.models.hf_config import model_config_from_hf
 from partita.models.hf_weights import hf_name, partita_names
 from partita.models.model_config import ModelConfig
+from partita.models.transformer import build_model
+from partita.planner import Assumptions, PlanModel
+from partita.planner.stage_params import stage_param_counts
 from partita.testing import FLOAT64_TOL, assert_parity
 from partita.weights import full_state_dict
 from tests.unit.test_hf_files import TOKENS, one_process
@@ -111,9 +115,22 @@ def test_qkv_bias_is_for_llama_flavoured_models():
     with pytest.raises(PartitaError, match="model.qkv_bias=true is for llama-flavoured.*"
                        "Remove model.qkv_bias"):
         ModelConfig(flavour="gpt2", qkv_bias=True)
-    biased, plain = ModelConfig(qkv_bias=True), ModelConfig()
+
+def test_qkv_biases_are_counted_as_the_model_and_a_tensor_parallel_rank_hold_them():
+    biased, plain = ModelConfig(n_kv_heads=2, qkv_bias=True), ModelConfig(n_kv_heads=2)
     kv = plain.kv_heads * plain.head_dim
     assert biased.block_param_count() - plain.block_param_count() == plain.dim + 2 * kv
+    model = build_model(biased, device="meta")
+    assert sum(p.numel() for p in model.parameters()) == biased.num_params()
+    # The planner: each tp rank holds its share of the biases, like the projections' rows;
+    # at tp above the kv heads the k and v biases of the heads it keeps: one (Megatron's
+    # default assumption) or every one (partita's own, `whole_kv_replicas`).
+    whole = Assumptions(whole_kv_replicas=True)
+    for tp, assumptions, kv_share in ((2, Assumptions(), kv / 2), (4, Assumptions(), kv / 2),
+                                      (4, whole, kv)):
+        extra = [stage_param_counts(PlanModel("m", c), Layout(tp=tp), 0, assumptions)["dense"]
+                 for c in (biased, plain)]
+        assert extra[0] - extra[1] == biased.n_layers * (biased.dim / tp + 2 * kv_share)
 
 
 def test_a_checkpoint_of_the_model_without_biases_is_refused(tmp_path):
