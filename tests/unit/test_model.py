@@ -100,6 +100,8 @@ def test_parameter_counts_match_the_published_sizes():
     assert abs(MODELS["llama3-70b"].num_params() / 70.6e9 - 1) < 0.01
     assert abs(MODELS["llama3-405b"].num_params() / 405.9e9 - 1) < 0.01
     assert abs(MODELS["gpt3-175b"].num_params() / 174.6e9 - 1) < 0.01
+    assert abs(MODELS["mistral-7b"].num_params() / 7.25e9 - 1) < 0.01
+    assert abs(MODELS["qwen2.5-7b"].num_params() / 7.62e9 - 1) < 0.01  # with its biases
     meta = build_model(get_model_config("llama3-8b"), device="meta")
     assert sum(p.numel() for p in meta.parameters()) == MODELS["llama3-8b"].num_params()
 

@@ -65,6 +65,14 @@ MODELS: dict[str, ModelConfig] = {
                                     router_gating="sigmoid"),
     "llama2-7b": ModelConfig(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
                              ffn_dim=11008, max_seq_len=4096),
+    # Mistral 7B v0.3 (no sliding window) and Qwen2.5 7B (Llama with q/k/v biases), from
+    # their config.json: 7.25B and 7.62B parameters.
+    "mistral-7b": ModelConfig(vocab_size=32768, dim=4096, n_layers=32, n_heads=32,
+                              n_kv_heads=8, ffn_dim=14336, max_seq_len=32768,
+                              rope_theta=1e6),
+    "qwen2.5-7b": ModelConfig(vocab_size=152064, dim=3584, n_layers=28, n_heads=28,
+                              n_kv_heads=4, ffn_dim=18944, max_seq_len=131072,
+                              rope_theta=1e6, norm_eps=1e-6, qkv_bias=True),
 }
 
 

@@ -36,10 +36,11 @@ def describe_request(req: Request) -> str:
     # Every shape figure the prediction reads, filled-in ones (ffn, flavour, tie) too.
     tie = "tied" if c.tie_embeddings else "untied"
     dropout = f", dropout {c.dropout:g}" if c.dropout else ""
+    biases = ", q/k/v biases" if c.qkv_bias else ""
     return (f"{req.model.name}: {count} parameters "
             f"({c.n_layers} layers, dim {c.dim}, ffn {c.ffn_hidden}, {c.n_heads} heads, "
-            f"{c.kv_heads} kv heads, vocab {c.vocab_size}, {c.flavour} flavour, {tie} "
-            f"embeddings{dropout}{experts})"
+            f"{c.kv_heads} kv heads, vocab {c.vocab_size}, {c.flavour} flavour{biases}, "
+            f"{tie} embeddings{dropout}{experts})"
             f" on {cl.num_gpus} x {cl.gpu.name} ({cl.gpus_per_node} per node, "
             f"{cl.gpu.memory_bytes / 1e9:.0f} GB each); seq {req.seq_len}, global batch "
             f"{req.global_batch} sequences ({_tokens(req.global_batch * req.seq_len)}); "
@@ -55,8 +56,8 @@ def model_shape(req: Request) -> dict:
     return {"layers": c.n_layers, "hidden": c.dim, "ffn": c.ffn_hidden, "heads": c.n_heads,
             "kv_heads": c.kv_heads, "vocab": c.vocab_size,
             "padded_vocab": c.padded_vocab_size, "seq": c.max_seq_len,
-            "flavour": c.flavour, "tie": c.tie_embeddings, "dropout": c.dropout,
-            "experts": experts}
+            "flavour": c.flavour, "qkv_bias": c.qkv_bias, "tie": c.tie_embeddings,
+            "dropout": c.dropout, "experts": experts}
 
 
 def mfu_peak(req: Request) -> float:
