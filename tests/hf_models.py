@@ -22,6 +22,7 @@ import torch
 transformers = __import__("pytest").importorskip("transformers")
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 
 # The families partita imports: (config class, model class), and the modules whose norm
@@ -30,10 +31,12 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
 }
 _FLOAT32_STEPS = [(modeling_llama.LlamaRMSNorm, modeling_llama.LlamaRotaryEmbedding),
                   (modeling_mistral.MistralRMSNorm, modeling_mistral.MistralRotaryEmbedding),
-                  (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2RotaryEmbedding)]
+                  (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2RotaryEmbedding),
+                  (modeling_mixtral.MixtralRMSNorm, modeling_mixtral.MixtralRotaryEmbedding)]
 
 # Llama 3's RoPE scaling at a length the small test models reach.
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -57,8 +60,11 @@ def llama_config(vocab: int = 64, dim: int = 32, layers: int = 2, heads: int = 4
                  **extra):
     # Copies: transformers writes into a rope dict it is given (its rope_theta).
     extra = {k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}
-    if family == "mistral":  # its config class windows attention unless told not to
+    if family in ("mistral", "mixtral"):  # windowed attention unless told not to
         extra.setdefault("sliding_window", None)
+    if family == "mixtral":
+        extra.setdefault("num_local_experts", 4)
+        extra.setdefault("num_experts_per_tok", 2)
     return FAMILIES[family][0](
         vocab_size=vocab, hidden_size=dim, intermediate_size=ffn, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
@@ -88,6 +94,14 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def _router_forward(self, hidden_states: torch.Tensor):
+    """Mixtral's router with its softmax in the input's dtype (transformers: float32)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    top, indices = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+    return logits, top / top.sum(dim=-1, keepdim=True), indices
+
+
 def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
     dim = self.inv_freq.shape[0] * 2
     theta = self.config.rope_parameters["rope_theta"]
@@ -99,24 +113,31 @@ def _rotary_forward(self, x: torch.Tensor, position_ids: torch.Tensor):
 
 @contextlib.contextmanager
 def transformers_in_float64():
-    """transformers' norms and rotary embeddings (Llama's, Mistral's, Qwen2's) without
-    their float32 casts."""
+    """transformers' norms and rotary embeddings (Llama's, Mistral's, Qwen2's,
+    Mixtral's) and Mixtral's router without their float32 casts."""
     saved = [(norm.forward, rotary.forward) for norm, rotary in _FLOAT32_STEPS]
+    router = modeling_mixtral.MixtralTopKRouter
+    saved_router = router.forward
     for norm, rotary in _FLOAT32_STEPS:
         norm.forward, rotary.forward = _norm_forward, _rotary_forward
+    router.forward = _router_forward
     try:
         yield
     finally:
         for (norm, rotary), (norm_fwd, rotary_fwd) in zip(_FLOAT32_STEPS, saved):
             norm.forward, rotary.forward = norm_fwd, rotary_fwd
+        router.forward = saved_router
 
 
 def hf_logits(folder: Path, tokens: torch.Tensor, float64: bool = True) -> torch.Tensor:
     """transformers' logits for `tokens` from the model saved in `folder`."""
     ctx = transformers_in_float64() if float64 else contextlib.nullcontext()
     with ctx:
+        # Mixtral's experts as transformers' own loop: its grouped GEMM takes no float64.
+        experts = {"experts_implementation": "eager"} if json.loads(
+            (Path(folder) / "config.json").read_text()).get("num_local_experts") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(
             folder, dtype=torch.float64 if float64 else torch.float32,
-            attn_implementation="sdpa")
+            attn_implementation="sdpa", **experts)
         with torch.no_grad():
             return model(tokens).logits

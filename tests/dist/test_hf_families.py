@@ -1,9 +1,13 @@
-"""A Qwen2 folder (Llama plus biases on q, k and v) imported at tp=2 with sequence
-parallelism, ZeRO-3, pp=2 and cp=2 gives transformers' logits and loss (float64, 1e-10):
-the biases are split with their projections' rows, gathered by ZeRO-3 and permuted for
-partita's rotary pairs on every rank's slice. Trained 5 steps at tp=2 with sequence
-parallelism and exported, it continues in transformers' Qwen2ForCausalLM with the same
-loss, so the biases' gradients are right too."""
+"""Qwen2 and Mixtral folders imported at several layouts give transformers' logits and
+loss (float64, 1e-10), every rank having read only its own slices; trained 5 steps and
+exported, each continues in transformers with the same loss.
+
+Qwen2 (Llama plus biases on q, k and v) at tp=2 with sequence parallelism, ZeRO-3, pp=2
+and cp=2: the biases are split with their projections' rows, gathered by ZeRO-3 and
+permuted for partita's rotary pairs on every rank's slice. Mixtral (every MLP a mixture
+of experts, one file tensor per expert where partita stacks them) with the experts on
+their own ranks (ep=2, also under ZeRO-3), sharded by ZeRO-3 in flat ranges, split over
+tp whole or by width, and in a pipeline stage."""
 
 from __future__ import annotations
 
@@ -31,14 +35,15 @@ LAYOUTS = {
 
 
 def _each_layout_then_train(rank: int, world: int, folder: str, tokens: torch.Tensor,
-                            later: torch.Tensor, out: str) -> dict:
+                            later: torch.Tensor, out: str, layouts: dict[str, dict],
+                            train_in: str) -> dict:
     got = {}
-    for name, parallel in LAYOUTS.items():
+    for name, parallel in layouts.items():
         cfg = import_config(folder, **parallel)
         pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
                                   torch.device("cpu"))
         got[name] = {"logits": _logits(pm, tokens[:, :-1]), "loss": _mean_loss(pm, tokens)}
-    cfg = import_config(folder, **LAYOUTS["tp2-sp"])
+    cfg = import_config(folder, **layouts[train_in])
     pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
                               torch.device("cpu"))
     got["trained loss"] = _mean_loss(pm, later, train_steps=5, lr=3e-3)
@@ -48,21 +53,36 @@ def _each_layout_then_train(rank: int, world: int, folder: str, tokens: torch.Te
     return got
 
 
-def test_imported_qwen2_matches_transformers_and_trains_at_tp2(tmp_path):
-    folder = hf_models.save_random_llama(tmp_path / "qwen2", family="qwen2")
+# Mixtral: experts on their own ranks (ep), sharded by ZeRO-3 in flat ranges, split over
+# tp whole or by width (parallel.moe_tp), and in a pipeline stage.
+MIXTRAL_LAYOUTS = {
+    "dp2-ep2": dict(dp=2, ep=2),
+    "dp2-ep2-zero3": dict(dp=2, ep=2, zero_stage=3, bucket_mb=0.001),
+    "dp2-zero3": dict(dp=2, zero_stage=3, bucket_mb=0.001),
+    "tp2-sp-experts": dict(tp=2, sequence_parallel="true", moe_tp="experts"),
+    "tp2-hidden": dict(tp=2, moe_tp="hidden"),
+    "pp2": dict(pp=2),
+}
+
+
+@pytest.mark.parametrize("family,layouts,train_in", [
+    ("qwen2", LAYOUTS, "tp2-sp"), ("mixtral", MIXTRAL_LAYOUTS, "dp2-ep2")])
+def test_imported_model_matches_transformers_and_trains(tmp_path, family, layouts, train_in):
+    folder = hf_models.save_random_llama(tmp_path / family, family=family)
     tokens, later = token_batch(99, BATCH, SEQ, VOCAB), token_batch(5, BATCH, SEQ, VOCAB)
     out = tmp_path / "trained"
     ranks = run_distributed(_each_layout_then_train, 2,
-                            args=(str(folder), tokens, later, str(out)), timeout=240)
+                            args=(str(folder), tokens, later, str(out), layouts, train_in),
+                            timeout=240)
     want_logits = hf_models.hf_logits(folder, tokens[:, :-1])
     want = {"loss": _hf_loss(want_logits, tokens)}
-    for name in LAYOUTS:
+    for name in layouts:
         for rank, got in enumerate(ranks):
             actual, expected = {"loss": got[name]["loss"]}, dict(want)
             if got[name]["logits"] is not None:
                 actual["logits"], expected["logits"] = got[name]["logits"], want_logits
             assert_parity(actual, expected, FLOAT64_TOL, f"{name} rank {rank}")
-    assert json.loads((Path(out) / "config.json").read_text())["model_type"] == "qwen2"
+    assert json.loads((Path(out) / "config.json").read_text())["model_type"] == family
     before = _hf_loss(hf_models.hf_logits(folder, later[:, :-1]), later)
     after = _hf_loss(hf_models.hf_logits(out, later[:, :-1]), later)
     assert_parity({"loss": after}, {"loss": ranks[0]["trained loss"]}, FLOAT64_TOL, "continued")

@@ -1,8 +1,10 @@
-"""Mistral and Qwen2 folders, in one process: each imports as the network transformers
-computes (Qwen2's q/k/v biases included, permuted with their rows for partita's rotary
-pairs), exports as a folder transformers loads without missing or unexpected keys, and
-whatever partita would compute differently (a sliding window shorter than the model's
-positions, an architecture that disagrees with its model_type) is refused by name."""
+"""Mistral, Qwen2 and Mixtral folders, in one process: each imports as the network
+transformers computes (Qwen2's q/k/v biases included, permuted with their rows for
+partita's rotary pairs; Mixtral's experts, one file tensor each, stacked), exports as a
+folder transformers loads without missing or unexpected keys, and whatever partita would
+compute differently (a sliding window shorter than the model's positions, an
+architecture that disagrees with its model_type, a lone expert per token, router noise)
+is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from partita.checkpoint.manifest import CheckpointMismatch, check_model, model_f
 from partita.errors import PartitaError
 from partita.export import export_hf
 from partita.layout import Layout
-from partita.models.hf_config import model_config_from_hf
+from partita.models.hf_config import hf_config_from_model, model_config_from_hf
 from partita.models.hf_weights import hf_name, partita_names
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
@@ -29,15 +31,17 @@ hf_models = pytest.importorskip("tests.hf_models")
 transformers = hf_models.transformers
 
 # What an export of each family is: Mistral's network is Llama's, so it exports as one.
-EXPORTED_AS = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "mistral": ("LlamaForCausalLM", "llama")}
+EXPORTED_AS = {"qwen2": ("Qwen2ForCausalLM", "qwen2"), "mistral": ("LlamaForCausalLM", "llama"),
+               "mixtral": ("MixtralForCausalLM", "mixtral")}
 
 
 @pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "mixtral"])
 def test_import_gives_transformers_logits_and_export_loads_cleanly(tmp_path, family, tied):
     folder = hf_models.save_random_llama(tmp_path / family, family=family, tied=tied)
     pm = one_process(folder)
     assert pm.model_cfg.qkv_bias == (family == "qwen2")
+    assert pm.model_cfg.n_experts == (4 if family == "mixtral" else 0)
     want = hf_models.hf_logits(folder, TOKENS)
     assert_parity({"logits": pm.module(TOKENS)}, {"logits": want}, FLOAT64_TOL, family)
     out = export_hf(full_state_dict(pm), pm.model_cfg, tmp_path / "out")
@@ -101,6 +105,48 @@ def test_a_window_no_layer_is_cut_by_imports(tmp_path, family, window_keys):
     folder = hf_models.save_random_llama(tmp_path / family, family=family)
     hf_models.edit_config(folder, **window_keys)
     model_config_from_hf(folder)
+
+
+def test_mixtral_settings_reach_the_model_and_its_export(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "mixtral", family="mixtral",
+                                         num_local_experts=8, num_experts_per_tok=2,
+                                         router_aux_loss_coef=0.02)
+    cfg = model_config_from_hf(folder)
+    assert (cfg.n_experts, cfg.top_k, cfg.moe_every, cfg.expert_hidden) == (8, 2, 1, 64)
+    assert (cfg.capacity_factor, cfg.shared_experts, cfg.router_gating) == (None, 0, "softmax")
+    assert (cfg.aux_loss_weight, cfg.z_loss_weight, cfg.router_norm_topk) == (0.02, 0.0, True)
+    exported = hf_config_from_model(cfg)
+    assert {k: exported[k] for k in ("num_local_experts", "num_experts_per_tok",
+                                     "intermediate_size", "router_aux_loss_coef")} == \
+        {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
+         "router_aux_loss_coef": 0.02}
+
+
+@pytest.mark.parametrize("changes,says", [
+    (dict(num_experts_per_tok=1), r"num_experts_per_tok=1 \(Mixtral rescales a lone "
+                                  r"expert's gate weight to one"),
+    (dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1 \(partita's router adds no "
+                                    r"noise"),
+    (dict(num_experts_per_tok=9), r"num_local_experts=4 and num_experts_per_tok=9"),
+])
+def test_a_mixtral_partita_routes_otherwise_is_refused(tmp_path, changes, says):
+    folder = hf_models.save_random_llama(tmp_path / "mixtral", family="mixtral")
+    hf_models.edit_config(folder, **changes)
+    with pytest.raises(PartitaError, match=says + ".*cannot be imported"):
+        model_config_from_hf(folder)
+
+
+@pytest.mark.parametrize("changes,says", [
+    (dict(moe_every=2), r"model.moe_every=2 \(Mixtral: 1\)"),
+    (dict(shared_experts=1), r"model.shared_experts=1 \(Mixtral: 0\)"),
+    (dict(router_gating="sigmoid"), r"model.router_gating='sigmoid' \(Mixtral: 'softmax'\)"),
+    (dict(capacity_factor=1.0), r"model.capacity_factor=1.0 \(Mixtral: None\)"),
+    (dict(top_k=1), r"model.top_k=1 \(Mixtral rescales"),
+])
+def test_experts_without_a_mixtral_form_are_refused_on_export(changes, says):
+    cfg = ModelConfig(**{"n_experts": 4, "top_k": 2, **changes})
+    with pytest.raises(PartitaError, match=says + ".*no Hugging Face Mixtral equivalent"):
+        hf_config_from_model(cfg)
 
 
 def test_an_architecture_other_than_its_model_type_s_is_refused(tmp_path):

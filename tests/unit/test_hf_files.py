@@ -28,6 +28,8 @@ hf_models = pytest.importorskip("tests.hf_models")
 transformers = hf_models.transformers
 
 TOKENS = token_batch(7, 2, 16, 64)
+# What the refusal of a model without a Hugging Face form says it would take.
+NO_HF_FORM = "only llama-flavoured models, dense or with Mixtral's experts"
 
 
 def one_process(folder, *extra: str):
@@ -199,22 +201,24 @@ def test_rope_and_norm_settings_reach_the_model():
         load_config(None, ["--model.rope_scaling=yarn"])
 
 
-@pytest.mark.parametrize(("model", "says"), [("tiny-moe", "mixture-of-experts"),
-                                             ("tiny-gpt2", "flavour='gpt2'")])
+@pytest.mark.parametrize(("model", "says"), [
+    ("tiny-moe", r"mixture-of-experts model \(model.n_experts=8\) with model.moe_every=2 "
+                 r"\(Mixtral: 1\)"), ("tiny-gpt2", "flavour='gpt2'")])
 def test_a_model_without_a_llama_form_is_refused_before_training(tmp_path, model, says):
     from partita.commands.train import check_before_torch
 
     cfg = load_config(None, [f"--model.name={model}", "--train.export=hf",
                              f"--train.out_dir={tmp_path / 'run'}"])
-    with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured"):
+    with pytest.raises(PartitaError, match=f"{says}.*{NO_HF_FORM}"):
         check_before_torch(cfg, 2)
     assert not (tmp_path / "run").exists()
     dense = load_config(None, ["--train.export=hf", f"--train.out_dir={tmp_path / 'ok'}"])
     check_before_torch(dense, 2)  # the default llama model exports
 
 
-@pytest.mark.parametrize(("model", "says"), [("tiny-moe", "mixture-of-experts"),
-                                             ("tiny-gpt2", "flavour='gpt2'")])
+@pytest.mark.parametrize(("model", "says"), [
+    ("tiny-moe", r"mixture-of-experts model \(model.n_experts=8\) with model.moe_every=2 "
+                 r"\(Mixtral: 1\)"), ("tiny-gpt2", "flavour='gpt2'")])
 def test_partita_export_names_a_model_without_a_llama_form_before_reading_weights(
         tmp_path, model, says):
     import argparse
@@ -226,7 +230,7 @@ def test_partita_export_names_a_model_without_a_llama_form_before_reading_weight
     # The library calls, whatever the weights: the model is named, not the weights.
     cfg = get_model_config(model)
     for call in (lambda: to_hf_state({}, cfg), lambda: export_hf({}, cfg, tmp_path / "lib")):
-        with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured") as err:
+        with pytest.raises(PartitaError, match=f"{says}.*{NO_HF_FORM}") as err:
             call()
         assert "do not match" not in str(err.value)
     assert not (tmp_path / "lib").exists()
@@ -238,7 +242,7 @@ def test_partita_export_names_a_model_without_a_llama_form_before_reading_weight
     (run / "model.safetensors").write_bytes(b"not read")
     args = argparse.Namespace(run=str(run), out=str(tmp_path / "hf"), format="hf",
                               overwrite=False, dtype="")
-    with pytest.raises(PartitaError, match=f"{says}.*only dense llama-flavoured"):
+    with pytest.raises(PartitaError, match=f"{says}.*{NO_HF_FORM}"):
         export_command(args)
     assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.partial").exists()
 

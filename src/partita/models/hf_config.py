@@ -1,10 +1,12 @@
-"""A Hugging Face Llama, Mistral or Qwen2 `config.json` as partita's ModelConfig, and back.
+"""A Hugging Face Llama, Mistral, Qwen2 or Mixtral `config.json` as partita's ModelConfig,
+and back.
 
 Torch-free: the run configuration reads a model folder's shape through this module
 before any process starts. Only what partita's transformer computes identically is
 accepted (the Llama network: RMSNorm, rotary positions, SwiGLU, grouped-query
 attention, tied or untied embeddings, Llama 3.1's RoPE scaling; Mistral is that network
-with an optional sliding window, Qwen2 that network with biases on q, k and v); anything
+with an optional sliding window, Qwen2 that network with biases on q, k and v, Mixtral
+Mistral's with every MLP a mixture of SwiGLU experts under a softmax top-k router); anything
 else is an error that names the setting, so a model is never loaded into a network that
 would run it differently.
 """
@@ -21,7 +23,7 @@ from partita.models.model_config import ModelConfig
 # model_type -> the architecture transformers builds for it. Mistral's weights and
 # math are Llama's (its sliding window aside), Qwen2's are Llama's plus q/k/v biases.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}
+            "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def config_path(folder: str | Path) -> Path:
@@ -141,6 +143,7 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         if data.get(key):
             problems.append(f"{key}=true (partita's Llama has no biases)")
+    experts = _mixtral_experts(data, problems) if model_type == "mixtral" else {}
     window = _sliding_window(data, model_type)
     if window:
         problems.append(
@@ -182,9 +185,48 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2",
             rope_theta=rope["theta"], norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            init_std=float(data.get("initializer_range", 0.02)), seed=seed, **scaling)
+            init_std=float(data.get("initializer_range", 0.02)), seed=seed, **scaling,
+            **experts)
     except PartitaError as exc:
         raise PartitaError(f"'{path}': {exc}") from None
+
+
+def _mixtral_experts(data: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """ModelConfig's expert settings of a Mixtral config: every block a dropless mixture
+    of num_local_experts SwiGLU experts of width intermediate_size, each token routed to
+    its num_experts_per_tok most probable (softmax over the experts), their gate weights
+    rescaled to sum to one, as partita's router does with router_norm_topk. Mixtral has
+    no z-loss; its balance loss weight becomes model.aux_loss_weight (partita averages
+    the balance loss per sequence, transformers over the batch: the same model,
+    trained with a slightly different auxiliary loss)."""
+    e, k = data.get("num_local_experts"), data.get("num_experts_per_tok")
+    if not (isinstance(e, int) and isinstance(k, int) and 1 <= k <= e):
+        problems.append(f"num_local_experts={e!r} and num_experts_per_tok={k!r} (whole "
+                        "numbers, the second at most the first)")
+        return {}
+    if k == 1:
+        problems.append("num_experts_per_tok=1 (Mixtral rescales a lone expert's gate "
+                        "weight to one; partita keeps its probability, as Switch does)")
+    if data.get("router_jitter_noise"):
+        problems.append(f"router_jitter_noise={data['router_jitter_noise']} (partita's "
+                        "router adds no noise to its input)")
+    return dict(n_experts=e, top_k=k, moe_every=1, expert_ffn_dim=data["intermediate_size"],
+                router_gating="softmax", router_norm_topk=True, shared_experts=0,
+                capacity_factor=None, z_loss_weight=0.0,
+                aux_loss_weight=float(data.get("router_aux_loss_coef", 0.02)))
+
+
+def _mixtral_form(cfg: ModelConfig) -> str:
+    """Why a mixture-of-experts `cfg` has no MixtralForCausalLM form ("" when it has)."""
+    differ = [f"model.{key}={value!r} (Mixtral: {want!r})" for key, value, want in (
+        ("moe_every", cfg.moe_every, 1), ("shared_experts", cfg.shared_experts, 0),
+        ("router_gating", cfg.router_gating, "softmax"),
+        ("router_norm_topk", cfg.router_norm_topk, True),
+        ("capacity_factor", cfg.capacity_factor, None), ("qkv_bias", cfg.qkv_bias, False))
+        if value != want]
+    if cfg.top_k == 1:
+        differ.append("model.top_k=1 (Mixtral rescales a lone expert's weight to one)")
+    return "; ".join(differ)
 
 
 def _sliding_window(data: dict[str, Any], model_type: str) -> int | None:
@@ -218,12 +260,13 @@ def check_exportable(cfg: ModelConfig) -> None:
     why = ""
     if cfg.flavour != "llama":
         why = f"model.flavour='{cfg.flavour}' has no Hugging Face Llama equivalent"
-    elif cfg.moe:
-        why = (f"a mixture-of-experts model (model.n_experts={cfg.n_experts}) has no "
-               "Hugging Face Llama equivalent")
+    elif cfg.moe and _mixtral_form(cfg):
+        why = (f"a mixture-of-experts model (model.n_experts={cfg.n_experts}) with "
+               f"{_mixtral_form(cfg)} has no Hugging Face Mixtral equivalent")
     if why:
         raise PartitaError(
-            f"{why}; only dense llama-flavoured models export to the 'hf' format. The "
+            f"{why}; only llama-flavoured models, dense or with Mixtral's experts, export "
+            "to the 'hf' format. The "
             "run's own weights (model.safetensors, or `partita checkpoint export`) hold "
             "every tensor; for a training run, leave train.export unset."
         )
@@ -233,8 +276,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                          bos_token_id: int | None = None,
                          eos_token_id: int | list[int] | None = None,
                          pad_token_id: int | None = None) -> dict[str, Any]:
-    """The config.json of `cfg` as a transformers LlamaForCausalLM, or Qwen2ForCausalLM
-    for a model with q/k/v biases (an imported Mistral exports as the Llama it computes)."""
+    """The config.json of `cfg` as a transformers LlamaForCausalLM, Qwen2ForCausalLM for a
+    model with q/k/v biases, MixtralForCausalLM for one with experts (an imported Mistral
+    exports as the Llama it computes)."""
     check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     older: dict[str, Any] = {}  # the same, for tools that predate rope_parameters
@@ -245,15 +289,20 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                     original_max_position_embeddings=cfg.rope_original_max_len)
         older["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     family: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
-    kind = "qwen2" if cfg.qkv_bias else "llama"
+    kind = "mixtral" if cfg.moe else "qwen2" if cfg.qkv_bias else "llama"
     if kind == "qwen2":  # no attention_bias key: Qwen2 always has its q/k/v biases
         family = {"use_sliding_window": False, "sliding_window": None,
                   "max_window_layers": cfg.n_layers,
                   "layer_types": ["full_attention"] * cfg.n_layers}
+    if kind == "mixtral":
+        family = {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+                  "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0,
+                  "output_router_logits": False, "sliding_window": None}
     return {**older, **family,
         "architectures": [FAMILIES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
-        "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers,
+        "intermediate_size": cfg.expert_hidden if cfg.moe else cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps, "rope_parameters": rope,

@@ -28,12 +28,20 @@ from partita.errors import PartitaError
 from partita.models.hf_config import check_exportable
 from partita.models.model_config import ModelConfig
 
-_BLOCK = {
+_ATTENTION = {
     "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
     "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
-    "mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj", "mlp.w_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm",
 }
+_DENSE_MLP = {"mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj",
+              "mlp.w_down": "mlp.down_proj"}
+# A mixture-of-experts block (Mixtral's files): the router, and each expert's SwiGLU
+# projections as tensors of their own, where partita stacks every expert's into one
+# tensor per projection (`file_keys`).
+_ROUTER = {"mlp.router": "block_sparse_moe.gate"}
+_EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
+_EXPERT_NAME = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w_gate|w_up|w_down)")
+_BLOCK = {**_ATTENTION, **_DENSE_MLP, **_ROUTER}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
 _BLOCK_NAME = re.compile(r"blocks\.(\d+)\.(.+)\.(weight|bias)")
@@ -52,11 +60,26 @@ def hf_name(name: str) -> str:
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
 
 
+def file_keys(name: str, cfg: ModelConfig) -> list[str]:
+    """The Hugging Face tensors partita parameter `name` is made of: one, or for the
+    stacked experts of a mixture-of-experts block one per expert, in expert order."""
+    m = _EXPERT_NAME.fullmatch(name)
+    if m is None:
+        return [hf_name(name)]
+    layer, file = m.group(1), _EXPERTS[m.group(2)]
+    return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{file}.weight"
+            for e in range(cfg.n_experts)]
+
+
 def partita_names(cfg: ModelConfig) -> list[str]:
     """Every parameter name of partita's llama transformer of `cfg`."""
     names = ["tok_embeddings.weight"]
     for i in range(cfg.n_layers):
-        names += [f"blocks.{i}.{part}.weight" for part in _BLOCK]
+        moe = cfg.is_moe_layer(i)
+        names += [f"blocks.{i}.{part}.weight"
+                  for part in {**_ATTENTION, **(_ROUTER if moe else _DENSE_MLP)}]
+        if moe:
+            names += [f"blocks.{i}.mlp.experts.{part}" for part in _EXPERTS]
         if cfg.qkv_bias:
             names += [f"blocks.{i}.{part}.bias" for part in _BIASED]
     names.append("norm.weight")
@@ -75,13 +98,16 @@ def expected_shapes(cfg: ModelConfig, rows: int | None = None) -> dict[str, tupl
     vocabulary partita stores; cfg.vocab_size: as a Hugging Face folder holds them)."""
     d, kv, f = cfg.dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden
     v = cfg.padded_vocab_size if rows is None else rows
+    e, h = cfg.n_experts, cfg.expert_hidden
     block = {"attn.wq": (d, d), "attn.wk": (kv, d), "attn.wv": (kv, d), "attn.wo": (d, d),
              "mlp.w_gate": (f, d), "mlp.w_up": (f, d), "mlp.w_down": (d, f),
-             "attn_norm": (d,), "mlp_norm": (d,)}
+             "attn_norm": (d,), "mlp_norm": (d,), "mlp.router": (e, d)}
+    experts = {"w_gate": (e, h, d), "w_up": (e, h, d), "w_down": (e, d, h)}
     out = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
     for i in range(cfg.n_layers):
         out.update({f"blocks.{i}.{k}.weight": v for k, v in block.items()})
         out.update({f"blocks.{i}.{k}.bias": block[k][:1] for k in _BIASED})
+        out.update({f"blocks.{i}.mlp.experts.{k}": v for k, v in experts.items()})
     return {n: out[n] for n in partita_names(cfg)}
 
 
@@ -126,7 +152,10 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         t = to_hf_rows(tensor, cfg.head_dim) if rotary_permuted(name) else tensor
         if name in VOCAB_ROWS:
             t = t[:cfg.vocab_size]
-        out[hf_name(name)] = t.contiguous()
+        if _EXPERT_NAME.fullmatch(name):  # one tensor per expert
+            out.update(zip(file_keys(name, cfg), (x.contiguous() for x in t)))
+        else:
+            out[hf_name(name)] = t.contiguous()
     return out
 
 
@@ -168,27 +197,32 @@ class HFWeights:
 
     def _check(self) -> None:
         for name, shape in expected_shapes(self.cfg, self.cfg.vocab_size).items():
-            key = hf_name(name)
-            if key not in self.files:
-                raise PartitaError(
-                    f"'{self.folder}' has no tensor '{key}' (partita's '{name}'), which its "
-                    "config.json implies; the folder is incomplete or its config does not "
-                    "belong to these weights.")
-            part = self._part(key)
-            # Floating point only: quantised or integer tensors would be cast as they
-            # are, without their scales, and train silently as other weights.
-            if part.get_dtype() not in FLOAT_DTYPES:
-                raise PartitaError(
-                    f"'{self.files[key]}' holds '{key}' as {part.get_dtype()}, not floating "
-                    "point (a quantised or converted checkpoint); import the model's "
-                    "unquantised release (bf16, fp16 or fp32 weights).")
-            got = tuple(part.get_shape())
-            if got != shape:
-                raise PartitaError(
-                    f"'{self.files[key]}' holds '{key}' of shape {got} but config.json "
-                    f"implies {shape}; the config does not belong to these weights.")
+            if _EXPERT_NAME.fullmatch(name):  # one file tensor per expert
+                shape = shape[1:]
+            for key in file_keys(name, self.cfg):
+                self._check_tensor(name, key, shape)
         if self.cfg.tie_embeddings and _TOP["output.weight"] in self.files:
             self._check_tied_head()
+
+    def _check_tensor(self, name: str, key: str, shape: tuple[int, ...]) -> None:
+        if key not in self.files:
+            raise PartitaError(
+                f"'{self.folder}' has no tensor '{key}' (partita's '{name}'), which its "
+                "config.json implies; the folder is incomplete or its config does not "
+                "belong to these weights.")
+        part = self._part(key)
+        # Floating point only: quantised or integer tensors would be cast as they
+        # are, without their scales, and train silently as other weights.
+        if part.get_dtype() not in FLOAT_DTYPES:
+            raise PartitaError(
+                f"'{self.files[key]}' holds '{key}' as {part.get_dtype()}, not floating "
+                "point (a quantised or converted checkpoint); import the model's "
+                "unquantised release (bf16, fp16 or fp32 weights).")
+        got = tuple(part.get_shape())
+        if got != shape:
+            raise PartitaError(
+                f"'{self.files[key]}' holds '{key}' of shape {got} but config.json "
+                f"implies {shape}; the config does not belong to these weights.")
 
     def _part(self, key: str):
         """safetensors' lazy slice of tensor `key` (nothing read yet)."""
@@ -225,8 +259,21 @@ class HFWeights:
                 "false in config.json; to tie the head to the embeddings, remove "
                 f"'{head_key}' from the weights.")
 
+    def _experts(self, name: str, lo: int, hi: int, dim: int = 0, start: int = 0,
+                 stop: int | None = None) -> torch.Tensor:
+        """Experts [lo, hi) of a stacked expert parameter, each cut to [start, stop) along
+        its own dimension `dim` (1 or 2; 0: whole), read expert by expert."""
+        parts = [self._part(key) for key in file_keys(name, self.cfg)[lo:hi]]
+        if dim == 1:
+            return torch.stack([part[start:stop] for part in parts])
+        if dim == 2:
+            return torch.stack([part[:, start:stop] for part in parts])
+        return torch.stack([part[:] for part in parts])
+
     def _rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of parameter `name` in partita's row order (only those read)."""
+        if _EXPERT_NAME.fullmatch(name):
+            return self._experts(name, lo, hi)
         key = hf_name(name)
         part = self._open(self.files[key]).get_slice(key)
         if name in VOCAB_ROWS and hi > self.cfg.vocab_size:
@@ -255,6 +302,8 @@ class HFWeights:
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if dim == 0:
             return self._rows(name, start, stop)
+        if _EXPERT_NAME.fullmatch(name):
+            return self._experts(name, 0, shape[0], dim, start, stop)
         if name in VOCAB_ROWS:  # every row, with a padded vocabulary's zero rows
             return self._rows(name, 0, shape[0])[:, start:stop]
         key = hf_name(name)
