@@ -17,8 +17,8 @@ def test_model_shape_dropout_is_a_filled_in_default(capsys):
             "and time)") in data["defaults_filled_in"]
     assert data["model_shape"] == {
         "layers": 96, "hidden": 12288, "ffn": 49152, "heads": 96, "kv_heads": 96,
-        "vocab": 51200, "padded_vocab": 51200, "seq": 2048, "flavour": "gpt2", "tie": True,
-        "dropout": 0.0, "experts": None}
+        "vocab": 51200, "padded_vocab": 51200, "seq": 2048, "flavour": "gpt2",
+        "qkv_bias": False, "tie": True, "dropout": 0.0, "experts": None}
     # Given, it is part of the shape the first line states, and no default.
     assert main(["plan", GPT3[0], GPT3[1] + ",dropout=0.1", *GPT3_RUN]) in (0, 1)
     out = capsys.readouterr().out
