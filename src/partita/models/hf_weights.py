@@ -1,17 +1,20 @@
-"""Hugging Face Llama weights (Mistral's and Qwen2's too) under partita's names: the
-name map, the rotary permutation, and a reader that serves any slice of any parameter
-from memory-mapped safetensors files.
+"""Hugging Face Llama weights (Mistral's, Qwen2's and Mixtral's too) under partita's
+names: the name map, the rotary permutation, and a reader that serves any slice of any
+parameter from memory-mapped safetensors files.
 
 Two conventions differ. Names: `model.layers.3.self_attn.q_proj.weight` is partita's
 `blocks.3.attn.wq.weight` (see `hf_name`). Rotary pairs: partita rotates interleaved
 pairs (x[2i], x[2i+1]) of each head while transformers rotates halves (x[i],
 x[i + head_dim/2]), so the rows of every query and key head are permuted: partita's row
 2i+t of a head is Hugging Face's row i + t*head_dim/2. Without it the model runs almost
-right (loss equal to the third decimal) with logits visibly off.
+right (loss equal to the third decimal) with logits visibly off. Mixtral's experts are
+one tensor per expert and projection in the files and one stacked tensor per projection
+in partita (`file_keys`).
 
 `HFWeights` has the methods of a plan's `ParamInit` (`flat_slice`, `slice`, `full`), so
 it replaces the random init in a model's plan: every rank then reads from the files only
-the rows (tensor parallelism), stages (pipeline) and flat ranges (ZeRO-3) it owns, via
+the rows (tensor parallelism), stages (pipeline), experts (expert parallelism) and flat
+ranges (ZeRO-3) it owns, via
 safetensors' `safe_open(...).get_slice`, never a whole file.
 """
 
