@@ -1,6 +1,7 @@
 """Qwen2 and Mixtral folders imported at several layouts give transformers' logits and
 loss (float64, 1e-10), every rank having read only its own slices; trained 5 steps and
-exported, each continues in transformers with the same loss.
+exported, each continues in transformers with the same loss, and `partita export` of
+the checkpoint the training layout wrote gives the same folder.
 
 Qwen2 (Llama plus biases on q, k and v) at tp=2 with sequence parallelism, ZeRO-3, pp=2
 and cp=2: the biases are split with their projections' rows, gathered by ZeRO-3 and
@@ -17,12 +18,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from partita.export import export_hf
+from partita.export import export_hf, export_run
 from partita.mesh import Mesh
 from partita.parallelize import build_parallel_model, dims_from_config
 from partita.testing import FLOAT64_TOL, assert_parity, run_distributed, token_batch
 from partita.weights import full_state_dict
-from tests.dist.test_hf_import import BATCH, SEQ, VOCAB, _hf_loss, _logits, _mean_loss, import_config
+from tests.dist.test_hf_import import (
+    BATCH,
+    SEQ,
+    VOCAB,
+    _hf_loss,
+    _logits,
+    _mean_loss,
+    _same_folder,
+    _save_checkpoint,
+    import_config,
+)
 
 hf_models = pytest.importorskip("tests.hf_models")
 
@@ -47,6 +58,7 @@ def _each_layout_then_train(rank: int, world: int, folder: str, tokens: torch.Te
     pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
                               torch.device("cpu"))
     got["trained loss"] = _mean_loss(pm, later, train_steps=5, lr=3e-3)
+    _save_checkpoint(pm, cfg, f"{out}-checkpoints", rank, world, 5)
     state = full_state_dict(pm)
     if rank == 0:
         export_hf(state, cfg.model_config(), out)
@@ -87,3 +99,5 @@ def test_imported_model_matches_transformers_and_trains(tmp_path, family, layout
     after = _hf_loss(hf_models.hf_logits(out, later[:, :-1]), later)
     assert_parity({"loss": after}, {"loss": ranks[0]["trained loss"]}, FLOAT64_TOL, "continued")
     assert after < before - 1e-3, "five steps of training did not change the loss"
+    # `partita export` of the checkpoint the training layout wrote: the same folder.
+    _same_folder(export_run(f"{out}-checkpoints", tmp_path / "from-checkpoint"), out)
