@@ -1,7 +1,7 @@
 """Random layouts against one process: a search for compositions the parity tests miss.
 
 Draws layouts at random (degrees, ZeRO stage, schedule, recomputation, offload, mixture
-of experts, model flavour, ...), drops those partita refuses before launch (counting
+of experts, model flavour, q/k/v biases, ...), drops those partita refuses before launch (counting
 each refusal's first words), trains the rest in float64 for a few steps on one spawned
 world per batch, and checks every rank against one process with the same global batch
 (`partita.testing.check_layouts`, 1e-10 relative). A layout the checks accept but
@@ -71,6 +71,8 @@ def draw(rng: random.Random, world: int) -> tuple[dict, dict, dict]:
         parallel["accumulation"] = rng.choice(["reduce", "buffer"])
     if rng.random() < 0.15:
         parallel["offload"] = "optimizer"
+    if model["flavour"] == "llama" and rng.random() < 0.25:
+        model["qkv_bias"] = True  # Qwen2's biases (drawn last: earlier draws unchanged)
     return model, parallel, train
 
 
@@ -89,6 +91,7 @@ FEATURES = {
     "MoE with sp": lambda c: bool(c.model.n_experts) and c.parallel.sequence_parallel,
     "experts split over tp": lambda c: c.parallel.moe_tp == "experts" and c.parallel.tp > 1,
     "expert widths split over tp": lambda c: c.parallel.moe_tp == "hidden" and c.parallel.tp > 1,
+    "q/k/v biases": lambda c: bool(c.model.qkv_bias),
 }
 
 
