@@ -12,6 +12,7 @@ tp whole or by width, and in a pipeline stage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 
 from partita.export import export_hf, export_run
 from partita.mesh import Mesh
+from partita.models.hf_weights import HFWeights
 from partita.parallelize import build_parallel_model, dims_from_config
 from partita.testing import FLOAT64_TOL, assert_parity, run_distributed, token_batch
 from partita.weights import full_state_dict
@@ -51,9 +53,11 @@ def _each_layout_then_train(rank: int, world: int, folder: str, tokens: torch.Te
     got = {}
     for name, parallel in layouts.items():
         cfg = import_config(folder, **parallel)
-        pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
-                                  torch.device("cpu"))
-        got[name] = {"logits": _logits(pm, tokens[:, :-1]), "loss": _mean_loss(pm, tokens)}
+        with _expert_reads() as reads:
+            pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
+                                      torch.device("cpu"))
+        got[name] = {"logits": _logits(pm, tokens[:, :-1]), "loss": _mean_loss(pm, tokens),
+                     "expert reads": reads}
     cfg = import_config(folder, **layouts[train_in])
     pm = build_parallel_model(cfg, Mesh(dims_from_config(cfg, world), rank, world),
                               torch.device("cpu"))
@@ -63,6 +67,23 @@ def _each_layout_then_train(rank: int, world: int, folder: str, tokens: torch.Te
     if rank == 0:
         export_hf(state, cfg.model_config(), out)
     return got
+
+
+@contextlib.contextmanager
+def _expert_reads():
+    """The (first, last + 1) expert ranges the import reads tensor data of."""
+    reads: set[tuple[int, int]] = set()
+    original = HFWeights._experts
+
+    def recording(self, name, lo, hi, *args, **kwargs):
+        reads.add((lo, hi))
+        return original(self, name, lo, hi, *args, **kwargs)
+
+    HFWeights._experts = recording
+    try:
+        yield reads
+    finally:
+        HFWeights._experts = original
 
 
 # Mixtral: experts on their own ranks (ep), sharded by ZeRO-3 in flat ranges, split over
@@ -88,6 +109,8 @@ def test_imported_model_matches_transformers_and_trains(tmp_path, family, layout
                             timeout=240)
     want_logits = hf_models.hf_logits(folder, tokens[:, :-1])
     want = {"loss": _hf_loss(want_logits, tokens)}
+    if family == "mixtral":  # each expert-parallel rank reads its own 2 of the 4 experts
+        assert [got["dp2-ep2"]["expert reads"] for got in ranks] == [{(0, 2)}, {(2, 4)}]
     for name in layouts:
         for rank, got in enumerate(ranks):
             actual, expected = {"loss": got[name]["loss"]}, dict(want)

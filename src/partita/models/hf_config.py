@@ -21,7 +21,8 @@ from partita.errors import PartitaError
 from partita.models.model_config import ModelConfig
 
 # model_type -> the architecture transformers builds for it. Mistral's weights and
-# math are Llama's (its sliding window aside), Qwen2's are Llama's plus q/k/v biases.
+# math are Llama's (its sliding window aside), Qwen2's are Llama's plus q/k/v biases,
+# Mixtral's are Mistral's with partita's mixture-of-experts block as every MLP.
 FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 
