@@ -2,12 +2,14 @@
 a stand-in for a published checkpoint on a machine that cannot download one.
 
     python tools/make_small_llama.py --out llama-small --jsonl stdlib.jsonl
+    python tools/make_small_llama.py --family mixtral --out mixtral-small
 
 Writes `--jsonl` (one record {"text": ...} per standard-library module, unless the file
 exists), trains a byte-level BPE tokenizer on it (`--vocab` tokens with <s>, </s>) and
-saves a randomly initialised transformers LlamaForCausalLM of that vocabulary with
-`save_pretrained`, next to tokenizer.json and tokenizer_config.json: the same layout as
-a Llama folder from the Hugging Face Hub.
+saves a randomly initialised transformers LlamaForCausalLM (or `--family`'s model:
+Mistral, Qwen2, Mixtral with 4 experts, top-2) of that vocabulary with `save_pretrained`,
+next to tokenizer.json and tokenizer_config.json: the same layout as a folder from the
+Hugging Face Hub.
 """
 
 from __future__ import annotations
@@ -16,6 +18,16 @@ import argparse
 import json
 import sysconfig
 from pathlib import Path
+
+# --family: transformers' config and model classes, and the settings that make the model
+# one partita imports (full attention; Mixtral's experts).
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"sliding_window": None, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}
 
 
 def write_stdlib_jsonl(path: Path, max_docs: int) -> None:
@@ -59,6 +71,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--docs", type=int, default=200, help="modules in the JSONL file")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
     args = parser.parse_args()
 
     import torch
@@ -69,13 +82,14 @@ def main() -> None:
         write_stdlib_jsonl(jsonl, args.docs)
     tok = train_tokenizer(jsonl, args.vocab)
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config_class, model_class, extra = FAMILIES[args.family]
+    config = getattr(transformers, config_class)(
         vocab_size=tok.get_vocab_size(), hidden_size=args.dim,
         intermediate_size=_round_up(8 * args.dim // 3, 64), num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"))
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
+        bos_token_id=tok.token_to_id("<s>"), eos_token_id=tok.token_to_id("</s>"), **extra)
+    getattr(transformers, model_class)(config).save_pretrained(out)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
