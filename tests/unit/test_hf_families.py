@@ -12,13 +12,14 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from partita.checkpoint.manifest import CheckpointMismatch, check_model, model_fields
 from partita.errors import PartitaError
 from partita.export import export_hf
 from partita.layout import Layout
 from partita.models.hf_config import hf_config_from_model, model_config_from_hf
-from partita.models.hf_weights import hf_name, partita_names
+from partita.models.hf_weights import HFWeights, hf_name, partita_names
 from partita.models.model_config import ModelConfig
 from partita.models.transformer import build_model
 from partita.planner import Assumptions, PlanModel
@@ -147,6 +148,39 @@ def test_experts_without_a_mixtral_form_are_refused_on_export(changes, says):
     cfg = ModelConfig(**{"n_experts": 4, "top_k": 2, **changes})
     with pytest.raises(PartitaError, match=says + ".*no Hugging Face Mixtral equivalent"):
         hf_config_from_model(cfg)
+
+
+def _drop_tensor(folder, key: str) -> None:
+    """Remove tensor `key` from the folder's shard holding it, and from the index."""
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = folder / index["weight_map"].pop(key)
+    tensors = load_file(shard)
+    del tensors[key]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("family,key,partita_name", [
+    ("qwen2", "model.layers.1.self_attn.k_proj.bias", "blocks.1.attn.wk.bias"),
+    ("mixtral", "model.layers.0.block_sparse_moe.experts.3.w2.weight",
+     "blocks.0.mlp.experts.w_down"),
+])
+def test_a_folder_without_a_tensor_its_config_implies_is_named(tmp_path, family, key,
+                                                                partita_name):
+    folder = hf_models.save_random_llama(tmp_path / family, family=family)
+    _drop_tensor(folder, key)
+    with pytest.raises(PartitaError, match=f"has no tensor '{key}' \\(partita's "
+                       f"'{partita_name}'\\)"):
+        HFWeights(folder, model_config_from_hf(folder))
+
+
+def test_an_expert_of_another_width_is_named(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "mixtral", family="mixtral")
+    hf_models.edit_config(folder, intermediate_size=96)
+    with pytest.raises(PartitaError, match=r"experts.0.w1.weight' of shape \(64, 32\) but "
+                       r"config.json implies \(96, 32\)"):
+        HFWeights(folder, model_config_from_hf(folder))
 
 
 def test_an_architecture_other_than_its_model_type_s_is_refused(tmp_path):
