@@ -217,3 +217,16 @@ def test_a_checkpoint_of_the_model_without_biases_is_refused(tmp_path):
     saved = {"model": model_fields(ModelConfig())}
     with pytest.raises(CheckpointMismatch, match="qkv_bias: checkpoint False, this run True"):
         check_model(saved, ModelConfig(qkv_bias=True), tmp_path)
+
+
+def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
+    from partita.cli import main
+
+    folder = hf_models.save_random_llama(tmp_path / "qwen2", family="qwen2")
+    for given in (folder, folder / "config.json"):
+        assert main(["plan", "--model", str(given), "--gpus", "8", "--json"]) == 0
+        shape = json.loads(capsys.readouterr().out)["model_shape"]
+        assert (shape["layers"], shape["hidden"], shape["qkv_bias"]) == (2, 32, True)
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "8"]) != 0
+    assert "is a folder without config.json; give a Hugging Face model folder" in \
+        capsys.readouterr().err

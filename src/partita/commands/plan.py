@@ -22,7 +22,8 @@ def register(subparsers) -> None:
         ),
     )
     p.add_argument("--model", default=None,
-                   help="catalog name (e.g. llama3-70b) or a TOML file with a [model] table")
+                   help="catalog name (e.g. llama3-70b), a TOML file with a [model] table, "
+                   "or a Hugging Face model folder (its config.json)")
     p.add_argument("--model-shape", default=None, metavar="SHAPE",
                    help="a model given by its shape instead of --model, e.g. "
                         "layers=96,hidden=12288,heads=96,vocab=51200,seq=2048,flavour=gpt2 "

@@ -146,8 +146,19 @@ class PlanModel:
 
 
 def resolve_model(name_or_path: str) -> PlanModel:
-    """A catalog name (`llama3-70b`) or a TOML file with `[model]` (and optional `[moe]`)."""
+    """A catalog name (`llama3-70b`), a TOML file with `[model]` (and optional `[moe]`),
+    or a Hugging Face model folder (its config.json, as `model.init_from` reads it)."""
     path = Path(name_or_path)
+    if path.is_dir() or path.name == "config.json":
+        from partita.models.hf_config import model_config_from_hf
+
+        folder = path if path.is_dir() else path.parent
+        if not (folder / "config.json").is_file():
+            raise PartitaError(
+                f"model '{name_or_path}' is a folder without config.json; give a Hugging "
+                "Face model folder (config.json and its weights), a TOML file with a "
+                f"[model] table, or a catalog name ({', '.join(MODELS)}).")
+        return PlanModel(folder.name, model_config_from_hf(folder))
     if name_or_path.endswith(".toml") or path.is_file():
         text = read_user_file(path, "model config file",
                               "give a TOML file with a [model] table, or a catalog name",
