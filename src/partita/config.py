@@ -79,6 +79,14 @@ class Config:
         cfg = dataclasses.replace(base, **changes)
         if self.data.seq_len > cfg.max_seq_len:
             cfg = dataclasses.replace(cfg, max_seq_len=self.data.seq_len)
+        if cfg.attention_window is not None and self.data.seq_len > cfg.attention_window:
+            source = (f"'{self.model.init_from}' (sliding_window in its config.json)"
+                      if self.model.init_from else "model.attention_window")
+            raise PartitaError(
+                f"data.seq_len={self.data.seq_len} exceeds the model's attention window of "
+                f"{cfg.attention_window} positions from {source}: each token attends only "
+                "to that many, which partita's full causal attention computes only on "
+                f"sequences that short. Train at data.seq_len <= {cfg.attention_window}.")
         return cfg
 
     def layout(self, world_size: int) -> Layout:

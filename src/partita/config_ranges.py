@@ -116,6 +116,7 @@ RANGES: dict[str, Rule] = {
     "model.n_kv_heads": AT_LEAST_1,
     "model.ffn_dim": AT_LEAST_1,
     "model.max_seq_len": AT_LEAST_1,
+    "model.attention_window": AT_LEAST_1,
     "model.flavour": _choice("llama", "gpt2"),
     "model.dropout": FRACTION,
     "model.seed": SEED,

@@ -24,6 +24,8 @@ class ModelSection:
     flavour: str | None = None
     tie_embeddings: bool | None = None
     qkv_bias: bool | None = None  # biases on q, k and v of a llama model (Qwen2)
+    # Sliding-window attention of N positions (Mistral's; see models.model_config).
+    attention_window: int | None = None
     dropout: float | None = None
     seed: int | None = None
     # Attention kernel: "auto", "sdpa" or "explicit" (see models.attention_kernel).

@@ -87,13 +87,16 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
     sampled `stop_id` (the tokenizer's end of document), which is kept in the result.
 
     Keys and values are kept between tokens (`partita.kv_cache`) while the sequence fits
-    the model's length; past it every token sees the last max_seq_len tokens, at
-    positions from 0, which a cache cannot give, so each runs the whole window. A
+    the model's length (or its attention window, model.attention_window, when shorter);
+    past it every token sees that many last tokens, at positions from 0, which a cache
+    cannot give, so each runs the whole window (a model with a sliding window, computed
+    by transformers, would keep each token's own position instead). A
     mixture of experts with a capacity (`capacity_factor`) always runs the whole
     sequence: its tokens compete for each expert's places over the sequence."""
     gen = torch.Generator().manual_seed(seed)
     ids, end = list(prompt_ids), len(prompt_ids) + new_tokens
-    limit, vocab = model.cfg.max_seq_len, model.cfg.vocab_size
+    limit = min(model.cfg.max_seq_len, model.cfg.attention_window or model.cfg.max_seq_len)
+    vocab = model.cfg.vocab_size
 
     def pick(logits: torch.Tensor) -> None:
         # Only the real vocabulary: the columns of a padded one (model.vocab_multiple)

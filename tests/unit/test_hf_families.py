@@ -1,10 +1,10 @@
 """Mistral, Qwen2 and Mixtral folders, in one process: each imports as the network
 transformers computes (Qwen2's q/k/v biases included, permuted with their rows for
-partita's rotary pairs; Mixtral's experts, one file tensor each, stacked), exports as a
-folder transformers loads without missing or unexpected keys, and whatever partita would
-compute differently (a sliding window shorter than the model's positions, an
-architecture that disagrees with its model_type, a lone expert per token, router noise)
-is refused by name."""
+partita's rotary pairs; Mixtral's experts, one file tensor each, stacked; a sliding
+window on every layer kept, training sequences held within it), exports as a folder
+transformers loads without missing or unexpected keys, and whatever partita would
+compute differently (a window on some layers only, an architecture that disagrees with
+its model_type, a lone expert per token, router noise) is refused by name."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from partita.checkpoint.manifest import CheckpointMismatch, check_model, model_fields
+from partita.config import load_config
 from partita.errors import PartitaError
 from partita.export import export_hf
 from partita.layout import Layout
@@ -77,22 +78,59 @@ def test_qwen2_biases_are_imported_and_named_one_to_one(tmp_path):
 
 # Bad input ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family,window_keys", [
-    ("mistral", dict(sliding_window=16)),
-    ("qwen2", dict(sliding_window=16, layer_types=["full_attention", "sliding_attention"])),
+@pytest.mark.parametrize("window_keys", [
+    dict(sliding_window=16, layer_types=["full_attention", "sliding_attention"]),
     # Written before layer_types: layers from max_window_layers on are windowed.
-    ("qwen2", dict(sliding_window=16, use_sliding_window=True, max_window_layers=1,
-                   layer_types=None)),
+    dict(sliding_window=16, use_sliding_window=True, max_window_layers=1, layer_types=None),
 ])
-def test_a_sliding_window_shorter_than_the_positions_is_refused(tmp_path, family, window_keys):
-    folder = hf_models.save_random_llama(tmp_path / family, family=family)
+def test_a_window_on_some_layers_is_refused(tmp_path, window_keys):
+    folder = hf_models.save_random_llama(tmp_path / "qwen2", family="qwen2")
     hf_models.edit_config(folder, **window_keys)
-    with pytest.raises(PartitaError, match=r"sliding-window attention \(16: each token sees "
-                       r"only the 16 before it.*all 64 positions.*\"sliding_window\": null"):
+    with pytest.raises(PartitaError, match=r"sliding-window attention on some layers \(16: "
+                       r"each token of those sees only the 16 before it.*all 64 positions.*"
+                       r"\"use_sliding_window\": false"):
         model_config_from_hf(folder)
-    # The fix the message names imports the model.
-    hf_models.edit_config(folder, sliding_window=None)
-    assert model_config_from_hf(folder).max_seq_len == 64
+    # The fix the message names imports the model, without a window.
+    hf_models.edit_config(folder, use_sliding_window=False, layer_types=None)
+    assert model_config_from_hf(folder).attention_window is None
+
+
+@pytest.mark.parametrize("family,exported_as", [
+    ("mistral", "MistralForCausalLM"), ("mixtral", "MixtralForCausalLM")])
+def test_a_window_on_every_layer_trains_up_to_it_and_is_exported(tmp_path, family,
+                                                                  exported_as):
+    """Full causal attention is the windowed one on sequences no longer than the window:
+    partita keeps the window, computes transformers' logits there (16 tokens, a window of
+    16), refuses longer training sequences, and writes the window back."""
+    folder = hf_models.save_random_llama(tmp_path / family, family=family, sliding_window=16)
+    pm = one_process(folder)
+    assert pm.model_cfg.attention_window == 16
+    inputs = TOKENS[:, :16]  # the training inputs (TOKENS holds their targets' one more)
+    want = hf_models.hf_logits(folder, inputs)
+    assert_parity({"logits": pm.module(inputs)}, {"logits": want}, FLOAT64_TOL, family)
+    out = export_hf(full_state_dict(pm), pm.model_cfg, tmp_path / "out")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["sliding_window"]) == ([exported_as], 16)
+    assert_parity({"logits": hf_models.hf_logits(out, inputs)}, {"logits": want},
+                  FLOAT64_TOL, f"{family} exported")
+    # One token more and the window cuts: transformers' logits are not partita's.
+    longer = TOKENS[:, :17]
+    assert (hf_models.hf_logits(folder, longer) - pm.module(longer)).abs().max() > 1e-3
+    with pytest.raises(PartitaError, match=r"data.seq_len=32 exceeds the model's attention "
+                       r"window of 16 positions from .*sliding_window in its config.json.*"
+                       r"Train at data.seq_len <= 16"):
+        load_config(None, [f"--model.init_from={folder}", "--data.seq_len=32"]).model_config()
+
+
+def test_qwen2_with_a_window_on_every_layer_exports_it_on_every_layer(tmp_path):
+    folder = hf_models.save_random_llama(tmp_path / "qwen2", family="qwen2", sliding_window=16,
+                                         layer_types=["sliding_attention"] * 2,
+                                         use_sliding_window=True, max_window_layers=0)
+    cfg = model_config_from_hf(folder)
+    assert (cfg.attention_window, cfg.qkv_bias) == (16, True)
+    exported = hf_config_from_model(cfg)
+    assert (exported["sliding_window"], exported["use_sliding_window"],
+            exported["layer_types"]) == (16, True, ["sliding_attention"] * 2)
 
 
 @pytest.mark.parametrize("family,window_keys", [

@@ -145,14 +145,16 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
         if data.get(key):
             problems.append(f"{key}=true (partita's Llama has no biases)")
     experts = _mixtral_experts(data, problems) if model_type == "mixtral" else {}
-    window = _sliding_window(data, model_type)
-    if window:
+    # A window on every layer (Mistral's, Mixtral's, some Qwen2s') is kept: partita
+    # trains at data.seq_len up to it and exports it. A window on some layers is refused.
+    window, every_layer = _sliding_window(data, model_type)
+    if window and not every_layer:
         problems.append(
-            f"sliding-window attention ({window}: each token sees only the {window} before "
-            f"it, where partita's attention sees all {data.get('max_position_embeddings')} "
-            "positions; the two agree on sequences up to the window, so to train at "
-            "data.seq_len <= the window, set \"sliding_window\": null in a copy of "
-            "config.json)")
+            f"sliding-window attention on some layers ({window}: each token of those sees "
+            f"only the {window} before it, where partita's attention sees all "
+            f"{data.get('max_position_embeddings')} positions; the two agree on sequences "
+            "up to the window, so to train at data.seq_len <= the window, set "
+            "\"use_sliding_window\": false in a copy of config.json)")
     heads, dim = data["num_attention_heads"], data["hidden_size"]
     head_dim = data.get("head_dim")
     if head_dim not in (None, dim // heads) or dim % heads:
@@ -184,7 +186,7 @@ def model_config_from_hf(folder: str | Path, seed: int = 0) -> ModelConfig:
             ffn_dim=data["intermediate_size"],
             max_seq_len=int(data.get("max_position_embeddings", 2048)), flavour="llama",
             tie_embeddings=bool(data.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=model_type == "qwen2", attention_window=window or None,
             rope_theta=rope["theta"], norm_eps=float(data.get("rms_norm_eps", 1e-6)),
             init_std=float(data.get("initializer_range", 0.02)), seed=seed, **scaling,
             **experts)
@@ -230,28 +232,31 @@ def _mixtral_form(cfg: ModelConfig) -> str:
     return "; ".join(differ)
 
 
-def _sliding_window(data: dict[str, Any], model_type: str) -> int | None:
+def _sliding_window(data: dict[str, Any], model_type: str) -> tuple[int | None, bool]:
     """The attention window of the config's windowed layers, where it is shorter than the
-    model's positions (None: every layer attends to all positions, as partita's do).
-    Mistral windows every layer when sliding_window is set; Qwen2 the layers
-    `layer_types` names "sliding_attention", or in configs written before that key,
-    layers from max_window_layers on when use_sliding_window is true."""
+    model's positions (None: every layer attends to all positions, as partita's do), and
+    whether every layer has it. Mistral and Mixtral window every layer when
+    sliding_window is set; Qwen2 the layers `layer_types` names "sliding_attention", or
+    in configs written before that key, layers from max_window_layers on when
+    use_sliding_window is true."""
     window = data.get("sliding_window")
     if model_type == "llama" or not isinstance(window, int) or isinstance(window, bool):
-        return None
+        return None, True
     if window >= int(data.get("max_position_embeddings", 2048)):
-        return None
-    if model_type == "qwen2":
-        kinds = data.get("layer_types")
-        if isinstance(kinds, list):
-            windowed = "sliding_attention" in kinds
-        else:
-            first = data.get("max_window_layers", 0)
-            windowed = bool(data.get("use_sliding_window")) and (
-                not isinstance(first, int) or first < data["num_hidden_layers"])
-        if not windowed:
-            return None
-    return window
+        return None, True
+    if model_type != "qwen2":
+        return window, True
+    layers = data["num_hidden_layers"]
+    kinds = data.get("layer_types")
+    if isinstance(kinds, list):
+        windowed = [kind == "sliding_attention" for kind in kinds]
+    else:
+        first = data.get("max_window_layers", 0)
+        first = first if isinstance(first, int) else 0
+        windowed = [bool(data.get("use_sliding_window")) and i >= first for i in range(layers)]
+    if not any(windowed):
+        return None, True
+    return window, all(windowed)
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -278,8 +283,9 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                          eos_token_id: int | list[int] | None = None,
                          pad_token_id: int | None = None) -> dict[str, Any]:
     """The config.json of `cfg` as a transformers LlamaForCausalLM, Qwen2ForCausalLM for a
-    model with q/k/v biases, MixtralForCausalLM for one with experts (an imported Mistral
-    exports as the Llama it computes)."""
+    model with q/k/v biases, MixtralForCausalLM for one with experts, MistralForCausalLM
+    for a dense one with an attention window (an imported Mistral without one exports as
+    the Llama it computes)."""
     check_exportable(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     older: dict[str, Any] = {}  # the same, for tools that predate rope_parameters
@@ -290,15 +296,20 @@ def hf_config_from_model(cfg: ModelConfig, dtype: str = "float32",
                     original_max_position_embeddings=cfg.rope_original_max_len)
         older["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     family: dict[str, Any] = {"attention_bias": False, "mlp_bias": False}
-    kind = "mixtral" if cfg.moe else "qwen2" if cfg.qkv_bias else "llama"
+    kind = ("mixtral" if cfg.moe else "qwen2" if cfg.qkv_bias
+            else "mistral" if cfg.attention_window else "llama")
     if kind == "qwen2":  # no attention_bias key: Qwen2 always has its q/k/v biases
-        family = {"use_sliding_window": False, "sliding_window": None,
-                  "max_window_layers": cfg.n_layers,
-                  "layer_types": ["full_attention"] * cfg.n_layers}
+        windowed = cfg.attention_window is not None  # on every layer
+        family = {"use_sliding_window": windowed, "sliding_window": cfg.attention_window,
+                  "max_window_layers": 0 if windowed else cfg.n_layers,
+                  "layer_types": [("sliding" if windowed else "full") + "_attention"]
+                  * cfg.n_layers}
+    if kind == "mistral":
+        family = {"sliding_window": cfg.attention_window}
     if kind == "mixtral":
         family = {"num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
                   "router_aux_loss_coef": cfg.aux_loss_weight, "router_jitter_noise": 0.0,
-                  "output_router_logits": False, "sliding_window": None}
+                  "output_router_logits": False, "sliding_window": cfg.attention_window}
     return {**older, **family,
         "architectures": [FAMILIES[kind]], "model_type": kind,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,

@@ -37,6 +37,11 @@ class ModelConfig:
     # Biases on the query, key and value projections of a llama-flavoured model (Qwen2's
     # one difference from Llama); gpt2-flavoured models have every bias already.
     qkv_bias: bool = False
+    # Sliding-window attention (Mistral's): each token attends to the last
+    # attention_window positions. partita computes full causal attention, the same on
+    # sequences of at most that many tokens, so such a model trains at data.seq_len up
+    # to the window (config.Config.model_config refuses longer ones). None: no window.
+    attention_window: int | None = None
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     dropout: float = 0.0
@@ -83,6 +88,13 @@ class ModelConfig:
                 f"model.qkv_bias=true is for llama-flavoured models; model.flavour="
                 f"'{self.flavour}' has biases on every projection already. Remove "
                 "model.qkv_bias."
+            )
+        if self.attention_window is not None and (
+                isinstance(self.attention_window, bool)
+                or not isinstance(self.attention_window, int) or self.attention_window < 1):
+            raise PartitaError(
+                f"model.attention_window must be a positive number of positions (or unset: "
+                f"no window), got {self.attention_window!r}."
             )
         if self.attention not in KERNELS:
             raise PartitaError(
