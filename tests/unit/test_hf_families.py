@@ -268,3 +268,14 @@ def test_plan_reads_a_hugging_face_folder(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--gpus", "8"]) != 0
     assert "is a folder without config.json; give a Hugging Face model folder" in \
         capsys.readouterr().err
+
+
+def test_plan_of_a_windowed_model_stays_within_its_window(tmp_path, capsys):
+    from partita.cli import main
+
+    folder = hf_models.save_random_llama(tmp_path / "mistral", family="mistral",
+                                         sliding_window=16)
+    assert main(["plan", "--model", str(folder), "--gpus", "2"]) == 0
+    assert "--seq-len 16 (the model's attention window)" in capsys.readouterr().out
+    assert main(["plan", "--model", str(folder), "--gpus", "2", "--seq-len", "32"]) != 0
+    assert "--seq-len 32 exceeds the model's attention window of 16" in capsys.readouterr().err

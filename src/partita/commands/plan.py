@@ -228,7 +228,9 @@ def run(args: argparse.Namespace) -> int:
                             "this CPU; attention=sdpa in --model-shape or the model's table "
                             "for torch's fused kernel)")
     if args.seq_len is None:
-        defaults.append(f"--seq-len {req.seq_len} (the model's max_seq_len)")
+        limit = ("attention window" if req.model.config.attention_window == req.seq_len
+                 else "max_seq_len")
+        defaults.append(f"--seq-len {req.seq_len} (the model's {limit})")
     if cpu_batch:
         defaults.append(f"--global-batch {req.global_batch} (partita train's default)")
     elif args.global_batch is None:

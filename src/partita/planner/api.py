@@ -37,9 +37,15 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     plan_model = resolve_model(model) if isinstance(model, str) else model
     extra = load_gpu_profiles(hardware_file) if hardware_file else None
     gpu = get_gpu(gpu_type, extra) if isinstance(gpu_type, str) else gpu_type
-    seq = seq_len or plan_model.config.max_seq_len
+    # A model with a sliding window trains at sequences up to it (Config.model_config).
+    window = plan_model.config.attention_window
+    seq = seq_len or min(plan_model.config.max_seq_len, window or plan_model.config.max_seq_len)
     if seq < 1 or gpus < 1:
         raise PartitaError("--seq-len and --gpus must be positive.")
+    if window is not None and seq > window:
+        raise PartitaError(f"--seq-len {seq} exceeds the model's attention window of {window} "
+                           "positions, which partita trains at sequences up to; give "
+                           f"--seq-len {window} or less.")
     if seq > plan_model.config.max_seq_len:  # as partita train does (Config.model_config):
         # the model is built for the sequence, GPT-2's learned positions grown to it
         plan_model = dataclasses.replace(
