@@ -95,8 +95,7 @@ def generate(model, prompt_ids: list[int], new_tokens: int, temperature: float =
     sequence: its tokens compete for each expert's places over the sequence."""
     gen = torch.Generator().manual_seed(seed)
     ids, end = list(prompt_ids), len(prompt_ids) + new_tokens
-    limit = min(model.cfg.max_seq_len, model.cfg.attention_window or model.cfg.max_seq_len)
-    vocab = model.cfg.vocab_size
+    limit, vocab = model.cfg.longest_sequence, model.cfg.vocab_size
 
     def pick(logits: torch.Tensor) -> None:
         # Only the real vocabulary: the columns of a padded one (model.vocab_multiple)

@@ -44,6 +44,12 @@ _DENSE_MLP = {"mlp.w_gate": "mlp.gate_proj", "mlp.w_up": "mlp.up_proj",
 _ROUTER = {"mlp.router": "block_sparse_moe.gate"}
 _EXPERTS = {"w_gate": "w1", "w_up": "w3", "w_down": "w2"}
 _EXPERT_NAME = re.compile(r"blocks\.(\d+)\.mlp\.experts\.(w_gate|w_up|w_down)")
+
+
+def _stacked_experts(name: str) -> bool:
+    """Whether partita parameter `name` stacks every expert's projection (one file tensor
+    per expert)."""
+    return _EXPERT_NAME.fullmatch(name) is not None
 _BLOCK = {**_ATTENTION, **_DENSE_MLP, **_ROUTER}
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
@@ -155,7 +161,7 @@ def to_hf_state(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         t = to_hf_rows(tensor, cfg.head_dim) if rotary_permuted(name) else tensor
         if name in VOCAB_ROWS:
             t = t[:cfg.vocab_size]
-        if _EXPERT_NAME.fullmatch(name):  # one tensor per expert
+        if _stacked_experts(name):
             out.update(zip(file_keys(name, cfg), (x.contiguous() for x in t)))
         else:
             out[hf_name(name)] = t.contiguous()
@@ -200,7 +206,7 @@ class HFWeights:
 
     def _check(self) -> None:
         for name, shape in expected_shapes(self.cfg, self.cfg.vocab_size).items():
-            if _EXPERT_NAME.fullmatch(name):  # one file tensor per expert
+            if _stacked_experts(name):
                 shape = shape[1:]
             for key in file_keys(name, self.cfg):
                 self._check_tensor(name, key, shape)
@@ -275,7 +281,7 @@ class HFWeights:
 
     def _rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of parameter `name` in partita's row order (only those read)."""
-        if _EXPERT_NAME.fullmatch(name):
+        if _stacked_experts(name):
             return self._experts(name, lo, hi)
         key = hf_name(name)
         part = self._open(self.files[key]).get_slice(key)
@@ -305,7 +311,7 @@ class HFWeights:
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if dim == 0:
             return self._rows(name, start, stop)
-        if _EXPERT_NAME.fullmatch(name):
+        if _stacked_experts(name):
             return self._experts(name, 0, shape[0], dim, start, stop)
         if name in VOCAB_ROWS:  # every row, with a padded vocabulary's zero rows
             return self._rows(name, 0, shape[0])[:, start:stop]

@@ -152,6 +152,13 @@ class ModelConfig:
         return padded_vocab(self.vocab_size, self.vocab_multiple)
 
     @property
+    def longest_sequence(self) -> int:
+        """The most tokens partita computes this model on as its own: max_seq_len, or the
+        attention window when it is shorter (full attention equals the windowed one only
+        up to it)."""
+        return min(self.max_seq_len, self.attention_window or self.max_seq_len)
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 

@@ -39,7 +39,7 @@ def make_request(model: str | PlanModel, gpus: int, gpu_type: str | GPUSpec = "H
     gpu = get_gpu(gpu_type, extra) if isinstance(gpu_type, str) else gpu_type
     # A model with a sliding window trains at sequences up to it (Config.model_config).
     window = plan_model.config.attention_window
-    seq = seq_len or min(plan_model.config.max_seq_len, window or plan_model.config.max_seq_len)
+    seq = seq_len or plan_model.config.longest_sequence
     if seq < 1 or gpus < 1:
         raise PartitaError("--seq-len and --gpus must be positive.")
     if window is not None and seq > window:
